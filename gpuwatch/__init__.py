@@ -1,0 +1,40 @@
+"""gpuwatch: a uevent-driven, in-memory model of a Linux GPU host.
+
+Scan once (`scan`), answer every probe from memory (`HostModel.probe`), and keep the model
+current from kernel uevents (`open_watcher`). See docs/ for the contracts.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.config import ConfigError, Tables, load_tables
+from gpuwatch.core.results import (
+    DetectVfioResult,
+    GpuInfo,
+    Holder,
+    HostDevicesResult,
+    MemlockResult,
+    PciFunction,
+)
+from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
+from gpuwatch.model import ACTIONS, HostModel, probe, scan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIONS",
+    "ConfigError",
+    "DetectVfioResult",
+    "DeviceNotFound",
+    "GpuInfo",
+    "GpuwatchError",
+    "Holder",
+    "HostDevicesResult",
+    "HostModel",
+    "MemlockResult",
+    "PciFunction",
+    "Tables",
+    "UsageError",
+    "load_tables",
+    "probe",
+    "scan",
+]

@@ -1,0 +1,1 @@
+"""The ``gpuwatch`` command line: one module per subcommand, wired up in `main`."""

@@ -1,0 +1,75 @@
+"""Entry point of the ``gpuwatch`` command: parse, dispatch, and map errors to exit codes.
+
+Nothing escapes as a traceback: every error becomes one line on stderr and a documented
+exit code (docs/cli.md). ``GPUWATCH_DEBUG=1`` shows the traceback of an unexpected error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, UsageProblem, fail
+from gpuwatch.config import ConfigError
+from gpuwatch.errors import GpuwatchError, UsageError
+
+#: Subcommand modules, in the order ``gpuwatch --help`` lists them.
+SUBCOMMANDS = (
+    "probe_cmd",
+    "status_cmd",
+    "list_cmd",
+)
+
+
+def _pending() -> tuple[str, ...]:
+    # TEMPORARY while sibling modules land: register those that exist.
+    import importlib.util
+
+    return tuple(n for n in ("events_cmd", "record_cmd")
+                 if importlib.util.find_spec(f"gpuwatch.cli.{n}") is not None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="gpuwatch",
+        description="Watch a Linux GPU host: probes from memory, change events, safe driver switching.",
+    )
+    from gpuwatch import __version__
+
+    parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    subparsers.required = True
+    for name in SUBCOMMANDS + _pending():
+        module = importlib.import_module(f"gpuwatch.cli.{name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except (UsageError, UsageProblem, ConfigError) as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except GpuwatchError as exc:
+        return fail(str(exc), EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``); nothing more to say to it.
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        except OSError:
+            pass
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the promise is "never a traceback"
+        if os.environ.get("GPUWATCH_DEBUG"):
+            traceback.print_exc()
+        return fail(f"internal error: {type(exc).__name__}: {exc} (GPUWATCH_DEBUG=1 shows more)",
+                    EXIT_FAILURE)

@@ -1,0 +1,35 @@
+"""``gpuwatch probe ACTION``: one probe answer as ``{"action", "result"}`` JSON on stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.jsonout import dumps
+from gpuwatch.model import ACTIONS, check_params, probe, scan
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("probe", help="answer one probe action as JSON",
+                              description="Answer one probe action as JSON (docs/probes.md).")
+    p.add_argument("action", metavar="ACTION", help="one of: " + ", ".join(ACTIONS))
+    add_root_args(p)
+    p.add_argument("--group", type=int, metavar="N", help="IOMMU group (vfio-group-accessible)")
+    p.add_argument("--addr", metavar="ADDR", help="PCI address DDDD:BB:DD.F")
+    p.add_argument("--mode", metavar="MODE", help="vfio or nvidia (group-in-mode)")
+    p.add_argument("--fresh", action="store_true",
+                   help="scan anew for this answer instead of answering from the model")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validate before touching the host: a bad request is exit 2 even on a broken root.
+    check_params(args.action, args.group, args.addr, args.mode)
+    check_root(args.root)
+    kwargs = {"group": args.group, "addr": args.addr, "mode": args.mode}
+    if args.fresh:
+        result = probe(args.action, args.root, args.config, **kwargs)
+    else:
+        result = scan(args.root, args.config).probe(args.action, **kwargs)
+    print(dumps({"action": args.action, "result": result}))
+    return EXIT_OK

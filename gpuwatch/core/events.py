@@ -1,0 +1,165 @@
+"""Change events: what the model, the watcher and the switch publish (docs/events.md).
+
+The model returns these with ``seq=0`` and ``time=""``; the publisher stamps both when it
+hands them out, so the pure core needs no clock and numbering is the log's business.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from gpuwatch.core.results import PciFunction
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
+
+    seq: int = 0
+    time: str = ""
+
+
+class Ready(_Event):
+    type: Literal["ready"] = "ready"
+    devices: int
+    source: str
+
+
+class DeviceAdded(_Event):
+    type: Literal["device-added"] = "device-added"
+    addr: str
+    device: PciFunction
+
+
+class DeviceRemoved(_Event):
+    type: Literal["device-removed"] = "device-removed"
+    addr: str
+    device: PciFunction
+
+
+class DriverChanged(_Event):
+    type: Literal["driver-changed"] = "driver-changed"
+    addr: str
+    old: str
+    new: str
+
+
+class IommuGroupChanged(_Event):
+    type: Literal["iommu-group-changed"] = "iommu-group-changed"
+    addr: str
+    old: int
+    new: int
+
+
+class NodeAdded(_Event):
+    type: Literal["node-added"] = "node-added"
+    path: str
+
+
+class NodeRemoved(_Event):
+    type: Literal["node-removed"] = "node-removed"
+    path: str
+
+
+class ProbeChanged(_Event):
+    type: Literal["probe-changed"] = "probe-changed"
+    action: str
+    old: Any
+    new: Any
+
+
+class Resync(_Event):
+    type: Literal["resync"] = "resync"
+    reason: Literal["overflow", "reconcile"]
+    changes: int
+
+
+class SwitchMember(BaseModel):
+    addr: str
+    driver: str
+
+
+class Holding(BaseModel):
+    """A process that keeps a device node of the group open, so the switch must not unbind."""
+
+    pid: int
+    comm: str
+    node: str
+
+
+class SwitchStarted(_Event):
+    type: Literal["switch-started"] = "switch-started"
+    addr: str
+    group: int
+    from_mode: str
+    to_mode: str
+    members: list[str]
+
+
+class SwitchCompleted(_Event):
+    type: Literal["switch-completed"] = "switch-completed"
+    addr: str
+    group: int
+    from_mode: str
+    to_mode: str
+    members: list[SwitchMember]
+    duration_ms: float
+
+
+class SwitchRefused(_Event):
+    type: Literal["switch-refused"] = "switch-refused"
+    addr: str
+    group: int
+    to_mode: str
+    reason: str
+    holders: list[Holding]
+
+
+class SwitchFailed(_Event):
+    type: Literal["switch-failed"] = "switch-failed"
+    addr: str
+    group: int
+    to_mode: str
+    error: str
+    wedged: bool
+
+
+Event = Annotated[
+    Ready
+    | DeviceAdded
+    | DeviceRemoved
+    | DriverChanged
+    | IommuGroupChanged
+    | NodeAdded
+    | NodeRemoved
+    | ProbeChanged
+    | Resync
+    | SwitchStarted
+    | SwitchCompleted
+    | SwitchRefused
+    | SwitchFailed,
+    Field(discriminator="type"),
+]
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+EVENT_TYPES: frozenset[str] = frozenset(
+    m.model_fields["type"].default
+    for m in (
+        Ready, DeviceAdded, DeviceRemoved, DriverChanged, IommuGroupChanged, NodeAdded,
+        NodeRemoved, ProbeChanged, Resync, SwitchStarted, SwitchCompleted, SwitchRefused,
+        SwitchFailed,
+    )
+)
+
+
+def parse_event(data: str | bytes | dict[str, Any]) -> Event:
+    """A log line or decoded object back into its typed event (validates at the edge)."""
+    if isinstance(data, dict):
+        return EVENT_ADAPTER.validate_python(data)
+    return EVENT_ADAPTER.validate_json(data)
+
+
+def event_json(event: BaseModel) -> str:
+    """One compact JSON line, field order as declared (seq, time, type, …)."""
+    return event.model_dump_json()

@@ -1,0 +1,35 @@
+"""AMD KFD topology: the gfx target version that ROCm images are chosen by."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def parse_gfx_target_version(properties: str) -> int:
+    """The ``gfx_target_version`` value of a KFD node's properties file; 0 when absent or garbage."""
+    for line in properties.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "gfx_target_version":
+            try:
+                return max(int(parts[1]), 0)
+            except ValueError:
+                return 0
+    return 0
+
+
+def format_gfx_version(value: int) -> str:
+    """100306 → ``"10.3.0"``: major and minor only, as ROCm's HSA_OVERRIDE_GFX_VERSION wants."""
+    if value <= 0:
+        return ""
+    return f"{value // 10000}.{value % 10000 // 100}.0"
+
+
+def first_gfx_version(nodes: Iterable[tuple[int, int]]) -> str:
+    """The first non-zero version over ``(node_id, version)`` pairs in numeric node order.
+
+    CPU nodes report 0, so the first GPU node wins; node 10 sorts after node 2.
+    """
+    for _node, version in sorted(nodes):
+        if version:
+            return format_gfx_version(version)
+    return ""

@@ -1,0 +1,124 @@
+"""What the I/O edge read from the tree, handed to the pure model.
+
+The model never reads sysfs itself (h11 style): the reader turns a uevent into one or more
+observations of what is there *now*, and `HostState.apply` turns observations into changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PciSeen:
+    """A PCI function as read from its sysfs directory. Unreadable fields are ``""`` / -1."""
+
+    addr: str
+    devpath: str
+    vendor_id: str
+    device_id: str
+    klass: str
+    driver: str
+    iommu_group: int
+
+
+@dataclass(frozen=True, slots=True)
+class PciGone:
+    """The function's directory is gone (removed, or vanished between event and read)."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class DrmSeen:
+    """A DRM node (``card0``, ``renderD128``) and what its ``device`` link leads to."""
+
+    name: str
+    devpath: str
+    device_addr: str  # PCI address of the parent device, "" when not a PCI function
+    device_vendor: str
+    device_driver: str
+
+
+@dataclass(frozen=True, slots=True)
+class DrmGone:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSeen:
+    """Whether ``sys/module/<name>`` exists."""
+
+    name: str
+    loaded: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KfdSeen:
+    """Every KFD topology node as ``(node_id, gfx_target_version)``; 0 for CPU or garbage."""
+
+    nodes: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStat:
+    """Owner and mode of a device node: enough to answer access questions from memory."""
+
+    mode: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    """A host device path (``/dev/kvm``) and its stat, or ``stat=None`` when it is absent."""
+
+    path: str
+    stat: NodeStat | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodesSeen:
+    """The complete set of watched device nodes, after a glob of every pattern."""
+
+    nodes: tuple[tuple[str, NodeStat], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CdiSeen:
+    etc_spec: bool
+    var_spec: bool
+    ctk_on_path: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IommuSeen:
+    enabled: bool
+    kind: str
+
+
+Observation = (
+    PciSeen
+    | PciGone
+    | DrmSeen
+    | DrmGone
+    | ModuleSeen
+    | KfdSeen
+    | NodeSeen
+    | NodesSeen
+    | CdiSeen
+    | IommuSeen
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one full scan saw: the input of the initial model and of every resync."""
+
+    functions: tuple[PciSeen, ...]
+    drm: tuple[DrmSeen, ...]
+    modules: frozenset[str]
+    kfd: KfdSeen
+    nodes: NodesSeen
+    cdi: CdiSeen
+    iommu: IommuSeen

@@ -1,0 +1,413 @@
+"""The host model: every state transition of gpuwatch lives in this file.
+
+`HostState` is fed observations (what the I/O edge read after a uevent, or a whole scan)
+and returns the change events they caused. It never awaits, never reads the filesystem and
+never looks at a clock, so every rule here is testable with plain data.
+
+Incrementality is the point: an observation of one function touches that function, its old
+and new IOMMU group, and only the cached answers that depend on them. Probe answers are
+built once after a change and then handed out as the same frozen object until the next
+change that concerns them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from gpuwatch.config import Tables
+from gpuwatch.core.events import (
+    DeviceAdded,
+    DeviceRemoved,
+    DriverChanged,
+    IommuGroupChanged,
+    NodeAdded,
+    NodeRemoved,
+    ProbeChanged,
+)
+from gpuwatch.core.kfd import first_gfx_version
+from gpuwatch.core.observations import (
+    CdiSeen,
+    DrmGone,
+    DrmSeen,
+    IommuSeen,
+    KfdSeen,
+    ModuleSeen,
+    NodeSeen,
+    NodesSeen,
+    NodeStat,
+    Observation,
+    PciGone,
+    PciSeen,
+    Snapshot,
+)
+from gpuwatch.core.pci import is_gpu_class
+from gpuwatch.core.results import DetectVfioResult, GpuInfo, HostDevicesResult, PciFunction
+
+#: Cached answers whose changes are published as ``probe-changed`` events.
+WATCHED_PROBES = ("detect-gpu", "detect-amd-gpu", "amd-gfx-version", "detect-vfio", "detect-host-devices")
+
+_VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
+_RENDER_PREFIX = "/dev/dri/renderD"
+
+
+class HostState:
+    """The in-memory model of one host. Build it from a `Snapshot`, then `apply` changes."""
+
+    def __init__(self, tables: Tables, snapshot: Snapshot | None = None) -> None:
+        self.tables = tables
+        self._gpu_vendor_ids = frozenset(tables.gpu_vendors)
+        self._patterns = tables.device_patterns
+        self.functions: dict[str, PciFunction] = {}
+        self.devpaths: dict[str, str] = {}
+        self.groups: dict[int, set[str]] = {}
+        self._gpu_addrs: list[str] = []  # sorted
+        self._gpu_info: dict[str, GpuInfo] = {}  # cache; an absent GPU entry is stale
+        self.drm: dict[str, DrmSeen] = {}
+        self._drm_by_addr: dict[str, set[str]] = {}
+        self._amd_cards: set[str] = set()
+        self.kfd = KfdSeen(nodes=())
+        self.modules: set[str] = set()
+        self.nodes: dict[str, NodeStat] = {}
+        self.cdi = CdiSeen(etc_spec=False, var_spec=False, ctk_on_path=False)
+        self.iommu = IommuSeen(enabled=False, kind="")
+        self._stale: set[str] = set(WATCHED_PROBES)
+        self._devices: tuple[str, ...] | None = None
+        self._render_node: str | None = None
+        self._answers: dict[str, Any] = {}
+        if snapshot is not None:
+            self.apply_snapshot(snapshot)
+        self._refresh_answers()
+
+    # ------------------------------------------------------------------ transitions
+
+    def apply(self, observations: Observation | Sequence[Observation]) -> list[BaseModel]:
+        """Fold observations into the model; return the change events, probe changes last.
+
+        ``probe-changed`` compares the answers before and after the whole batch, so a burst
+        of uevents drained together reports one change per answer, not every midway state.
+        """
+        batch: Iterable[Observation] = (
+            observations if isinstance(observations, Sequence) else (observations,)
+        )
+        events: list[BaseModel] = []
+        for obs in batch:
+            self._apply_one(obs, events)
+        events.extend(self._refresh_answers())
+        return events
+
+    def apply_snapshot(self, snapshot: Snapshot) -> list[BaseModel]:
+        """Diff a full scan against the model (initial build, overflow resync, reconcile).
+
+        Everything the scan did not see is gone; everything it saw is applied as if a
+        uevent had named it. Unchanged parts emit nothing.
+        """
+        obs: list[Observation] = list(snapshot.functions)
+        seen = {f.addr for f in snapshot.functions}
+        obs.extend(PciGone(addr) for addr in self.functions if addr not in seen)
+        seen_drm = {d.name for d in snapshot.drm}
+        obs.extend(DrmGone(name) for name in self.drm if name not in seen_drm)
+        obs.extend(snapshot.drm)
+        names = self.modules | snapshot.modules
+        obs.extend(ModuleSeen(name, name in snapshot.modules) for name in sorted(names))
+        obs.extend((snapshot.kfd, snapshot.nodes, snapshot.cdi, snapshot.iommu))
+        return self.apply(obs)
+
+    def _apply_one(self, obs: Observation, events: list[BaseModel]) -> None:
+        if isinstance(obs, PciSeen):
+            self._pci_seen(obs, events)
+        elif isinstance(obs, PciGone):
+            self._pci_gone(obs.addr, events)
+        elif isinstance(obs, DrmSeen):
+            self._drm_seen(obs)
+        elif isinstance(obs, DrmGone):
+            self._drm_gone(obs.name)
+        elif isinstance(obs, ModuleSeen):
+            self._module_seen(obs)
+        elif isinstance(obs, KfdSeen):
+            if obs != self.kfd:
+                self.kfd = obs
+                self._stale.update(("amd-gfx-version", "detect-host-devices"))
+        elif isinstance(obs, NodeSeen):
+            self._node_seen(obs.path, obs.stat, events)
+        elif isinstance(obs, NodesSeen):
+            present = dict(obs.nodes)
+            for path in sorted(set(self.nodes) - set(present)):
+                self._node_seen(path, None, events)
+            for path, stat in sorted(present.items()):
+                self._node_seen(path, stat, events)
+        elif isinstance(obs, CdiSeen):
+            if obs != self.cdi:
+                self.cdi = obs
+                self._stale.update(("detect-gpu", "detect-host-devices"))
+        elif isinstance(obs, IommuSeen):
+            if obs != self.iommu:
+                self.iommu = obs
+                self._stale.add("detect-vfio")
+
+    def _pci_seen(self, seen: PciSeen, events: list[BaseModel]) -> None:
+        new = PciFunction(
+            addr=seen.addr,
+            vendor_id=seen.vendor_id,
+            device_id=seen.device_id,
+            class_=seen.klass,
+            class_label=self.tables.class_label(seen.klass) if seen.klass else "",
+            driver=seen.driver,
+            iommu_group=seen.iommu_group,
+        )
+        old = self.functions.get(seen.addr)
+        self.devpaths[seen.addr] = seen.devpath
+        if old == new:
+            return
+        if old is not None and (
+            old.vendor_id != new.vendor_id or old.device_id != new.device_id or old.class_ != new.class_
+        ):
+            # Another card in the same slot: report it as the swap it is.
+            self._pci_gone(seen.addr, events)
+            old = None
+            self.devpaths[seen.addr] = seen.devpath
+        self._store_function(old, new)
+        if old is None:
+            events.append(DeviceAdded(addr=new.addr, device=new))
+            return
+        if old.driver != new.driver:
+            events.append(DriverChanged(addr=new.addr, old=old.driver, new=new.driver))
+        if old.iommu_group != new.iommu_group:
+            events.append(IommuGroupChanged(addr=new.addr, old=old.iommu_group, new=new.iommu_group))
+
+    def _pci_gone(self, addr: str, events: list[BaseModel]) -> None:
+        old = self.functions.get(addr)
+        if old is None:
+            return
+        self._store_function(old, None)
+        self.devpaths.pop(addr, None)
+        for name in sorted(self._drm_by_addr.get(addr, ())):
+            self._drm_gone(name)
+        events.append(DeviceRemoved(addr=addr, device=old))
+
+    def _store_function(self, old: PciFunction | None, new: PciFunction | None) -> None:
+        """Swap one function's record and invalidate exactly what depends on it."""
+        fn = new or old
+        assert fn is not None
+        addr = fn.addr
+        touched_groups = {f.iommu_group for f in (old, new) if f is not None and f.iommu_group >= 0}
+        if old is not None and old.iommu_group >= 0:
+            members = self.groups.get(old.iommu_group)
+            if members is not None:
+                members.discard(addr)
+                if not members:
+                    del self.groups[old.iommu_group]
+        if new is None:
+            del self.functions[addr]
+        else:
+            self.functions[addr] = new
+            if new.iommu_group >= 0:
+                self.groups.setdefault(new.iommu_group, set()).add(addr)
+        was_gpu = old is not None and is_gpu_class(old.class_)
+        is_gpu = new is not None and is_gpu_class(new.class_)
+        if was_gpu and not is_gpu:
+            self._gpu_addrs.remove(addr)
+        elif is_gpu and not was_gpu:
+            bisect.insort(self._gpu_addrs, addr)
+        vfio_stale = was_gpu or is_gpu
+        self._gpu_info.pop(addr, None)
+        for group in touched_groups:
+            for member in self.groups.get(group, ()):
+                if member in self._gpu_info:
+                    del self._gpu_info[member]
+                    vfio_stale = True
+                elif member in self.functions and is_gpu_class(self.functions[member].class_):
+                    vfio_stale = True
+        if vfio_stale:
+            self._stale.add("detect-vfio")
+        if addr in self._drm_by_addr:
+            for name in self._drm_by_addr[addr]:
+                self._classify_card(name)
+
+    def _drm_seen(self, seen: DrmSeen) -> None:
+        old = self.drm.get(seen.name)
+        if old == seen:
+            return
+        if old is not None:
+            self._drm_gone(seen.name)
+        self.drm[seen.name] = seen
+        if seen.device_addr:
+            self._drm_by_addr.setdefault(seen.device_addr, set()).add(seen.name)
+        self._classify_card(seen.name)
+        if seen.name.startswith("renderD"):
+            self._render_node = None
+            self._stale.add("detect-host-devices")
+
+    def _drm_gone(self, name: str) -> None:
+        old = self.drm.pop(name, None)
+        if old is None:
+            return
+        if old.device_addr:
+            names = self._drm_by_addr.get(old.device_addr)
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self._drm_by_addr[old.device_addr]
+        self._classify_card(name)
+        if name.startswith("renderD"):
+            self._render_node = None
+            self._stale.add("detect-host-devices")
+
+    def _classify_card(self, name: str) -> None:
+        """Keep the set of cards driven by amdgpu current, so detect-amd-gpu is O(1)."""
+        node = self.drm.get(name)
+        is_amd = False
+        if node is not None and name.startswith("card") and name[4:].isdigit():
+            fn = self.functions.get(node.device_addr) if node.device_addr else None
+            driver = fn.driver if fn is not None else node.device_driver
+            is_amd = driver == "amdgpu"
+        if is_amd != (name in self._amd_cards):
+            if is_amd:
+                self._amd_cards.add(name)
+            else:
+                self._amd_cards.discard(name)
+            self._stale.update(("detect-amd-gpu", "detect-host-devices"))
+
+    def _module_seen(self, seen: ModuleSeen) -> None:
+        if seen.loaded == (seen.name in self.modules):
+            return
+        if seen.loaded:
+            self.modules.add(seen.name)
+        else:
+            self.modules.discard(seen.name)
+        if seen.name == "nvidia":
+            self._stale.update(("detect-gpu", "detect-host-devices"))
+
+    def _node_seen(self, path: str, stat: NodeStat | None, events: list[BaseModel]) -> None:
+        if not self.is_watched_node(path):
+            return
+        old = self.nodes.get(path)
+        if stat is None:
+            if old is None:
+                return
+            del self.nodes[path]
+            events.append(NodeRemoved(path=path))
+        else:
+            self.nodes[path] = stat
+            if old is not None:
+                return  # a mode change is not a new node; the access answer reads the new stat
+            events.append(NodeAdded(path=path))
+        if not _VFIO_NODE_RE.match(path):
+            self._devices = None
+            if path.startswith(_RENDER_PREFIX):
+                self._render_node = None
+            self._stale.add("detect-host-devices")
+
+    def is_watched_node(self, path: str) -> bool:
+        """A device path gpuwatch reports: one matching ``device_patterns``, or a vfio group."""
+        if _VFIO_NODE_RE.match(path):
+            return True
+        return any(fnmatch.fnmatchcase(path, p) for p in self._patterns)
+
+    # ------------------------------------------------------------------ answers
+
+    def _refresh_answers(self) -> list[BaseModel]:
+        """Rebuild the stale watched answers; report those whose value really changed."""
+        changes: list[BaseModel] = []
+        if not self._stale:
+            return changes
+        stale, self._stale = self._stale, set()
+        # detect-host-devices embeds the others, so it is rebuilt last.
+        for action in WATCHED_PROBES:
+            if action not in stale:
+                continue
+            new = self._compute(action)
+            old = self._answers.get(action, _MISSING)
+            if old is _MISSING or old != new:
+                self._answers[action] = new
+                if old is not _MISSING:
+                    changes.append(ProbeChanged(action=action, old=old, new=new))
+        return changes
+
+    def _compute(self, action: str) -> Any:
+        if action == "detect-gpu":
+            cdi = self.cdi
+            return "nvidia" in self.modules and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
+        if action == "detect-amd-gpu":
+            return bool(self._amd_cards)
+        if action == "amd-gfx-version":
+            return first_gfx_version(self.kfd.nodes)
+        if action == "detect-vfio":
+            return DetectVfioResult.model_construct(
+                iommu_enabled=self.iommu.enabled,
+                iommu_kind=self.iommu.kind,
+                gpus=tuple(self._gpu(addr) for addr in self._gpu_addrs),
+            )
+        if action == "detect-host-devices":
+            amd = bool(self._amd_cards)
+            return HostDevicesResult.model_construct(
+                gpu=self._answers["detect-gpu"],
+                amd_gpu=amd,
+                amd_gfx_version=self._answers["amd-gfx-version"] if amd else "",
+                devices=self.devices(),
+                render_node=self.render_node(),
+            )
+        raise KeyError(action)
+
+    def _gpu(self, addr: str) -> GpuInfo:
+        info = self._gpu_info.get(addr)
+        if info is None:
+            fn = self.functions[addr]
+            info = GpuInfo.model_construct(
+                **{name: getattr(fn, name) for name in PciFunction.model_fields},
+                group_members=self.group_members(addr),
+            )
+            self._gpu_info[addr] = info
+        return info
+
+    def answer(self, action: str) -> Any:
+        """The cached answer of a watched probe: the same object until it changes."""
+        return self._answers[action]
+
+    def devices(self) -> tuple[str, ...]:
+        """Present device paths in pattern order, sorted within a pattern."""
+        if self._devices is None:
+            present = [p for p in self.nodes if not _VFIO_NODE_RE.match(p)]
+            ordered: list[str] = []
+            taken: set[str] = set()
+            for pattern in self._patterns:
+                hits = sorted(p for p in present if p not in taken and fnmatch.fnmatchcase(p, pattern))
+                ordered.extend(hits)
+                taken.update(hits)
+            self._devices = tuple(ordered)
+        return self._devices
+
+    def render_node(self) -> str:
+        """The first render node whose device is a known GPU vendor, else the first one."""
+        if self._render_node is None:
+            renders = [p for p in self.devices() if p.startswith(_RENDER_PREFIX)]
+            choice = renders[0] if renders else ""
+            for path in renders:
+                node = self.drm.get(path.rsplit("/", 1)[1])
+                if node is not None and node.device_vendor in self._gpu_vendor_ids:
+                    choice = path
+                    break
+            self._render_node = choice
+        return self._render_node
+
+    def group_members(self, addr: str) -> tuple[PciFunction, ...]:
+        """Every function of ``addr``'s IOMMU group, sorted by address (itself alone if none)."""
+        fn = self.functions[addr]
+        if fn.iommu_group < 0:
+            return (fn,)
+        return tuple(self.functions[a] for a in sorted(self.groups.get(fn.iommu_group, (addr,))))
+
+    def gpu_addrs(self) -> Sequence[str]:
+        return tuple(self._gpu_addrs)
+
+
+class _Missing:
+    pass
+
+
+_MISSING: Any = _Missing()

@@ -1,0 +1,278 @@
+"""Reading the tree into observations: one device after a uevent, or the whole host.
+
+`observe` is the per-event edge (reads only the device the uevent names, so an event's cost
+does not grow with the host) and `scan` the full one (initial model, resync, reconcile).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import stat as stat_mod
+
+from gpuwatch.config import Tables
+from gpuwatch.core.observations import (
+    CdiSeen,
+    DrmGone,
+    DrmSeen,
+    IommuSeen,
+    KfdSeen,
+    ModuleSeen,
+    NodeSeen,
+    NodesSeen,
+    NodeStat,
+    Observation,
+    PciGone,
+    PciSeen,
+    Snapshot,
+)
+from gpuwatch.core.kfd import parse_gfx_target_version
+from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
+
+_DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
+CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
+
+
+class HostPaths:
+    """Absolute paths under one root, computed once (string ops are the hot path here)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.sys = os.path.join(self.root, "sys")
+        self.bus_pci = os.path.join(self.sys, "bus/pci/devices")
+        self.class_drm = os.path.join(self.sys, "class/drm")
+        self.module = os.path.join(self.sys, "module")
+        self.kfd_nodes = os.path.join(self.sys, "class/kfd/kfd/topology/nodes")
+        self.iommu_groups = os.path.join(self.sys, "kernel/iommu_groups")
+        self.class_iommu = os.path.join(self.sys, "class/iommu")
+        self.dev = os.path.join(self.root, "dev")
+        self.cmdline = os.path.join(self.root, "proc/cmdline")
+
+    def under(self, host_path: str) -> str:
+        """``/dev/kvm`` → ``<root>/dev/kvm``."""
+        return os.path.join(self.root, host_path.lstrip("/"))
+
+
+# --------------------------------------------------------------------------- PCI
+
+
+def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> PciSeen | PciGone:
+    """Read one PCI function. Tries the uevent's DEVPATH, then the bus entry (flat layouts)."""
+    directory = ""
+    if devpath:
+        candidate = paths.sys + devpath
+        if os.path.isdir(candidate):
+            directory = candidate
+    if not directory:
+        bus_entry = os.path.join(paths.bus_pci, addr)
+        if not os.path.isdir(bus_entry):
+            return PciGone(addr)
+        directory = bus_entry
+        devpath = _devpath_of_bus_entry(paths, addr)
+    seen = _read_function_dir(directory, addr, devpath or "")
+    if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
+        return PciGone(addr)  # vanished while we read it
+    return seen
+
+
+def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+    return PciSeen(
+        addr=addr,
+        devpath=devpath,
+        vendor_id=read_attr(directory + "/vendor"),
+        device_id=read_attr(directory + "/device"),
+        klass=class_prefix(read_attr(directory + "/class")),
+        driver=link_name(directory + "/driver"),
+        iommu_group=parse_group(link_name(directory + "/iommu_group")),
+    )
+
+
+def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
+    """``/devices/pci0000:00/…/<addr>`` from the bus symlink; the bus path itself when flat."""
+    entry = os.path.join(paths.bus_pci, addr)
+    try:
+        target = os.readlink(entry)
+    except OSError:
+        return "/bus/pci/devices/" + addr
+    resolved = os.path.normpath(os.path.join(paths.bus_pci, target))
+    if resolved.startswith(paths.sys + "/"):
+        return resolved[len(paths.sys):]
+    return "/bus/pci/devices/" + addr
+
+
+def scan_functions(paths: HostPaths) -> list[PciSeen]:
+    """Every PCI function listed in ``sys/bus/pci/devices``; non-address entries ignored."""
+    found: list[PciSeen] = []
+    for name in sorted(list_dir(paths.bus_pci)):
+        if not is_pci_addr(name):
+            continue
+        entry = os.path.join(paths.bus_pci, name)
+        if not os.path.isdir(entry):
+            continue  # dangling link: the function went away under us
+        found.append(_read_function_dir(entry, name, _devpath_of_bus_entry(paths, name)))
+    return found
+
+
+# --------------------------------------------------------------------------- DRM
+
+
+def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen | DrmGone:
+    directory = ""
+    if devpath and os.path.isdir(paths.sys + devpath):
+        directory = paths.sys + devpath
+    else:
+        entry = os.path.join(paths.class_drm, name)
+        if os.path.isdir(entry):
+            directory = entry
+            devpath = _class_devpath(paths, entry)
+    if not directory:
+        return DrmGone(name)
+    device = directory + "/device"
+    device_name = link_name(device)
+    return DrmSeen(
+        name=name,
+        devpath=devpath or "",
+        device_addr=device_name if is_pci_addr(device_name) else "",
+        device_vendor=read_attr(device + "/vendor") if device_name else "",
+        device_driver=link_name(device + "/driver") if device_name else "",
+    )
+
+
+def _class_devpath(paths: HostPaths, entry: str) -> str:
+    try:
+        target = os.readlink(entry)
+    except OSError:
+        return ""
+    resolved = os.path.normpath(os.path.join(os.path.dirname(entry), target))
+    return resolved[len(paths.sys):] if resolved.startswith(paths.sys + "/") else ""
+
+
+def scan_drm(paths: HostPaths) -> list[DrmSeen]:
+    found: list[DrmSeen] = []
+    for name in sorted(list_dir(paths.class_drm)):
+        if _DRM_NODE_RE.match(name):
+            seen = read_drm(paths, name)
+            if isinstance(seen, DrmSeen):
+                found.append(seen)
+    return found
+
+
+# --------------------------------------------------------------------------- KFD, modules, IOMMU
+
+
+def read_kfd(paths: HostPaths) -> KfdSeen:
+    nodes: list[tuple[int, int]] = []
+    for name in list_dir(paths.kfd_nodes):
+        if name.isascii() and name.isdigit():
+            text = read_text(os.path.join(paths.kfd_nodes, name, "properties"))
+            nodes.append((int(name), parse_gfx_target_version(text or "")))
+    return KfdSeen(nodes=tuple(sorted(nodes)))
+
+
+def read_modules(paths: HostPaths) -> frozenset[str]:
+    return frozenset(list_dir(paths.module))
+
+
+def read_iommu(paths: HostPaths) -> IommuSeen:
+    enabled = bool(list_dir(paths.iommu_groups))
+    return IommuSeen(enabled=enabled, kind=iommu_kind(list_dir(paths.class_iommu), read_attr(paths.cmdline)))
+
+
+def iommu_kind(units: list[str], cmdline: str) -> str:
+    """Hardware units first (what the kernel really drives), then what was asked on the cmdline."""
+    for unit in sorted(units):
+        if unit.startswith("dmar"):
+            return "intel"
+        if unit.startswith("ivhd"):
+            return "amd"
+        if "smmu" in unit:
+            return "arm"
+    tokens = cmdline.split()
+    if "intel_iommu=on" in tokens:
+        return "intel"
+    if "amd_iommu=on" in tokens:
+        return "amd"
+    return ""
+
+
+# --------------------------------------------------------------------------- /dev and CDI
+
+
+def node_stat(paths: HostPaths, host_path: str) -> NodeStat | None:
+    try:
+        st = os.stat(paths.under(host_path))
+    except (OSError, ValueError):
+        return None
+    return NodeStat(mode=stat_mod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
+
+
+def scan_nodes(paths: HostPaths, tables: Tables) -> NodesSeen:
+    """Every device path matching a pattern, plus ``/dev/vfio/<N>`` group nodes."""
+    found: dict[str, NodeStat] = {}
+    escaped_root = glob.escape(paths.root)
+    for pattern in tables.device_patterns:
+        for hit in glob.glob(escaped_root + pattern):
+            host_path = hit[len(paths.root):]
+            st = node_stat(paths, host_path)
+            if st is not None:
+                found[host_path] = st
+    for name in list_dir(os.path.join(paths.dev, "vfio")):
+        if name.isascii() and name.isdigit():
+            st = node_stat(paths, "/dev/vfio/" + name)
+            if st is not None:
+                found["/dev/vfio/" + name] = st
+    return NodesSeen(nodes=tuple(sorted(found.items())))
+
+
+def read_cdi(paths: HostPaths) -> CdiSeen:
+    """CDI is reachable when a spec exists or ``nvidia-ctk`` (which can make one) is on PATH."""
+    return CdiSeen(
+        etc_spec=os.path.exists(os.path.join(paths.root, CDI_SPECS[0])),
+        var_spec=os.path.exists(os.path.join(paths.root, CDI_SPECS[1])),
+        ctk_on_path=shutil.which("nvidia-ctk") is not None,
+    )
+
+
+# --------------------------------------------------------------------------- whole host, one event
+
+
+def scan(paths: HostPaths, tables: Tables) -> Snapshot:
+    return Snapshot(
+        functions=tuple(scan_functions(paths)),
+        drm=tuple(scan_drm(paths)),
+        modules=read_modules(paths),
+        kfd=read_kfd(paths),
+        nodes=scan_nodes(paths, tables),
+        cdi=read_cdi(paths),
+        iommu=read_iommu(paths),
+    )
+
+
+def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation]:
+    """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint."""
+    name = event.devpath.rsplit("/", 1)[-1]
+    subsystem = event.subsystem
+    out: list[Observation] = []
+    if subsystem == "pci":
+        addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
+        if is_pci_addr(addr):
+            out.append(read_function(paths, addr, event.devpath))
+    elif subsystem == "drm":
+        if _DRM_NODE_RE.match(name):
+            out.append(read_drm(paths, name, event.devpath))
+    elif subsystem == "module":
+        if name:
+            out.append(ModuleSeen(name, os.path.isdir(os.path.join(paths.module, name))))
+            # Loading kvm, fuse, tun… creates misc nodes that send no event we follow.
+            out.append(scan_nodes(paths, tables))
+    elif subsystem == "kfd":
+        out.append(read_kfd(paths))
+    devname = event.get("DEVNAME")
+    if devname:
+        host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
+        out.append(NodeSeen(host_path, node_stat(paths, host_path)))
+    return out

@@ -1,0 +1,164 @@
+"""`HostModel`: the probe contract answered from a `HostState` (docs/probes.md).
+
+The state is pure; this facade adds the root it was read from and the two live probes
+(``memlock``, ``nvidia-holders``) that no uevent can keep current.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatch.config import Tables, load_tables
+from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode
+from gpuwatch.core.observations import NodeStat
+from gpuwatch.core.pci import normalize_addr
+from gpuwatch.core.results import PciFunction
+from gpuwatch.core.state import WATCHED_PROBES, HostState
+from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.hostfs import procfs
+from gpuwatch.hostfs.scan import HostPaths, scan as scan_tree
+
+#: Every probe action, with the parameters it requires.
+ACTIONS: dict[str, tuple[str, ...]] = {
+    "detect-vfio": (),
+    "detect-gpu": (),
+    "detect-amd-gpu": (),
+    "amd-gfx-version": (),
+    "detect-host-devices": (),
+    "memlock": (),
+    "vfio-group-accessible": ("group",),
+    "nvidia-holders": (),
+    "display-driver": ("addr",),
+    "current-mode": ("addr",),
+    "group-in-mode": ("addr", "mode"),
+}
+
+
+def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
+    """What open(O_RDWR) would decide, from the node's owner and mode (root always may)."""
+    if uid == 0:
+        return True
+    if stat.uid == uid:
+        bits = stat.mode >> 6
+    elif stat.gid in gids:
+        bits = stat.mode >> 3
+    else:
+        bits = stat.mode
+    return bits & 0o6 == 0o6
+
+
+def check_params(action: str, group: int | None, addr: str | None, mode: str | None) -> str | None:
+    """Validate a probe request; return the normalised address. Raises `UsageError`."""
+    needs = ACTIONS.get(action)
+    if needs is None:
+        raise UsageError(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
+    for name, value in (("group", group), ("addr", addr), ("mode", mode)):
+        if name in needs and value is None:
+            raise UsageError(f"action {action!r} needs --{name}")
+    if mode is not None and mode not in MODES:
+        raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
+    if addr is None:
+        return None
+    norm = normalize_addr(addr)
+    if norm is None:
+        raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
+    return norm
+
+
+class HostModel:
+    """One host's model plus the probe dispatch. Probes read memory only (two live ones aside)."""
+
+    def __init__(self, paths: HostPaths, state: HostState) -> None:
+        self.paths = paths
+        self.state = state
+        self._uid = os.geteuid()
+        self._gids = frozenset((os.getegid(), *os.getgroups()))
+        self._handlers: dict[str, Callable[[int | None, str | None, str | None], Any]] = {
+            "memlock": lambda g, a, m: procfs.memlock(),
+            "nvidia-holders": lambda g, a, m: procfs.nvidia_holders(self.paths.root),
+            "vfio-group-accessible": lambda g, a, m: self.vfio_group_accessible(g),
+            "display-driver": lambda g, a, m: self.function(a).driver,
+            "current-mode": lambda g, a, m: current_mode(self.function(a)),
+            "group-in-mode": lambda g, a, m: group_in_mode(
+                self.state.group_members(self.function(a).addr), _as_mode(m)
+            ),
+        }
+
+    @property
+    def root(self) -> str:
+        return self.paths.root
+
+    @property
+    def tables(self) -> Tables:
+        return self.state.tables
+
+    def probe(
+        self,
+        action: str,
+        *,
+        group: int | None = None,
+        addr: str | None = None,
+        mode: str | None = None,
+    ) -> Any:
+        """Answer a probe action from memory. Raises `UsageError` or `DeviceNotFound`."""
+        answers = self.state._answers
+        if action in answers:  # the hot path: the cached immutable answer itself
+            return answers[action]
+        handler = self._handlers.get(action)
+        if handler is None:
+            check_params(action, group, addr, mode)
+            raise AssertionError(action)  # pragma: no cover - every action has a handler
+        if ACTIONS[action]:
+            addr = check_params(action, group, addr, mode)
+        return handler(group, addr, mode)
+
+    def function(self, addr: str | None) -> PciFunction:
+        norm = normalize_addr(addr or "")
+        fn = self.state.functions.get(norm or "")
+        if fn is None:
+            raise DeviceNotFound(f"no PCI function {addr} on this host")
+        return fn
+
+    def vfio_group_accessible(self, group: int | None) -> bool:
+        if group is None or group < 0:
+            return False
+        stat = self.state.nodes.get(f"/dev/vfio/{group}")
+        return stat is not None and may_read_write(stat, self._uid, self._gids)
+
+    def functions(self) -> list[PciFunction]:
+        return [self.state.functions[a] for a in sorted(self.state.functions)]
+
+    def module_loaded(self, name: str) -> bool:
+        return name in self.state.modules
+
+
+def _as_mode(mode: str | None) -> Mode:
+    if mode == "vfio" or mode == "nvidia":
+        return mode
+    raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
+
+
+def scan(root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None) -> HostModel:
+    """Read the whole host under ``root`` once and return its model."""
+    tables = config if isinstance(config, Tables) else load_tables(config)
+    paths = HostPaths(root)
+    return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
+
+
+def probe(
+    action: str,
+    root: str | os.PathLike[str] = "/",
+    config: str | os.PathLike[str] | Tables | None = None,
+    *,
+    group: int | None = None,
+    addr: str | None = None,
+    mode: str | None = None,
+) -> Any:
+    """Scan anew and answer one probe: the no-cache baseline (``gpuwatch probe --fresh``)."""
+    check_params(action, group, addr, mode)
+    return scan(root, config).probe(action, group=group, addr=addr, mode=mode)
+
+
+__all__ = ["ACTIONS", "WATCHED_PROBES", "HostModel", "check_params", "probe", "scan"]
