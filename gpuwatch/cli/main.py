@@ -22,6 +22,7 @@ SUBCOMMANDS = (
     "probe_cmd",
     "status_cmd",
     "list_cmd",
+    "watch_cmd",
 )
 
 

@@ -1,0 +1,280 @@
+"""The live watcher: a source of uevents keeps a `HostModel` current and publishes its changes.
+
+One task pumps the source: each drained batch is read from the tree (only the devices it
+names), folded into the pure model, and the resulting events are stamped, logged and fanned
+out to subscribers without ever waiting on them. Overflow and the periodic reconcile go
+through the same path with a full rescan in a worker thread, under the same lock, so a stale
+scan can never overwrite a newer event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from pydantic import BaseModel
+
+from gpuwatch.config import Tables, load_tables
+from gpuwatch.core.events import Ready, Resync
+from gpuwatch.core.observations import Observation
+from gpuwatch.core.state import HostState
+from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
+from gpuwatch.model import HostModel
+from gpuwatch.sources import EventSource, SourceOverflow, open_source
+from gpuwatch.watch.eventlog import EventLog
+from gpuwatch.watch.subscription import Subscription, matches
+
+_log = logging.getLogger("gpuwatch.watch")
+
+DEFAULT_RECONCILE_INTERVAL = 300.0
+DEFAULT_CDI_POLL_INTERVAL = 0.5
+DEFAULT_SUBSCRIBER_BUFFER = 4096
+
+
+def rfc3339_now() -> str:
+    """UTC with microseconds and a ``Z``: sortable, and what every log tool parses."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class HostSnapshot(BaseModel):
+    """A consistent copy of the model at one ``seq``: what a lagged subscriber restarts from."""
+
+    seq: int
+    source: str
+    functions: list[Any]
+    nodes: list[str]
+    probes: dict[str, Any]
+
+
+class Watcher:
+    """A running watcher. Get one from `open_watcher`; every method answers from memory."""
+
+    def __init__(
+        self,
+        model: HostModel,
+        source: EventSource,
+        *,
+        log: EventLog | None,
+        reconcile_interval: float,
+        cdi_poll_interval: float,
+        subscriber_buffer: int,
+    ) -> None:
+        self.model = model
+        self.source = source
+        self._log = log
+        self._reconcile_interval = reconcile_interval
+        self._cdi_poll_interval = cdi_poll_interval
+        self._subscriber_buffer = subscriber_buffer
+        self._subscribers: list[Subscription] = []
+        self._seq = (log.last_seq or 0) if log is not None else 0
+        self._lock = anyio.Lock()
+        self._closed = False
+        self.source_ended = anyio.Event()
+        self.resyncs = 0
+        #: Observers called with every stamped event (metrics, NFD, the socket server).
+        self.listeners: list[Callable[[BaseModel], None]] = []
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def paths(self) -> HostPaths:
+        return self.model.paths
+
+    @property
+    def tables(self) -> Tables:
+        return self.model.tables
+
+    @property
+    def seq(self) -> int:
+        """The seq of the last event published."""
+        return self._seq
+
+    def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
+              mode: str | None = None) -> Any:
+        return self.model.probe(action, group=group, addr=addr, mode=mode)
+
+    def snapshot(self) -> HostSnapshot:
+        state = self.model.state
+        return HostSnapshot(
+            seq=self._seq,
+            source=self.source.name,
+            functions=self.model.functions(),
+            nodes=sorted(state.nodes),
+            probes={a: state.answer(a) for a in state._answers},
+        )
+
+    # ------------------------------------------------------------------ subscribing
+
+    @asynccontextmanager
+    async def subscribe(
+        self,
+        types: Iterable[str] | None = None,
+        addrs: Iterable[str] | None = None,
+        *,
+        buffer: int | None = None,
+    ) -> AsyncIterator[Subscription]:
+        """Events from now on, filtered. A reader that falls ``buffer`` behind gets
+        `SubscriberLagged` instead of slowing anyone else down."""
+        sub = Subscription(
+            frozenset(types) if types is not None else None,
+            frozenset(a.lower() for a in addrs) if addrs is not None else None,
+            buffer or self._subscriber_buffer,
+        )
+        if self._closed:
+            sub.close()
+        else:
+            self._subscribers.append(sub)
+        try:
+            yield sub
+        finally:
+            sub.close()
+            if sub in self._subscribers:
+                self._subscribers.remove(sub)
+
+    async def wait_for(self, predicate: Callable[[Any], bool], timeout: float | None = None,
+                       *, types: Iterable[str] | None = None) -> Any:
+        """The first future event for which ``predicate`` holds; `TimeoutError` after ``timeout``."""
+        with anyio.fail_after(timeout):
+            async with self.subscribe(types=types) as sub:
+                async for event in sub:
+                    if predicate(event):
+                        return event
+        raise anyio.EndOfStream("the watcher closed before the event came")
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, events: Sequence[BaseModel]) -> None:
+        """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
+        if not events:
+            return
+        now = rfc3339_now()
+        for event in events:
+            self._seq += 1
+            event.seq = self._seq  # type: ignore[attr-defined]
+            event.time = now  # type: ignore[attr-defined]
+            if self._log is not None:
+                self._log.write_line(event.model_dump_json())
+            for listener in self.listeners:
+                listener(event)
+        for sub in tuple(self._subscribers):
+            for event in events:
+                if matches(sub, event):
+                    sub.offer(event)
+
+    def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
+        """Fold observations into the model and publish what changed."""
+        events = self.model.state.apply(observations)
+        self.publish(events)
+        return events
+
+    async def resync(self, reason: str) -> int:
+        """Rescan everything (in a thread), diff against the model, publish the drift and a
+        ``resync`` event. Returns how many change events the diff produced."""
+        async with self._lock:
+            snapshot = await anyio.to_thread.run_sync(scan, self.paths, self.tables)
+            events = self.model.state.apply_snapshot(snapshot)
+            self.publish(events)
+            self.resyncs += 1
+            self.publish([Resync(reason=reason, changes=len(events))])  # type: ignore[arg-type]
+        if events or reason == "overflow":
+            _log.warning("resync (%s): %d change(s) found", reason, len(events))
+        return len(events)
+
+    # ------------------------------------------------------------------ tasks
+
+    async def _pump(self) -> None:
+        try:
+            async for batch in self.source.batches():
+                if isinstance(batch, SourceOverflow):
+                    _log.warning("events lost (%s): rescanning", batch.error)
+                    await self.resync("overflow")
+                    continue
+                async with self._lock:
+                    observations: list[Observation] = []
+                    for event in batch:
+                        observations.extend(observe(self.paths, self.tables, event))
+                    self.apply(observations)
+        finally:
+            self.source_ended.set()
+
+    async def _poll_cdi(self) -> None:
+        # CDI specs are plain files: no uevent announces them, so look twice a second.
+        while True:
+            await anyio.sleep(self._cdi_poll_interval)
+            seen = read_cdi(self.paths)
+            if seen != self.model.state.cdi:
+                async with self._lock:
+                    self.apply([seen])
+
+    async def _reconcile(self) -> None:
+        while True:
+            await anyio.sleep(self._reconcile_interval)
+            await self.resync("reconcile")
+
+    def _start_tasks(self, tg: TaskGroup) -> None:
+        tg.start_soon(self._pump, name="gpuwatch-pump")
+        if self._cdi_poll_interval > 0:
+            tg.start_soon(self._poll_cdi, name="gpuwatch-cdi")
+        if self._reconcile_interval > 0:
+            tg.start_soon(self._reconcile, name="gpuwatch-reconcile")
+
+    def _close(self) -> None:
+        self._closed = True
+        for sub in self._subscribers:
+            sub.close()
+        self._subscribers.clear()
+
+
+@asynccontextmanager
+async def open_watcher(
+    root: str | os.PathLike[str] = "/",
+    source: str | EventSource = "auto",
+    *,
+    config: str | os.PathLike[str] | Tables | None = None,
+    log: str | os.PathLike[str] | EventLog | None = None,
+    log_max_bytes: int | None = None,
+    log_keep: int = 5,
+    reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL,
+    cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
+    subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
+    receive_buffer: int | None = None,
+) -> AsyncIterator[Watcher]:
+    """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
+
+    The source is bound *before* the scan, so a change made while the scan runs arrives as
+    an event afterwards rather than being lost between the two.
+    """
+    tables = config if isinstance(config, Tables) else load_tables(config)
+    src = source if not isinstance(source, str) else open_source(source, root, receive_buffer=receive_buffer)
+    event_log = log if isinstance(log, EventLog) or log is None else EventLog(
+        log, max_bytes=log_max_bytes, keep=log_keep)
+    try:
+        src.start()
+        for warning in src.warnings:
+            _log.warning("%s", warning)
+        paths = HostPaths(root)
+        snapshot = await anyio.to_thread.run_sync(scan, paths, tables)
+        model = HostModel(paths, HostState(tables, snapshot))
+        watcher = Watcher(model, src, log=event_log, reconcile_interval=reconcile_interval,
+                          cdi_poll_interval=cdi_poll_interval, subscriber_buffer=subscriber_buffer)
+        watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            watcher._start_tasks(tg)
+            try:
+                yield watcher
+            finally:
+                tg.cancel_scope.cancel()
+                watcher._close()
+    finally:
+        src.close()
+        if event_log is not None and not isinstance(log, EventLog):
+            event_log.close()
+
+
+__all__ = ["HostSnapshot", "Watcher", "open_watcher", "rfc3339_now"]
