@@ -17,6 +17,8 @@ from gpuwatch.core.results import (
 )
 from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
 from gpuwatch.model import ACTIONS, HostModel, probe, scan
+from gpuwatch.watch.subscription import SubscriberLagged
+from gpuwatch.watch.watcher import HostSnapshot, Watcher, open_watcher
 
 __version__ = "0.1.0"
 
@@ -27,14 +29,18 @@ __all__ = [
     "DeviceNotFound",
     "GpuInfo",
     "GpuwatchError",
+    "HostSnapshot",
     "Holder",
     "HostDevicesResult",
     "HostModel",
     "MemlockResult",
     "PciFunction",
+    "SubscriberLagged",
     "Tables",
     "UsageError",
+    "Watcher",
     "load_tables",
+    "open_watcher",
     "probe",
     "scan",
 ]

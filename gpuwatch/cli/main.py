@@ -23,15 +23,9 @@ SUBCOMMANDS = (
     "status_cmd",
     "list_cmd",
     "watch_cmd",
+    "events_cmd",
+    "record_cmd",
 )
-
-
-def _pending() -> tuple[str, ...]:
-    # TEMPORARY while sibling modules land: register those that exist.
-    import importlib.util
-
-    return tuple(n for n in ("events_cmd", "record_cmd")
-                 if importlib.util.find_spec(f"gpuwatch.cli.{n}") is not None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     subparsers.required = True
-    for name in SUBCOMMANDS + _pending():
+    for name in SUBCOMMANDS:
         module = importlib.import_module(f"gpuwatch.cli.{name}")
         module.register(subparsers)
     return parser

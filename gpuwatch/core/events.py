@@ -163,3 +163,18 @@ def parse_event(data: str | bytes | dict[str, Any]) -> Event:
 def event_json(event: BaseModel) -> str:
     """One compact JSON line, field order as declared (seq, time, type, …)."""
     return event.model_dump_json()
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of one log line (docs/events.schema.json is generated from this)."""
+    schema = EVENT_ADAPTER.json_schema(by_alias=True)
+    schema["title"] = "gpuwatch event"
+    for definition in schema.get("$defs", {}).values():
+        props = definition.get("properties", {})
+        if "seq" in props and "type" in props:
+            # Defaults exist for the pure core; every line of the log carries all three.
+            required = definition.setdefault("required", [])
+            definition["required"] = ["seq", "time", "type", *[r for r in required if r not in
+                                                              ("seq", "time", "type")]]
+    return schema
+

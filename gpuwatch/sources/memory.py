@@ -41,9 +41,12 @@ class MemorySource:
         self._send.send_nowait(SourceOverflow(error))
 
     def end(self) -> None:
+        """Like EOF of a file: what was pushed is still delivered, then `batches` ends."""
         self._send.close()
 
-    close = end
+    def close(self) -> None:
+        self._send.close()
+        self._recv.close()
 
     async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
         batch: list[UEvent] = []

@@ -49,6 +49,11 @@ class Subscription:
         """End the stream: a reader waiting in ``receive`` sees the end, not a hang."""
         self._send.close()
 
+    def dispose(self) -> None:
+        """Release both ends once the subscriber has left (anyio warns about unclosed streams)."""
+        self._send.close()
+        self._recv.close()
+
     async def receive(self) -> Any:
         try:
             return await self._recv.receive()

@@ -133,7 +133,7 @@ class Watcher:
         try:
             yield sub
         finally:
-            sub.close()
+            sub.dispose()
             if sub in self._subscribers:
                 self._subscribers.remove(sub)
 
@@ -264,13 +264,19 @@ async def open_watcher(
         watcher = Watcher(model, src, log=event_log, reconcile_interval=reconcile_interval,
                           cdi_poll_interval=cdi_poll_interval, subscriber_buffer=subscriber_buffer)
         watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])  # type: ignore[arg-type]
-        async with anyio.create_task_group() as tg:
-            watcher._start_tasks(tg)
-            try:
-                yield watcher
-            finally:
-                tg.cancel_scope.cancel()
-                watcher._close()
+        try:
+            async with anyio.create_task_group() as tg:
+                watcher._start_tasks(tg)
+                try:
+                    yield watcher
+                finally:
+                    tg.cancel_scope.cancel()
+                    watcher._close()
+        except BaseExceptionGroup as group:
+            # The caller's own exception should reach them as itself, not wrapped by our tasks.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
     finally:
         src.close()
         if event_log is not None and not isinstance(log, EventLog):

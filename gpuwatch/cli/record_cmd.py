@@ -1,0 +1,136 @@
+"""``gpuwatch record``: write live uevents as JSON lines, the exact ``file:PATH`` source format.
+
+A recording made on a real host replays through ``--source file:PATH`` unchanged, which
+is how host-specific bugs become tests. Each line is flushed as written so the command
+can feed a pipe. SIGINT/SIGTERM end it normally (exit 0): stopping a recording is its
+usual end, not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import TextIO
+
+import anyio
+
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
+from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
+from gpuwatch.sources.jsonl import uevent_to_json
+
+log = logging.getLogger("gpuwatch.sources")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "record",
+        help="write live uevents as JSON lines (replayable with --source file:PATH)",
+        description="Write each uevent the source delivers as one JSON object a line, "
+        "flushed per line, until SIGINT/SIGTERM or the source ends.",
+    )
+    add_root_args(p, config=False)
+    p.add_argument(
+        "--source",
+        default="auto",
+        metavar="SPEC",
+        help="auto, udev, kernel or file:PATH (default auto: udev if udevd runs)",
+    )
+    p.add_argument(
+        "--out",
+        default="-",
+        metavar="PATH",
+        help="file to write (truncated); - for stdout (the default)",
+    )
+    p.set_defaults(func=run)
+
+
+async def record(source: EventSource, out: TextIO, *, limit: int | None = None) -> int:
+    """Write the source's events to ``out`` until it ends or ``limit`` events are written.
+
+    Returns how many were written. Lost events (an overflow) cannot be recorded; they are
+    logged so the gap in the recording is not silent.
+    """
+    written = 0
+    if limit is not None and limit <= 0:
+        return 0
+    batches = source.batches()
+    try:
+        async for item in batches:
+            if isinstance(item, SourceOverflow):
+                log.warning("record: events were lost (%s); the recording has a gap", item.error)
+                continue
+            for ev in item:
+                out.write(uevent_to_json(ev) + "\n")
+                out.flush()
+                written += 1
+                if limit is not None and written >= limit:
+                    return written
+    finally:
+        aclose = getattr(batches, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    return written
+
+
+async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | None:
+    """Run ``record`` until the source ends or SIGINT/SIGTERM arrives.
+
+    Returns a write/read error instead of raising it, so it does not come out of the
+    task group wrapped in an ExceptionGroup.
+    """
+    error: OSError | None = None
+
+    async def stop_on_signal(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_on_signal, tg.cancel_scope)
+        try:
+            await record(source, out)
+        except OSError as exc:
+            error = exc
+        finally:
+            tg.cancel_scope.cancel()
+    return error
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        source = open_source(args.source, args.root)
+        source.start()
+    except SourceUnavailable as exc:
+        return fail(f"record: {exc}", EXIT_USAGE)
+    try:
+        for warning in source.warnings:
+            print(f"gpuwatch: record: warning: {warning}", file=sys.stderr)
+        if args.out == "-":
+            out = sys.stdout
+        else:
+            try:
+                out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+            except OSError as exc:
+                return fail(f"record: cannot write {args.out!r}: {exc.strerror}", EXIT_USAGE)
+        try:
+            error = anyio.run(_record_until_signal, source, out)
+        except KeyboardInterrupt:
+            error = None  # SIGINT before the signal receiver was installed: a normal end
+        finally:
+            if out is not sys.stdout:
+                out.close()
+        if isinstance(error, BrokenPipeError):
+            # The reader went away (``| head``): done. Silence the flush at exit.
+            with contextlib.suppress(OSError):
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+            return EXIT_OK
+        if error is not None:
+            return fail(f"record: {error}", EXIT_FAILURE)
+        return EXIT_OK
+    finally:
+        source.close()

@@ -1,0 +1,112 @@
+"""Where uevents come from: the kernel's netlink socket, udevd's, or a recorded JSONL file.
+
+Every source reduces to batches of :class:`~gpuwatch.core.uevent.UEvent`, so the watcher
+never knows which one it is reading. Sources are opened through :func:`open_source`; the
+concrete modules are imported lazily so that reading a file never loads libudev.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from gpuwatch.core.uevent import UEvent
+
+__all__ = [
+    "UDEV_CONTROL",
+    "EventSource",
+    "InvalidSourceSpec",
+    "SourceOverflow",
+    "SourceUnavailable",
+    "open_source",
+]
+
+#: udevd's control socket, relative to the host root: its presence means udevd runs.
+UDEV_CONTROL = "run/udev/control"
+
+
+class SourceUnavailable(Exception):
+    """The requested source cannot deliver events here; the message says why, in one line."""
+
+
+class InvalidSourceSpec(SourceUnavailable, ValueError):
+    """The source spec is not one of ``auto``, ``udev``, ``kernel`` or ``file:PATH``.
+
+    A subclass of :class:`SourceUnavailable` so that a caller reporting "no source" with
+    one line and exit code 2 needs only one ``except``.
+    """
+
+
+@dataclass(frozen=True)
+class SourceOverflow:
+    """Events were lost (the socket buffer overflowed): the model is stale, rescan."""
+
+    error: str
+
+
+@runtime_checkable
+class EventSource(Protocol):
+    """What the watcher reads from. ``start`` binds now, so nothing after it is lost."""
+
+    name: str
+    warnings: list[str]
+
+    def start(self) -> None:
+        """Open/bind the underlying socket or file now (idempotent)."""
+        ...
+
+    def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
+        """Yield each drained batch; end when the source ends (file EOF or close)."""
+        ...
+
+    def close(self) -> None:
+        """Release the socket/file; a waiting ``batches`` ends (idempotent)."""
+        ...
+
+
+def open_source(
+    spec: str,
+    root: str | os.PathLike[str],
+    *,
+    receive_buffer: int | None = None,
+) -> EventSource:
+    """Build (but do not start) the source named by ``spec``.
+
+    ``auto`` picks ``udev`` only when udevd's control socket exists under ``root``:
+    a udev monitor without udevd is silently deaf, which is worse than an error.
+    """
+    spec = spec.strip()
+    if spec.startswith("file:"):
+        path = spec[len("file:") :]
+        if not path:
+            raise InvalidSourceSpec("source 'file:' needs a path, e.g. file:events.jsonl")
+        if not os.path.exists(path):
+            raise SourceUnavailable(f"event file {path!r} does not exist")
+        from gpuwatch.sources.jsonl import JsonlFileSource
+
+        return JsonlFileSource(path)
+
+    control = Path(root) / UDEV_CONTROL
+    kind: Literal["udev", "kernel"]
+    if spec == "auto":
+        kind = "udev" if control.exists() else "kernel"
+    elif spec == "udev":
+        if not control.exists():
+            raise SourceUnavailable(
+                f"udev source needs a running udevd, but {control} does not exist "
+                "(a udev monitor without udevd receives nothing); use --source kernel"
+            )
+        kind = "udev"
+    elif spec == "kernel":
+        kind = "kernel"
+    else:
+        raise InvalidSourceSpec(
+            f"unknown source {spec!r}: expected auto, udev, kernel or file:PATH"
+        )
+
+    from gpuwatch.sources.netlink import NetlinkSource
+
+    return NetlinkSource(kind, receive_buffer=receive_buffer)

@@ -1,0 +1,200 @@
+"""Recorded uevents from a JSONL file or FIFO: one JSON object of uevent properties a line.
+
+This is what ``gpuwatch record`` writes, so a recording replays through the same model
+as live events. It reads big chunks and yields each chunk's complete lines as one batch,
+which keeps replay fast (well above 50k events/s). A bad line is skipped and logged:
+one corrupt record must not throw away the rest of a recording.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator
+from types import MappingProxyType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.sources import SourceOverflow, SourceUnavailable
+
+__all__ = ["JsonlFileSource", "parse_jsonl_line", "uevent_to_json"]
+
+log = logging.getLogger("gpuwatch.sources")
+
+CHUNK_SIZE = 1 << 20
+#: A "line" longer than this is garbage (a binary file, a missing newline): drop it.
+MAX_LINE = 16 << 20
+
+
+def uevent_to_json(ev: UEvent) -> str:
+    """One line, no newline: sorted keys and no spaces, so recordings diff cleanly."""
+    return json.dumps(ev.to_properties(), separators=(",", ":"), sort_keys=True)
+
+
+class MalformedLine(ValueError):
+    """A JSONL line that is not an object of string (or number) values."""
+
+
+def parse_jsonl_line(raw: bytes | str) -> UEvent:
+    """Parse one line; numbers become strings (hand-written files say ``"SEQNUM": 7``).
+
+    Raises :class:`MalformedLine` for bad JSON, a non-object, or non-scalar values.
+    """
+    try:
+        obj: Any = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise MalformedLine(f"not JSON: {exc}") from exc
+    if type(obj) is not dict:
+        raise MalformedLine(f"not a JSON object but {type(obj).__name__}")
+    for key, value in obj.items():
+        if type(value) is str:
+            continue
+        if type(value) in (int, float):  # bool is not a number here
+            obj[key] = str(value)
+        else:
+            raise MalformedLine(f"value of {key!r} is {type(value).__name__}, not a string")
+    # Equivalent to UEvent.from_properties (keys and values are str by now), minus its
+    # copy: replay speed is dominated by per-event overhead.
+    props: dict[str, str] = obj
+    return UEvent(
+        action=props.get("ACTION", ""),
+        devpath=props.get("DEVPATH", ""),
+        subsystem=props.get("SUBSYSTEM", ""),
+        properties=MappingProxyType(props),
+    )
+
+
+class _LineSplitter:
+    """Turns chunks into events; keeps the incomplete last line for the next chunk."""
+
+    def __init__(self, origin: str) -> None:
+        self._origin = origin
+        self._tail = b""
+        self._discarding = False
+        self.lineno = 0
+        self.skipped = 0
+
+    def feed(self, chunk: bytes) -> list[UEvent]:
+        if self._discarding:
+            cut = chunk.find(b"\n")
+            if cut < 0:
+                return []
+            self._discarding = False
+            self.lineno += 1
+            chunk = chunk[cut + 1 :]
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        if len(self._tail) > MAX_LINE:
+            self._skip(self.lineno + len(lines) + 1, f"line longer than {MAX_LINE} bytes")
+            self._tail = b""
+            self._discarding = True
+        return self._parse(lines)
+
+    def finish(self) -> list[UEvent]:
+        """At EOF: a last line without a newline still counts."""
+        tail, self._tail = self._tail, b""
+        return [] if self._discarding else self._parse([tail])
+
+    def _parse(self, lines: list[bytes]) -> list[UEvent]:
+        events: list[UEvent] = []
+        append = events.append
+        for raw in lines:
+            self.lineno += 1
+            try:
+                append(parse_jsonl_line(raw))
+            except MalformedLine as exc:
+                if raw.strip():  # blank lines are just spacing
+                    self._skip(self.lineno, str(exc))
+        return events
+
+    def _skip(self, lineno: int, why: str) -> None:
+        self.skipped += 1
+        log.warning("%s:%d: malformed uevent line skipped: %s", self._origin, lineno, why)
+
+
+class JsonlFileSource:
+    """Events replayed from ``path`` (a regular file or a FIFO); ends at EOF.
+
+    A FIFO is opened non-blocking, so ``start`` never waits for a writer; readiness
+    (data, or the first writer hanging up) is then awaited on the event loop.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, chunk_size: int = CHUNK_SIZE) -> None:
+        self.name: str = "file"
+        self.path = os.fspath(path)
+        self.warnings: list[str] = []
+        self._chunk_size = chunk_size
+        self._fd = -1
+        self._pollable = False
+        self._closed = False
+
+    def start(self) -> None:
+        """Open the file now; for a FIFO this also lets a blocked writer proceed."""
+        if self._closed:
+            raise SourceUnavailable(f"event file {self.path!r}: source was closed")
+        if self._fd >= 0:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceUnavailable(
+                f"cannot open event file {self.path!r}: {exc.strerror}"
+            ) from exc
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            os.close(fd)
+            raise SourceUnavailable(f"event file {self.path!r} is a directory")
+        # Regular files are always "ready" and epoll refuses them: just read them.
+        self._pollable = not (stat.S_ISREG(mode) or stat.S_ISBLK(mode))
+        if not self._pollable:
+            os.set_blocking(fd, True)
+        self._fd = fd
+
+    async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
+        """Yield the events of each chunk read, until EOF (or ``close``)."""
+        self.start()
+        splitter = _LineSplitter(self.path)
+        while self._fd >= 0:
+            if self._pollable:
+                try:
+                    await anyio.wait_readable(self._fd)
+                except anyio.ClosedResourceError:
+                    return
+                if self._fd < 0:
+                    return
+                try:
+                    chunk = os.read(self._fd, self._chunk_size)
+                except BlockingIOError:
+                    continue
+            else:
+                await anyio.lowlevel.checkpoint()  # let other tasks run between chunks
+                if self._fd < 0:
+                    return
+                chunk = os.read(self._fd, self._chunk_size)
+            if not chunk:
+                last = splitter.finish()
+                if last:
+                    yield last
+                if splitter.skipped:
+                    log.warning("%s: %d malformed line(s) skipped", self.path, splitter.skipped)
+                return
+            batch = splitter.feed(chunk)
+            if batch:
+                yield batch
+
+    def close(self) -> None:
+        """Close the file; a ``batches`` waiting on a FIFO ends (idempotent)."""
+        self._closed = True
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        if self._pollable:
+            with contextlib.suppress(RuntimeError):  # no loop running: nobody waits
+                anyio.notify_closing(fd)
+        os.close(fd)

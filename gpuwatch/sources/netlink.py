@@ -1,0 +1,279 @@
+"""Live uevents from a netlink socket (kernel or udevd), read without a thread.
+
+The only module that touches pyudev. It reads on the event loop: wait until the fd is
+readable, then drain everything queued as one batch, so a burst costs one wake-up.
+A receive error never ends the source: lost events are reported as
+:class:`~gpuwatch.sources.SourceOverflow` and the watcher rescans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Literal
+
+import anyio
+import pyudev
+
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.sources import SourceOverflow, SourceUnavailable
+
+__all__ = [
+    "DEFAULT_RECEIVE_BUFFER",
+    "SUBSYSTEMS",
+    "NetlinkSource",
+    "describe_errno",
+    "set_receive_buffer",
+    "user_namespace_warning",
+]
+
+log = logging.getLogger("gpuwatch.sources")
+
+#: Subsystems whose uevents can change the GPU host model.
+SUBSYSTEMS = frozenset({"pci", "drm", "vfio", "module", "kfd"})
+
+#: Big enough to absorb a full driver rebind storm while the loop is busy.
+DEFAULT_RECEIVE_BUFFER = 128 * 1024 * 1024
+
+#: Split huge drains so one burst cannot monopolise the event loop.
+MAX_BATCH = 8192
+
+_INITIAL_UID_MAP = ["0", "0", "4294967295"]
+_UID_MAP_PATH = "/proc/self/uid_map"
+_RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
+
+
+def user_namespace_warning(uid_map: str) -> str | None:
+    """A warning when ``uid_map`` is not the initial user namespace's identity map.
+
+    The kernel broadcasts uevents only to sockets of the initial user namespace, so in
+    a container the kernel source stays silent and nothing else would say why.
+    """
+    rows = [line.split() for line in uid_map.splitlines() if line.strip()]
+    if rows == [_INITIAL_UID_MAP]:
+        return None
+    return (
+        "running in a non-initial user namespace (/proc/self/uid_map is not "
+        "'0 0 4294967295'): the kernel uevent source is silent here, so changes to the "
+        "host will not be seen"
+    )
+
+
+def describe_errno(code: int) -> str:
+    """``ENOBUFS: No buffer space available`` — the symbolic name is what people grep for."""
+    return f"{errno.errorcode.get(code, f'errno {code}')}: {os.strerror(code)}"
+
+
+def _rmem_max() -> int | None:
+    try:
+        with open(_RMEM_MAX_PATH, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def set_receive_buffer(monitor: Any, sock: socket.socket, size: int) -> int:
+    """Ask for a ``size``-byte receive buffer; return the size the kernel actually set.
+
+    libudev uses SO_RCVBUFFORCE, which needs CAP_NET_ADMIN. Without it we fall back to
+    SO_RCVBUF, which the kernel silently caps at ``net.core.rmem_max`` — so the value is
+    read back rather than assumed (the kernel also doubles it for bookkeeping).
+    """
+    try:
+        monitor.set_receive_buffer_size(size)
+    except (OSError, ValueError, OverflowError) as exc:
+        log.debug("SO_RCVBUFFORCE(%d) refused (%s); falling back to SO_RCVBUF", size, exc)
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        cap = _rmem_max()
+        # Growing past rmem_max is impossible here; do not shrink a bigger buffer trying.
+        shrinks_instead = size * 2 > before and cap is not None and 2 * min(size, cap) < before
+        if not shrinks_instead:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+            except OSError as exc2:
+                log.warning("cannot set the uevent receive buffer to %d: %s", size, exc2)
+    obtained: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    return obtained
+
+
+class NetlinkSource:
+    """uevents from the kernel (``kernel``) or from udevd after its rules ran (``udev``)."""
+
+    def __init__(
+        self,
+        kind: Literal["udev", "kernel"],
+        *,
+        receive_buffer: int | None = None,
+        subsystems: Iterable[str] = SUBSYSTEMS,
+        uid_map_path: str = _UID_MAP_PATH,
+    ) -> None:
+        if kind not in ("udev", "kernel"):
+            raise ValueError(f"netlink source kind must be 'udev' or 'kernel', not {kind!r}")
+        self.name: str = kind
+        self.receive_buffer = DEFAULT_RECEIVE_BUFFER if receive_buffer is None else receive_buffer
+        self.subsystems = frozenset(subsystems)
+        #: Receive buffer size the kernel granted (0 until started).
+        self.obtained_buffer = 0
+        self.warnings: list[str] = []
+        try:
+            with open(uid_map_path, encoding="ascii") as f:
+                warning = user_namespace_warning(f.read())
+        except OSError:
+            warning = None  # no /proc: nothing to say
+        if warning is not None:
+            self.warnings.append(warning)
+        self._monitor: Any = None
+        self._sock: socket.socket | None = None
+        self._fd = -1
+        self._closed = False
+
+    def start(self) -> None:
+        """Bind the socket now: events from this moment on are queued for ``batches``."""
+        if self._closed:
+            raise SourceUnavailable(f"{self.name} uevent source was closed")
+        if self._monitor is not None:
+            return
+        try:
+            monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=self.name)
+            # libudev applies these in userspace for the kernel source (its BPF filter only
+            # understands udevd's messages); we check again in Python either way.
+            for subsystem in sorted(self.subsystems):
+                monitor.filter_by(subsystem)
+            fd: int = monitor.fileno()
+            sock = socket.socket(fileno=os.dup(fd))
+        except (ImportError, OSError, ValueError) as exc:
+            raise SourceUnavailable(
+                f"cannot open the {self.name} uevent netlink socket: {exc}"
+            ) from exc
+        try:
+            self.obtained_buffer = set_receive_buffer(monitor, sock, self.receive_buffer)
+            monitor.start()
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise SourceUnavailable(
+                f"cannot bind the {self.name} uevent netlink socket: {exc}"
+            ) from exc
+        log.info(
+            "%s uevent source: receive buffer %d bytes (asked for %d)",
+            self.name,
+            self.obtained_buffer,
+            self.receive_buffer,
+        )
+        self._monitor, self._sock, self._fd = monitor, sock, fd
+
+    async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
+        """Yield every drained batch (and an overflow marker whenever events were lost).
+
+        Holds no local reference to the monitor across a ``yield``, so ``close`` really
+        closes the socket even while this generator is suspended.
+        """
+        self.start()
+        failures = 0
+        while self._monitor is not None:
+            try:
+                await anyio.wait_readable(self._fd)
+            except anyio.ClosedResourceError:
+                return
+            more = True
+            while more and self._monitor is not None:
+                items, more, unexplained = self._drain()
+                for item in items:
+                    yield item
+                if unexplained:
+                    # An error we could not clear: back off instead of spinning on it.
+                    failures += 1
+                    await anyio.sleep(min(0.01 * 2**failures, 1.0))
+                    break
+                failures = 0
+
+    def _drain(self) -> tuple[list[list[UEvent] | SourceOverflow], bool, bool]:
+        """Receive until the queue is empty, a batch is full, or an error (then stop there).
+
+        Returns ``(items, more, unexplained)``: ``more`` when the queue may hold more,
+        ``unexplained`` when an error left no socket error or errno to explain it.
+        """
+        items: list[list[UEvent] | SourceOverflow] = []
+        batch: list[UEvent] = []
+        while len(batch) < MAX_BATCH:
+            monitor = self._monitor
+            if monitor is None:
+                break
+            try:
+                device = monitor.poll(timeout=0)
+            except InterruptedError:
+                continue
+            except BlockingIOError:
+                device = None
+            except (OSError, ValueError, OverflowError, MemoryError) as exc:
+                # pyudev raises 'Error while polling fd' on POLLERR and, as the error is
+                # never read, forever after (pyudev#194): reading SO_ERROR clears it.
+                if batch:
+                    items.append(batch)
+                overflow, explained = self._take_error(exc)
+                items.append(overflow)
+                return items, explained, not explained
+            if device is None:
+                if batch:
+                    items.append(batch)
+                return items, False, False
+            try:
+                event = self._to_uevent(device)
+            except ValueError as exc:  # UnicodeDecodeError: pyudev decodes strictly
+                if batch:
+                    items.append(batch)
+                    batch = []
+                log.warning("%s uevent source: undecodable uevent skipped: %s", self.name, exc)
+                items.append(SourceOverflow(error=f"undecodable uevent: {exc}"))
+                continue
+            if event is not None:
+                batch.append(event)
+        if batch:
+            items.append(batch)
+        return items, True, False
+
+    def _to_uevent(self, device: Any) -> UEvent | None:
+        props: dict[str, str] = dict(device.properties)
+        if "ACTION" not in props:
+            action = device.action
+            if action:
+                props["ACTION"] = str(action)
+        if props.get("SUBSYSTEM") not in self.subsystems:
+            return None
+        return UEvent.from_properties(props)
+
+    def _take_error(self, exc: BaseException) -> tuple[SourceOverflow, bool]:
+        """Read (and thereby clear) the socket's pending error; describe what was lost."""
+        code = 0
+        if self._sock is not None:
+            try:
+                code = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            except OSError:
+                code = 0
+        explained = bool(code)
+        if not code and isinstance(exc, OSError) and exc.errno:
+            code = exc.errno
+            explained = True
+        text = describe_errno(code) if code else f"receive failed: {exc}"
+        log.warning(
+            "%s uevent source lost events (%s); the model must be rescanned", self.name, text
+        )
+        return SourceOverflow(error=text), explained
+
+    def close(self) -> None:
+        """Close the socket; a ``batches`` waiting on it ends (idempotent)."""
+        self._closed = True
+        monitor, self._monitor = self._monitor, None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            # Without a running event loop nobody can be waiting on the fd.
+            with contextlib.suppress(RuntimeError):
+                anyio.notify_closing(fd)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        # Dropping the last reference makes libudev (udev_monitor_unref) close its fd.
+        del monitor

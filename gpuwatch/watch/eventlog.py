@@ -1,0 +1,609 @@
+"""The JSONL event log: one event per line, rotated by size, readable while it is written.
+
+The writer appends each event with one ``write`` on an ``O_APPEND`` descriptor and rotates
+*between* events (close, rename ``PATH.(K-1)->PATH.K`` … ``PATH->PATH.1``, open a new
+``PATH``), so a file only ever ends in the middle of a line while that line is being
+written. Readers rely on exactly that: a line counts once its newline is on disk, a torn
+tail is waited for (follow) or left out (one-shot read), and a follower that sees ``PATH``
+name a different inode knows the old file is complete, drains it, then moves on.
+
+``seq`` grows by one per event across the whole log, which is what lets readers skip
+duplicates when a rotation races their directory scan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import IO, Any, NamedTuple
+
+import anyio
+import anyio.lowlevel
+
+__all__ = [
+    "EventLog",
+    "EventLogClosedError",
+    "EventRecord",
+    "afollow_events",
+    "afollow_records",
+    "follow_events",
+    "follow_records",
+    "format_event_time",
+    "last_seq_in",
+    "read_events",
+    "read_records",
+    "rotated_path",
+]
+
+_log = logging.getLogger(__name__)
+
+# How much one poll reads before handing events out: keeps the async follower from
+# holding the event loop for a whole backlog, and bounds memory per batch.
+_POLL_BUDGET = 256 * 1024
+_CHUNK = 64 * 1024
+# A rotation renames one file at a time, so a directory scan can meet one hole (the name
+# just vacated); two consecutive missing names mean the end of the rotated set.
+_MAX_GAP = 2
+# A scan that raced a completed rotation is redone; after this many tries the seq guard
+# alone keeps the output duplicate-free.
+_SCAN_ATTEMPTS = 5
+
+_Ident = tuple[int, int]
+
+
+class EventLogClosedError(ValueError):
+    """``write_line`` after ``close``: the event would otherwise vanish silently."""
+
+
+class EventRecord(NamedTuple):
+    """One event as decoded, plus its line exactly as stored (for byte-exact relaying)."""
+
+    event: dict[str, Any]
+    line: str
+
+
+def format_event_time(when: datetime | None = None) -> str:
+    """RFC 3339 UTC with microseconds (``2026-12-02T17:20:41.123456Z``): fixed width, sortable."""
+    moment = datetime.now(UTC) if when is None else when.astimezone(UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def rotated_path(path: str | os.PathLike[str], index: int) -> str:
+    """``PATH`` for index 0, ``PATH.N`` otherwise: the one naming rule writer and readers share."""
+    base = os.fspath(path)
+    return base if index == 0 else f"{base}.{index}"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
+    """A stored line as (event, text), or None when it is not one (never raises: logs get
+    damaged, and a follower must outlive a bad line)."""
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return None
+    if not isinstance(obj, dict):
+        return None
+    seq = obj.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(obj.get("type"), str):
+        return None
+    return obj, text
+
+
+def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
+    """Complete lines of ``f`` from last to first; a tail without newline is torn and skipped."""
+    pos = f.seek(0, os.SEEK_END)
+    buf = b""
+    found_newline = False
+    while pos > 0:
+        step = min(_CHUNK, pos)
+        pos -= step
+        f.seek(pos)
+        buf = f.read(step) + buf
+        if not found_newline:
+            end = buf.rfind(b"\n")
+            if end < 0:
+                continue
+            buf = buf[: end + 1]
+            found_newline = True
+        parts = buf.split(b"\n")  # parts[-1] == b"", parts[0] may start mid-line
+        yield from reversed(parts[1:-1])
+        buf = parts[0] + b"\n"
+    if found_newline:
+        yield buf[:-1]
+
+
+def _last_seq_of_file(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            for raw in _reverse_lines(f):
+                decoded = _decode(raw)
+                if decoded is not None:
+                    seq: int = decoded[0]["seq"]
+                    return seq
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    return None
+
+
+def last_seq_in(path: str | os.PathLike[str]) -> int | None:
+    """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
+
+    Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log.
+    """
+    index, misses = 0, 0
+    while misses < _MAX_GAP:
+        name = rotated_path(path, index)
+        index += 1
+        if not os.path.exists(name):
+            misses += 1
+            continue
+        misses = 0
+        seq = _last_seq_of_file(name)
+        if seq is not None:
+            return seq
+    return None
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class EventLog:
+    """Appends event lines to PATH ('-' = stdout), flushed per event; rotates at max_bytes
+    keeping `keep` old files PATH.1..PATH.K (PATH.1 newest).
+
+    Thread-safe: one lock orders writes and rotations, so lines never interleave.
+    ``last_seq`` is read once at open; numbering after that is the caller's.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, keep: int = 5
+    ) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        self._stdout = os.fspath(path) == "-"
+        self._path = os.fspath(path)
+        self._max_bytes = None if self._stdout else max_bytes
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._closed = False
+        self._last_seq: int | None = None
+        if self._stdout:
+            return
+        parent = os.path.dirname(self._path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._open()
+        if self._size > 0 and not self._ends_with_newline():
+            # A writer died mid-line. End that line so the next event does not fuse with it
+            # into one malformed line; readers skip the damaged one.
+            self._write_all(b"\n")
+        self._last_seq = last_seq_in(self._path)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def last_seq(self) -> int | None:
+        """The last ``seq`` already in the log when it was opened (None: empty or stdout)."""
+        return self._last_seq
+
+    def _open(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(self._path, flags, 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def _ends_with_newline(self) -> bool:
+        with open(self._path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:  # one write in practice; the loop only matters for a short write
+            written = os.write(self._fd, view)
+            view = view[written:]
+            self._size += written
+
+    def write_line(self, line: str) -> None:
+        """Append ``line`` + newline in one write. Rotates first if it would overflow max_bytes."""
+        if "\n" in line:
+            raise ValueError("an event line must not contain a line break")
+        if self._stdout:
+            with self._lock:
+                if self._closed:
+                    raise EventLogClosedError("event log is closed")
+                out = sys.stdout
+                out.write(line + "\n")
+                out.flush()
+            return
+        data = (line + "\n").encode("utf-8")
+        with self._lock:
+            if self._closed:
+                raise EventLogClosedError(f"event log {self._path} is closed")
+            if (
+                self._max_bytes is not None
+                and self._size > 0
+                and self._size + len(data) > self._max_bytes
+            ):
+                self._rotate()
+            self._write_all(data)
+
+    def _rotate(self) -> None:
+        assert self._fd is not None
+        os.close(self._fd)
+        self._fd = None
+        try:
+            self._shift_files()
+        except OSError as exc:
+            # Losing events is worse than an oversized file: keep appending to PATH.
+            _log.warning("event log rotation of %s failed, continuing unrotated: %s",
+                         self._path, exc)
+        finally:
+            self._open()
+
+    def _shift_files(self) -> None:
+        # Files beyond `keep` (left by a run with a larger keep) go first, so the set on
+        # disk is exactly PATH.1..PATH.keep afterwards.
+        index = self._keep + 1
+        while os.path.lexists(rotated_path(self._path, index)):
+            os.unlink(rotated_path(self._path, index))
+            index += 1
+        if self._keep == 0:
+            os.unlink(self._path)
+            return
+        for index in range(self._keep - 1, 0, -1):
+            src = rotated_path(self._path, index)
+            if os.path.lexists(src):
+                os.replace(src, rotated_path(self._path, index + 1))
+        os.replace(self._path, rotated_path(self._path, 1))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- readers
+
+
+class _Source:
+    """One open log file being consumed, with the bytes of its unfinished last line."""
+
+    __slots__ = ("buf", "consumed", "file", "ident")
+
+    def __init__(self, file: IO[bytes], ident: _Ident) -> None:
+        self.file = file
+        self.ident = ident
+        self.buf = bytearray()
+        self.consumed = False
+
+
+def _stat_ident(path: str) -> _Ident | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class _Follower:
+    """Incremental reader over PATH.K … PATH.1, PATH that survives rotation.
+
+    ``pending`` holds files nobody writes any more (oldest first), read to their end;
+    ``live`` is the file PATH named at the last look. The ``anchor`` is the newest file
+    seen so far, kept open so its inode cannot be reused, and tells a rescan where the
+    already-known files begin.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        since_seq: int | None,
+        types: Collection[str] | None,
+    ) -> None:
+        self._path = os.fspath(path)
+        self._last_seq = since_seq
+        self._types = None if types is None else frozenset(types)
+        self._pending: deque[_Source] = deque()
+        self._live: _Source | None = None
+        self._anchor: _Source | None = None
+
+    def close(self) -> None:
+        sources = [*self._pending, self._live, self._anchor]
+        self._pending.clear()
+        self._live = self._anchor = None
+        for src in sources:
+            if src is not None:
+                src.file.close()
+
+    # -- reading
+
+    def _feed(self, src: _Source, data: bytes, out: list[EventRecord]) -> None:
+        src.buf += data
+        end = src.buf.rfind(b"\n")
+        if end < 0:
+            return
+        complete = bytes(src.buf[:end])
+        del src.buf[: end + 1]
+        for raw in complete.split(b"\n"):
+            decoded = _decode(raw)
+            if decoded is None:
+                continue
+            event, text = decoded
+            seq: int = event["seq"]
+            # Also the duplicate guard: a scan that raced a rotation may open a file twice.
+            if self._last_seq is not None and seq <= self._last_seq:
+                continue
+            self._last_seq = seq
+            if self._types is not None and event["type"] not in self._types:
+                continue
+            out.append(EventRecord(event, text))
+
+    def _finish(self, src: _Source) -> None:
+        """A pending file read to its end: any torn tail is permanent, drop it."""
+        src.buf.clear()
+        src.consumed = True
+        if src is not self._anchor:
+            src.file.close()
+
+    def poll(self, *, follow: bool = True) -> tuple[list[EventRecord], bool]:
+        """(events that became complete, whether anything moved).
+
+        An empty batch with ``True`` means "call again now" (bytes read were all filtered
+        out, or a partial line arrived); ``False`` means nothing is new, so wait.
+        ``follow=False`` reads what the first scan found and never looks again.
+        """
+        out: list[EventRecord] = []
+        budget = _POLL_BUDGET
+        progressed = False
+        scanned_once = self._anchor is not None
+        while True:
+            while self._pending and budget > 0:
+                src = self._pending[0]
+                data = src.file.read(min(_CHUNK, budget))
+                progressed = True
+                if data:
+                    budget -= len(data)
+                    self._feed(src, data, out)
+                else:
+                    self._pending.popleft()
+                    self._finish(src)
+            if budget <= 0:
+                return out, True
+            if self._live is not None:
+                data = self._live.file.read(min(_CHUNK, budget))
+                if data:
+                    budget -= len(data)
+                    progressed = True
+                    self._feed(self._live, data, out)
+                    continue
+            if out or (not follow and scanned_once):
+                return out, progressed
+            scanned_once = True
+            if not self._refresh():
+                return out, progressed
+            progressed = True
+
+    # -- rotation
+
+    def _refresh(self) -> bool:
+        """Look at the directory; True when there is something new to read."""
+        ident = _stat_ident(self._path)
+        changed = False
+        live = self._live
+        if live is not None:
+            if ident == live.ident:
+                if os.fstat(live.file.fileno()).st_size < live.file.tell():
+                    live.file.seek(0)  # truncated in place (copytruncate): start over
+                    live.buf.clear()
+                    return True
+                return False
+            # PATH names another file or none: the writer closed this one before renaming
+            # it, so what is on disk now is all it will ever hold. Drain it, then move on.
+            self._pending.append(live)
+            self._live = None
+            changed = True
+        new_live, rotated = self._scan()
+        if not rotated and new_live is None:
+            return changed
+        self._pending.extend(reversed(rotated))
+        if new_live is not None:
+            self._live = new_live
+        old_anchor = self._anchor
+        self._anchor = new_live if new_live is not None else rotated[0]
+        if old_anchor is not None and old_anchor.consumed:
+            old_anchor.file.close()
+        return True
+
+    def _scan(self) -> tuple[_Source | None, list[_Source]]:
+        """Open files newer than the anchor: (PATH's file or None, rotated ones newest first).
+
+        Opening newest-first while renames move files to higher numbers can meet a file
+        twice (deduplicated by inode) but never skip one, as long as no rotation completes
+        during the scan; PATH and PATH.1 both change identity when one does, so compare them
+        before and after and scan again.
+        """
+        for attempt in range(_SCAN_ATTEMPTS):
+            before = (_stat_ident(self._path), _stat_ident(rotated_path(self._path, 1)))
+            live, rotated = self._scan_once()
+            after = (_stat_ident(self._path), _stat_ident(rotated_path(self._path, 1)))
+            if before == after or attempt == _SCAN_ATTEMPTS - 1:
+                return live, rotated
+            for src in [live, *rotated]:
+                if src is not None:
+                    src.file.close()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _scan_once(self) -> tuple[_Source | None, list[_Source]]:
+        anchor = None if self._anchor is None else self._anchor.ident
+        seen: set[_Ident] = set()
+        live: _Source | None = None
+        rotated: list[_Source] = []
+        index, misses = 0, 0
+        while misses < _MAX_GAP:
+            name = rotated_path(self._path, index)
+            index += 1
+            try:
+                f = open(name, "rb", buffering=0)  # noqa: SIM115 - closed by the follower
+            except FileNotFoundError:
+                misses += 1
+                continue
+            misses = 0
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino)
+            if ident == anchor:
+                f.close()
+                break
+            if ident in seen:
+                f.close()
+                continue
+            seen.add(ident)
+            src = _Source(f, ident)
+            if index == 1:
+                live = src
+            else:
+                rotated.append(src)
+        return live, rotated
+
+
+def read_records(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+) -> Iterator[EventRecord]:
+    """Like :func:`read_events`, with each event's stored line alongside."""
+    follower = _Follower(path, since_seq, types)
+    try:
+        while True:
+            batch, more = follower.poll(follow=False)
+            yield from batch
+            if not more:
+                return
+    finally:
+        follower.close()
+
+
+def read_events(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """All complete events in PATH.K … PATH.1, PATH, oldest first, ``seq > since_seq``,
+    ``type in types``. A torn last line and malformed lines are skipped; no log, no events.
+    """
+    for record in read_records(path, since_seq=since_seq, types=types):
+        yield record.event
+
+
+def follow_records(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+    poll_interval: float = 0.1,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[EventRecord]:
+    """Like :func:`follow_events`, with each event's stored line alongside."""
+    follower = _Follower(path, since_seq, types)
+    try:
+        while stop is None or not stop():
+            batch, more = follower.poll()
+            yield from batch
+            if not more:
+                time.sleep(poll_interval)
+    finally:
+        follower.close()
+
+
+def follow_events(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+    poll_interval: float = 0.1,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """:func:`read_events`, then every event appended later, across rotations, until stop().
+
+    Waits for PATH to appear if it does not exist. A line is yielded once its newline is on
+    disk, each seq at most once. Events are lost only if the log rotates them out (``keep``
+    files) before the follower reads them.
+    """
+    for record in follow_records(
+        path, since_seq=since_seq, types=types, poll_interval=poll_interval, stop=stop
+    ):
+        yield record.event
+
+
+async def afollow_records(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+    poll_interval: float = 0.1,
+    stop: Callable[[], bool] | None = None,
+) -> AsyncIterator[EventRecord]:
+    """Async :func:`follow_records`. Reads run inline: local-file reads are short and
+    bounded per poll, cheaper than a thread hop per batch."""
+    follower = _Follower(path, since_seq, types)
+    try:
+        while stop is None or not stop():
+            batch, more = follower.poll()
+            for record in batch:
+                yield record
+            if more:
+                await anyio.lowlevel.checkpoint()
+            else:
+                await anyio.sleep(poll_interval)
+    finally:
+        follower.close()
+
+
+async def afollow_events(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    types: Collection[str] | None = None,
+    poll_interval: float = 0.1,
+    stop: Callable[[], bool] | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """Async :func:`follow_events` (for the socket service); cancel it or use ``stop``."""
+    async for record in afollow_records(
+        path, since_seq=since_seq, types=types, poll_interval=poll_interval, stop=stop
+    ):
+        yield record.event

@@ -1,0 +1,497 @@
+"""The JSONL event log: rotation that never splits or loses a line, readers that never show a
+torn line, follow across rotation, and the ``gpuwatch events`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from gpuwatch.cli import events_cmd
+from gpuwatch.watch import eventlog
+from gpuwatch.watch.eventlog import (
+    EventLog,
+    EventLogClosedError,
+    afollow_events,
+    follow_events,
+    format_event_time,
+    last_seq_in,
+    read_events,
+    read_records,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+TIME = "2026-12-02T17:20:41.123456Z"
+
+
+def line(seq: int, type_: str = "ready", **extra: Any) -> str:
+    """A stored event line; fixed time so lines can be compared byte for byte."""
+    event = {"seq": seq, "time": TIME, "type": type_, **extra}
+    return json.dumps(event, separators=(",", ":"))
+
+
+def write_events(log: EventLog, first: int, last: int, type_: str = "ready") -> None:
+    for seq in range(first, last + 1):
+        log.write_line(line(seq, type_))
+
+
+def seqs(events: Iterator[dict[str, Any]] | list[dict[str, Any]]) -> list[int]:
+    return [e["seq"] for e in events]
+
+
+def log_files(path: Path) -> list[Path]:
+    """PATH.N … PATH.1, PATH: oldest first, the order readers use."""
+    rotated = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]))
+    return [*rotated, path]
+
+
+class Collector:
+    """Runs follow_events in a thread so the test can write meanwhile."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.stopping = threading.Event()
+        self._error: BaseException | None = None
+        kwargs.setdefault("poll_interval", 0.005)
+
+        def target() -> None:
+            try:
+                for event in follow_events(path, stop=self.stopping.is_set, **kwargs):
+                    self.events.append(event)
+            except BaseException as exc:  # surfaced in stop()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, daemon=True)
+        self._thread.start()
+
+    def wait_for(self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 5) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred(self.events):
+            assert time.monotonic() < deadline, f"timed out; have {seqs(self.events)[-5:]}"
+            time.sleep(0.005)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.stopping.set()
+        self._thread.join(5)
+        assert not self._thread.is_alive(), "follow_events ignored stop()"
+        if self._error is not None:
+            raise self._error
+        return self.events
+
+
+# ------------------------------------------------------------------ writer and rotation
+
+
+def test_rotation_under_burst_keeps_whole_lines_and_newest_events(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    (tmp_path / "events.jsonl.4").write_text("stale from a run with a larger keep\n")
+    with EventLog(path, max_bytes=1500, keep=3) as log:
+        write_events(log, 1, 10_000)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "events.jsonl", "events.jsonl.1", "events.jsonl.2", "events.jsonl.3"]
+    on_disk: list[int] = []
+    for f in log_files(path):
+        data = f.read_bytes()
+        assert data.endswith(b"\n"), f
+        assert len(data) <= 1500, f
+        on_disk += [json.loads(raw)["seq"] for raw in data.splitlines()]  # every line whole
+    assert on_disk == list(range(on_disk[0], 10_001))
+    assert len(on_disk) > 3 * 15  # the rotated files are full, not near-empty
+    assert seqs(read_events(path)) == on_disk
+
+
+def test_line_larger_than_max_bytes_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    big = line(2, "ready", pad="x" * 300)
+    with EventLog(path, max_bytes=100, keep=5) as log:
+        log.write_line(line(1))
+        log.write_line(big)
+        log.write_line(line(3))
+    assert (tmp_path / "ev.jsonl.2").read_text() == line(1) + "\n"
+    assert (tmp_path / "ev.jsonl.1").read_text() == big + "\n"
+    assert path.read_text() == line(3) + "\n"
+
+
+def test_no_rotation_without_max_bytes_and_keep_zero_discards(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        write_events(log, 1, 500)
+    assert [p.name for p in tmp_path.iterdir()] == ["ev.jsonl"]
+    with EventLog(tmp_path / "z.jsonl", max_bytes=200, keep=0) as log:
+        write_events(log, 1, 50)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.jsonl", "z.jsonl"]
+    assert seqs(read_events(tmp_path / "z.jsonl"))[-1] == 50
+
+
+def test_last_seq_continues_numbering_after_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "ev.jsonl"  # parent created on demand
+    with EventLog(path, max_bytes=400, keep=2) as log:
+        assert log.last_seq is None
+        write_events(log, 1, 30)
+    with EventLog(path, max_bytes=400, keep=2) as log:
+        assert log.last_seq == 30
+        assert log.last_seq is not None
+        write_events(log, log.last_seq + 1, 40)
+    assert last_seq_in(path) == 40
+    assert seqs(read_events(path))[-1] == 40
+
+    # PATH empty (a crash right after rotation): the newest rotated file answers.
+    newest_rotated = json.loads((path.parent / "ev.jsonl.1").read_text().splitlines()[-1])
+    path.write_bytes(b"")
+    assert EventLog(path).last_seq == newest_rotated["seq"]
+    path.unlink()
+    assert last_seq_in(path) == newest_rotated["seq"]
+    assert last_seq_in(tmp_path / "nothing.jsonl") is None
+
+
+def test_last_seq_ignores_torn_tail_and_writer_seals_it(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n" + line(2) + "\n" + line(3)[:20])
+    assert last_seq_in(path) == 2
+    with EventLog(path) as log:
+        assert log.last_seq == 2
+        log.write_line(line(3))
+    # The torn fragment became its own (malformed) line instead of gluing onto event 3.
+    assert path.read_text().splitlines()[2] == line(3)[:20]
+    assert seqs(read_events(path)) == [1, 2, 3]
+
+
+def test_last_seq_scans_back_across_large_files(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        log.write_line(line(1, "ready", pad="y" * 200_000))  # longer than one read block
+        log.write_line(line(2, "ready", pad="z" * 70_000))
+    with path.open("a") as f:
+        f.write("not json\n")
+    assert last_seq_in(path) == 2
+
+
+def test_writer_rejects_newlines_and_use_after_close(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "ev.jsonl")
+    with pytest.raises(ValueError, match="line break"):
+        log.write_line('{"seq":1,\n"type":"ready"}')
+    log.close()
+    with pytest.raises(EventLogClosedError):
+        log.write_line(line(1))
+    with pytest.raises(ValueError):
+        EventLog(tmp_path / "x", max_bytes=0)
+
+
+def test_dash_writes_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog("-", max_bytes=10)
+    assert log.last_seq is None
+    log.write_line(line(1))
+    log.write_line(line(2))
+    log.close()
+    assert capsys.readouterr().out == line(1) + "\n" + line(2) + "\n"
+
+
+def test_format_event_time_is_rfc3339_utc_micro() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    when = datetime(2026, 12, 2, 19, 20, 41, 123456, tzinfo=timezone(timedelta(hours=2)))
+    assert format_event_time(when) == "2026-12-02T17:20:41.123456Z"
+
+
+# ------------------------------------------------------------------ one-shot reader
+
+
+def test_torn_last_line_is_skipped_until_completed(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    third = line(3)
+    path.write_text(line(1) + "\n" + line(2) + "\n" + third[:15])
+    assert seqs(read_events(path)) == [1, 2]
+    with path.open("a") as f:
+        f.write(third[15:] + "\n")
+    assert seqs(read_events(path)) == [1, 2, 3]
+
+
+def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_bytes(b"\n".join([
+        line(1).encode(), b"garbage", b"[1,2]", b'{"seq":true,"type":"ready"}',
+        b'{"seq":2}', b"\xff\xfe", b"", line(2).encode(), b"",
+    ]))
+    assert seqs(read_events(path)) == [1, 2]
+
+
+def test_filters_and_raw_lines(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path, max_bytes=300, keep=10) as log:
+        for seq in range(1, 21):
+            log.write_line(line(seq, "resync" if seq % 3 == 0 else "ready"))
+    assert seqs(read_events(path, since_seq=15)) == [16, 17, 18, 19, 20]
+    assert seqs(read_events(path, types={"resync"})) == [3, 6, 9, 12, 15, 18]
+    assert seqs(read_events(path, since_seq=10, types=["resync"])) == [12, 15, 18]
+    assert list(read_events(path, types=())) == []
+    assert list(read_events(tmp_path / "missing.jsonl")) == []
+    stored = [ln for f in log_files(path) for ln in f.read_text().splitlines()]
+    assert [r.line for r in read_records(path)] == stored
+
+
+# ------------------------------------------------------------------ follower
+
+
+def test_follow_yields_a_torn_line_once_when_its_newline_arrives(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n")
+    third = line(2)
+    col = Collector(path)
+    col.wait_for(lambda ev: len(ev) == 1)
+    with path.open("a") as f:
+        f.write(third[:10])
+        f.flush()
+        time.sleep(0.1)  # many polls see the fragment
+        assert seqs(col.events) == [1]
+        f.write(third[10:])
+        f.flush()
+        time.sleep(0.1)
+        assert seqs(col.events) == [1]  # complete JSON but no newline yet: still torn
+        f.write("\n")
+    col.wait_for(lambda ev: len(ev) == 2)
+    time.sleep(0.05)
+    assert seqs(col.stop()) == [1, 2]
+
+
+def test_follow_across_rotations_is_exact(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    col = Collector(path)  # starts before the log exists: waits for it
+    time.sleep(0.02)
+
+    def writer() -> None:
+        # ~10 events per file: rotations land between polls, several at a time.
+        with EventLog(path, max_bytes=600, keep=1000) as log:
+            for seq in range(1, 2001):
+                log.write_line(line(seq))
+                if seq % 97 == 0:
+                    time.sleep(0.001)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(10)
+    col.wait_for(lambda ev: len(ev) >= 2000)
+    time.sleep(0.05)
+    assert seqs(col.stop()) == list(range(1, 2001))
+    assert len(list(tmp_path.iterdir())) > 150
+
+
+def test_follow_starting_mid_log_with_filters(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=500, keep=50)
+    for seq in range(1, 11):
+        log.write_line(line(seq, "resync" if seq % 2 else "ready"))
+    col = Collector(path, since_seq=4, types={"resync"})
+    col.wait_for(lambda ev: len(ev) == 3)
+    for seq in range(11, 41):
+        log.write_line(line(seq, "resync" if seq % 2 else "ready"))
+    log.close()
+    col.wait_for(lambda ev: ev[-1]["seq"] == 39)
+    assert seqs(col.stop()) == list(range(5, 40, 2))
+
+
+def test_follow_does_not_repeat_a_seq(tmp_path: Path) -> None:
+    # A log that repeats itself (a copy appended, or a scan racing rotation) prints once.
+    path = tmp_path / "ev.jsonl"
+    path.write_text("".join(line(s) + "\n" for s in (1, 2, 3, 2, 3, 4)))
+    assert seqs(read_events(path)) == [1, 2, 3, 4]
+
+
+def test_follow_drains_a_file_rotated_between_its_last_read_and_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=4 * (len(line(1)) + 1), keep=5)  # 4 lines per file
+    write_events(log, 1, 3)
+    deadline = time.monotonic() + 5
+    gen = follow_events(path, poll_interval=0.01, stop=lambda: time.monotonic() > deadline)
+    assert [next(gen)["seq"] for _ in range(3)] == [1, 2, 3]
+
+    real_stat_ident = eventlog._stat_ident
+    armed = True
+
+    def racing_stat_ident(name: str) -> tuple[int, int] | None:
+        nonlocal armed
+        if armed and name == str(path):
+            armed = False  # the follower just hit EOF; now the writer appends and rotates
+            write_events(log, 4, 5)
+        return real_stat_ident(name)
+
+    monkeypatch.setattr(eventlog, "_stat_ident", racing_stat_ident)
+    assert [next(gen)["seq"] for _ in range(2)] == [4, 5]
+    assert not armed and (tmp_path / "ev.jsonl.1").exists()
+    cast(Generator[dict[str, Any], None, None], gen).close()
+    log.close()
+
+
+def test_read_rescans_when_rotations_complete_during_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=len(line(1)) + 1, keep=50)  # one event per file
+    write_events(log, 1, 3)
+    real_open = open
+    fired = False
+
+    def racing_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal fired
+        if not fired and str(file) == f"{path}.1":
+            fired = True  # PATH is already open; two rotations now shift every name
+            write_events(log, 4, 5)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(eventlog, "open", racing_open, raising=False)
+    assert seqs(read_events(path)) == [1, 2, 3, 4, 5]
+    assert fired
+    log.close()
+
+
+async def test_afollow_events(tmp_path: Path) -> None:
+    import anyio
+
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=250, keep=100)
+    write_events(log, 1, 5)
+    got: list[int] = []
+
+    async def feed() -> None:
+        for seq in range(6, 31):
+            log.write_line(line(seq))
+            if seq % 5 == 0:
+                await anyio.sleep(0.01)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed)
+            async for event in afollow_events(path, poll_interval=0.005,
+                                              stop=lambda: len(got) >= 30):
+                got.append(event["seq"])
+    log.close()
+    assert got == list(range(1, 31))
+
+
+# ------------------------------------------------------------------ gpuwatch events
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="gpuwatch")
+    events_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["events", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_cli_prints_stored_lines_and_filters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ev.jsonl"
+    stored = [json.dumps({"seq": s, "time": format_event_time(),
+                          "type": "resync" if s in (2, 4) else "ready"}) for s in range(1, 6)]
+    path.write_text("\n".join(stored) + "\n" + stored[0][:5])  # with spaces: printed as is
+    assert run_cli([str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == stored
+    assert run_cli([str(path), "--since-seq", "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == stored[3:]
+    assert run_cli([str(path), "--type", "resync,ready", "--type", "ready"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 5
+    assert run_cli([str(path), "--type", "resync"]) == 0
+    assert capsys.readouterr().out.splitlines() == [stored[1], stored[3]]
+
+
+def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.jsonl"
+    assert run_cli([str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(missing) in err
+
+    assert run_cli([str(tmp_path)]) == 1  # a directory
+    assert capsys.readouterr().err.count("\n") == 1
+
+    (tmp_path / "ev.jsonl").write_text(line(1) + "\n")
+    for bad in (["--type", "no-such-type"], ["--type", ","]):
+        assert run_cli([str(tmp_path / "ev.jsonl"), *bad]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+
+    # Parse-level errors go through the dispatcher's one-line parser: exit 2.
+    with pytest.raises(SystemExit) as exc:
+        events_cmd.main([str(tmp_path / "ev.jsonl"), "--since-seq", "x"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+class LineReader:
+    """Lines of a child's stdout with a timeout, so a broken follower fails instead of hanging."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        assert proc.stdout is not None
+        self._stdout = proc.stdout
+
+        def pump() -> None:
+            for text in self._stdout:
+                self._lines.put(text)
+
+        self._thread = threading.Thread(target=pump, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """After the child exited: its stdout is at EOF, so the pump ends."""
+        self._thread.join(5)
+        self._stdout.close()
+
+    def seqs(self, n: int) -> list[int]:
+        return [json.loads(self._lines.get(timeout=5))["seq"] for _ in range(n)]
+
+
+def _spawn_follow(path: Path) -> subprocess.Popen[str]:
+    code = ("import sys; from gpuwatch.cli.events_cmd import main; "
+            f"sys.exit(main([{str(path)!r}, '--follow']))")
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_follow_waits_for_log_and_exits_zero_on_signal(tmp_path: Path, sig: int) -> None:
+    path = tmp_path / "ev.jsonl"
+    proc = _spawn_follow(path)  # the log does not exist yet
+    lines = LineReader(proc)
+    try:
+        time.sleep(0.2)
+        assert proc.poll() is None, "must wait for a missing log under --follow"
+        with EventLog(path, max_bytes=200, keep=10) as log:
+            write_events(log, 1, 3)
+            assert lines.seqs(3) == [1, 2, 3]
+            write_events(log, 4, 9)  # crosses a rotation
+            assert lines.seqs(6) == list(range(4, 10))
+        start = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=2)
+        assert time.monotonic() - start < 2
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert proc.returncode == 0, err
+        assert err == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        lines.close()
+        assert proc.stderr is not None
+        proc.stderr.close()

@@ -1,0 +1,407 @@
+"""The JSONL file source (regular file and FIFO), uevent_to_json, and ``gpuwatch record``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gpuwatch.cli import record_cmd
+from gpuwatch.cli.record_cmd import record
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, open_source
+from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def props(i: int, action: str = "change") -> dict[str, str]:
+    return {
+        "ACTION": action,
+        "DEVPATH": f"/devices/pci0000:00/0000:00:{i % 32:02x}.0",
+        "SUBSYSTEM": "pci",
+        "PCI_SLOT_NAME": f"0000:00:{i % 32:02x}.0",
+        "SEQNUM": str(1000 + i),
+    }
+
+
+def write_jsonl(path: Path, maps: Iterable[dict[str, str]]) -> None:
+    path.write_text("".join(json.dumps(m) + "\n" for m in maps), encoding="utf-8")
+
+
+async def collect(source: JsonlFileSource, seconds: float = 10) -> list[list[UEvent]]:
+    """All batches until EOF; overflow markers are a bug for a file source."""
+    batches: list[list[UEvent]] = []
+    with anyio.fail_after(seconds):
+        async for item in source.batches():
+            assert not isinstance(item, SourceOverflow)
+            batches.append(item)
+    return batches
+
+
+def flat(batches: list[list[UEvent]]) -> list[dict[str, str]]:
+    return [dict(ev.properties) for batch in batches for ev in batch]
+
+
+# --- regular files -------------------------------------------------------------------------
+
+
+async def test_regular_file_delivers_every_event_in_order(tmp_path: Path) -> None:
+    maps = [props(i) for i in range(100)]
+    path = tmp_path / "ev.jsonl"
+    write_jsonl(path, maps)
+    src = JsonlFileSource(path)
+    try:
+        batches = await collect(src)
+    finally:
+        src.close()
+    assert flat(batches) == maps
+    ev = batches[0][0]
+    assert (ev.action, ev.devpath, ev.subsystem) == ("change", maps[0]["DEVPATH"], "pci")
+    # A small file is one chunk, hence one batch: the watcher applies it in one go.
+    assert len(batches) == 1
+
+
+async def test_lines_split_across_chunks_are_reassembled(tmp_path: Path) -> None:
+    maps = [props(i) for i in range(50)]
+    path = tmp_path / "ev.jsonl"
+    write_jsonl(path, maps)
+    src = JsonlFileSource(path, chunk_size=7)  # every line straddles several chunks
+    try:
+        batches = await collect(src)
+    finally:
+        src.close()
+    assert flat(batches) == maps
+    assert len(batches) > 1
+
+
+async def test_last_line_without_newline_counts(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text(json.dumps(props(1)) + "\n" + json.dumps(props(2)), encoding="utf-8")
+    src = JsonlFileSource(path)
+    try:
+        assert flat(await collect(src)) == [props(1), props(2)]
+    finally:
+        src.close()
+
+
+async def test_empty_file_ends_without_batches(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    src = JsonlFileSource(path)
+    try:
+        assert await collect(src) == []
+    finally:
+        src.close()
+
+
+async def test_malformed_lines_are_skipped_and_the_rest_delivered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = [props(i) for i in range(4)]
+    lines = [
+        json.dumps(good[0]),
+        "{not json",  # 2
+        "[1, 2, 3]",  # 3: not an object
+        '"a string"',  # 4
+        json.dumps(good[1]),
+        '{"ACTION": "add", "NESTED": {"a": "b"}}',  # 6: non-scalar value
+        '{"ACTION": "add", "X": null}',  # 7
+        '{"ACTION": "add", "X": true}',  # 8: a bool is not a number
+        "",  # 9: blank lines are spacing, not errors
+        json.dumps(good[2]),
+        '{"ACTION": "add", "DEVPATH": "/devices/x", "SUBSYSTEM": "pci", "SEQNUM": 42, "F": 1.5}',
+        json.dumps(good[3]),
+    ]
+    path = tmp_path / "ev.jsonl"
+    data = "\n".join(lines).encode() + b"\n" + b'{"ACTION": "\xff\xfe"}\n'  # bad UTF-8
+    path.write_bytes(data)
+    src = JsonlFileSource(path)
+    caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
+    try:
+        got = flat(await collect(src))
+    finally:
+        src.close()
+    numbers = {
+        "ACTION": "add",
+        "DEVPATH": "/devices/x",
+        "SUBSYSTEM": "pci",
+        "SEQNUM": "42",
+        "F": "1.5",
+    }
+    assert got == [good[0], good[1], good[2], numbers, good[3]]
+    skipped = [r.getMessage() for r in caplog.records if "malformed uevent line" in r.getMessage()]
+    assert len(skipped) == 7  # lines 2, 3, 4, 6, 7, 8 and the bad UTF-8 one; not the blank
+    assert any(f"{path}:2:" in m for m in skipped)
+    assert any(f"{path}:13:" in m for m in skipped)
+
+
+async def test_round_trip_uevent_to_json_through_the_source(tmp_path: Path) -> None:
+    events = [
+        UEvent.from_properties(props(1, "add")),
+        UEvent.from_properties(
+            {
+                "ACTION": "bind",
+                "DEVPATH": "/devices/a b",
+                "SUBSYSTEM": "pci",
+                "DRIVER": "vfio-pci",
+                "WEIRD": 'quote " \\ tab\t é ✓',
+            }
+        ),
+        # Missing keys are filled from the UEvent fields by to_properties.
+        UEvent(action="remove", devpath="/devices/virtual/drm/card1", subsystem="drm"),
+    ]
+    lines = [uevent_to_json(ev) for ev in events]
+    for line in lines:
+        assert "\n" not in line and ": " not in line and ", " not in line
+        assert list(json.loads(line)) == sorted(json.loads(line))
+    path = tmp_path / "rt.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    src = JsonlFileSource(path)
+    try:
+        got = [ev for batch in await collect(src) for ev in batch]
+    finally:
+        src.close()
+    assert [ev.to_properties() for ev in got] == [ev.to_properties() for ev in events]
+    assert [(ev.action, ev.devpath, ev.subsystem) for ev in got] == [
+        (ev.action, ev.devpath, ev.subsystem) for ev in events
+    ]
+
+
+async def test_large_replay_delivers_every_event_in_big_batches(tmp_path: Path) -> None:
+    """Throughput is measured in benchmarks/ (storm); here: nothing lost, batched reads."""
+    n = 20_000
+    line = uevent_to_json(UEvent.from_properties({**props(3), "DRIVER": "vfio-pci"})) + "\n"
+    path = tmp_path / "big.jsonl"
+    path.write_text(line * n, encoding="utf-8")
+    src = JsonlFileSource(path)
+    try:
+        batches = await collect(src, seconds=60)
+    finally:
+        src.close()
+    assert sum(len(b) for b in batches) == n
+    assert len(batches) < n / 100  # chunked reads, not one batch per line
+
+
+# --- FIFOs ---------------------------------------------------------------------------------
+
+
+async def test_fifo_with_a_slow_writer_streams_then_ends_at_eof(tmp_path: Path) -> None:
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    maps = [props(i) for i in range(5)]
+    writer_done = threading.Event()
+
+    def writer() -> None:
+        time.sleep(0.2)  # connect well after the source started waiting
+        with open(fifo, "w", encoding="utf-8") as f:
+            for m in maps:
+                f.write(json.dumps(m) + "\n")
+                f.flush()
+                time.sleep(0.1)
+        writer_done.set()
+
+    src = JsonlFileSource(fifo)
+    src.start()  # must not block although no writer is connected yet
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    got: list[dict[str, str]] = []
+    first_before_eof = None
+    try:
+        with anyio.fail_after(10):
+            async for item in src.batches():
+                assert not isinstance(item, SourceOverflow)
+                if first_before_eof is None:
+                    first_before_eof = not writer_done.is_set()
+                got.extend(dict(ev.properties) for ev in item)
+    finally:
+        src.close()
+        thread.join(5)
+    assert got == maps
+    assert writer_done.is_set()  # the iterator ended at EOF, not earlier
+    assert first_before_eof, "events must arrive while the writer is still writing"
+
+
+async def test_waiting_for_a_fifo_writer_does_not_block_the_loop(tmp_path: Path) -> None:
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    src = JsonlFileSource(fifo)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    def writer() -> None:
+        time.sleep(0.3)
+        with open(fifo, "w", encoding="utf-8") as f:
+            f.write(json.dumps(props(7)) + "\n")
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            got = flat(await collect(src))
+            tg.cancel_scope.cancel()
+    finally:
+        src.close()
+        thread.join(5)
+    assert got == [props(7)]
+    assert ticks >= 10  # the loop kept running during the 0.3 s wait for a writer
+
+
+async def test_close_ends_a_batches_waiting_on_a_silent_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    src = JsonlFileSource(fifo)
+    ended = False
+
+    async def consume() -> None:
+        nonlocal ended
+        async for _ in src.batches():
+            pass
+        ended = True
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.sleep(0.1)
+            src.close()
+    assert ended
+
+
+# --- opening -------------------------------------------------------------------------------
+
+
+def test_open_source_file_spec(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text("", encoding="utf-8")
+    src = open_source(f"file:{path}", tmp_path)
+    assert isinstance(src, JsonlFileSource)
+    assert src.name == "file"
+    with pytest.raises(SourceUnavailable, match="does not exist"):
+        open_source(f"file:{tmp_path / 'missing.jsonl'}", tmp_path)
+    with pytest.raises(SourceUnavailable, match="needs a path"):
+        open_source("file:", tmp_path)
+
+
+def test_a_directory_is_not_an_event_file(tmp_path: Path) -> None:
+    src = JsonlFileSource(tmp_path)
+    with pytest.raises(SourceUnavailable, match="directory"):
+        src.start()
+
+
+# --- gpuwatch record -----------------------------------------------------------------------
+
+
+async def test_record_writes_the_file_source_format(tmp_path: Path) -> None:
+    maps = [props(1, "add"), props(2, "bind"), props(3, "remove")]
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, maps)
+    src = JsonlFileSource(path)
+    out = io.StringIO()
+    try:
+        with anyio.fail_after(10):
+            written = await record(src, out, limit=3)
+    finally:
+        src.close()
+    assert written == 3
+    lines = out.getvalue().splitlines()
+    assert [json.loads(line) for line in lines] == maps
+    assert lines == [json.dumps(m, separators=(",", ":"), sort_keys=True) for m in maps]
+
+
+async def test_record_stops_at_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    write_jsonl(path, [props(i) for i in range(3)])
+    src = JsonlFileSource(path)
+    out = io.StringIO()
+    try:
+        with anyio.fail_after(10):
+            assert await record(src, out, limit=2) == 2
+    finally:
+        src.close()
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == [props(0), props(1)]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gpuwatch")
+    record_cmd.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["record", *argv])
+
+
+def test_record_command_copies_a_file_source_to_out(tmp_path: Path) -> None:
+    maps = [props(i) for i in range(3)]
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, maps)
+    out = tmp_path / "out.jsonl"
+    args = _parse(["--root", str(tmp_path), "--source", f"file:{src}", "--out", str(out)])
+    assert args.func(args) == 0
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == maps
+
+
+@pytest.mark.parametrize("spec", ["bogus", "udev", "file:/nonexistent/x.jsonl"])
+def test_record_command_rejects_an_unusable_source_in_one_line(
+    tmp_path: Path, spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parse(["--root", str(tmp_path), "--source", spec, "--out", str(tmp_path / "o")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "record:" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_record_command_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """A live recording (here: a FIFO whose writer stays connected) ends with exit 0."""
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "out.jsonl"
+    script = textwrap.dedent(f"""
+        import argparse, sys
+        from gpuwatch.cli import record_cmd
+        p = argparse.ArgumentParser()
+        record_cmd.register(p.add_subparsers())
+        a = p.parse_args(["record", "--source", "file:{fifo}", "--out", "{out}"])
+        sys.exit(a.func(a))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
+    try:
+        fd = -1
+        deadline = time.monotonic() + 10
+        while fd < 0:  # ENXIO until the recorder has the FIFO open; never block forever
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "recorder not up"
+                time.sleep(0.05)
+        with open(fd, "w", encoding="utf-8") as writer:
+            writer.write(json.dumps(props(5)) + "\n")
+            writer.flush()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not out.read_text(encoding="utf-8"):
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == [props(5)]

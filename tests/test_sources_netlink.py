@@ -1,0 +1,283 @@
+"""The netlink source against this machine's real kernel, and source selection.
+
+The only write to the real /sys is the word ``change`` into a PCI device's ``uevent``
+file, which makes the kernel broadcast a synthetic uevent and changes nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.sources import (
+    EventSource,
+    InvalidSourceSpec,
+    SourceOverflow,
+    SourceUnavailable,
+    open_source,
+)
+from gpuwatch.sources.netlink import (
+    DEFAULT_RECEIVE_BUFFER,
+    NetlinkSource,
+    describe_errno,
+    set_receive_buffer,
+    user_namespace_warning,
+)
+
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+SEQNUM = Path("/sys/kernel/uevent_seqnum")
+
+_Item = list[UEvent] | SourceOverflow
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)  # Linux value; Python lacks the name
+
+
+def real_pci_device() -> tuple[str, Path]:
+    """(DEVPATH, uevent file) of the first PCI device, or skip the test with the reason."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to write a PCI device's uevent file")
+    try:
+        addrs = sorted(os.listdir(PCI_DEVICES))
+    except OSError:
+        addrs = []
+    if not addrs:
+        pytest.skip("no PCI device under /sys/bus/pci/devices")
+    dev = PCI_DEVICES / addrs[0]
+    uevent = dev / "uevent"
+    if not os.access(uevent, os.W_OK):
+        pytest.skip(f"{uevent} is not writable")
+    devpath = "/" + os.path.relpath(os.path.realpath(dev), "/sys")
+    return devpath, uevent
+
+
+def trigger_change(uevent: Path, times: int = 1) -> None:
+    """The one allowed write: the word 'change', ``times`` times, as fast as possible."""
+    with open(uevent, "w", encoding="ascii") as f:
+        for _ in range(times):
+            f.write("change")
+            f.flush()
+
+
+def current_seqnum() -> int:
+    return int(SEQNUM.read_text())
+
+
+def started_kernel_source(receive_buffer: int | None = None) -> NetlinkSource:
+    src = NetlinkSource("kernel", receive_buffer=receive_buffer)
+    try:
+        src.start()
+    except SourceUnavailable as exc:
+        pytest.skip(f"no kernel uevent socket here: {exc}")
+    return src
+
+
+async def pump(src: EventSource, send: MemoryObjectSendStream[_Item]) -> None:
+    """Forward the source's items, so the test can read them with timeouts."""
+    async with send:
+        batches: AsyncIterator[_Item] = src.batches()
+        async for item in batches:
+            await send.send(item)
+
+
+async def next_matching(
+    recv: MemoryObjectReceiveStream[_Item], devpath: str, after_seq: int
+) -> UEvent:
+    """The first event for ``devpath`` newer than ``after_seq`` (other events are skipped)."""
+    while True:
+        item = await recv.receive()
+        if isinstance(item, SourceOverflow):
+            continue
+        for ev in item:
+            if ev.devpath == devpath and int(ev.get("SEQNUM", "0")) > after_seq:
+                return ev
+
+
+# --- the real kernel -------------------------------------------------------------------------
+
+
+async def test_kernel_source_delivers_a_synthetic_change() -> None:
+    devpath, uevent = real_pci_device()
+    src = started_kernel_source()
+    send, recv = anyio.create_memory_object_stream[_Item](1000)
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg, recv:
+                tg.start_soon(pump, src, send)
+                before = current_seqnum()
+                trigger_change(uevent)
+                ev = await next_matching(recv, devpath, before)
+                tg.cancel_scope.cancel()
+    finally:
+        src.close()
+    assert ev.action == "change"
+    assert ev.subsystem == "pci"
+    assert ev.devpath == devpath
+    assert ev.get("ACTION") == "change" and ev.get("SUBSYSTEM") == "pci"
+    assert ev.get("PCI_SLOT_NAME") == uevent.parent.name
+    assert src.name == "kernel"
+
+
+async def test_default_receive_buffer_is_granted_to_root() -> None:
+    real_pci_device()  # the same root-only preconditions
+    src = started_kernel_source()
+    try:
+        # The kernel reports twice the requested size (half is bookkeeping).
+        assert src.obtained_buffer >= DEFAULT_RECEIVE_BUFFER
+    finally:
+        src.close()
+
+
+async def test_overflow_is_reported_and_the_source_keeps_delivering() -> None:
+    devpath, uevent = real_pci_device()
+    src = started_kernel_source(receive_buffer=4096)
+    assert src.obtained_buffer < 64 * 1024, "the tiny buffer request was not honoured"
+    # Flood the socket while nobody reads it: a few events fit, the rest are dropped.
+    trigger_change(uevent, times=500)
+    send, recv = anyio.create_memory_object_stream[_Item](10_000)
+    overflow: SourceOverflow | None = None
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg, recv:
+                tg.start_soon(pump, src, send)
+                while overflow is None:
+                    item = await recv.receive()
+                    if isinstance(item, SourceOverflow):
+                        overflow = item
+                # Let the source drain what is left, until it has been quiet a while.
+                quiet = False
+                while not quiet:
+                    quiet = True
+                    with anyio.move_on_after(0.5):
+                        await recv.receive()
+                        quiet = False
+                before = current_seqnum()
+                trigger_change(uevent)
+                fresh = await next_matching(recv, devpath, before)
+                tg.cancel_scope.cancel()
+    finally:
+        src.close()
+    assert overflow is not None
+    assert overflow.error == "ENOBUFS: No buffer space available"
+    assert fresh.action == "change" and fresh.subsystem == "pci"
+
+
+async def test_close_ends_a_waiting_batches() -> None:
+    src = started_kernel_source()
+    ended = False
+
+    async def consume() -> None:
+        nonlocal ended
+        async for _ in src.batches():
+            pass
+        ended = True
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.sleep(0.1)
+            src.close()
+    assert ended
+    with pytest.raises(SourceUnavailable):
+        src.start()
+
+
+# --- the receive buffer without privilege -----------------------------------------------------
+
+
+class _UnprivilegedMonitor:
+    """Stands in for a pyudev Monitor whose SO_RCVBUFFORCE is refused (no CAP_NET_ADMIN)."""
+
+    def set_receive_buffer_size(self, size: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+
+def _rmem_max() -> int:
+    try:
+        return int(Path("/proc/sys/net/core/rmem_max").read_text())
+    except (OSError, ValueError):
+        pytest.skip("net.core.rmem_max is not readable")
+
+
+def test_unprivileged_buffer_falls_back_to_what_the_kernel_allows() -> None:
+    cap = _rmem_max()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # start small
+        obtained = set_receive_buffer(_UnprivilegedMonitor(), sock, DEFAULT_RECEIVE_BUFFER)
+        assert obtained == sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    assert obtained == 2 * min(DEFAULT_RECEIVE_BUFFER, cap)
+
+
+def test_unprivileged_fallback_never_shrinks_a_bigger_buffer() -> None:
+    cap = _rmem_max()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the socket more than rmem_max first")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        big = 4 * cap
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, big)
+        obtained = set_receive_buffer(_UnprivilegedMonitor(), sock, 8 * cap)
+    assert obtained == 2 * big
+
+
+# --- pure helpers -------------------------------------------------------------------------------
+
+
+def test_user_namespace_warning() -> None:
+    assert user_namespace_warning("         0          0 4294967295\n") is None
+    warning = user_namespace_warning("         0     100000      65536\n")
+    assert warning is not None and "user namespace" in warning and "silent" in warning
+    assert user_namespace_warning("") is not None  # no mapping at all is not the host either
+
+
+def test_namespace_warning_reaches_the_source(tmp_path: Path) -> None:
+    uid_map = tmp_path / "uid_map"
+    uid_map.write_text("0 1000 1\n")
+    assert len(NetlinkSource("kernel", uid_map_path=str(uid_map)).warnings) == 1
+    uid_map.write_text("0 0 4294967295\n")
+    assert NetlinkSource("kernel", uid_map_path=str(uid_map)).warnings == []
+
+
+def test_describe_errno() -> None:
+    assert describe_errno(105) == "ENOBUFS: No buffer space available"
+
+
+# --- choosing a source -------------------------------------------------------------------------
+
+
+def test_explicit_udev_without_udevd_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(SourceUnavailable, match="udevd"):
+        open_source("udev", root=tmp_path)
+
+
+def test_auto_picks_kernel_without_udevd(tmp_path: Path) -> None:
+    src = open_source("auto", tmp_path)
+    assert isinstance(src, NetlinkSource)
+    assert src.name == "kernel"
+    assert src.obtained_buffer == 0  # built, not started
+
+
+def test_auto_and_udev_pick_udev_when_udevd_runs(tmp_path: Path) -> None:
+    control = tmp_path / "run" / "udev" / "control"
+    control.parent.mkdir(parents=True)
+    control.touch()
+    for spec in ("auto", "udev"):
+        src = open_source(spec, tmp_path)
+        assert isinstance(src, NetlinkSource)
+        assert src.name == "udev"
+
+
+def test_kernel_spec_and_receive_buffer_are_passed_through(tmp_path: Path) -> None:
+    src = open_source("kernel", tmp_path, receive_buffer=4096)
+    assert isinstance(src, NetlinkSource)
+    assert (src.name, src.receive_buffer) == ("kernel", 4096)
+    assert isinstance(src, EventSource)
+
+
+def test_unknown_spec_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSourceSpec, match="unknown source"):
+        open_source("netlink", tmp_path)

@@ -1,0 +1,157 @@
+"""The event path with the real kernel: synthetic uevents on a real PCI device, read from a fixture.
+
+The only write to the real /sys is a word (``change``, ``bind`` …) into a device's ``uevent``
+file: the kernel broadcasts a uevent and changes nothing. The watcher reads a fixture root
+that mirrors the device at its real DEVPATH, so what it reports is what the test changed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gpuwatch.watch.watcher import open_watcher
+
+REAL_BUS = "/sys/bus/pci/devices"
+
+
+def real_device() -> tuple[str, str]:
+    """``(addr, devpath)`` of a real PCI device whose uevent file we may write, else skip."""
+    if os.geteuid() != 0:
+        pytest.skip("writing a synthetic uevent needs root")
+    try:
+        addrs = sorted(os.listdir(REAL_BUS))
+    except OSError:
+        addrs = []
+    for addr in addrs:
+        uevent = f"{REAL_BUS}/{addr}/uevent"
+        if os.access(uevent, os.W_OK):
+            devpath = os.path.realpath(f"{REAL_BUS}/{addr}")[len("/sys"):]
+            return addr, devpath
+    pytest.skip("no PCI device with a writable uevent file on this machine")
+
+
+def kick(addr: str, word: str = "change") -> None:
+    """Ask the kernel to broadcast a synthetic uevent. Only these words, only this file."""
+    assert word in ("add", "remove", "change", "bind", "unbind")
+    with open(f"{REAL_BUS}/{addr}/uevent", "w") as fh:
+        fh.write(word)
+
+
+def mirror(root: Path, addr: str, devpath: str, driver: str) -> Path:
+    """A fixture function at the real DEVPATH, laid out like sysfs, with ``driver``."""
+    sys_dir = root / "sys"
+    dev_dir = sys_dir / devpath.lstrip("/")
+    dev_dir.mkdir(parents=True)
+    for attr in ("vendor", "device", "class"):
+        (dev_dir / attr).write_text(Path(f"{REAL_BUS}/{addr}/{attr}").read_text())
+    bus = sys_dir / "bus/pci/devices"
+    bus.mkdir(parents=True)
+    os.symlink(os.path.relpath(dev_dir, bus), bus / addr)
+    set_driver(root, devpath, driver)
+    return dev_dir
+
+
+def set_driver(root: Path, devpath: str, driver: str) -> None:
+    dev_dir = root / "sys" / devpath.lstrip("/")
+    link = dev_dir / "driver"
+    if link.is_symlink():
+        link.unlink()
+    if driver:
+        drv = root / "sys/bus/pci/drivers" / driver
+        drv.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(drv, dev_dir), link)
+
+
+async def test_real_kernel_uevent_drives_the_model(tmp_path: Path) -> None:
+    addr, devpath = real_device()
+    mirror(tmp_path, addr, devpath, "virtio-pci")
+    async with open_watcher(tmp_path, "kernel", reconcile_interval=0, cdi_poll_interval=0) as w:
+        assert w.source.name == "kernel"
+        async with w.subscribe(addrs=[addr]) as sub:
+            set_driver(tmp_path, devpath, "vfio-pci")
+            kick(addr, "change")
+            with anyio.fail_after(10):
+                event = await sub.receive()
+            assert (event.type, event.addr, event.old, event.new) == (
+                "driver-changed", addr, "virtio-pci", "vfio-pci")
+            set_driver(tmp_path, devpath, "")
+            kick(addr, "unbind")
+            with anyio.fail_after(10):
+                event = await sub.receive()
+            assert (event.old, event.new) == ("vfio-pci", "")
+        assert w.probe("display-driver", addr=addr) == ""
+
+
+async def test_real_overflow_is_survived_and_resynced(tmp_path: Path) -> None:
+    addr, devpath = real_device()
+    mirror(tmp_path, addr, devpath, "virtio-pci")
+    async with open_watcher(tmp_path, "kernel", reconcile_interval=0, cdi_poll_interval=0,
+                            receive_buffer=4096) as w:
+        async with w.subscribe() as sub:
+            set_driver(tmp_path, devpath, "vfio-pci")
+            for _ in range(400):  # without yielding: the tiny socket buffer must overflow
+                kick(addr)
+            got = []
+            with anyio.fail_after(20):
+                while not any(e.type == "resync" for e in got):
+                    got.append(await sub.receive())
+            resync = next(e for e in got if e.type == "resync")
+            assert resync.reason == "overflow"
+            assert any(e.type == "driver-changed" and e.new == "vfio-pci" for e in got)
+            assert w.probe("display-driver", addr=addr) == "vfio-pci"
+            # The watcher keeps receiving after the error.
+            while True:
+                with anyio.move_on_after(0.5):
+                    await sub.receive()  # drain the backlog of the burst
+                    continue
+                break
+            set_driver(tmp_path, devpath, "")
+            kick(addr, "change")
+            with anyio.fail_after(10):
+                while True:
+                    event = await sub.receive()
+                    if event.type == "driver-changed":
+                        break
+            assert event.new == ""
+
+
+def test_watch_command_exits_0_on_sigterm(tmp_path: Path) -> None:
+    addr, devpath = real_device()
+    mirror(tmp_path, addr, devpath, "virtio-pci")
+    log = tmp_path / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(tmp_path), "--source", "kernel",
+         "--log", str(log), "--reconcile-interval", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    stderr = ""
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and log.read_text().endswith("\n")):
+            assert time.monotonic() < deadline, "no ready event"
+            time.sleep(0.05)
+        set_driver(tmp_path, devpath, "vfio-pci")
+        kick(addr)
+        while '"driver-changed"' not in log.read_text():
+            assert time.monotonic() < deadline, "no driver-changed event"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=5)
+        assert time.monotonic() - sent < 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    lines = log.read_text().splitlines()
+    assert [line.count('"seq"') for line in lines] == [1] * len(lines)
+    assert '"type":"ready"' in lines[0]
