@@ -135,8 +135,10 @@ class HostModel:
 
 
 def _as_mode(mode: str | None) -> Mode:
-    if mode == "vfio" or mode == "nvidia":
-        return mode
+    if mode == "vfio":
+        return "vfio"
+    if mode == "nvidia":
+        return "nvidia"
     raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
 
 

@@ -181,7 +181,7 @@ class Watcher:
             events = self.model.state.apply_snapshot(snapshot)
             self.publish(events)
             self.resyncs += 1
-            self.publish([Resync(reason=reason, changes=len(events))])  # type: ignore[arg-type]
+            self.publish([Resync(reason=reason, changes=len(events))])
         if events or reason == "overflow":
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
@@ -263,7 +263,7 @@ async def open_watcher(
         model = HostModel(paths, HostState(tables, snapshot))
         watcher = Watcher(model, src, log=event_log, reconcile_interval=reconcile_interval,
                           cdi_poll_interval=cdi_poll_interval, subscriber_buffer=subscriber_buffer)
-        watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])  # type: ignore[arg-type]
+        watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
         try:
             async with anyio.create_task_group() as tg:
                 watcher._start_tasks(tg)
