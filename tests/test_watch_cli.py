@@ -1,0 +1,96 @@
+"""``gpuwatch watch`` as a process: a burst through a FIFO, rotation, SIGTERM, usage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import read_events
+
+
+def start_watch(host: SysRoot, fifo: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source", f"file:{fifo}",
+         "--log", str(log), "--reconcile-interval", "0", *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for_ready(log: Path, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 30
+    while not (log.exists() and '"ready"' in log.read_text()):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_burst_through_a_fifo_rotates_without_losing_an_event(host: SysRoot, tmp_path: Path) -> None:
+    fifo, log = tmp_path / "uevents", tmp_path / "events.jsonl"
+    os.mkfifo(fifo)
+    proc = start_watch(host, fifo, log, "--log-max-bytes", "600", "--log-keep", "50")
+    try:
+        with open(fifo, "w") as writer:  # the watcher opened it: ready comes after its scan
+            wait_for_ready(log, proc)
+            addrs = list(host.functions)
+            had_driver = {a for a in addrs if (host.device_dir(a) / "driver").is_symlink()}
+            for addr in addrs:
+                host.unbind(addr)
+            for addr in addrs:
+                writer.write(json.dumps(host.uevent_props("unbind", addr)) + "\n")
+        _, stderr = proc.communicate(timeout=30)  # EOF ends the watch
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    events = list(read_events(log))
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    changed = [e["addr"] for e in events if e["type"] == "driver-changed"]
+    assert sorted(changed) == sorted(had_driver)  # one each, none lost, none invented
+    assert len(had_driver) >= 5
+    assert sorted(p.name for p in tmp_path.glob("events.jsonl.*"))  # it did rotate
+    for path in [log, *tmp_path.glob("events.jsonl.*")]:
+        assert path.read_bytes().endswith(b"\n")
+
+
+def test_sigterm_while_watching_exits_0_with_whole_lines(host: SysRoot, tmp_path: Path) -> None:
+    fifo, log = tmp_path / "uevents", tmp_path / "events.jsonl"
+    os.mkfifo(fifo)
+    proc = start_watch(host, fifo, log)
+    try:
+        with open(fifo, "w") as writer:
+            wait_for_ready(log, proc)
+            host.unbind("0000:02:00.0")
+            writer.write(json.dumps(host.uevent_props("unbind", "0000:02:00.0")) + "\n")
+            writer.flush()
+            deadline = time.monotonic() + 10
+            while '"driver-changed"' not in log.read_text():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=5)
+            assert time.monotonic() - sent < 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert [e["type"] for e in read_events(log)] == ["ready", "driver-changed"]
+
+
+def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None:
+    for source in ("udev", "bogus", f"file:{tmp_path / 'missing'}"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source", source],
+            capture_output=True, text=True, timeout=30,
+        )
+        assert proc.returncode == 2, (source, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in proc.stderr
