@@ -17,6 +17,14 @@ from gpuwatch.core.results import (
 )
 from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
 from gpuwatch.model import ACTIONS, HostModel, probe, scan
+from gpuwatch.service.client import AsyncClient, Client, DaemonError
+from gpuwatch.switch.errors import (
+    GroupBusy,
+    NotPrivileged,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+)
 from gpuwatch.watch.subscription import SubscriberLagged
 from gpuwatch.watch.watcher import HostSnapshot, Watcher, open_watcher
 
@@ -24,18 +32,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACTIONS",
+    "AsyncClient",
+    "Client",
     "ConfigError",
+    "DaemonError",
     "DetectVfioResult",
     "DeviceNotFound",
     "GpuInfo",
     "GpuwatchError",
+    "GroupBusy",
     "HostSnapshot",
     "Holder",
     "HostDevicesResult",
     "HostModel",
     "MemlockResult",
+    "NotPrivileged",
     "PciFunction",
     "SubscriberLagged",
+    "SwitchFailed",
+    "SwitchRefused",
+    "SwitchWedged",
     "Tables",
     "UsageError",
     "Watcher",

@@ -6,6 +6,7 @@ The state is pure; this facade adds the root it was read from and the two live p
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,8 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "display-driver": ("addr",),
     "current-mode": ("addr",),
     "group-in-mode": ("addr", "mode"),
+    "wedge-detected": (),
+    "plan": ("mode",),  # and --addr or --vendor
 }
 
 
@@ -49,7 +52,8 @@ def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
     return bits & 0o6 == 0o6
 
 
-def check_params(action: str, group: int | None, addr: str | None, mode: str | None) -> str | None:
+def check_params(action: str, group: int | None, addr: str | None, mode: str | None,
+                 vendor: str | None = None) -> str | None:
     """Validate a probe request; return the normalised address. Raises `UsageError`."""
     needs = ACTIONS.get(action)
     if needs is None:
@@ -59,6 +63,12 @@ def check_params(action: str, group: int | None, addr: str | None, mode: str | N
             raise UsageError(f"action {action!r} needs --{name}")
     if mode is not None and mode not in MODES:
         raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
+    if action == "plan" and addr is None and vendor is None:
+        raise UsageError("action 'plan' needs --addr or --vendor")
+    if vendor is not None:
+        from gpuwatch.core.plan import parse_vendor
+
+        parse_vendor(vendor)
     if addr is None:
         return None
     norm = normalize_addr(addr)
@@ -75,6 +85,9 @@ class HostModel:
         self.state = state
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
+        #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
+        #: engine fills it and refuses them until a reboot or ``recover``.
+        self.poisoned: dict[int, str] = {}
         self._handlers: dict[str, Callable[[int | None, str | None, str | None], Any]] = {
             "memlock": lambda g, a, m: procfs.memlock(),
             "nvidia-holders": lambda g, a, m: procfs.nvidia_holders(self.paths.root),
@@ -84,6 +97,7 @@ class HostModel:
             "group-in-mode": lambda g, a, m: group_in_mode(
                 self.state.group_members(self.function(a).addr), _as_mode(m)
             ),
+            "wedge-detected": lambda g, a, m: _wedge_detected(self.paths.root),
         }
 
     @property
@@ -101,11 +115,19 @@ class HostModel:
         group: int | None = None,
         addr: str | None = None,
         mode: str | None = None,
+        vendor: str | None = None,
     ) -> Any:
         """Answer a probe action from memory. Raises `UsageError` or `DeviceNotFound`."""
         answers = self.state._answers
         if action in answers:  # the hot path: the cached immutable answer itself
             return answers[action]
+        if action == "vfio-group-accessible" and group is not None and (
+            addr is None and mode is None and vendor is None
+        ):
+            return self.vfio_group_accessible(group)  # nothing here for check_params to reject
+        if action == "plan":
+            check_params(action, group, addr, mode, vendor)
+            return self.plan(_as_mode(mode), addr=addr, vendor=vendor)
         handler = self._handlers.get(action)
         if handler is None:
             check_params(action, group, addr, mode)
@@ -133,6 +155,27 @@ class HostModel:
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 
+    def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
+        it reads holders and modules). A refusal raises `SwitchRefused`."""
+        from gpuwatch.core.plan import step_json
+        from gpuwatch.switch.planning import plan_for_host
+
+        plan = plan_for_host(self, mode, addr=addr, vendor=vendor)
+        if plan.example:
+            logging.getLogger("gpuwatch.switch").warning("plan: %s", plan.notes[0])
+        if plan.refusal is not None:
+            from gpuwatch.switch.errors import SwitchRefused
+
+            raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
+        return [step_json(s) for s in plan.steps]
+
+
+def _wedge_detected(root: str) -> bool:
+    from gpuwatch.switch.wedge import wedge_detected
+
+    return wedge_detected(root)
+
 
 def _as_mode(mode: str | None) -> Mode:
     if mode == "vfio":
@@ -157,10 +200,11 @@ def probe(
     group: int | None = None,
     addr: str | None = None,
     mode: str | None = None,
+    vendor: str | None = None,
 ) -> Any:
     """Scan anew and answer one probe: the no-cache baseline (``gpuwatch probe --fresh``)."""
-    check_params(action, group, addr, mode)
-    return scan(root, config).probe(action, group=group, addr=addr, mode=mode)
+    check_params(action, group, addr, mode, vendor)
+    return scan(root, config).probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
 
 __all__ = ["ACTIONS", "WATCHED_PROBES", "HostModel", "check_params", "probe", "scan"]

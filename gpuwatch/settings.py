@@ -1,16 +1,324 @@
-"""Names of the non-table keys a config file may hold (the watch options).
+"""The daemon's settings: every ``gpuwatch watch`` option, from flag, environment, file or default.
 
-Kept apart from `config` so that the daemon's settings can grow without touching the
-table loader; the loader only needs the names to tell a typo from a real key.
+Precedence, highest first: a command-line flag, an environment variable ``GPUWATCH_<KEY>``
+(``GPUWATCH_LOG_KEEP=3``), the config file (``--config FILE``, else ``$GPUWATCH_CONFIG``,
+else ``/etc/gpuwatch/config.yaml`` when it exists), the default. The config file also holds
+the data tables (`gpuwatch.config`); both loaders accept each other's keys and nothing else,
+so a typo is reported instead of silently ignored.
+
+Every bad value is a `ConfigError` whose one-line message names the key and where it came
+from; the CLI turns it into exit 2.
 """
 
 from __future__ import annotations
 
-SETTING_KEYS: tuple[str, ...] = (
-    "root",
-    "source",
-    "log",
-    "log_max_bytes",
-    "log_keep",
-    "reconcile_interval",
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gpuwatch.config import ConfigError, Tables, load_tables, read_config_file
+
+DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
+ENV_PREFIX = "GPUWATCH_"
+#: The environment variable naming the config file (below ``--config``, above the default).
+CONFIG_ENV = "GPUWATCH_CONFIG"
+
+_HOSTNAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+Kind = Literal["str", "int", "float", "bool"]
+Origin = Literal["flag", "env", "file", "default"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One option: its key (file), flag and environment variable are all derived from it."""
+
+    key: str
+    kind: Kind
+    default: Any
+    optional: bool = False  # None ("off") allowed: null in the file, "" in the environment
+    minimum: float | None = None
+    check: Callable[[Any], str | None] | None = None  # returns why a value is bad
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+def _check_source(value: Any) -> str | None:
+    text = str(value).strip()
+    if text in ("auto", "udev", "kernel"):
+        return None
+    if text.startswith("file:") and len(text) > len("file:"):
+        return None
+    return f"must be auto, udev, kernel or file:PATH, not {value!r}"
+
+
+class InvalidListenAddress(ValueError):
+    """``--metrics`` is not ``HOST:PORT``, ``:PORT`` or ``PORT``."""
+
+
+def parse_listen_address(text: str) -> tuple[str, int]:
+    """``127.0.0.1:9464``, ``[::1]:9464``, ``:9464`` or ``9464`` (the last two: all addresses,
+    as in Go's and node_exporter's convention) as ``(host, port)``."""
+    spec = text.strip()
+    host, sep, port_text = spec.rpartition(":")
+    if not sep:
+        host, port_text = "", spec
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise InvalidListenAddress(f"{text!r} is not HOST:PORT, :PORT or PORT (port 0-65535)")
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOSTNAME_RE.fullmatch(host):
+                raise InvalidListenAddress(
+                    f"{text!r}: {host!r} is not a host name or address") from None
+    return host or "0.0.0.0", int(port_text)
+
+
+def _check_metrics(value: Any) -> str | None:
+    try:
+        parse_listen_address(str(value))
+    except InvalidListenAddress as exc:
+        return str(exc)
+    return None
+
+
+def _check_nonempty(value: Any) -> str | None:
+    return None if str(value).strip() else "must not be empty"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("root", "str", "/", check=_check_nonempty),
+    Setting("source", "str", "auto", check=_check_source),
+    Setting("log", "str", "-", check=_check_nonempty),
+    Setting("log_max_bytes", "int", None, optional=True, minimum=1),
+    Setting("log_keep", "int", 5, minimum=1),
+    Setting("reconcile_interval", "float", 300.0, minimum=0),
+    Setting("socket", "str", None, optional=True),
+    Setting("socket_group", "str", None, optional=True),
+    Setting("switch_group", "str", None, optional=True),
+    Setting("metrics", "str", None, optional=True, check=_check_metrics),
+    Setting("nfd_features", "str", None, optional=True),
+    Setting("nfd_expiry", "float", 3600.0, minimum=0),
+    Setting("verbose", "bool", False),
 )
+BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
+
+#: The non-table keys a config file may hold (`gpuwatch.config` accepts these too).
+SETTING_KEYS: tuple[str, ...] = tuple(s.key for s in SETTINGS)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class _Bad(Exception):
+    pass
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _from_text(s: Setting, text: str) -> Any:
+    """An environment string as the setting's type."""
+    raw = text.strip()
+    if s.optional and raw == "":
+        return None
+    if s.kind == "str":
+        return text
+    if s.kind == "bool":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise _Bad(f"must be true or false (1/0, yes/no, on/off), not {_describe(text)}")
+    if s.kind == "int":
+        try:
+            return int(raw, 10)
+        except ValueError:
+            raise _Bad(f"must be an integer, not {_describe(text)}") from None
+    try:
+        number = float(raw)
+    except ValueError:
+        raise _Bad(f"must be a number, not {_describe(text)}") from None
+    if not math.isfinite(number):
+        raise _Bad(f"must be a finite number, not {_describe(text)}")
+    return number
+
+
+def _typed(s: Setting, value: Any) -> Any:
+    """A value from the file (YAML types) or a flag, checked against the setting's type."""
+    if value is None:
+        if s.optional:
+            return None
+        raise _Bad("must not be empty (null)")
+    if s.kind == "str":
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise _Bad(f"must be a string, not {_describe(value)}")
+        text = str(value)
+        return None if s.optional and not text.strip() else text
+    if s.kind == "bool":
+        if not isinstance(value, bool):
+            raise _Bad(f"must be true or false, not {_describe(value)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(f"must be {'an integer' if s.kind == 'int' else 'a number'}, "
+                   f"not {_describe(value)}")
+    if s.kind == "int":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise _Bad(f"must be an integer, not {_describe(value)}")
+            value = int(value)
+        return value
+    if not math.isfinite(value):
+        raise _Bad(f"must be a finite number, not {_describe(value)}")
+    return float(value)
+
+
+def _validate(s: Setting, value: Any) -> Any:
+    if value is None:
+        return None
+    if s.minimum is not None and value < s.minimum:
+        least = int(s.minimum) if s.kind == "int" else s.minimum
+        raise _Bad(f"must be at least {least:g}, not {_describe(value)}")
+    if s.check is not None:
+        why = s.check(value)
+        if why is not None:
+            raise _Bad(why)
+    return value
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """The resolved options of one ``gpuwatch watch`` run, with where each came from."""
+
+    root: str = "/"
+    source: str = "auto"
+    log: str = "-"
+    log_max_bytes: int | None = None
+    log_keep: int = 5
+    reconcile_interval: float = 300.0
+    socket: str | None = None
+    socket_group: str | None = None
+    switch_group: str | None = None
+    metrics: str | None = None
+    nfd_features: str | None = None
+    nfd_expiry: float = 3600.0
+    verbose: bool = False
+    #: The config file in force (tables and options), or None.
+    config_path: str | None = None
+    origins: Mapping[str, Origin] = field(default_factory=dict)
+    #: gids resolved from the group settings (None: root only / no switch group).
+    socket_gid: int | None = None
+    switch_gid: int | None = None
+
+    def tables(self) -> Tables:
+        return load_tables(self.config_path)
+
+
+def config_file_path(flag: str | None, env: Mapping[str, str],
+                     default: str = DEFAULT_CONFIG_PATH) -> str | None:
+    """``--config``, else ``$GPUWATCH_CONFIG``, else the default file when it exists."""
+    if flag:
+        return flag
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV]
+    return default if os.path.isfile(default) else None
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config: str | None = None,
+    env: Mapping[str, str] | None = None,
+    default_config: str = DEFAULT_CONFIG_PATH,
+    resolve_groups: bool = True,
+) -> WatchSettings:
+    """Resolve every setting: ``flags`` (None = not given) > ``env`` > file > default.
+
+    ``config`` is ``--config``. The file's tables are validated here too, so a bad file
+    fails before anything is bound or scanned. Raises `ConfigError` naming the key.
+    """
+    flags = flags or {}
+    env = os.environ if env is None else env
+    unknown_flags = sorted(set(flags) - set(BY_KEY))
+    if unknown_flags:
+        raise ValueError(f"not a setting: {unknown_flags[0]!r}")  # a programming error
+    path = config_file_path(config, env, default_config)
+    raw: Mapping[str, Any] = {}
+    if path is not None:
+        raw = read_config_file(path)
+        load_tables(path)  # validates the table keys and rejects unknown keys
+    values: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    for s in SETTINGS:
+        try:
+            if flags.get(s.key) is not None:
+                where = s.flag
+                value, origin = _validate(s, _typed(s, flags[s.key])), "flag"
+            elif s.env in env:
+                where = f"environment {s.env}"
+                value, origin = _validate(s, _from_text(s, env[s.env])), "env"
+            elif s.key in raw:
+                where = f"{path}: {s.key}"
+                value, origin = _validate(s, _typed(s, raw[s.key])), "file"
+            else:
+                value, origin = s.default, "default"
+        except _Bad as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        values[s.key] = value
+        origins[s.key] = origin  # type: ignore[assignment]
+    settings = WatchSettings(**values, config_path=path, origins=origins)
+    if not resolve_groups:
+        return settings
+    return _with_groups(settings)
+
+
+def _with_groups(settings: WatchSettings) -> WatchSettings:
+    from dataclasses import replace
+
+    from gpuwatch.service.peers import GroupNotFound, default_socket_gid, resolve_group
+
+    gids: dict[str, int | None] = {}
+    for key in ("socket_group", "switch_group"):
+        name = getattr(settings, key)
+        if name is None:
+            gids[key] = default_socket_gid() if key == "socket_group" else None
+            continue
+        try:
+            gids[key] = resolve_group(name)
+        except GroupNotFound as exc:
+            s = BY_KEY[key]
+            origin = settings.origins.get(key)
+            where = {"flag": s.flag, "env": f"environment {s.env}",
+                     "file": f"{settings.config_path}: {key}"}.get(origin or "", key)
+            raise ConfigError(f"{where}: {exc}") from None
+    return replace(settings, socket_gid=gids["socket_group"], switch_gid=gids["switch_group"])
+
+
+__all__ = [
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_PATH",
+    "ENV_PREFIX",
+    "SETTINGS",
+    "SETTING_KEYS",
+    "InvalidListenAddress",
+    "Setting",
+    "WatchSettings",
+    "config_file_path",
+    "load_settings",
+    "parse_listen_address",
+]

@@ -229,3 +229,11 @@ def test_any_event_sequence_converges_to_a_fresh_build(ops: list[PciSeen | PciGo
 def base_state_functions() -> list[PciSeen]:
     return [fn(GPU), fn(AUDIO, "snd_hda_intel", klass="0x0403"),
             fn(NIC, "igb", group=2, klass="0x0200", vendor="0x8086")]
+
+
+def test_address_and_driver_checks_are_full_matches() -> None:
+    from gpuwatch.core.pci import is_driver_name, is_pci_addr, normalize_addr
+
+    assert is_pci_addr("0000:01:00.0") and not is_pci_addr("0000:01:00.0\n")
+    assert normalize_addr("0000:0A:00.1") == "0000:0a:00.1" and normalize_addr("0000:0a:00.1\n") is None
+    assert is_driver_name("vfio-pci") and not is_driver_name("nvidia\n") and not is_driver_name("..")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.config import load_tables
 from gpuwatch.jsonout import dumps
-from gpuwatch.model import scan
-from gpuwatch.report import passthrough_gpus, render_list
+from gpuwatch.model import HostModel, scan
+from gpuwatch.report import PassthroughGpu, passthrough_gpus, render_list
+from gpuwatch.service.remote import RemoteModel
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -16,15 +20,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                           "for every function of each GPU's IOMMU group.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_daemon_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
-    model = scan(args.root, args.config)
-    gpus = passthrough_gpus(model)
+    answer = ask_daemon(args, lambda c: _gpus(
+        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root))))
+    gpus, iommu_enabled = (answer.value if answer is not None
+                           else _gpus(scan(args.root, args.config)))
     if args.json:
         print(dumps(gpus))
     else:
-        print(render_list(gpus, model.probe("detect-vfio").iommu_enabled))
+        print(render_list(gpus, iommu_enabled))
     return EXIT_OK
+
+
+def _gpus(model: HostModel) -> tuple[list[PassthroughGpu], bool]:
+    return passthrough_gpus(model), bool(model.probe("detect-vfio").iommu_enabled)

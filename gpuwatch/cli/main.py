@@ -25,6 +25,12 @@ SUBCOMMANDS = (
     "watch_cmd",
     "events_cmd",
     "record_cmd",
+    "udev_rules_cmd",
+    "mode_cmd",
+    "plan_cmd",
+    "recover_cmd",
+    "holders_cmd",
+    "ensure_cdi_cmd",
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import ACTIONS, check_params, probe, scan
 
@@ -16,20 +17,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_root_args(p)
     p.add_argument("--group", type=int, metavar="N", help="IOMMU group (vfio-group-accessible)")
     p.add_argument("--addr", metavar="ADDR", help="PCI address DDDD:BB:DD.F")
-    p.add_argument("--mode", metavar="MODE", help="vfio or nvidia (group-in-mode)")
+    p.add_argument("--mode", metavar="MODE", help="vfio or nvidia (group-in-mode, plan)")
+    p.add_argument("--vendor", metavar="VENDOR", help="PCI vendor id such as 0x10de (plan)")
     p.add_argument("--fresh", action="store_true",
                    help="scan anew for this answer instead of answering from the model")
+    add_daemon_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # Validate before touching the host: a bad request is exit 2 even on a broken root.
-    check_params(args.action, args.group, args.addr, args.mode)
+    check_params(args.action, args.group, args.addr, args.mode, args.vendor)
     check_root(args.root)
     kwargs = {"group": args.group, "addr": args.addr, "mode": args.mode}
     if args.fresh:
-        result = probe(args.action, args.root, args.config, **kwargs)
+        result = probe(args.action, args.root, args.config, vendor=args.vendor, **kwargs)
     else:
-        result = scan(args.root, args.config).probe(args.action, **kwargs)
+        # memlock is this process's own limit: no daemon can answer it better than we can;
+        # a plan is read live from the host (holders, modules), so it is made here too.
+        answer = None if args.action in ("memlock", "plan") else ask_daemon(
+            args, lambda c: c.probe(args.action, **kwargs))
+        if answer is not None:
+            result = answer.value
+        else:
+            result = scan(args.root, args.config).probe(args.action, vendor=args.vendor,
+                                                        **kwargs)
     print(dumps({"action": args.action, "result": result}))
     return EXIT_OK

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.config import load_tables
 from gpuwatch.hostfs.procfs import memlock
 from gpuwatch.jsonout import dumps
-from gpuwatch.model import scan
+from gpuwatch.model import HostModel, scan
 from gpuwatch.report import build_status, render_status
+from gpuwatch.service.remote import RemoteModel
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -16,11 +20,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                               description="IOMMU, vfio-pci, memlock and every GPU with its group.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_daemon_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
-    report = build_status(scan(args.root, args.config), memlock())
+    answer = ask_daemon(args, lambda c: build_status(
+        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), memlock()))
+    report = answer.value if answer is not None else build_status(scan(args.root, args.config),
+                                                                   memlock())
     print(dumps(report) if args.json else render_status(report))
     return EXIT_OK

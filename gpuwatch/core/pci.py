@@ -13,18 +13,18 @@ DRIVER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 def is_pci_addr(name: str) -> bool:
     """True for a canonical ``DDDD:BB:DD.F`` address (entries like ``pci0000:00`` are not)."""
-    return PCI_ADDR_RE.match(name) is not None
+    return PCI_ADDR_RE.fullmatch(name) is not None
 
 
 def normalize_addr(text: str) -> str | None:
     """The canonical form of a user-given address, or None when it is not one."""
-    if _PCI_ADDR_LOOSE_RE.match(text) is None:
+    if _PCI_ADDR_LOOSE_RE.fullmatch(text) is None:
         return None
     return text.lower()
 
 
 def is_driver_name(name: str) -> bool:
-    return DRIVER_NAME_RE.match(name) is not None
+    return DRIVER_NAME_RE.fullmatch(name) is not None and name not in (".", "..")
 
 
 def class_prefix(raw: str) -> str:

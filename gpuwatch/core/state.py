@@ -16,7 +16,7 @@ import bisect
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 
@@ -68,6 +68,10 @@ class HostState:
         self.groups: dict[int, set[str]] = {}
         self._gpu_addrs: list[str] = []  # sorted
         self._gpu_info: dict[str, GpuInfo] = {}  # cache; an absent GPU entry is stale
+        # detect-vfio's GPU list, parallel to _gpu_addrs, patched in place: a change to one GPU
+        # rebuilds one entry, so the answer costs a C-level tuple copy, not a pass over all GPUs.
+        self._gpu_infos: list[GpuInfo | None] = []
+        self._gpu_dirty: set[str] = set()  # GPUs whose _gpu_infos entry is stale
         self.drm: dict[str, DrmSeen] = {}
         self._drm_by_addr: dict[str, set[str]] = {}
         self._amd_cards: set[str] = set()
@@ -151,6 +155,19 @@ class HostState:
                 self._stale.add("detect-vfio")
 
     def _pci_seen(self, seen: PciSeen, events: list[BaseModel]) -> None:
+        old = self.functions.get(seen.addr)
+        self.devpaths[seen.addr] = seen.devpath
+        # Field by field before building anything: the label follows from the class, so this
+        # is `old == new` without constructing `new` or running pydantic's __eq__.
+        if (
+            old is not None
+            and old.driver == seen.driver
+            and old.iommu_group == seen.iommu_group
+            and old.vendor_id == seen.vendor_id
+            and old.device_id == seen.device_id
+            and old.class_ == seen.klass
+        ):
+            return
         new = PciFunction(
             addr=seen.addr,
             vendor_id=seen.vendor_id,
@@ -160,10 +177,6 @@ class HostState:
             driver=seen.driver,
             iommu_group=seen.iommu_group,
         )
-        old = self.functions.get(seen.addr)
-        self.devpaths[seen.addr] = seen.devpath
-        if old == new:
-            return
         if old is not None and (
             old.vendor_id != new.vendor_id or old.device_id != new.device_id or old.class_ != new.class_
         ):
@@ -195,34 +208,49 @@ class HostState:
         fn = new or old
         assert fn is not None
         addr = fn.addr
-        touched_groups = {f.iommu_group for f in (old, new) if f is not None and f.iommu_group >= 0}
-        if old is not None and old.iommu_group >= 0:
-            members = self.groups.get(old.iommu_group)
-            if members is not None:
-                members.discard(addr)
-                if not members:
-                    del self.groups[old.iommu_group]
-        if new is None:
-            del self.functions[addr]
+        groups, functions = self.groups, self.functions
+        old_group = old.iommu_group if old is not None else -1
+        new_group = new.iommu_group if new is not None else -1
+        touched_groups: tuple[int, ...]
+        if old_group == new_group:  # the common case (a driver change): membership stays
+            touched_groups = (old_group,) if old_group >= 0 else ()
         else:
-            self.functions[addr] = new
-            if new.iommu_group >= 0:
-                self.groups.setdefault(new.iommu_group, set()).add(addr)
+            touched_groups = tuple(g for g in (old_group, new_group) if g >= 0)
+            if old_group >= 0:
+                members = groups.get(old_group)
+                if members is not None:
+                    members.discard(addr)
+                    if not members:
+                        del groups[old_group]
+            if new_group >= 0:
+                groups.setdefault(new_group, set()).add(addr)
+        if new is None:
+            del functions[addr]
+        else:
+            functions[addr] = new
         was_gpu = old is not None and is_gpu_class(old.class_)
         is_gpu = new is not None and is_gpu_class(new.class_)
         if was_gpu and not is_gpu:
-            self._gpu_addrs.remove(addr)
+            index = bisect.bisect_left(self._gpu_addrs, addr)
+            del self._gpu_addrs[index]
+            del self._gpu_infos[index]
         elif is_gpu and not was_gpu:
-            bisect.insort(self._gpu_addrs, addr)
+            index = bisect.bisect_left(self._gpu_addrs, addr)
+            self._gpu_addrs.insert(index, addr)
+            self._gpu_infos.insert(index, None)
         vfio_stale = was_gpu or is_gpu
         self._gpu_info.pop(addr, None)
+        if is_gpu:
+            self._gpu_dirty.add(addr)
+        gpu_info = self._gpu_info
         for group in touched_groups:
-            for member in self.groups.get(group, ()):
-                if member in self._gpu_info:
-                    del self._gpu_info[member]
+            for member in groups.get(group, ()):
+                if member in gpu_info:
+                    del gpu_info[member]
+                    self._gpu_dirty.add(member)
                     vfio_stale = True
-                elif member in self.functions and is_gpu_class(self.functions[member].class_):
-                    vfio_stale = True
+                elif not vfio_stale and member in functions:
+                    vfio_stale = is_gpu_class(functions[member].class_)
         if vfio_stale:
             self._stale.add("detect-vfio")
         if addr in self._drm_by_addr:
@@ -341,7 +369,7 @@ class HostState:
             return DetectVfioResult.model_construct(
                 iommu_enabled=self.iommu.enabled,
                 iommu_kind=self.iommu.kind,
-                gpus=tuple(self._gpu(addr) for addr in self._gpu_addrs),
+                gpus=self._gpu_tuple(),
             )
         if action == "detect-host-devices":
             amd = bool(self._amd_cards)
@@ -354,14 +382,25 @@ class HostState:
             )
         raise KeyError(action)
 
+    def _gpu_tuple(self) -> tuple[GpuInfo, ...]:
+        """Every GPU's info in address order; only the entries marked stale are rebuilt."""
+        if self._gpu_dirty:
+            addrs, infos = self._gpu_addrs, self._gpu_infos
+            for addr in self._gpu_dirty:
+                index = bisect.bisect_left(addrs, addr)
+                if index < len(addrs) and addrs[index] == addr:
+                    infos[index] = self._gpu(addr)
+            self._gpu_dirty.clear()
+        # Every entry is set: a GPU enters _gpu_infos as None and dirty at once.
+        return cast("tuple[GpuInfo, ...]", tuple(self._gpu_infos))
+
     def _gpu(self, addr: str) -> GpuInfo:
         info = self._gpu_info.get(addr)
         if info is None:
             fn = self.functions[addr]
-            info = GpuInfo.model_construct(
-                **{name: getattr(fn, name) for name in PciFunction.model_fields},
-                group_members=self.group_members(addr),
-            )
+            # Validated, yet cheaper than model_construct (which runs in Python): the fields
+            # are already checked and the member instances pass through as they are.
+            info = GpuInfo(**fn.__dict__, group_members=self.group_members(addr))
             self._gpu_info[addr] = info
         return info
 

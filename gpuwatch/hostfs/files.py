@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+
 
 def read_text(path: str) -> str | None:
     """A small attribute file's text, stripped; None when it cannot be read for any reason.
@@ -11,11 +13,18 @@ def read_text(path: str) -> str | None:
     ENOENT/ENODEV (device gone), EACCES, EIO and odd bytes (replaced) are all normal on a
     live host and must not stop a scan.
     """
+    # os.open/os.read, not open(): no buffered file object per attribute, which is a third of
+    # the cost of a scan. One read suffices: sysfs hands out an attribute in a single read.
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(65536)
+        fd = os.open(path, _READ_FLAGS)
     except (OSError, ValueError):
         return None
+    try:
+        data = os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return data.decode("utf-8", "replace").strip()
 
 
@@ -31,7 +40,7 @@ def link_name(path: str) -> str:
         target = os.readlink(path)
     except (OSError, ValueError):
         return ""
-    return os.path.basename(target.rstrip("/"))
+    return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
 
 
 def list_dir(path: str) -> list[str]:

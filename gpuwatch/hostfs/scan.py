@@ -35,6 +35,8 @@ from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
+#: Uevent actions that announce a driver link change and nothing else.
+_DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 
 
 class HostPaths:
@@ -51,6 +53,11 @@ class HostPaths:
         self.class_iommu = os.path.join(self.sys, "class/iommu")
         self.dev = os.path.join(self.root, "dev")
         self.cmdline = os.path.join(self.root, "proc/cmdline")
+        #: Function directory → (st_dev, st_ino, vendor, device, class) from its last full read.
+        #: The kernel reads a function's ids from config space once, when it creates the
+        #: directory: they cannot change while that directory (that inode) lives. So a
+        #: bind/unbind re-reads only what it can change (see `read_function_known`).
+        self.identity: dict[str, tuple[int, int, str, str, str]] = {}
 
     def under(self, host_path: str) -> str:
         """``/dev/kvm`` → ``<root>/dev/kvm``."""
@@ -62,21 +69,50 @@ class HostPaths:
 
 def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> PciSeen | PciGone:
     """Read one PCI function. Tries the uevent's DEVPATH, then the bus entry (flat layouts)."""
-    directory = ""
     if devpath:
         candidate = paths.sys + devpath
-        if os.path.isdir(candidate):
-            directory = candidate
-    if not directory:
-        bus_entry = os.path.join(paths.bus_pci, addr)
-        if not os.path.isdir(bus_entry):
-            return PciGone(addr)
-        directory = bus_entry
-        devpath = _devpath_of_bus_entry(paths, addr)
-    seen = _read_function_dir(directory, addr, devpath or "")
+        try:
+            st = os.stat(candidate)  # before the reads: a later replacement cannot be cached
+        except (OSError, ValueError):
+            st = None
+        if st is not None and stat_mod.S_ISDIR(st.st_mode):
+            seen = _read_function_dir(candidate, addr, devpath)
+            if seen.vendor_id or seen.device_id or seen.klass:
+                paths.identity[candidate] = (
+                    st.st_dev, st.st_ino, seen.vendor_id, seen.device_id, seen.klass)
+                return seen
+            return seen if os.path.isdir(candidate) else PciGone(addr)
+    directory = os.path.join(paths.bus_pci, addr)
+    if not os.path.isdir(directory):
+        return PciGone(addr)
+    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr))
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
+
+
+def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | PciGone:
+    """`read_function` for a bind/unbind: when the directory is the very inode fully read
+    before, its ids are known (see `HostPaths.identity`) and only the driver and IOMMU group
+    links are read, 3 syscalls instead of 11. Anything else falls back to the full read."""
+    candidate = paths.sys + devpath
+    known = paths.identity.get(candidate)
+    if known is not None:
+        try:
+            st = os.stat(candidate)
+        except (OSError, ValueError):
+            st = None
+        if st is not None and st.st_ino == known[1] and st.st_dev == known[0]:
+            return PciSeen(
+                addr=addr,
+                devpath=devpath,
+                vendor_id=known[2],
+                device_id=known[3],
+                klass=known[4],
+                driver=link_name(candidate + "/driver"),
+                iommu_group=parse_group(link_name(candidate + "/iommu_group")),
+            )
+    return read_function(paths, addr, devpath)
 
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
@@ -107,13 +143,25 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
 def scan_functions(paths: HostPaths) -> list[PciSeen]:
     """Every PCI function listed in ``sys/bus/pci/devices``; non-address entries ignored."""
     found: list[PciSeen] = []
+    identity: dict[str, tuple[int, int, str, str, str]] = {}
     for name in sorted(list_dir(paths.bus_pci)):
         if not is_pci_addr(name):
             continue
-        entry = os.path.join(paths.bus_pci, name)
-        if not os.path.isdir(entry):
-            continue  # dangling link: the function went away under us
-        found.append(_read_function_dir(entry, name, _devpath_of_bus_entry(paths, name)))
+        entry = paths.bus_pci + "/" + name
+        devpath = _devpath_of_bus_entry(paths, name)
+        try:
+            st = os.stat(entry)  # before the reads, as in read_function
+        except (OSError, ValueError):
+            st = None
+        seen = _read_function_dir(entry, name, devpath)
+        if not (seen.vendor_id or seen.device_id or seen.klass):
+            if not os.path.isdir(entry):
+                continue  # dangling link: the function went away under us
+        elif st is not None:
+            identity[paths.sys + devpath] = (st.st_dev, st.st_ino, seen.vendor_id, seen.device_id,
+                                             seen.klass)
+        found.append(seen)
+    paths.identity = identity  # a full scan is the fresh truth: forget every older read
     return found
 
 
@@ -253,14 +301,18 @@ def scan(paths: HostPaths, tables: Tables) -> Snapshot:
 
 
 def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation]:
-    """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint."""
+    """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint
+    (for bind/unbind, a hint that only the driver link can have changed: `read_function_known`)."""
     name = event.devpath.rsplit("/", 1)[-1]
     subsystem = event.subsystem
     out: list[Observation] = []
     if subsystem == "pci":
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
         if is_pci_addr(addr):
-            out.append(read_function(paths, addr, event.devpath))
+            if event.action in _DRIVER_ACTIONS and event.devpath:
+                out.append(read_function_known(paths, addr, event.devpath))
+            else:
+                out.append(read_function(paths, addr, event.devpath))
     elif subsystem == "drm":
         if _DRM_NODE_RE.match(name):
             out.append(read_drm(paths, name, event.devpath))

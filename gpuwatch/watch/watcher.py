@@ -186,6 +186,32 @@ class Watcher:
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
 
+    # ------------------------------------------------------------------ switching (gpuwatch.switch)
+
+    async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = 90,
+                     tolerant: bool = False) -> Any:
+        """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
+        `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
+        from gpuwatch.switch.engine import engine_for
+
+        return await engine_for(self).switch(addr_or_vendor, mode, timeout=timeout,
+                                             tolerant=tolerant)
+
+    async def plan(self, addr_or_vendor: str, mode: str) -> Any:
+        from gpuwatch.switch.engine import engine_for
+
+        return await engine_for(self).plan(addr_or_vendor, mode)
+
+    async def recover(self, addr_or_vendor: str, *, timeout: float = 90) -> Any:
+        from gpuwatch.switch.engine import engine_for
+
+        return await engine_for(self).recover(addr_or_vendor, timeout=timeout)
+
+    async def holders(self, addr_or_vendor: str) -> Any:
+        from gpuwatch.switch.engine import engine_for
+
+        return await engine_for(self).holders(addr_or_vendor)
+
     # ------------------------------------------------------------------ tasks
 
     async def _pump(self) -> None:

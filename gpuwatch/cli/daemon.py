@@ -1,0 +1,86 @@
+"""CLI commands that ask the running daemon when one answers, and scan directly otherwise.
+
+``--socket PATH`` names the daemon; without it the default socket is tried only for the host
+root (``--root /``): a fixture root must never be answered by the host's daemon. ``--config``
+and ``--no-daemon`` force a direct scan (the daemon answers with its own tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.service.client import Client, DaemonError, DaemonUnavailable, try_daemon
+from gpuwatch.service.protocol import PERMISSION_DENIED, UNAVAILABLE
+
+T = TypeVar("T")
+
+#: Error codes after which the command scans itself instead (the daemon cannot help).
+FALLBACK_CODES = frozenset({PERMISSION_DENIED, UNAVAILABLE})
+#: A daemon answers from memory in microseconds; one that takes this long is stuck.
+CLI_TIMEOUT = 10.0
+
+
+def add_daemon_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", default=None, metavar="PATH",
+                        help="ask the gpuwatch daemon at PATH (default: /run/gpuwatch/"
+                             "gpuwatch.sock when --root is /)")
+    parser.add_argument("--no-daemon", action="store_true",
+                        help="scan directly even when a daemon answers")
+
+
+def daemon_from_args(args: argparse.Namespace) -> Client | None:
+    if getattr(args, "config", None) or getattr(args, "fresh", False):
+        return None
+    return try_daemon(getattr(args, "socket", None), bool(getattr(args, "no_daemon", False)),
+                      root=getattr(args, "root", "/"), timeout=CLI_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class DaemonAnswer(Generic[T]):
+    value: T
+
+
+class DaemonLost(GpuwatchError):
+    """The daemon stopped answering while it was changing the host: doing it again here
+    could race its switch, so the command stops and says so (exit 1)."""
+
+
+def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
+               mutating: bool = False) -> DaemonAnswer[T] | None:
+    """``call(client)`` on the daemon, or None when the command should do the work itself:
+    no daemon, a refusal (not in the socket group), and, for reads, a broken connection or a
+    timeout. Other error replies are raised (`DaemonUsageError` is a `UsageError`,
+    `DaemonDeviceNotFound` a `DeviceNotFound`, the rest `GpuwatchError`s: exit 1).
+
+    ``mutating`` (switch, recover): once the request may have reached the daemon, a lost
+    connection is `DaemonLost`, never a second attempt of our own.
+    """
+    client = daemon_from_args(args)
+    if client is None:
+        return None
+    with client:
+        try:
+            return DaemonAnswer(call(client))
+        except (DaemonUnavailable, TimeoutError) as exc:
+            if mutating:
+                raise DaemonLost(f"the daemon at {client.path} stopped answering during the "
+                                 f"request ({exc}); see `gpuwatch status` and its log") from None
+            return None
+        except DaemonError as exc:
+            if exc.code in FALLBACK_CODES:
+                return None
+            raise
+
+
+__all__ = [
+    "CLI_TIMEOUT",
+    "DaemonAnswer",
+    "DaemonLost",
+    "add_daemon_args",
+    "ask_daemon",
+    "daemon_from_args",
+]

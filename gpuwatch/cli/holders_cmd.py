@@ -1,0 +1,44 @@
+"""``gpuwatch holders``: the processes keeping the card's device nodes open, which a switch
+away from the card's driver would wait on forever. gpuwatch names them; it never kills them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.mode_cmd import add_target_args, target_of
+from gpuwatch.jsonout import dumps
+from gpuwatch.model import scan
+from gpuwatch.switch.hostops import make_backend
+from gpuwatch.switch.planning import holders_report
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "holders", help="processes holding the card's device nodes open",
+        description="Every process with an open file on, or a mapping of, a node of the card: "
+                    "/dev/nvidia*, its /dev/dri card and render nodes, its audio function's "
+                    "/dev/snd nodes and /dev/vfio/N.")
+    add_target_args(p)
+    add_root_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    addr, vendor = target_of(args)
+    check_root(args.root)
+    model = scan(args.root, args.config)
+    report = holders_report(model, addr=addr, vendor=vendor, euid=make_backend(args.root).geteuid())
+    if args.json:
+        print(dumps(report))
+    else:
+        holders = report["holders"]
+        if not holders:
+            print(f"no process holds a node of {report['addr']} (IOMMU group {report['group']})")
+        for h in holders:
+            print(f"{h['pid']}\t{h['comm']}\t{h['node']}")
+    if report["note"]:
+        print(f"gpuwatch: note: {report['note']}", file=sys.stderr)
+    return EXIT_OK

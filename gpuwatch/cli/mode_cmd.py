@@ -1,0 +1,165 @@
+"""``gpuwatch mode [vfio|nvidia]``: show or switch the mode of a GPU's whole IOMMU group.
+
+With a mode, the switch runs inside a watcher of its own, so completion is what the model
+sees from uevents (docs/switch.md). The helpers here (card selection flags, result output)
+are shared by the other switch commands: plan, recover, holders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, UsageProblem, add_root_args, check_root, fail
+from gpuwatch.core.events import SwitchMember
+from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.plan import (
+    NVIDIA_VENDOR,
+    canonical_addr,
+    find_card,
+    parse_mode,
+    parse_vendor,
+)
+from gpuwatch.core.results import PciFunction
+from gpuwatch.jsonout import dumps
+from gpuwatch.model import HostModel, scan
+from gpuwatch.sources import SourceUnavailable
+from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchEngine, SwitchResult
+from gpuwatch.switch.errors import NotPrivileged
+from gpuwatch.switch.hostops import Backend, make_backend
+from gpuwatch.switch.poison import PoisonStore
+from gpuwatch.watch.watcher import open_watcher
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "mode", help="show or switch a GPU group between vfio-pci and nvidia",
+        description="Without a mode, show the mode of the card's IOMMU group. With one, switch "
+                    "every function of the group to its driver for that mode (root only).")
+    p.add_argument("mode", nargs="?", choices=MODES, help="vfio or nvidia (omit to show)")
+    add_target_args(p)
+    p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"bound of the whole switch in seconds (default {DEFAULT_TIMEOUT:g})")
+    add_root_args(p)
+    p.add_argument("--log", default=None, metavar="PATH|-",
+                   help="append the watcher's events (switch-started, …) to this log")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--addr", metavar="ADDR", help="a PCI address of the card (DDDD:BB:DD.F)")
+    group.add_argument("--vendor", metavar="VENDOR",
+                       help=f"the card's PCI vendor id (default {NVIDIA_VENDOR}, one card only)")
+
+
+def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(addr, vendor)`` from the flags, validated; the vendor defaults to NVIDIA's."""
+    if args.addr is not None:
+        addr = canonical_addr(args.addr)
+        if addr is None:
+            raise UsageProblem(f"{args.addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
+        return addr, None
+    return None, parse_vendor(args.vendor if args.vendor is not None else NVIDIA_VENDOR)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def print_result(result: SwitchResult, as_json: bool) -> None:
+    if as_json:
+        print(dumps(result))
+    else:
+        where = f"{result.addr} (IOMMU group {result.group})"
+        if result.changed:
+            print(f"{where}: {result.from_mode} -> {result.to_mode} in "
+                  f"{result.duration_ms:.0f} ms")
+        elif result.addr:
+            print(f"{where}: already {result.to_mode}, nothing to do")
+        for m in result.members:
+            print(f"  {m.addr}  {m.driver or '(no driver)'}")
+    for note in result.notes:
+        print(f"gpuwatch: note: {note}", file=sys.stderr)
+
+
+async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str,
+                         target: str, mode: Mode | None) -> SwitchResult:
+    """Open a watcher of our own for the switch's duration and run ``action`` in it."""
+    async with open_watcher(args.root, backend.source, config=args.config, log=args.log,
+                            reconcile_interval=0, cdi_poll_interval=0) as watcher:
+        engine = SwitchEngine.attach(watcher, backend.ops, geteuid=backend.geteuid)
+        if action == "recover":
+            return await engine.recover(target, timeout=args.timeout)
+        assert mode is not None
+        return await engine.switch(target, mode, timeout=args.timeout)
+
+
+def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: str,
+               mode: Mode | None) -> SwitchResult | int:
+    try:
+        return anyio.run(run_in_watcher, args, backend, action, target, mode)
+    except SourceUnavailable as exc:
+        return fail(f"cannot watch for completion: {exc}", EXIT_FAILURE)
+
+
+# --------------------------------------------------------------------------- mode
+
+
+def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
+          as_json: bool) -> None:
+    poisoned = PoisonStore(model.root).load().get(card.iommu_group)
+    mode = group_mode(members)
+    if as_json:
+        print(dumps({
+            "addr": card.addr, "group": card.iommu_group, "mode": mode,
+            "poisoned": poisoned.error if poisoned is not None else None,
+            "members": [{"addr": m.addr, "class": m.class_, "driver": m.driver,
+                         "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia")}
+                        for m in members],
+        }))
+        return
+    print(f"{card.addr} (IOMMU group {card.iommu_group}): {mode}")
+    for m in members:
+        print(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}")
+    if poisoned is not None:
+        print(f"  poisoned until reboot or `gpuwatch recover`: {poisoned.error}")
+
+
+def run(args: argparse.Namespace) -> int:
+    addr, vendor = target_of(args)
+    mode = parse_mode(args.mode) if args.mode is not None else None
+    check_root(args.root)
+    model = scan(args.root, args.config)
+    card, members = find_card(model.state, addr=addr, vendor=vendor)
+    if mode is None:
+        _show(model, card, members, args.json)
+        return EXIT_OK
+    if group_in_mode(members, mode):
+        # No write, so no privilege needed: a claim can run this on every start.
+        print_result(SwitchResult(
+            addr=card.addr, group=card.iommu_group, from_mode=mode, to_mode=mode,
+            members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
+            duration_ms=0.0, changed=False, notes=[]), args.json)
+        return EXIT_OK
+    backend = make_backend(args.root)
+    if backend.geteuid() != 0:
+        raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "
+                            "modules)")
+    result = run_switch(args, backend, "switch", addr or vendor or NVIDIA_VENDOR, mode)
+    if isinstance(result, int):
+        return result
+    print_result(result, args.json)
+    return EXIT_OK

@@ -1,0 +1,69 @@
+"""``gpuwatch plan [vfio|nvidia]``: the exact steps a switch would take on this host, run none.
+
+Every write with its file and value and every command, in order: what ``gpuwatch mode``
+would execute now. On a host without a matching card it plans for the documented example
+card, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.mode_cmd import add_target_args, target_of
+from gpuwatch.core.modes import MODES, Mode
+from gpuwatch.core.plan import SwitchPlan, find_card, parse_mode
+from gpuwatch.errors import DeviceNotFound
+from gpuwatch.jsonout import dumps
+from gpuwatch.model import scan
+from gpuwatch.switch.hostops import make_backend
+from gpuwatch.switch.planning import default_mode, plan_for_host
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "plan", help="the exact steps a switch would take (executes nothing)",
+        description="Print the ordered writes and commands `gpuwatch mode MODE` would run on "
+                    "this host now. Needs no privilege and changes nothing.")
+    p.add_argument("mode", nargs="?", choices=MODES,
+                   help="vfio or nvidia (default: out of the group's current mode)")
+    add_target_args(p)
+    add_root_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def render(plan: SwitchPlan) -> str:
+    lines = [f"plan: {plan.addr} (IOMMU group {plan.group}) {plan.from_mode} -> {plan.to_mode}"
+             + (" [example card]" if plan.example else "")]
+    for addr, target in plan.targets:
+        lines.append(f"  {addr}: {target}")
+    if plan.refusal is not None:
+        lines.append(f"refused: {plan.refusal.reason}")
+    elif not plan.steps:
+        lines.append("no steps: nothing to write")
+    for i, step in enumerate(plan.steps, 1):
+        lines.append(f"  {i}. {step.describe()}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    addr, vendor = target_of(args)
+    mode: Mode | None = parse_mode(args.mode) if args.mode is not None else None
+    check_root(args.root)
+    model = scan(args.root, args.config)
+    if mode is None:
+        try:
+            mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
+        except DeviceNotFound:
+            mode = "vfio"
+    backend = make_backend(args.root)
+    plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
+                         which=backend.ops.which)
+    print(dumps(plan.to_json()) if args.json else render(plan))
+    for note in plan.notes:
+        print(f"gpuwatch: note: {note}", file=sys.stderr)
+    if plan.refusal is not None:
+        return fail(f"the switch would be refused: {plan.refusal.reason}", EXIT_FAILURE)
+    return EXIT_OK

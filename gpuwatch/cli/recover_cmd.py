@@ -1,0 +1,59 @@
+"""``gpuwatch recover``: after a wedge, rebind the whole group to vfio-pci and clear the poison.
+
+Unless a task is still stuck in the nvidia driver: then a bind would only add a second stuck
+task, so recover reports that a reboot is required and touches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.mode_cmd import (
+    add_target_args,
+    positive_seconds,
+    print_result,
+    run_switch,
+    target_of,
+)
+from gpuwatch.core.plan import NVIDIA_VENDOR, find_card
+from gpuwatch.model import scan
+from gpuwatch.switch.engine import DEFAULT_TIMEOUT
+from gpuwatch.switch.errors import NotPrivileged, RebootRequired, SwitchRefused
+from gpuwatch.switch.hostops import make_backend
+from gpuwatch.switch.wedge import scan_wedge
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "recover", help="rebind a poisoned group to vfio-pci (unless a reboot is required)",
+        description="If a task is stuck in the nvidia driver, say a reboot is required and "
+                    "touch nothing; otherwise rebind every function of the group to vfio-pci "
+                    "and clear its poison. Root only.")
+    add_target_args(p)
+    p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"bound of the rebind in seconds (default {DEFAULT_TIMEOUT:g})")
+    add_root_args(p)
+    p.add_argument("--log", default=None, metavar="PATH|-", help="append the events to this log")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    addr, vendor = target_of(args)
+    check_root(args.root)
+    backend = make_backend(args.root)
+    if backend.geteuid() != 0:
+        raise NotPrivileged("recover needs root (it writes to sysfs and loads modules)")
+    model = scan(args.root, args.config)
+    find_card(model.state, addr=addr, vendor=vendor)
+    wedge = scan_wedge(model.root)
+    if wedge.wedged:
+        raise RebootRequired(f"{wedge.describe()}: a reboot is required; nothing was touched")
+    if not wedge.complete:
+        raise SwitchRefused(f"{wedge.describe()}; not touching the device")
+    result = run_switch(args, backend, "recover", addr or vendor or NVIDIA_VENDOR, None)
+    if isinstance(result, int):
+        return result
+    print_result(result, args.json)
+    return EXIT_OK

@@ -1,0 +1,36 @@
+"""``gpuwatch udev-rules [--group G]``: print udev rules granting a group access to /dev/vfio/*."""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import sys
+
+from gpuwatch.cli.common import EXIT_OK, UsageProblem
+from gpuwatch.service.udev_rules import DEFAULT_GROUP, RULES_FILE, InvalidGroupName, render_rules
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "udev-rules", help="udev rules giving a group read/write on /dev/vfio/* (rootless VMs)",
+        description=f"Print udev rules that give GROUP read/write on VFIO device nodes, for "
+                    f"rootless GPU passthrough. Install with: gpuwatch udev-rules --group G > "
+                    f"{RULES_FILE} (contrib/udev/README.md).")
+    p.add_argument("--group", default=DEFAULT_GROUP, metavar="G",
+                   help=f"the group granted access (default {DEFAULT_GROUP})")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = render_rules(args.group)
+    except InvalidGroupName as exc:
+        raise UsageProblem(f"udev-rules: --group: {exc}") from None
+    try:
+        grp.getgrnam(args.group)
+    except KeyError:
+        # Still print: the rules may be meant for another host. udev ignores an unknown group.
+        print(f"gpuwatch: note: group {args.group!r} does not exist on this host "
+              f"(create it before installing the rules)", file=sys.stderr)
+    sys.stdout.write(text)
+    return EXIT_OK

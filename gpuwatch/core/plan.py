@@ -1,0 +1,532 @@
+"""Planning a driver switch: the exact, ordered host steps for one IOMMU group. Pure.
+
+The planner sees the group's functions (from the model) and `HostFacts` read beforehand by
+the I/O edge, and returns a `SwitchPlan`: every sysfs write with its file and value, every
+command as an argument list, or a refusal with its reason. ``gpuwatch plan`` prints exactly
+these steps and the switch executes exactly these steps, so what an operator reviews is
+what runs. Nothing here reads a file, runs a command or looks at a clock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gpuwatch.core.events import Holding
+from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_RE, is_gpu_class, normalize_addr
+from gpuwatch.core.results import PciFunction
+from gpuwatch.core.state import HostState
+from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.switch.errors import UnsafeName
+
+NVIDIA_VENDOR = "0x10de"
+#: The documented card `gpuwatch plan` uses on a host without a matching one.
+EXAMPLE_DISPLAY = "0000:01:00.0"
+EXAMPLE_AUDIO = "0000:01:00.1"
+EXAMPLE_GROUP = 1
+#: Modules that hold nvidia and go first on a single-GPU host, in this order.
+NVIDIA_DEPENDENTS = ("nvidia_drm", "nvidia_modeset", "nvidia_uvm", "nvidia_peermem")
+PERSISTENCED_UNIT = "nvidia-persistenced"
+CDI_OUTPUT = "etc/cdi/nvidia.yaml"
+BRIDGE_CLASS = "0x0604"
+AUDIO_CLASS = "0x0403"
+SND_DRIVER = "snd_hda_intel"
+NVIDIA_DRIVER = "nvidia"
+#: The value that clears ``driver_override`` (an empty write never reaches the kernel).
+CLEAR_OVERRIDE = "\n"
+
+_VENDOR_RE = re.compile(r"^(?:0x)?([0-9a-fA-F]{4})$")
+_MODULE_RE = re.compile(r"^[A-Za-z0-9_]+$")
+
+OnError = Literal["fail", "refuse", "warn"]
+
+
+# --------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStep:
+    """Write ``value`` to the sysfs file ``path`` (a host path: ``/sys/…``, under the root)."""
+
+    path: str
+    value: str
+
+    @property
+    def kind(self) -> str:
+        return "write"
+
+    def key(self) -> tuple[str, ...]:
+        return ("write", self.path, self.value)
+
+    def describe(self) -> str:
+        return f"write {self.value!r} to {self.path}"
+
+
+@dataclass(frozen=True, slots=True)
+class CommandStep:
+    """Run ``argv`` (never through a shell). ``on_error`` says what a non-zero exit means:
+    ``fail`` the switch, ``refuse`` it (a module in use), or only ``warn``."""
+
+    argv: tuple[str, ...]
+    on_error: OnError = "fail"
+
+    @property
+    def kind(self) -> str:
+        return "command"
+
+    def key(self) -> tuple[str, ...]:
+        return ("command", *self.argv)
+
+    def describe(self) -> str:
+        return "run " + shlex.join(self.argv)
+
+
+@dataclass(frozen=True, slots=True)
+class MakeDirStep:
+    """Create a folder (host path, under the root) and its parents."""
+
+    path: str
+
+    @property
+    def kind(self) -> str:
+        return "mkdir"
+
+    def key(self) -> tuple[str, ...]:
+        return ("mkdir", self.path)
+
+    def describe(self) -> str:
+        return f"mkdir -p {self.path}"
+
+
+Step = WriteStep | CommandStep | MakeDirStep
+
+
+def step_json(step: Step) -> dict[str, Any]:
+    """The step as the plan's JSON spells it, ``kind`` first."""
+    if isinstance(step, WriteStep):
+        return {"kind": "write", "path": step.path, "value": step.value}
+    if isinstance(step, CommandStep):
+        return {"kind": "command", "argv": list(step.argv), "on_error": step.on_error}
+    return {"kind": "mkdir", "path": step.path}
+
+
+def override_path(addr: str) -> str:
+    return f"/sys/bus/pci/devices/{addr}/driver_override"
+
+
+def unbind_path(driver: str) -> str:
+    return f"/sys/bus/pci/drivers/{driver}/unbind"
+
+
+DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
+
+
+def module_of(driver: str) -> str:
+    """The module (``sys/module`` name) that provides a PCI driver: ``vfio-pci`` → ``vfio_pci``."""
+    return driver.replace("-", "_")
+
+
+# --------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True, slots=True)
+class NodeScope:
+    """Device nodes whose holders matter: exact paths plus path prefixes (``/dev/nvidia``)."""
+
+    exact: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    def matches(self, path: str) -> bool:
+        return path in self.exact or any(path.startswith(p) for p in self.prefixes)
+
+    def __or__(self, other: NodeScope) -> NodeScope:
+        prefixes = self.prefixes + tuple(p for p in other.prefixes if p not in self.prefixes)
+        return NodeScope(self.exact | other.exact, prefixes)
+
+    def __bool__(self) -> bool:
+        return bool(self.exact or self.prefixes)
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the edge read before planning. Defaults describe an empty host."""
+
+    root: str = "/"
+    modules: frozenset[str] = frozenset()
+    #: ``sys/module/nvidia/refcnt`` and the modules listed in ``sys/module/nvidia/holders``.
+    nvidia_refcnt: int = 0
+    nvidia_module_holders: tuple[str, ...] = ()
+    #: Functions outside the group bound to nvidia: when any, the module must stay.
+    other_nvidia: tuple[str, ...] = ()
+    #: This card's ``/dev/nvidiaN`` minor (``proc/driver/nvidia/gpus/<addr>/information``).
+    nvidia_minor: int | None = None
+    #: ``/dev/dri/cardN``, ``renderDN`` per function, and ``/dev/snd/*`` per audio function.
+    dri_nodes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    snd_nodes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    persistenced: bool = False
+    cdi_spec: bool = False
+    ctk_on_path: bool = False
+    #: Holders of the nodes in `holder_scope` (nvidia-persistenced left out: it is stopped).
+    holders: tuple[Holding, ...] = ()
+    #: False when not root: other users' ``/proc/<pid>/fd`` cannot be read.
+    holders_complete: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str
+    holders: tuple[Holding, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    """The switch of one group, decided. A refused plan has no steps."""
+
+    addr: str
+    group: int
+    from_mode: str
+    to_mode: Mode
+    members: tuple[PciFunction, ...]
+    targets: tuple[tuple[str, str], ...]
+    steps: tuple[Step, ...] = ()
+    refusal: Refusal | None = None
+    notes: tuple[str, ...] = ()
+    example: bool = False
+    #: True when the plan unloads the nvidia module (it needs the host to itself).
+    unloads_nvidia: bool = False
+
+    @property
+    def in_mode(self) -> bool:
+        return group_in_mode(self.members, self.to_mode)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "addr": self.addr,
+            "group": self.group,
+            "from_mode": self.from_mode,
+            "to_mode": self.to_mode,
+            "example": self.example,
+            "members": [{"addr": a, "driver": _driver_of(self.members, a), "target": t}
+                        for a, t in self.targets],
+            "steps": [step_json(s) for s in self.steps],
+            "refused": None if self.refusal is None else {
+                "reason": self.refusal.reason,
+                "holders": [h.model_dump() for h in self.refusal.holders],
+            },
+            "notes": list(self.notes),
+        }
+
+
+def _driver_of(members: Sequence[PciFunction], addr: str) -> str:
+    return next((m.driver for m in members if m.addr == addr), "")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def canonical_addr(text: str) -> str | None:
+    """A user-given address in sysfs spelling, or None. Strict: no trailing newline either."""
+    norm = normalize_addr(text)
+    return norm if norm is not None and PCI_ADDR_RE.fullmatch(norm) else None
+
+
+def parse_mode(text: str | None) -> Mode:
+    if text == "vfio":
+        return "vfio"
+    if text == "nvidia":
+        return "nvidia"
+    raise UsageError(f"mode must be one of {', '.join(MODES)}, not {text!r}")
+
+
+def parse_vendor(text: str) -> str:
+    """``0x10DE``, ``10de`` → ``0x10de``; anything else is a `UsageError`."""
+    m = _VENDOR_RE.fullmatch(text)
+    if m is None:
+        raise UsageError(f"{text!r} is not a PCI vendor id (0x10de)")
+    return "0x" + m.group(1).lower()
+
+
+def parse_target(text: str) -> tuple[str | None, str | None]:
+    """A switch target, a PCI address or a vendor id: ``(addr, None)`` or ``(None, vendor)``."""
+    addr = canonical_addr(text)
+    if addr is not None:
+        return addr, None
+    if _VENDOR_RE.fullmatch(text):
+        return None, parse_vendor(text)
+    raise UsageError(f"{text!r} is neither a PCI address (DDDD:BB:DD.F) nor a vendor id (0x10de)")
+
+
+def find_card(state: HostState, *, addr: str | None = None,
+              vendor: str | None = None) -> tuple[PciFunction, tuple[PciFunction, ...]]:
+    """The display function a request names and every function of its IOMMU group.
+
+    An address may name any function of the group (the audio one too). A vendor must match
+    exactly one group: on a host with several such cards, guessing would switch the wrong one.
+    """
+    if addr is not None:
+        norm = canonical_addr(addr)
+        if norm is None:
+            raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
+        if norm not in state.functions:
+            raise DeviceNotFound(f"no PCI function {norm} on this host")
+        members = state.group_members(norm)
+        display = next((m for m in members if is_gpu_class(m.class_)), None)
+        if display is None:
+            raise UsageError(f"{norm} is not a GPU and shares no IOMMU group with one")
+        return display, members
+    if vendor is None:
+        raise UsageError("name the card with an address or a vendor id")
+    vendor = parse_vendor(vendor)
+    cards: dict[int | str, PciFunction] = {}
+    for a in state.gpu_addrs():
+        fn = state.functions[a]
+        if fn.vendor_id == vendor:
+            cards.setdefault(fn.iommu_group if fn.iommu_group >= 0 else fn.addr, fn)
+    if not cards:
+        raise DeviceNotFound(f"no card of vendor {vendor} on this host")
+    if len(cards) > 1:
+        names = ", ".join(fn.addr for fn in cards.values())
+        raise UsageError(f"{len(cards)} cards of vendor {vendor} ({names}): choose one with --addr")
+    display = next(iter(cards.values()))
+    return display, state.group_members(display.addr)
+
+
+def example_card(to_mode: Mode) -> tuple[tuple[PciFunction, ...], HostFacts]:
+    """The documented example card in the other mode, on an otherwise plain single-GPU host."""
+    if to_mode == "vfio":
+        drivers = (NVIDIA_DRIVER, SND_DRIVER)
+        modules = frozenset({"nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", SND_DRIVER})
+        facts = HostFacts(modules=modules, nvidia_refcnt=2,
+                          nvidia_module_holders=("nvidia_modeset", "nvidia_uvm"))
+    else:
+        drivers = (VFIO_DRIVER, VFIO_DRIVER)
+        modules = frozenset({"vfio", "vfio_pci", SND_DRIVER})
+        facts = HostFacts(modules=modules, ctk_on_path=True)
+    members = (
+        PciFunction(addr=EXAMPLE_DISPLAY, vendor_id=NVIDIA_VENDOR, device_id="0x2204",
+                    class_="0x0300", class_label="VGA controller", driver=drivers[0],
+                    iommu_group=EXAMPLE_GROUP),
+        PciFunction(addr=EXAMPLE_AUDIO, vendor_id=NVIDIA_VENDOR, device_id="0x1aef",
+                    class_=AUDIO_CLASS, class_label="Audio device", driver=drivers[1],
+                    iommu_group=EXAMPLE_GROUP),
+    )
+    return members, facts
+
+
+# --------------------------------------------------------------------------- holder scopes
+
+
+def nvidia_scope(facts: HostFacts) -> NodeScope:
+    """Single-GPU host: every ``/dev/nvidia*``. Otherwise only this card's ``/dev/nvidiaN``
+    (the others' clients are not ours to count); nothing when the minor is unknown."""
+    if not facts.other_nvidia:
+        return NodeScope(prefixes=("/dev/nvidia",))
+    if facts.nvidia_minor is None:
+        return NodeScope()
+    return NodeScope(exact=frozenset({f"/dev/nvidia{facts.nvidia_minor}"}))
+
+
+def unbind_scope(fn: PciFunction, facts: HostFacts) -> NodeScope:
+    """The nodes whose open files make unbinding ``fn`` from its driver block in the kernel."""
+    scope = NodeScope(exact=frozenset(facts.dri_nodes.get(fn.addr, ())))
+    if fn.driver == NVIDIA_DRIVER:
+        scope = scope | nvidia_scope(facts)
+    elif fn.driver == VFIO_DRIVER and fn.iommu_group >= 0:
+        scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{fn.iommu_group}"}))
+    if fn.driver and (fn.driver == SND_DRIVER or fn.class_ == AUDIO_CLASS):
+        scope = scope | NodeScope(exact=frozenset(facts.snd_nodes.get(fn.addr, ())))
+    return scope
+
+
+def holder_scope(members: Iterable[PciFunction], mode: Mode, facts: HostFacts) -> NodeScope:
+    """Every node whose holders block this switch: those of each function that must leave
+    its current driver."""
+    scope = NodeScope()
+    for fn in members:
+        if fn.driver and fn.driver != target_driver(fn, mode):
+            scope = scope | unbind_scope(fn, facts)
+    return scope
+
+
+def card_scope(members: Iterable[PciFunction], facts: HostFacts) -> NodeScope:
+    """Every node of the card, whatever the direction (``gpuwatch holders``)."""
+    scope = NodeScope()
+    for fn in members:
+        if fn.driver:
+            scope = scope | unbind_scope(fn, facts)
+    return scope
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def check_names(members: Iterable[PciFunction], mode: Mode) -> None:
+    """Every address and driver name that becomes part of a write, checked before any is made.
+
+    ``fullmatch``: with ``re.match`` a ``$`` also matches before a trailing newline, and
+    ``"nvidia\n"`` must not pass for ``nvidia``.
+    """
+    for fn in members:
+        if not PCI_ADDR_RE.fullmatch(fn.addr):
+            raise UnsafeName(f"refusing to switch: {fn.addr!r} is not a canonical PCI address")
+        for driver in (fn.driver, target_driver(fn, mode)):
+            if driver and (not DRIVER_NAME_RE.fullmatch(driver) or driver in (".", "..")):
+                raise UnsafeName(f"refusing to switch: driver name {driver!r} of {fn.addr} "
+                                 "is not [A-Za-z0-9_.-]+")
+
+
+def cdi_steps(root: str, cdi_spec: bool,
+              ctk_on_path: bool) -> tuple[tuple[Step, ...], tuple[str, ...]]:
+    """Make the nvidia CDI spec when neither exists and ``nvidia-ctk`` can; else say why not."""
+    if cdi_spec:
+        return (), ()
+    if not ctk_on_path:
+        return (), ("no CDI spec and nvidia-ctk is not on PATH: containers cannot name the GPU "
+                    "through CDI until one is generated",)
+    output = os.path.join(root, CDI_OUTPUT)
+    return (
+        MakeDirStep("/" + os.path.dirname(CDI_OUTPUT)),
+        CommandStep(("nvidia-ctk", "cdi", "generate", f"--output={output}"), "warn"),
+    ), ()
+
+
+def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
+                example: bool = False) -> SwitchPlan:
+    """The ordered steps that bring every function of the group to its target driver.
+
+    Raises `UnsafeName` for a malformed address or driver name; every other reason not to
+    switch is a `Refusal` in the plan, with no steps.
+    """
+    fns = tuple(sorted(members, key=lambda f: f.addr))
+    display = next((f for f in fns if is_gpu_class(f.class_)), fns[0])
+    check_names(fns, mode)
+    targets = {fn.addr: target_driver(fn, mode) for fn in fns}
+    base: dict[str, Any] = {
+        "addr": display.addr, "group": display.iommu_group, "from_mode": group_mode(fns),
+        "to_mode": mode, "members": fns, "targets": tuple(targets.items()), "example": example,
+    }
+    if example:
+        base["notes"] = (f"no matching card on this host: planned for the documented example "
+                         f"card (display {EXAMPLE_DISPLAY} class 0x0300, audio {EXAMPLE_AUDIO} "
+                         "class 0x0403)",)
+    if group_in_mode(fns, mode):
+        return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
+                                               f"already in mode {mode}: nothing to write")})
+
+    def refuse(reason: str, holders: Sequence[Holding] = ()) -> SwitchPlan:
+        return SwitchPlan(**base, refusal=Refusal(reason, tuple(holders)))
+
+    group = display.iommu_group
+    bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
+    if bridges:
+        return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "
+                      "bridge stays on its host driver, so this group cannot be switched whole")
+    if mode == "vfio" and group < 0:
+        return refuse(f"{display.addr} has no IOMMU group: vfio-pci needs the IOMMU "
+                      "(intel_iommu=on or amd_iommu=on, and VT-d/AMD-Vi in the firmware)")
+    if facts.holders:
+        return refuse(holders_reason(facts.holders), facts.holders)
+
+    notes: list[str] = list(base.pop("notes", ()))
+    if not facts.holders_complete:
+        notes.append("not root: processes of other users cannot be seen, the holder scan "
+                     "is incomplete")
+    steps: list[Step] = []
+    current = {fn.addr: fn.driver for fn in fns}
+    unloads = False
+    on_nvidia = [fn for fn in fns
+                 if fn.driver == NVIDIA_DRIVER and targets[fn.addr] != NVIDIA_DRIVER]
+    if on_nvidia:
+        if facts.persistenced:
+            steps.append(CommandStep(("systemctl", "stop", PERSISTENCED_UNIT), "warn"))
+        if not facts.other_nvidia:
+            dependents = [m for m in NVIDIA_DEPENDENTS if m in facts.modules]
+            kept = [h for h in facts.nvidia_module_holders if h not in dependents]
+            left = facts.nvidia_refcnt - (len(facts.nvidia_module_holders) - len(kept))
+            if left > 0:
+                users = f" by module {', '.join(kept)}" if kept else " by a kernel user"
+                return refuse(f"the nvidia module is in use{users} (sys/module/nvidia/refcnt "
+                              f"{facts.nvidia_refcnt}): it cannot be unloaded, so the card "
+                              "cannot leave nvidia safely")
+            if dependents:
+                steps.append(CommandStep(("modprobe", "-r", *dependents), "refuse"))
+            if "nvidia" in facts.modules:
+                steps.append(CommandStep(("modprobe", "-r", "nvidia"), "refuse"))
+            unloads = True
+        else:
+            if facts.nvidia_minor is None:
+                return refuse(f"other GPUs stay on nvidia ({', '.join(facts.other_nvidia)}) and "
+                              f"this card's /dev/nvidiaN is unknown (no proc/driver/nvidia/gpus/"
+                              f"{display.addr}/information): its holders cannot be told apart")
+            for fn in on_nvidia:
+                steps.append(WriteStep(unbind_path(NVIDIA_DRIVER), fn.addr))
+            if facts.persistenced:
+                steps.append(CommandStep(("systemctl", "start", PERSISTENCED_UNIT), "warn"))
+        for fn in on_nvidia:
+            current[fn.addr] = ""
+
+    changing = [fn for fn in fns if current[fn.addr] != targets[fn.addr]]
+    for module in dict.fromkeys(module_of(targets[fn.addr]) for fn in changing):
+        if module not in facts.modules:
+            steps.append(CommandStep(("modprobe", module), "fail"))
+    for fn in changing:
+        target = targets[fn.addr]
+        if current[fn.addr]:
+            steps.append(WriteStep(unbind_path(current[fn.addr]), fn.addr))
+        steps.append(WriteStep(override_path(fn.addr), target))
+        steps.append(WriteStep(DRIVERS_PROBE, fn.addr))
+        if mode == "vfio":
+            steps.append(WriteStep(override_path(fn.addr), CLEAR_OVERRIDE))
+    if mode == "nvidia":
+        steps.append(CommandStep(("nvidia-modprobe", "-c", "0", "-u"), "warn"))
+        more, why = cdi_steps(facts.root, facts.cdi_spec, facts.ctk_on_path)
+        steps.extend(more)
+        notes.extend(why)
+    for step in steps:
+        if isinstance(step, CommandStep) and step.argv[0] == "modprobe":
+            for name in step.argv[1:]:
+                if name != "-r" and not _MODULE_RE.fullmatch(name):
+                    raise UnsafeName(f"refusing to switch: module name {name!r} is malformed")
+    return SwitchPlan(**base, steps=tuple(steps), notes=tuple(notes), unloads_nvidia=unloads)
+
+
+def holders_reason(holders: Sequence[Holding]) -> str:
+    named = ", ".join(f"{h.comm or '?'} (pid {h.pid}) holds {h.node}" for h in holders)
+    return f"the card is in use: {named}; close them and retry (gpuwatch never kills them)"
+
+
+__all__ = [
+    "CLEAR_OVERRIDE",
+    "DRIVERS_PROBE",
+    "EXAMPLE_AUDIO",
+    "EXAMPLE_DISPLAY",
+    "NVIDIA_VENDOR",
+    "CommandStep",
+    "HostFacts",
+    "MakeDirStep",
+    "NodeScope",
+    "Refusal",
+    "Step",
+    "SwitchPlan",
+    "WriteStep",
+    "canonical_addr",
+    "card_scope",
+    "cdi_steps",
+    "check_names",
+    "example_card",
+    "find_card",
+    "holder_scope",
+    "override_path",
+    "parse_mode",
+    "parse_target",
+    "parse_vendor",
+    "plan_switch",
+    "step_json",
+    "unbind_path",
+    "unbind_scope",
+]

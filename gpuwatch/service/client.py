@@ -1,0 +1,375 @@
+"""`gpuwatch.Client`: the daemon's socket from Python, blocking (`Client`) or async (`AsyncClient`).
+
+Both speak the protocol of docs/socket.md and return plain JSON values (dicts, lists,
+scalars): exactly what a client in any other language gets. Error replies are raised as
+`DaemonError` carrying the code; those that mean "your request is wrong" and "no such
+device" are also `UsageError` and `DeviceNotFound`, so code written against the direct
+model handles them unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from types import EllipsisType, TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+
+from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
+from gpuwatch.service import protocol as P
+
+DEFAULT_TIMEOUT = 30.0
+#: Replies can be big (a snapshot of a large host); events are small.
+_MAX_REPLY = 256 << 20
+
+
+class DaemonError(GpuwatchError):
+    """An error reply from the daemon; ``code`` is one of docs/socket.md's codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"daemon: {message}" if message else f"daemon: {code}")
+        self.code = code
+        self.message = message
+
+
+class DaemonUsageError(DaemonError, UsageError):
+    """``invalid-params``: the request itself is wrong (exit 2 in the CLI)."""
+
+
+class DaemonDeviceNotFound(DaemonError, DeviceNotFound):
+    """``not-found``: no such PCI function or card on the daemon's host (exit 1)."""
+
+
+class DaemonUnavailable(GpuwatchError, ConnectionError):
+    """Nothing answers at the socket, or the connection broke."""
+
+
+def error_from_reply(error: Any) -> DaemonError:
+    if not isinstance(error, dict):
+        return DaemonError(P.INTERNAL, f"malformed error reply: {error!r}")
+    code = str(error.get("code", P.INTERNAL))
+    message = str(error.get("message", ""))
+    if code in (P.INVALID_PARAMS, P.INVALID_REQUEST, P.UNKNOWN_METHOD):
+        return DaemonUsageError(code, message)
+    if code == P.NOT_FOUND:
+        return DaemonDeviceNotFound(code, message)
+    return DaemonError(code, message)
+
+
+def _params(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _list(values: Iterable[str] | None) -> list[str] | None:
+    return None if values is None else list(values)
+
+
+def _decode(line: bytes, path: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise DaemonUnavailable(f"{path} does not speak the gpuwatch protocol") from None
+
+
+def default_socket_path() -> str:
+    return os.environ.get("GPUWATCH_SOCKET") or P.DEFAULT_SOCKET_PATH
+
+
+# --------------------------------------------------------------------------- blocking
+
+
+class Client:
+    """A blocking connection to the daemon. One request at a time; use as a context manager.
+
+    >>> with gpuwatch.Client() as c:            # /run/gpuwatch/gpuwatch.sock
+    ...     c.probe("group-in-mode", addr="0000:01:00.0", mode="vfio")
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.path = os.fspath(path) if path is not None else default_socket_path()
+        self.timeout = timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
+                                    f"{exc.strerror or exc}") from None
+        self._buf = bytearray()
+        self._next_id = 0
+        self._subscribed = False
+
+    # -- plumbing
+
+    def _readline(self, timeout: float | None) -> bytes:
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut >= 0:
+                line = bytes(self._buf[:cut])
+                del self._buf[: cut + 1]
+                return line
+            if len(self._buf) > _MAX_REPLY:
+                raise DaemonUnavailable("reply too long")
+            self._sock.settimeout(timeout)
+            try:
+                chunk = self._sock.recv(1 << 16)
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
+            if not chunk:
+                raise DaemonUnavailable(f"the daemon at {self.path} closed the connection")
+            self._buf += chunk
+
+    def call(self, method: str, params: Mapping[str, Any] | None = None,
+             *, timeout: float | EllipsisType | None = ...) -> Any:
+        """Send one request and return its result (raises `DaemonError` on an error reply).
+
+        ``timeout`` overrides the client's for this call (a switch may take its own
+        90 seconds; ``timeout=None`` waits as long as it takes).
+        """
+        if self._subscribed:
+            raise RuntimeError("this connection streams events; open another Client to call")
+        self._next_id += 1
+        rid = self._next_id
+        try:
+            self._sock.sendall(P.encode_request(rid, method, params))
+        except OSError as exc:
+            raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
+        wait = self.timeout if timeout is ... else timeout
+        while True:
+            reply = _decode(self._readline(wait), self.path)
+            if not isinstance(reply, dict) or reply.get("id") != rid:
+                continue  # an error for a line we never sent (cannot happen) or stray data
+            if "error" in reply:
+                raise error_from_reply(reply["error"])
+            return reply.get("result")
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- methods
+
+    def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
+              mode: str | None = None, vendor: str | None = None) -> Any:
+        return self.call("probe", _params(action=action, group=group, addr=addr, mode=mode,
+                                          vendor=vendor))
+
+    def snapshot(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("snapshot")
+        return result
+
+    def subscribe(self, types: Iterable[str] | None = None, addrs: Iterable[str] | None = None,
+                  *, since_seq: int | None = None) -> Iterator[dict[str, Any]]:
+        """Events as dicts, forever (until the daemon goes away). This connection then only
+        streams; ``since_seq`` replays what the log still holds after that seq first."""
+        self.subscribe_start(types, addrs, since_seq=since_seq)
+        return self.events()
+
+    def subscribe_start(self, types: Iterable[str] | None = None,
+                        addrs: Iterable[str] | None = None, *,
+                        since_seq: int | None = None) -> dict[str, Any]:
+        """Subscribe and return the reply (``{"seq", "complete"}``); then iterate `events`."""
+        result: dict[str, Any] = self.call(
+            "subscribe", _params(types=_list(types), addrs=_list(addrs), since_seq=since_seq))
+        self._subscribed = True
+        return result
+
+    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        while True:
+            event = json.loads(self._readline(timeout))
+            if isinstance(event, dict) and "seq" in event and "type" in event:
+                yield event
+
+    def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
+               timeout: float | None = None, tolerant: bool | None = None) -> Any:
+        wait = None if timeout is None else timeout + 10
+        return self.call("switch", _params(mode=mode, addr=addr, vendor=vendor, timeout=timeout,
+                                           tolerant=tolerant), timeout=wait)
+
+    def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+
+    def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        return self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
+
+    def holders(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        return self.call("holders", _params(addr=addr, vendor=vendor))
+
+
+# --------------------------------------------------------------------------- async
+
+
+class AsyncClient:
+    """The same calls for asyncio/trio programs: ``async with await AsyncClient.connect() as c``."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, path: str,
+                 timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self._stream = stream
+        self.path = path
+        self.timeout = timeout
+        self._buf = bytearray()
+        self._next_id = 0
+        self._subscribed = False
+        self._lock = anyio.Lock()
+
+    @classmethod
+    async def connect(cls, path: str | os.PathLike[str] | None = None, *,
+                      timeout: float | None = DEFAULT_TIMEOUT) -> AsyncClient:
+        where = os.fspath(path) if path is not None else default_socket_path()
+        try:
+            stream = await anyio.connect_unix(where)
+        except OSError as exc:
+            raise DaemonUnavailable(f"no gpuwatch daemon at {where}: "
+                                    f"{exc.strerror or exc}") from None
+        return cls(stream, where, timeout)
+
+    async def _readline(self) -> bytes:
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut >= 0:
+                line = bytes(self._buf[:cut])
+                del self._buf[: cut + 1]
+                return line
+            if len(self._buf) > _MAX_REPLY:
+                raise DaemonUnavailable("reply too long")
+            try:
+                chunk = await self._stream.receive(1 << 16)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                raise DaemonUnavailable(
+                    f"the daemon at {self.path} closed the connection") from None
+            self._buf += chunk
+
+    async def call(self, method: str, params: Mapping[str, Any] | None = None, *,
+                   timeout: float | EllipsisType | None = ...) -> Any:
+        if self._subscribed:
+            raise RuntimeError("this connection streams events; open another client to call")
+        async with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            try:
+                await self._stream.send(P.encode_request(rid, method, params))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
+            with anyio.fail_after(self.timeout if timeout is ... else timeout):
+                while True:
+                    reply = _decode(await self._readline(), self.path)
+                    if isinstance(reply, dict) and reply.get("id") == rid:
+                        break
+            if "error" in reply:
+                raise error_from_reply(reply["error"])
+            return reply.get("result")
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
+                    mode: str | None = None, vendor: str | None = None) -> Any:
+        return await self.call("probe", _params(action=action, group=group, addr=addr,
+                                                mode=mode, vendor=vendor))
+
+    async def snapshot(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.call("snapshot")
+        return result
+
+    async def subscribe(self, types: Iterable[str] | None = None,
+                        addrs: Iterable[str] | None = None, *,
+                        since_seq: int | None = None) -> dict[str, Any]:
+        """Subscribe; returns ``{"seq", "complete"}``. Then ``async for event in c.events()``."""
+        result: dict[str, Any] = await self.call(
+            "subscribe", _params(types=_list(types), addrs=_list(addrs), since_seq=since_seq))
+        self._subscribed = True
+        return result
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            event = json.loads(await self._readline())
+            if isinstance(event, dict) and "seq" in event and "type" in event:
+                yield event
+
+    async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
+                     timeout: float | None = None, tolerant: bool | None = None) -> Any:
+        wait = None if timeout is None else timeout + 10
+        return await self.call("switch", _params(mode=mode, addr=addr, vendor=vendor,
+                                                 timeout=timeout, tolerant=tolerant),
+                               timeout=wait)
+
+    async def plan(self, mode: str, *, addr: str | None = None,
+                   vendor: str | None = None) -> Any:
+        return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+
+    async def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        return await self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
+
+    async def holders(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
+        return await self.call("holders", _params(addr=addr, vendor=vendor))
+
+
+# --------------------------------------------------------------------------- CLI helper
+
+
+def is_host_root(root: str | os.PathLike[str] | None) -> bool:
+    """True for the real root (the daemon's view); a fixture root is never the daemon's."""
+    if root is None:
+        return True
+    try:
+        return os.path.realpath(os.fspath(root)) == "/"
+    except OSError:
+        return False
+
+
+def try_daemon(socket_path: str | None, no_daemon: bool, *,
+               root: str | os.PathLike[str] | None = None,
+               timeout: float | None = DEFAULT_TIMEOUT) -> Client | None:
+    """A connected `Client` when a daemon answers, else None (the caller scans directly).
+
+    An explicit ``socket_path`` is always tried; the default path only for the host root, so
+    a fixture ``--root`` is never answered by the host's daemon. ``no_daemon`` forces None.
+    """
+    if no_daemon:
+        return None
+    path = socket_path
+    if path is None:
+        if not is_host_root(root):
+            return None
+        path = default_socket_path()
+    if not os.path.exists(path):
+        return None
+    with contextlib.suppress(DaemonUnavailable):
+        return Client(path, timeout=timeout)
+    return None
+
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "DaemonDeviceNotFound",
+    "DaemonError",
+    "DaemonUnavailable",
+    "DaemonUsageError",
+    "default_socket_path",
+    "error_from_reply",
+    "is_host_root",
+    "try_daemon",
+]

@@ -1,0 +1,109 @@
+"""What ``gpuwatch watch`` runs beside the watcher when it is the host's service.
+
+The socket server, Prometheus metrics, the NFD features file and systemd's notify protocol,
+each started from the settings and all attached to the watcher through its listeners. Ready
+is signalled only once the initial scan is done *and* the socket listens, so a unit ordered
+``After=gpuwatch.service`` can connect at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.service.notify import Notifier
+from gpuwatch.settings import WatchSettings
+from gpuwatch.watch.watcher import Watcher
+
+if TYPE_CHECKING:
+    from gpuwatch.service.metrics import Metrics
+    from gpuwatch.service.nfd import NfdFeatureFile
+    from gpuwatch.service.server import SocketServer
+
+_log = logging.getLogger("gpuwatch.service")
+
+
+class ServiceSetupError(GpuwatchError):
+    """A service part cannot start (metrics port taken, socket path unusable, …)."""
+
+
+@dataclass
+class Services:
+    """The parts running for one watcher; None where the settings turned a part off."""
+
+    notifier: Notifier
+    server: SocketServer | None = None
+    metrics: Metrics | None = None
+    nfd: NfdFeatureFile | None = None
+    metrics_address: tuple[str, int] | None = None
+
+
+@asynccontextmanager
+async def run_services(watcher: Watcher, settings: WatchSettings, *,
+                       notifier: Notifier | None = None) -> AsyncIterator[Services]:
+    """Start every configured part, signal READY, run the watchdog; stop all on exit."""
+    services = Services(notifier=notifier or Notifier())
+    metrics: Metrics | None = None
+    nfd: NfdFeatureFile | None = None
+    async with anyio.create_task_group() as tg:
+        try:
+            if settings.metrics:
+                from gpuwatch.service.metrics import Metrics
+
+                metrics = Metrics()
+                metrics.attach(watcher)
+                services.metrics = metrics
+                try:
+                    services.metrics_address = metrics.serve(settings.metrics)
+                except OSError as exc:
+                    raise ServiceSetupError(
+                        f"--metrics {settings.metrics}: {exc.strerror or exc}") from None
+            if settings.nfd_features:
+                from gpuwatch.service.nfd import NfdFeatureFile
+
+                nfd = NfdFeatureFile(settings.nfd_features, expiry=settings.nfd_expiry)
+                nfd.attach(watcher)
+                services.nfd = nfd
+                tg.start_soon(nfd.run, name="gpuwatch-nfd")
+            if settings.socket:
+                from gpuwatch.service.server import SocketServer
+
+                read_gid = settings.socket_gid
+                if os.geteuid() != 0 and settings.origins.get("socket_group") == "default":
+                    read_gid = None  # not root: cannot give the file to the gpuwatch group
+                server = SocketServer(
+                    watcher, settings.socket, read_gid=read_gid,
+                    switch_gid=settings.switch_gid, log_path=settings.log, metrics=metrics,
+                )
+                services.server = server
+                await tg.start(server.serve, name="gpuwatch-socket")
+            services.notifier.ready(_status(watcher, settings))
+            tg.start_soon(services.notifier.run_watchdog, name="gpuwatch-watchdog")
+            yield services
+        finally:
+            services.notifier.stopping()
+            tg.cancel_scope.cancel()
+            if metrics is not None:
+                metrics.close()
+            if nfd is not None:
+                nfd.detach()
+
+
+def _status(watcher: Watcher, settings: WatchSettings) -> str:
+    gpus = len(watcher.probe("detect-vfio").gpus)
+    parts = [f"watching {len(watcher.model.state.functions)} PCI functions, {gpus} GPU(s)"]
+    if settings.socket:
+        parts.append(f"socket {settings.socket}")
+    if settings.metrics:
+        parts.append(f"metrics {settings.metrics}")
+    return "; ".join(parts)
+
+
+__all__ = ["ServiceSetupError", "Services", "run_services"]

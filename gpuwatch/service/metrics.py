@@ -1,0 +1,157 @@
+"""Prometheus metrics of a running watcher (``gpuwatch watch --metrics ADDR``).
+
+Everything is fed from the watcher's event stream, on the event loop: GPU counts are
+recomputed from the ``detect-vfio`` answer a ``probe-changed`` event carries, so a scrape
+(on prometheus_client's HTTP thread) never walks the model while the loop changes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter as Tally
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+from pydantic import BaseModel
+
+from gpuwatch.core.modes import group_mode
+from gpuwatch.settings import InvalidListenAddress, parse_listen_address
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from gpuwatch.watch.watcher import Watcher
+
+_log = logging.getLogger("gpuwatch.service")
+
+#: Buckets for a switch: unbind/bind takes tens of ms, a module reload seconds, the timeout 90 s.
+SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 120.0)
+
+
+class Metrics:
+    """One registry per watcher (not the global one), so tests and embedders can hold several."""
+
+    def __init__(self, vendor_name: Callable[[str], str] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._vendor_name = vendor_name or (lambda vid: vid or "unknown")
+        self.gpus = Gauge("gpuwatch_gpus", "GPUs (display-class functions) by vendor and mode "
+                          "of their IOMMU group", ["vendor", "mode"], registry=r)
+        self._gpu_series: set[tuple[str, str]] = set()
+        self.functions = Gauge("gpuwatch_pci_functions", "PCI functions in the model", registry=r)
+        self.events = Counter("gpuwatch_events", "Events published, by type", ["type"], registry=r)
+        self.resyncs = Counter("gpuwatch_resyncs", "Full rescans diffed against the model, by "
+                               "reason", ["reason"], registry=r)
+        self.switches = Counter("gpuwatch_switches", "Driver switches by outcome (completed, "
+                                "refused, failed, wedged)", ["outcome"], registry=r)
+        self.switch_duration = Histogram("gpuwatch_switch_duration_seconds", "Duration of "
+                                         "completed switches", buckets=SWITCH_BUCKETS, registry=r)
+        self.probe_calls = Counter("gpuwatch_probe_calls", "Probe requests answered through the "
+                                   "socket, by action", ["action"], registry=r)
+        self.requests = Counter("gpuwatch_socket_requests", "Socket requests by method and "
+                                "outcome (ok or the error code)", ["method", "outcome"], registry=r)
+        self.clients = Gauge("gpuwatch_socket_clients", "Connected socket clients", registry=r)
+        self.lag_drops = Counter("gpuwatch_subscriber_lag_drops", "Subscribers disconnected "
+                                 "because they stopped reading and their buffer filled",
+                                 registry=r)
+        self.last_seq = Gauge("gpuwatch_last_event_seq", "seq of the last event", registry=r)
+        self._last_event = time.time()
+        self.last_event_age = Gauge("gpuwatch_last_event_age_seconds", "Seconds since the last "
+                                    "event was published", registry=r)
+        self.last_event_age.set_function(lambda: time.time() - self._last_event)
+        ProcessCollector(registry=r)
+        self._server: WSGIServer | None = None
+        self._watcher: Watcher | None = None
+
+    # ------------------------------------------------------------------ feeding
+
+    def attach(self, watcher: Watcher) -> None:
+        """Start from the watcher's current state and follow its events from now on."""
+        self._watcher = watcher
+        self._vendor_name = lambda vid: watcher.tables.gpu_vendors.get(vid, vid or "unknown")
+        # open_watcher publishes exactly one `ready` before it hands the watcher out.
+        self.events.labels(type="ready").inc()
+        self.last_seq.set(watcher.seq)
+        self.functions.set(len(watcher.model.state.functions))
+        self.set_gpus(watcher.probe("detect-vfio"))
+        watcher.listeners.append(self.on_event)
+
+    def detach(self) -> None:
+        if self._watcher is not None and self.on_event in self._watcher.listeners:
+            self._watcher.listeners.remove(self.on_event)
+        self._watcher = None
+
+    def set_gpus(self, detect_vfio: Any) -> None:
+        """GPU gauges from a ``detect-vfio`` answer (model or its JSON form)."""
+        gpus = detect_vfio["gpus"] if isinstance(detect_vfio, dict) else detect_vfio.gpus
+        tally: Tally[tuple[str, str]] = Tally()
+        for gpu in gpus:
+            if isinstance(gpu, dict):
+                from gpuwatch.core.results import GpuInfo
+
+                gpu = GpuInfo.model_validate(gpu)
+            tally[(self._vendor_name(gpu.vendor_id), group_mode(gpu.group_members))] += 1
+        # Set the new series, then drop the vanished ones: a scrape never sees an empty gap.
+        for (vendor, mode), count in sorted(tally.items()):
+            self.gpus.labels(vendor=vendor, mode=mode).set(count)
+        for key in self._gpu_series - set(tally):
+            self.gpus.remove(*key)
+        self._gpu_series = set(tally)
+
+    def on_event(self, event: BaseModel) -> None:
+        """Watcher listener: constant work per event, except a detect-vfio change (per GPU).
+        Never raises: an exception here would stop the watcher's publishing."""
+        try:
+            self._count(event)
+        except Exception:
+            _log.exception("metrics of event %s failed", getattr(event, "seq", "?"))
+
+    def _count(self, event: BaseModel) -> None:
+        etype = str(getattr(event, "type", "unknown"))
+        self.events.labels(type=etype).inc()
+        self._last_event = time.time()
+        self.last_seq.set(getattr(event, "seq", 0))
+        if self._watcher is not None:
+            self.functions.set(len(self._watcher.model.state.functions))
+        if etype == "probe-changed" and getattr(event, "action", "") == "detect-vfio":
+            self.set_gpus(getattr(event, "new"))  # noqa: B009 - any event model
+        elif etype == "resync":
+            self.resyncs.labels(reason=str(getattr(event, "reason", ""))).inc()
+        elif etype == "switch-completed":
+            self.switches.labels(outcome="completed").inc()
+            self.switch_duration.observe(float(getattr(event, "duration_ms", 0.0)) / 1000)
+        elif etype == "switch-refused":
+            self.switches.labels(outcome="refused").inc()
+        elif etype == "switch-failed":
+            wedged = bool(getattr(event, "wedged", False))
+            self.switches.labels(outcome="wedged" if wedged else "failed").inc()
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self, address: str) -> tuple[str, int]:
+        """Serve ``/metrics`` over HTTP on a daemon thread; returns the bound (host, port)."""
+        host, port = parse_listen_address(address)
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        bound = server.server_address
+        _log.info("metrics on http://%s:%s/metrics", bound[0], bound[1])
+        return str(bound[0]), int(bound[1])
+
+    def close(self) -> None:
+        self.detach()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+__all__ = ["InvalidListenAddress", "Metrics", "parse_listen_address"]

@@ -1,0 +1,222 @@
+"""A Kubernetes node-feature-discovery local feature file, kept current by the watcher.
+
+NFD's ``local`` source reads every file in ``features.d/`` and turns each ``name=value``
+line into a node label (prefixed ``feature.node.kubernetes.io/``). Writing that file is all
+it takes for a scheduler to see this host's GPUs and their modes: no poller, no API access.
+
+The file is rewritten (atomically: temporary file, fsync, rename) only when a label changes,
+plus once per half ``expiry`` so that the ``# +expiry-time`` directive never lapses while the
+daemon runs; if the daemon dies, NFD drops the labels at that time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import BaseModel
+
+from gpuwatch.core.modes import group_mode
+
+if TYPE_CHECKING:
+    from gpuwatch.watch.watcher import Watcher
+
+_log = logging.getLogger("gpuwatch.service")
+
+#: The file name inside ``features.d/`` when a directory is given.
+NFD_FILE_NAME = "gpuwatch"
+#: NFD's usual features directory on a node.
+NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
+DEFAULT_EXPIRY = 3600.0
+#: The probe answers the labels are made of: a change to any other one cannot alter them.
+LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version"})
+
+_SLUG_RE = re.compile(r"[^a-z0-9]+")
+
+
+def _slug(name: str) -> str:
+    """A vendor name as a label-name segment: ``NVIDIA`` → ``nvidia``, ``Red Hat`` → ``red-hat``."""
+    return _SLUG_RE.sub("-", name.lower()).strip("-") or "unknown"
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj[name] if isinstance(obj, Mapping) else getattr(obj, name)
+
+
+def feature_labels(
+    detect_vfio: Any,
+    detect_gpu: bool,
+    detect_amd_gpu: bool,
+    amd_gfx_version: str,
+    vendor_name: Callable[[str], str],
+) -> dict[str, str]:
+    """The labels of one host, from probe answers only (pure: the tests feed it plain data)."""
+    labels = {
+        "gpuwatch.iommu": _flag(bool(_get(detect_vfio, "iommu_enabled"))),
+        "gpuwatch.nvidia.cdi": _flag(detect_gpu),
+        "gpuwatch.amd.gpu": _flag(detect_amd_gpu),
+    }
+    kind = _get(detect_vfio, "iommu_kind")
+    if kind:
+        labels["gpuwatch.iommu.kind"] = str(kind)
+    if amd_gfx_version:
+        labels["gpuwatch.amd.gfx"] = amd_gfx_version
+    vendors: Counter[str] = Counter()
+    vfio = 0
+    gpus = list(_get(detect_vfio, "gpus"))
+    for gpu in gpus:
+        vendors[_slug(vendor_name(str(_get(gpu, "vendor_id"))))] += 1
+        members = _get(gpu, "group_members")
+        if members and group_mode(_as_functions(members)) == "vfio":
+            vfio += 1
+    for vendor, count in vendors.items():
+        labels[f"gpuwatch.gpu.{vendor}.count"] = str(count)
+    labels["gpuwatch.gpu.count"] = str(len(gpus))
+    labels["gpuwatch.gpu.vfio.count"] = str(vfio)
+    return dict(sorted(labels.items()))
+
+
+def _as_functions(members: Any) -> list[Any]:
+    from gpuwatch.core.results import PciFunction
+
+    return [m if isinstance(m, PciFunction) else PciFunction.model_validate(m) for m in members]
+
+
+def render(labels: Mapping[str, str], expires: float | None) -> str:
+    """The file's text: a header, the expiry directive (NFD >= 0.14 honours it), the labels."""
+    lines = ["# Written by gpuwatch; rewritten on every change, do not edit."]
+    if expires is not None:
+        stamp = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        lines.append(f"# +expiry-time={stamp}")
+    lines.extend(f"{name}={value}" for name, value in labels.items())
+    return "\n".join(lines) + "\n"
+
+
+def resolve_path(path: str | os.PathLike[str]) -> str:
+    """A directory (``features.d/``) gets the file name ``gpuwatch`` inside it."""
+    text = os.fspath(path)
+    if text.endswith("/") or os.path.isdir(text):
+        return os.path.join(text, NFD_FILE_NAME)
+    return text
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Temporary file in the same directory, fsync, rename: NFD never reads half a file."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, mode=0o755, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, text.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        os.unlink(tmp)
+        raise
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class NfdFeatureFile:
+    """Keeps one features file in step with a watcher. ``attach`` then run ``run`` as a task."""
+
+    def __init__(self, path: str | os.PathLike[str], *, expiry: float = DEFAULT_EXPIRY,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = resolve_path(path)
+        self.expiry = expiry
+        self._clock = clock
+        self._watcher: Watcher | None = None
+        self._labels: dict[str, str] | None = None
+        self._written_at = 0.0
+        self._dirty = True
+        self._wake: anyio.Event | None = None  # made in `run`: an Event needs a running loop
+        self.writes = 0
+
+    def attach(self, watcher: Watcher) -> None:
+        self._watcher = watcher
+        watcher.listeners.append(self.on_event)
+
+    def detach(self) -> None:
+        if self._watcher is not None and self.on_event in self._watcher.listeners:
+            self._watcher.listeners.remove(self.on_event)
+
+    def on_event(self, event: BaseModel) -> None:
+        """Watcher listener: only mark and wake; the writer task does the I/O."""
+        etype = getattr(event, "type", "")
+        if etype == "ready" or (etype == "probe-changed"
+                                and getattr(event, "action", "") in LABEL_PROBES):
+            self._dirty = True
+            if self._wake is not None:
+                self._wake.set()
+
+    def labels(self) -> dict[str, str]:
+        w = self._watcher
+        assert w is not None, "attach a watcher first"
+        gpu_vendors = w.tables.gpu_vendors
+        return feature_labels(
+            w.probe("detect-vfio"), bool(w.probe("detect-gpu")), bool(w.probe("detect-amd-gpu")),
+            str(w.probe("amd-gfx-version")), lambda vid: gpu_vendors.get(vid, vid or "unknown"),
+        )
+
+    async def update(self, *, force: bool = False) -> bool:
+        """Write if the labels changed (or ``force``, or the expiry needs refreshing)."""
+        self._dirty = False
+        labels = self.labels()
+        now = self._clock()
+        refresh_due = self.expiry > 0 and now >= self._written_at + self.expiry / 2
+        if not force and labels == self._labels and not refresh_due:
+            return False
+        expires = now + self.expiry if self.expiry > 0 else None
+        text = render(labels, expires)
+        try:
+            await anyio.to_thread.run_sync(write_atomically, self.path, text)
+        except OSError as exc:
+            _log.warning("cannot write NFD features file %s: %s", self.path, exc)
+            return False
+        self._labels = labels
+        self._written_at = now
+        self.writes += 1
+        return True
+
+    async def run(self) -> None:
+        """Write now, then on every change and before the expiry lapses."""
+        self._wake = anyio.Event()
+        await self.update(force=True)
+        while True:
+            if not self._dirty:
+                wait = None
+                if self.expiry > 0:
+                    wait = max(self._written_at + self.expiry / 2 - self._clock(), 0.0)
+                with anyio.move_on_after(wait):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+            await self.update()
+
+
+__all__ = [
+    "DEFAULT_EXPIRY",
+    "NFD_FEATURES_DIR",
+    "NFD_FILE_NAME",
+    "NfdFeatureFile",
+    "feature_labels",
+    "render",
+    "resolve_path",
+    "write_atomically",
+]

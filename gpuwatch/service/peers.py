@@ -1,0 +1,175 @@
+"""Who is on the other end of a socket connection, and what they may ask.
+
+The kernel vouches for the peer (SO_PEERCRED, taken at ``connect()``), so a client cannot
+claim to be someone else; the supplementary groups come from SO_PEERGROUPS where the kernel
+has it (Linux 4.13+), else from the group database for the peer's uid.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import platform
+import pwd
+import socket
+import struct
+from dataclasses import dataclass
+
+from gpuwatch.core.results import MemlockResult
+from gpuwatch.service.protocol import SWITCH_METHODS
+
+#: Default group allowed to read through the socket, when it exists on the host.
+DEFAULT_SOCKET_GROUP = "gpuwatch"
+
+_UCRED = struct.Struct("3i")
+# SO_PEERGROUPS is 59 in asm-generic; these architectures use their own numbering.
+_OWN_SOCKOPT_NUMBERS = ("alpha", "mips", "parisc", "sparc")
+
+
+class GroupNotFound(LookupError):
+    """A group named in the settings does not exist on this host."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCred:
+    """The peer process as the kernel saw it at connect time."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int]
+
+    def describe(self) -> str:
+        return f"uid {self.uid} pid {self.pid}"
+
+
+def _peer_groups(sock: socket.socket) -> list[int] | None:
+    option = getattr(socket, "SO_PEERGROUPS", None)
+    if option is None:
+        machine = platform.machine().lower()
+        if machine.startswith(_OWN_SOCKOPT_NUMBERS):
+            return None
+        option = 59
+    for count in (64, 65536):
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, option, 4 * count)
+        except OSError:
+            continue
+        return list(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    return None
+
+
+def _db_groups(uid: int, gid: int) -> list[int]:
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        return os.getgrouplist(name, gid)
+    except (KeyError, OSError):
+        return []
+
+
+def peer_credentials(sock: socket.socket) -> PeerCred:
+    """SO_PEERCRED of a connected Unix socket, with the peer's groups."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    groups = _peer_groups(sock)
+    if groups is None:
+        groups = _db_groups(uid, gid)
+    return PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *groups)))
+
+
+def resolve_group(name: str | int) -> int:
+    """A group name or number as a gid; numbers need not exist in the database."""
+    if isinstance(name, int):
+        return name
+    text = name.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise GroupNotFound(f"group {text!r} does not exist on this host") from None
+
+
+def default_socket_gid() -> int | None:
+    """The ``gpuwatch`` group when the host has one, else None (root only)."""
+    try:
+        return grp.getgrnam(DEFAULT_SOCKET_GROUP).gr_gid
+    except KeyError:
+        return None
+
+
+def group_label(gid: int | None) -> str:
+    if gid is None:
+        return "root only"
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+@dataclass(frozen=True, slots=True)
+class AccessPolicy:
+    """Reads for root and the socket group; switches for root and the switch group.
+
+    A member of the switch group may read too: it can only connect at all if the socket's
+    file mode lets it, and someone trusted to switch is trusted to look.
+    """
+
+    read_gid: int | None
+    switch_gid: int | None
+    #: The daemon's own user: a daemon run without root (a developer's) serves its user.
+    owner_uid: int = 0
+
+    def allows(self, method: str, peer: PeerCred) -> bool:
+        if peer.uid in (0, self.owner_uid):
+            return True
+        in_switch = self.switch_gid is not None and self.switch_gid in peer.groups
+        if method in SWITCH_METHODS:
+            return in_switch
+        return in_switch or (self.read_gid is not None and self.read_gid in peer.groups)
+
+    def refusal(self, method: str, peer: PeerCred) -> str:
+        if method in SWITCH_METHODS:
+            who = "root" if self.switch_gid is None else \
+                f"root or members of group {group_label(self.switch_gid)!r} (--switch-group)"
+        else:
+            who = "root" if self.read_gid is None else \
+                f"root or members of group {group_label(self.read_gid)!r} (--socket-group)"
+        return f"{method} is allowed for {who} only; this peer is {peer.describe()}"
+
+
+def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
+    """The peer's RLIMIT_MEMLOCK from ``/proc/<pid>/limits`` (world-readable, no privilege):
+    the probe contract answers for the asking process, so the daemon answers for its peer."""
+    try:
+        with open(f"{proc}/{pid}/limits", encoding="ascii", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("Max locked memory"):
+            fields = line[len("Max locked memory"):].split()
+            if len(fields) < 2:
+                return None
+
+            def value(text: str) -> int | None:
+                return None if text == "unlimited" else int(text)
+
+            try:
+                return MemlockResult(soft=value(fields[0]), hard=value(fields[1]))
+            except ValueError:
+                return None
+    return None
+
+
+__all__ = [
+    "DEFAULT_SOCKET_GROUP",
+    "AccessPolicy",
+    "GroupNotFound",
+    "PeerCred",
+    "default_socket_gid",
+    "group_label",
+    "peer_credentials",
+    "peer_memlock",
+    "resolve_group",
+]

@@ -1,0 +1,211 @@
+"""The socket protocol: newline-delimited JSON requests and replies (docs/socket.md).
+
+Pure encoding and validation, no I/O, so the server, the client and the tests agree on one
+definition of a well-formed request and of every error code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+from pydantic_core import to_json
+
+#: Where the systemd unit serves the socket (``RuntimeDirectory=gpuwatch``).
+DEFAULT_SOCKET_PATH: Final = "/run/gpuwatch/gpuwatch.sock"
+#: A request line longer than this is refused: no legitimate request comes close.
+MAX_LINE: Final = 1 << 20
+
+#: Methods anyone allowed on the socket may call.
+READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders"})
+#: Methods that change the host: root, or members of ``--switch-group``.
+SWITCH_METHODS: Final = frozenset({"switch", "recover"})
+METHODS: Final = READ_METHODS | SWITCH_METHODS
+
+# Error codes. Strings, not JSON-RPC numbers: a shell script reads them without a table.
+PARSE_ERROR: Final = "parse-error"  # the line is not JSON
+LINE_TOO_LONG: Final = "line-too-long"  # over MAX_LINE bytes before the newline
+INVALID_REQUEST: Final = "invalid-request"  # JSON, but not {"id", "method", "params"}
+UNKNOWN_METHOD: Final = "unknown-method"
+INVALID_PARAMS: Final = "invalid-params"  # missing, unknown or wrongly typed parameter
+PERMISSION_DENIED: Final = "permission-denied"  # SO_PEERCRED says this peer may not
+NOT_FOUND: Final = "not-found"  # no such PCI function / card on this host
+UNAVAILABLE: Final = "unavailable"  # this daemon cannot answer that (feature absent)
+ALREADY_SUBSCRIBED: Final = "already-subscribed"
+TOO_MANY_CLIENTS: Final = "too-many-clients"
+SWITCH_REFUSED: Final = "switch-refused"  # holders named in the message; nothing written
+SWITCH_FAILED: Final = "switch-failed"
+SWITCH_WEDGED: Final = "switch-wedged"  # a kernel write hung: group poisoned until reboot/recover
+GROUP_BUSY: Final = "group-busy"  # another switch of this group is in progress
+GROUP_POISONED: Final = "group-poisoned"  # an earlier switch wedged: reboot or recover
+REBOOT_REQUIRED: Final = "reboot-required"  # recover refused: a task is stuck in the driver
+NOT_ROOT: Final = "not-root"  # the daemon itself lacks the privilege to do it
+INTERNAL: Final = "internal-error"
+
+ERROR_CODES: Final = frozenset({
+    PARSE_ERROR, LINE_TOO_LONG, INVALID_REQUEST, UNKNOWN_METHOD, INVALID_PARAMS,
+    PERMISSION_DENIED, NOT_FOUND, UNAVAILABLE, ALREADY_SUBSCRIBED, TOO_MANY_CLIENTS,
+    SWITCH_REFUSED, SWITCH_FAILED, SWITCH_WEDGED, GROUP_BUSY, GROUP_POISONED, REBOOT_REQUIRED,
+    NOT_ROOT, INTERNAL,
+})
+
+
+class RpcError(Exception):
+    """A request that gets an error reply; ``code`` is one of `ERROR_CODES`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Request:
+    """One decoded request. ``id`` is echoed back verbatim (any JSON value, null if absent)."""
+
+    __slots__ = ("id", "method", "params")
+
+    def __init__(self, id: Any, method: str, params: dict[str, Any]) -> None:
+        self.id = id
+        self.method = method
+        self.params = params
+
+
+def parse_request(line: bytes | str) -> Request:
+    """A request line as a `Request`; `RpcError` (with the id when one was readable) otherwise.
+
+    The id travels inside the error so the reply can still name the request it answers.
+    """
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise RequestError(None, PARSE_ERROR, f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise RequestError(None, INVALID_REQUEST,
+                           f"a request is a JSON object, not {type(obj).__name__}")
+    rid = obj.get("id")
+    unknown = sorted(set(obj) - {"id", "method", "params"})
+    if unknown:
+        raise RequestError(rid, INVALID_REQUEST, f"unknown request field {unknown[0]!r}")
+    method = obj.get("method")
+    if not isinstance(method, str):
+        raise RequestError(rid, INVALID_REQUEST, "request needs a string 'method'")
+    params = obj.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise RequestError(rid, INVALID_PARAMS, "'params' must be a JSON object")
+    if method not in METHODS:
+        raise RequestError(rid, UNKNOWN_METHOD,
+                           f"unknown method {method!r} (one of: {', '.join(sorted(METHODS))})")
+    return Request(rid, method, params)
+
+
+class RequestError(RpcError):
+    """An `RpcError` raised while decoding, carrying the id read so far (None if none)."""
+
+    def __init__(self, rid: Any, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.rid = rid
+
+
+def encode_result(rid: Any, result: Any) -> bytes:
+    """``{"id", "result"}`` + newline; pydantic answers serialised by alias (``class``)."""
+    return to_json({"id": rid, "result": result}, by_alias=True) + b"\n"
+
+
+def encode_error(rid: Any, code: str, message: str) -> bytes:
+    """``{"id", "error": {"code", "message"}}`` + newline; the message is one line."""
+    one_line = " ".join(message.split())
+    return to_json({"id": rid, "error": {"code": code, "message": one_line}}) + b"\n"
+
+
+def encode_request(rid: Any, method: str, params: Mapping[str, Any] | None = None) -> bytes:
+    return to_json({"id": rid, "method": method, "params": dict(params or {})}) + b"\n"
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+class Params:
+    """Typed access to a request's params; every mistake is an ``invalid-params`` error and
+    a parameter nobody read is reported too, so a typo (``adr``) is not silently ignored."""
+
+    def __init__(self, method: str, params: Mapping[str, Any]) -> None:
+        self.method = method
+        self._params = dict(params)
+        self._read: set[str] = set()
+
+    def _get(self, name: str) -> Any:
+        self._read.add(name)
+        return self._params.get(name)
+
+    def _bad(self, name: str, want: str, value: Any) -> RpcError:
+        return RpcError(INVALID_PARAMS, f"{self.method}: '{name}' must be {want}, "
+                                        f"not {json.dumps(value)[:80]}")
+
+    def opt_str(self, name: str) -> str | None:
+        value = self._get(name)
+        if value is None or isinstance(value, str):
+            return value
+        raise self._bad(name, "a string", value)
+
+    def req_str(self, name: str) -> str:
+        value = self.opt_str(name)
+        if value is None:
+            raise RpcError(INVALID_PARAMS, f"{self.method}: parameter '{name}' is required")
+        return value
+
+    def opt_int(self, name: str) -> int | None:
+        value = self._get(name)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise self._bad(name, "an integer", value)
+
+    def opt_float(self, name: str) -> float | None:
+        value = self._get(name)
+        if value is None:
+            return None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if value < 0:
+                raise self._bad(name, "a non-negative number", value)
+            return float(value)
+        raise self._bad(name, "a number", value)
+
+    def opt_bool(self, name: str) -> bool | None:
+        value = self._get(name)
+        if value is None or isinstance(value, bool):
+            return value
+        raise self._bad(name, "true or false", value)
+
+    def opt_str_list(self, name: str) -> list[str] | None:
+        value = self._get(name)
+        if value is None:
+            return None
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise self._bad(name, "a list of strings", value)
+
+    def done(self) -> None:
+        """Call after reading every parameter the method knows."""
+        unknown = sorted(set(self._params) - self._read)
+        if unknown:
+            raise RpcError(INVALID_PARAMS, f"{self.method}: unknown parameter {unknown[0]!r}")
+
+
+__all__ = [
+    "DEFAULT_SOCKET_PATH",
+    "ERROR_CODES",
+    "MAX_LINE",
+    "METHODS",
+    "READ_METHODS",
+    "SWITCH_METHODS",
+    "Params",
+    "Request",
+    "RequestError",
+    "RpcError",
+    "encode_error",
+    "encode_request",
+    "encode_result",
+    "parse_request",
+]

@@ -1,0 +1,51 @@
+"""The parts of `HostModel` that ``status`` and ``list`` read, answered by the daemon.
+
+Lets the operator reports (gpuwatch/report.py) run unchanged on the daemon's in-memory model:
+one ``detect-vfio`` probe carries every GPU with its group, and access to ``/dev/vfio/N`` is
+asked of the daemon, which answers for the caller (the socket peer), as a local scan would.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gpuwatch.config import Tables
+from gpuwatch.core.results import DetectVfioResult, PciFunction
+from gpuwatch.service.client import Client
+
+
+class _RemoteState:
+    def __init__(self, vfio: DetectVfioResult) -> None:
+        self._members = {gpu.addr: gpu.group_members for gpu in vfio.gpus}
+
+    def group_members(self, addr: str) -> tuple[PciFunction, ...]:
+        return self._members[addr]
+
+
+class RemoteModel:
+    """Duck-typed stand-in for `HostModel` in `build_status` and `passthrough_gpus`."""
+
+    def __init__(self, client: Client, tables: Tables, root: str = "/") -> None:
+        self._client = client
+        self.tables = tables
+        self.root = root
+        self._vfio = DetectVfioResult.model_validate(client.probe("detect-vfio"))
+        self.state = _RemoteState(self._vfio)
+
+    def probe(self, action: str, **params: Any) -> Any:
+        if action == "detect-vfio" and not params:
+            return self._vfio
+        return self._client.probe(action, **params)
+
+    def vfio_group_accessible(self, group: int | None) -> bool:
+        if group is None or group < 0:
+            return False
+        return bool(self._client.probe("vfio-group-accessible", group=group))
+
+    def module_loaded(self, name: str) -> bool:
+        # Module state is not in any probe answer; sysfs says it directly and cheaply.
+        return os.path.isdir(os.path.join(self.root, "sys/module", name))
+
+
+__all__ = ["RemoteModel"]

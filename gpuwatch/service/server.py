@@ -1,0 +1,650 @@
+"""The socket server: a running `Watcher` served to any language over a Unix stream socket.
+
+Newline-delimited JSON (docs/socket.md). Each connection has a reader (requests, answered in
+order) and a writer draining a bounded outbox. Nothing the server does for a client ever
+waits on that client: event fan-out is a synchronous watcher listener that only appends to
+outboxes, and a client whose outbox overflows (it stopped reading) is disconnected, so a slow
+or hostile client cannot hold up the watcher or anyone else.
+
+Sockets are raw non-blocking ones awaited with ``wait_readable``/``wait_writable``: the
+outbox is then exactly the bytes the kernel has not taken yet, with no transport buffer
+hidden in between, which is what makes the overflow rule exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import select
+import socket
+import stat
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskStatus
+from pydantic import BaseModel
+
+from gpuwatch.core.events import EVENT_TYPES
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.model import check_params, may_read_write
+from gpuwatch.service import ops as host_ops
+from gpuwatch.service import protocol as P
+from gpuwatch.service.ops import OpHandler, default_ops
+from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
+from gpuwatch.watch.eventlog import read_records
+
+if TYPE_CHECKING:
+    from gpuwatch.service.metrics import Metrics
+    from gpuwatch.watch.watcher import Watcher
+
+_log = logging.getLogger("gpuwatch.service")
+
+#: Bytes a client may leave unread before it is disconnected.
+DEFAULT_OUTBOX_LIMIT = 4 << 20
+DEFAULT_MAX_CLIENTS = 1024
+_RECV = 64 * 1024
+# How often a half-closed subscriber (it sent EOF but still reads) is checked for hang-up.
+_HUP_POLL = 1.0
+# A client that sent EOF gets this long to read its last replies.
+_FLUSH_AFTER_EOF = 60.0
+
+class SocketInUse(GpuwatchError):
+    """Another process answers at the socket path (a second daemon); we do not steal it."""
+
+
+class SocketSetupError(GpuwatchError):
+    """The socket cannot be created at that path (missing permission, not a socket, …)."""
+
+
+# --------------------------------------------------------------------------- binding
+
+
+def _answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int = 4096,
+                ) -> socket.socket:
+    """Create the listening socket: stale file replaced, mode and group set *before* listen.
+
+    Until ``listen`` every connect is refused, so there is no moment at which the socket
+    exists with looser permissions than asked for.
+    """
+    parent = os.path.dirname(path) or "."
+    try:
+        os.makedirs(parent, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise SocketSetupError(f"cannot create {parent}: {exc.strerror}") from None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketSetupError(f"{path} exists and is not a socket; not replacing it")
+        if _answers(path):
+            raise SocketInUse(f"another gpuwatch daemon answers at {path}")
+        os.unlink(path)  # left behind by a daemon that died
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(path)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        if len(path.encode()) > 107:
+            raise SocketSetupError(f"socket path {path} is longer than 107 bytes") from None
+        raise SocketSetupError(f"cannot serve {path}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+# --------------------------------------------------------------------------- connections
+
+
+class _Subscription:
+    __slots__ = ("addrs", "types")
+
+    def __init__(self, types: frozenset[str] | None, addrs: frozenset[str] | None) -> None:
+        self.types = types
+        self.addrs = addrs
+
+    def wants(self, etype: Any, addr: Any) -> bool:
+        if self.types is not None and etype not in self.types:
+            return False
+        return self.addrs is None or addr in self.addrs
+
+
+class Connection:
+    """One client: its peer, its bounded outbox and (once subscribed) its event filter."""
+
+    def __init__(self, server: SocketServer, sock: socket.socket, peer: PeerCred) -> None:
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.outbox: deque[bytes] = deque()
+        self.pending = 0  # bytes in the outbox the kernel has not taken yet
+        self.closed = False
+        self.overflowed = False
+        self.scope = anyio.CancelScope()
+        self._wake = anyio.Event()
+        self._progress = anyio.Event()
+        self.sub: _Subscription | None = None
+        self.replaying = False
+        self.held: list[tuple[int, Any, Any, bytes]] = []
+        self.held_bytes = 0
+        self.held_seq = 0  # the newest seq seen while holding, wanted or not
+        self.last_seq = 0
+
+    # -- output
+
+    def enqueue(self, data: bytes) -> bool:
+        """Queue without waiting. Over the limit: the client stopped reading, drop it."""
+        if self.closed:
+            return False
+        if self.pending and self.pending + len(data) > self.server.outbox_limit:
+            self.overflow()
+            return False
+        self.outbox.append(data)
+        self.pending += len(data)
+        self._wake.set()
+        return True
+
+    def overflow(self) -> None:
+        if self.closed:
+            return
+        self.overflowed = True
+        if self.sub is not None:
+            self.server._lag_drop(self)
+        _log.warning("disconnecting %s: %d bytes unread (client stopped reading)",
+                     self.peer.describe(), self.pending + self.held_bytes)
+        self.close()
+
+    def close(self) -> None:
+        """Stop at once (callable from a listener): both tasks are cancelled, the socket
+        closed by the handler."""
+        self.closed = True
+        self.outbox.clear()
+        self.pending = 0
+        self.held.clear()
+        self.scope.cancel()
+
+    async def paced(self, data: bytes) -> None:
+        """Queue, waiting first while half the limit is unread (history replay): a long
+        replay is fed at the client's pace instead of overflowing it."""
+        while not self.closed and self.pending > self.server.outbox_limit // 2:
+            self._progress = anyio.Event()
+            await self._progress.wait()
+        self.enqueue(data)
+
+    async def writer(self) -> None:
+        sock = self.sock
+        while True:
+            self._wake = anyio.Event()
+            while self.outbox:
+                data = self.outbox[0]
+                try:
+                    sent = sock.send(data)
+                except BlockingIOError:
+                    await anyio.wait_writable(sock)
+                    continue
+                except OSError:  # EPIPE, ECONNRESET: the client left
+                    self.close()
+                    return
+                self.pending -= sent
+                if sent == len(data):
+                    self.outbox.popleft()
+                else:
+                    self.outbox[0] = data[sent:]
+                self._progress.set()
+            self._progress.set()
+            await self._wake.wait()
+
+    async def flushed(self) -> None:
+        while self.outbox and not self.closed:
+            self._progress = anyio.Event()
+            await self._progress.wait()
+
+    # -- subscription
+
+    def offer(self, seq: int, etype: Any, addr: Any, line: Callable[[], bytes]) -> None:
+        """A live event (listener context: never waits)."""
+        if self.closed or self.sub is None:
+            return
+        if self.replaying:
+            # Held until the log replay is done; only what the filter wants takes memory.
+            self.held_seq = max(self.held_seq, seq)
+            if self.sub.wants(etype, addr):
+                data = line()
+                self.held.append((seq, etype, addr, data))
+                self.held_bytes += len(data)
+                if self.held_bytes > self.server.outbox_limit:
+                    self.overflow()
+            return
+        if seq <= self.last_seq:
+            return  # already sent from the log
+        self.last_seq = seq
+        if self.sub.wants(etype, addr):
+            self.enqueue(line())
+
+
+# --------------------------------------------------------------------------- server
+
+
+class SocketServer:
+    """Serves ``watcher`` at ``path``. Run `serve` as a task (``await tg.start(server.serve)``)."""
+
+    def __init__(
+        self,
+        watcher: Watcher,
+        path: str,
+        *,
+        read_gid: int | None = None,
+        switch_gid: int | None = None,
+        log_path: str | None = None,
+        metrics: Metrics | None = None,
+        outbox_limit: int = DEFAULT_OUTBOX_LIMIT,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
+        max_line: int = P.MAX_LINE,
+        ops: dict[str, OpHandler] | None = None,
+    ) -> None:
+        self.watcher = watcher
+        self.path = os.fspath(path)
+        self.policy = AccessPolicy(read_gid=read_gid, switch_gid=switch_gid,
+                                   owner_uid=os.geteuid())
+        self.log_path = log_path if log_path not in (None, "-") else None
+        self.metrics = metrics
+        self.outbox_limit = outbox_limit
+        self.max_clients = max_clients
+        self.max_line = max_line
+        self.ops = ops if ops is not None else default_ops()
+        self.connections: set[Connection] = set()
+        self._subscribers: list[Connection] = []
+        self._ident: tuple[int, int] | None = None
+        self.lag_drops = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Bind, report started, accept until cancelled; the socket file is removed at the end."""
+        lsock = bind_socket(self.path, self.policy.read_gid if self.policy.read_gid is not None
+                            else (0 if os.geteuid() == 0 else None))
+        st = os.stat(self.path)
+        self._ident = (st.st_dev, st.st_ino)
+        self.watcher.listeners.append(self._on_event)
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                await self._accept_loop(lsock, tg)
+        finally:
+            if self._on_event in self.watcher.listeners:
+                self.watcher.listeners.remove(self._on_event)
+            with contextlib.suppress(RuntimeError):
+                anyio.notify_closing(lsock)
+            lsock.close()
+            self._unlink()
+
+    def _unlink(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == self._ident:  # never remove a successor's socket
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            await anyio.wait_readable(lsock)
+            while True:
+                try:
+                    csock, _ = lsock.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        _log.warning("cannot accept a client: %s", exc.strerror)
+                        await anyio.sleep(0.1)
+                        break
+                    if exc.errno in (errno.ECONNABORTED, errno.EINTR):
+                        continue
+                    raise
+                csock.setblocking(False)
+                tg.start_soon(self._handle, csock)
+
+    # ------------------------------------------------------------------ one client
+
+    async def _handle(self, sock: socket.socket) -> None:
+        try:
+            peer = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        conn = Connection(self, sock, peer)
+        if len(self.connections) >= self.max_clients:
+            _log.warning("refusing %s: %d clients connected", peer.describe(),
+                         len(self.connections))
+            with contextlib.suppress(OSError):
+                sock.send(P.encode_error(None, P.TOO_MANY_CLIENTS,
+                                         f"the daemon serves at most {self.max_clients} clients"))
+            sock.close()
+            return
+        self.connections.add(conn)
+        if self.metrics is not None:
+            self.metrics.clients.set(len(self.connections))
+        try:
+            with conn.scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(conn.writer)
+                    await self._reader(conn)
+                    with anyio.move_on_after(_FLUSH_AFTER_EOF):
+                        await conn.flushed()
+                    if conn.sub is not None:
+                        await self._await_hangup(conn)
+                    tg.cancel_scope.cancel()
+        finally:
+            conn.closed = True
+            self.connections.discard(conn)
+            if conn in self._subscribers:
+                self._subscribers.remove(conn)
+            if self.metrics is not None:
+                self.metrics.clients.set(len(self.connections))
+            with contextlib.suppress(RuntimeError):
+                anyio.notify_closing(sock)
+            sock.close()
+
+    async def _await_hangup(self, conn: Connection) -> None:
+        """A subscriber that sent EOF may still read: stream on until it hangs up."""
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLHUP | select.POLLERR)
+        while not conn.closed:
+            if poller.poll(0):
+                return
+            await anyio.sleep(_HUP_POLL)
+
+    async def _reader(self, conn: Connection) -> None:
+        """Read lines until EOF; each complete line is one request, answered in order."""
+        sock = conn.sock
+        buf = bytearray()
+        discarding = False  # inside an oversized line: drop bytes up to its newline
+        while not conn.closed:
+            await anyio.wait_readable(sock)
+            try:
+                chunk = sock.recv(_RECV)
+            except BlockingIOError:
+                continue
+            except OSError:
+                conn.close()
+                return
+            if not chunk:
+                if buf and not discarding:
+                    await self._line(conn, bytes(buf))  # a last request without newline
+                return
+            start = 0
+            while True:
+                cut = chunk.find(b"\n", start)
+                if cut < 0:
+                    break
+                piece = chunk[start:cut]
+                start = cut + 1
+                if discarding:
+                    discarding = False
+                    buf.clear()
+                    continue
+                if len(buf) + len(piece) > self.max_line:
+                    buf.clear()
+                    self._too_long(conn)
+                    continue
+                line = bytes(buf) + piece if buf else piece
+                buf.clear()
+                await self._line(conn, line)
+                if conn.closed:
+                    return
+            if not discarding:
+                buf += chunk[start:]
+                if len(buf) > self.max_line:
+                    buf.clear()
+                    discarding = True
+                    self._too_long(conn)
+
+    def _too_long(self, conn: Connection) -> None:
+        conn.enqueue(P.encode_error(None, P.LINE_TOO_LONG,
+                                    f"request line longer than {self.max_line} bytes"))
+        self._count("?", P.LINE_TOO_LONG)
+
+    async def _line(self, conn: Connection, line: bytes) -> None:
+        if not line.strip():
+            return  # blank lines are spacing (a shell's trailing newline)
+        await anyio.lowlevel.checkpoint()  # one busy client must not starve the rest
+        try:
+            req = P.parse_request(line)
+        except P.RequestError as exc:
+            conn.enqueue(P.encode_error(exc.rid, exc.code, exc.message))
+            self._count("?", exc.code)
+            return
+        if not self.policy.allows(req.method, conn.peer):
+            message = self.policy.refusal(req.method, conn.peer)
+            _log.warning("refused %s for %s", req.method, conn.peer.describe())
+            conn.enqueue(P.encode_error(req.id, P.PERMISSION_DENIED, message))
+            self._count(req.method, P.PERMISSION_DENIED)
+            return
+        try:
+            if req.method == "subscribe":
+                await self._subscribe(conn, req)
+                self._count(req.method, "ok")
+                return
+            result = await self._call(conn, req)
+        except P.RpcError as exc:
+            conn.enqueue(P.encode_error(req.id, exc.code, exc.message))
+            self._count(req.method, exc.code)
+            return
+        except Exception as exc:
+            _log.exception("%s failed for %s", req.method, conn.peer.describe())
+            conn.enqueue(P.encode_error(req.id, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self._count(req.method, P.INTERNAL)
+            return
+        try:
+            data = P.encode_result(req.id, result)
+        except Exception as exc:  # an op returned something JSON cannot carry
+            data = P.encode_error(req.id, P.INTERNAL, f"unserialisable result: {exc}")
+        conn.enqueue(data)
+        self._count(req.method, "ok")
+
+    def _count(self, method: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(method=method, outcome=outcome).inc()
+
+    # ------------------------------------------------------------------ methods
+
+    async def _call(self, conn: Connection, req: P.Request) -> Any:
+        params = P.Params(req.method, req.params)
+        if req.method == "probe":
+            return await self._probe(conn, params)
+        if req.method == "snapshot":
+            params.done()
+            return self.watcher.snapshot()
+        handler = self.ops.get(req.method)
+        if handler is None:
+            raise P.RpcError(P.UNAVAILABLE, f"{req.method} is not available in this daemon")
+        if req.method == "switch":
+            # A switch half done is worse than one the client stopped waiting for: finish it.
+            with anyio.CancelScope(shield=True):
+                return await handler(self.watcher, params, conn.peer)
+        return await handler(self.watcher, params, conn.peer)
+
+    async def _probe(self, conn: Connection, params: P.Params) -> Any:
+        action = params.req_str("action")
+        group = params.opt_int("group")
+        addr = params.opt_str("addr")
+        mode = params.opt_str("mode")
+        vendor = params.opt_str("vendor")
+        params.done()
+        try:
+            check_params(action, group, addr, mode, vendor)
+            if self.metrics is not None:  # after the check: labels only for real actions
+                self.metrics.probe_calls.labels(action=action).inc()
+            # The contract answers for the asking process: answer for the peer, not for us.
+            if action == "vfio-group-accessible":
+                assert group is not None
+                node = self.watcher.model.state.nodes.get(f"/dev/vfio/{group}")
+                return group >= 0 and node is not None and may_read_write(
+                    node, conn.peer.uid, conn.peer.groups)
+            if action == "memlock":
+                limit = peer_memlock(conn.peer.pid)
+                if limit is None:
+                    raise P.RpcError(P.UNAVAILABLE, f"cannot read the memlock limit of pid "
+                                                    f"{conn.peer.pid}")
+                return limit
+            # Live answers read /proc: off the event loop, bounded.
+            if action in ("nvidia-holders", "wedge-detected"):
+                model = self.watcher.model
+                return await host_ops.bounded(lambda: model.probe(action), action)
+            if action == "plan":
+                return await host_ops.plan_probe(self.watcher, mode, addr, vendor)
+            if vendor is not None:
+                return self.watcher.model.probe(action, group=group, addr=addr, mode=mode,
+                                                vendor=vendor)
+            return self.watcher.probe(action, group=group, addr=addr, mode=mode)
+        except P.RpcError:
+            raise
+        except Exception as exc:
+            raise host_ops.error_for(exc) from None
+
+    async def _subscribe(self, conn: Connection, req: P.Request) -> None:
+        params = P.Params(req.method, req.params)
+        types = params.opt_str_list("types")
+        addrs = params.opt_str_list("addrs")
+        since_seq = params.opt_int("since_seq")
+        params.done()
+        if conn.sub is not None:
+            raise P.RpcError(P.ALREADY_SUBSCRIBED, "this connection is already subscribed; "
+                                                   "open another one for another filter")
+        if types is not None:
+            unknown = sorted(set(types) - EVENT_TYPES)
+            if unknown:
+                raise P.RpcError(P.INVALID_PARAMS, f"subscribe: unknown event type "
+                                                   f"{unknown[0]!r} (known: "
+                                                   f"{', '.join(sorted(EVENT_TYPES))})")
+        if since_seq is not None and since_seq < 0:
+            raise P.RpcError(P.INVALID_PARAMS, "subscribe: 'since_seq' must be >= 0")
+        sub = _Subscription(frozenset(types) if types is not None else None,
+                            frozenset(a.lower() for a in addrs) if addrs is not None else None)
+        now = self.watcher.seq
+        conn.sub = sub
+        conn.last_seq = now
+        complete = True
+        history: Iterator[tuple[int, Any, Any, bytes]] | None = None
+        raw: Iterator[tuple[int, Any, Any, bytes]] | None = None
+        if since_seq is not None and since_seq < now:
+            # Live events are held from here on; the log covers (since_seq, now] and more.
+            conn.replaying = True
+            conn.last_seq = since_seq
+            raw = self._history(since_seq)
+            first = next(raw, None)
+            complete = first is not None and first[0] == since_seq + 1
+            history = _chain(first, raw) if first is not None else raw
+        elif since_seq is not None and since_seq > now:
+            complete = False  # a seq from another log: what the client missed is unknown
+        self._subscribers.append(conn)
+        conn.enqueue(P.encode_result(req.id, {"seq": now, "complete": complete}))
+        if history is None:
+            return
+        try:
+            count = 0
+            for seq, etype, addr, data in history:
+                if conn.closed:
+                    return
+                if seq <= conn.last_seq:
+                    continue
+                conn.last_seq = seq
+                if sub.wants(etype, addr):
+                    await conn.paced(data)
+                count += 1
+                if count % 256 == 0:
+                    await anyio.lowlevel.checkpoint()
+            for seq, _etype, _addr, data in conn.held:
+                if seq > conn.last_seq:
+                    conn.last_seq = seq
+                    await conn.paced(data)
+            conn.last_seq = max(conn.last_seq, conn.held_seq)
+        finally:
+            close = getattr(raw, "close", None)
+            if close is not None:
+                close()  # release the log files now, not at garbage collection
+            conn.held.clear()
+            conn.held_bytes = 0
+            conn.replaying = False
+
+    def _history(self, since_seq: int) -> Iterator[tuple[int, Any, Any, bytes]]:
+        if self.log_path is None:
+            return iter(())
+        return ((r.event["seq"], r.event.get("type"), r.event.get("addr"),
+                 r.line.encode("utf-8") + b"\n")
+                for r in read_records(self.log_path, since_seq=since_seq))
+
+    # ------------------------------------------------------------------ fan-out
+
+    def _on_event(self, event: BaseModel) -> None:
+        """Watcher listener: serialise once, append to each subscriber's outbox, never wait.
+        Never raises either: an exception here would stop the watcher's publishing."""
+        if not self._subscribers:
+            return
+        try:
+            self._fan_out(event)
+        except Exception:
+            _log.exception("socket fan-out of event %s failed", getattr(event, "seq", "?"))
+
+    def _fan_out(self, event: BaseModel) -> None:
+        cache: list[bytes] = []
+
+        def line() -> bytes:
+            if not cache:
+                cache.append(event.model_dump_json().encode("utf-8") + b"\n")
+            return cache[0]
+
+        seq = int(getattr(event, "seq", 0))
+        etype = getattr(event, "type", None)
+        addr = getattr(event, "addr", None)
+        for conn in tuple(self._subscribers):
+            conn.offer(seq, etype, addr, line)
+
+    def _lag_drop(self, conn: Connection) -> None:
+        self.lag_drops += 1
+        if self.metrics is not None:
+            self.metrics.lag_drops.inc()
+        if conn in self._subscribers:
+            self._subscribers.remove(conn)
+
+
+def _chain(first: tuple[int, Any, Any, bytes],
+           rest: Iterator[tuple[int, Any, Any, bytes]]) -> Iterator[tuple[int, Any, Any, bytes]]:
+    yield first
+    yield from rest
+
+
+__all__ = [
+    "DEFAULT_MAX_CLIENTS",
+    "DEFAULT_OUTBOX_LIMIT",
+    "Connection",
+    "SocketInUse",
+    "SocketServer",
+    "SocketSetupError",
+    "bind_socket",
+]

@@ -1,0 +1,546 @@
+"""The switch engine: moves a GPU's whole IOMMU group between vfio-pci and nvidia, safely.
+
+One engine per watcher. A switch is: resolve the card, return at once if the group is
+already in mode (no write, no privilege), check root, claim the group (a second request
+for it fails at once), read the host facts off the event loop, plan (`gpuwatch.core.plan`),
+refuse with names or run the plan's steps one by one through the `HostOps` seam, each under
+a timeout inside the whole switch's bound, then wait until the *watcher's model* sees every
+function on its target driver. ``drivers_probe`` can succeed without binding anything, so
+only the ``driver`` link, as the model sees it, counts; if bind events were lost, the tree
+is re-read before the switch is declared failed.
+
+A step that does not return in time means a task is stuck in the kernel: the switch fails
+``wedged``, the group is poisoned (in the model and in a file keyed by the boot id) and
+refused until the next boot or a successful `recover`. The watcher keeps running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from pydantic import BaseModel, ConfigDict
+
+from gpuwatch.core import events as ev
+from gpuwatch.core.modes import Mode, group_in_mode, group_mode
+from gpuwatch.core.observations import Observation
+from gpuwatch.core.plan import (
+    CommandStep,
+    HostFacts,
+    MakeDirStep,
+    NodeScope,
+    Step,
+    SwitchPlan,
+    WriteStep,
+    cdi_steps,
+    find_card,
+    holders_reason,
+    nvidia_scope,
+    parse_mode,
+    parse_target,
+    plan_switch,
+    unbind_scope,
+)
+from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.hostfs.scan import CDI_SPECS, read_function
+from gpuwatch.model import HostModel
+from gpuwatch.switch.errors import (
+    GroupBusy,
+    GroupPoisoned,
+    HostStepError,
+    NotPrivileged,
+    RebootRequired,
+    StepTimedOut,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+    UnsafeName,
+    UnsafeStep,
+)
+from gpuwatch.switch.facts import call_bounded, gather_facts, model_facts, scan_holders
+from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
+from gpuwatch.switch.planning import holders_report, plan_for_host
+from gpuwatch.switch.poison import PoisonEntry, PoisonStore
+from gpuwatch.switch.wedge import scan_wedge
+from gpuwatch.watch.subscription import SubscriberLagged, Subscription
+from gpuwatch.watch.watcher import Watcher, rfc3339_now
+
+_log = logging.getLogger("gpuwatch.switch")
+
+DEFAULT_TIMEOUT = 90.0
+DEFAULT_STEP_TIMEOUT = 30.0
+DEFAULT_SCAN_TIMEOUT = 10.0
+#: Re-read the tree this long after the last step if the events have not confirmed yet.
+DEFAULT_TREE_CHECK_AFTER = 5.0
+_LOCK_DIR = "run/gpuwatch"
+_PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "resync")
+
+
+class SwitchResult(BaseModel):
+    """What a switch did. ``changed`` is False for a no-op (already in mode, or no card)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    addr: str
+    group: int
+    from_mode: str
+    to_mode: str
+    members: list[ev.SwitchMember]
+    duration_ms: float
+    changed: bool
+    notes: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class CdiOutcome:
+    ok: bool
+    generated: bool
+    spec: str | None
+    message: str
+
+
+_ENGINES: weakref.WeakKeyDictionary[Watcher, SwitchEngine] = weakref.WeakKeyDictionary()
+
+
+def engine_for(watcher: Watcher) -> SwitchEngine:
+    """The watcher's engine, made on first use with the default backend (`make_backend`)."""
+    engine = _ENGINES.get(watcher)
+    if engine is None:
+        engine = SwitchEngine.attach(watcher)
+    return engine
+
+
+class SwitchEngine:
+    """Driver switches of one watcher's host. Get it with `engine_for` or `attach`."""
+
+    def __init__(
+        self,
+        watcher: Watcher,
+        ops: HostOps | None = None,
+        *,
+        geteuid: Callable[[], int] | None = None,
+        poison_path: str | os.PathLike[str] | None = None,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT,
+        scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
+        tree_check_after: float = DEFAULT_TREE_CHECK_AFTER,
+    ) -> None:
+        self.watcher = watcher
+        root = watcher.paths.root
+        if ops is None or geteuid is None:
+            backend = make_backend(root)
+            ops = ops if ops is not None else backend.ops
+            geteuid = geteuid if geteuid is not None else backend.geteuid
+        self.ops: HostOps = ops
+        self._geteuid: Callable[[], int] = geteuid
+        self.poison = PoisonStore(root, poison_path)
+        self.step_timeout = step_timeout
+        self.scan_timeout = scan_timeout
+        self.tree_check_after = tree_check_after
+        self._busy: set[int | str] = set()
+        self._exclusive: int | str | None = None
+        for group, entry in self.poison.load().items():
+            self.model.poisoned[group] = entry.error
+
+    @classmethod
+    def attach(cls, watcher: Watcher, ops: HostOps | None = None, *,
+               geteuid: Callable[[], int] | None = None,
+               poison_path: str | os.PathLike[str] | None = None,
+               step_timeout: float = DEFAULT_STEP_TIMEOUT,
+               scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
+               tree_check_after: float = DEFAULT_TREE_CHECK_AFTER) -> SwitchEngine:
+        """Make an engine and make it the one ``watcher.switch`` uses."""
+        engine = cls(watcher, ops, geteuid=geteuid, poison_path=poison_path,
+                     step_timeout=step_timeout, scan_timeout=scan_timeout,
+                     tree_check_after=tree_check_after)
+        _ENGINES[watcher] = engine
+        return engine
+
+    @property
+    def model(self) -> HostModel:
+        return self.watcher.model
+
+    @property
+    def root(self) -> str:
+        return self.watcher.paths.root
+
+    def euid(self) -> int:
+        return self._geteuid()
+
+    # ------------------------------------------------------------------ public
+
+    async def switch(self, target: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
+                     tolerant: bool = False) -> SwitchResult:
+        """Switch the group of ``target`` (an address, or a vendor id naming one card)."""
+        to_mode = parse_mode(mode)
+        if not timeout > 0:
+            raise UsageError(f"timeout must be positive, not {timeout!r}")
+        addr, vendor = parse_target(target)
+        try:
+            card, members = find_card(self.watcher.model.state, addr=addr, vendor=vendor)
+        except DeviceNotFound as exc:
+            if not tolerant:
+                raise
+            return SwitchResult(addr=addr or "", group=-1, from_mode="", to_mode=to_mode,
+                                members=[], duration_ms=0.0, changed=False,
+                                notes=[f"{exc}: nothing to switch"])
+        return await self._switch(card, members, to_mode, timeout, recovering=False)
+
+    async def recover(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
+        """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
+        in the nvidia driver: then touch nothing (`RebootRequired`)."""
+        addr, vendor = parse_target(target)
+        card, members = find_card(self.watcher.model.state, addr=addr, vendor=vendor)
+        self._require_root("recover")
+        scan = await call_bounded(lambda: scan_wedge(self.root), self.scan_timeout,
+                                  "the wedge scan")
+        if scan.wedged:
+            raise RebootRequired(f"{scan.describe()}: a reboot is required; nothing was touched")
+        if not scan.complete:
+            raise SwitchRefused(f"{scan.describe()}; not touching the device")
+        result = await self._switch(card, members, "vfio", timeout, recovering=True)
+        group = card.iommu_group
+        cleared = self.poison.clear(group) if group >= 0 else False
+        was = self.model.poisoned.pop(group, None) is not None
+        notes = [*result.notes]
+        if cleared or was:
+            notes.append(f"poison of group {group} cleared")
+        return result.model_copy(update={"notes": notes})
+
+    async def plan(self, target: str, mode: str) -> dict[str, Any]:
+        """The plan a switch would follow now, as JSON (the ``plan`` probe, over the socket)."""
+        to_mode = parse_mode(mode)
+        addr, vendor = parse_target(target)
+        model = self.watcher.model
+        try:
+            _card, members = find_card(model.state, addr=addr, vendor=vendor)
+        except DeviceNotFound:
+            plan = plan_for_host(model, to_mode, addr=addr, vendor=vendor, euid=self.euid(),
+                                 which=self.ops.which)
+            return plan.to_json()
+        known = model_facts(model.state, members)
+        facts = await call_bounded(
+            lambda: gather_facts(self.watcher.paths, members, to_mode, known, euid=self.euid(),
+                                 which=self.ops.which), self.scan_timeout, "the holder scan")
+        return plan_switch(members, to_mode, facts).to_json()
+
+    async def holders(self, target: str) -> dict[str, Any]:
+        """Who holds the card's nodes, read off the event loop."""
+        addr, vendor = parse_target(target)
+        model = self.watcher.model
+        find_card(model.state, addr=addr, vendor=vendor)  # DeviceNotFound before any scan
+        euid = self.euid()
+        return await call_bounded(
+            lambda: holders_report(model, addr=addr, vendor=vendor, euid=euid),
+            self.scan_timeout, "the holder scan")
+
+    # ------------------------------------------------------------------ the switch
+
+    async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
+                      timeout: float, *, recovering: bool) -> SwitchResult:
+        started = time.monotonic()
+        deadline = started + timeout
+        group = card.iommu_group
+        # Poison first: a wedged device "in mode" is still unusable, and saying so needs no
+        # privilege and writes nothing.
+        if not recovering and group in self.model.poisoned:
+            reason = (f"IOMMU group {group} is poisoned: an earlier switch wedged in this boot "
+                      f"({self.model.poisoned[group]}); reboot, or run `gpuwatch recover` "
+                      "once no task is stuck")
+            self._refused(card.addr, group, to_mode, reason, ())
+            raise GroupPoisoned(reason)
+        if group_in_mode(members, to_mode):
+            return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
+                                notes=[f"already in mode {to_mode}: nothing written"])
+        self._require_root("switching drivers")
+        key: int | str = group if group >= 0 else card.addr
+        self._claim(key)
+        try:
+            fd = self._flock(key)
+            try:
+                return await self._locked(card.addr, key, to_mode, started, deadline)
+            finally:
+                os.close(fd)
+        finally:
+            self._busy.discard(key)
+            if self._exclusive == key:
+                self._exclusive = None
+
+    async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
+                      deadline: float) -> SwitchResult:
+        state = self.watcher.model.state
+        members = state.group_members(addr)
+        known = model_facts(state, members)
+        group = members[0].iommu_group
+        try:
+            facts = await call_bounded(
+                lambda: gather_facts(self.watcher.paths, members, to_mode, known,
+                                     euid=self.euid(), which=self.ops.which),
+                max(0.1, min(self.scan_timeout, deadline - time.monotonic())), "the holder scan")
+        except StepTimedOut as exc:
+            reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
+            self._refused(addr, group, to_mode, reason, ())
+            raise SwitchRefused(reason) from None
+        try:
+            plan = plan_switch(members, to_mode, facts)
+        except UnsafeName as exc:
+            self._refused(addr, group, to_mode, str(exc), ())
+            raise
+        if plan.refusal is not None:
+            self._refused(plan.addr, group, to_mode, plan.refusal.reason, plan.refusal.holders)
+            raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
+        if not plan.steps:
+            return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
+                                notes=list(plan.notes))
+        if plan.unloads_nvidia:
+            others = sorted(str(k) for k in self._busy if k != key)
+            if others:
+                raise GroupBusy(f"unloading the nvidia module needs the host to itself, and "
+                                f"group {', '.join(others)} is being switched: retry after it")
+            self._exclusive = key
+        self.watcher.publish([ev.SwitchStarted(
+            addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
+            members=[a for a, _ in plan.targets])])
+        _log.info("switch of group %s to %s: %d step(s)", group, to_mode, len(plan.steps))
+        notes = list(plan.notes)
+        async with self.watcher.subscribe(types=_PROGRESS_EVENTS) as sub:
+            for step in plan.steps:
+                await self._step(plan, facts, step, deadline, notes)
+            await self._verify(plan, sub, deadline, notes)
+        result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
+                              notes=notes)
+        self.watcher.publish([ev.SwitchCompleted(
+            addr=result.addr, group=group, from_mode=result.from_mode, to_mode=to_mode,
+            members=result.members, duration_ms=result.duration_ms)])
+        return result
+
+    async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
+                    notes: list[str]) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self._fail(plan, f"the switch ran out of time before: {step.describe()}")
+        timeout = min(self.step_timeout, remaining)
+        _log.info("step: %s", step.describe())
+        try:
+            if isinstance(step, WriteStep):
+                if step.path.endswith("/unbind"):
+                    await self._guard_unbind(plan, facts, step, deadline)
+                await self.ops.write(step.path, step.value, timeout)
+            elif isinstance(step, CommandStep):
+                result = await self.ops.run(step.argv, timeout)
+                if not result.ok:
+                    await self._command_failed(plan, facts, step, result, deadline, notes)
+            elif isinstance(step, MakeDirStep):
+                await self.ops.makedirs(step.path)
+        except StepTimedOut as exc:
+            self._wedge(plan, step, exc)
+        except (HostStepError, UnsafeStep, OSError) as exc:
+            self._fail(plan, f"{step.describe()}: {exc}")
+
+    async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
+                            deadline: float) -> None:
+        """Right before an unbind, look again: a holder now (persistenced that would not stop,
+        a client that just opened the card) would make the kernel's remove block forever."""
+        driver = step.path.split("/")[-2]
+        fn = next((m for m in plan.members if m.addr == step.value), None)
+        if fn is None:
+            return
+        scope = unbind_scope(fn.model_copy(update={"driver": driver}), facts)
+        holders = await self._scan(scope, deadline, plan)
+        if holders:
+            reason = holders_reason(holders)
+            self._refused(plan.addr, plan.group, plan.to_mode, reason, holders)
+            raise SwitchRefused(reason, holders)
+
+    async def _scan(self, scope: NodeScope, deadline: float,
+                    plan: SwitchPlan) -> list[ev.Holding]:
+        timeout = max(0.1, min(self.scan_timeout, deadline - time.monotonic()))
+        try:
+            return await call_bounded(lambda: scan_holders(self.root, scope), timeout,
+                                      "the holder scan")
+        except StepTimedOut as exc:
+            reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
+            self._refused(plan.addr, plan.group, plan.to_mode, reason, ())
+            raise SwitchRefused(reason) from None
+
+    async def _command_failed(self, plan: SwitchPlan, facts: HostFacts, step: CommandStep,
+                              result: CommandResult, deadline: float, notes: list[str]) -> None:
+        what = f"`{' '.join(step.argv)}` failed: {result.message()}"
+        if step.on_error == "warn":
+            _log.warning("%s", what)
+            notes.append(what)
+            return
+        if step.on_error == "refuse":
+            holders = await self._scan(nvidia_scope(facts), deadline, plan)
+            reason = f"{what}: the nvidia module is in use"
+            if holders:
+                reason += "; " + holders_reason(holders)
+            self._refused(plan.addr, plan.group, plan.to_mode, reason, holders)
+            raise SwitchRefused(reason, holders)
+        self._fail(plan, what)
+
+    async def _verify(self, plan: SwitchPlan, sub: Subscription, deadline: float,
+                      notes: list[str]) -> None:
+        """Wait for the model to see every function on its target; re-read the tree when the
+        events are slow (they may have been lost) and once more before giving up."""
+        targets = dict(plan.targets)
+        check_at = min(deadline, time.monotonic() + self.tree_check_after)
+        events_open = True
+        while not self._reached(targets):
+            now = time.monotonic()
+            if now >= check_at:
+                await self._reread(plan, deadline)
+                if self._reached(targets):
+                    notes.append("bind events were lost: completion read from the tree")
+                    _log.warning("switch of group %s: bind events lost, read the tree", plan.group)
+                    return
+                if now >= deadline:
+                    self._fail(plan, "the group did not reach its target drivers in time: "
+                                     + self._drivers_text(targets))
+                check_at = deadline if events_open else now + 0.2
+                continue
+            if not events_open:
+                await anyio.sleep(max(0.0, check_at - now))
+                continue
+            with anyio.move_on_after(max(0.0, check_at - now)):
+                try:
+                    await sub.receive()
+                except (SubscriberLagged, StopAsyncIteration):
+                    events_open = False
+                    check_at = now
+
+    async def _reread(self, plan: SwitchPlan, deadline: float) -> None:
+        addrs = [a for a, _ in plan.targets]
+        paths = self.watcher.paths
+        timeout = max(0.5, min(self.scan_timeout, deadline - time.monotonic()))
+        try:
+            seen: list[Observation] = await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], timeout, "re-reading the tree")
+        except StepTimedOut as exc:
+            self._fail(plan, str(exc))
+        async with self.watcher._lock:  # ordered against the pump and resyncs
+            self.watcher.apply(seen)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _reached(self, targets: dict[str, str]) -> bool:
+        functions = self.watcher.model.state.functions
+        return all((fn := functions.get(a)) is not None and fn.driver == d
+                   for a, d in targets.items())
+
+    def _drivers_text(self, targets: dict[str, str]) -> str:
+        functions = self.watcher.model.state.functions
+        return ", ".join(
+            f"{a} on {(functions[a].driver if a in functions else 'gone') or 'no driver'} "
+            f"(wants {d})" for a, d in targets.items())
+
+    def _result(self, addr: str, group: int, from_mode: str, to_mode: str, started: float, *,
+                changed: bool, notes: list[str]) -> SwitchResult:
+        state = self.watcher.model.state
+        members = state.group_members(addr) if addr in state.functions else ()
+        return SwitchResult(
+            addr=addr, group=group,
+            from_mode=from_mode if changed else group_mode(members) if members else from_mode,
+            to_mode=to_mode,
+            members=[ev.SwitchMember(addr=m.addr, driver=m.driver) for m in members],
+            duration_ms=round((time.monotonic() - started) * 1000, 3), changed=changed,
+            notes=notes,
+        )
+
+    def _refused(self, addr: str, group: int, to_mode: str, reason: str,
+                 holders: Sequence[ev.Holding]) -> None:
+        _log.warning("switch of group %s refused: %s", group, reason)
+        self.watcher.publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
+                                               reason=reason, holders=list(holders))])
+
+    def _fail(self, plan: SwitchPlan, error: str) -> None:
+        self.watcher.publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
+                                              to_mode=plan.to_mode, error=error, wedged=False)])
+        raise SwitchFailed(error)
+
+    def _wedge(self, plan: SwitchPlan, step: Step, exc: StepTimedOut) -> None:
+        error = (f"{step.describe()} did not return within {exc.timeout:.3g}s: the device "
+                 "is wedged")
+        try:
+            self.poison.add(plan.group, PoisonEntry(addr=plan.addr, to_mode=plan.to_mode,
+                                                    error=error, time=rfc3339_now()))
+        except OSError as err:
+            _log.warning("cannot record the poison of group %s in %s: %s", plan.group,
+                         self.poison.path, err)
+        self.model.poisoned[plan.group] = error
+        self.watcher.publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
+                                              to_mode=plan.to_mode, error=error, wedged=True)])
+        raise SwitchWedged(f"{error}; IOMMU group {plan.group} is poisoned until the next boot "
+                           "(or `gpuwatch recover` once no task is stuck)")
+
+    # ------------------------------------------------------------------ locks and privilege
+
+    def _require_root(self, what: str) -> None:
+        if self.euid() != 0:
+            raise NotPrivileged(f"{what} needs root (it writes to sysfs and loads modules)")
+
+    def _claim(self, key: int | str) -> None:
+        if key in self._busy:
+            raise GroupBusy(f"IOMMU group {key} is already being switched")
+        if self._exclusive is not None:
+            raise GroupBusy(f"group {self._exclusive} is unloading the nvidia module: retry "
+                            "after it")
+        self._busy.add(key)
+
+    def _flock(self, key: int | str) -> int:
+        """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
+        folder = os.path.join(self.root, _LOCK_DIR)
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, f"switch-{key}.lock"),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GroupBusy(f"IOMMU group {key} is being switched by another process") from None
+        return fd
+
+
+async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
+                     timeout: float = 60.0) -> CdiOutcome:
+    """Make sure a CDI spec for the NVIDIA GPUs exists, generating it when nvidia-ctk can."""
+    if euid != 0:
+        raise NotPrivileged("ensure-cdi needs root (it writes the CDI spec)")
+    for rel in CDI_SPECS:
+        if os.path.exists(os.path.join(root, rel)):
+            return CdiOutcome(True, False, "/" + rel, f"CDI spec present: /{rel}")
+    steps, why = cdi_steps(root, False, ops.which("nvidia-ctk") is not None)
+    if not steps:
+        return CdiOutcome(False, False, None, why[0])
+    for step in steps:
+        if isinstance(step, MakeDirStep):
+            await ops.makedirs(step.path)
+        elif isinstance(step, CommandStep):
+            try:
+                result = await ops.run(step.argv, timeout)
+            except StepTimedOut as exc:
+                return CdiOutcome(False, False, None, str(exc))
+            if not result.ok:
+                return CdiOutcome(False, False, None,
+                                  f"`{' '.join(step.argv)}` failed: {result.message()}")
+    spec = "/" + CDI_SPECS[0]
+    if not os.path.exists(os.path.join(root, CDI_SPECS[0])):
+        return CdiOutcome(False, False, None, f"nvidia-ctk ran but {spec} does not exist")
+    return CdiOutcome(True, True, spec, f"CDI spec generated: {spec}")
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CdiOutcome",
+    "SwitchEngine",
+    "SwitchResult",
+    "engine_for",
+    "ensure_cdi",
+]

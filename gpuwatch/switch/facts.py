@@ -1,0 +1,237 @@
+"""Reading what the planner needs: modules, holders of the card's nodes, persistenced, CDI.
+
+The I/O edge of `gpuwatch.core.plan`. Everything here reads ``/proc`` and ``/sys`` under the
+root; nothing reads ``driver_override`` or any attribute whose read takes the device lock.
+Reads of ``/proc/<pid>/maps`` can still block behind a stuck task, so the switch calls this
+through `call_bounded`, never on its event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from gpuwatch.core.events import Holding
+from gpuwatch.core.modes import Mode
+from gpuwatch.core.plan import (
+    AUDIO_CLASS,
+    CDI_OUTPUT,
+    HostFacts,
+    NodeScope,
+    card_scope,
+    holder_scope,
+)
+from gpuwatch.core.results import PciFunction
+from gpuwatch.core.state import HostState
+from gpuwatch.hostfs.files import list_dir, read_attr, read_text
+from gpuwatch.hostfs.procfs import fd_targets, pids, read_comm
+from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
+from gpuwatch.switch.errors import StepTimedOut
+
+T = TypeVar("T")
+
+_MINOR_RE = re.compile(r"^Device Minor:\s*([0-9]+)\s*$", re.MULTILINE)
+_SND_CARD_RE = re.compile(r"^card([0-9]+)$")
+_SND_NODE_RE = re.compile(r"^(?:controlC|hwC|pcmC|midiC|comprC)([0-9]+)(?:D|$)")
+_PERSISTENCED_COMM = "nvidia-persist"  # comm is cut at 15 bytes: "nvidia-persiste"
+
+
+def is_persistenced(comm: str) -> bool:
+    return comm.startswith(_PERSISTENCED_COMM)
+
+
+# --------------------------------------------------------------------------- holders
+
+
+def map_paths(proc: str, pid: int) -> Iterator[str]:
+    """Files a process has mapped (``/proc/<pid>/maps``): a CUDA context maps /dev/nvidia*
+    and keeps the card busy even after closing the fd."""
+    text = read_text(f"{proc}/{pid}/maps")
+    if not text:
+        return
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            path = parts[5]
+            yield path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+
+def scan_holders(root: str, scope: NodeScope) -> list[Holding]:
+    """Every (pid, comm, node) with an fd on, or a mapping of, a node in ``scope``."""
+    if not scope:
+        return []
+    proc = os.path.join(root, "proc")
+    found: list[Holding] = []
+    for pid in pids(proc):
+        nodes = {t for t in fd_targets(proc, pid) if scope.matches(t)}
+        nodes.update(p for p in map_paths(proc, pid) if scope.matches(p))
+        if nodes:
+            comm = read_comm(proc, pid)
+            found.extend(Holding(pid=pid, comm=comm, node=node) for node in sorted(nodes))
+    return found
+
+
+def persistenced_running(root: str) -> bool:
+    proc = os.path.join(root, "proc")
+    return any(is_persistenced(read_comm(proc, pid)) for pid in pids(proc))
+
+
+# --------------------------------------------------------------------------- card facts
+
+
+def nvidia_minor(root: str, addr: str) -> int | None:
+    """This card's ``/dev/nvidiaN`` from the driver's own ``information`` file."""
+    text = read_text(os.path.join(root, "proc/driver/nvidia/gpus", addr, "information"))
+    m = _MINOR_RE.search(text or "")
+    return int(m.group(1)) if m else None
+
+
+def snd_nodes(paths: HostPaths, addr: str) -> tuple[str, ...]:
+    """``/dev/snd/*`` of the sound card(s) the kernel registered under this function."""
+    cards = {m.group(1) for n in list_dir(os.path.join(paths.bus_pci, addr, "sound"))
+             if (m := _SND_CARD_RE.fullmatch(n))}
+    if not cards:
+        return ()
+    return tuple(sorted(f"/dev/snd/{n}" for n in list_dir(os.path.join(paths.dev, "snd"))
+                        if (m := _SND_NODE_RE.match(n)) and m.group(1) in cards))
+
+
+def dri_nodes(state: HostState, addrs: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    wanted = set(addrs)
+    out: dict[str, list[str]] = {}
+    for name, node in state.drm.items():
+        if node.device_addr in wanted:
+            out.setdefault(node.device_addr, []).append(f"/dev/dri/{name}")
+    return {a: tuple(sorted(v)) for a, v in out.items()}
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isascii() and text.isdigit() else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """The facts the model already knows: taken on the event loop, handed to the reader thread
+    (the model's dicts must not be iterated from another thread while uevents change them)."""
+
+    other_nvidia: tuple[str, ...]
+    dri_nodes: dict[str, tuple[str, ...]]
+
+
+def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
+    addrs = {fn.addr for fn in members}
+    return ModelFacts(
+        other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
+                                  if fn.driver == "nvidia" and a not in addrs)),
+        dri_nodes=dri_nodes(state, addrs),
+    )
+
+
+def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, known: ModelFacts,
+                 *, euid: int, which: Callable[[str], str | None]) -> HostFacts:
+    """Read everything `plan_switch` needs for this group and direction, holders last (their
+    scope depends on the rest). nvidia-persistenced is not counted: the plan stops it.
+
+    Reads files only, so it may run in a worker thread.
+    """
+    fns = tuple(members)
+    display = next((fn.addr for fn in fns if fn.class_.startswith("0x03")), fns[0].addr)
+    nvidia_dir = os.path.join(paths.module, "nvidia")
+    facts = HostFacts(
+        root=paths.root,
+        modules=read_modules(paths),
+        nvidia_refcnt=_int(read_attr(os.path.join(nvidia_dir, "refcnt"))),
+        nvidia_module_holders=tuple(sorted(list_dir(os.path.join(nvidia_dir, "holders")))),
+        other_nvidia=known.other_nvidia,
+        nvidia_minor=nvidia_minor(paths.root, display),
+        dri_nodes=known.dri_nodes,
+        snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
+        persistenced=persistenced_running(paths.root),
+        cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
+        ctk_on_path=which("nvidia-ctk") is not None,
+        holders_complete=euid == 0,
+    )
+    holders = [h for h in scan_holders(paths.root, holder_scope(fns, mode, facts))
+               if not is_persistenced(h.comm)]
+    return dataclasses.replace(facts, holders=tuple(holders))
+
+
+def gather_facts_now(paths: HostPaths, state: HostState, members: Iterable[PciFunction],
+                     mode: Mode, *, euid: int, which: Callable[[str], str | None]) -> HostFacts:
+    """`gather_facts` in one call, for a model no uevent changes meanwhile (plan, probe)."""
+    fns = tuple(members)
+    return gather_facts(paths, fns, mode, model_facts(state, fns), euid=euid, which=which)
+
+
+def card_holders(paths: HostPaths, state: HostState,
+                 members: Iterable[PciFunction]) -> list[Holding]:
+    """Every holder of every node of the card, nvidia-persistenced included."""
+    fns = tuple(members)
+    facts = gather_facts_now(paths, state, fns, "vfio", euid=0, which=lambda _: None)
+    return scan_holders(paths.root, card_scope(fns, facts))
+
+
+def cdi_output(root: str) -> str:
+    return os.path.join(root, CDI_OUTPUT)
+
+
+# --------------------------------------------------------------------------- bounded reads
+
+
+async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """Run a blocking read in a daemon thread; `StepTimedOut` after ``timeout``.
+
+    Not ``anyio.to_thread``: its worker threads are joined at exit, and a read stuck behind
+    a wedged task would then hang the process. A daemon thread is simply left behind.
+    """
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    box: list[tuple[bool, object]] = []
+
+    def target() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # handed back to the caller as is
+            box.append((False, exc))
+        # The loop may be gone (the caller gave up and left): nobody waits any more.
+        with contextlib.suppress(Exception):
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=target, name=f"gpuwatch {what}", daemon=True).start()
+    with anyio.move_on_after(timeout):
+        await done.wait()
+    if not box:
+        raise StepTimedOut(what, timeout)
+    ok, value = box[0]
+    if not ok:
+        assert isinstance(value, BaseException)
+        raise value
+    return value  # type: ignore[return-value]
+
+
+__all__ = [
+    "ModelFacts",
+    "call_bounded",
+    "card_holders",
+    "cdi_output",
+    "dri_nodes",
+    "gather_facts",
+    "gather_facts_now",
+    "is_persistenced",
+    "map_paths",
+    "model_facts",
+    "nvidia_minor",
+    "persistenced_running",
+    "scan_holders",
+    "snd_nodes",
+]

@@ -1,0 +1,328 @@
+"""The one seam through which the switch changes the host: sysfs writes and host commands.
+
+Everything the switch does to a host goes through a `HostOps`: `RealHostOps` here, the
+simulated kernel (`gpuwatch.testing.simkernel`) in tests. Both run the same allow-list checks
+first (`check_write`, `check_command`), so a malformed address or driver name is refused
+before anything is written, whichever side of the seam is plugged in.
+
+Why a child process per write: a sysfs write can block forever in the kernel (nvidia's remove
+waiting on a client, holding the device lock). A thread stuck there can never be joined and
+keeps the interpreter from exiting; a child process can be abandoned after a timeout while
+the caller goes on. Commands are argument lists run without a shell, each under a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import anyio
+import anyio.to_thread
+
+from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_RE
+from gpuwatch.sources import EventSource
+from gpuwatch.switch.errors import HostStepError, StepTimedOut, UnsafeStep
+
+_ADDR = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+_DRV = r"[A-Za-z0-9_.-]+"
+_OVERRIDE_RE = re.compile(rf"^/sys/bus/pci/devices/({_ADDR})/driver_override$")
+_DRIVER_FILE_RE = re.compile(rf"^/sys/bus/pci/drivers/({_DRV})/(?:unbind|bind)$")
+_PROBE_PATH = "/sys/bus/pci/drivers_probe"
+_MODULE_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+_ALLOWED_DIRS = frozenset({"/etc/cdi"})
+#: The host commands the switch may run, and nothing else.
+ALLOWED_COMMANDS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "systemctl"})
+#: How long a killed child gets to go away before it is abandoned (a D-state task never does).
+_REAP_GRACE = 0.5
+
+# Children killed after a timeout that did not exit (stuck in the kernel). Kept referenced so
+# that no finaliser ever waits on them; the kernel reaps them if their write ever returns.
+_ABANDONED: list[subprocess.Popen[bytes]] = []
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def message(self) -> str:
+        """The command's own last words, for a one-line error."""
+        text = (self.stderr or self.stdout).strip().splitlines()
+        return text[-1] if text else f"exit status {self.returncode}"
+
+
+@runtime_checkable
+class HostOps(Protocol):
+    """Host side effects. Paths are host paths (``/sys/…``) resolved under the ops' root."""
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        """Write ``value`` to a sysfs file; `StepTimedOut` if it does not return in time,
+        `HostStepError` with the errno's text if the kernel said no."""
+        ...
+
+    async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        """Run an allowed command; `StepTimedOut` if it does not finish in time."""
+        ...
+
+    async def makedirs(self, path: str) -> None:
+        ...
+
+    def which(self, name: str) -> str | None:
+        ...
+
+
+# --------------------------------------------------------------------------- allow-lists
+
+
+def check_write(path: str, value: str) -> None:
+    """Refuse (`UnsafeStep`) any write the switch never makes: only ``driver_override`` (a
+    driver name, or a newline to clear it), a driver's ``bind``/``unbind`` and
+    ``drivers_probe`` (a canonical address)."""
+    if _OVERRIDE_RE.fullmatch(path):
+        if value != "\n" and (not DRIVER_NAME_RE.fullmatch(value) or value in (".", "..")):
+            raise UnsafeStep(f"refusing to write {value!r} to {path}: not a driver name")
+        return
+    driver_file = _DRIVER_FILE_RE.fullmatch(path)
+    if driver_file is not None and driver_file.group(1) in (".", ".."):
+        raise UnsafeStep(f"refusing to write to {path!r}: not a driver's folder")
+    if driver_file is not None or path == _PROBE_PATH:
+        if not PCI_ADDR_RE.fullmatch(value):
+            raise UnsafeStep(f"refusing to write {value!r} to {path}: not a PCI address")
+        return
+    raise UnsafeStep(f"refusing to write to {path!r}: not a file the switch writes")
+
+
+def check_command(argv: Sequence[str]) -> None:
+    """Refuse (`UnsafeStep`) any command outside the switch's few, with odd arguments."""
+    if not argv or argv[0] not in ALLOWED_COMMANDS:
+        raise UnsafeStep(f"refusing to run {list(argv)!r}: not one of {sorted(ALLOWED_COMMANDS)}")
+    args = list(argv[1:])
+    if any("\0" in a or "\n" in a for a in args):
+        raise UnsafeStep(f"refusing to run {list(argv)!r}: control characters in an argument")
+    name = argv[0]
+    if name == "modprobe":
+        names = args[1:] if args[:1] == ["-r"] else args
+        if not names or not all(_MODULE_RE.fullmatch(n) for n in names):
+            raise UnsafeStep(f"refusing to run {list(argv)!r}: malformed module name")
+    elif name == "systemctl":
+        if len(args) != 2 or args[0] not in ("stop", "start") or args[1] != "nvidia-persistenced":
+            raise UnsafeStep(f"refusing to run {list(argv)!r}: only nvidia-persistenced")
+    elif name == "nvidia-ctk":
+        if (args[:2] != ["cdi", "generate"] or len(args) != 3
+                or not args[2].startswith("--output=/")):
+            raise UnsafeStep(f"refusing to run {list(argv)!r}: only cdi generate --output=PATH")
+    elif name == "nvidia-modprobe" and not all(re.fullmatch(r"-[cu]|[0-9]+", a) for a in args):
+        raise UnsafeStep(f"refusing to run {list(argv)!r}: unexpected argument")
+
+
+def check_dir(path: str) -> None:
+    if path not in _ALLOWED_DIRS:
+        raise UnsafeStep(f"refusing to create {path!r}: not a folder the switch makes")
+
+
+def under_root(root: str, host_path: str) -> str:
+    """``/sys/x`` under ``root``; the host path must be absolute and free of ``..``."""
+    if not host_path.startswith("/") or "/../" in host_path + "/" or "\0" in host_path:
+        raise UnsafeStep(f"refusing path {host_path!r}")
+    return os.path.join(os.path.abspath(root), host_path.lstrip("/"))
+
+
+# --------------------------------------------------------------------------- child processes
+
+_CHILD_WRITE = """\
+import os, sys
+path, value = sys.argv[1], sys.argv[2]
+try:
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        data = value.encode()
+        if os.write(fd, data) != len(data):
+            raise OSError(5, "short write")
+    finally:
+        os.close(fd)
+except OSError as exc:
+    sys.stderr.write("%d\\t%s\\n" % (exc.errno or 0, exc.strerror or exc))
+    sys.exit(3)
+"""
+
+
+def _python() -> str:
+    return sys.executable or shutil.which("python3") or "python3"
+
+
+def _finish(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
+    """communicate() under ``timeout``; on expiry kill, give it a moment, then abandon it."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.communicate(timeout=_REAP_GRACE)
+        except subprocess.TimeoutExpired:
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+            _ABANDONED.append(proc)
+        raise
+
+
+def write_in_child(target: str, value: str, timeout: float) -> None:
+    """Write ``value`` to the file ``target`` from a child process, bounded by ``timeout``.
+
+    Blocking, but never for longer than ``timeout`` plus a short grace: a child stuck in
+    the kernel is killed and abandoned, the caller gets `StepTimedOut`.
+    """
+    proc = subprocess.Popen(
+        [_python(), "-I", "-S", "-c", _CHILD_WRITE, target, value],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        close_fds=True, start_new_session=True, env={"LC_ALL": "C"},
+    )
+    try:
+        _, err = _finish(proc, timeout)
+    except subprocess.TimeoutExpired:
+        raise StepTimedOut(f"write {value!r} to {target}", timeout) from None
+    if proc.returncode == 0:
+        return
+    text = err.decode("utf-8", "replace").strip()
+    code, _, message = text.partition("\t")
+    errno = int(code) if code.isdigit() else 0
+    raise HostStepError(errno, f"write {value!r} to {target}: {message or text or 'failed'}")
+
+
+def run_bounded(argv: Sequence[str], timeout: float) -> CommandResult:
+    """Run an argument list (no shell) under ``timeout``; kill and abandon it on expiry."""
+    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
+    try:
+        proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, close_fds=True, start_new_session=True, env=env,
+        )
+    except FileNotFoundError:
+        return CommandResult(127, "", f"{argv[0]}: command not found")
+    except OSError as exc:
+        return CommandResult(126, "", f"{argv[0]}: {exc.strerror or exc}")
+    try:
+        out, err = _finish(proc, timeout)
+    except subprocess.TimeoutExpired:
+        raise StepTimedOut("command " + " ".join(argv), timeout) from None
+    return CommandResult(proc.returncode, out.decode("utf-8", "replace"),
+                         err.decode("utf-8", "replace"))
+
+
+# --------------------------------------------------------------------------- the real host
+
+
+def _unescape_mount(text: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def is_real_sysfs(root: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """True when ``<root>/sys`` is a mounted sysfs: ``root`` is a view of a live host (``/``,
+    or the host's root mounted into a container), not a fixture tree."""
+    want = os.path.realpath(os.path.join(root, "sys"))
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return False
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5:
+            continue
+        if _unescape_mount(fields[4]) == want and right.split()[:1] == ["sysfs"]:
+            return True
+    return False
+
+
+class RealHostOps:
+    """Writes in child processes under ``root``; commands only where ``root`` is a live host.
+
+    Commands (modprobe, systemctl, nvidia-*) act on the running kernel whatever the root, so
+    they are refused unless ``<root>/sys`` is a mounted sysfs (or ``allow_commands`` says so):
+    a fixture root can never load or unload a real module by mistake.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] = "/", *,
+                 allow_commands: bool | None = None) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self._allow_commands = allow_commands
+
+    @property
+    def allow_commands(self) -> bool:
+        if self._allow_commands is None:
+            self._allow_commands = is_real_sysfs(self.root)
+        return self._allow_commands
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        check_write(path, value)
+        target = under_root(self.root, path)
+        await anyio.to_thread.run_sync(write_in_child, target, value, timeout)
+
+    async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        check_command(argv)
+        if not self.allow_commands:
+            raise UnsafeStep(f"refusing to run {argv[0]}: {self.root}/sys is not a mounted "
+                             "sysfs, and host commands act on the running kernel")
+        return await anyio.to_thread.run_sync(run_bounded, list(argv), timeout)
+
+    async def makedirs(self, path: str) -> None:
+        check_dir(path)
+        os.makedirs(under_root(self.root, path), exist_ok=True)
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+
+# --------------------------------------------------------------------------- backend hook
+
+
+@dataclass
+class Backend:
+    """What a command needs to switch: the ops, where uevents come from, who we are."""
+
+    ops: HostOps
+    source: EventSource | str = "auto"
+    geteuid: Callable[[], int] = field(default=os.geteuid)
+
+
+def default_backend(root: str) -> Backend:
+    return Backend(RealHostOps(root), "auto", os.geteuid)
+
+
+#: The CLI builds its backend through this; tests replace it with a simulated kernel.
+backend_factory: Callable[[str], Backend] = default_backend
+
+
+def make_backend(root: str) -> Backend:
+    return backend_factory(root)
+
+
+__all__ = [
+    "ALLOWED_COMMANDS",
+    "Backend",
+    "CommandResult",
+    "HostOps",
+    "RealHostOps",
+    "backend_factory",
+    "check_command",
+    "check_dir",
+    "check_write",
+    "default_backend",
+    "is_real_sysfs",
+    "make_backend",
+    "run_bounded",
+    "under_root",
+    "write_in_child",
+]

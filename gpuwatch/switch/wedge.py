@@ -1,0 +1,106 @@
+"""``wedge-detected``: is a task stuck in the nvidia driver's remove path right now?
+
+A write to nvidia's ``unbind`` while a client holds the card blocks in ``nv_pci_remove``
+(looping in ``os_delay``) in uninterruptible sleep, holding the PCI device lock; only a
+reboot frees it, and any further bind or unbind of the device adds another stuck task.
+Kernel stacks (``/proc/<pid>/stack``) are readable by root only: when they cannot be read
+the answer is incomplete, and the scan says so instead of claiming "not wedged".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from gpuwatch.hostfs.procfs import pids, read_comm
+
+_log = logging.getLogger("gpuwatch.switch")
+
+#: Kernel functions in a stuck task's stack that mean "the nvidia remove path hangs".
+WEDGE_SYMBOLS = ("nv_pci_remove", "os_delay")
+
+
+@dataclass(frozen=True, slots=True)
+class WedgeScan:
+    """The tasks found stuck, and the D-state tasks whose stacks could not be read."""
+
+    stuck: tuple[tuple[int, str, str], ...]  # (pid, comm, symbol)
+    unreadable: tuple[int, ...]
+
+    @property
+    def wedged(self) -> bool:
+        return bool(self.stuck)
+
+    @property
+    def complete(self) -> bool:
+        return not self.unreadable
+
+    def describe(self) -> str:
+        if self.stuck:
+            return "; ".join(f"{comm or '?'} (pid {pid}) is stuck in {sym}"
+                             for pid, comm, sym in self.stuck)
+        if self.unreadable:
+            return (f"cannot read /proc/<pid>/stack of {len(self.unreadable)} task(s) in D state "
+                    "(root only): a wedge may go unseen")
+        return "no task is stuck in the nvidia driver"
+
+
+def _state(proc: str, pid: int) -> str:
+    """The one-letter state from ``/proc/<pid>/stat`` (after the comm's last ``)``)."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as fh:
+            raw = fh.read(4096)
+    except OSError:
+        return ""
+    tail = raw.rpartition(b")")[2].split()
+    return tail[0].decode("ascii", "replace") if tail else ""
+
+
+def _tasks(proc: str, pid: int) -> list[str]:
+    """The stack files of a process and of each of its threads."""
+    task_dir = f"{proc}/{pid}/task"
+    try:
+        tids = [t for t in os.listdir(task_dir) if t.isascii() and t.isdigit()]
+    except OSError:
+        tids = []
+    others = [f"{task_dir}/{t}/stack" for t in sorted(tids) if t != str(pid)]
+    return [f"{proc}/{pid}/stack", *others]
+
+
+def scan_wedge(root: str) -> WedgeScan:
+    """Every task in D state whose kernel stack shows the nvidia remove path."""
+    proc = os.path.join(root, "proc")
+    stuck: list[tuple[int, str, str]] = []
+    unreadable: list[int] = []
+    for pid in pids(proc):
+        if _state(proc, pid) != "D":
+            continue
+        readable = False
+        hit = ""
+        for stack in _tasks(proc, pid):
+            try:
+                with open(stack, "rb") as fh:
+                    text = fh.read(65536).decode("utf-8", "replace")
+            except OSError:  # gone, or EACCES for non-root
+                continue
+            readable = True
+            hit = next((s for s in WEDGE_SYMBOLS if s in text), "")
+            if hit:
+                break
+        if hit:
+            stuck.append((pid, read_comm(proc, pid), hit))
+        elif not readable:
+            unreadable.append(pid)
+    return WedgeScan(tuple(stuck), tuple(unreadable))
+
+
+def wedge_detected(root: str) -> bool:
+    """The probe answer; logs a warning when stacks could not be read (not root)."""
+    scan = scan_wedge(root)
+    if not scan.wedged and not scan.complete:
+        _log.warning("wedge-detected: %s", scan.describe())
+    return scan.wedged
+
+
+__all__ = ["WEDGE_SYMBOLS", "WedgeScan", "scan_wedge", "wedge_detected"]

@@ -1,0 +1,463 @@
+"""A simulated kernel over a `SysRoot`: the switch's writes and commands, given their meaning.
+
+`SimKernel` implements the switch's `HostOps` seam for tests. A write to ``driver_override``,
+a driver's ``unbind``/``bind`` or ``drivers_probe`` moves the ``driver`` links in the fixture
+tree exactly as the PCI core would and pushes the matching uevents into a `MemorySource`
+that the test's watcher reads; ``modprobe``/``modprobe -r`` change ``sys/module`` (with
+refcounts, EBUSY while a process holds ``/dev/nvidia*``, and the driver's devices unbound
+on unload); ``nvidia-modprobe``, ``nvidia-ctk`` and ``systemctl`` do what they do to a host.
+
+The hazards are modelled too, because the switch exists to avoid them: an unbind whose
+driver still has open files never returns (nvidia's remove, snd_hda_intel's, vfio-pci's with
+a VM running), and ``wedge_unbind`` makes a driver's unbind hang regardless. A hung write
+leaves a task in D state with the nvidia remove path in its ``/proc/<pid>/stack``, as a real
+wedge does. Every write and command is recorded, in order, *after* the same allow-list checks
+the real seam makes, so a test can assert that something was never written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+from pydantic import BaseModel
+
+from gpuwatch.core.plan import module_of
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.hostfs.files import link_name, list_dir, read_attr
+from gpuwatch.hostfs.scan import HostPaths, read_function
+from gpuwatch.sources import EventSource, SourceOverflow
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.switch.errors import HostStepError, StepTimedOut
+from gpuwatch.switch.hostops import CommandResult, check_command, check_dir, check_write
+from gpuwatch.testing.sysroot import SysRoot
+
+if TYPE_CHECKING:
+    from gpuwatch.switch.engine import SwitchEngine
+    from gpuwatch.watch.watcher import Watcher
+
+__all__ = ["DEFAULT_TOOLS", "SimKernel", "simulated_switch"]
+
+DEFAULT_TOOLS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "systemctl"})
+
+_OVERRIDE_RE = re.compile(r"^/sys/bus/pci/devices/([^/]+)/driver_override$")
+_DRIVER_FILE_RE = re.compile(r"^/sys/bus/pci/drivers/([^/]+)/(unbind|bind)$")
+#: Modules that take a reference on another when loaded (user → used).
+_DEPENDS = {"nvidia_uvm": "nvidia", "nvidia_modeset": "nvidia", "nvidia_drm": "nvidia_modeset",
+            "nvidia_peermem": "nvidia", "vfio_pci": "vfio"}
+_REMOVE_TAIL = ("[<0>] pci_device_remove+0x3e/0xb0\n"
+                "[<0>] device_release_driver_internal+0x1b/0x30\n"
+                "[<0>] unbind_store+0xd9/0x100\n")
+_NVIDIA_STACK = ("[<0>] os_delay+0x3c/0x60 [nvidia]\n"
+                 "[<0>] nv_pci_remove+0x1b4/0x380 [nvidia]\n" + _REMOVE_TAIL)
+_OTHER_STACK = _REMOVE_TAIL
+
+
+def _error(code: int, what: str) -> HostStepError:
+    return HostStepError(code, f"{what}: {os.strerror(code)}")
+
+
+class SimKernel:
+    """The switch's `HostOps` over a fixture tree, with uevents into ``source``."""
+
+    def __init__(self, sysroot: SysRoot, source: MemorySource | None = None, *,
+                 tools: Iterable[str] = DEFAULT_TOOLS) -> None:
+        self.sys = sysroot
+        self.root = str(sysroot.root)
+        self.paths = HostPaths(self.root)
+        self._source = source
+        #: Every write, command and mkdir, in order: ``("write", path, value)``,
+        #: ``("command", *argv)``, ``("mkdir", path)``.
+        self.record: list[tuple[str, ...]] = []
+        #: Drivers whose unbind never returns, holders or not.
+        self.wedge_unbind: set[str] = set()
+        #: Model the kernel's remove waiting for open files (the real hazard). On by default.
+        self.unbind_waits_for_holders = True
+        #: Drop ``bind`` uevents: the tree changes but the watcher is not told.
+        self.lose_bind_events = False
+        #: ``modprobe NAME`` of these fails (module not found).
+        self.fail_modules: set[str] = set()
+        self.tools = set(tools)
+        self.stuck: list[tuple[str, str, int]] = []  # (addr, driver, pid of the D task)
+        self._overrides: dict[str, str] = {}
+        self._next_stuck_pid = 31337
+
+    @property
+    def source(self) -> MemorySource:
+        """Where the uevents go; made on first use (an unused one would never be closed)."""
+        if self._source is None:
+            self._source = MemorySource()
+        return self._source
+
+    @source.setter
+    def source(self, value: MemorySource) -> None:
+        self._source = value
+
+    def new_source(self) -> EventSource:
+        """An event source for one watcher: on ``start`` it becomes where uevents go. Nothing
+        is allocated until then, so a command that never watches leaves nothing open."""
+        return _SimSource(self)
+
+    # ----------------------------------------------------------------- records
+
+    @property
+    def writes(self) -> list[tuple[str, str]]:
+        return [(r[1], r[2]) for r in self.record if r[0] == "write"]
+
+    @property
+    def commands(self) -> list[tuple[str, ...]]:
+        return [r[1:] for r in self.record if r[0] == "command"]
+
+    # ----------------------------------------------------------------- fixture helpers
+
+    def add_holder(self, pid: int, comm: str, node: str, *, via: str = "fd") -> None:
+        """A process keeping ``node`` open (``via="fd"``) or mapped (``via="maps"``)."""
+        if via == "fd":
+            self.sys.add_process(pid, comm, fds={3: node})
+        else:
+            self.sys.add_process(pid, comm, maps=[node])
+
+    def start_persistenced(self, pid: int = 777) -> None:
+        nodes = [n for n in ("/dev/nvidiactl", "/dev/nvidia0")
+                 if os.path.exists(self.paths.under(n))]
+        self.sys.add_process(pid, "nvidia-persiste", fds={3 + i: n for i, n in enumerate(nodes)})
+
+    def release_stuck(self) -> None:
+        """The hung unbinds finally return (their holders went away): finish them."""
+        stuck, self.stuck = self.stuck, []
+        for addr, driver, pid in stuck:
+            self.sys.remove_process(pid)
+            if self._driver(addr) == driver:
+                self._unbind(addr)
+
+    def reboot(self, boot_id: str) -> None:
+        """A new boot: a new boot id, and no stuck task survives it."""
+        for _addr, _driver, pid in self.stuck:
+            self.sys.remove_process(pid)
+        self.stuck = []
+        self.sys.set_boot_id(boot_id)
+
+    # ----------------------------------------------------------------- HostOps
+
+    def which(self, name: str) -> str | None:
+        return f"/usr/bin/{name}" if name in self.tools else None
+
+    async def makedirs(self, path: str) -> None:
+        check_dir(path)
+        self.record.append(("mkdir", path))
+        os.makedirs(self.paths.under(path), exist_ok=True)
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        check_write(path, value)
+        self.record.append(("write", path, value))
+        await anyio.lowlevel.checkpoint()
+        if m := _OVERRIDE_RE.fullmatch(path):
+            addr = m.group(1)
+            self._require(addr, path)
+            name = value.split("\n", 1)[0]
+            if name:
+                self._overrides[addr] = name
+            else:
+                self._overrides.pop(addr, None)
+            self.sys.set_attr(addr, "driver_override", (name or "(null)") + "\n")
+            return
+        if path == "/sys/bus/pci/drivers_probe":
+            self._require(value, path)
+            self._probe(value)
+            return
+        m = _DRIVER_FILE_RE.fullmatch(path)
+        assert m is not None  # check_write allows nothing else
+        driver, op = m.group(1), m.group(2)
+        addr = value
+        self._require(addr, path)
+        if op == "bind":
+            if self._driver(addr):
+                raise _error(errno.EBUSY, f"write {addr} to {path}")
+            if not self._module_loaded(module_of(driver)):
+                raise _error(errno.ENODEV, f"write {addr} to {path}")
+            self._bind(addr, driver)
+            return
+        if self._driver(addr) != driver:
+            raise _error(errno.ENODEV, f"write {addr} to {path}")
+        if driver in self.wedge_unbind or (self.unbind_waits_for_holders
+                                           and self._unbind_blocked(addr, driver)):
+            await self._hang(addr, driver, path, value, timeout)
+        self._unbind(addr)
+
+    async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        check_command(argv)
+        self.record.append(("command", *argv))
+        await anyio.lowlevel.checkpoint()
+        name, args = argv[0], list(argv[1:])
+        if name not in self.tools:
+            return CommandResult(127, "", f"{name}: command not found")
+        if name == "modprobe":
+            return self._modprobe(args)
+        if name == "nvidia-modprobe":
+            for node in ("/dev/nvidiactl", "/dev/nvidia0"):
+                self.sys.add_dev_node(node)
+            if "-u" in args:
+                self._load("nvidia_uvm")
+                self.sys.add_dev_node("/dev/nvidia-uvm")
+                self.sys.add_dev_node("/dev/nvidia-uvm-tools")
+            return CommandResult(0)
+        if name == "nvidia-ctk":
+            output = args[2].partition("=")[2]
+            if output != os.path.join(self.root, "etc/cdi/nvidia.yaml"):
+                return CommandResult(1, "", f"level=error msg=\"cannot write {output}\"")
+            if not os.path.isdir(os.path.dirname(output)):
+                return CommandResult(1, "", f"level=error msg=\"no such directory for {output}\"")
+            self.sys.add_cdi_spec("etc")
+            return CommandResult(0, "", f"level=info msg=\"Generated CDI spec with version 0.5.0\" "
+                                        f"output={output}")
+        if name == "systemctl":
+            if args[0] == "stop":
+                for pid in self._pids():
+                    if read_attr(f"{self.root}/proc/{pid}/comm").startswith("nvidia-persist"):
+                        self.sys.remove_process(pid)
+            else:
+                self.start_persistenced()
+            return CommandResult(0)
+        return CommandResult(127, "", f"{name}: command not found")
+
+    # ----------------------------------------------------------------- PCI core
+
+    def _require(self, addr: str, path: str) -> None:
+        if addr not in self.sys.functions:
+            raise _error(errno.ENODEV, f"write to {path}")
+
+    def _driver(self, addr: str) -> str:
+        return link_name(os.path.join(self.paths.bus_pci, addr, "driver"))
+
+    def _natural(self, addr: str) -> str:
+        """The driver whose id table matches the device (what binds without an override)."""
+        seen = read_function(self.paths, addr)
+        klass = getattr(seen, "klass", "")
+        if klass.startswith("0x03") and getattr(seen, "vendor_id", "") == "0x10de":
+            return "nvidia"
+        if klass == "0x0403":
+            return "snd_hda_intel"
+        return ""
+
+    def _probe(self, addr: str) -> None:
+        if self._driver(addr):
+            return  # already bound: drivers_probe does nothing and says nothing
+        driver = self._overrides.get(addr) or self._natural(addr)
+        if driver and self._module_loaded(module_of(driver)):
+            self._bind(addr, driver)
+
+    def _bind(self, addr: str, driver: str) -> None:
+        self.sys.bind(addr, driver)
+        if driver == "vfio-pci":
+            group = self._group(addr)
+            if group >= 0 and not os.path.exists(self.paths.under(f"/dev/vfio/{group}")):
+                devpath = self.sys.add_vfio_group(group)
+                self.source.push(self.sys.uevent_props("add", devpath))
+        if not self.lose_bind_events:
+            self.source.push(self.sys.uevent_props("bind", addr))
+
+    def _unbind(self, addr: str) -> None:
+        driver = self._driver(addr)
+        self.sys.unbind(addr)
+        self.source.push(self.sys.uevent_props("unbind", addr))
+        if driver == "vfio-pci":
+            group = self._group(addr)
+            still = [a for a in self.sys.functions
+                     if self._group(a) == group and self._driver(a) == "vfio-pci"]
+            if group >= 0 and not still and os.path.exists(self.paths.under(f"/dev/vfio/{group}")):
+                self.sys.remove_vfio_group(group)
+                self.source.push(self.sys.uevent_props("remove", f"/devices/virtual/vfio/{group}"))
+
+    def _group(self, addr: str) -> int:
+        name = link_name(os.path.join(self.paths.bus_pci, addr, "iommu_group"))
+        return int(name) if name.isdigit() else -1
+
+    async def _hang(self, addr: str, driver: str, path: str, value: str, timeout: float) -> None:
+        """The write never returns: a task sits in D state until the caller gives up."""
+        pid = self._next_stuck_pid
+        self._next_stuck_pid += 1
+        self.sys.add_process(pid, "python3", state="D",
+                             stack=_NVIDIA_STACK if driver == "nvidia" else _OTHER_STACK)
+        self.stuck.append((addr, driver, pid))
+        await anyio.sleep(timeout)
+        raise StepTimedOut(f"write {value!r} to {path}", timeout)
+
+    # ----------------------------------------------------------------- holders
+
+    def _pids(self) -> list[int]:
+        return sorted(int(n) for n in list_dir(f"{self.root}/proc") if n.isdigit())
+
+    def _held(self, matches: re.Pattern[str]) -> bool:
+        """Does any process have an fd on, or a mapping of, a matching node?"""
+        for pid in self._pids():
+            base = f"{self.root}/proc/{pid}"
+            for fd in list_dir(f"{base}/fd"):
+                try:
+                    if matches.match(os.readlink(f"{base}/fd/{fd}")):
+                        return True
+                except OSError:
+                    continue
+            try:
+                with open(f"{base}/maps", encoding="utf-8", errors="replace") as fh:
+                    for line in fh:
+                        parts = line.split(None, 5)
+                        if len(parts) == 6 and matches.match(parts[5].strip()):
+                            return True
+            except OSError:
+                continue
+        return False
+
+    def _unbind_blocked(self, addr: str, driver: str) -> bool:
+        if driver == "nvidia":
+            info = read_attr(f"{self.root}/proc/driver/nvidia/gpus/{addr}/information")
+            minor = re.search(r"^Device Minor:\s*([0-9]+)", info, re.MULTILINE)
+            if minor is None:  # no way to tell the card's clients apart: any client blocks
+                return self._held(re.compile(r"^/dev/nvidia"))
+            return self._held(re.compile(rf"^/dev/nvidia{minor.group(1)}$"))
+        if driver == "vfio-pci":
+            return self._held(re.compile(rf"^/dev/vfio/{self._group(addr)}$"))
+        if driver == "snd_hda_intel":
+            return self._held(re.compile(r"^/dev/snd/"))
+        return False
+
+    # ----------------------------------------------------------------- modules
+
+    def _module_dir(self, name: str) -> str:
+        return os.path.join(self.paths.module, name)
+
+    def _module_loaded(self, name: str) -> bool:
+        return os.path.isdir(self._module_dir(name))
+
+    def _refcnt(self, name: str) -> int:
+        text = read_attr(os.path.join(self._module_dir(name), "refcnt"))
+        return int(text) if text.isdigit() else 0
+
+    def _set_refcnt(self, name: str, value: int) -> None:
+        with open(os.path.join(self._module_dir(name), "refcnt"), "w", encoding="ascii") as fh:
+            fh.write(f"{max(0, value)}\n")
+
+    def _modprobe(self, args: list[str]) -> CommandResult:
+        if args[:1] == ["-r"]:
+            for raw in args[1:]:
+                name = raw.replace("-", "_")
+                if not self._module_loaded(name):
+                    return CommandResult(1, "", f"modprobe: FATAL: Module {name} is not "
+                                                "currently loaded.")
+                if self._module_busy(name):
+                    return CommandResult(1, "", f"modprobe: FATAL: Module {name} is in use.")
+                self._unload(name)
+            return CommandResult(0)
+        for raw in args:
+            name = raw.replace("-", "_")
+            if name in self.fail_modules:
+                return CommandResult(1, "", f"modprobe: FATAL: Module {name} not found in "
+                                            "directory /lib/modules/6.8.0")
+            if not self._module_loaded(name):
+                self._load(name)
+        return CommandResult(0)
+
+    def _module_busy(self, name: str) -> bool:
+        if self._refcnt(name) > 0:
+            return True
+        if name == "nvidia":
+            return self._held(re.compile(r"^/dev/nvidia"))
+        if name == "nvidia_uvm":
+            return self._held(re.compile(r"^/dev/nvidia-uvm"))
+        return False
+
+    def _load(self, name: str) -> None:
+        used = _DEPENDS.get(name)
+        if used is not None and not self._module_loaded(used):
+            self._load(used)
+        devpath = self.sys.add_module(name)
+        if used is not None:
+            holder = os.path.join(self._module_dir(used), "holders", name)
+            if not os.path.lexists(holder):
+                os.symlink(f"../../{name}", holder)
+            self._set_refcnt(used, self._refcnt(used) + 1)
+        self.source.push(self.sys.uevent_props("add", devpath))
+        driver = "vfio-pci" if name == "vfio_pci" else name
+        for addr in self.sys.functions:
+            if self._driver(addr):
+                continue
+            wanted = self._overrides.get(addr) or self._natural(addr)
+            if wanted == driver:
+                self._bind(addr, driver)
+
+    def _unload(self, name: str) -> None:
+        for addr in self.sys.functions:
+            if module_of(self._driver(addr)) == name:
+                self._unbind(addr)
+        if name == "nvidia_drm":
+            self._remove_nvidia_drm_nodes()
+        for other in list_dir(self.paths.module):
+            if os.path.lexists(os.path.join(self._module_dir(other), "holders", name)):
+                self._set_refcnt(other, self._refcnt(other) - 1)
+        self.sys.remove_module(name)
+        self.source.push(self.sys.uevent_props("remove", f"/module/{name}"))
+
+    def _remove_nvidia_drm_nodes(self) -> None:
+        for name in sorted(list_dir(self.paths.class_drm)):
+            if not re.match(r"^(card|renderD)[0-9]+$", name):
+                continue
+            owner = link_name(os.path.join(self.paths.class_drm, name, "device"))
+            if owner and self._driver(owner) == "nvidia":
+                real = os.path.realpath(os.path.join(self.paths.class_drm, name))
+                devpath = real[len(os.path.realpath(self.paths.sys)):]
+                self.sys.remove_drm(name)
+                self.source.push(self.sys.uevent_props("remove", devpath))
+
+
+class _SimSource:
+    name = "memory"
+
+    def __init__(self, sim: SimKernel) -> None:
+        self.warnings: list[str] = []
+        self._sim = sim
+        self._src: MemorySource | None = None
+
+    def start(self) -> None:
+        if self._src is None:
+            self._src = MemorySource()
+            self._sim.source = self._src
+
+    def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
+        self.start()
+        assert self._src is not None
+        return self._src.batches()
+
+    def close(self) -> None:
+        if self._src is not None:
+            self._src.close()
+
+
+@asynccontextmanager
+async def simulated_switch(
+    host: SysRoot, *, euid: int = 0, sim: SimKernel | None = None,
+    poison_path: str | os.PathLike[str] | None = None, step_timeout: float = 30.0,
+    scan_timeout: float = 10.0, tree_check_after: float = 5.0,
+) -> AsyncIterator[tuple[Watcher, SimKernel, SwitchEngine, list[BaseModel]]]:
+    """A watcher over ``host`` fed by a simulated kernel, with a switch engine on it.
+
+    Yields ``(watcher, sim, engine, events)``; ``events`` collects every published event.
+    ``euid`` is who the engine believes it runs as (0: root).
+    """
+    from gpuwatch.switch.engine import SwitchEngine
+    from gpuwatch.watch.watcher import open_watcher
+
+    kernel = sim if sim is not None else SimKernel(host)
+    kernel.source = MemorySource()  # a watcher closes its source: each one gets its own
+    async with open_watcher(host.root, kernel.source, reconcile_interval=0,
+                            cdi_poll_interval=0) as watcher:
+        engine = SwitchEngine.attach(watcher, kernel, geteuid=lambda: euid,
+                                     poison_path=poison_path, step_timeout=step_timeout,
+                                     scan_timeout=scan_timeout, tree_check_after=tree_check_after)
+        events: list[BaseModel] = []
+        watcher.listeners.append(events.append)
+        yield watcher, kernel, engine, events

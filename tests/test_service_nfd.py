@@ -1,0 +1,189 @@
+"""The node-feature-discovery features file: labels, atomic rewrites only when they change."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gpuwatch.hostfs.scan import read_cdi
+from gpuwatch.service.nfd import NfdFeatureFile, feature_labels, render, resolve_path
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.watcher import Watcher, open_watcher
+
+NV, NV_AUDIO, NIC = "0000:01:00.0", "0000:01:00.1", "0000:02:00.0"
+
+
+def parse(path: Path) -> tuple[dict[str, str], list[str]]:
+    labels, directives = {}, []
+    for line in path.read_text().splitlines():
+        if line.startswith("# +"):
+            directives.append(line[3:])
+        elif line and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            labels[name] = value
+    return labels, directives
+
+
+def identity(path: Path) -> tuple[int, int, str]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, path.read_text()
+
+
+async def bind(w: Watcher, source: MemorySource, host: SysRoot, addr: str, driver: str) -> None:
+    before = w.seq
+    host.bind(addr, driver)
+    source.push(host.uevent_props("bind", addr))
+    with anyio.fail_after(5):
+        while w.seq < before + 1:
+            await anyio.sleep(0.005)
+
+
+async def quiet(nfd: NfdFeatureFile, moment: float = 0.2) -> None:
+    """Give the writer task time to act on whatever it was woken for."""
+    await anyio.sleep(moment)
+
+
+async def test_rewritten_on_a_change_and_only_then(host: SysRoot, tmp_path: Path) -> None:
+    features = tmp_path / "features.d"
+    source = MemorySource()
+    async with (
+        open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w,
+        anyio.create_task_group() as tg,
+    ):
+        nfd = NfdFeatureFile(str(features) + "/", expiry=3600)
+        nfd.attach(w)
+        tg.start_soon(nfd.run)
+        path = features / "gpuwatch"
+        with anyio.fail_after(5):
+            while not path.exists():
+                await anyio.sleep(0.01)
+        labels, directives = parse(path)
+        assert labels == {
+            "gpuwatch.amd.gpu": "false",
+            "gpuwatch.gpu.count": "2",
+            "gpuwatch.gpu.intel.count": "1",
+            "gpuwatch.gpu.nvidia.count": "1",
+            "gpuwatch.gpu.vfio.count": "0",
+            "gpuwatch.iommu": "true",
+            "gpuwatch.iommu.kind": "intel",
+            "gpuwatch.nvidia.cdi": "true",
+        }
+        assert len(directives) == 1 and directives[0].startswith("expiry-time=")
+        first = identity(path)
+        assert nfd.writes == 1
+
+        # The audio function alone to vfio-pci: detect-vfio changes, but the group is mixed,
+        # so no label does. The file is left alone: same inode, same mtime.
+        await bind(w, source, host, NV_AUDIO, "vfio-pci")
+        await quiet(nfd)
+        host.unbind(NIC)  # a NIC: not a GPU, no label depends on it
+        source.push(host.uevent_props("unbind", NIC))
+        await quiet(nfd)
+        assert identity(path) == first and nfd.writes == 1
+
+        # Now the whole group is on vfio-pci: one label changes, the file is replaced.
+        await bind(w, source, host, NV, "vfio-pci")
+        with anyio.fail_after(5):
+            while nfd.writes < 2:
+                await anyio.sleep(0.01)
+        second = identity(path)
+        assert second[0] != first[0]  # a new inode: written aside, then renamed over
+        assert parse(path)[0]["gpuwatch.gpu.vfio.count"] == "1"
+        assert not [p for p in features.iterdir() if p.name != "gpuwatch"]  # no temp file left
+
+        # The CDI spec goes away: detect-gpu flips, so does gpuwatch.nvidia.cdi.
+        host.remove_cdi_spec("etc")
+        w.apply([read_cdi(w.paths)])  # what the watcher's CDI poll does
+        with anyio.fail_after(5):
+            while nfd.writes < 3:
+                await anyio.sleep(0.01)
+        assert parse(path)[0]["gpuwatch.nvidia.cdi"] == "false"
+        tg.cancel_scope.cancel()
+    nfd.detach()
+
+
+async def test_expiry_is_refreshed_before_it_lapses(host: SysRoot, tmp_path: Path) -> None:
+    now = [1_000_000.0]
+    async with open_watcher(
+        host.root, MemorySource(), reconcile_interval=0, cdi_poll_interval=0
+    ) as w:
+        nfd = NfdFeatureFile(tmp_path / "gpuwatch", expiry=600, clock=lambda: now[0])
+        nfd.attach(w)
+        assert await nfd.update(force=True)
+        assert parse(tmp_path / "gpuwatch")[1] == ["expiry-time=1970-01-12T13:56:40Z"]
+        now[0] += 200
+        assert not await nfd.update()  # nothing changed, the expiry is far enough away
+        now[0] += 150  # past half the expiry: refresh, with a later expiry
+        assert await nfd.update()
+        assert parse(tmp_path / "gpuwatch")[1] == ["expiry-time=1970-01-12T14:02:30Z"]
+        nfd.detach()
+    never = NfdFeatureFile(tmp_path / "never", expiry=0)
+    assert "expiry" not in render({"a": "b"}, None) and never.expiry == 0
+
+
+@pytest.mark.parametrize(
+    ("gpus", "expected"),
+    [
+        ([], {"gpuwatch.gpu.count": "0", "gpuwatch.gpu.vfio.count": "0"}),
+        (
+            [
+                ("0x1002", [("0x0300", "vfio-pci"), ("0x0403", "vfio-pci")]),
+                ("0x1002", [("0x0300", "amdgpu")]),
+                ("0x1af4", [("0x0300", "virtio-pci")]),
+            ],
+            {
+                "gpuwatch.gpu.count": "3",
+                "gpuwatch.gpu.vfio.count": "1",
+                "gpuwatch.gpu.amd.count": "2",
+                "gpuwatch.gpu.0x1af4.count": "1",
+            },
+        ),
+    ],
+)
+def test_feature_labels(
+    gpus: list[tuple[str, list[tuple[str, str]]]], expected: dict[str, str]
+) -> None:
+    def fn(vendor: str, klass: str, driver: str, i: int) -> dict[str, Any]:
+        return {
+            "addr": f"0000:0{i}:00.0",
+            "vendor_id": vendor,
+            "device_id": "0x1",
+            "class": klass,
+            "class_label": "",
+            "driver": driver,
+            "iommu_group": i,
+        }
+
+    detect_vfio = {
+        "iommu_enabled": False,
+        "iommu_kind": "",
+        "gpus": [
+            {
+                **fn(vendor, *members[0], i),
+                "group_members": [fn(vendor, k, d, i) for k, d in members],
+            }
+            for i, (vendor, members) in enumerate(gpus)
+        ],
+    }
+    labels = feature_labels(
+        detect_vfio,
+        False,
+        bool(gpus),
+        "11.0.0" if gpus else "",
+        lambda vid: {"0x1002": "AMD"}.get(vid, vid),
+    )
+    assert {k: v for k, v in labels.items() if k.startswith("gpuwatch.gpu.")} == expected
+    assert labels["gpuwatch.iommu"] == "false" and "gpuwatch.iommu.kind" not in labels
+    assert labels.get("gpuwatch.amd.gfx") == ("11.0.0" if gpus else None)
+    assert list(labels) == sorted(labels)
+
+
+def test_resolve_path(tmp_path: Path) -> None:
+    assert resolve_path(tmp_path) == os.path.join(tmp_path, "gpuwatch")
+    assert resolve_path(f"{tmp_path}/missing/") == f"{tmp_path}/missing/gpuwatch"
+    assert resolve_path(tmp_path / "custom") == str(tmp_path / "custom")

@@ -1,0 +1,242 @@
+"""Who may do what on the socket, decided from real SO_PEERCRED credentials.
+
+The clients here are forked children that drop to uid 65534 with chosen groups before they
+connect, so the kernel, not the test, vouches for who they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from gpuwatch.service import protocol as P
+from gpuwatch.service.ops import default_ops
+from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
+from gpuwatch.service.testing import served_watcher, short_socket_dir
+from gpuwatch.testing import SysRoot
+
+NOBODY = 65534
+READERS = 424201  # the --socket-group
+SWITCHERS = 424202  # the --switch-group
+NV = "0000:01:00.0"
+
+
+def _peergroups_work() -> bool:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        a.getsockopt(socket.SOL_SOCKET, getattr(socket, "SO_PEERGROUPS", 59), 256)
+    except OSError:
+        return False
+    finally:
+        a.close()
+        b.close()
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not _peergroups_work(),
+    reason="needs root (to drop to another uid) and SO_PEERGROUPS (Linux 4.13+)",
+)
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+def _child(
+    path: str, groups: Sequence[int], requests: Sequence[bytes], memlock: int | None, out: int
+) -> None:
+    result: dict[str, Any] = {}
+    try:
+        if memlock is not None:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
+        os.setgroups(list(groups))
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        result["pid"] = os.getpid()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            result["connect_errno"] = exc.errno
+        else:
+            reader = sock.makefile("rb")
+            replies = []
+            for request in requests:
+                sock.sendall(request)
+                replies.append(json.loads(reader.readline()))
+            result["replies"] = replies
+    except BaseException as exc:  # report, never run the parent's code in the child
+        result["crash"] = repr(exc)
+    finally:
+        os.write(out, json.dumps(result).encode())
+        os._exit(0)
+
+
+async def as_nobody(
+    path: str,
+    groups: Sequence[int],
+    *requests: tuple[str, dict[str, Any]],
+    memlock: int | None = None,
+) -> dict[str, Any]:
+    """Fork, drop to uid/gid 65534 with ``groups``, connect, send ``requests``, report."""
+    lines = [P.encode_request(i, method, params) for i, (method, params) in enumerate(requests)]
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(rfd)
+        _child(path, groups, lines, memlock, wfd)
+    os.close(wfd)
+
+    def collect() -> bytes:
+        data = b""
+        while chunk := os.read(rfd, 65536):
+            data += chunk
+        os.close(rfd)
+        os.waitpid(pid, 0)
+        return data
+
+    result: dict[str, Any] = json.loads(await anyio.to_thread.run_sync(collect))
+    assert "crash" not in result, result
+    return result
+
+
+def codes(result: dict[str, Any]) -> list[str]:
+    return [r["error"]["code"] if "error" in r else "ok" for r in result["replies"]]
+
+
+async def fake_switch(watcher: Any, params: P.Params, peer: PeerCred) -> Any:
+    params.opt_str("addr")
+    params.opt_str("mode")
+    params.done()
+    return {"switched_for_uid": peer.uid}
+
+
+OPS = {**default_ops(), "switch": fake_switch, "recover": fake_switch}
+READS = [
+    ("probe", {"action": "detect-gpu"}),
+    ("snapshot", {}),
+    ("holders", {"addr": NV}),
+    ("plan", {"addr": NV, "mode": "vfio"}),
+]
+WRITES = [("switch", {"addr": NV, "mode": "vfio"}), ("recover", {"addr": NV})]
+
+
+async def test_socket_group_reads_and_only_the_switch_group_switches(
+    host: SysRoot, sockdir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = f"{sockdir}/gw.sock"
+    caplog.set_level(logging.WARNING, logger="gpuwatch.service")
+    async with served_watcher(host.root, path, read_gid=READERS, switch_gid=SWITCHERS, ops=OPS):
+        reader = await as_nobody(path, [READERS], *READS, *WRITES, ("subscribe", {}))
+        assert codes(reader) == ["ok"] * len(READS) + [P.PERMISSION_DENIED] * 2 + ["ok"]
+        refusal = reader["replies"][len(READS)]["error"]["message"]
+        assert "--switch-group" in refusal and f"uid {NOBODY} pid {reader['pid']}" in refusal
+        assert f"refused switch for uid {NOBODY} pid {reader['pid']}" in caplog.text
+
+        switcher = await as_nobody(path, [READERS, SWITCHERS], *READS, *WRITES)
+        assert codes(switcher) == ["ok"] * (len(READS) + 2)
+        assert switcher["replies"][len(READS)]["result"] == {"switched_for_uid": NOBODY}
+
+        outsider = await as_nobody(path, [], *READS)
+        assert outsider["connect_errno"] == 13  # EACCES: the 0660 root:group file keeps it out
+
+        # Even if the file mode were loosened, the peer check still refuses an outsider.
+        os.chmod(path, 0o666)
+        outsider = await as_nobody(path, [12345], *READS, *WRITES)
+        assert codes(outsider) == [P.PERMISSION_DENIED] * (len(READS) + 2)
+        assert "--socket-group" in outsider["replies"][0]["error"]["message"]
+
+
+async def test_without_groups_only_root_may_do_anything(host: SysRoot, sockdir: str) -> None:
+    path = f"{sockdir}/gw.sock"
+    async with served_watcher(host.root, path, read_gid=None, switch_gid=None, ops=OPS):
+        assert os.stat(path).st_gid == 0
+        os.chmod(path, 0o666)
+        nobody = await as_nobody(path, [0], *READS, *WRITES)  # group root is not uid root
+        assert codes(nobody) == [P.PERMISSION_DENIED] * (len(READS) + 2)
+
+        def as_root() -> list[Any]:  # and root itself may do everything
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(10)
+                sock.connect(path)
+                reader = sock.makefile("rb")
+                replies = []
+                for i, (method, params) in enumerate([*READS, *WRITES]):
+                    sock.sendall(P.encode_request(i, method, params))
+                    replies.append(json.loads(reader.readline()))
+                return replies
+
+        replies = await anyio.to_thread.run_sync(as_root)
+        assert ["result" in r for r in replies] == [True] * (len(READS) + 2), replies
+
+
+async def test_access_probes_answer_for_the_peer(host: SysRoot, sockdir: str) -> None:
+    host.add_vfio_group(13, mode=0o660)
+    os.chown(host.root / "dev/vfio/13", 0, READERS)
+    host.add_vfio_group(14, mode=0o600)
+    path = f"{sockdir}/gw.sock"
+    async with served_watcher(host.root, path, read_gid=READERS):
+        result = await as_nobody(
+            path,
+            [READERS],
+            ("probe", {"action": "vfio-group-accessible", "group": 13}),
+            ("probe", {"action": "vfio-group-accessible", "group": 14}),
+            ("probe", {"action": "memlock"}),
+            memlock=65536,
+        )
+        assert [r["result"] for r in result["replies"][:2]] == [True, False]  # what *it* may open
+        assert result["replies"][2]["result"] == {"soft": 65536, "hard": 65536}  # its own limit
+
+
+def test_peer_credentials_of_a_socketpair() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        cred = peer_credentials(a)
+    finally:
+        a.close()
+        b.close()
+    assert (cred.pid, cred.uid, cred.gid) == (os.getpid(), os.geteuid(), os.getegid())
+    assert set(os.getgroups()) | {os.getegid()} <= cred.groups
+
+
+@pytest.mark.parametrize(
+    ("uid", "groups", "read", "switch"),
+    [
+        (0, set(), True, True),
+        (1000, {READERS}, True, False),
+        (1000, {SWITCHERS}, True, True),
+        (1000, {7}, False, False),
+        (1000, set(), False, False),
+    ],
+)
+def test_access_policy(uid: int, groups: set[int], read: bool, switch: bool) -> None:
+    policy = AccessPolicy(read_gid=READERS, switch_gid=SWITCHERS)
+    peer = PeerCred(pid=1, uid=uid, gid=uid, groups=frozenset(groups | {uid}))
+    assert [
+        policy.allows(m, peer) for m in ("probe", "snapshot", "subscribe", "plan", "holders")
+    ] == [read] * 5
+    assert [policy.allows(m, peer) for m in ("switch", "recover")] == [switch] * 2
+
+
+def test_peer_memlock_reads_proc_limits(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7/limits").write_text(
+        "Limit                     Soft Limit           Hard Limit           Units     \n"
+        "Max locked memory         8388608              unlimited            bytes     \n"
+    )
+    limit = peer_memlock(7, str(tmp_path))
+    assert limit is not None and (limit.soft, limit.hard) == (8388608, None)
+    assert peer_memlock(8, str(tmp_path)) is None

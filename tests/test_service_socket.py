@@ -1,0 +1,857 @@
+"""The socket API against a running watcher on a fixture root: every method, bad clients,
+slow readers, many clients, reconnecting with ``since_seq``, and the CLI asking the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import stat
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from gpuwatch.cli.daemon import DaemonLost, ask_daemon
+from gpuwatch.cli.main import main
+from gpuwatch.core.events import NodeAdded, ProbeChanged
+from gpuwatch.errors import DeviceNotFound
+from gpuwatch.jsonout import jsonable
+from gpuwatch.model import ACTIONS
+from gpuwatch.service import protocol as P
+from gpuwatch.service.client import (
+    AsyncClient,
+    Client,
+    DaemonDeviceNotFound,
+    DaemonError,
+    DaemonUsageError,
+    try_daemon,
+)
+from gpuwatch.service.ops import default_ops
+from gpuwatch.service.peers import PeerCred
+from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
+from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.switch.errors import (
+    GroupBusy,
+    GroupPoisoned,
+    NotPrivileged,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+)
+from gpuwatch.switch.planning import holders_report, plan_for_host
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import EventLog
+
+NV, NV_AUDIO, IGPU, NIC = "0000:01:00.0", "0000:01:00.1", "0000:00:02.0", "0000:02:00.0"
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+class Raw:
+    """A bare protocol client: bytes out, JSON lines in (what a shell or Go client sees)."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    @classmethod
+    async def connect(cls, path: str) -> Raw:
+        return cls(await anyio.connect_unix(path))
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send(data)
+
+    async def line(self, timeout: float = 5) -> Any:
+        with anyio.fail_after(timeout):
+            while b"\n" not in self.buf:
+                self.buf += await self.stream.receive()
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+    async def request(self, method: str, params: dict[str, Any] | None = None, rid: Any = 1) -> Any:
+        await self.send(P.encode_request(rid, method, params))
+        return await self.line()
+
+    async def eof(self, timeout: float = 5) -> bytes:
+        """Everything left until the server closes."""
+        rest = self.buf
+        with anyio.fail_after(timeout):
+            try:
+                while True:
+                    rest += await self.stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                pass
+        return rest
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+@asynccontextmanager
+async def daemon(
+    host: SysRoot, sockdir: str, tmp_path: Path, **kw: Any
+) -> AsyncIterator[ServedWatcher]:
+    log = kw.pop("log", str(tmp_path / "events.jsonl"))
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", log=log, **kw) as served:
+        yield served
+
+
+async def settle(served: ServedWatcher, seq: int) -> None:
+    with anyio.fail_after(5):
+        while served.watcher.seq < seq:
+            await anyio.sleep(0.005)
+
+
+async def toggle(served: ServedWatcher, host: SysRoot, addr: str, driver: str) -> None:
+    """Unbind or rebind ``addr`` in the tree and send its uevent; wait until it is applied."""
+    before = served.watcher.seq
+    source = served.source
+    assert isinstance(source, MemorySource)
+    if (host.device_dir(addr) / "driver").is_symlink():
+        host.unbind(addr)
+        source.push(host.uevent_props("unbind", addr))
+    else:
+        host.bind(addr, driver)
+        source.push(host.uevent_props("bind", addr))
+    await settle(served, before + 1)
+    await anyio.sleep(0.01)  # the probe-changed that may follow in the same batch
+
+
+# --------------------------------------------------------------------------- methods
+
+
+async def test_every_probe_action_answers_like_the_model(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    params = {"group": 13, "addr": NV, "mode": "nvidia"}
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        for n, action in enumerate(ACTIONS):
+            kw = {k: params[k] for k in ACTIONS[action]}
+            if action == "plan":  # needs --addr or --vendor besides its mode
+                kw.update(addr=NV, mode="vfio")
+            reply = await c.request("probe", {"action": action, **kw}, rid=n)
+            assert reply["id"] == n and "error" not in reply, reply
+            if action == "memlock":  # answered for the peer: that is us
+                soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+                unlimited = resource.RLIM_INFINITY
+                assert reply["result"] == {
+                    "soft": None if soft == unlimited else soft,
+                    "hard": None if hard == unlimited else hard,
+                }
+            else:
+                assert reply["result"] == jsonable(served.watcher.model.probe(action, **kw)), action
+        await c.aclose()
+
+
+@pytest.mark.parametrize(
+    ("params", "code", "text"),
+    [
+        ({"action": "detect-everything"}, P.INVALID_PARAMS, "unknown action"),
+        ({}, P.INVALID_PARAMS, "'action' is required"),
+        ({"action": 5}, P.INVALID_PARAMS, "must be a string"),
+        ({"action": "display-driver"}, P.INVALID_PARAMS, "needs --addr"),
+        ({"action": "display-driver", "addr": "1:0.0"}, P.INVALID_PARAMS, "not a PCI address"),
+        ({"action": "display-driver", "addr": "0000:0a:00.0"}, P.NOT_FOUND, "no PCI function"),
+        ({"action": "vfio-group-accessible", "group": "13"}, P.INVALID_PARAMS, "an integer"),
+        ({"action": "vfio-group-accessible", "group": True}, P.INVALID_PARAMS, "an integer"),
+        (
+            {"action": "group-in-mode", "addr": NV, "mode": "host"},
+            P.INVALID_PARAMS,
+            "vfio or nvidia",
+        ),
+        ({"action": "detect-gpu", "adr": NV}, P.INVALID_PARAMS, "unknown parameter 'adr'"),
+    ],
+)
+async def test_probe_errors_are_replies_with_codes(
+    host: SysRoot, sockdir: str, tmp_path: Path, params: dict[str, Any], code: str, text: str
+) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        reply = await c.request("probe", params, rid="r1")
+        assert reply == {"id": "r1", "error": {"code": code, "message": reply["error"]["message"]}}
+        assert text in reply["error"]["message"]
+        assert (await c.request("probe", {"action": "detect-gpu"}, rid=2))["result"] is True
+        await c.aclose()
+
+
+async def test_snapshot_is_the_watchers(host: SysRoot, sockdir: str, tmp_path: Path) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        await toggle(served, host, NIC, "igb")
+        c = await Raw.connect(served.path)
+        reply = await c.request("snapshot")
+        assert reply["result"] == jsonable(served.watcher.snapshot())
+        assert reply["result"]["seq"] == served.watcher.seq == 2
+        assert {f["addr"]: f["driver"] for f in reply["result"]["functions"]}[NIC] == ""
+        await c.aclose()
+
+
+async def test_vfio_group_accessible_is_answered_for_the_peer(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    host.add_vfio_group(13, mode=0o600)
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        assert (await c.request("probe", {"action": "vfio-group-accessible", "group": 13}))[
+            "result"
+        ]
+        assert not (await c.request("probe", {"action": "vfio-group-accessible", "group": 7}))[
+            "result"
+        ]
+        assert not (await c.request("probe", {"action": "vfio-group-accessible", "group": -1}))[
+            "result"
+        ]
+        await c.aclose()
+
+
+async def test_subscribe_streams_filtered_events(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        only_nic = await Raw.connect(served.path)
+        everything = await Raw.connect(served.path)
+        reply = await only_nic.request(
+            "subscribe", {"types": ["driver-changed"], "addrs": [NIC.upper()]}
+        )
+        assert reply == {"id": 1, "result": {"seq": 1, "complete": True}}
+        assert (await everything.request("subscribe"))["result"]["seq"] == 1
+        await toggle(served, host, NV, "nvidia")  # driver-changed + probe-changed
+        await toggle(served, host, NIC, "igb")
+        got = await only_nic.line()
+        assert (got["type"], got["addr"], got["old"], got["new"]) == (
+            "driver-changed",
+            NIC,
+            "igb",
+            "",
+        )
+        assert got["seq"] == served.watcher.seq
+        seen = [await everything.line() for _ in range(served.watcher.seq - 1)]
+        assert [e["seq"] for e in seen] == list(range(2, served.watcher.seq + 1))
+        assert [e["type"] for e in seen] == ["driver-changed", "probe-changed", "driver-changed"]
+        # A subscribed connection still answers requests, the reply told apart by its "id".
+        assert (await only_nic.request("probe", {"action": "detect-gpu"}, rid=9)) == {
+            "id": 9,
+            "result": True,
+        }
+        again = await only_nic.request("subscribe", rid=10)
+        assert again["error"]["code"] == P.ALREADY_SUBSCRIBED
+        await only_nic.aclose()
+        await everything.aclose()
+
+
+async def test_subscribe_rejects_bad_filters(host: SysRoot, sockdir: str, tmp_path: Path) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        for params, text in (
+            ({"types": ["driver-change"]}, "unknown event type"),
+            ({"types": "driver-changed"}, "a list of strings"),
+            ({"since_seq": -1}, ">= 0"),
+            ({"since_seq": 1.5}, "an integer"),
+        ):
+            reply = await c.request("subscribe", params)
+            assert reply["error"]["code"] == P.INVALID_PARAMS and text in reply["error"]["message"]
+        await c.aclose()
+
+
+async def test_reconnect_with_since_seq_misses_nothing_and_repeats_nothing(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.request("subscribe")
+        await toggle(served, host, NIC, "igb")
+        first = await c.line()
+        await c.aclose()  # the client goes away ...
+        await toggle(served, host, NIC, "igb")  # ... and misses these
+        await toggle(served, host, NV, "nvidia")
+        missed_until = served.watcher.seq
+        c = await Raw.connect(served.path)
+        reply = await c.request("subscribe", {"since_seq": first["seq"]})
+        assert reply["result"] == {"seq": missed_until, "complete": True}
+        await toggle(served, host, NV, "nvidia")  # live, after the reconnect
+        got = [await c.line() for _ in range(served.watcher.seq - first["seq"])]
+        assert [e["seq"] for e in got] == list(range(first["seq"] + 1, served.watcher.seq + 1))
+        log_lines = (tmp_path / "events.jsonl").read_text().splitlines()
+        assert [json.loads(x) for x in log_lines[first["seq"] :]] == got  # byte-for-byte the log
+        with pytest.raises(TimeoutError):
+            await c.line(timeout=0.2)  # and nothing twice
+        await c.aclose()
+
+
+async def test_since_seq_while_events_keep_coming_is_gapless(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """Events published during the history replay are held, then sent once, in order; a
+    filtered subscriber gets exactly its kind, also across the seam."""
+    pad = "x" * 2000
+    async with daemon(host, sockdir, tmp_path) as served:
+        w = served.watcher
+        for i in range(300):  # a history worth replaying (about 1.2 MB), two kinds of event
+            w.publish([ProbeChanged(action="detect-gpu", old=pad, new=pad)])
+            if i % 3 == 0:
+                w.publish([NodeAdded(path=f"/dev/vfio/{i}")])
+        everything = await Raw.connect(served.path)
+        nodes = await Raw.connect(served.path)
+        async with anyio.create_task_group() as tg:
+
+            async def keep_publishing() -> None:
+                for i in range(200):
+                    w.publish([ProbeChanged(action="detect-gpu", old=1, new=2)])
+                    if i % 3 == 0:
+                        w.publish([NodeAdded(path=f"/dev/vfio/{1000 + i}")])
+                    await anyio.sleep(0)
+
+            await everything.send(P.encode_request(1, "subscribe", {"since_seq": 5}))
+            await nodes.send(
+                P.encode_request(1, "subscribe", {"since_seq": 5, "types": ["node-added"]})
+            )
+            tg.start_soon(keep_publishing)
+            assert (await everything.line())["result"]["complete"] is True
+            assert (await nodes.line())["result"]["complete"] is True
+            total = 1 + 300 + 100 + 200 + 67
+            seqs: list[int] = []
+            while len(seqs) < total - 5:
+                seqs.append((await everything.line())["seq"])
+            node_events = [
+                e
+                for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
+                if e["type"] == "node-added" and e["seq"] > 5
+            ]
+            got = [(await nodes.line())["seq"] for _ in node_events]
+        assert w.seq == total
+        assert seqs == list(range(6, total + 1))
+        assert got == [e["seq"] for e in node_events] and len(got) == 99 + 67
+        with pytest.raises(TimeoutError):
+            await nodes.line(timeout=0.2)
+        await everything.aclose()
+        await nodes.aclose()
+
+
+async def test_lost_history_is_reported_incomplete(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    log = EventLog(tmp_path / "small.jsonl", max_bytes=400, keep=1)
+    async with daemon(host, sockdir, tmp_path, log=log) as served:
+        for _ in range(6):
+            await toggle(served, host, NIC, "igb")
+        c = await Raw.connect(served.path)
+        reply = await c.request("subscribe", {"since_seq": 1})  # rotated away since
+        assert reply["result"] == {"seq": served.watcher.seq, "complete": False}
+        await c.aclose()
+        c = await Raw.connect(served.path)
+        reply = await c.request("subscribe", {"since_seq": 10_000})  # a seq of another log
+        assert reply["result"] == {"seq": served.watcher.seq, "complete": False}
+        await toggle(served, host, NIC, "igb")
+        assert (await c.line())["seq"] == served.watcher.seq  # streams live all the same
+        await c.aclose()
+    log.close()
+    async with daemon(host, sockdir, tmp_path, log=None) as served:  # no log: no history
+        await toggle(served, host, NIC, "igb")
+        c = await Raw.connect(served.path)
+        assert (await c.request("subscribe", {"since_seq": 0}))["result"]["complete"] is False
+        await c.aclose()
+
+
+# --------------------------------------------------------------------------- bad clients
+
+
+async def test_garbage_gets_error_replies_and_the_connection_survives(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    cases = [
+        (b"not json", None, P.PARSE_ERROR),
+        (b"\xff\xfe\x00garbage", None, P.PARSE_ERROR),
+        (b"[1, 2]", None, P.INVALID_REQUEST),
+        (b'{"id": 7}', 7, P.INVALID_REQUEST),
+        (b'{"id": 8, "method": 3}', 8, P.INVALID_REQUEST),
+        (b'{"id": "x", "method": "nope"}', "x", P.UNKNOWN_METHOD),
+        (b'{"id": 9, "method": "probe", "params": [1]}', 9, P.INVALID_PARAMS),
+        (b'{"id": 10, "method": "snapshot", "params": {"x": 1}}', 10, P.INVALID_PARAMS),
+        (b'{"id": 11, "method": "probe", "extra": 1}', 11, P.INVALID_REQUEST),
+    ]
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.send(b"\n   \n")  # blank lines are spacing, not requests
+        for line, rid, code in cases:
+            await c.send(line + b"\n")
+            reply = await c.line()
+            assert reply["id"] == rid and reply["error"]["code"] == code, (line, reply)
+            assert "\n" not in reply["error"]["message"]
+        reply = await c.request("probe", {"action": "current-mode", "addr": NV}, rid=None)
+        assert reply == {"id": None, "result": "nvidia"}
+        await c.aclose()
+
+
+async def test_oversized_line_is_refused_without_buffering_it(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        big = b'{"id": 1, "method": "probe", "params": {"action": "' + b"a" * (3 << 20)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                c.send, big + b'"}}\n' + P.encode_request(2, "probe", {"action": "detect-gpu"})
+            )
+            first = await c.line()
+            second = await c.line()
+        assert first["id"] is None and first["error"]["code"] == P.LINE_TOO_LONG
+        assert second == {"id": 2, "result": True}  # the next line is read normally
+        exactly = P.encode_request(3, "probe", {"action": "detect-gpu", "addr": "x" * 100})
+        assert len(exactly) < P.MAX_LINE
+        assert (await c.request("snapshot", rid=4))["id"] == 4
+        await c.aclose()
+
+
+async def test_slow_reader_is_disconnected_and_holds_up_no_one(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    pad = "y" * 8000
+    async with daemon(host, sockdir, tmp_path, outbox_limit=256 << 10) as served:
+        w = served.watcher
+        stalled = await Raw.connect(served.path)
+        reader = await Raw.connect(served.path)
+        await stalled.request("subscribe")
+        await reader.request("subscribe")
+        received: list[int] = []
+        count = 400  # 3+ MB: far past the kernel's socket buffer and the outbox limit
+        async with anyio.create_task_group() as tg:
+
+            async def read_all() -> None:
+                while len(received) < count:
+                    received.append((await reader.line())["seq"])
+
+            tg.start_soon(read_all)
+            with anyio.fail_after(20):
+                for _ in range(count):
+                    w.publish([ProbeChanged(action="detect-gpu", old=pad, new=pad)])
+                    await anyio.sleep(0)
+        assert received == list(range(2, count + 2))  # the reader lost nothing
+        assert served.server.lag_drops == 1
+        rest = await stalled.eof()  # what the kernel held, then the end
+        assert len(rest) < 1 << 20
+        assert len(served.server.connections) == 1
+        await stalled.aclose()
+        await reader.aclose()
+
+
+async def test_a_client_that_never_reads_replies_is_dropped(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    async with daemon(host, sockdir, tmp_path, outbox_limit=64 << 10) as served:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect(served.path)
+        request = P.encode_request(1, "snapshot")
+        with anyio.fail_after(20):
+            while True:  # keep asking, never read: the daemon must cut us off
+                try:
+                    sock.send(request * 20)
+                except BlockingIOError:
+                    await anyio.sleep(0.01)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                if not served.server.connections:
+                    break
+                await anyio.sleep(0)
+        sock.close()
+        probe = await Raw.connect(served.path)  # the daemon is fine
+        assert (await probe.request("probe", {"action": "detect-gpu"}))["result"] is True
+        await probe.aclose()
+
+
+async def test_hundreds_of_concurrent_clients(host: SysRoot, sockdir: str, tmp_path: Path) -> None:
+    n = 200
+    async with daemon(host, sockdir, tmp_path) as served:
+        clients = [await AsyncClient.connect(served.path) for _ in range(n)]
+        results: list[Any] = [None] * n
+        async with anyio.create_task_group() as tg:
+
+            async def use(i: int) -> None:
+                c = clients[i]
+                snap = await c.snapshot()
+                mode = await c.probe("current-mode", addr=NV)
+                await c.subscribe(types=["driver-changed"])
+                results[i] = (snap["seq"], mode)
+
+            for i in range(n):
+                tg.start_soon(use, i)
+        assert results == [(1, "nvidia")] * n
+        assert len(served.server.connections) == n
+        await toggle(served, host, NIC, "igb")
+        async with anyio.create_task_group() as tg:
+            events: list[Any] = []
+
+            async def first_event(c: AsyncClient) -> None:
+                async for event in c.events():
+                    events.append(event)
+                    return
+
+            for c in clients:
+                tg.start_soon(first_event, c)
+        assert len(events) == n and {e["addr"] for e in events} == {NIC}
+        for c in clients:
+            await c.aclose()
+
+
+async def test_half_closed_client_gets_its_replies(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """What `echo '…' | socat - UNIX-CONNECT:…` does: send, shut the write side, read to EOF."""
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.send(
+            P.encode_request(1, "probe", {"action": "detect-gpu"})
+            + b'{"id": 2, "method": "probe", "params": {"action": "current-mode", "addr": "'
+            + NV.encode()
+            + b'"}}'
+        )  # the last line without a newline still counts
+        await c.stream.send_eof()
+        lines = [json.loads(x) for x in (await c.eof()).splitlines()]
+        assert lines == [{"id": 1, "result": True}, {"id": 2, "result": "nvidia"}]
+        await c.aclose()
+
+
+# --------------------------------------------------------------------------- the socket file
+
+
+async def test_socket_file_mode_group_and_removal(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    path = f"{sockdir}/gw.sock"
+    async with served_watcher(host.root, path, read_gid=4242) as served:
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+        assert (st.st_uid, st.st_gid) == (0, 4242)
+        with pytest.raises(SocketInUse, match="another gpuwatch daemon"):
+            bind_socket(path, None)  # a second daemon does not steal the socket
+        assert served.server.connections == set()
+    assert not os.path.exists(path)
+
+
+def test_stale_socket_is_replaced_and_a_file_is_not(sockdir: str) -> None:
+    path = f"{sockdir}/gw.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # a daemon that died: the file stays, nobody answers
+    sock = bind_socket(path, None)
+    sock.close()
+    os.unlink(path)
+    Path(path).write_text("precious")
+    with pytest.raises(SocketSetupError, match="not a socket"):
+        bind_socket(path, None)
+    assert Path(path).read_text() == "precious"
+
+
+# --------------------------------------------------------------------------- switch-side methods
+
+
+class FakeSwitchWatcher:
+    """Stands in for a watcher whose switch takes a while or fails in a given way."""
+
+    def __init__(self, error: Exception | None = None, delay: float = 0) -> None:
+        self.error, self.delay = error, delay
+        self.calls: list[tuple[Any, ...]] = []
+        self.finished = 0
+
+    async def switch(
+        self, target: str, mode: str, *, timeout: float = 90, tolerant: bool = False
+    ) -> Any:
+        self.calls.append(("switch", target, mode, timeout, tolerant))
+        await anyio.sleep(self.delay)
+        self.finished += 1
+        if self.error is not None:
+            raise self.error
+        return {"type": "switch-completed", "addr": target, "to_mode": mode}
+
+    async def plan(self, target: str, mode: str) -> Any:
+        return {"addr": target, "to_mode": mode, "steps": [], "refused": None}
+
+    async def recover(self, target: str, *, timeout: float = 90) -> Any:
+        return {"addr": target, "to_mode": "vfio"}
+
+    async def holders(self, target: str) -> Any:
+        return {"addr": target, "holders": []}
+
+
+ROOT = PeerCred(pid=1, uid=0, gid=0, groups=frozenset({0}))
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (None, None),
+        (SwitchRefused("the card is in use: qemu (pid 42) holds /dev/nvidia0"), P.SWITCH_REFUSED),
+        (GroupPoisoned("group 13 wedged in this boot"), P.GROUP_POISONED),
+        (GroupBusy("group 13 is switching"), P.GROUP_BUSY),
+        (SwitchWedged("unbind did not return"), P.SWITCH_WEDGED),
+        (SwitchFailed("nvidia did not bind"), P.SWITCH_FAILED),
+        (NotPrivileged("switching needs root"), P.NOT_ROOT),
+        (DeviceNotFound("no card of vendor 0x10de"), P.NOT_FOUND),
+    ],
+)
+async def test_switch_delegates_and_maps_each_error(
+    error: Exception | None, code: str | None
+) -> None:
+    fake = FakeSwitchWatcher(error)
+    params = P.Params("switch", {"addr": NV, "mode": "vfio", "timeout": 5, "tolerant": True})
+    if code is None:
+        result = await default_ops()["switch"](fake, params, ROOT)  # type: ignore[arg-type]
+        assert result["to_mode"] == "vfio"
+    else:
+        with pytest.raises(P.RpcError) as info:
+            await default_ops()["switch"](fake, params, ROOT)  # type: ignore[arg-type]
+        assert info.value.code == code and str(error) in info.value.message
+    assert fake.calls == [("switch", NV, "vfio", 5.0, True)]
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "text"),
+    [
+        ("plan", {"mode": "vfio", "addr": NV, "vendor": "0x10de"}, "not both"),
+        ("plan", {"mode": "host"}, "vfio or nvidia"),
+        ("plan", {}, "'mode' is required"),
+        ("switch", {"mode": "vfio", "timeout": -1}, "non-negative"),
+        ("switch", {"mode": "vfio", "tolerant": "yes"}, "true or false"),
+        ("recover", {"addr": 13}, "a string"),
+        ("holders", {"mode": "vfio"}, "unknown parameter 'mode'"),
+    ],
+)
+async def test_switch_side_params_are_checked(
+    method: str, params: dict[str, Any], text: str
+) -> None:
+    with pytest.raises(P.RpcError) as info:
+        await default_ops()[method](FakeSwitchWatcher(), P.Params(method, params), ROOT)  # type: ignore[arg-type]
+    assert info.value.code == P.INVALID_PARAMS and text in info.value.message
+
+
+async def test_plan_holders_and_a_noop_switch_on_the_fixture(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        model = served.watcher.model
+        c = await Raw.connect(served.path)
+        reply = await c.request("plan", {"addr": NV, "mode": "vfio"})
+        assert reply["result"] == jsonable(plan_for_host(model, "vfio", addr=NV).to_json())
+        assert reply["result"]["steps"] and reply["result"]["refused"] is None
+        steps = await c.request("probe", {"action": "plan", "mode": "vfio", "vendor": "0x10de"})
+        assert steps["result"] == jsonable(model.probe("plan", mode="vfio", vendor="0x10de"))
+        reply = await c.request("holders", {"addr": NV})
+        assert reply["result"] == jsonable(holders_report(model, addr=NV))
+        assert reply["result"]["holders"] == []
+        # Already in mode: a no-op that writes nothing, answered by the real switch engine.
+        reply = await c.request("switch", {"addr": NV, "mode": "nvidia"})
+        assert reply["result"]["changed"] is False and reply["result"]["to_mode"] == "nvidia"
+        reply = await c.request("switch", {"addr": "0000:0a:00.0", "mode": "vfio"})
+        assert reply["error"]["code"] == P.NOT_FOUND
+        host.add_process(4242, "qemu-system-x86", fds={5: "/dev/nvidia0"})
+        reply = await c.request("plan", {"mode": "vfio"})
+        assert reply["result"]["refused"]["holders"] == [
+            {"pid": 4242, "comm": "qemu-system-x86", "node": "/dev/nvidia0"}
+        ]
+        reply = await c.request("probe", {"action": "plan", "mode": "vfio", "addr": NV})
+        assert (
+            reply["error"]["code"] == P.SWITCH_REFUSED and "pid 4242" in reply["error"]["message"]
+        )
+        reply = await c.request("holders", {})
+        assert [h["pid"] for h in reply["result"]["holders"]] == [4242]
+        await c.aclose()
+
+
+async def test_a_switch_is_finished_when_its_client_leaves(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    fake = FakeSwitchWatcher(delay=0.3)
+    ops = {"switch": lambda w, p, peer: default_ops()["switch"](fake, p, peer)}  # type: ignore[arg-type]
+    async with daemon(host, sockdir, tmp_path, ops=ops) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(1, "switch", {"addr": NV, "mode": "vfio"}))
+        with anyio.fail_after(5):
+            while not fake.calls:
+                await anyio.sleep(0.01)
+        await c.aclose()
+        with anyio.fail_after(5):
+            while served.server.connections:
+                await anyio.sleep(0.01)
+        assert fake.finished == 1  # shielded: not cut off half way
+        c = await Raw.connect(served.path)
+        reply = await c.request("switch", {"addr": NV, "mode": "vfio"}, rid=2)
+        assert reply == {
+            "id": 2,
+            "result": {"type": "switch-completed", "addr": NV, "to_mode": "vfio"},
+        }
+        await c.aclose()
+
+
+# --------------------------------------------------------------------------- clients and the CLI
+
+
+async def test_sync_and_async_clients(host: SysRoot, sockdir: str, tmp_path: Path) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+
+        def use_sync() -> tuple[Any, ...]:
+            with Client(served.path, timeout=5) as c:
+                mode = c.probe("current-mode", addr=NV)
+                with pytest.raises(DaemonDeviceNotFound):
+                    c.probe("current-mode", addr="0000:0a:00.0")
+                with pytest.raises(DaemonUsageError):
+                    c.probe("nonsense")
+                return mode, c.snapshot()["seq"]
+
+        assert await anyio.to_thread.run_sync(use_sync) == ("nvidia", 1)
+        async with await AsyncClient.connect(served.path) as c:
+            assert await c.probe("group-in-mode", addr=NV, mode="nvidia") is True
+            assert await c.subscribe(addrs=[NIC]) == {"seq": 1, "complete": True}
+            await toggle(served, host, NIC, "igb")
+            async for event in c.events():
+                assert (event["type"], event["addr"]) == ("driver-changed", NIC)
+                break
+
+
+def test_try_daemon_never_answers_a_fixture_root_from_the_default_socket(
+    sockdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = f"{sockdir}/gw.sock"
+    listener = bind_socket(path, None)
+    try:
+        monkeypatch.setenv("GPUWATCH_SOCKET", path)  # stands in for the default path
+        assert try_daemon(None, False, root=str(tmp_path)) is None
+        client = try_daemon(None, False, root="/")
+        assert client is not None
+        client.close()
+        assert try_daemon(None, True, root="/") is None  # --no-daemon
+        explicit = try_daemon(path, False, root=str(tmp_path))  # --socket: always tried
+        assert explicit is not None
+        explicit.close()
+        assert try_daemon(f"{sockdir}/nothing.sock", False, root="/") is None
+    finally:
+        listener.close()
+
+
+async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    def call() -> int:
+        try:
+            return main(list(argv))
+        except SystemExit as exc:
+            return int(exc.code or 0)
+
+    code = await anyio.to_thread.run_sync(call)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_cli_asks_the_daemon_when_one_answers(
+    host: SysRoot, sockdir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = str(host.root)
+    async with daemon(host, sockdir, tmp_path) as served:
+        sock = ["--socket", served.path]
+        for argv in (
+            ["probe", "detect-vfio"],
+            ["status", "--json"],
+            ["status"],
+            ["list"],
+            ["list", "--json"],
+            ["probe", "vfio-group-accessible", "--group", "13"],
+        ):
+            daemon_answer = await run_cli(capsys, *argv, "--root", root, *sock)
+            direct = await run_cli(capsys, *argv, "--root", root)
+            assert daemon_answer == direct, argv
+        # Change the tree behind the watcher's back (no uevent): only a direct scan sees it.
+        host.unbind(NIC)
+        code, out, _ = await run_cli(
+            capsys, "probe", "display-driver", "--addr", NIC, "--root", root, *sock
+        )
+        assert (code, json.loads(out)["result"]) == (0, "igb")
+        code, out, _ = await run_cli(
+            capsys, "probe", "display-driver", "--addr", NIC, "--root", root, *sock, "--no-daemon"
+        )
+        assert json.loads(out)["result"] == ""
+        code, out, _ = await run_cli(
+            capsys, "probe", "display-driver", "--addr", NIC, "--root", root
+        )
+        assert json.loads(out)["result"] == ""  # a fixture root never asks the default socket
+        code, _, err = await run_cli(
+            capsys, "probe", "display-driver", "--addr", "0000:0a:00.0", "--root", root, *sock
+        )
+        assert code == 1 and "no PCI function" in err and len(err.splitlines()) == 1
+        assert served.watcher.seq == 1
+
+
+async def test_half_closed_subscriber_streams_until_it_hangs_up(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """`{ echo '{"id":1,"method":"subscribe"}'; } | socat …` style: EOF after the request,
+    events keep coming; once the client is gone for good, the daemon lets go of it."""
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(1, "subscribe"))
+        await c.stream.send_eof()
+        assert (await c.line())["result"]["seq"] == 1
+        await toggle(served, host, NIC, "igb")
+        assert (await c.line())["addr"] == NIC
+        assert len(served.server.connections) == 1
+        await c.aclose()
+        with anyio.fail_after(5):
+            while served.server.connections:
+                await anyio.sleep(0.05)
+
+
+def fake_daemon(path: str, reply: bytes | None) -> threading.Thread:
+    """Answers one request with ``reply`` (or hangs up on it when None), then goes away."""
+    listener = bind_socket(path, None)
+    listener.setblocking(True)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.makefile("rb").readline()
+            if reply is not None:
+                conn.sendall(reply)
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    ("reply", "mutating", "outcome"),
+    [
+        (b'{"id": 1, "result": "nvidia"}\n', False, "answer"),
+        (P.encode_error(1, P.PERMISSION_DENIED, "not in group"), False, "fallback"),
+        (P.encode_error(1, P.PERMISSION_DENIED, "not in group"), True, "fallback"),
+        (None, False, "fallback"),  # the daemon died mid-request: a read is simply redone here
+        (None, True, "lost"),  # ... a switch is not: it may have started
+        (b"HTTP/1.1 400 Bad Request\n", False, "fallback"),  # not a gpuwatch socket
+        (P.encode_error(1, P.SWITCH_REFUSED, "held by qemu"), True, "error"),
+    ],
+)
+def test_ask_daemon_falls_back_only_when_that_is_safe(
+    sockdir: str, reply: bytes | None, mutating: bool, outcome: str
+) -> None:
+    path = f"{sockdir}/gw.sock"
+    thread = fake_daemon(path, reply)
+    args = argparse.Namespace(socket=path, no_daemon=False, root="/", config=None)
+    try:
+        answer = ask_daemon(args, lambda c: c.probe("current-mode", addr=NV), mutating=mutating)
+    except DaemonLost:
+        assert outcome == "lost"
+    except DaemonError as exc:
+        assert outcome == "error" and exc.code == P.SWITCH_REFUSED
+    else:
+        assert outcome == ("answer" if answer is not None else "fallback")
+        assert answer is None or answer.value == "nvidia"
+    thread.join(5)

@@ -1,0 +1,645 @@
+"""The switch on a simulated kernel: both directions, refusals, wedges, lost events, locks.
+
+Every test runs against a fixture root under tmp_path; the simulated kernel records every
+write and command, so "nothing was written" is asserted, not assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from pydantic import BaseModel
+
+from gpuwatch.core import events as ev
+from gpuwatch.core.plan import step_json
+from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.switch.engine import SwitchResult, ensure_cdi
+from gpuwatch.switch.errors import (
+    GroupBusy,
+    GroupPoisoned,
+    NotPrivileged,
+    RebootRequired,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+    UnsafeName,
+    UnsafeStep,
+)
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+
+NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
+NV2, AUDIO2 = "0000:03:00.0", "0000:03:00.1"
+NVIDIA_UNBIND = "/sys/bus/pci/drivers/nvidia/unbind"
+
+
+def of_type(events: list[BaseModel], kind: str) -> list[Any]:
+    return [e for e in events if getattr(e, "type", None) == kind]
+
+
+def drivers(watcher: Any, *addrs: str) -> list[str]:
+    return [watcher.model.state.functions[a].driver for a in addrs]
+
+
+def add_second_card(host: SysRoot, driver: str = "nvidia", audio: str = "snd_hda_intel") -> None:
+    """Another NVIDIA card in its own group (15): the nvidia module must then stay loaded."""
+    host.add_bridge("0000:00:03.0", iommu_group=3)
+    host.add_function(NV2, parent="0000:00:03.0", device="0x2684", driver=driver, iommu_group=15)
+    host.add_function(AUDIO2, parent="0000:00:03.0", device="0x22ba", klass="0x040300",
+                      driver=audio, iommu_group=15)
+    host.add_dev_node("/dev/nvidia1")
+    for addr, minor in ((NV, 0), (NV2, 1)):
+        folder = host.root / "proc/driver/nvidia/gpus" / addr
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "information").write_text(f"Model: \t\t NVIDIA GeForce RTX\nIRQ:   \t\t 140\n"
+                                             f"Device Minor: \t {minor}\nBus Type: \t PCIe\n")
+
+
+def to_vfio(host: SysRoot) -> None:
+    """Put the example card on vfio-pci (nvidia unloaded), as after a switch to vfio."""
+    host.unbind(NV)
+    host.unbind(AUDIO)
+    for name in ("nvidia_drm", "nvidia_modeset", "nvidia_uvm", "nvidia"):
+        host.remove_module(name)
+    host.bind(NV, "vfio-pci")
+    host.bind(AUDIO, "vfio-pci")
+    host.add_vfio_group(13)
+
+
+# --------------------------------------------------------------------------- both directions
+
+
+async def test_switch_to_vfio_and_back_on_a_display_and_audio_group(host: SysRoot) -> None:
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        done = await w.switch("0x10de", "vfio", timeout=5)
+        assert isinstance(done, SwitchResult) and done.changed
+        assert (done.addr, done.group, done.from_mode, done.to_mode) == (NV, 13, "nvidia", "vfio")
+        assert [(m.addr, m.driver) for m in done.members] == [(NV, "vfio-pci"), (AUDIO, "vfio-pci")]
+        assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
+        assert w.probe("group-in-mode", addr=NV, mode="vfio") is True
+        assert NVIDIA_UNBIND not in [p for p, _ in sim.writes]
+        assert not (host.root / "sys/module/nvidia").exists()
+        assert (host.root / "dev/vfio/13").exists()
+        assert (host.device_dir(NV) / "driver_override").read_text() == "(null)\n"
+
+        back = await w.switch(AUDIO, "nvidia", timeout=5)
+        assert (back.from_mode, back.to_mode) == ("vfio", "nvidia")
+        assert drivers(w, NV, AUDIO) == ["nvidia", "snd_hda_intel"]
+        assert ("command", "nvidia-modprobe", "-c", "0", "-u") in sim.record
+        assert (host.root / "dev/nvidia-uvm").exists()
+
+    started, completed = of_type(events, "switch-started"), of_type(events, "switch-completed")
+    assert [(e.from_mode, e.to_mode) for e in started] == [("nvidia", "vfio"), ("vfio", "nvidia")]
+    assert started[0].members == [NV, AUDIO] and started[0].addr == NV and started[0].group == 13
+    assert completed[1].members == [ev.SwitchMember(addr=NV, driver="nvidia"),
+                                    ev.SwitchMember(addr=AUDIO, driver="snd_hda_intel")]
+    assert all(e.duration_ms > 0 for e in completed)
+    # Completion is published after the model saw the binds, never before.
+    kinds = [getattr(e, "type", "") for e in events]
+    first_done = kinds.index("switch-completed")
+    assert kinds.index("switch-started") < kinds.index("driver-changed") < first_done
+    changes: list[Any] = [e for e in events[:first_done]
+                          if getattr(e, "type", "") == "driver-changed"]
+    assert {(e.addr, e.new) for e in changes} >= {(NV, "vfio-pci"), (AUDIO, "vfio-pci")}
+
+
+async def test_cdi_spec_is_generated_when_missing_and_ctk_is_there(host: SysRoot) -> None:
+    to_vfio(host)
+    host.remove_cdi_spec("etc")
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        await w.switch(NV, "nvidia", timeout=5)
+    out = f"--output={host.root}/etc/cdi/nvidia.yaml"
+    assert sim.record[-2:] == [("mkdir", "/etc/cdi"),
+                               ("command", "nvidia-ctk", "cdi", "generate", out)]
+    assert (host.root / "etc/cdi/nvidia.yaml").exists()
+
+
+async def test_idempotent_switch_writes_nothing_and_needs_no_root(host: SysRoot) -> None:
+    async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
+        result = await w.switch(NV, "nvidia", timeout=5)
+    assert result.changed is False and result.to_mode == "nvidia"
+    assert "nothing written" in result.notes[0]
+    assert sim.record == []
+    assert not of_type(events, "switch-started")
+
+
+async def test_absent_card_is_an_error_or_a_tolerated_note(host: SysRoot) -> None:
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        with pytest.raises(DeviceNotFound, match="no card of vendor 0x1002"):
+            await w.switch("0x1002", "vfio")
+        noop = await w.switch("0x1002", "vfio", tolerant=True)
+    assert noop.changed is False and "no card of vendor 0x1002" in noop.notes[0]
+    assert sim.record == []
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("via", ["fd", "maps"])
+async def test_holders_refuse_by_name_and_nothing_is_written(host: SysRoot, via: str) -> None:
+    sim = SimKernel(host)
+    sim.add_holder(4242, "python3", "/dev/nvidia0", via=via)
+    sim.add_holder(4243, "Xorg", "/dev/dri/card1")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        with pytest.raises(SwitchRefused) as info:
+            await w.switch(NV, "vfio", timeout=5)
+        assert drivers(w, NV, AUDIO) == ["nvidia", "snd_hda_intel"]
+        assert w.probe("current-mode", addr=NV) == "nvidia"
+    assert [(h.pid, h.comm, h.node) for h in info.value.holders] == [
+        (4242, "python3", "/dev/nvidia0"), (4243, "Xorg", "/dev/dri/card1")]
+    assert "python3 (pid 4242) holds /dev/nvidia0" in str(info.value)
+    assert sim.record == []  # no write at all, in particular none to nvidia's unbind
+    refused = of_type(events, "switch-refused")
+    assert len(refused) == 1 and refused[0].to_mode == "vfio" and refused[0].group == 13
+    assert [h.pid for h in refused[0].holders] == [4242, 4243]
+    assert not of_type(events, "switch-started")
+
+
+async def test_an_open_sound_node_of_the_audio_function_refuses(host: SysRoot) -> None:
+    sound = host.device_dir(AUDIO) / "sound/card1"
+    sound.mkdir(parents=True)
+    for name in ("controlC1", "pcmC1D3p"):
+        (sound / name).mkdir()
+        host.add_dev_node(f"/dev/snd/{name}")
+    host.add_dev_node("/dev/snd/controlC0")
+    sim = SimKernel(host)
+    sim.add_holder(900, "pipewire", "/dev/snd/controlC0")  # another card's: not a holder
+    sim.add_holder(901, "pipewire", "/dev/snd/pcmC1D3p")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused) as info:
+            await w.switch(NV, "vfio", timeout=5)
+    assert [(h.pid, h.node) for h in info.value.holders] == [(901, "/dev/snd/pcmC1D3p")]
+    assert sim.record == []
+
+
+async def test_a_running_vm_holding_the_vfio_group_refuses_the_way_back(host: SysRoot) -> None:
+    to_vfio(host)
+    sim = SimKernel(host)
+    sim.add_holder(5000, "qemu-system-x86", "/dev/vfio/13")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="qemu-system-x86"):
+            await w.switch(NV, "nvidia", timeout=5)
+    assert sim.record == []
+
+
+async def test_a_holder_racing_the_unload_gets_ebusy_and_a_refusal(host: SysRoot) -> None:
+    class RacingKernel(SimKernel):
+        async def run(self, argv: Any, timeout: float) -> Any:
+            if list(argv) == ["modprobe", "-r", "nvidia"]:
+                self.add_holder(6000, "nvidia-smi", "/dev/nvidiactl")
+            return await super().run(argv, timeout)
+
+    sim = RacingKernel(host)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        with pytest.raises(SwitchRefused, match="in use") as info:
+            await w.switch(NV, "vfio", timeout=5)
+        assert drivers(w, NV) == ["nvidia"]
+    assert [h.comm for h in info.value.holders] == ["nvidia-smi"]
+    assert sim.commands[-1] == ("modprobe", "-r", "nvidia")
+    assert sim.writes == []
+    assert of_type(events, "switch-refused")[0].holders[0].pid == 6000
+
+
+async def test_a_kernel_user_of_nvidia_refuses_before_any_command(host: SysRoot) -> None:
+    (host.root / "sys/module/nvidia/refcnt").write_text("3\n")
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="kernel user"):
+            await w.switch(NV, "vfio", timeout=5)
+    assert sim.record == []
+
+
+async def test_persistenced_is_stopped_not_counted_as_a_holder(host: SysRoot) -> None:
+    sim = SimKernel(host)
+    sim.start_persistenced(777)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        await w.switch(NV, "vfio", timeout=5)
+    assert sim.record[0] == ("command", "systemctl", "stop", "nvidia-persistenced")
+    assert not (host.root / "proc/777").exists()
+
+
+# --------------------------------------------------------------------------- multi-GPU host
+
+
+async def test_multi_gpu_host_unbinds_this_card_only_and_keeps_the_module(host: SysRoot) -> None:
+    add_second_card(host)
+    sim = SimKernel(host)
+    sim.add_holder(7000, "ollama", "/dev/nvidia1")  # a client of the other card
+    sim.add_holder(7001, "ollama", "/dev/nvidiactl")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        plan = await w.plan(NV, "vfio")
+        await w.switch(NV, "vfio", timeout=5)
+        assert drivers(w, NV, AUDIO, NV2) == ["vfio-pci", "vfio-pci", "nvidia"]
+    assert (host.root / "sys/module/nvidia").is_dir()
+    assert tuple(plan["steps"][0].values())[:3] == ("write", NVIDIA_UNBIND, NV)
+    assert ("write", NVIDIA_UNBIND, NV) in sim.record
+    assert not any(c[:2] == ("modprobe", "-r") for c in sim.commands)
+
+
+async def test_multi_gpu_host_refuses_a_holder_of_this_cards_node(host: SysRoot) -> None:
+    add_second_card(host)
+    sim = SimKernel(host)
+    sim.add_holder(7100, "python3", "/dev/nvidia0")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="/dev/nvidia0"):
+            await w.switch(NV, "vfio", timeout=5)
+    assert sim.record == []
+
+
+async def test_persistenced_that_will_not_stop_blocks_the_unbind(host: SysRoot) -> None:
+    add_second_card(host)
+
+    class StubbornKernel(SimKernel):
+        async def run(self, argv: Any, timeout: float) -> Any:
+            if argv[0] == "systemctl":
+                self.record.append(("command", *argv))
+                return await super().run(["modprobe", "nvidia"], timeout)  # does nothing new
+            return await super().run(argv, timeout)
+
+    sim = StubbornKernel(host)
+    sim.start_persistenced(778)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="nvidia-persiste"):
+            await w.switch(NV, "vfio", timeout=5)
+    assert NVIDIA_UNBIND not in [p for p, _ in sim.writes]
+
+
+# --------------------------------------------------------------------------- the wedge path
+
+
+async def test_wedge_poisons_the_group_until_the_next_boot(host: SysRoot) -> None:
+    add_second_card(host)
+    poison = host.root / "var/lib/gpuwatch/poison.json"
+    sim = SimKernel(host)
+    sim.wedge_unbind.add("nvidia")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        answers: list[Any] = []
+
+        async def probe_meanwhile() -> None:
+            await anyio.sleep(0.3)
+            answers.append(w.probe("detect-vfio"))
+            answers.append(w.probe("wedge-detected"))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(probe_meanwhile)
+                with pytest.raises(SwitchWedged, match="poisoned"):
+                    await w.switch(NV, "vfio", timeout=1.0)
+        assert answers[0].gpus and answers[1] is True  # answered while the write hung
+        failed = of_type(events, "switch-failed")
+        assert len(failed) == 1 and failed[0].wedged is True and failed[0].group == 13
+        assert "did not return" in failed[0].error
+        assert 13 in w.model.poisoned
+        assert w.probe("current-mode", addr=NV2) == "nvidia"  # the watcher keeps answering
+
+        with pytest.raises(GroupPoisoned, match="poisoned"):
+            await w.switch(NV, "vfio", timeout=1.0)
+        assert of_type(events, "switch-refused")[-1].reason.startswith("IOMMU group 13 is poisoned")
+        with pytest.raises(GroupPoisoned):
+            await w.switch(NV, "nvidia", timeout=1.0)  # no direction is safe
+    data = json.loads(poison.read_text())
+    assert data["boot_id"] == (host.root / "proc/sys/kernel/random/boot_id").read_text().strip()
+    assert data["groups"]["13"]["addr"] == NV
+
+    record = list(sim.record)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):  # a restarted watcher
+        with pytest.raises(GroupPoisoned):
+            await w.switch(NV, "vfio", timeout=1.0)
+        assert 13 in w.model.poisoned
+        assert w.probe("group-in-mode", addr=NV2, mode="nvidia") is True
+    assert sim.record == record  # refused before anything was written
+
+    sim.reboot("0b8e7d6c-5a4f-4e3d-9c2b-1a0f9e8d7c6b")
+    sim.wedge_unbind.clear()
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        assert w.model.poisoned == {}
+        assert w.probe("wedge-detected") is False
+        await w.switch(NV, "vfio", timeout=5)
+        assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
+
+
+async def test_recover_refuses_while_a_task_is_stuck_then_rebinds_and_clears(
+        host: SysRoot) -> None:
+    add_second_card(host)
+    sim = SimKernel(host)
+    sim.wedge_unbind.add("nvidia")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchWedged):
+            await w.switch(NV, "vfio", timeout=0.5)
+        before = list(sim.record)
+        with pytest.raises(RebootRequired, match=r"nv_pci_remove|os_delay"):
+            await w.recover(NV)
+        assert sim.record == before  # touched nothing
+
+        sim.wedge_unbind.clear()
+        sim.release_stuck()  # the stuck unbind returned at last
+        result = await w.recover(NV, timeout=5)
+        assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
+        assert any("poison of group 13 cleared" in n for n in result.notes)
+        assert 13 not in w.model.poisoned
+        done = await w.switch(NV, "nvidia", timeout=5)  # allowed again
+        assert done.changed
+    assert json.loads((host.root / "var/lib/gpuwatch/poison.json").read_text())["groups"] == {}
+
+
+async def test_poison_file_location_is_configurable(host: SysRoot, tmp_path: Path) -> None:
+    add_second_card(host)
+    sim = SimKernel(host)
+    sim.wedge_unbind.add("nvidia")
+    where = tmp_path / "state" / "poison.json"
+    async with simulated_switch(host, sim=sim, poison_path=where) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchWedged):
+            await w.switch(NV, "vfio", timeout=0.5)
+    assert "13" in json.loads(where.read_text())["groups"]
+    assert not (host.root / "var/lib/gpuwatch/poison.json").exists()
+
+
+# --------------------------------------------------------------------------- verification
+
+
+async def test_lost_bind_events_fall_back_to_reading_the_tree(host: SysRoot) -> None:
+    sim = SimKernel(host)
+    sim.lose_bind_events = True
+    async with simulated_switch(host, sim=sim, tree_check_after=0.3) as (w, _sim, _e, events):
+        result = await w.switch(NV, "vfio", timeout=5)
+        assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
+    assert any("bind events were lost" in n for n in result.notes)
+    assert of_type(events, "switch-completed")
+
+
+async def test_lost_events_with_no_early_check_still_read_the_tree_at_the_deadline(
+        host: SysRoot) -> None:
+    sim = SimKernel(host)
+    sim.lose_bind_events = True
+    async with simulated_switch(host, sim=sim, tree_check_after=60) as (w, _sim, _e, _ev):
+        result = await w.switch(NV, "vfio", timeout=1.0)
+    assert result.changed and "lost" in result.notes[0]
+
+
+async def test_drivers_probe_that_binds_nothing_fails_after_the_tree_check(
+        host: SysRoot) -> None:
+    class DeafProbe(SimKernel):
+        def _probe(self, addr: str) -> None:
+            return None  # reports success, binds nothing
+
+    sim = DeafProbe(host)
+    async with simulated_switch(host, sim=sim, tree_check_after=0.2) as (w, _sim, _e, events):
+        with pytest.raises(SwitchFailed, match="did not reach") as info:
+            await w.switch(NV, "vfio", timeout=1.0)
+        assert not isinstance(info.value, SwitchWedged)
+        assert w.model.poisoned == {}
+    failed = of_type(events, "switch-failed")
+    assert failed and failed[0].wedged is False and "no driver" in failed[0].error
+
+
+async def test_a_failing_module_load_fails_the_switch(host: SysRoot) -> None:
+    to_vfio(host)
+    sim = SimKernel(host)
+    sim.fail_modules.add("nvidia")
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        with pytest.raises(SwitchFailed, match="not found"):
+            await w.switch(NV, "nvidia", timeout=5)
+    assert sim.writes == []
+    assert of_type(events, "switch-failed")[0].wedged is False
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+class SlowKernel(SimKernel):
+    """Each write takes a moment, so a switch is still running when the next request comes."""
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        await anyio.sleep(0.05)
+        await super().write(path, value, timeout)
+
+
+async def test_a_second_switch_of_a_busy_group_fails_at_once(host: SysRoot) -> None:
+    sim = SlowKernel(host)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        outcome: dict[str, Any] = {}
+
+        async def first() -> None:
+            outcome["first"] = await w.switch(NV, "vfio", timeout=5)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.sleep(0.1)
+            with anyio.fail_after(0.5):  # "at once"
+                with pytest.raises(GroupBusy, match="group 13"):
+                    await w.switch(AUDIO, "vfio", timeout=5)
+                with pytest.raises(GroupBusy):
+                    await w.switch(NV, "nvidia", timeout=5)
+        assert outcome["first"].changed
+        assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
+
+
+async def test_switches_of_two_groups_run_concurrently(host: SysRoot) -> None:
+    to_vfio(host)
+    add_second_card(host, driver="vfio-pci", audio="vfio-pci")
+    sim = SlowKernel(host)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        results: list[Any] = []
+
+        async def one(addr: str) -> None:
+            results.append(await w.switch(addr, "nvidia", timeout=5))
+
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, NV)
+            tg.start_soon(one, NV2)
+        elapsed = anyio.current_time() - start
+        assert drivers(w, NV, AUDIO, NV2, AUDIO2) == ["nvidia", "snd_hda_intel"] * 2
+    assert sorted(r.group for r in results) == [13, 15]
+    started = [e.seq for e in of_type(events, "switch-started")]
+    completed = [e.seq for e in of_type(events, "switch-completed")]
+    assert max(started) < min(completed)  # both were in flight at the same time
+    assert elapsed < 6 * 0.05 * 2  # not one after the other
+
+
+async def test_unloading_nvidia_waits_for_no_one_else(host: SysRoot) -> None:
+    # Group 15 goes vfio -> nvidia (slowly) while group 13 would unload the nvidia module.
+    add_second_card(host, driver="vfio-pci", audio="vfio-pci")
+    sim = SlowKernel(host)
+    async with (simulated_switch(host, sim=sim) as (w, _sim, _e, _ev),
+                anyio.create_task_group() as tg):
+        tg.start_soon(lambda: w.switch(NV2, "nvidia", timeout=5))
+        await anyio.sleep(0.06)
+        with pytest.raises(GroupBusy, match="nvidia module"):
+            await w.switch(NV, "vfio", timeout=5)
+    assert ("command", "modprobe", "-r", "nvidia") not in sim.record
+
+
+async def test_another_process_switching_the_group_is_busy_too(host: SysRoot) -> None:
+    import fcntl
+
+    lock_dir = host.root / "run/gpuwatch"
+    lock_dir.mkdir(parents=True)
+    fd = os.open(lock_dir / "switch-13.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        async with simulated_switch(host) as (w, sim, _e, _ev):
+            with pytest.raises(GroupBusy, match="another process"):
+                await w.switch(NV, "vfio", timeout=5)
+        assert sim.record == []
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("target", ["0000:01:00.0/../../x", "01:00.0", "0000:01:00.0\n",
+                                    "nvidia", "0000:01:00.0; reboot"])
+async def test_malformed_targets_are_rejected_before_any_write(host: SysRoot,
+                                                               target: str) -> None:
+    async with simulated_switch(host) as (w, sim, _e, events):
+        with pytest.raises(UsageError):
+            await w.switch(target, "vfio", timeout=5)
+        with pytest.raises(UsageError):
+            await w.switch(NV, "host", timeout=5)
+    assert sim.record == [] and not of_type(events, "switch-started")
+
+
+async def test_a_malformed_driver_name_on_the_host_is_refused_before_any_write(
+        host: SysRoot) -> None:
+    # A driver link whose name could not have come from the kernel.
+    bad = host.root / "sys/bus/pci/drivers/snd hda;x"
+    bad.mkdir()
+    link = host.device_dir(AUDIO) / "driver"
+    link.unlink()
+    link.symlink_to("../../../../bus/pci/drivers/snd hda;x")
+    async with simulated_switch(host) as (w, sim, _e, events):
+        assert w.model.state.functions[AUDIO].driver == "snd hda;x"
+        with pytest.raises(UnsafeName, match="driver name"):
+            await w.switch(NV, "vfio", timeout=5)
+    assert sim.record == []
+    assert of_type(events, "switch-refused")
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    ("/sys/bus/pci/devices/0000:01:00.0/remove", "1"),
+    ("/sys/bus/pci/devices/../../../etc/passwd", "x"),
+    ("/sys/bus/pci/devices/0000:01:00.0/driver_override", "vfio pci"),
+    ("/sys/bus/pci/devices/0000:01:00.0/driver_override", "nvidia\n"),
+    ("/sys/bus/pci/drivers/nvidia/unbind", "0000:01:00.0\n"),
+    ("/sys/bus/pci/drivers/nv;x/unbind", "0000:01:00.0"),
+    ("/sys/bus/pci/drivers_probe", "01:00.0"),
+])
+async def test_the_seam_refuses_writes_outside_its_allow_list(host: SysRoot, path: str,
+                                                              value: str) -> None:
+    sim = SimKernel(host)
+    with pytest.raises(UnsafeStep):
+        await sim.write(path, value, 1.0)
+    assert sim.record == []
+
+
+async def test_the_non_root_refusal_comes_before_anything(host: SysRoot) -> None:
+    async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
+        with pytest.raises(NotPrivileged, match="needs root"):
+            await w.switch(NV, "vfio", timeout=5)
+        with pytest.raises(NotPrivileged):
+            await w.recover(NV)
+    assert sim.record == []
+    assert not [e for e in events if getattr(e, "type", "").startswith("switch-")]
+    assert not (host.root / "run/gpuwatch").exists()
+
+
+# --------------------------------------------------------------------------- plan == record
+
+
+@pytest.mark.parametrize("setup", ["single", "persistenced", "multi", "to-nvidia"])
+async def test_the_plan_is_exactly_what_the_switch_then_does(host: SysRoot, setup: str) -> None:
+    mode = "vfio"
+    sim = SimKernel(host)
+    if setup == "persistenced":
+        sim.start_persistenced()
+    elif setup == "multi":
+        add_second_card(host)
+        sim.start_persistenced()
+    elif setup == "to-nvidia":
+        to_vfio(host)
+        host.remove_cdi_spec("etc")
+        mode = "nvidia"
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        plan = await w.plan("0x10de" if setup != "multi" else NV, mode)
+        probed = w.model.probe("plan", addr=NV, mode=mode)
+        assert sim.record == []  # planning executes nothing
+        await w.switch(NV, mode, timeout=5)
+    assert plan["refused"] is None and plan["steps"]
+    if setup != "to-nvidia":  # the probe asks the real PATH about nvidia-ctk
+        assert probed == plan["steps"]
+    recorded: list[dict[str, object]] = []
+    for r in sim.record:
+        if r[0] == "write":
+            recorded.append({"kind": "write", "path": r[1], "value": r[2]})
+        elif r[0] == "mkdir":
+            recorded.append({"kind": "mkdir", "path": r[1]})
+        else:
+            recorded.append({"kind": "command", "argv": list(r[1:])})
+    assert recorded == [{k: v for k, v in s.items() if k != "on_error"} for s in plan["steps"]]
+
+
+async def test_the_plan_probe_raises_the_refusal(host: SysRoot) -> None:
+    SimKernel(host).add_holder(4242, "python3", "/dev/nvidia0")
+    async with simulated_switch(host) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="python3"):
+            w.model.probe("plan", vendor="0x10de", mode="vfio")
+        plan = await w.plan(NV, "vfio")
+    assert plan["steps"] == [] and plan["refused"]["holders"][0]["pid"] == 4242
+
+
+def test_step_json_spells_each_kind() -> None:
+    from gpuwatch.core.plan import CommandStep, MakeDirStep, WriteStep
+
+    assert step_json(WriteStep("/sys/x", "v")) == {"kind": "write", "path": "/sys/x",
+                                                   "value": "v"}
+    assert step_json(CommandStep(("modprobe", "x"))) == {"kind": "command",
+                                                         "argv": ["modprobe", "x"],
+                                                         "on_error": "fail"}
+    assert step_json(MakeDirStep("/etc/cdi")) == {"kind": "mkdir", "path": "/etc/cdi"}
+
+
+# --------------------------------------------------------------------------- holders, cdi
+
+
+async def test_holders_lists_every_node_of_the_card(host: SysRoot) -> None:
+    sim = SimKernel(host)
+    sim.start_persistenced(777)
+    sim.add_holder(4243, "Xorg", "/dev/dri/renderD129")
+    sim.add_holder(4244, "Xorg", "/dev/dri/renderD128")  # the iGPU's: not this card
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        report = await w.holders("0x10de")
+    assert [(h["pid"], h["node"]) for h in report["holders"]] == [
+        (777, "/dev/nvidia0"), (777, "/dev/nvidiactl"), (4243, "/dev/dri/renderD129")]
+    assert report["complete"] is True and report["group"] == 13
+
+
+async def test_ensure_cdi_generates_reports_or_explains(host: SysRoot) -> None:
+    sim = SimKernel(host)
+    present = await ensure_cdi(str(host.root), sim, euid=0)
+    assert present.ok and not present.generated and sim.record == []
+    host.remove_cdi_spec("etc")
+    made = await ensure_cdi(str(host.root), sim, euid=0)
+    assert made.ok and made.generated and made.spec == "/etc/cdi/nvidia.yaml"
+    assert sim.record[-1] == ("command", "nvidia-ctk", "cdi", "generate",
+                              f"--output={host.root}/etc/cdi/nvidia.yaml")
+    host.remove_cdi_spec("etc")
+    bare = SimKernel(host, tools={"modprobe"})
+    missing = await ensure_cdi(str(host.root), bare, euid=0)
+    assert not missing.ok and "not on PATH" in missing.message and bare.record == []
+    with pytest.raises(NotPrivileged):
+        await ensure_cdi(str(host.root), sim, euid=1000)
+
+
+def test_example_host_fixture_is_untouched_by_planning(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path / "h")
+    before = sorted(str(p) for p in host.root.rglob("*"))
+    import gpuwatch
+
+    steps = gpuwatch.scan(host.root).probe("plan", addr=NV, mode="vfio")
+    assert steps and sorted(str(p) for p in host.root.rglob("*")) == before

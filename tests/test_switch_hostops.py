@@ -1,0 +1,140 @@
+"""The real host seam: writes from a child process under a timeout, commands as argument lists.
+
+Only regular files and FIFOs in tmp dirs are written, and the only processes started are
+this Python itself: nothing here touches the real /sys or runs a host command.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.switch import hostops
+from gpuwatch.switch.errors import HostStepError, StepTimedOut, UnsafeStep
+from gpuwatch.switch.hostops import (
+    RealHostOps,
+    check_command,
+    check_write,
+    is_real_sysfs,
+    run_bounded,
+    write_in_child,
+)
+from gpuwatch.testing import SysRoot
+
+
+def test_a_write_lands_in_the_file_exactly(tmp_path: Path) -> None:
+    target = tmp_path / "driver_override"
+    target.write_text("(null)\n")
+    write_in_child(str(target), "vfio-pci", 5.0)
+    assert target.read_text() == "vfio-pci"
+    write_in_child(str(target), "\n", 5.0)
+    assert target.read_text() == "\n"
+
+
+def test_a_failed_write_reports_the_errno(tmp_path: Path) -> None:
+    with pytest.raises(HostStepError) as info:
+        write_in_child(str(tmp_path / "missing"), "x", 5.0)
+    assert info.value.errno == errno.ENOENT
+    assert "No such file" in str(info.value)
+    assert not (tmp_path / "missing").exists()  # never created
+
+
+def test_a_write_does_not_follow_a_planted_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    (tmp_path / "unbind").symlink_to(victim)
+    with pytest.raises(HostStepError) as info:
+        write_in_child(str(tmp_path / "unbind"), "0000:01:00.0", 5.0)
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_text() == "keep\n"
+
+
+def test_a_write_that_never_returns_is_killed_and_the_caller_goes_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "unbind"
+    os.mkfifo(fifo)  # opening it for writing blocks until a reader comes: never
+    start = time.monotonic()
+    with pytest.raises(StepTimedOut, match=r"did not return within 0\.5s"):
+        write_in_child(str(fifo), "0000:01:00.0", 0.5)
+    assert time.monotonic() - start < 3.0
+    # Had the child survived, it would now finish its open and write to this reader.
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        time.sleep(0.3)
+        assert os.read(reader, 64) == b""
+    finally:
+        os.close(reader)
+    assert hostops._ABANDONED == []  # it died of the kill: nothing left behind
+
+
+async def test_real_ops_write_under_the_root_only_what_is_allowed(tmp_path: Path) -> None:
+    host = SysRoot(tmp_path / "host")
+    host.add_function("0000:01:00.0", driver="nvidia", iommu_group=13)
+    ops = RealHostOps(host.root)
+    await ops.write("/sys/bus/pci/devices/0000:01:00.0/driver_override", "vfio-pci", 5.0)
+    assert (host.device_dir("0000:01:00.0") / "driver_override").read_text() == "vfio-pci"
+    await ops.write("/sys/bus/pci/drivers_probe", "0000:01:00.0", 5.0)
+    assert (host.root / "sys/bus/pci/drivers_probe").read_text() == "0000:01:00.0"
+    for path, value in (("/sys/bus/pci/devices/0000:01:00.0/remove", "1"),
+                        ("/sys/bus/pci/drivers_probe", "0000:01:00.0;x"),
+                        ("/sys/bus/pci/devices/0000:01:00.0/driver_override", "a b")):
+        with pytest.raises(UnsafeStep):
+            await ops.write(path, value, 5.0)
+    assert (host.device_dir("0000:01:00.0") / "remove").read_text() == ""
+
+
+async def test_real_ops_refuse_host_commands_on_a_fixture_root(tmp_path: Path) -> None:
+    ops = RealHostOps(SysRoot(tmp_path / "host").root)
+    assert ops.allow_commands is False
+    with pytest.raises(UnsafeStep, match="not a mounted sysfs"):
+        await ops.run(["modprobe", "-r", "nvidia"], 5.0)
+    with pytest.raises(UnsafeStep):
+        await ops.run(["sh", "-c", "true"], 5.0)
+
+
+def test_commands_outside_the_allow_list_are_refused() -> None:
+    check_command(["modprobe", "-r", "nvidia_drm", "nvidia_modeset"])
+    check_command(["systemctl", "stop", "nvidia-persistenced"])
+    check_command(["nvidia-modprobe", "-c", "0", "-u"])
+    check_command(["nvidia-ctk", "cdi", "generate", "--output=/etc/cdi/nvidia.yaml"])
+    for argv in (["rmmod", "nvidia"], ["modprobe", "nvidia;reboot"], ["modprobe", "-r"],
+                 ["systemctl", "stop", "sshd"], ["nvidia-ctk", "runtime", "configure"],
+                 ["nvidia-modprobe", "-f"], [], ["modprobe", "nvidia\n"]):
+        with pytest.raises(UnsafeStep):
+            check_command(argv)
+
+
+def test_write_checks_use_full_matches() -> None:
+    check_write("/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
+    check_write("/sys/bus/pci/devices/0000:01:00.0/driver_override", "\n")
+    for path, value in (("/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0\n"),
+                        ("/sys/bus/pci/devices/0000:01:00.0\n/driver_override", "nvidia"),
+                        ("/sys/bus/pci/drivers/../unbind", "0000:01:00.0")):
+        with pytest.raises(UnsafeStep):
+            check_write(path, value)
+
+
+def test_a_command_that_hangs_is_killed_at_its_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(StepTimedOut):
+        run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
+    assert time.monotonic() - start < 3.0
+    ok = run_bounded([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], 10.0)
+    assert (ok.returncode, ok.stdout.strip()) == (3, "hi")
+    missing = run_bounded(["/nonexistent/gpuwatch-tool"], 1.0)
+    assert missing.returncode == 127 and "not found" in missing.message()
+
+
+def test_is_real_sysfs_reads_mountinfo(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    (tmp_path / "host/sys").mkdir(parents=True)
+    info.write_text(
+        "22 1 0:21 / /proc rw,nosuid - proc proc rw\n"
+        f"23 1 0:22 / {tmp_path}/host/sys rw,nosuid shared:7 - sysfs sysfs rw\n")
+    assert is_real_sysfs(str(tmp_path / "host"), str(info)) is True
+    assert is_real_sysfs(str(tmp_path / "other"), str(info)) is False
+    assert is_real_sysfs(str(tmp_path / "host"), str(tmp_path / "absent")) is False
