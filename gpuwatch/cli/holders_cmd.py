@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import scan
@@ -22,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "/dev/snd nodes and /dev/vfio/N.")
     add_target_args(p)
     add_root_args(p)
+    add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -29,8 +31,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     check_root(args.root)
-    model = scan(args.root, args.config)
-    report = holders_report(model, addr=addr, vendor=vendor, euid=make_backend(args.root).geteuid())
+    # The daemon runs as root: it can read every process's fds, which we may not.
+    answer = ask_daemon(args, lambda c: c.holders(addr=addr, vendor=vendor))
+    if answer is not None:
+        report = answer.value
+    else:
+        report = holders_report(scan(args.root, args.config), addr=addr, vendor=vendor,
+                                euid=make_backend(args.root).geteuid())
     if args.json:
         print(dumps(report))
     else:

@@ -13,6 +13,7 @@ import sys
 import anyio
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, UsageProblem, add_root_args, check_root, fail
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
 from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
 from gpuwatch.core.plan import (
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"bound of the whole switch in seconds (default {DEFAULT_TIMEOUT:g})")
     add_root_args(p)
+    add_daemon_args(p)
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="append the watcher's events (switch-started, …) to this log")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -142,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     mode = parse_mode(args.mode) if args.mode is not None else None
     check_root(args.root)
+    if mode is not None and args.log is None:
+        # A running daemon owns the switch lock and the log: it switches, we report.
+        answer = ask_daemon(args, lambda c: c.switch(mode, addr=addr, vendor=vendor,
+                                                     timeout=args.timeout), mutating=True)
+        if answer is not None:
+            print_result(SwitchResult.model_validate(answer.value), args.json)
+            return EXIT_OK
     model = scan(args.root, args.config)
     card, members = find_card(model.state, addr=addr, vendor=vendor)
     if mode is None:

@@ -8,12 +8,15 @@ card, and says so.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.core.modes import MODES, Mode
-from gpuwatch.core.plan import SwitchPlan, find_card, parse_mode
+from gpuwatch.core.plan import find_card, parse_mode
 from gpuwatch.errors import DeviceNotFound
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import scan
@@ -30,28 +33,36 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="vfio or nvidia (default: out of the group's current mode)")
     add_target_args(p)
     add_root_args(p)
+    add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
-def render(plan: SwitchPlan) -> str:
-    lines = [f"plan: {plan.addr} (IOMMU group {plan.group}) {plan.from_mode} -> {plan.to_mode}"
-             + (" [example card]" if plan.example else "")]
-    for addr, target in plan.targets:
-        lines.append(f"  {addr}: {target}")
-    if plan.refusal is not None:
-        lines.append(f"refused: {plan.refusal.reason}")
-    elif not plan.steps:
+def describe_step(step: dict[str, Any]) -> str:
+    if step["kind"] == "write":
+        return f"write {step['value']!r} to {step['path']}"
+    if step["kind"] == "command":
+        return "run " + shlex.join(step["argv"])
+    return f"mkdir -p {step['path']}"
+
+
+def render(plan: dict[str, Any]) -> str:
+    """Text of a plan in its JSON form, so a plan from the daemon reads the same as ours."""
+    lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
+             f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
+    for member in plan["members"]:
+        lines.append(f"  {member['addr']}: {member['target']}")
+    if plan["refused"] is not None:
+        lines.append(f"refused: {plan['refused']['reason']}")
+    elif not plan["steps"]:
         lines.append("no steps: nothing to write")
-    for i, step in enumerate(plan.steps, 1):
-        lines.append(f"  {i}. {step.describe()}")
+    for i, step in enumerate(plan["steps"], 1):
+        lines.append(f"  {i}. {describe_step(step)}")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    addr, vendor = target_of(args)
-    mode: Mode | None = parse_mode(args.mode) if args.mode is not None else None
-    check_root(args.root)
+def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
+                vendor: str | None) -> dict[str, Any]:
     model = scan(args.root, args.config)
     if mode is None:
         try:
@@ -61,9 +72,19 @@ def run(args: argparse.Namespace) -> int:
     backend = make_backend(args.root)
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
                          which=backend.ops.which)
-    print(dumps(plan.to_json()) if args.json else render(plan))
-    for note in plan.notes:
+    return plan.to_json()
+
+
+def run(args: argparse.Namespace) -> int:
+    addr, vendor = target_of(args)
+    mode: Mode | None = parse_mode(args.mode) if args.mode is not None else None
+    check_root(args.root)
+    # The daemon runs as root and sees every holder; a plan made here may not.
+    answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor)) if mode else None
+    plan = answer.value if answer is not None else _local_plan(args, mode, addr, vendor)
+    print(dumps(plan) if args.json else render(plan))
+    for note in plan["notes"]:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
-    if plan.refusal is not None:
-        return fail(f"the switch would be refused: {plan.refusal.reason}", EXIT_FAILURE)
+    if plan["refused"] is not None:
+        return fail(f"the switch would be refused: {plan['refused']['reason']}", EXIT_FAILURE)
     return EXIT_OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import (
     add_target_args,
     positive_seconds,
@@ -18,7 +19,7 @@ from gpuwatch.cli.mode_cmd import (
 )
 from gpuwatch.core.plan import NVIDIA_VENDOR, find_card
 from gpuwatch.model import scan
-from gpuwatch.switch.engine import DEFAULT_TIMEOUT
+from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchResult
 from gpuwatch.switch.errors import NotPrivileged, RebootRequired, SwitchRefused
 from gpuwatch.switch.hostops import make_backend
 from gpuwatch.switch.wedge import scan_wedge
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"bound of the rebind in seconds (default {DEFAULT_TIMEOUT:g})")
     add_root_args(p)
+    add_daemon_args(p)
     p.add_argument("--log", default=None, metavar="PATH|-", help="append the events to this log")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -42,6 +44,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     check_root(args.root)
+    if args.log is None:
+        # A running daemon owns the switch lock and the log: let it do the work.
+        answer = ask_daemon(args, lambda c: c.recover(addr=addr, vendor=vendor), mutating=True)
+        if answer is not None:
+            print_result(SwitchResult.model_validate(answer.value), args.json)
+            return EXIT_OK
     backend = make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("recover needs root (it writes to sysfs and loads modules)")

@@ -37,6 +37,32 @@ _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
+#: Filesystems whose inode numbers are not reused: kernfs ids carry a generation, tmpfs counts
+#: up. (ext4 and xfs hand a freed number to the next directory at once.)
+STABLE_INODE_FS = frozenset(("sysfs", "tmpfs"))
+_MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL_ESCAPE_RE = re.compile(r"\\([0-7]{3})")
+
+
+def fs_type(path: str) -> str:
+    """The type of the filesystem mounted at ``path`` (from mountinfo); ``""`` when unknown."""
+    try:
+        with open(_MOUNTINFO, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return ""
+    target = os.path.realpath(path)
+    longest, kind = -1, ""
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or not tail:
+            continue
+        mount = _OCTAL_ESCAPE_RE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= longest:  # the last of stacked mounts is the visible one
+            longest, kind = len(mount), tail[0]
+    return kind
 
 
 class HostPaths:
@@ -58,6 +84,14 @@ class HostPaths:
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
         self.identity: dict[str, tuple[int, int, str, str, str]] = {}
+        self._stable_inodes: bool | None = None
+
+    def stable_inodes(self) -> bool:
+        """Whether ``sys`` lives on a filesystem that never hands a new directory the inode
+        number of a deleted one, so that an inode number names one directory for good."""
+        if self._stable_inodes is None:
+            self._stable_inodes = fs_type(self.sys) in STABLE_INODE_FS
+        return self._stable_inodes
 
     def under(self, host_path: str) -> str:
         """``/dev/kvm`` → ``<root>/dev/kvm``."""
@@ -78,8 +112,9 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
         if st is not None and stat_mod.S_ISDIR(st.st_mode):
             seen = _read_function_dir(candidate, addr, devpath)
             if seen.vendor_id or seen.device_id or seen.klass:
-                paths.identity[candidate] = (
-                    st.st_dev, st.st_ino, seen.vendor_id, seen.device_id, seen.klass)
+                if paths.stable_inodes():
+                    paths.identity[candidate] = (
+                        st.st_dev, st.st_ino, seen.vendor_id, seen.device_id, seen.klass)
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
     directory = os.path.join(paths.bus_pci, addr)
@@ -143,25 +178,17 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
 def scan_functions(paths: HostPaths) -> list[PciSeen]:
     """Every PCI function listed in ``sys/bus/pci/devices``; non-address entries ignored."""
     found: list[PciSeen] = []
-    identity: dict[str, tuple[int, int, str, str, str]] = {}
+    paths.identity.clear()  # a full scan is the fresh truth: no older read may outlive it
     for name in sorted(list_dir(paths.bus_pci)):
         if not is_pci_addr(name):
             continue
         entry = paths.bus_pci + "/" + name
-        devpath = _devpath_of_bus_entry(paths, name)
-        try:
-            st = os.stat(entry)  # before the reads, as in read_function
-        except (OSError, ValueError):
-            st = None
-        seen = _read_function_dir(entry, name, devpath)
-        if not (seen.vendor_id or seen.device_id or seen.klass):
-            if not os.path.isdir(entry):
-                continue  # dangling link: the function went away under us
-        elif st is not None:
-            identity[paths.sys + devpath] = (st.st_dev, st.st_ino, seen.vendor_id, seen.device_id,
-                                             seen.klass)
+        seen = _read_function_dir(entry, name, _devpath_of_bus_entry(paths, name))
+        # Checked only when nothing could be read, not up front: a stat per function is a
+        # tenth of the scan, and a dangling link reads as empty anyway.
+        if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
+            continue  # dangling link: the function went away under us
         found.append(seen)
-    paths.identity = identity  # a full scan is the fresh truth: forget every older read
     return found
 
 
