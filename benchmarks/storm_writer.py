@@ -1,8 +1,10 @@
 """The storm's "kernel": toggles drivers in a fixture tree and writes each uevent into a FIFO.
 
 Run by the storm benchmark as its own process (``python benchmarks/storm_writer.py PLAN``), so
-the watcher under test has a core to itself. Standard library only: it starts in milliseconds
-and measures nothing of gpuwatch's but what the log says.
+that it does not share the watcher's interpreter. Standard library only: it starts in
+milliseconds and learns nothing of gpuwatch's but what the log says. While the clock runs it
+changes only each function's ``driver`` link (what gpuwatch reads); the driver's back link and
+the ``uevent`` file are brought to the final state after the clock stops.
 
 Lockstep, because sysfs is the truth: the watcher re-reads a function when its uevent arrives,
 so a function must not change again before the watcher has read its previous change. Event
@@ -11,7 +13,7 @@ events of ``0 … k-n`` (the previous toggle of the same function). Every uevent
 tree that differs from what the model holds in exactly that function's driver, so it must
 produce exactly one ``driver-changed`` event: the expected count is the number of uevents.
 
-Plan (JSON): ``fifo``, ``log``, ``events``, ``chunk``, ``pipe_size``, ``stall_s`` and
+Plan (JSON): ``fifo``, ``log``, ``events``, ``chunk``, ``pipe_size``, ``stall_s``, ``poll_s`` and
 ``functions``: a list of ``{addr, devdir, driver_dir, driver_target, back_target,
 uevent_bound, uevent_unbound, bound, props}`` (``props``: the uevent properties without
 ACTION, DRIVER and SEQNUM; ``driver_dir`` is the home driver's directory). Prints one JSON
@@ -93,12 +95,13 @@ def main(plan_path: str) -> int:
     total = int(plan["events"])
     chunk = int(plan["chunk"])
     stall_s = float(plan["stall_s"])
+    poll_s = float(plan["poll_s"])
 
     # Everything deterministic is prepared before the clock starts: which function each event
     # toggles, in which direction, and its line.
     initial = [bool(f["bound"]) for f in fns]
     bound = list(initial)
-    steps: list[tuple[str, str, str, str, bool]] = []  # link, its target, back link, target, bind?
+    steps: list[tuple[str, str]] = []  # the function's driver link, its target ("": unbind)
     lines: list[bytes] = []
     for k in range(total):
         i = k % n
@@ -106,8 +109,7 @@ def main(plan_path: str) -> int:
         bound[i] = binding
         f = fns[i]
         driver = os.path.basename(f["driver_dir"]) if binding else None
-        steps.append((f["devdir"] + "/driver", f["driver_target"],
-                      f["driver_dir"] + "/" + f["addr"], f["back_target"], binding))
+        steps.append((f["devdir"] + "/driver", f["driver_target"] if binding else ""))
         lines.append(uevent_line(f["props"], "bind" if binding else "unbind", driver, k + 1))
 
     fifo = os.open(plan["fifo"], os.O_WRONLY)  # blocks until the watcher's source opens it
@@ -139,17 +141,15 @@ def main(plan_path: str) -> int:
                     elif time.monotonic() - last_progress > stall_s:
                         stalled = True
                         break
-                    time.sleep(0.0002)
+                    time.sleep(poll_s)
                 if stalled:
                     break
             for j in range(k, end):
-                link, target, back, back_target, binding = steps[j]
-                if binding:
+                link, target = steps[j]
+                if target:
                     os.symlink(target, link)
-                    os.symlink(back_target, back)
                 else:
                     os.unlink(link)
-                    os.unlink(back)
             os.write(fifo, b"".join(lines[k:end]))
             k = end
     finally:
@@ -163,15 +163,21 @@ def main(plan_path: str) -> int:
         elif time.monotonic() - last_progress > stall_s:
             stalled = True
             break
-        time.sleep(0.0002)
+        time.sleep(poll_s)
     t_done = time.perf_counter()
     cpu = _cpu_s() - cpu_first
-    # The uevent files follow after the clock: the model never reads them, and rewriting one
-    # per event would make this fake kernel, not the watcher, what the storm measures.
+    # The driver's link back to the function and the uevent file follow after the clock: the
+    # model reads neither, and keeping them in step per event would make this fake kernel, not
+    # the watcher, what the storm measures (the two CPUs of a small machine are shared).
     final = list(initial)
     for j in range(k):
-        final[j % n] = steps[j][4]
+        final[j % n] = bool(steps[j][1])
     for i, f in enumerate(fns):
+        back = f["driver_dir"] + "/" + f["addr"]
+        if final[i] and not os.path.lexists(back):
+            os.symlink(f["back_target"], back)
+        elif not final[i] and os.path.lexists(back):
+            os.unlink(back)
         write_file(f["devdir"] + "/uevent",
                    (f["uevent_bound"] if final[i] else f["uevent_unbound"]).encode())
     print(json.dumps({"written": k, "seen": tail.changed - seen_before, "t_first": t_first,

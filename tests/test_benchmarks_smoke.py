@@ -8,11 +8,21 @@ in a few seconds.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+
+import gpuwatch
+from gpuwatch.hostfs.scan import fs_type
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.watch.watcher import open_watcher
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `pytest` run from elsewhere: the benchmarks live in the checkout
@@ -91,3 +101,78 @@ def test_storm_expects_one_driver_change_per_uevent_even_when_chunks_exceed_the_
     for storm in (first, second):
         assert storm.seen == storm.produced == storm.events
         assert storm.model_equals_fresh_scan
+
+
+# --------------------------------------------------------------------------- the shortcuts
+# A bind/unbind re-reads only the driver and IOMMU group links when the function's directory is
+# the inode read in full before (gpuwatch.hostfs.scan.read_function_known). These pin down
+# that the shortcut never serves a stale identity.
+
+NIC = "0000:02:00.0"
+
+
+def fixture_parents(tmp_path: Path) -> list[Path]:
+    """The test's temp dir (a disk filesystem, which reuses inode numbers) and tmpfs."""
+    parents = [tmp_path]
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        parents.append(Path(tempfile.mkdtemp(prefix="gpuwatch-smoke-", dir=shm)))
+    return parents
+
+
+async def _events_after(host: SysRoot, change: Any, action: str, count: int) -> list[Any]:
+    """Unbind the NIC (its first, full read), then ``change`` the tree, send ``action``."""
+    source = MemorySource()
+    async with open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w, \
+            w.subscribe() as sub:
+        host.unbind(NIC)
+        source.push(host.uevent_props("unbind", NIC))
+        with anyio.fail_after(5):
+            assert (await sub.receive()).type == "driver-changed"
+        change()
+        source.push(host.uevent_props(action, NIC))
+        got: list[Any] = []
+        with anyio.fail_after(5):
+            while len(got) < count:
+                got.append(await sub.receive())
+        return got
+
+
+@pytest.mark.parametrize("where", ["tmp", "tmpfs"])
+def test_a_card_swapped_behind_a_bind_is_seen_as_the_swap(tmp_path: Path, where: str) -> None:
+    parents = fixture_parents(tmp_path)
+    if where == "tmpfs" and len(parents) < 2:
+        pytest.skip("no writable /dev/shm")
+    parent = parents[0] if where == "tmp" else parents[1]
+    try:
+        host = example_gpu_host(parent / "host")
+
+        def swap() -> None:  # a new card in the slot: a new directory, maybe the old inode
+            host.remove_function(NIC)
+            host.add_function(NIC, vendor="0x15b3", device="0x1017", klass="0x020000",
+                              driver="mlx5_core", parent="0000:00:1c.0", iommu_group=14)
+
+        got = anyio.run(_events_after, host, swap, "bind", 2)
+    finally:
+        for extra in parents[1:]:
+            shutil.rmtree(extra, ignore_errors=True)
+    assert [e.type for e in got] == ["device-removed", "device-added"]
+    assert (got[0].device.vendor_id, got[1].device.vendor_id) == ("0x8086", "0x15b3")
+    assert got[1].device.driver == "mlx5_core"
+
+
+def test_a_change_uevent_still_reads_everything(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path / "host")
+    got = anyio.run(_events_after, host, lambda: host.set_attr(NIC, "class", "0x010802\n"),
+                    "change", 2)
+    assert [e.type for e in got] == ["device-removed", "device-added"]
+    assert got[1].device.class_ == "0x0108"
+    model = gpuwatch.scan(host.root)
+    assert next(f for f in model.functions() if f.addr == NIC).class_ == "0x0108"
+
+
+def test_fs_type_names_the_mount_a_path_is_on() -> None:
+    if not Path("/proc/self/mountinfo").exists():
+        pytest.skip("no /proc/self/mountinfo")
+    assert fs_type("/proc/self") == "proc"
+    assert fs_type("/") != ""

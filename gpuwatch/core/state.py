@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
@@ -63,6 +64,7 @@ class HostState:
         self.tables = tables
         self._gpu_vendor_ids = frozenset(tables.gpu_vendors)
         self._patterns = tables.device_patterns
+        self._pattern_res = _compiled_patterns(self._patterns)
         self.functions: dict[str, PciFunction] = {}
         self.devpaths: dict[str, str] = {}
         self.groups: dict[int, set[str]] = {}
@@ -117,8 +119,13 @@ class HostState:
         seen_drm = {d.name for d in snapshot.drm}
         obs.extend(DrmGone(name) for name in self.drm if name not in seen_drm)
         obs.extend(snapshot.drm)
-        names = self.modules | snapshot.modules
-        obs.extend(ModuleSeen(name, name in snapshot.modules) for name in sorted(names))
+        # Modules as one set difference, not an observation each: a host loads a hundred of
+        # them, and that loop alone was a sixth of a fresh scan on a small host.
+        loaded = snapshot.modules
+        if ("nvidia" in loaded) != ("nvidia" in self.modules):
+            self._stale.update(("detect-gpu", "detect-host-devices"))
+        self.modules.intersection_update(loaded)
+        self.modules.update(loaded)
         obs.extend((snapshot.kfd, snapshot.nodes, snapshot.cdi, snapshot.iommu))
         return self.apply(obs)
 
@@ -335,7 +342,7 @@ class HostState:
         """A device path gpuwatch reports: one matching ``device_patterns``, or a vfio group."""
         if _VFIO_NODE_RE.match(path):
             return True
-        return any(fnmatch.fnmatchcase(path, p) for p in self._patterns)
+        return any(r.match(path) for r in self._pattern_res)
 
     # ------------------------------------------------------------------ answers
 
@@ -414,8 +421,8 @@ class HostState:
             present = [p for p in self.nodes if not _VFIO_NODE_RE.match(p)]
             ordered: list[str] = []
             taken: set[str] = set()
-            for pattern in self._patterns:
-                hits = sorted(p for p in present if p not in taken and fnmatch.fnmatchcase(p, pattern))
+            for pattern in self._pattern_res:
+                hits = sorted(p for p in present if p not in taken and pattern.match(p))
                 ordered.extend(hits)
                 taken.update(hits)
             self._devices = tuple(ordered)
@@ -443,6 +450,13 @@ class HostState:
 
     def gpu_addrs(self) -> Sequence[str]:
         return tuple(self._gpu_addrs)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """fnmatch.fnmatchcase, translated once per table: matching was a tenth of building a
+    small host's model, and translating again per model would cost as much."""
+    return tuple(re.compile(fnmatch.translate(p)) for p in patterns)
 
 
 class _Missing:

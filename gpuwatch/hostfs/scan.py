@@ -183,11 +183,16 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
         if not is_pci_addr(name):
             continue
         entry = paths.bus_pci + "/" + name
-        seen = _read_function_dir(entry, name, _devpath_of_bus_entry(paths, name))
-        # Checked only when nothing could be read, not up front: a stat per function is a
-        # tenth of the scan, and a dangling link reads as empty anyway.
-        if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
-            continue  # dangling link: the function went away under us
+        devpath = _devpath_of_bus_entry(paths, name)
+        # Read through the resolved directory, not the bus symlink: on sysfs every read
+        # through the link pays its resolution again (11 µs against 8 per attribute).
+        seen = _read_function_dir(paths.sys + devpath, name, devpath)
+        if not (seen.vendor_id or seen.device_id or seen.klass):
+            # Nothing there: a root whose components are links themselves (the resolution is
+            # lexical), or a dangling link. Checked only now, not with a stat up front.
+            seen = _read_function_dir(entry, name, devpath)
+            if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
+                continue  # dangling link: the function went away under us
         found.append(seen)
     return found
 
@@ -335,7 +340,7 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
     out: list[Observation] = []
     if subsystem == "pci":
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
-        if is_pci_addr(addr):
+        if addr is name or is_pci_addr(addr):  # checked once, not twice, per event
             if event.action in _DRIVER_ACTIONS and event.devpath:
                 out.append(read_function_known(paths, addr, event.devpath))
             else:
@@ -350,7 +355,7 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
             out.append(scan_nodes(paths, tables))
     elif subsystem == "kfd":
         out.append(read_kfd(paths))
-    devname = event.get("DEVNAME")
+    devname = event.properties.get("DEVNAME")  # the mapping itself: one call less per event
     if devname:
         host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
         out.append(NodeSeen(host_path, node_stat(paths, host_path)))
