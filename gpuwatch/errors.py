@@ -8,7 +8,10 @@ class GpuwatchError(Exception):
 
 
 class UsageError(GpuwatchError, ValueError):
-    """The request itself is wrong: unknown action, bad address or mode, missing parameter (exit 2)."""
+    """The request itself is wrong: unknown action, bad address or mode, missing parameter.
+
+    Exit code 2.
+    """
 
 
 class DeviceNotFound(GpuwatchError, LookupError):

@@ -19,7 +19,8 @@ from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import WATCHED_PROBES, HostState
 from gpuwatch.errors import DeviceNotFound, UsageError
 from gpuwatch.hostfs import procfs
-from gpuwatch.hostfs.scan import HostPaths, scan as scan_tree
+from gpuwatch.hostfs.scan import HostPaths
+from gpuwatch.hostfs.scan import scan as scan_tree
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -52,8 +53,9 @@ def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
     return bits & 0o6 == 0o6
 
 
-def check_params(action: str, group: int | None, addr: str | None, mode: str | None,
-                 vendor: str | None = None) -> str | None:
+def check_params(
+    action: str, group: int | None, addr: str | None, mode: str | None, vendor: str | None = None
+) -> str | None:
     """Validate a probe request; return the normalised address. Raises `UsageError`."""
     needs = ACTIONS.get(action)
     if needs is None:
@@ -121,8 +123,10 @@ class HostModel:
         answers = self.state._answers
         if action in answers:  # the hot path: the cached immutable answer itself
             return answers[action]
-        if action == "vfio-group-accessible" and group is not None and (
-            addr is None and mode is None and vendor is None
+        if (
+            action == "vfio-group-accessible"
+            and group is not None
+            and (addr is None and mode is None and vendor is None)
         ):
             return self.vfio_group_accessible(group)  # nothing here for check_params to reject
         if action == "plan":
@@ -185,7 +189,9 @@ def _as_mode(mode: str | None) -> Mode:
     raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
 
 
-def scan(root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None) -> HostModel:
+def scan(
+    root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None
+) -> HostModel:
     """Read the whole host under ``root`` once and return its model."""
     tables = config if isinstance(config, Tables) else load_tables(config)
     paths = HostPaths(root)

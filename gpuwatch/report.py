@@ -1,4 +1,4 @@
-"""Operator reports built from the model: passthrough readiness (`status`) and libvirt blocks (`list`).
+"""Operator reports from the model: passthrough readiness (`status`), libvirt blocks (`list`).
 
 Pure functions of a `HostModel` and a memlock reading, so both commands (and the daemon
 later) say exactly the same thing and tests need no terminal.
@@ -65,21 +65,34 @@ def iommu_hint(enabled: bool, kind: str) -> str:
     if kind == "intel":
         return "intel_iommu=on is asked for but no IOMMU group exists: enable VT-d in the firmware"
     if kind == "amd":
-        return "amd_iommu=on is asked for but no IOMMU group exists: enable AMD-Vi/IOMMU in the firmware"
-    return ("enable VT-d/AMD-Vi in the firmware and add intel_iommu=on iommu=pt (Intel) or "
-            "amd_iommu=on iommu=pt (AMD) to the kernel command line, then reboot")
+        return (
+            "amd_iommu=on is asked for but no IOMMU group exists: enable AMD-Vi/IOMMU in the "
+            "firmware"
+        )
+    return (
+        "enable VT-d/AMD-Vi in the firmware and add intel_iommu=on iommu=pt (Intel) or "
+        "amd_iommu=on iommu=pt (AMD) to the kernel command line, then reboot"
+    )
 
 
 def memlock_report(limit: MemlockResult) -> MemlockReport:
     if limit.soft is None:
         return MemlockReport(soft=None, hard=limit.hard, verdict="unlimited", hint="")
     if limit.soft >= MEMLOCK_ENOUGH:
-        return MemlockReport(soft=limit.soft, hard=limit.hard, verdict="enough",
-                             hint="enough for a 16 GiB guest; raise it for larger ones")
+        return MemlockReport(
+            soft=limit.soft,
+            hard=limit.hard,
+            verdict="enough",
+            hint="enough for a 16 GiB guest; raise it for larger ones",
+        )
     return MemlockReport(
-        soft=limit.soft, hard=limit.hard, verdict="too low",
-        hint=("vfio pins all guest memory: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the "
-              "systemd unit, `ulimit -l unlimited`, or memlock in /etc/security/limits.conf)"),
+        soft=limit.soft,
+        hard=limit.hard,
+        verdict="too low",
+        hint=(
+            "vfio pins all guest memory: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the "
+            "systemd unit, `ulimit -l unlimited`, or memlock in /etc/security/limits.conf)"
+        ),
     )
 
 
@@ -90,23 +103,36 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
     for gpu in vfio.gpus:
         members = state.group_members(gpu.addr)
         group = gpu.iommu_group
-        gpus.append(GpuReport(
-            addr=gpu.addr,
-            vendor=model.tables.gpu_vendors.get(gpu.vendor_id, gpu.vendor_id or "unknown"),
-            vendor_id=gpu.vendor_id,
-            device_id=gpu.device_id,
-            class_label=gpu.class_label,
-            driver=gpu.driver,
-            iommu_group=group,
-            mode=group_mode(members),
-            vfio_node=f"/dev/vfio/{group}" if group >= 0 else "",
-            vfio_accessible=model.vfio_group_accessible(group),
-            members=[MemberReport(addr=m.addr, class_label=m.class_label, vendor_id=m.vendor_id,
-                                  device_id=m.device_id, driver=m.driver) for m in members],
-        ))
+        gpus.append(
+            GpuReport(
+                addr=gpu.addr,
+                vendor=model.tables.gpu_vendors.get(gpu.vendor_id, gpu.vendor_id or "unknown"),
+                vendor_id=gpu.vendor_id,
+                device_id=gpu.device_id,
+                class_label=gpu.class_label,
+                driver=gpu.driver,
+                iommu_group=group,
+                mode=group_mode(members),
+                vfio_node=f"/dev/vfio/{group}" if group >= 0 else "",
+                vfio_accessible=model.vfio_group_accessible(group),
+                members=[
+                    MemberReport(
+                        addr=m.addr,
+                        class_label=m.class_label,
+                        vendor_id=m.vendor_id,
+                        device_id=m.device_id,
+                        driver=m.driver,
+                    )
+                    for m in members
+                ],
+            )
+        )
     return StatusReport(
-        iommu=IommuReport(enabled=vfio.iommu_enabled, kind=vfio.iommu_kind,
-                          hint=iommu_hint(vfio.iommu_enabled, vfio.iommu_kind)),
+        iommu=IommuReport(
+            enabled=vfio.iommu_enabled,
+            kind=vfio.iommu_kind,
+            hint=iommu_hint(vfio.iommu_enabled, vfio.iommu_kind),
+        ),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
         memlock=memlock_report(limit),
         gpus=gpus,
@@ -125,11 +151,14 @@ def _fmt_bytes(value: int | None) -> str:
 def render_status(report: StatusReport) -> str:
     io = report.iommu
     lines = [
-        f"IOMMU:    {'enabled' if io.enabled else 'disabled'}" + (f" ({io.kind})" if io.kind else ""),
+        f"IOMMU:    {'enabled' if io.enabled else 'disabled'}"
+        + (f" ({io.kind})" if io.kind else ""),
     ]
     if io.hint:
         lines.append(f"          -> {io.hint}")
-    lines.append(f"vfio-pci: {'loaded' if report.vfio_pci_loaded else 'not loaded (modprobe vfio-pci)'}")
+    lines.append(
+        f"vfio-pci: {'loaded' if report.vfio_pci_loaded else 'not loaded (modprobe vfio-pci)'}"
+    )
     ml = report.memlock
     lines.append(f"memlock:  {_fmt_bytes(ml.soft)} (hard {_fmt_bytes(ml.hard)}): {ml.verdict}")
     if ml.hint and ml.verdict == "too low":
@@ -139,13 +168,21 @@ def render_status(report: StatusReport) -> str:
     for gpu in report.gpus:
         group = f"group {gpu.iommu_group}" if gpu.iommu_group >= 0 else "no IOMMU group"
         lines.append("")
-        lines.append(f"GPU {gpu.addr}  {gpu.vendor} {gpu.device_id} ({gpu.class_label})  {group}  "
-                     f"mode: {gpu.mode}")
+        lines.append(
+            f"GPU {gpu.addr}  {gpu.vendor} {gpu.device_id} ({gpu.class_label})  {group}  "
+            f"mode: {gpu.mode}"
+        )
         for m in gpu.members:
-            lines.append(f"  {m.addr}  {m.class_label:<20} {m.vendor_id}:{m.device_id}  "
-                         f"driver: {m.driver or '(none)'}")
+            lines.append(
+                f"  {m.addr}  {m.class_label:<20} {m.vendor_id}:{m.device_id}  "
+                f"driver: {m.driver or '(none)'}"
+            )
         if gpu.vfio_node:
-            access = "read/write ok" if gpu.vfio_accessible else "not accessible (absent or no permission)"
+            access = (
+                "read/write ok"
+                if gpu.vfio_accessible
+                else "not accessible (absent or no permission)"
+            )
             lines.append(f"  {gpu.vfio_node}: {access}")
     return "\n".join(lines)
 
@@ -176,7 +213,8 @@ def hostdev_xml(addr: str) -> str:
     return (
         "<hostdev mode='subsystem' type='pci' managed='yes'>\n"
         "  <source>\n"
-        f"    <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/>\n"
+        f"    <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' "
+        f"function='0x{function}'/>\n"
         "  </source>\n"
         "</hostdev>"
     )
@@ -192,15 +230,24 @@ def passthrough_gpus(model: HostModel) -> list[PassthroughGpu]:
         if gpu.iommu_group < 0:
             continue
         members: list[PciFunction] = [m for m in gpu.group_members if m.class_ != BRIDGE_CLASS]
-        out.append(PassthroughGpu(
-            addr=gpu.addr,
-            vendor=model.tables.gpu_vendors.get(gpu.vendor_id, gpu.vendor_id or "unknown"),
-            vendor_id=gpu.vendor_id,
-            device_id=gpu.device_id,
-            iommu_group=gpu.iommu_group,
-            functions=[HostdevFunction(addr=m.addr, class_label=m.class_label, driver=m.driver,
-                                       hostdev_xml=hostdev_xml(m.addr)) for m in members],
-        ))
+        out.append(
+            PassthroughGpu(
+                addr=gpu.addr,
+                vendor=model.tables.gpu_vendors.get(gpu.vendor_id, gpu.vendor_id or "unknown"),
+                vendor_id=gpu.vendor_id,
+                device_id=gpu.device_id,
+                iommu_group=gpu.iommu_group,
+                functions=[
+                    HostdevFunction(
+                        addr=m.addr,
+                        class_label=m.class_label,
+                        driver=m.driver,
+                        hostdev_xml=hostdev_xml(m.addr),
+                    )
+                    for m in members
+                ],
+            )
+        )
     return out
 
 
@@ -210,7 +257,9 @@ def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:
         return f"no passthrough-capable GPU{why}"
     blocks: list[str] = []
     for gpu in gpus:
-        blocks.append(f"<!-- GPU {gpu.addr} {gpu.vendor} {gpu.device_id}, IOMMU group "
-                      f"{gpu.iommu_group}: pass every function below together -->")
+        blocks.append(
+            f"<!-- GPU {gpu.addr} {gpu.vendor} {gpu.device_id}, IOMMU group "
+            f"{gpu.iommu_group}: pass every function below together -->"
+        )
         blocks.extend(f.hostdev_xml for f in gpu.functions)
     return "\n".join(blocks)

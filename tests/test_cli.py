@@ -25,8 +25,9 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 
 def test_probe_prints_action_and_result(host: SysRoot, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(capsys, "probe", "group-in-mode", "--root", str(host.root),
-                             "--addr", NV, "--mode", "nvidia")
+    code, out, err = run_cli(
+        capsys, "probe", "group-in-mode", "--root", str(host.root), "--addr", NV, "--mode", "nvidia"
+    )
     assert (code, err) == (0, "")
     assert json.loads(out) == {"action": "group-in-mode", "result": True}
 
@@ -73,12 +74,18 @@ def test_missing_root_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert "not a directory" in err
 
 
-def test_config_overrides_tables(host: SysRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_overrides_tables(
+    host: SysRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("pci_class_labels:\n  0x0300: Graphics\ndevice_patterns: [/dev/kvm]\n")
-    _, out, _ = run_cli(capsys, "probe", "detect-host-devices", "--root", str(host.root), "--config", str(cfg))
+    _, out, _ = run_cli(
+        capsys, "probe", "detect-host-devices", "--root", str(host.root), "--config", str(cfg)
+    )
     assert json.loads(out)["result"]["devices"] == ["/dev/kvm"]
-    _, out, _ = run_cli(capsys, "probe", "detect-vfio", "--root", str(host.root), "--config", str(cfg))
+    _, out, _ = run_cli(
+        capsys, "probe", "detect-vfio", "--root", str(host.root), "--config", str(cfg)
+    )
     gpu = json.loads(out)["result"]["gpus"][1]
     assert gpu["class_label"] == "Graphics"
     # The key given replaced the embedded table whole: the audio label is gone.
@@ -100,7 +107,9 @@ def test_malformed_config_exits_2(
 ) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
-    code, out, err = run_cli(capsys, "probe", "detect-gpu", "--root", str(host.root), "--config", str(cfg))
+    code, out, err = run_cli(
+        capsys, "probe", "detect-gpu", "--root", str(host.root), "--config", str(cfg)
+    )
     assert (code, out) == (2, "")
     assert message in err
     assert len(err.strip().splitlines()) == 1
@@ -125,7 +134,9 @@ def test_status_text_and_json(host: SysRoot, capsys: pytest.CaptureFixture[str])
     assert report["memlock"]["verdict"] in {"unlimited", "enough", "too low"}
 
 
-def test_status_modes_and_iommu_hint(empty_host: SysRoot, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_modes_and_iommu_hint(
+    empty_host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
     empty_host.add_function("0000:01:00.0", driver="vfio-pci", iommu_group=None)
     empty_host.add_function("0000:02:00.0", driver="nvidia", iommu_group=None)
     empty_host.add_function("0000:02:00.1", klass="0x040300", driver="vfio-pci", iommu_group=None)
@@ -137,7 +148,9 @@ def test_status_modes_and_iommu_hint(empty_host: SysRoot, capsys: pytest.Capture
     assert [g["mode"] for g in report["gpus"]] == ["vfio", "nvidia"]
 
 
-def test_list_gives_hostdev_blocks_for_the_whole_group(host: SysRoot, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_gives_hostdev_blocks_for_the_whole_group(
+    host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
     host.set_iommu_group("0000:00:01.0", 13)  # a bridge sharing the group stays with the host
     code, out, _ = run_cli(capsys, "list", "--root", str(host.root))
     assert code == 0
@@ -160,8 +173,20 @@ def test_list_without_iommu(empty_host: SysRoot, capsys: pytest.CaptureFixture[s
 
 def test_python_dash_m_entry_point(host: SysRoot) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gpuwatch", "probe", "display-driver", "--root", str(host.root), "--addr", NV],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatch",
+            "probe",
+            "display-driver",
+            "--root",
+            str(host.root),
+            "--addr",
+            NV,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"action": "display-driver", "result": "nvidia"}

@@ -14,14 +14,18 @@ SCHEMA = Path(__file__).parent.parent / "docs" / "events.schema.json"
 
 def test_schema_file_is_current() -> None:
     assert json.loads(SCHEMA.read_text()) == json_schema(), (
-        "regenerate: python -c \"import json,gpuwatch.core.events as e; "
-        "print(json.dumps(e.json_schema(), indent=2, sort_keys=True))\" > docs/events.schema.json")
+        'regenerate: python -c "import json,gpuwatch.core.events as e; '
+        'print(json.dumps(e.json_schema(), indent=2, sort_keys=True))" > docs/events.schema.json'
+    )
 
 
 def test_every_event_type_is_in_the_schema_and_the_docs() -> None:
     schema = json_schema()
-    consts = {d["properties"]["type"]["const"] for d in schema["$defs"].values()
-              if "type" in d.get("properties", {})}
+    consts = {
+        d["properties"]["type"]["const"]
+        for d in schema["$defs"].values()
+        if "type" in d.get("properties", {})
+    }
     assert consts == EVENT_TYPES
     docs = (SCHEMA.parent / "events.md").read_text()
     for event_type in EVENT_TYPES:
@@ -29,10 +33,18 @@ def test_every_event_type_is_in_the_schema_and_the_docs() -> None:
 
 
 def test_log_line_round_trip() -> None:
-    event = DriverChanged(addr="0000:01:00.0", old="nvidia", new="vfio-pci", seq=7, time="2026-12-02T17:00:00.000000Z")
+    event = DriverChanged(
+        addr="0000:01:00.0", old="nvidia", new="vfio-pci", seq=7, time="2026-12-02T17:00:00.000000Z"
+    )
     line = event.model_dump_json()
-    assert json.loads(line) == {"seq": 7, "time": "2026-12-02T17:00:00.000000Z", "type": "driver-changed",
-                                "addr": "0000:01:00.0", "old": "nvidia", "new": "vfio-pci"}
+    assert json.loads(line) == {
+        "seq": 7,
+        "time": "2026-12-02T17:00:00.000000Z",
+        "type": "driver-changed",
+        "addr": "0000:01:00.0",
+        "old": "nvidia",
+        "new": "vfio-pci",
+    }
     assert parse_event(line) == event
     assert isinstance(parse_event({"type": "resync", "reason": "overflow", "changes": 2}), Resync)
     with pytest.raises(ValueError):

@@ -36,11 +36,16 @@ def test_same_answers_on_a_fake_filesystem(fs: FakeFilesystem) -> None:
     example_gpu_host("/host")
     model = gpuwatch.scan("/host", TABLES)
     assert [g.addr for g in model.probe("detect-vfio").gpus] == ["0000:00:02.0", NV]
-    assert [m.addr for m in model.probe("detect-vfio").gpus[1].group_members] == [NV, "0000:01:00.1"]
+    assert [m.addr for m in model.probe("detect-vfio").gpus[1].group_members] == [
+        NV,
+        "0000:01:00.1",
+    ]
     assert model.probe("detect-host-devices").render_node == "/dev/dri/renderD128"
 
 
-def test_device_vanishing_mid_read_is_a_removal(fs: FakeFilesystem, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_vanishing_mid_read_is_a_removal(
+    fs: FakeFilesystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
     host = example_gpu_host("/host")
     paths = HostPaths("/host")
     assert isinstance(read_function(paths, NIC, host.devpath(NIC)), PciSeen)

@@ -26,16 +26,23 @@ def answer(root: SysRoot | Path, action: str, **kw: object) -> object:
     return jsonable(gpuwatch.scan(base).probe(action, **kw))  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- PCI functions
+# ------------------------------------------------------------ PCI functions
 
 
 def test_function_fields_follow_the_contract(host: SysRoot) -> None:
     gpus = answer(host, "detect-vfio")["gpus"]  # type: ignore[index]
     nv = next(g for g in gpus if g["addr"] == NV)
-    assert {k: nv[k] for k in ("addr", "vendor_id", "device_id", "class", "class_label", "driver",
-                                "iommu_group")} == {
-        "addr": NV, "vendor_id": "0x10de", "device_id": "0x2204", "class": "0x0300",
-        "class_label": "VGA controller", "driver": "nvidia", "iommu_group": 13,
+    assert {
+        k: nv[k]
+        for k in ("addr", "vendor_id", "device_id", "class", "class_label", "driver", "iommu_group")
+    } == {
+        "addr": NV,
+        "vendor_id": "0x10de",
+        "device_id": "0x2204",
+        "class": "0x0300",
+        "class_label": "VGA controller",
+        "driver": "nvidia",
+        "iommu_group": 13,
     }
 
 
@@ -64,7 +71,10 @@ def test_gpu_without_group_is_its_own_only_member(empty_host: SysRoot) -> None:
     assert result["iommu_enabled"] is False  # type: ignore[index]
     gpus = result["gpus"]  # type: ignore[index]
     assert [g["iommu_group"] for g in gpus] == [-1, -1]
-    assert [[m["addr"] for m in g["group_members"]] for g in gpus] == [["0000:03:00.0"], ["0000:04:00.0"]]
+    assert [[m["addr"] for m in g["group_members"]] for g in gpus] == [
+        ["0000:03:00.0"],
+        ["0000:04:00.0"],
+    ]
 
 
 def test_entries_that_are_not_addresses_are_ignored(host: SysRoot) -> None:
@@ -110,7 +120,7 @@ def test_flat_layout_answers_like_the_symlink_layout(tmp_path: Path) -> None:
         assert answer(flat, action) == answer(linked, action)
 
 
-# --------------------------------------------------------------------------- detect-gpu (CDI)
+# ------------------------------------------------------------ detect-gpu (CDI)
 
 
 @pytest.mark.parametrize(
@@ -124,8 +134,14 @@ def test_flat_layout_answers_like_the_symlink_layout(tmp_path: Path) -> None:
     ],
 )
 def test_cdi_decision_table(
-    empty_host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    module: bool, etc: bool, var: bool, ctk: bool, expected: bool,
+    empty_host: SysRoot,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    module: bool,
+    etc: bool,
+    var: bool,
+    ctk: bool,
+    expected: bool,
 ) -> None:
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -143,12 +159,13 @@ def test_cdi_decision_table(
     assert answer(empty_host, "detect-gpu") is expected
 
 
-# --------------------------------------------------------------------------- AMD
+# ------------------------------------------------------------ AMD
 
 
 def test_detect_amd_gpu_follows_the_card_driver(empty_host: SysRoot) -> None:
-    empty_host.add_function("0000:03:00.0", vendor="0x1002", device="0x744c", driver="amdgpu",
-                            iommu_group=5)
+    empty_host.add_function(
+        "0000:03:00.0", vendor="0x1002", device="0x744c", driver="amdgpu", iommu_group=5
+    )
     assert answer(empty_host, "detect-amd-gpu") is False  # no DRM card yet
     empty_host.add_drm("renderD128", "0000:03:00.0")
     assert answer(empty_host, "detect-amd-gpu") is False  # a render node is not a card
@@ -171,7 +188,9 @@ def test_detect_amd_gpu_follows_the_card_driver(empty_host: SysRoot) -> None:
         ({10: 110000, 2: 0}, "11.0.0"),
     ],
 )
-def test_amd_gfx_version(empty_host: SysRoot, versions: dict[int, int | None], expected: str) -> None:
+def test_amd_gfx_version(
+    empty_host: SysRoot, versions: dict[int, int | None], expected: str
+) -> None:
     for node, version in versions.items():
         empty_host.add_kfd_node(node, version)
     assert answer(empty_host, "amd-gfx-version") == expected
@@ -193,15 +212,23 @@ def test_host_devices_gfx_only_with_amd_gpu(empty_host: SysRoot) -> None:
     assert (result["amd_gpu"], result["amd_gfx_version"]) == (True, "11.0.0")  # type: ignore[index]
 
 
-# --------------------------------------------------------------------------- host devices / render node
+# ------------------------------------------------------------ host devices / render node
 
 
 def test_devices_in_pattern_order_sorted_within(host: SysRoot) -> None:
     host.add_dev_node("/dev/kfd")
     host.add_dev_node("/dev/hwrng")
     devices = answer(host, "detect-host-devices")["devices"]  # type: ignore[index]
-    assert devices == ["/dev/dri/renderD128", "/dev/dri/renderD129", "/dev/kfd", "/dev/kvm",
-                       "/dev/vhost-net", "/dev/fuse", "/dev/net/tun", "/dev/hwrng"]
+    assert devices == [
+        "/dev/dri/renderD128",
+        "/dev/dri/renderD129",
+        "/dev/kfd",
+        "/dev/kvm",
+        "/dev/vhost-net",
+        "/dev/fuse",
+        "/dev/net/tun",
+        "/dev/hwrng",
+    ]
 
 
 def test_render_node_skips_virtio_head_for_the_nvidia_card(empty_host: SysRoot) -> None:
@@ -241,7 +268,7 @@ def test_render_node_present_in_sysfs_but_not_in_dev_is_not_chosen(empty_host: S
     assert (result["devices"], result["render_node"]) == ([], "")  # type: ignore[index]
 
 
-# --------------------------------------------------------------------------- vfio access, holders, memlock
+# ------------------------------------------------------------ vfio access, holders, memlock
 
 
 def test_vfio_group_accessible(host: SysRoot) -> None:
@@ -266,8 +293,12 @@ def test_vfio_group_accessible(host: SysRoot) -> None:
         (0o066, 1000, 0, 1000, set(), False),  # the owner class decides, not "other"
     ],
 )
-def test_access_rule(mode: int, owner: int, group: int, uid: int, gids: set[int], expected: bool) -> None:
-    assert may_read_write(NodeStat(mode=mode, uid=owner, gid=group), uid, frozenset(gids)) is expected
+def test_access_rule(
+    mode: int, owner: int, group: int, uid: int, gids: set[int], expected: bool
+) -> None:
+    assert (
+        may_read_write(NodeStat(mode=mode, uid=owner, gid=group), uid, frozenset(gids)) is expected
+    )
 
 
 def test_nvidia_holders(host: SysRoot) -> None:
@@ -288,15 +319,19 @@ def test_memlock_is_read_live() -> None:
         "soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)\n"
         "resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, hard))\n"
         "after = m.probe('memlock')\n"
-        "print(json.dumps([before.soft, after.soft, after.hard == (None if hard == resource.RLIM_INFINITY else hard)]))\n"
+        "expected_hard = None if hard == resource.RLIM_INFINITY else hard\n"
+        "print(json.dumps([before.soft, after.soft, after.hard == expected_hard]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     expected_before = None if soft == resource.RLIM_INFINITY else soft
-    assert out.stdout.strip() == f"[{'null' if expected_before is None else expected_before}, 65536, true]"
+    assert (
+        out.stdout.strip()
+        == f"[{'null' if expected_before is None else expected_before}, 65536, true]"
+    )
 
 
-# --------------------------------------------------------------------------- per-address probes
+# ------------------------------------------------------------ per-address probes
 
 
 def test_display_driver_and_current_mode(host: SysRoot) -> None:
@@ -318,7 +353,9 @@ def test_group_in_mode(host: SysRoot) -> None:
     assert model.probe("group-in-mode", addr=NV, mode="vfio") is False
     host.bind(NV, "vfio-pci")
     model = gpuwatch.scan(host.root)
-    assert model.probe("group-in-mode", addr=NV, mode="vfio") is False  # audio still on snd_hda_intel
+    assert (
+        model.probe("group-in-mode", addr=NV, mode="vfio") is False
+    )  # audio still on snd_hda_intel
     assert model.probe("group-in-mode", addr=NV, mode="nvidia") is False
     host.bind(NV_AUDIO, "vfio-pci")
     model = gpuwatch.scan(host.root)
@@ -352,7 +389,7 @@ def test_usage_errors_are_typed(host: SysRoot) -> None:
         model.probe("display-driver", addr="0000:0a:00.0")
 
 
-# --------------------------------------------------------------------------- answered from memory
+# ------------------------------------------------------------ answered from memory
 
 
 CACHED = ("detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version", "detect-host-devices")
@@ -387,7 +424,7 @@ def test_fresh_probe_equals_cached(host: SysRoot) -> None:
         assert jsonable(gpuwatch.probe(action, host.root)) == jsonable(model.probe(action))
 
 
-# --------------------------------------------------------------------------- hostile trees
+# ------------------------------------------------------------ hostile trees
 
 
 def test_hostile_tree_never_fails_a_probe(host: SysRoot) -> None:

@@ -36,25 +36,50 @@ TABLES = default_tables()
 ST = NodeStat(mode=0o660, uid=0, gid=0)
 
 
-def fn(addr: str, driver: str = "nvidia", group: int = 1, klass: str = "0x0300",
-       vendor: str = "0x10de") -> PciSeen:
-    return PciSeen(addr=addr, devpath=f"/devices/pci0000:00/{addr}", vendor_id=vendor,
-                   device_id="0x2204", klass=klass, driver=driver, iommu_group=group)
+def fn(
+    addr: str, driver: str = "nvidia", group: int = 1, klass: str = "0x0300", vendor: str = "0x10de"
+) -> PciSeen:
+    return PciSeen(
+        addr=addr,
+        devpath=f"/devices/pci0000:00/{addr}",
+        vendor_id=vendor,
+        device_id="0x2204",
+        klass=klass,
+        driver=driver,
+        iommu_group=group,
+    )
 
 
-def snapshot(*functions: PciSeen, drm: tuple[DrmSeen, ...] = (), modules: frozenset[str] = frozenset(),
-             nodes: tuple[tuple[str, NodeStat], ...] = (), cdi: bool = False) -> Snapshot:
-    return Snapshot(functions=functions, drm=drm, modules=modules, kfd=KfdSeen(()),
-                    nodes=NodesSeen(nodes), cdi=CdiSeen(cdi, False, False),
-                    iommu=IommuSeen(enabled=True, kind="intel"))
+def snapshot(
+    *functions: PciSeen,
+    drm: tuple[DrmSeen, ...] = (),
+    modules: frozenset[str] = frozenset(),
+    nodes: tuple[tuple[str, NodeStat], ...] = (),
+    cdi: bool = False,
+) -> Snapshot:
+    return Snapshot(
+        functions=functions,
+        drm=drm,
+        modules=modules,
+        kfd=KfdSeen(()),
+        nodes=NodesSeen(nodes),
+        cdi=CdiSeen(cdi, False, False),
+        iommu=IommuSeen(enabled=True, kind="intel"),
+    )
 
 
 GPU, AUDIO, NIC = "0000:01:00.0", "0000:01:00.1", "0000:02:00.0"
 
 
 def base_state() -> HostState:
-    return HostState(TABLES, snapshot(fn(GPU), fn(AUDIO, "snd_hda_intel", klass="0x0403"),
-                                      fn(NIC, "igb", group=2, klass="0x0200", vendor="0x8086")))
+    return HostState(
+        TABLES,
+        snapshot(
+            fn(GPU),
+            fn(AUDIO, "snd_hda_intel", klass="0x0403"),
+            fn(NIC, "igb", group=2, klass="0x0200", vendor="0x8086"),
+        ),
+    )
 
 
 def types(events: list[object]) -> list[str]:
@@ -116,8 +141,10 @@ def test_nic_change_leaves_gpu_answers_untouched() -> None:
 
 
 def test_only_the_touched_gpu_entry_is_rebuilt() -> None:
-    state = HostState(TABLES, snapshot(fn(GPU), fn(AUDIO, "snd_hda_intel", klass="0x0403"),
-                                       fn("0000:05:00.0", group=5)))
+    state = HostState(
+        TABLES,
+        snapshot(fn(GPU), fn(AUDIO, "snd_hda_intel", klass="0x0403"), fn("0000:05:00.0", group=5)),
+    )
     other = state.answer("detect-vfio").gpus[1]
     state.apply(fn(AUDIO, "vfio-pci", klass="0x0403"))
     gpus = state.answer("detect-vfio").gpus
@@ -143,7 +170,9 @@ def test_detect_gpu_follows_module_and_cdi() -> None:
     events = state.apply(ModuleSeen("nvidia", True))
     changes = [(e.action, e.old, e.new) for e in events if isinstance(e, ProbeChanged)]
     assert ("detect-gpu", False, True) in changes
-    host_devices = [e for e in events if isinstance(e, ProbeChanged) and e.action == "detect-host-devices"]
+    host_devices = [
+        e for e in events if isinstance(e, ProbeChanged) and e.action == "detect-host-devices"
+    ]
     assert host_devices[0].new.gpu is True
     events = state.apply(CdiSeen(False, False, False))
     assert ("detect-gpu", True, False) in [(e.action, e.old, e.new) for e in events]  # type: ignore[attr-defined]
@@ -157,7 +186,8 @@ def test_drm_card_driver_follows_its_function() -> None:
     assert state.answer("detect-amd-gpu") is True
     events = state.apply(fn("0000:03:00.0", driver="vfio-pci", group=3, vendor="0x1002"))
     assert ("detect-amd-gpu", True, False) in [
-        (e.action, e.old, e.new) for e in events if isinstance(e, ProbeChanged)]
+        (e.action, e.old, e.new) for e in events if isinstance(e, ProbeChanged)
+    ]
     state.apply(DrmGone("card0"))
     assert state.drm == {}
 
@@ -172,7 +202,10 @@ def test_nodes_added_removed_and_render_node() -> None:
     events = state.apply(NodeSeen("/dev/vfio/7", ST))
     assert types(events) == ["node-added"]  # vfio nodes are reported but not in `devices`
     events = state.apply(NodesSeen(()))
-    assert {e.path for e in events if isinstance(e, NodeRemoved)} == {"/dev/dri/renderD128", "/dev/vfio/7"}
+    assert {e.path for e in events if isinstance(e, NodeRemoved)} == {
+        "/dev/dri/renderD128",
+        "/dev/vfio/7",
+    }
     assert state.answer("detect-host-devices").devices == ()
 
 
@@ -187,7 +220,9 @@ def test_snapshot_diff_emits_only_the_drift() -> None:
 def test_kfd_change() -> None:
     state = base_state()
     events = state.apply(KfdSeen(((0, 0), (1, 110000))))
-    assert [(e.action, e.new) for e in events if isinstance(e, ProbeChanged)] == [("amd-gfx-version", "11.0.0")]
+    assert [(e.action, e.new) for e in events if isinstance(e, ProbeChanged)] == [
+        ("amd-gfx-version", "11.0.0")
+    ]
 
 
 # --------------------------------------------------------------------------- convergence property
@@ -205,13 +240,15 @@ op_st = st.one_of(seen_st, st.builds(PciGone, st.sampled_from(ADDRS)))
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(op_st, max_size=25), st.lists(st.integers(1, 6), max_size=5))
-def test_any_event_sequence_converges_to_a_fresh_build(ops: list[PciSeen | PciGone], cuts: list[int]) -> None:
+def test_any_event_sequence_converges_to_a_fresh_build(
+    ops: list[PciSeen | PciGone], cuts: list[int]
+) -> None:
     """Incremental updates in any batching end where a build from the final tree starts."""
     state = base_state()
     truth = {f.addr: f for f in snapshot(*base_state_functions()).functions}
     i = 0
     for size in [*cuts, len(ops)]:
-        batch = ops[i:i + size]
+        batch = ops[i : i + size]
         i += size
         state.apply(batch)
         for op in batch:
@@ -227,13 +264,21 @@ def test_any_event_sequence_converges_to_a_fresh_build(ops: list[PciSeen | PciGo
 
 
 def base_state_functions() -> list[PciSeen]:
-    return [fn(GPU), fn(AUDIO, "snd_hda_intel", klass="0x0403"),
-            fn(NIC, "igb", group=2, klass="0x0200", vendor="0x8086")]
+    return [
+        fn(GPU),
+        fn(AUDIO, "snd_hda_intel", klass="0x0403"),
+        fn(NIC, "igb", group=2, klass="0x0200", vendor="0x8086"),
+    ]
 
 
 def test_address_and_driver_checks_are_full_matches() -> None:
     from gpuwatch.core.pci import is_driver_name, is_pci_addr, normalize_addr
 
     assert is_pci_addr("0000:01:00.0") and not is_pci_addr("0000:01:00.0\n")
-    assert normalize_addr("0000:0A:00.1") == "0000:0a:00.1" and normalize_addr("0000:0a:00.1\n") is None
-    assert is_driver_name("vfio-pci") and not is_driver_name("nvidia\n") and not is_driver_name("..")
+    assert (
+        normalize_addr("0000:0A:00.1") == "0000:0a:00.1"
+        and normalize_addr("0000:0a:00.1\n") is None
+    )
+    assert (
+        is_driver_name("vfio-pci") and not is_driver_name("nvidia\n") and not is_driver_name("..")
+    )

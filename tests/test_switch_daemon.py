@@ -34,19 +34,26 @@ async def test_switch_plan_and_holders_go_through_the_daemon(
     root = str(host.root)
     host.add_process(777, "nvidia-smi", fds={3: "/dev/nvidia0"})
     with short_socket_dir() as sockdir:
-        async with simulated_switch(host) as (watcher, sim, _engine, events), \
-                anyio.create_task_group() as tg:
+        async with (
+            simulated_switch(host) as (watcher, sim, _engine, events),
+            anyio.create_task_group() as tg,
+        ):
             server = SocketServer(watcher, f"{sockdir}/gw.sock")
             await tg.start(server.serve)
             sock = ["--root", root, "--socket", f"{sockdir}/gw.sock"]
 
             code, out, _ = await run_cli(capsys, "holders", "--addr", NV, "--json", *sock)
             assert code == 0
-            assert [(h["pid"], h["comm"]) for h in json.loads(out)["holders"]] == [(777, "nvidia-smi")]
+            assert [(h["pid"], h["comm"]) for h in json.loads(out)["holders"]] == [
+                (777, "nvidia-smi")
+            ]
 
-            code, via_daemon, _ = await run_cli(capsys, "plan", "vfio", "--addr", NV, "--json", *sock)
-            _, direct, _ = await run_cli(capsys, "plan", "vfio", "--addr", NV, "--json",
-                                         "--root", root, "--no-daemon")
+            code, via_daemon, _ = await run_cli(
+                capsys, "plan", "vfio", "--addr", NV, "--json", *sock
+            )
+            _, direct, _ = await run_cli(
+                capsys, "plan", "vfio", "--addr", NV, "--json", "--root", root, "--no-daemon"
+            )
             assert code == 1  # refused: nvidia-smi holds the card
             assert json.loads(via_daemon) == json.loads(direct)
             assert json.loads(via_daemon)["refused"]["holders"][0]["comm"] == "nvidia-smi"
@@ -57,9 +64,13 @@ async def test_switch_plan_and_holders_go_through_the_daemon(
             result = json.loads(out)
             assert (result["from_mode"], result["to_mode"]) == ("nvidia", "vfio")
             assert {m["addr"]: m["driver"] for m in result["members"]} == {
-                NV: "vfio-pci", NV_AUDIO: "vfio-pci"}
+                NV: "vfio-pci",
+                NV_AUDIO: "vfio-pci",
+            }
             assert sim.writes  # the daemon's engine did the writing
             assert [e.type for e in events if e.type.startswith("switch-")] == [  # type: ignore[attr-defined]
-                "switch-started", "switch-completed"]
+                "switch-started",
+                "switch-completed",
+            ]
             assert watcher.probe("group-in-mode", addr=NV, mode="vfio") is True
             tg.cancel_scope.cancel()

@@ -16,9 +16,24 @@ from gpuwatch.watch.eventlog import read_events
 
 def start_watch(host: SysRoot, fifo: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source", f"file:{fifo}",
-         "--log", str(log), "--reconcile-interval", "0", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatch",
+            "watch",
+            "--root",
+            str(host.root),
+            "--source",
+            f"file:{fifo}",
+            "--log",
+            str(log),
+            "--reconcile-interval",
+            "0",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -30,7 +45,9 @@ def wait_for_ready(log: Path, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
-def test_burst_through_a_fifo_rotates_without_losing_an_event(host: SysRoot, tmp_path: Path) -> None:
+def test_burst_through_a_fifo_rotates_without_losing_an_event(
+    host: SysRoot, tmp_path: Path
+) -> None:
     fifo, log = tmp_path / "uevents", tmp_path / "events.jsonl"
     os.mkfifo(fifo)
     proc = start_watch(host, fifo, log, "--log-max-bytes", "600", "--log-keep", "50")
@@ -88,8 +105,19 @@ def test_sigterm_while_watching_exits_0_with_whole_lines(host: SysRoot, tmp_path
 def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None:
     for source in ("udev", "bogus", f"file:{tmp_path / 'missing'}"):
         proc = subprocess.run(
-            [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source", source],
-            capture_output=True, text=True, timeout=30,
+            [
+                sys.executable,
+                "-m",
+                "gpuwatch",
+                "watch",
+                "--root",
+                str(host.root),
+                "--source",
+                source,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert proc.returncode == 2, (source, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,10 +25,14 @@ NV, NV_AUDIO, IGPU, NIC = "0000:01:00.0", "0000:01:00.1", "0000:00:02.0", "0000:
 class Harness:
     """A watcher over a fixture root fed by a MemorySource, with a subscriber reading all."""
 
-    def __init__(self, host: SysRoot, watcher: Watcher, source: MemorySource, events: list[Any]) -> None:
+    def __init__(
+        self, host: SysRoot, watcher: Watcher, source: MemorySource, events: list[Any]
+    ) -> None:
         self.host, self.watcher, self.source, self.events = host, watcher, source, events
 
-    async def send(self, action: str, key: str, *, expect: int, **extra: str) -> list[dict[str, Any]]:
+    async def send(
+        self, action: str, key: str, *, expect: int, **extra: str
+    ) -> list[dict[str, Any]]:
         """Push one uevent for ``key`` and return the ``expect`` events it caused (as JSON)."""
         start = len(self.events)
         self.source.push(self.host.uevent_props(action, key, **extra))
@@ -114,14 +118,21 @@ async def test_unknown_action_still_reads_the_tree(host: SysRoot) -> None:
     async with harness_for(host) as harness:
         harness.host.bind(NIC, "vfio-pci")
         got = await harness.send("online", NIC, expect=1)
-        assert strip(got) == [{"type": "driver-changed", "addr": NIC, "old": "igb", "new": "vfio-pci"}]
+        assert strip(got) == [
+            {"type": "driver-changed", "addr": NIC, "old": "igb", "new": "vfio-pci"}
+        ]
 
 
 async def test_group_move_is_seen_on_the_next_event(host: SysRoot) -> None:
     async with harness_for(host) as harness:
         harness.host.set_iommu_group(NV_AUDIO, 21)  # no uevent for groups: only re-reading finds it
         got = await harness.send("change", NV_AUDIO, expect=2)
-        assert strip(got)[0] == {"type": "iommu-group-changed", "addr": NV_AUDIO, "old": 13, "new": 21}
+        assert strip(got)[0] == {
+            "type": "iommu-group-changed",
+            "addr": NV_AUDIO,
+            "old": 13,
+            "new": 21,
+        }
         assert got[1]["action"] == "detect-vfio"
         gpu = next(g for g in harness.watcher.probe("detect-vfio").gpus if g.addr == NV)
         assert [m.addr for m in gpu.group_members] == [NV]
@@ -130,16 +141,30 @@ async def test_group_move_is_seen_on_the_next_event(host: SysRoot) -> None:
 async def test_add_and_remove(host: SysRoot) -> None:
     async with harness_for(host) as harness:
         h = harness
-        h.host.add_function("0000:05:00.0", vendor="0x8086", device="0x10fb", klass="0x020000",
-                            driver="ixgbe", iommu_group=30)
+        h.host.add_function(
+            "0000:05:00.0",
+            vendor="0x8086",
+            device="0x10fb",
+            klass="0x020000",
+            driver="ixgbe",
+            iommu_group=30,
+        )
         got = await h.send("add", "0000:05:00.0", expect=1)
         assert got[0]["type"] == "device-added"
-        assert got[0]["device"] == {"addr": "0000:05:00.0", "vendor_id": "0x8086", "device_id": "0x10fb",
-                                    "class": "0x0200", "class_label": "0x0200", "driver": "ixgbe",
-                                    "iommu_group": 30}
+        assert got[0]["device"] == {
+            "addr": "0000:05:00.0",
+            "vendor_id": "0x8086",
+            "device_id": "0x10fb",
+            "class": "0x0200",
+            "class_label": "0x0200",
+            "driver": "ixgbe",
+            "iommu_group": 30,
+        }
         h.host.remove_function("0000:05:00.0")
         got = await h.send("remove", "0000:05:00.0", expect=1)
-        assert strip(got) == [{"type": "device-removed", "addr": "0000:05:00.0", "device": got[0]["device"]}]
+        assert strip(got) == [
+            {"type": "device-removed", "addr": "0000:05:00.0", "device": got[0]["device"]}
+        ]
         assert got[0]["device"]["driver"] == "ixgbe"  # as it was last known
 
 
@@ -186,7 +211,7 @@ async def test_vfio_node_and_module_events(host: SysRoot) -> None:
         start = len(h.events)
         h.source.push(props)
         got = await h.collect(start, 2)
-        assert [(e["action"], e["old"], e["new"]) for e in got][0] == ("detect-gpu", True, False)
+        assert (got[0]["action"], got[0]["old"], got[0]["new"]) == ("detect-gpu", True, False)
         assert got[1]["action"] == "detect-host-devices" and got[1]["new"]["gpu"] is False
 
 
@@ -208,7 +233,9 @@ async def test_overflow_rescans_and_emits_the_drift_then_resync(host: SysRoot) -
     async with harness_for(host) as harness:
         h = harness
         h.host.unbind(NIC)  # changes whose events were "lost"
-        h.host.add_function("0000:06:00.0", klass="0x010802", vendor="0x144d", driver="nvme", iommu_group=40)
+        h.host.add_function(
+            "0000:06:00.0", klass="0x010802", vendor="0x144d", driver="nvme", iommu_group=40
+        )
         start = len(h.events)
         h.source.overflow()
         got = await h.collect(start, 3)
@@ -221,11 +248,13 @@ async def test_overflow_rescans_and_emits_the_drift_then_resync(host: SysRoot) -
 
 async def test_reconcile_finds_drift(host: SysRoot) -> None:
     source = MemorySource()
-    async with open_watcher(host.root, source, reconcile_interval=0.2, cdi_poll_interval=0) as w:
-        async with w.subscribe(types={"driver-changed", "resync"}) as sub:
-            host.unbind(NIC)
-            with anyio.fail_after(5):
-                first, second = await sub.receive(), await sub.receive()
+    async with (
+        open_watcher(host.root, source, reconcile_interval=0.2, cdi_poll_interval=0) as w,
+        w.subscribe(types={"driver-changed", "resync"}) as sub,
+    ):
+        host.unbind(NIC)
+        with anyio.fail_after(5):
+            first, second = await sub.receive(), await sub.receive()
     assert (first.type, first.addr, first.new) == ("driver-changed", NIC, "")
     assert (second.type, second.reason, second.changes) == ("resync", "reconcile", 1)
 
@@ -236,8 +265,10 @@ async def test_reconcile_finds_drift(host: SysRoot) -> None:
 async def test_stalled_subscriber_does_not_hold_up_a_live_one(host: SysRoot) -> None:
     source = MemorySource()
     async with open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w:
-        async with w.subscribe(types={"driver-changed"}, buffer=3) as stalled, \
-                w.subscribe(types={"driver-changed"}) as live:
+        async with (
+            w.subscribe(types={"driver-changed"}, buffer=3) as stalled,
+            w.subscribe(types={"driver-changed"}) as live,
+        ):
             got = []
             for i in range(10):
                 if i % 2 == 0:
@@ -281,8 +312,9 @@ async def test_wait_for_and_its_timeout(host: SysRoot) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(later)
-            event = await h.watcher.wait_for(lambda e: isinstance(e, DriverChanged) and e.new == "vfio-pci",
-                                             timeout=5)
+            event = await h.watcher.wait_for(
+                lambda e: isinstance(e, DriverChanged) and e.new == "vfio-pci", timeout=5
+            )
         assert event.addr == NIC
         with pytest.raises(TimeoutError):
             await h.watcher.wait_for(lambda e: False, timeout=0.1)
@@ -320,7 +352,9 @@ async def test_closing_the_watcher_ends_iteration(host: SysRoot) -> None:
 async def test_file_source_end_sets_source_ended(host: SysRoot, tmp_path: Path) -> None:
     fifo = tmp_path / "events.fifo"
     os.mkfifo(fifo)
-    async with open_watcher(host.root, f"file:{fifo}", reconcile_interval=0, cdi_poll_interval=0) as w:
+    async with open_watcher(
+        host.root, f"file:{fifo}", reconcile_interval=0, cdi_poll_interval=0
+    ) as w:
         host.unbind(NIC)
 
         def write() -> None:
@@ -346,11 +380,15 @@ async def test_source_warnings_are_logged(host: SysRoot, caplog: pytest.LogCaptu
 # --------------------------------------------------------------------------- the log
 
 
-async def test_log_holds_every_event_and_seq_continues_after_restart(host: SysRoot, tmp_path: Path) -> None:
+async def test_log_holds_every_event_and_seq_continues_after_restart(
+    host: SysRoot, tmp_path: Path
+) -> None:
     log = tmp_path / "events.jsonl"
     for round_ in range(2):
         source = MemorySource()
-        async with open_watcher(host.root, source, log=log, reconcile_interval=0, cdi_poll_interval=0) as w:
+        async with open_watcher(
+            host.root, source, log=log, reconcile_interval=0, cdi_poll_interval=0
+        ) as w:
             host.unbind(NIC) if round_ == 0 else host.bind(NIC, "igb")
             source.push(host.uevent_props("change", NIC))
             with anyio.fail_after(5):
@@ -358,5 +396,9 @@ async def test_log_holds_every_event_and_seq_continues_after_restart(host: SysRo
                     await anyio.sleep(0.01)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["seq"], e["type"]) for e in lines] == [
-        (1, "ready"), (2, "driver-changed"), (3, "ready"), (4, "driver-changed")]
+        (1, "ready"),
+        (2, "driver-changed"),
+        (3, "ready"),
+        (4, "driver-changed"),
+    ]
     assert all(e["time"].endswith("Z") and len(e["time"]) == 27 for e in lines)

@@ -94,33 +94,32 @@ async def test_real_overflow_is_survived_and_resynced(tmp_path: Path) -> None:
     addr, devpath = real_device()
     mirror(tmp_path, addr, devpath, "virtio-pci")
     async with open_watcher(tmp_path, "kernel", reconcile_interval=0, cdi_poll_interval=0,
-                            receive_buffer=4096) as w:
-        async with w.subscribe() as sub:
-            set_driver(tmp_path, devpath, "vfio-pci")
-            for _ in range(400):  # without yielding: the tiny socket buffer must overflow
-                kick(addr)
-            got = []
-            with anyio.fail_after(20):
-                while not any(e.type == "resync" for e in got):
-                    got.append(await sub.receive())
-            resync = next(e for e in got if e.type == "resync")
-            assert resync.reason == "overflow"
-            assert any(e.type == "driver-changed" and e.new == "vfio-pci" for e in got)
-            assert w.probe("display-driver", addr=addr) == "vfio-pci"
-            # The watcher keeps receiving after the error.
+                            receive_buffer=4096) as w, w.subscribe() as sub:
+        set_driver(tmp_path, devpath, "vfio-pci")
+        for _ in range(400):  # without yielding: the tiny socket buffer must overflow
+            kick(addr)
+        got = []
+        with anyio.fail_after(20):
+            while not any(e.type == "resync" for e in got):
+                got.append(await sub.receive())
+        resync = next(e for e in got if e.type == "resync")
+        assert resync.reason == "overflow"
+        assert any(e.type == "driver-changed" and e.new == "vfio-pci" for e in got)
+        assert w.probe("display-driver", addr=addr) == "vfio-pci"
+        # The watcher keeps receiving after the error.
+        while True:
+            with anyio.move_on_after(0.5):
+                await sub.receive()  # drain the backlog of the burst
+                continue
+            break
+        set_driver(tmp_path, devpath, "")
+        kick(addr, "change")
+        with anyio.fail_after(10):
             while True:
-                with anyio.move_on_after(0.5):
-                    await sub.receive()  # drain the backlog of the burst
-                    continue
-                break
-            set_driver(tmp_path, devpath, "")
-            kick(addr, "change")
-            with anyio.fail_after(10):
-                while True:
-                    event = await sub.receive()
-                    if event.type == "driver-changed":
-                        break
-            assert event.new == ""
+                event = await sub.receive()
+                if event.type == "driver-changed":
+                    break
+        assert event.new == ""
 
 
 def test_watch_command_exits_0_on_sigterm(tmp_path: Path) -> None:

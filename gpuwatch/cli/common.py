@@ -1,4 +1,4 @@
-"""Pieces every subcommand shares: the parser that fails in one line, --root/--config, exit codes."""
+"""What subcommands share: a parser that fails in one line, --root/--config, exit codes."""
 
 from __future__ import annotations
 
@@ -21,11 +21,19 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
-    parser.add_argument("--root", default="/", metavar="DIR",
-                        help="host root holding sys/, proc/, dev/ (default /; a fixture for tests)")
+    parser.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="host root holding sys/, proc/, dev/ (default /; a fixture for tests)",
+    )
     if config:
-        parser.add_argument("--config", metavar="FILE", default=None,
-                            help="YAML file overriding the data tables (and watch options)")
+        parser.add_argument(
+            "--config",
+            metavar="FILE",
+            default=None,
+            help="YAML file overriding the data tables (and watch options)",
+        )
 
 
 def check_root(root: str) -> None:

@@ -7,6 +7,7 @@ exit code (docs/cli.md). ``GPUWATCH_DEBUG=1`` shows the traceback of an unexpect
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -37,12 +38,15 @@ SUBCOMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="gpuwatch",
-        description="Watch a Linux GPU host: probes from memory, change events, safe driver switching.",
+        description="Watch a Linux GPU host: probes from memory, change events, safe driver "
+        "switching.",
     )
     from gpuwatch import __version__
 
     parser.add_argument("--version", action="version", version=f"gpuwatch {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=OneLineParser
+    )
     subparsers.required = True
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"gpuwatch.cli.{name}")
@@ -64,13 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader went away (``| head``); nothing more to say to it.
-        try:
+        with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
-        except OSError:
-            pass
         return 0
-    except Exception as exc:  # noqa: BLE001 - the promise is "never a traceback"
+    except Exception as exc:
         if os.environ.get("GPUWATCH_DEBUG"):
             traceback.print_exc()
-        return fail(f"internal error: {type(exc).__name__}: {exc} (GPUWATCH_DEBUG=1 shows more)",
-                    EXIT_FAILURE)
+        return fail(
+            f"internal error: {type(exc).__name__}: {exc} (GPUWATCH_DEBUG=1 shows more)",
+            EXIT_FAILURE,
+        )

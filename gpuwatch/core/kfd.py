@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 
 def parse_gfx_target_version(properties: str) -> int:
-    """The ``gfx_target_version`` value of a KFD node's properties file; 0 when absent or garbage."""
+    """The ``gfx_target_version`` of a KFD node's properties; 0 when absent or garbage."""
     for line in properties.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0] == "gfx_target_version":

@@ -14,7 +14,9 @@ from gpuwatch.core.results import PciFunction
 Mode = Literal["vfio", "nvidia"]
 MODES: tuple[Mode, ...] = ("vfio", "nvidia")
 VFIO_DRIVER = "vfio-pci"
-HOST_GPU_DRIVERS = frozenset({"amdgpu", "radeon", "i915", "xe", "nouveau", "virtio-pci", "bochs-drm"})
+HOST_GPU_DRIVERS = frozenset(
+    {"amdgpu", "radeon", "i915", "xe", "nouveau", "virtio-pci", "bochs-drm"}
+)
 
 
 def target_driver(function: PciFunction, mode: Mode) -> str:

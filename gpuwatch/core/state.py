@@ -51,7 +51,13 @@ from gpuwatch.core.pci import is_gpu_class
 from gpuwatch.core.results import DetectVfioResult, GpuInfo, HostDevicesResult, PciFunction
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
-WATCHED_PROBES = ("detect-gpu", "detect-amd-gpu", "amd-gfx-version", "detect-vfio", "detect-host-devices")
+WATCHED_PROBES = (
+    "detect-gpu",
+    "detect-amd-gpu",
+    "amd-gfx-version",
+    "detect-vfio",
+    "detect-host-devices",
+)
 
 _VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
 _RENDER_PREFIX = "/dev/dri/renderD"
@@ -156,10 +162,9 @@ class HostState:
             if obs != self.cdi:
                 self.cdi = obs
                 self._stale.update(("detect-gpu", "detect-host-devices"))
-        elif isinstance(obs, IommuSeen):
-            if obs != self.iommu:
-                self.iommu = obs
-                self._stale.add("detect-vfio")
+        elif isinstance(obs, IommuSeen) and obs != self.iommu:
+            self.iommu = obs
+            self._stale.add("detect-vfio")
 
     def _pci_seen(self, seen: PciSeen, events: list[BaseModel]) -> None:
         old = self.functions.get(seen.addr)
@@ -185,7 +190,9 @@ class HostState:
             iommu_group=seen.iommu_group,
         )
         if old is not None and (
-            old.vendor_id != new.vendor_id or old.device_id != new.device_id or old.class_ != new.class_
+            old.vendor_id != new.vendor_id
+            or old.device_id != new.device_id
+            or old.class_ != new.class_
         ):
             # Another card in the same slot: report it as the swap it is.
             self._pci_gone(seen.addr, events)
@@ -198,7 +205,9 @@ class HostState:
         if old.driver != new.driver:
             events.append(DriverChanged(addr=new.addr, old=old.driver, new=new.driver))
         if old.iommu_group != new.iommu_group:
-            events.append(IommuGroupChanged(addr=new.addr, old=old.iommu_group, new=new.iommu_group))
+            events.append(
+                IommuGroupChanged(addr=new.addr, old=old.iommu_group, new=new.iommu_group)
+            )
 
     def _pci_gone(self, addr: str, events: list[BaseModel]) -> None:
         old = self.functions.get(addr)

@@ -13,6 +13,7 @@ import shutil
 import stat as stat_mod
 
 from gpuwatch.config import Tables
+from gpuwatch.core.kfd import parse_gfx_target_version
 from gpuwatch.core.observations import (
     CdiSeen,
     DrmGone,
@@ -28,7 +29,6 @@ from gpuwatch.core.observations import (
     PciSeen,
     Snapshot,
 )
-from gpuwatch.core.kfd import parse_gfx_target_version
 from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
@@ -114,7 +114,12 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
                     paths.identity[candidate] = (
-                        st.st_dev, st.st_ino, seen.vendor_id, seen.device_id, seen.klass)
+                        st.st_dev,
+                        st.st_ino,
+                        seen.vendor_id,
+                        seen.device_id,
+                        seen.klass,
+                    )
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
     directory = os.path.join(paths.bus_pci, addr)
@@ -171,7 +176,7 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
         return "/bus/pci/devices/" + addr
     resolved = os.path.normpath(os.path.join(paths.bus_pci, target))
     if resolved.startswith(paths.sys + "/"):
-        return resolved[len(paths.sys):]
+        return resolved[len(paths.sys) :]
     return "/bus/pci/devices/" + addr
 
 
@@ -228,7 +233,7 @@ def _class_devpath(paths: HostPaths, entry: str) -> str:
     except OSError:
         return ""
     resolved = os.path.normpath(os.path.join(os.path.dirname(entry), target))
-    return resolved[len(paths.sys):] if resolved.startswith(paths.sys + "/") else ""
+    return resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
 
 
 def scan_drm(paths: HostPaths) -> list[DrmSeen]:
@@ -259,7 +264,9 @@ def read_modules(paths: HostPaths) -> frozenset[str]:
 
 def read_iommu(paths: HostPaths) -> IommuSeen:
     enabled = bool(list_dir(paths.iommu_groups))
-    return IommuSeen(enabled=enabled, kind=iommu_kind(list_dir(paths.class_iommu), read_attr(paths.cmdline)))
+    return IommuSeen(
+        enabled=enabled, kind=iommu_kind(list_dir(paths.class_iommu), read_attr(paths.cmdline))
+    )
 
 
 def iommu_kind(units: list[str], cmdline: str) -> str:
@@ -296,7 +303,7 @@ def scan_nodes(paths: HostPaths, tables: Tables) -> NodesSeen:
     escaped_root = glob.escape(paths.root)
     for pattern in tables.device_patterns:
         for hit in glob.glob(escaped_root + pattern):
-            host_path = hit[len(paths.root):]
+            host_path = hit[len(paths.root) :]
             st = node_stat(paths, host_path)
             if st is not None:
                 found[host_path] = st

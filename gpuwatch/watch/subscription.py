@@ -17,14 +17,18 @@ class SubscriberLagged(Exception):
     """The subscriber fell behind by more than its buffer; ``missed`` events were dropped for it."""
 
     def __init__(self, missed: int) -> None:
-        super().__init__(f"subscriber lagged: {missed} event(s) missed; resubscribe and read snapshot()")
+        super().__init__(
+            f"subscriber lagged: {missed} event(s) missed; resubscribe and read snapshot()"
+        )
         self.missed = missed
 
 
 class Subscription:
     """Async iterator of events matching ``types``/``addrs`` (None means all)."""
 
-    def __init__(self, types: frozenset[str] | None, addrs: frozenset[str] | None, buffer: int) -> None:
+    def __init__(
+        self, types: frozenset[str] | None, addrs: frozenset[str] | None, buffer: int
+    ) -> None:
         self.types = types
         self.addrs = addrs
         self._send, self._recv = anyio.create_memory_object_stream[BaseModel](buffer)

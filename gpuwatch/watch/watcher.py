@@ -95,8 +95,14 @@ class Watcher:
         """The seq of the last event published."""
         return self._seq
 
-    def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
-              mode: str | None = None) -> Any:
+    def probe(
+        self,
+        action: str,
+        *,
+        group: int | None = None,
+        addr: str | None = None,
+        mode: str | None = None,
+    ) -> Any:
         return self.model.probe(action, group=group, addr=addr, mode=mode)
 
     def snapshot(self) -> HostSnapshot:
@@ -137,9 +143,14 @@ class Watcher:
             if sub in self._subscribers:
                 self._subscribers.remove(sub)
 
-    async def wait_for(self, predicate: Callable[[Any], bool], timeout: float | None = None,
-                       *, types: Iterable[str] | None = None) -> Any:
-        """The first future event for which ``predicate`` holds; `TimeoutError` after ``timeout``."""
+    async def wait_for(
+        self,
+        predicate: Callable[[Any], bool],
+        timeout: float | None = None,
+        *,
+        types: Iterable[str] | None = None,
+    ) -> Any:
+        """The first future event ``predicate`` accepts; `TimeoutError` after ``timeout``."""
         with anyio.fail_after(timeout):
             async with self.subscribe(types=types) as sub:
                 async for event in sub:
@@ -188,14 +199,16 @@ class Watcher:
 
     # ------------------------------------------------------------------ switching (gpuwatch.switch)
 
-    async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = 90,
-                     tolerant: bool = False) -> Any:
+    async def switch(
+        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False
+    ) -> Any:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
         `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
         from gpuwatch.switch.engine import engine_for
 
-        return await engine_for(self).switch(addr_or_vendor, mode, timeout=timeout,
-                                             tolerant=tolerant)
+        return await engine_for(self).switch(
+            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant
+        )
 
     async def plan(self, addr_or_vendor: str, mode: str) -> Any:
         from gpuwatch.switch.engine import engine_for
@@ -277,9 +290,16 @@ async def open_watcher(
     an event afterwards rather than being lost between the two.
     """
     tables = config if isinstance(config, Tables) else load_tables(config)
-    src = source if not isinstance(source, str) else open_source(source, root, receive_buffer=receive_buffer)
-    event_log = log if isinstance(log, EventLog) or log is None else EventLog(
-        log, max_bytes=log_max_bytes, keep=log_keep)
+    src = (
+        source
+        if not isinstance(source, str)
+        else open_source(source, root, receive_buffer=receive_buffer)
+    )
+    event_log = (
+        log
+        if isinstance(log, EventLog) or log is None
+        else EventLog(log, max_bytes=log_max_bytes, keep=log_keep)
+    )
     try:
         src.start()
         for warning in src.warnings:
@@ -287,8 +307,14 @@ async def open_watcher(
         paths = HostPaths(root)
         snapshot = await anyio.to_thread.run_sync(scan, paths, tables)
         model = HostModel(paths, HostState(tables, snapshot))
-        watcher = Watcher(model, src, log=event_log, reconcile_interval=reconcile_interval,
-                          cdi_poll_interval=cdi_poll_interval, subscriber_buffer=subscriber_buffer)
+        watcher = Watcher(
+            model,
+            src,
+            log=event_log,
+            reconcile_interval=reconcile_interval,
+            cdi_poll_interval=cdi_poll_interval,
+            subscriber_buffer=subscriber_buffer,
+        )
         watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
         try:
             async with anyio.create_task_group() as tg:
