@@ -41,13 +41,17 @@ class MalformedLine(ValueError):
     """A JSONL line that is not an object of string (or number) values."""
 
 
+_DECODE = json.JSONDecoder().decode
+
+
 def parse_jsonl_line(raw: bytes | str) -> UEvent:
     """Parse one line; numbers become strings (hand-written files say ``"SEQNUM": 7``).
 
     Raises :class:`MalformedLine` for bad JSON, a non-object, or non-scalar values.
     """
     try:
-        obj: Any = json.loads(raw)
+        # One shared decoder on text: json.loads would sniff the encoding of every line.
+        obj: Any = _DECODE(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise MalformedLine(f"not JSON: {exc}") from exc
     if type(obj) is not dict:
