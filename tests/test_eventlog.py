@@ -495,3 +495,25 @@ def test_cli_follow_waits_for_log_and_exits_zero_on_signal(tmp_path: Path, sig: 
         lines.close()
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def test_write_lines_rotates_between_lines_of_one_batch(tmp_path: Path) -> None:
+    path = tmp_path / "batch.jsonl"
+    event = {"time": "t", "type": "ready", "pad": "x" * 40}
+    lines = [json.dumps({"seq": i, **event}) for i in range(1, 31)]
+    with EventLog(path, max_bytes=400, keep=20) as log:
+        log.write_lines(lines[:10])
+        log.write_lines(lines[10:])
+    files = sorted(tmp_path.glob("batch.jsonl*"))
+    assert len(files) > 3  # the batches were split across rotations
+    for f in files:
+        data = f.read_bytes()
+        assert data.endswith(b"\n") and len(data) <= 400
+    assert [e["seq"] for e in read_events(path)] == list(range(1, 31))
+
+
+def test_write_lines_rejects_a_batch_with_a_line_break_before_writing(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    with EventLog(path) as log, pytest.raises(ValueError):
+        log.write_lines(['{"seq":1}', '{"seq":2}\n{"seq":3}'])
+    assert path.read_bytes() == b""

@@ -7,11 +7,15 @@ observations of what is there *now*, and `HostState.apply` turns observations in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class PciSeen:
-    """A PCI function as read from its sysfs directory. Unreadable fields are ``""`` / -1."""
+class PciSeen(NamedTuple):
+    """A PCI function as read from its sysfs directory. Unreadable fields are ``""`` / -1.
+
+    A NamedTuple rather than a frozen dataclass: one is built per uevent, and a frozen
+    dataclass pays an ``object.__setattr__`` per field (3x the cost).
+    """
 
     addr: str
     devpath: str
@@ -108,6 +112,20 @@ Observation = (
     | NodesSeen
     | CdiSeen
     | IommuSeen
+)
+
+#: The record types of `Observation`, for runtime checks.
+OBSERVATION_TYPES = (
+    PciSeen,
+    PciGone,
+    DrmSeen,
+    DrmGone,
+    ModuleSeen,
+    KfdSeen,
+    NodeSeen,
+    NodesSeen,
+    CdiSeen,
+    IommuSeen,
 )
 
 

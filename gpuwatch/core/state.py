@@ -33,6 +33,7 @@ from gpuwatch.core.events import (
 )
 from gpuwatch.core.kfd import first_gfx_version
 from gpuwatch.core.observations import (
+    OBSERVATION_TYPES,
     CdiSeen,
     DrmGone,
     DrmSeen,
@@ -104,8 +105,9 @@ class HostState:
         ``probe-changed`` compares the answers before and after the whole batch, so a burst
         of uevents drained together reports one change per answer, not every midway state.
         """
+        # One observation or many (a PciSeen is itself a tuple: test for the record types).
         batch: Iterable[Observation] = (
-            observations if isinstance(observations, Sequence) else (observations,)
+            (observations,) if isinstance(observations, OBSERVATION_TYPES) else observations
         )
         events: list[BaseModel] = []
         for obs in batch:

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import IO, Any, NamedTuple
@@ -226,27 +226,44 @@ class EventLog:
 
     def write_line(self, line: str) -> None:
         """Append ``line`` + newline in one write. Rotates first if it would overflow max_bytes."""
-        if "\n" in line:
-            raise ValueError("an event line must not contain a line break")
+        self.write_lines((line,))
+
+    def write_lines(self, lines: Sequence[str]) -> None:
+        """Append several event lines with as few writes as rotation allows (one, usually).
+
+        What the watcher drained as one batch is on disk before it reads the next, so every
+        event is still flushed as it is published; a rotation falls between two lines, never
+        inside one.
+        """
+        for line in lines:
+            if "\n" in line:
+                raise ValueError("an event line must not contain a line break")
         if self._stdout:
             with self._lock:
                 if self._closed:
                     raise EventLogClosedError("event log is closed")
                 out = sys.stdout
-                out.write(line + "\n")
+                out.write("".join(line + "\n" for line in lines))
                 out.flush()
             return
-        data = (line + "\n").encode("utf-8")
         with self._lock:
             if self._closed:
                 raise EventLogClosedError(f"event log {self._path} is closed")
-            if (
-                self._max_bytes is not None
-                and self._size > 0
-                and self._size + len(data) > self._max_bytes
-            ):
-                self._rotate()
-            self._write_all(data)
+            pending: list[bytes] = []
+            pending_size = 0
+            for line in lines:
+                data = (line + "\n").encode("utf-8")
+                size = self._size + pending_size
+                if self._max_bytes is not None and size > 0 and size + len(data) > self._max_bytes:
+                    if pending:
+                        self._write_all(b"".join(pending))
+                        pending, pending_size = [], 0
+                    if self._size > 0:
+                        self._rotate()
+                pending.append(data)
+                pending_size += len(data)
+            if pending:
+                self._write_all(b"".join(pending))
 
     def _rotate(self) -> None:
         assert self._fd is not None

@@ -172,9 +172,10 @@ class Watcher:
             fields = event.__dict__
             fields["seq"] = self._seq
             fields["time"] = now
-            if self._log is not None:
-                self._log.write_line(event.model_dump_json())
-            for listener in self.listeners:
+        if self._log is not None:  # on disk before anyone hears of it
+            self._log.write_lines([event.model_dump_json() for event in events])
+        for listener in self.listeners:
+            for event in events:
                 listener(event)
         for sub in tuple(self._subscribers):
             for event in events:
