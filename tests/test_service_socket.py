@@ -18,9 +18,9 @@ from typing import Any
 import anyio
 import anyio.abc
 import pytest
+from cli_helpers import run_cli
 
 from gpuwatch.cli.daemon import DaemonLost, ask_daemon
-from gpuwatch.cli.main import main
 from gpuwatch.core.events import NodeAdded, ProbeChanged
 from gpuwatch.errors import DeviceNotFound
 from gpuwatch.jsonout import jsonable
@@ -738,18 +738,6 @@ def test_try_daemon_never_answers_a_fixture_root_from_the_default_socket(
         assert try_daemon(f"{sockdir}/nothing.sock", False, root="/") is None
     finally:
         listener.close()
-
-
-async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    def call() -> int:
-        try:
-            return main(list(argv))
-        except SystemExit as exc:
-            return int(exc.code or 0)
-
-    code = await anyio.to_thread.run_sync(call)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 async def test_cli_asks_the_daemon_when_one_answers(

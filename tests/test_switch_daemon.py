@@ -6,26 +6,14 @@ import json
 
 import anyio
 import pytest
+from cli_helpers import run_cli
 
-from gpuwatch.cli.main import main
 from gpuwatch.service.server import SocketServer
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import simulated_switch
 
 NV, NV_AUDIO = "0000:01:00.0", "0000:01:00.1"
-
-
-async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    def call() -> int:
-        try:
-            return main(list(argv))
-        except SystemExit as exc:
-            return int(exc.code or 0)
-
-    code = await anyio.to_thread.run_sync(call)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 async def test_switch_plan_and_holders_go_through_the_daemon(

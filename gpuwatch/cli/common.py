@@ -41,6 +41,38 @@ def check_root(root: str) -> None:
         raise UsageProblem(f"--root {root!r} is not a directory")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1 (sizes, counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def seconds(text: str, *, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 if allow_zero else value > 0):
+        bound = "non-negative" if allow_zero else "positive"
+        raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a timeout (> 0)."""
+    return seconds(text, allow_zero=False)
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: an interval where 0 means off."""
+    return seconds(text, allow_zero=True)
+
+
 class UsageProblem(Exception):
     """Raised by a subcommand for a usage error found after parsing (exit 2)."""
 

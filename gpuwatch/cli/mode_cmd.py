@@ -12,7 +12,15 @@ import sys
 
 import anyio
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, UsageProblem, add_root_args, check_root, fail
+from gpuwatch.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    UsageProblem,
+    add_root_args,
+    check_root,
+    fail,
+    positive_seconds,
+)
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
 from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
@@ -69,16 +77,6 @@ def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
             raise UsageProblem(f"{args.addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
         return addr, None
     return None, parse_vendor(args.vendor if args.vendor is not None else NVIDIA_VENDOR)
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
 
 
 def print_result(result: SwitchResult, as_json: bool) -> None:

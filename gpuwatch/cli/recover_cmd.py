@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, positive_seconds
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import (
     add_target_args,
-    positive_seconds,
     print_result,
     run_switch,
     target_of,

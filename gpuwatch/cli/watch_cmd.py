@@ -15,7 +15,14 @@ from typing import Any
 
 import anyio
 
-from gpuwatch.cli.common import EXIT_OK, EXIT_USAGE, check_root, fail
+from gpuwatch.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    check_root,
+    fail,
+    non_negative_seconds,
+    positive_int,
+)
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
 from gpuwatch.sources import SourceUnavailable
@@ -41,11 +48,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="where uevents come from (default auto: udev if udevd runs, else kernel)")
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="event log file, - for stdout (default)")
-    p.add_argument("--log-max-bytes", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--log-max-bytes", type=positive_int, default=None, metavar="N",
                    help="rotate the log before it grows past N bytes")
-    p.add_argument("--log-keep", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--log-keep", type=positive_int, default=None, metavar="K",
                    help="rotated files to keep, PATH.1 … PATH.K (default 5)")
-    p.add_argument("--reconcile-interval", type=_non_negative_float, default=None, metavar="S",
+    p.add_argument("--reconcile-interval", type=non_negative_seconds, default=None, metavar="S",
                    help="full rescan every S seconds to catch drift (default 300, 0 = off)")
     p.add_argument("--socket", nargs="?", const=DEFAULT_SOCKET_PATH, default=None, metavar="PATH",
                    help="serve the socket API (docs/socket.md) at PATH "
@@ -61,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--nfd-features", default=None, metavar="PATH",
                    help="keep a node-feature-discovery features file current (a features.d/ "
                         "directory gets the file 'gpuwatch')")
-    p.add_argument("--nfd-expiry", type=_non_negative_float, default=None, metavar="S",
+    p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
                         "(default 3600, 0 = never)")
     p.add_argument("-v", "--verbose", action="store_true", default=None,
@@ -72,26 +79,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def add_source_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="auto", metavar="auto|udev|kernel|file:PATH",
                    help="where uevents come from (default auto: udev if udevd runs, else kernel)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-    return value
 
 
 def setup_logging(verbose: bool) -> None:
