@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -21,13 +22,13 @@ from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
 from gpuwatch.config import Tables, load_tables
-from gpuwatch.core.events import Ready, Resync
+from gpuwatch.core.events import LogDegraded, LogGap, Ready, Resync, Stopped
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
 from gpuwatch.model import HostModel
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
-from gpuwatch.watch.eventlog import EventLog
+from gpuwatch.watch.eventlog import EventLog, EventLogWriteError
 from gpuwatch.watch.subscription import Subscription, matches
 
 _log = logging.getLogger("gpuwatch.watch")
@@ -35,6 +36,9 @@ _log = logging.getLogger("gpuwatch.watch")
 DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_SUBSCRIBER_BUFFER = 4096
+#: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
+LOG_RETRY_FIRST = 1.0
+LOG_RETRY_MAX = 60.0
 
 
 def rfc3339_now() -> str:
@@ -75,10 +79,28 @@ class Watcher:
         self._seq = (log.last_seq or 0) if log is not None else 0
         self._lock = anyio.Lock()
         self._closed = False
+        self._stopped = False
         self.source_ended = anyio.Event()
         self.resyncs = 0
         #: Observers called with every stamped event (metrics, NFD, the socket server).
         self.listeners: list[Callable[[BaseModel], None]] = []
+        self._announced = anyio.Event()
+        # Event log health: the unwritten seq range and when to try again.
+        self._gap: tuple[int, int] | None = None
+        self._log_retry_at = 0.0
+        self._log_backoff = LOG_RETRY_FIRST
+        self.log_write_failures = 0
+        self._log_error = ""
+
+    @property
+    def announced(self) -> bool:
+        """Whether ``ready`` has been published."""
+        return self._announced.is_set()
+
+    @property
+    def log_degraded(self) -> str | None:
+        """Why the event log is not being written (None: it is)."""
+        return self._log_error if self._gap is not None else None
 
     # ------------------------------------------------------------------ reading
 
@@ -172,8 +194,7 @@ class Watcher:
             fields = event.__dict__
             fields["seq"] = self._seq
             fields["time"] = now
-        if self._log is not None:  # on disk before anyone hears of it
-            self._log.write_lines([event.model_dump_json() for event in events])
+        degraded_now = self._log is not None and self._write_log(events)
         for listener in self.listeners:
             for event in events:
                 listener(event)
@@ -181,6 +202,45 @@ class Watcher:
             for event in events:
                 if matches(sub, event):
                     sub.offer(event)
+        if degraded_now:
+            assert self._log is not None
+            self.publish([LogDegraded(path=self._log.path, error=self._log_error)])
+
+    def _write_log(self, events: Sequence[BaseModel]) -> bool:
+        """On disk before anyone hears of it, or, on a full or failing disk, not at all:
+        the daemon goes on, the range is remembered, and a write is tried again (with the
+        next event, after a backoff) led by a ``log-gap`` record naming what is missing.
+        True when this batch is the one that found the log failing."""
+        assert self._log is not None
+        first = int(getattr(events[0], "seq", 0))
+        last = int(getattr(events[-1], "seq", 0))
+        if self._gap is not None and time.monotonic() < self._log_retry_at:
+            self._gap = (self._gap[0], last)
+            return False
+        lines = [event.model_dump_json() for event in events]
+        if self._gap is not None and self._gap[0] < first:
+            gap = LogGap(first_seq=self._gap[0], last_seq=first - 1, error=self._log_error,
+                         seq=first - 1, time=getattr(events[0], "time", ""))
+            lines.insert(0, gap.model_dump_json())
+        try:
+            self._log.write_lines(lines)
+        except EventLogWriteError as exc:
+            self.log_write_failures += 1
+            fresh = self._gap is None
+            self._gap = (first, last) if fresh else (self._gap[0], last)  # type: ignore[index]
+            self._log_error = exc.strerror or str(exc)
+            self._log_retry_at = time.monotonic() + self._log_backoff
+            self._log_backoff = min(self._log_backoff * 2, LOG_RETRY_MAX)
+            if fresh:
+                _log.error("event log %s: %s; events go on, the log resumes when it can",
+                           self._log.path, self._log_error)
+            return fresh
+        if self._gap is not None:
+            _log.warning("event log %s resumed; seqs %d..%d are not in it", self._log.path,
+                         self._gap[0], first - 1)
+        self._gap = None
+        self._log_backoff = LOG_RETRY_FIRST
+        return False
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed."""
@@ -231,7 +291,23 @@ class Watcher:
 
     # ------------------------------------------------------------------ tasks
 
+    def announce_ready(self) -> None:
+        """Publish ``ready`` and start applying uevents (queued in the source meanwhile).
+        `open_watcher` does it before its body unless ``announce=False``: a daemon first
+        binds its listeners, so ``ready`` is never a promise it cannot keep."""
+        if self._announced.is_set():
+            return
+        self.publish([Ready(devices=len(self.model.state.functions), source=self.source.name)])
+        self._announced.set()
+
+    def stop(self, reason: str) -> None:
+        """Publish the ``stopped`` record (once): the last line of this run's log."""
+        if not self._stopped:
+            self._stopped = True
+            self.publish([Stopped(reason=reason)])
+
     async def _pump(self) -> None:
+        await self._announced.wait()
         try:
             async for batch in self.source.batches():
                 if isinstance(batch, SourceOverflow):
@@ -248,6 +324,7 @@ class Watcher:
 
     async def _poll_cdi(self) -> None:
         # CDI specs are plain files: no uevent announces them, so look twice a second.
+        await self._announced.wait()
         while True:
             await anyio.sleep(self._cdi_poll_interval)
             seen = read_cdi(self.paths)
@@ -256,6 +333,7 @@ class Watcher:
                     self.apply([seen])
 
     async def _reconcile(self) -> None:
+        await self._announced.wait()
         while True:
             await anyio.sleep(self._reconcile_interval)
             await self.resync("reconcile")
@@ -287,11 +365,13 @@ async def open_watcher(
     cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
+    announce: bool = True,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
 
     The source is bound *before* the scan, so a change made while the scan runs arrives as
-    an event afterwards rather than being lost between the two.
+    an event afterwards rather than being lost between the two. With ``announce=False`` the
+    body runs before ``ready``: it calls `Watcher.announce_ready` when it is ready to serve.
     """
     tables = config if isinstance(config, Tables) else load_tables(config)
     src = (
@@ -309,7 +389,8 @@ async def open_watcher(
         for warning in src.warnings:
             _log.warning("%s", warning)
         paths = HostPaths(root)
-        snapshot = await anyio.to_thread.run_sync(scan, paths, tables)
+        # Abandoned on cancel: SIGTERM during a long first scan stops now, not after it.
+        snapshot = await anyio.to_thread.run_sync(scan, paths, tables, abandon_on_cancel=True)
         model = HostModel(paths, HostState(tables, snapshot))
         watcher = Watcher(
             model,
@@ -319,7 +400,8 @@ async def open_watcher(
             cdi_poll_interval=cdi_poll_interval,
             subscriber_buffer=subscriber_buffer,
         )
-        watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
+        if announce:
+            watcher.announce_ready()
         try:
             async with anyio.create_task_group() as tg:
                 watcher._start_tasks(tg)
