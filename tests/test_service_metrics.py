@@ -100,6 +100,11 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
                 await c.receive()
                 s = await scrape(*bound)
                 assert value(s, "gpuwatch_socket_clients") == 1
+            # The daemon notices the hang-up on its own schedule: wait for it (bounded), so
+            # the scrape below never races the server's EOF handling.
+            with anyio.fail_after(10):
+                while served.server.connections:
+                    await anyio.sleep(0.01)
             s = await scrape(*bound)
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="vfio") == 1
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="nvidia") is None  # gone, not 0
