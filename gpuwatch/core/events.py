@@ -63,6 +63,10 @@ class NodeRemoved(_Event):
 
 
 class ProbeChanged(_Event):
+    """A watched answer changed. Plain answers carry whole ``old``/``new`` values; object
+    answers only the fields that changed, and ``detect-vfio`` only the GPU entries that
+    changed (docs/events.md): an event's size never grows with the host."""
+
     type: Literal["probe-changed"] = "probe-changed"
     action: str
     old: Any
