@@ -17,16 +17,16 @@ from typing import Any
 
 import anyio
 
+from gpuwatch.host import Host, open_host
 from gpuwatch.service.server import SocketServer
 from gpuwatch.sources import EventSource
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.watch.eventlog import EventLog
-from gpuwatch.watch.watcher import Watcher, open_watcher
 
 
 @dataclass
 class ServedWatcher:
-    watcher: Watcher
+    watcher: Host
     source: MemorySource | EventSource
     server: SocketServer
     path: str
@@ -48,7 +48,8 @@ async def served_watcher(
     """
     src = source if source is not None else MemorySource()
     log_path = log.path if isinstance(log, EventLog) else log
-    async with open_watcher(root, src, log=log, reconcile_interval=0, cdi_poll_interval=0) as w, \
+    async with open_host(root, source=src, log=log, reconcile_interval=0,
+                         cdi_poll_interval=0) as w, \
             anyio.create_task_group() as tg:
         server = SocketServer(w, socket_path, log_path=log_path, **server_options)
         await tg.start(server.serve)
