@@ -85,6 +85,11 @@ class Host:
         """Observers called with every stamped event (metrics, NFD, the socket server)."""
         return self.watcher.listeners
 
+    @property
+    def batch_listeners(self) -> list[Callable[[Sequence[Any], Sequence[str]], None]]:
+        """Observers called once per published batch with the events and their JSON lines."""
+        return self.watcher.batch_listeners
+
     def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
               mode: str | None = None, vendor: str | None = None) -> Any:
         """Answer a probe action (docs/probes.md) from memory."""

@@ -218,12 +218,20 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         return DrmGone(name)
     device = directory + "/device"
     device_name = link_name(device)
+    vendor = read_attr(device + "/vendor") if device_name else ""
+    driver = link_name(device + "/driver") if device_name else ""
+    addr = device_name if is_pci_addr(device_name) else ""
+    if addr and not vendor:
+        # A captured tree can keep the kernel's relative spelling where it no longer resolves
+        # (the link was copied into a flattened folder): the bus entry still names the device.
+        entry = paths.bus_pci + "/" + addr
+        vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
     return DrmSeen(
         name=name,
         devpath=devpath or "",
-        device_addr=device_name if is_pci_addr(device_name) else "",
-        device_vendor=read_attr(device + "/vendor") if device_name else "",
-        device_driver=link_name(device + "/driver") if device_name else "",
+        device_addr=addr,
+        device_vendor=vendor,
+        device_driver=driver,
     )
 
 
