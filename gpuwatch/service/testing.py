@@ -22,14 +22,18 @@ from gpuwatch.service.server import SocketServer
 from gpuwatch.sources import EventSource
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.watch.eventlog import EventLog
+from gpuwatch.watch.watcher import Watcher
 
 
 @dataclass
 class ServedWatcher:
-    watcher: Host
+    #: The watcher under the served host (its pump, subscriptions and publish).
+    watcher: Watcher
     source: MemorySource | EventSource
     server: SocketServer
     path: str
+    #: The host the socket serves (the watcher plus its switch engine).
+    host: Host
 
 
 @asynccontextmanager
@@ -54,7 +58,7 @@ async def served_watcher(
         server = SocketServer(w, socket_path, log_path=log_path, **server_options)
         await tg.start(server.serve)
         try:
-            yield ServedWatcher(w, src, server, socket_path)
+            yield ServedWatcher(w.watcher, src, server, socket_path, w)
         finally:
             tg.cancel_scope.cancel()
 
