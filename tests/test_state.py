@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatch.config import default_tables
 from gpuwatch.core.events import (
     DeviceAdded,
     DeviceRemoved,
@@ -31,6 +30,7 @@ from gpuwatch.core.observations import (
 )
 from gpuwatch.core.state import HostState
 from gpuwatch.jsonout import jsonable
+from gpuwatch.settings import default_tables
 
 TABLES = default_tables()
 ST = NodeStat(mode=0o660, uid=0, gid=0)

@@ -21,7 +21,6 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables
 from gpuwatch.core.events import (
     DeviceAdded,
     DeviceRemoved,
@@ -50,6 +49,7 @@ from gpuwatch.core.observations import (
 )
 from gpuwatch.core.pci import is_gpu_class
 from gpuwatch.core.results import DetectVfioResult, GpuInfo, HostDevicesResult, PciFunction
+from gpuwatch.core.tables import Tables
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
 WATCHED_PROBES = (
