@@ -78,8 +78,11 @@ def _child(
             for request in requests:
                 try:
                     sock.sendall(request)
+                except OSError:  # the daemon closed already (EPIPE): its reply may be queued
+                    pass
+                try:
                     line = reader.readline()
-                except OSError:  # the daemon closed the connection: EPIPE, ECONNRESET
+                except OSError:  # ECONNRESET: closed with our request unread
                     line = b""
                 if not line:
                     result["closed"] = True

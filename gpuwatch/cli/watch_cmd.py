@@ -12,7 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -24,11 +24,14 @@ from gpuwatch.cli.common import (
     non_negative_seconds,
     positive_int,
 )
+from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
 from gpuwatch.sources import SourceUnavailable
 from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
-from gpuwatch.watch.watcher import Watcher, open_watcher
+
+if TYPE_CHECKING:
+    from gpuwatch.watch.watcher import Watcher
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -141,17 +144,17 @@ async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
                     return
 
             tg.start_soon(stop_on_signal)
-            async with open_watcher(
-                settings.root, settings.source, config=settings.tables(),
+            async with open_host(
+                settings.root, source=settings.source, config=settings.tables(),
                 log=log if log is not None else settings.log,
                 log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
                 reconcile_interval=settings.reconcile_interval,
                 receive_buffer=settings.receive_buffer, announce=False,
-            ) as watcher:
-                current.append(watcher)
-                async with run_services(watcher, settings):
-                    await watcher.source_ended.wait()
-                watcher.stop(reason)
+            ) as host:
+                current.append(host.watcher)
+                async with run_services(host, settings):
+                    await host.source_ended.wait()
+                host.watcher.stop(reason)
             tg.cancel_scope.cancel()
     if not current and log is not None:
         write_stopped(log, reason)
@@ -159,10 +162,9 @@ async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
 
 def write_stopped(log: EventLog, reason: str) -> None:
     """The ``stopped`` record of a run that ended before its watcher existed."""
-    from gpuwatch.core.events import Stopped
-    from gpuwatch.watch.watcher import rfc3339_now
+    from gpuwatch.core.events import Stopped, format_event_time
 
-    record = Stopped(reason=reason, seq=(log.last_seq or 0) + 1, time=rfc3339_now())
+    record = Stopped(reason=reason, seq=(log.last_seq or 0) + 1, time=format_event_time())
     with contextlib.suppress(OSError, ValueError):
         log.write_lines([record.model_dump_json()])
 

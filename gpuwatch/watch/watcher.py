@@ -14,20 +14,20 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables, load_tables
-from gpuwatch.core.events import LogDegraded, LogGap, Ready, Resync, Stopped
+from gpuwatch.core.events import LogDegraded, LogGap, Ready, Resync, Stopped, format_event_time
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
+from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
 from gpuwatch.model import HostModel
+from gpuwatch.settings import load_tables
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError
 from gpuwatch.watch.subscription import Subscription
@@ -44,11 +44,6 @@ _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 #: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
 LOG_RETRY_FIRST = 1.0
 LOG_RETRY_MAX = 60.0
-
-
-def rfc3339_now() -> str:
-    """UTC with microseconds and a ``Z``: sortable, and what every log tool parses."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class HostSnapshot(BaseModel):
@@ -194,7 +189,7 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
-        now = rfc3339_now()
+        now = format_event_time()
         for event in events:
             self._seq += 1
             # Straight into the instance dict: pydantic's __setattr__ machinery is a tenth of
@@ -258,6 +253,12 @@ class Watcher:
         self.publish(events)
         return events
 
+    async def refresh(self, observations: Sequence[Observation]) -> None:
+        """`apply` under the pump's lock: for observations read outside the pump (the switch
+        re-reading the tree), so they cannot interleave with a batch or a rescan."""
+        async with self._lock:
+            self.apply(observations)
+
     async def resync(self, reason: str) -> int:
         """Rescan everything (in a thread), diff against the model, publish the drift and a
         ``resync`` event. Returns how many change events the diff produced."""
@@ -270,34 +271,6 @@ class Watcher:
         if events or reason == "overflow":
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
-
-    # ------------------------------------------------------------------ switching (gpuwatch.switch)
-
-    async def switch(
-        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False
-    ) -> Any:
-        """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
-        `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).switch(
-            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant
-        )
-
-    async def plan(self, addr_or_vendor: str, mode: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).plan(addr_or_vendor, mode)
-
-    async def recover(self, addr_or_vendor: str, *, timeout: float = 90) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).recover(addr_or_vendor, timeout=timeout)
-
-    async def holders(self, addr_or_vendor: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).holders(addr_or_vendor)
 
     # ------------------------------------------------------------------ tasks
 
@@ -457,4 +430,4 @@ async def open_watcher(
             event_log.close()
 
 
-__all__ = ["HostSnapshot", "Watcher", "open_watcher", "rfc3339_now"]
+__all__ = ["HostSnapshot", "Watcher", "open_watcher"]
