@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels")
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "host_console_drivers")
 
 
 class ConfigError(Exception):
@@ -41,6 +41,8 @@ class Tables(BaseModel):
     device_patterns: tuple[str, ...]
     gpu_vendors: Mapping[str, str]
     pci_class_labels: Mapping[str, str]
+    #: Drivers of BMC/console functions: a group with one bound to them stays with the host.
+    host_console_drivers: tuple[str, ...] = ()
 
     @field_validator("device_patterns")
     @classmethod
@@ -48,6 +50,14 @@ class Tables(BaseModel):
         for pattern in value:
             if not pattern.startswith("/dev/"):
                 raise ValueError(f"pattern {pattern!r} must start with /dev/")
+        return value
+
+    @field_validator("host_console_drivers")
+    @classmethod
+    def _driver_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name or "/" in name or name.strip() != name:
+                raise ValueError(f"{name!r} is not a driver name")
         return value
 
     @field_validator("gpu_vendors", "pci_class_labels", mode="before")

@@ -154,6 +154,10 @@ class HostModel:
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]
 
+    def kept_for_host(self, addr: str) -> str:
+        """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
+        return self.state.kept_for_host(self.function(addr).addr)
+
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 

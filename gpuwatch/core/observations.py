@@ -24,6 +24,8 @@ class PciSeen(NamedTuple):
     klass: str
     driver: str
     iommu_group: int
+    #: ``boot_vga`` reads 1: the firmware's console (only display functions have the file).
+    boot_vga: bool = False
 
 
 @dataclass(frozen=True, slots=True)

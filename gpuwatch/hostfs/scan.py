@@ -29,7 +29,7 @@ from gpuwatch.core.observations import (
     PciSeen,
     Snapshot,
 )
-from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 
@@ -79,11 +79,12 @@ class HostPaths:
         self.class_iommu = os.path.join(self.sys, "class/iommu")
         self.dev = os.path.join(self.root, "dev")
         self.cmdline = os.path.join(self.root, "proc/cmdline")
-        #: Function directory → (st_dev, st_ino, vendor, device, class) from its last full read.
+        #: Function directory → (st_dev, st_ino, vendor, device, class, boot_vga) from its
+        #: last full read.
         #: The kernel reads a function's ids from config space once, when it creates the
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
-        self.identity: dict[str, tuple[int, int, str, str, str]] = {}
+        self.identity: dict[str, tuple[int, int, str, str, str, bool]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -119,6 +120,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                         seen.vendor_id,
                         seen.device_id,
                         seen.klass,
+                        seen.boot_vga,
                     )
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
@@ -151,19 +153,23 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | 
                 klass=known[4],
                 driver=link_name(candidate + "/driver"),
                 iommu_group=parse_group(link_name(candidate + "/iommu_group")),
+                boot_vga=known[5],
             )
     return read_function(paths, addr, devpath)
 
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+    klass = class_prefix(read_attr(directory + "/class"))
     return PciSeen(
         addr=addr,
         devpath=devpath,
         vendor_id=read_attr(directory + "/vendor"),
         device_id=read_attr(directory + "/device"),
-        klass=class_prefix(read_attr(directory + "/class")),
+        klass=klass,
         driver=link_name(directory + "/driver"),
         iommu_group=parse_group(link_name(directory + "/iommu_group")),
+        # Only display functions have it: one read more for them, none for the rest.
+        boot_vga=is_gpu_class(klass) and read_attr(directory + "/boot_vga") == "1",
     )
 
 

@@ -137,8 +137,11 @@ async def op_switch(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
     mode = _mode(params, required=True)
     timeout = params.opt_float("timeout")
     tolerant = params.opt_bool("tolerant")
+    force = params.opt_bool("force")
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
+    if force:
+        kwargs["force"] = True  # a group kept for the host (BMC/console) to vfio anyway
     if timeout is not None:
         kwargs["timeout"] = timeout
     target = addr if addr is not None else vendor
@@ -157,9 +160,11 @@ async def op_recover(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
 async def op_plan(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     mode = _mode(params, required=True)
+    force = params.opt_bool("force")
     params.done()
     target = addr if addr is not None else vendor
-    return await _guarded(lambda: _switcher(watcher).plan(target, mode))
+    kwargs: dict[str, Any] = {"force": True} if force else {}
+    return await _guarded(lambda: _switcher(watcher).plan(target, mode, **kwargs))
 
 
 async def op_holders(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
-                  which: Callable[[str], str | None] | None = None) -> SwitchPlan:
+                  which: Callable[[str], str | None] | None = None,
+                  force: bool = False) -> SwitchPlan:
     """The plan for the named card; for the documented example card when there is none."""
     paths, state = model.paths, model.state
     try:
@@ -33,7 +34,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
                              which=which or shutil.which)
-    return plan_switch(members, mode, facts)
+    return plan_switch(members, mode, facts, force=force)
 
 
 def default_mode(members: tuple[PciFunction, ...]) -> Mode:

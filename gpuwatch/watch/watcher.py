@@ -204,20 +204,21 @@ class Watcher:
     # ------------------------------------------------------------------ switching (gpuwatch.switch)
 
     async def switch(
-        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False
+        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False,
+        force: bool = False,
     ) -> Any:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
         `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
         from gpuwatch.switch.engine import engine_for
 
         return await engine_for(self).switch(
-            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant
+            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant, force=force
         )
 
-    async def plan(self, addr_or_vendor: str, mode: str) -> Any:
+    async def plan(self, addr_or_vendor: str, mode: str, *, force: bool = False) -> Any:
         from gpuwatch.switch.engine import engine_for
 
-        return await engine_for(self).plan(addr_or_vendor, mode)
+        return await engine_for(self).plan(addr_or_vendor, mode, force=force)
 
     async def recover(self, addr_or_vendor: str, *, timeout: float = 90) -> Any:
         from gpuwatch.switch.engine import engine_for
