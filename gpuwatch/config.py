@@ -15,6 +15,13 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+#: Where the daemon, the CLI and the library all look for the config file when none is named:
+#: ``$GPUWATCH_CONFIG``, else this file when it exists (`config_file_path`).
+DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
+CONFIG_ENV = "GPUWATCH_CONFIG"
+#: The root the daemon watches when no ``--root`` is given (also the config file's ``root``).
+ROOT_ENV = "GPUWATCH_ROOT"
+
 TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "host_console_drivers")
 
 
@@ -135,6 +142,45 @@ def _only_table_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
     return {k: v for k, v in raw.items() if k in TABLE_KEYS}
+
+
+def config_file_path(flag: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None,
+                     default: str = DEFAULT_CONFIG_PATH) -> str | None:
+    """``--config``, else ``$GPUWATCH_CONFIG``, else the default file when it exists."""
+    env = os.environ if env is None else env
+    if flag:
+        return os.fspath(flag)
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV]
+    return default if os.path.isfile(default) else None
+
+
+def tables_in_force(config: str | os.PathLike[str] | Tables | None = None,
+                    env: Mapping[str, str] | None = None) -> Tables:
+    """The tables the daemon would use: ``config`` when given, else the file
+    `config_file_path` finds, else the embedded ones. The library and every CLI command
+    read through here, so a direct probe and the daemon never disagree."""
+    if isinstance(config, Tables):
+        return config
+    return load_tables(config_file_path(config, env))
+
+
+def root_in_force(root: str | os.PathLike[str] | None = None,
+                  config: str | os.PathLike[str] | Tables | None = None,
+                  env: Mapping[str, str] | None = None) -> str:
+    """The host root the daemon would watch: ``root`` when given, else ``$GPUWATCH_ROOT``,
+    else the config file's ``root``, else ``/`` (the daemon's own precedence)."""
+    if root is not None:
+        return os.fspath(root)
+    env = os.environ if env is None else env
+    if env.get(ROOT_ENV, "").strip():
+        return env[ROOT_ENV]
+    path = None if isinstance(config, Tables) else config_file_path(config, env)
+    if path is not None:
+        value = read_config_file(path).get("root")
+        if isinstance(value, str) and value.strip():
+            return value
+    return "/"
 
 
 _DEFAULT: Tables | None = None

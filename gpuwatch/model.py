@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatch.config import Tables, load_tables
+from gpuwatch.config import Tables, root_in_force, tables_in_force
 from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
@@ -192,17 +192,22 @@ def _as_mode(mode: str | None) -> Mode:
 
 
 def scan(
-    root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None
+    root: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | Tables | None = None,
 ) -> HostModel:
-    """Read the whole host under ``root`` once and return its model."""
-    tables = config if isinstance(config, Tables) else load_tables(config)
-    paths = HostPaths(root)
+    """Read the whole host under ``root`` once and return its model.
+
+    Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
+    ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.config.tables_in_force`),
+    so a direct probe answers with the tables the daemon uses."""
+    tables = tables_in_force(config)
+    paths = HostPaths(root_in_force(root, config))
     return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
 
 
 def probe(
     action: str,
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Tables | None = None,
     *,
     group: int | None = None,

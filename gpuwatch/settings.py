@@ -20,12 +20,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuwatch.config import ConfigError, Tables, load_tables, read_config_file
+from gpuwatch.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    Tables,
+    config_file_path,
+    load_tables,
+    read_config_file,
+)
 
-DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
 ENV_PREFIX = "GPUWATCH_"
-#: The environment variable naming the config file (below ``--config``, above the default).
-CONFIG_ENV = "GPUWATCH_CONFIG"
 
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
@@ -227,16 +232,6 @@ class WatchSettings:
 
     def tables(self) -> Tables:
         return load_tables(self.config_path)
-
-
-def config_file_path(flag: str | None, env: Mapping[str, str],
-                     default: str = DEFAULT_CONFIG_PATH) -> str | None:
-    """``--config``, else ``$GPUWATCH_CONFIG``, else the default file when it exists."""
-    if flag:
-        return flag
-    if env.get(CONFIG_ENV):
-        return env[CONFIG_ENV]
-    return default if os.path.isfile(default) else None
 
 
 def load_settings(

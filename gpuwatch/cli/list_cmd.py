@@ -7,7 +7,7 @@ from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.config import load_tables
+from gpuwatch.config import tables_in_force
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.report import MANAGED_VALUES, PassthroughGpu, passthrough_gpus, render_list
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: _gpus(
-        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), args.managed))
+        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), args.managed))
     gpus, iommu_enabled = (answer.value if answer is not None
                            else _gpus(scan(args.root, args.config), args.managed))
     if args.json:

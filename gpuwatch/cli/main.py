@@ -58,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "resolve_root", False) and args.root is None:
+            # The daemon's root: a direct run and the daemon must look at the same host.
+            from gpuwatch.config import root_in_force
+
+            args.root = root_in_force(None, getattr(args, "config", None))
         code: int = args.func(args)
         return code
     except (UsageError, UsageProblem, ConfigError) as exc:

@@ -7,7 +7,7 @@ from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.config import load_tables
+from gpuwatch.config import tables_in_force
 from gpuwatch.hostfs.procfs import memlock
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: build_status(
-        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), memlock()))
+        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), memlock()))
     report = answer.value if answer is not None else build_status(scan(args.root, args.config),
                                                                    memlock())
     print(dumps(report) if args.json else render_status(report))

@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables, load_tables
+from gpuwatch.config import Tables, root_in_force, tables_in_force
 from gpuwatch.core.events import Ready, Resync
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
@@ -277,7 +277,7 @@ class Watcher:
 
 @asynccontextmanager
 async def open_watcher(
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     source: str | EventSource = "auto",
     *,
     config: str | os.PathLike[str] | Tables | None = None,
@@ -294,7 +294,8 @@ async def open_watcher(
     The source is bound *before* the scan, so a change made while the scan runs arrives as
     an event afterwards rather than being lost between the two.
     """
-    tables = config if isinstance(config, Tables) else load_tables(config)
+    tables = tables_in_force(config)
+    root = root_in_force(root, config)
     src = (
         source
         if not isinstance(source, str)
