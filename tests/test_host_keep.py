@@ -17,9 +17,9 @@ import gpuwatch
 from gpuwatch.cli.main import main
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import SwitchRefused
 from gpuwatch.report import passthrough_gpus, render_list
 from gpuwatch.switch import hostops
-from gpuwatch.switch.errors import SwitchRefused
 from gpuwatch.switch.hostops import Backend
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (

@@ -15,8 +15,7 @@ import yaml
 
 import gpuwatch
 from gpuwatch.cli.main import main
-from gpuwatch.config import config_file_path, root_in_force, tables_in_force
-from gpuwatch.settings import load_settings
+from gpuwatch.settings import config_file_path, load_settings, root_in_force, tables_in_force
 from gpuwatch.testing.machines import bmc_server_host
 
 ASPEED_VGA = "0000:03:00.0"
