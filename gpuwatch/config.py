@@ -8,6 +8,7 @@ line on stderr and exit 2.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels")
+_DRIVER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers")
 
 
 class ConfigError(Exception):
@@ -41,6 +43,16 @@ class Tables(BaseModel):
     device_patterns: tuple[str, ...]
     gpu_vendors: Mapping[str, str]
     pci_class_labels: Mapping[str, str]
+    #: vfio-pci variant drivers whose name does not end in ``vfio_pci`` (those are known).
+    vfio_variant_drivers: tuple[str, ...] = ()
+
+    @field_validator("vfio_variant_drivers")
+    @classmethod
+    def _driver_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not _DRIVER_NAME_RE.fullmatch(name) or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a driver name ([A-Za-z0-9_.-]+)")
+        return value
 
     @field_validator("device_patterns")
     @classmethod

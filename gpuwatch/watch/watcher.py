@@ -24,7 +24,7 @@ from gpuwatch.config import Tables, load_tables
 from gpuwatch.core.events import Ready, Resync
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
-from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
+from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
@@ -34,6 +34,7 @@ _log = logging.getLogger("gpuwatch.watch")
 
 DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
+DEFAULT_VGPU_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
 
 
@@ -64,8 +65,10 @@ class Watcher:
         reconcile_interval: float,
         cdi_poll_interval: float,
         subscriber_buffer: int,
+        vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
     ) -> None:
         self.model = model
+        self._vgpu_poll_interval = vgpu_poll_interval
         self.source = source
         self._log = log
         self._reconcile_interval = reconcile_interval
@@ -255,6 +258,21 @@ class Watcher:
                 async with self._lock:
                     self.apply([seen])
 
+    async def poll_vgpus(self) -> int:
+        """Re-read the vGPU files of the functions that have them (no uevent announces a new
+        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
+        addrs = self.model.state.vgpu_addrs()
+        if not addrs:
+            return 0
+        seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
+        async with self._lock:
+            return len(self.apply([seen]))
+
+    async def _poll_vgpu(self) -> None:
+        while True:
+            await anyio.sleep(self._vgpu_poll_interval)
+            await self.poll_vgpus()
+
     async def _reconcile(self) -> None:
         while True:
             await anyio.sleep(self._reconcile_interval)
@@ -266,6 +284,8 @@ class Watcher:
             tg.start_soon(self._poll_cdi, name="gpuwatch-cdi")
         if self._reconcile_interval > 0:
             tg.start_soon(self._reconcile, name="gpuwatch-reconcile")
+        if self._vgpu_poll_interval > 0:
+            tg.start_soon(self._poll_vgpu, name="gpuwatch-vgpu")
 
     def _close(self) -> None:
         self._closed = True
@@ -287,6 +307,7 @@ async def open_watcher(
     cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
+    vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
 
@@ -318,6 +339,7 @@ async def open_watcher(
             reconcile_interval=reconcile_interval,
             cdi_poll_interval=cdi_poll_interval,
             subscriber_buffer=subscriber_buffer,
+            vgpu_poll_interval=vgpu_poll_interval,
         )
         watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
         try:
