@@ -14,7 +14,7 @@ from typing import Any, Literal
 from gpuwatch.config import Tables, load_tables
 from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
 from gpuwatch.core.observations import NodeStat
-from gpuwatch.core.pci import normalize_addr
+from gpuwatch.core.pci import canonical_addr, parse_addr
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.errors import DeviceNotFound, UsageError
@@ -28,6 +28,7 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "detect-gpu": (),
     "detect-amd-gpu": (),
     "amd-gfx-version": (),
+    "amd-gfx-target": (),
     "detect-host-devices": (),
     "memlock": (),
     "vfio-group-accessible": ("group",),
@@ -74,10 +75,7 @@ def check_params(
         parse_vendor(vendor)
     if addr is None:
         return None
-    norm = normalize_addr(addr)
-    if norm is None:
-        raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
-    return norm
+    return parse_addr(addr)
 
 
 class HostModel:
@@ -144,7 +142,7 @@ class HostModel:
         return handler(group, addr, mode)
 
     def function(self, addr: str | None) -> PciFunction:
-        norm = normalize_addr(addr or "")
+        norm = canonical_addr(addr or "")
         fn = self.state.functions.get(norm or "")
         if fn is None:
             raise DeviceNotFound(f"no PCI function {addr} on this host")

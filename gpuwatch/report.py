@@ -55,6 +55,8 @@ class GpuReport(BaseModel):
 class StatusReport(BaseModel):
     iommu: IommuReport
     vfio_pci_loaded: bool
+    #: detect-gpu: nvidia loaded, CDI reachable and a display function bound to nvidia.
+    nvidia_usable: bool
     memlock: MemlockReport
     gpus: list[GpuReport]
 
@@ -134,6 +136,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
             hint=iommu_hint(vfio.iommu_enabled, vfio.iommu_kind),
         ),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
+        nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
         gpus=gpus,
     )
@@ -159,6 +162,10 @@ def render_status(report: StatusReport) -> str:
     lines.append(
         f"vfio-pci: {'loaded' if report.vfio_pci_loaded else 'not loaded (modprobe vfio-pci)'}"
     )
+    lines.append("NVIDIA:   " + ("usable (nvidia loaded, CDI reachable, a GPU on nvidia)"
+                                 if report.nvidia_usable else
+                                 "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, "
+                                 "and a GPU on nvidia)"))
     ml = report.memlock
     lines.append(f"memlock:  {_fmt_bytes(ml.soft)} (hard {_fmt_bytes(ml.hard)}): {ml.verdict}")
     if ml.hint and ml.verdict == "too low":
@@ -203,15 +210,42 @@ class PassthroughGpu(BaseModel):
     vendor_id: str
     device_id: str
     iommu_group: int
+    managed: str  # "yes" | "no": the blocks' libvirt managed attribute
+    note: str  # what that attribute means for who detaches the group (and its holder checks)
     functions: list[HostdevFunction]
 
 
-def hostdev_xml(addr: str) -> str:
-    """libvirt's ``<hostdev>`` for one function; managed='yes' lets libvirt bind vfio-pci itself."""
+#: The two values of libvirt's ``managed`` attribute that ``gpuwatch list --managed`` offers.
+MANAGED_VALUES = ("yes", "no")
+
+#: Said with every block set, because the choice decides who checks that nothing holds the GPU.
+MANAGED_NOTES = {
+    "yes": (
+        "managed='yes': libvirt itself detaches these functions from their host driver and "
+        "binds vfio-pci when the VM starts, without gpuwatch's holder checks (a process still "
+        "using the GPU is cut off); for hosts that switch with `gpuwatch mode`, use "
+        "`gpuwatch list --managed no`"
+    ),
+    "no": (
+        "managed='no': libvirt leaves the drivers alone; switch the group to vfio-pci before "
+        "the VM starts with `gpuwatch mode vfio --addr {addr}` (which checks holders){back}"
+    ),
+}
+#: How an NVIDIA group goes back to the host; other vendors' host drivers are not a mode.
+_BACK_TO_HOST = {
+    "0x10de": ", and back after it stops with `gpuwatch mode nvidia --addr {addr}`",
+}
+
+
+def hostdev_xml(addr: str, managed: str = "yes") -> str:
+    """libvirt's ``<hostdev>`` for one function. managed='yes' lets libvirt bind vfio-pci
+    itself; managed='no' expects the group on vfio-pci already (``gpuwatch mode vfio``)."""
+    if managed not in MANAGED_VALUES:
+        raise ValueError(f"managed must be yes or no, not {managed!r}")
     domain, bus, rest = addr.split(":")
     slot, function = rest.split(".")
     return (
-        "<hostdev mode='subsystem' type='pci' managed='yes'>\n"
+        f"<hostdev mode='subsystem' type='pci' managed='{managed}'>\n"
         "  <source>\n"
         f"    <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' "
         f"function='0x{function}'/>\n"
@@ -220,7 +254,7 @@ def hostdev_xml(addr: str) -> str:
     )
 
 
-def passthrough_gpus(model: HostModel) -> list[PassthroughGpu]:
+def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[PassthroughGpu]:
     """GPUs in an IOMMU group; every non-bridge function of the group must go to the guest.
 
     Bridges share groups with endpoints on some boards but stay with the host (pcieport).
@@ -237,12 +271,16 @@ def passthrough_gpus(model: HostModel) -> list[PassthroughGpu]:
                 vendor_id=gpu.vendor_id,
                 device_id=gpu.device_id,
                 iommu_group=gpu.iommu_group,
+                managed=managed,
+                note=MANAGED_NOTES[managed].format(
+                    addr=gpu.addr,
+                    back=_BACK_TO_HOST.get(gpu.vendor_id, "").format(addr=gpu.addr)),
                 functions=[
                     HostdevFunction(
                         addr=m.addr,
                         class_label=m.class_label,
                         driver=m.driver,
-                        hostdev_xml=hostdev_xml(m.addr),
+                        hostdev_xml=hostdev_xml(m.addr, managed),
                     )
                     for m in members
                 ],
@@ -257,9 +295,13 @@ def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:
         return f"no passthrough-capable GPU{why}"
     blocks: list[str] = []
     for gpu in gpus:
+        # The note is prose, not an XML comment: it names flags, and "--" may not appear
+        # inside one. The blocks and their comments below stay valid XML to paste.
+        blocks.append(f"note: {gpu.note}")
         blocks.append(
             f"<!-- GPU {gpu.addr} {gpu.vendor} {gpu.device_id}, IOMMU group "
             f"{gpu.iommu_group}: pass every function below together -->"
         )
         blocks.extend(f.hostdev_xml for f in gpu.functions)
     return "\n".join(blocks)
+

@@ -151,6 +151,7 @@ def test_cdi_decision_table(
         tool.write_text("#!/bin/sh\n")
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", str(bindir))
+    empty_host.add_function("0000:01:00.0", driver="nvidia", iommu_group=1)
     if module:
         empty_host.add_module("nvidia")
     if etc:

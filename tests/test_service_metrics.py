@@ -70,6 +70,7 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="nvidia") == 1
             assert value(s, "gpuwatch_gpus", vendor="Intel", mode="host driver") == 1
             assert value(s, "gpuwatch_pci_functions") == 7
+            assert value(s, "gpuwatch_nvidia_gpu_usable") == 1
             assert value(s, "gpuwatch_events_total", type="ready") == 1
             assert value(s, "gpuwatch_last_event_seq") == 1
 
@@ -99,11 +100,18 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
                 await c.receive()
                 s = await scrape(*bound)
                 assert value(s, "gpuwatch_socket_clients") == 1
+            # The daemon notices the hang-up on its own schedule: wait for it (bounded), so
+            # the scrape below never races the server's EOF handling.
+            with anyio.fail_after(10):
+                while served.server.connections:
+                    await anyio.sleep(0.01)
             s = await scrape(*bound)
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="vfio") == 1
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="nvidia") is None  # gone, not 0
             assert value(s, "gpuwatch_events_total", type="driver-changed") == 2
-            assert value(s, "gpuwatch_events_total", type="probe-changed") == 2
+            # detect-vfio twice, and the card leaving nvidia: detect-gpu, detect-host-devices
+            assert value(s, "gpuwatch_events_total", type="probe-changed") == 4
+            assert value(s, "gpuwatch_nvidia_gpu_usable") == 0
             assert value(s, "gpuwatch_resyncs_total", reason="reconcile") == 1
             assert value(s, "gpuwatch_switches_total", outcome="completed") == 1
             assert value(s, "gpuwatch_switches_total", outcome="refused") == 1

@@ -1,4 +1,7 @@
-"""The netlink source against this machine's real kernel, and source selection.
+"""The kernel uevent sources against this machine's real kernel, and source selection.
+
+Every real-kernel test runs against both readers of the kernel's multicast group: the raw
+stdlib socket (`KernelSource`, the default) and pyudev's (`NetlinkSource("kernel")`).
 
 The only write to the real /sys is the word ``change`` into a PCI device's ``uevent``
 file, which makes the kernel broadcast a synthetic uevent and changes nothing else.
@@ -23,6 +26,7 @@ from gpuwatch.sources import (
     SourceUnavailable,
     open_source,
 )
+from gpuwatch.sources.kernel import KernelSource
 from gpuwatch.sources.netlink import (
     DEFAULT_RECEIVE_BUFFER,
     NetlinkSource,
@@ -68,8 +72,20 @@ def current_seqnum() -> int:
     return int(SEQNUM.read_text())
 
 
-def started_kernel_source(receive_buffer: int | None = None) -> NetlinkSource:
-    src = NetlinkSource("kernel", receive_buffer=receive_buffer)
+@pytest.fixture(params=["raw", "pyudev"])
+def reader(request: pytest.FixtureRequest) -> str:
+    """Which reader of the kernel's uevents a test runs against."""
+    return str(request.param)
+
+
+def started_kernel_source(
+    reader: str, receive_buffer: int | None = None
+) -> KernelSource | NetlinkSource:
+    src: KernelSource | NetlinkSource = (
+        KernelSource(receive_buffer=receive_buffer)
+        if reader == "raw"
+        else NetlinkSource("kernel", receive_buffer=receive_buffer)
+    )
     try:
         src.start()
     except SourceUnavailable as exc:
@@ -101,9 +117,9 @@ async def next_matching(
 # --- the real kernel -------------------------------------------------------------------------
 
 
-async def test_kernel_source_delivers_a_synthetic_change() -> None:
+async def test_kernel_source_delivers_a_synthetic_change(reader: str) -> None:
     devpath, uevent = real_pci_device()
-    src = started_kernel_source()
+    src = started_kernel_source(reader)
     send, recv = anyio.create_memory_object_stream[_Item](1000)
     try:
         with anyio.fail_after(10):
@@ -123,9 +139,9 @@ async def test_kernel_source_delivers_a_synthetic_change() -> None:
     assert src.name == "kernel"
 
 
-async def test_default_receive_buffer_is_granted_to_root() -> None:
+async def test_default_receive_buffer_is_granted_to_root(reader: str) -> None:
     real_pci_device()  # the same root-only preconditions
-    src = started_kernel_source()
+    src = started_kernel_source(reader)
     try:
         # The kernel reports twice the requested size (half is bookkeeping).
         assert src.obtained_buffer >= DEFAULT_RECEIVE_BUFFER
@@ -133,9 +149,9 @@ async def test_default_receive_buffer_is_granted_to_root() -> None:
         src.close()
 
 
-async def test_overflow_is_reported_and_the_source_keeps_delivering() -> None:
+async def test_overflow_is_reported_and_the_source_keeps_delivering(reader: str) -> None:
     devpath, uevent = real_pci_device()
-    src = started_kernel_source(receive_buffer=4096)
+    src = started_kernel_source(reader, receive_buffer=4096)
     assert src.obtained_buffer < 64 * 1024, "the tiny buffer request was not honoured"
     # Flood the socket while nobody reads it: a few events fit, the rest are dropped.
     trigger_change(uevent, times=500)
@@ -167,8 +183,8 @@ async def test_overflow_is_reported_and_the_source_keeps_delivering() -> None:
     assert fresh.action == "change" and fresh.subsystem == "pci"
 
 
-async def test_close_ends_a_waiting_batches() -> None:
-    src = started_kernel_source()
+async def test_close_ends_a_waiting_batches(reader: str) -> None:
+    src = started_kernel_source(reader)
     ended = False
 
     async def consume() -> None:
@@ -238,8 +254,10 @@ def test_namespace_warning_reaches_the_source(tmp_path: Path) -> None:
     uid_map = tmp_path / "uid_map"
     uid_map.write_text("0 1000 1\n")
     assert len(NetlinkSource("kernel", uid_map_path=str(uid_map)).warnings) == 1
+    assert len(KernelSource(uid_map_path=str(uid_map)).warnings) == 1
     uid_map.write_text("0 0 4294967295\n")
     assert NetlinkSource("kernel", uid_map_path=str(uid_map)).warnings == []
+    assert KernelSource(uid_map_path=str(uid_map)).warnings == []
 
 
 def test_describe_errno() -> None:
@@ -254,26 +272,26 @@ def test_explicit_udev_without_udevd_is_unavailable(tmp_path: Path) -> None:
         open_source("udev", root=tmp_path)
 
 
-def test_auto_picks_kernel_without_udevd(tmp_path: Path) -> None:
+def test_auto_picks_the_raw_kernel_source(tmp_path: Path) -> None:
     src = open_source("auto", tmp_path)
-    assert isinstance(src, NetlinkSource)
+    assert isinstance(src, KernelSource)
     assert src.name == "kernel"
     assert src.obtained_buffer == 0  # built, not started
 
 
-def test_auto_and_udev_pick_udev_when_udevd_runs(tmp_path: Path) -> None:
+def test_auto_stays_kernel_and_udev_is_pyudev_when_udevd_runs(tmp_path: Path) -> None:
     control = tmp_path / "run" / "udev" / "control"
     control.parent.mkdir(parents=True)
     control.touch()
-    for spec in ("auto", "udev"):
-        src = open_source(spec, tmp_path)
-        assert isinstance(src, NetlinkSource)
-        assert src.name == "udev"
+    assert isinstance(open_source("auto", tmp_path), KernelSource)
+    src = open_source("udev", tmp_path)
+    assert isinstance(src, NetlinkSource)
+    assert src.name == "udev"
 
 
 def test_kernel_spec_and_receive_buffer_are_passed_through(tmp_path: Path) -> None:
     src = open_source("kernel", tmp_path, receive_buffer=4096)
-    assert isinstance(src, NetlinkSource)
+    assert isinstance(src, KernelSource)
     assert (src.name, src.receive_buffer) == ("kernel", 4096)
     assert isinstance(src, EventSource)
 

@@ -221,7 +221,8 @@ def test_kfd_change() -> None:
     state = base_state()
     events = state.apply(KfdSeen(((0, 0), (1, 110000))))
     assert [(e.action, e.new) for e in events if isinstance(e, ProbeChanged)] == [
-        ("amd-gfx-version", "11.0.0")
+        ("amd-gfx-version", "11.0.0"),
+        ("amd-gfx-target", "gfx1100"),
     ]
 
 
@@ -272,12 +273,12 @@ def base_state_functions() -> list[PciSeen]:
 
 
 def test_address_and_driver_checks_are_full_matches() -> None:
-    from gpuwatch.core.pci import is_driver_name, is_pci_addr, normalize_addr
+    from gpuwatch.core.pci import canonical_addr, is_driver_name, is_pci_addr
 
     assert is_pci_addr("0000:01:00.0") and not is_pci_addr("0000:01:00.0\n")
     assert (
-        normalize_addr("0000:0A:00.1") == "0000:0a:00.1"
-        and normalize_addr("0000:0a:00.1\n") is None
+        canonical_addr("0000:0A:00.1") == "0000:0a:00.1"
+        and canonical_addr("0000:0a:00.1\n") is None
     )
     assert (
         is_driver_name("vfio-pci") and not is_driver_name("nvidia\n") and not is_driver_name("..")

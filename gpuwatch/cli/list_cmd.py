@@ -10,7 +10,7 @@ from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.config import load_tables
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
-from gpuwatch.report import PassthroughGpu, passthrough_gpus, render_list
+from gpuwatch.report import MANAGED_VALUES, PassthroughGpu, passthrough_gpus, render_list
 from gpuwatch.service.remote import RemoteModel
 
 
@@ -20,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                           "for every function of each GPU's IOMMU group.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--managed", choices=MANAGED_VALUES, default="yes",
+                   help="libvirt's managed attribute of the blocks (default yes: libvirt "
+                        "detaches the functions itself, without gpuwatch's holder checks; "
+                        "no: for hosts that switch with `gpuwatch mode`)")
     add_daemon_args(p)
     p.set_defaults(func=run)
 
@@ -27,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: _gpus(
-        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root))))
+        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), args.managed))
     gpus, iommu_enabled = (answer.value if answer is not None
-                           else _gpus(scan(args.root, args.config)))
+                           else _gpus(scan(args.root, args.config), args.managed))
     if args.json:
         print(dumps(gpus))
     else:
@@ -37,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _gpus(model: HostModel) -> tuple[list[PassthroughGpu], bool]:
-    return passthrough_gpus(model), bool(model.probe("detect-vfio").iommu_enabled)
+def _gpus(model: HostModel, managed: str) -> tuple[list[PassthroughGpu], bool]:
+    return passthrough_gpus(model, managed), bool(model.probe("detect-vfio").iommu_enabled)

@@ -15,7 +15,6 @@ import anyio
 from gpuwatch.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
-    UsageProblem,
     add_root_args,
     check_root,
     fail,
@@ -24,9 +23,9 @@ from gpuwatch.cli.common import (
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
 from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
-    canonical_addr,
     find_card,
     parse_mode,
     parse_vendor,
@@ -72,10 +71,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """``(addr, vendor)`` from the flags, validated; the vendor defaults to NVIDIA's."""
     if args.addr is not None:
-        addr = canonical_addr(args.addr)
-        if addr is None:
-            raise UsageProblem(f"{args.addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
-        return addr, None
+        return parse_addr(args.addr), None
     return None, parse_vendor(args.vendor if args.vendor is not None else NVIDIA_VENDOR)
 
 

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--source",
         default="auto",
         metavar="SPEC",
-        help="auto, udev, kernel or file:PATH (default auto: udev if udevd runs)",
+        help="auto, udev, kernel or file:PATH (default auto = kernel; udev needs udevd)",
     )
     p.add_argument(
         "--out",

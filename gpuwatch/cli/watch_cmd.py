@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="YAML file with watch options and data tables "
                         "(default $GPUWATCH_CONFIG, else /etc/gpuwatch/config.yaml if present)")
     p.add_argument("--source", default=None, metavar="auto|udev|kernel|file:PATH",
-                   help="where uevents come from (default auto: udev if udevd runs, else kernel)")
+                   help="where uevents come from (default auto = kernel; udev needs udevd)")
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="event log file, - for stdout (default)")
     p.add_argument("--log-max-bytes", type=positive_int, default=None, metavar="N",
@@ -78,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def add_source_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="auto", metavar="auto|udev|kernel|file:PATH",
-                   help="where uevents come from (default auto: udev if udevd runs, else kernel)")
+                   help="where uevents come from (default auto = kernel; udev needs udevd)")
 
 
 def setup_logging(verbose: bool) -> None:

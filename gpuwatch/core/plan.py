@@ -18,7 +18,14 @@ from typing import Any, Literal
 
 from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
-from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_RE, is_gpu_class, normalize_addr
+from gpuwatch.core.pci import (
+    ADDR_FORMAT,
+    DRIVER_NAME_RE,
+    PCI_ADDR_RE,
+    canonical_addr,
+    is_gpu_class,
+    parse_addr,
+)
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UsageError
@@ -229,12 +236,6 @@ def _driver_of(members: Sequence[PciFunction], addr: str) -> str:
 # --------------------------------------------------------------------------- requests
 
 
-def canonical_addr(text: str) -> str | None:
-    """A user-given address in sysfs spelling, or None. Strict: no trailing newline either."""
-    norm = normalize_addr(text)
-    return norm if norm is not None and PCI_ADDR_RE.fullmatch(norm) else None
-
-
 def parse_mode(text: str | None) -> Mode:
     if text == "vfio":
         return "vfio"
@@ -258,7 +259,8 @@ def parse_target(text: str) -> tuple[str | None, str | None]:
         return addr, None
     if _VENDOR_RE.fullmatch(text):
         return None, parse_vendor(text)
-    raise UsageError(f"{text!r} is neither a PCI address (DDDD:BB:DD.F) nor a vendor id (0x10de)")
+    raise UsageError(f"{text!r} is neither a PCI address ({ADDR_FORMAT}) nor a vendor id "
+                     "(0x10de)")
 
 
 def find_card(state: HostState, *, addr: str | None = None,
@@ -269,9 +271,7 @@ def find_card(state: HostState, *, addr: str | None = None,
     exactly one group: on a host with several such cards, guessing would switch the wrong one.
     """
     if addr is not None:
-        norm = canonical_addr(addr)
-        if norm is None:
-            raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
+        norm = parse_addr(addr)
         if norm not in state.functions:
             raise DeviceNotFound(f"no PCI function {norm} on this host")
         members = state.group_members(norm)

@@ -35,7 +35,7 @@ from gpuwatch.core.events import (
     ProbeChanged,
     VgpuChanged,
 )
-from gpuwatch.core.kfd import first_gfx_version
+from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.observations import (
     OBSERVATION_TYPES,
@@ -75,6 +75,7 @@ WATCHED_PROBES = (
     "detect-gpu",
     "detect-amd-gpu",
     "amd-gfx-version",
+    "amd-gfx-target",
     "detect-vfio",
     "detect-host-devices",
 )
@@ -118,6 +119,9 @@ class HostState:
         self.drm: dict[str, DrmSeen] = {}
         self._drm_by_addr: dict[str, set[str]] = {}
         self._amd_cards: set[str] = set()
+        #: Display functions bound to nvidia: detect-gpu needs one (a loaded module and a
+        #: CDI spec with every card on vfio-pci is not a usable GPU).
+        self._nvidia_gpus: set[str] = set()
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
@@ -194,7 +198,7 @@ class HostState:
         elif isinstance(obs, KfdSeen):
             if obs != self.kfd:
                 self.kfd = obs
-                self._stale.update(("amd-gfx-version", "detect-host-devices"))
+                self._stale.update(("amd-gfx-version", "amd-gfx-target", "detect-host-devices"))
         elif isinstance(obs, NodeSeen):
             self._node_seen(obs.path, obs.stat, events)
         elif isinstance(obs, NodesSeen):
@@ -396,6 +400,13 @@ class HostState:
             self._gpu_addrs.insert(index, addr)
             self._gpu_infos.insert(index, None)
         vfio_stale = was_gpu or is_gpu
+        on_nvidia = is_gpu and new is not None and new.driver == "nvidia"
+        if on_nvidia != (addr in self._nvidia_gpus):
+            if on_nvidia:
+                self._nvidia_gpus.add(addr)
+            else:
+                self._nvidia_gpus.discard(addr)
+            self._stale.update(("detect-gpu", "detect-host-devices"))
         self._gpu_info.pop(addr, None)
         if is_gpu:
             self._gpu_dirty.add(addr)
@@ -526,12 +537,13 @@ class HostState:
 
     def _compute(self, action: str) -> Any:
         if action == "detect-gpu":
-            cdi = self.cdi
-            return "nvidia" in self.modules and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
+            return self.nvidia_usable()
         if action == "detect-amd-gpu":
             return bool(self._amd_cards)
         if action == "amd-gfx-version":
             return first_gfx_version(self.kfd.nodes)
+        if action == "amd-gfx-target":
+            return first_gfx_target(self.kfd.nodes)
         if action == "detect-vfio":
             return DetectVfioResult.model_construct(
                 iommu_enabled=self.iommu.enabled,
@@ -545,6 +557,7 @@ class HostState:
                 gpu=self._answers["detect-gpu"],
                 amd_gpu=amd,
                 amd_gfx_version=self._answers["amd-gfx-version"] if amd else "",
+                amd_gfx_target=self._answers["amd-gfx-target"] if amd else "",
                 devices=self.devices(),
                 render_node=self.render_node(),
             )
@@ -572,6 +585,16 @@ class HostState:
             self._gpu_info[addr] = info
         return info
 
+    def nvidia_usable(self) -> bool:
+        """detect-gpu: the nvidia module is loaded, CDI is reachable, and at least one
+        display function is bound to nvidia: an NVIDIA GPU containers can use now."""
+        cdi = self.cdi
+        return (
+            "nvidia" in self.modules
+            and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
+            and bool(self._nvidia_gpus)
+        )
+
     def answer(self, action: str) -> Any:
         """The cached answer of a watched probe: the same object until it changes."""
         return self._answers[action]
@@ -596,7 +619,11 @@ class HostState:
             choice = renders[0] if renders else ""
             for path in renders:
                 node = self.drm.get(path.rsplit("/", 1)[1])
-                if node is not None and node.device_vendor in self._gpu_vendor_ids:
+                if node is None:
+                    continue
+                fn = self.functions.get(node.device_addr) if node.device_addr else None
+                vendor = fn.vendor_id if fn is not None else node.device_vendor
+                if vendor in self._gpu_vendor_ids:
                     choice = path
                     break
             self._render_node = choice

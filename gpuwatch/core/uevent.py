@@ -12,6 +12,10 @@ from typing import NamedTuple
 
 KNOWN_ACTIONS = frozenset({"add", "remove", "change", "move", "bind", "unbind"})
 
+#: udevd's messages start with this magic; the kernel's with ``ACTION@DEVPATH``.
+UDEV_MAGIC = b"libudev\0"
+_SUBSYSTEM_KEY = b"\0SUBSYSTEM="
+
 
 _NO_PROPERTIES: Mapping[str, str] = MappingProxyType({})
 
@@ -57,3 +61,43 @@ class UEvent(NamedTuple):
     def normalized_action(self) -> str:
         """Unknown actions behave like ``change``: sysfs is the truth, the word only says 'look'."""
         return self.action if self.action in KNOWN_ACTIONS else "change"
+
+
+def subsystem_of(data: bytes) -> bytes | None:
+    """The ``SUBSYSTEM`` value of a raw kernel uevent, found without parsing the rest.
+
+    The cheap prefix test that lets a source drop the uevents of the subsystems it does not
+    follow (most of a busy host's traffic) before building anything from them.
+    """
+    start = data.find(_SUBSYSTEM_KEY)
+    if start < 0:
+        return None
+    start += len(_SUBSYSTEM_KEY)
+    end = data.find(b"\0", start)
+    return data[start:] if end < 0 else data[start:end]
+
+
+def parse_kernel_uevent(data: bytes) -> UEvent | None:
+    """One kernel netlink message, ``ACTION@DEVPATH\\0KEY=VALUE\\0…``, as a `UEvent`.
+
+    ``None`` for anything that is not a kernel uevent (a udevd message, no ``@`` header).
+    Bytes that are not UTF-8 survive as surrogate escapes, so a DEVPATH still names the
+    same sysfs path when handed back to ``os`` functions. Entries without ``=`` are
+    skipped, and the first of a repeated key counts (as in `subsystem_of`); the properties
+    win over the header when both name the action or path.
+    """
+    if data.startswith(UDEV_MAGIC):
+        return None
+    text = data.decode("utf-8", "surrogateescape")
+    parts = text.split("\0")
+    action, at, devpath = parts[0].partition("@")
+    if not at:
+        return None
+    props: dict[str, str] = {}
+    for part in parts[1:]:
+        key, eq, value = part.partition("=")
+        if eq and key and key not in props:
+            props[key] = value
+    action = props.setdefault("ACTION", action)
+    devpath = props.setdefault("DEVPATH", devpath)
+    return UEvent(action, devpath, props.get("SUBSYSTEM", ""), MappingProxyType(props))

@@ -202,20 +202,10 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
 
 
 def link_addr(path: str) -> str:
-    """The PCI address a link such as ``physfn`` or ``virtfn0`` names; ``""`` when absent.
-
-    Capture tools copy links as directories: then the directory's own ``uevent`` names it.
-    """
+    """The PCI address a link such as ``physfn`` or ``virtfn0`` names (a directory copied in
+    its place too, see `link_name`); ``""`` when absent or not an address."""
     name = link_name(path)
-    if is_pci_addr(name):
-        return name
-    if name or not os.path.isdir(path):
-        return ""
-    for line in read_attr(path + "/uevent").splitlines():
-        key, _, value = line.partition("=")
-        if key == "PCI_SLOT_NAME" and is_pci_addr(value.strip()):
-            return value.strip()
-    return ""
+    return name if is_pci_addr(name) else ""
 
 
 def read_vfio_dev(directory: str) -> tuple[str, str]:
@@ -327,12 +317,20 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         return DrmGone(name)
     device = directory + "/device"
     device_name = link_name(device)
+    vendor = read_attr(device + "/vendor") if device_name else ""
+    driver = link_name(device + "/driver") if device_name else ""
+    addr = device_name if is_pci_addr(device_name) else ""
+    if addr and not vendor:
+        # A captured tree can keep the kernel's relative spelling where it no longer resolves
+        # (the link was copied into a flattened folder): the bus entry still names the device.
+        entry = paths.bus_pci + "/" + addr
+        vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
     return DrmSeen(
         name=name,
         devpath=devpath or "",
-        device_addr=device_name if is_pci_addr(device_name) else "",
-        device_vendor=read_attr(device + "/vendor") if device_name else "",
-        device_driver=link_name(device + "/driver") if device_name else "",
+        device_addr=addr,
+        device_vendor=vendor,
+        device_driver=driver,
     )
 
 

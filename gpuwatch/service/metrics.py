@@ -48,6 +48,9 @@ class Metrics:
                           "of their IOMMU group", ["vendor", "mode"], registry=r)
         self._gpu_series: set[tuple[str, str]] = set()
         self.functions = Gauge("gpuwatch_pci_functions", "PCI functions in the model", registry=r)
+        self.nvidia_usable = Gauge("gpuwatch_nvidia_gpu_usable", "1 when an NVIDIA GPU is usable "
+                                   "now (detect-gpu: nvidia loaded, CDI reachable, a display "
+                                   "function bound to nvidia)", registry=r)
         self.events = Counter("gpuwatch_events", "Events published, by type", ["type"], registry=r)
         self.resyncs = Counter("gpuwatch_resyncs", "Full rescans diffed against the model, by "
                                "reason", ["reason"], registry=r)
@@ -83,6 +86,7 @@ class Metrics:
         self.last_seq.set(watcher.seq)
         self.functions.set(len(watcher.model.state.functions))
         self.set_gpus(watcher.probe("detect-vfio"))
+        self.nvidia_usable.set(1 if watcher.probe("detect-gpu") else 0)
         watcher.listeners.append(self.on_event)
 
     def detach(self) -> None:
@@ -124,6 +128,8 @@ class Metrics:
             self.functions.set(len(self._watcher.model.state.functions))
         if etype == "probe-changed" and getattr(event, "action", "") == "detect-vfio":
             self.set_gpus(getattr(event, "new"))  # noqa: B009 - any event model
+        elif etype == "probe-changed" and getattr(event, "action", "") == "detect-gpu":
+            self.nvidia_usable.set(1 if getattr(event, "new") else 0)  # noqa: B009
         elif etype == "resync":
             self.resyncs.labels(reason=str(getattr(event, "reason", ""))).inc()
         elif etype == "switch-completed":

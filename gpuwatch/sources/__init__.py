@@ -11,7 +11,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from gpuwatch.core.uevent import UEvent
 
@@ -75,7 +75,8 @@ def open_source(
 ) -> EventSource:
     """Build (but do not start) the source named by ``spec``.
 
-    ``auto`` picks ``udev`` only when udevd's control socket exists under ``root``:
+    ``auto`` is ``kernel``: the raw kernel socket needs neither udevd nor libudev and is the
+    fastest. ``udev`` is refused unless udevd's control socket exists under ``root``:
     a udev monitor without udevd is silently deaf, which is worse than an error.
     """
     spec = spec.strip()
@@ -89,24 +90,20 @@ def open_source(
 
         return JsonlFileSource(path)
 
-    control = Path(root) / UDEV_CONTROL
-    kind: Literal["udev", "kernel"]
-    if spec == "auto":
-        kind = "udev" if control.exists() else "kernel"
-    elif spec == "udev":
-        if not control.exists():
-            raise SourceUnavailable(
-                f"udev source needs a running udevd, but {control} does not exist "
-                "(a udev monitor without udevd receives nothing); use --source kernel"
-            )
-        kind = "udev"
-    elif spec == "kernel":
-        kind = "kernel"
-    else:
+    if spec in ("auto", "kernel"):
+        from gpuwatch.sources.kernel import KernelSource
+
+        return KernelSource(receive_buffer=receive_buffer)
+    if spec != "udev":
         raise InvalidSourceSpec(
             f"unknown source {spec!r}: expected auto, udev, kernel or file:PATH"
         )
-
+    control = Path(root) / UDEV_CONTROL
+    if not control.exists():
+        raise SourceUnavailable(
+            f"udev source needs a running udevd, but {control} does not exist "
+            "(a udev monitor without udevd receives nothing); use --source kernel"
+        )
     from gpuwatch.sources.netlink import NetlinkSource
 
-    return NetlinkSource(kind, receive_buffer=receive_buffer)
+    return NetlinkSource("udev", receive_buffer=receive_buffer)

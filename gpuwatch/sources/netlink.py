@@ -1,7 +1,12 @@
-"""Live uevents from a netlink socket (kernel or udevd), read without a thread.
+"""Live uevents through pyudev: udevd's netlink multicast (``--source udev``), no thread.
 
-The only module that touches pyudev. It reads on the event loop: wait until the fd is
-readable, then drain everything queued as one batch, so a burst costs one wake-up.
+The only module that touches pyudev. Use it when udev's view matters (properties added by
+udev rules, events only after udevd processed them); the default ``kernel`` source
+(`gpuwatch.sources.kernel`) reads the kernel's socket directly and needs neither udevd nor
+libudev. ``NetlinkSource("kernel")`` remains as the pyudev baseline of the benchmarks.
+
+It reads on the event loop: wait until the fd is readable, then drain everything queued as
+one batch, so a burst costs one wake-up.
 A receive error never ends the source: lost events are reported as
 :class:`~gpuwatch.sources.SourceOverflow` and the watcher rescans.
 """
@@ -9,7 +14,6 @@ A receive error never ends the source: lost events are reported as
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -21,9 +25,20 @@ import pyudev
 
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
+from gpuwatch.sources.kernel import (
+    DEFAULT_RECEIVE_BUFFER,
+    MAX_BATCH,
+    SUBSYSTEMS,
+    UID_MAP_PATH,
+    describe_errno,
+    namespace_warnings,
+    user_namespace_warning,
+)
+from gpuwatch.sources.kernel import set_receive_buffer as _set_receive_buffer
 
 __all__ = [
     "DEFAULT_RECEIVE_BUFFER",
+    "MAX_BATCH",
     "SUBSYSTEMS",
     "NetlinkSource",
     "describe_errno",
@@ -33,71 +48,10 @@ __all__ = [
 
 log = logging.getLogger("gpuwatch.sources")
 
-#: Subsystems whose uevents can change the GPU host model.
-SUBSYSTEMS = frozenset({"pci", "drm", "vfio", "vfio-dev", "module", "kfd"})
-
-#: Big enough to absorb a full driver rebind storm while the loop is busy.
-DEFAULT_RECEIVE_BUFFER = 128 * 1024 * 1024
-
-#: Split huge drains so one burst cannot monopolise the event loop.
-MAX_BATCH = 8192
-
-_INITIAL_UID_MAP = ["0", "0", "4294967295"]
-_UID_MAP_PATH = "/proc/self/uid_map"
-_RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
-
-
-def user_namespace_warning(uid_map: str) -> str | None:
-    """A warning when ``uid_map`` is not the initial user namespace's identity map.
-
-    The kernel broadcasts uevents only to sockets of the initial user namespace, so in
-    a container the kernel source stays silent and nothing else would say why.
-    """
-    rows = [line.split() for line in uid_map.splitlines() if line.strip()]
-    if rows == [_INITIAL_UID_MAP]:
-        return None
-    return (
-        "running in a non-initial user namespace (/proc/self/uid_map is not "
-        "'0 0 4294967295'): the kernel uevent source is silent here, so changes to the "
-        "host will not be seen"
-    )
-
-
-def describe_errno(code: int) -> str:
-    """``ENOBUFS: No buffer space available`` — the symbolic name is what people grep for."""
-    return f"{errno.errorcode.get(code, f'errno {code}')}: {os.strerror(code)}"
-
-
-def _rmem_max() -> int | None:
-    try:
-        with open(_RMEM_MAX_PATH, encoding="ascii") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
 
 def set_receive_buffer(monitor: Any, sock: socket.socket, size: int) -> int:
-    """Ask for a ``size``-byte receive buffer; return the size the kernel actually set.
-
-    libudev uses SO_RCVBUFFORCE, which needs CAP_NET_ADMIN. Without it we fall back to
-    SO_RCVBUF, which the kernel silently caps at ``net.core.rmem_max`` — so the value is
-    read back rather than assumed (the kernel also doubles it for bookkeeping).
-    """
-    try:
-        monitor.set_receive_buffer_size(size)
-    except (OSError, ValueError, OverflowError) as exc:
-        log.debug("SO_RCVBUFFORCE(%d) refused (%s); falling back to SO_RCVBUF", size, exc)
-        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-        cap = _rmem_max()
-        # Growing past rmem_max is impossible here; do not shrink a bigger buffer trying.
-        shrinks_instead = size * 2 > before and cap is not None and 2 * min(size, cap) < before
-        if not shrinks_instead:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
-            except OSError as exc2:
-                log.warning("cannot set the uevent receive buffer to %d: %s", size, exc2)
-    obtained: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-    return obtained
+    """`gpuwatch.sources.kernel.set_receive_buffer` through libudev's SO_RCVBUFFORCE."""
+    return _set_receive_buffer(sock, size, monitor.set_receive_buffer_size)
 
 
 class NetlinkSource:
@@ -109,7 +63,7 @@ class NetlinkSource:
         *,
         receive_buffer: int | None = None,
         subsystems: Iterable[str] = SUBSYSTEMS,
-        uid_map_path: str = _UID_MAP_PATH,
+        uid_map_path: str = UID_MAP_PATH,
     ) -> None:
         if kind not in ("udev", "kernel"):
             raise ValueError(f"netlink source kind must be 'udev' or 'kernel', not {kind!r}")
@@ -118,14 +72,7 @@ class NetlinkSource:
         self.subsystems = frozenset(subsystems)
         #: Receive buffer size the kernel granted (0 until started).
         self.obtained_buffer = 0
-        self.warnings: list[str] = []
-        try:
-            with open(uid_map_path, encoding="ascii") as f:
-                warning = user_namespace_warning(f.read())
-        except OSError:
-            warning = None  # no /proc: nothing to say
-        if warning is not None:
-            self.warnings.append(warning)
+        self.warnings: list[str] = namespace_warnings(uid_map_path)
         self._monitor: Any = None
         self._sock: socket.socket | None = None
         self._fd = -1

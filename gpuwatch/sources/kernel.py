@@ -1,0 +1,276 @@
+"""The kernel's own uevents from a raw ``NETLINK_KOBJECT_UEVENT`` socket: stdlib only.
+
+The default source. It needs no udevd (containers and minimal hosts have none) and no
+libudev: a message is parsed straight from its bytes into a `UEvent`, about a tenth of what
+the pyudev receive path costs per event. Read on the event loop like every source: wait
+until readable, then drain up to `MAX_BATCH` messages as one batch. Lost events (ENOBUFS)
+are drained to EAGAIN and reported as one `SourceOverflow`, so the watcher rescans once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import anyio
+
+from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
+from gpuwatch.sources import SourceOverflow, SourceUnavailable
+
+__all__ = [
+    "DEFAULT_RECEIVE_BUFFER",
+    "KERNEL_GROUP",
+    "MAX_BATCH",
+    "SUBSYSTEMS",
+    "KernelSource",
+    "describe_errno",
+    "set_receive_buffer",
+    "user_namespace_warning",
+]
+
+log = logging.getLogger("gpuwatch.sources")
+
+#: Subsystems whose uevents can change the GPU host model.
+SUBSYSTEMS = frozenset({"pci", "drm", "vfio", "vfio-dev", "module", "kfd"})
+
+#: Big enough to absorb a full driver rebind storm while the loop is busy.
+DEFAULT_RECEIVE_BUFFER = 128 * 1024 * 1024
+
+#: One batch at most: small enough that the loop serves socket requests between batches
+#: within a few milliseconds, big enough that a storm costs few wake-ups.
+MAX_BATCH = 256
+
+#: ``NETLINK_KOBJECT_UEVENT`` (Python's socket module lacks the name) and its kernel group.
+NETLINK_KOBJECT_UEVENT = 15
+KERNEL_GROUP = 1
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+#: The kernel caps one uevent at 2 KiB of properties (UEVENT_BUFFER_SIZE) plus the header.
+_MAX_MESSAGE = 8192
+
+#: Drain after an overflow stops here even if the kernel keeps sending (the rescan follows).
+_MAX_DROP = 1 << 20
+
+_INITIAL_UID_MAP = ["0", "0", "4294967295"]
+UID_MAP_PATH = "/proc/self/uid_map"
+_RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
+
+
+def user_namespace_warning(uid_map: str) -> str | None:
+    """A warning when ``uid_map`` is not the initial user namespace's identity map.
+
+    The kernel broadcasts uevents only to sockets of the initial user namespace, so in
+    a container the kernel source stays silent and nothing else would say why.
+    """
+    rows = [line.split() for line in uid_map.splitlines() if line.strip()]
+    if rows == [_INITIAL_UID_MAP]:
+        return None
+    return (
+        "running in a non-initial user namespace (/proc/self/uid_map is not "
+        "'0 0 4294967295'): the kernel uevent source is silent here, so changes to the "
+        "host will not be seen"
+    )
+
+
+def namespace_warnings(uid_map_path: str) -> list[str]:
+    try:
+        with open(uid_map_path, encoding="ascii") as f:
+            warning = user_namespace_warning(f.read())
+    except (OSError, ValueError):
+        warning = None  # no /proc: nothing to say
+    return [] if warning is None else [warning]
+
+
+def describe_errno(code: int) -> str:
+    """``ENOBUFS: No buffer space available`` — the symbolic name is what people grep for."""
+    return f"{errno.errorcode.get(code, f'errno {code}')}: {os.strerror(code)}"
+
+
+def _rmem_max() -> int | None:
+    try:
+        with open(_RMEM_MAX_PATH, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _force(sock: socket.socket) -> Callable[[int], None]:
+    def force(size: int) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+
+    return force
+
+
+def set_receive_buffer(
+    sock: socket.socket, size: int, force: Callable[[int], None] | None = None
+) -> int:
+    """Ask for a ``size``-byte receive buffer; return the size the kernel actually set.
+
+    Like udevd, try SO_RCVBUFFORCE first (``force``; it needs CAP_NET_ADMIN). Without it
+    fall back to SO_RCVBUF, which the kernel silently caps at ``net.core.rmem_max`` — so
+    the value is read back rather than assumed (the kernel also doubles it).
+    """
+    try:
+        (force or _force(sock))(size)
+    except (OSError, ValueError, OverflowError) as exc:
+        log.debug("SO_RCVBUFFORCE(%d) refused (%s); falling back to SO_RCVBUF", size, exc)
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        cap = _rmem_max()
+        # Growing past rmem_max is impossible here; do not shrink a bigger buffer trying.
+        shrinks_instead = size * 2 > before and cap is not None and 2 * min(size, cap) < before
+        if not shrinks_instead:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+            except (OSError, OverflowError) as exc2:
+                log.warning("cannot set the uevent receive buffer to %d: %s", size, exc2)
+    obtained: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    return obtained
+
+
+class KernelSource:
+    """uevents straight from the kernel's netlink multicast group (``--source kernel``)."""
+
+    name = "kernel"
+
+    def __init__(
+        self,
+        *,
+        receive_buffer: int | None = None,
+        subsystems: Iterable[str] = SUBSYSTEMS,
+        uid_map_path: str = UID_MAP_PATH,
+    ) -> None:
+        self.receive_buffer = DEFAULT_RECEIVE_BUFFER if receive_buffer is None else receive_buffer
+        self.subsystems = frozenset(subsystems)
+        self._wanted = frozenset(s.encode() for s in self.subsystems)
+        #: Receive buffer size the kernel granted (0 until started).
+        self.obtained_buffer = 0
+        #: Messages dropped for not coming from the kernel (another process's forgery).
+        self.rejected = 0
+        self.warnings: list[str] = namespace_warnings(uid_map_path)
+        self._sock: socket.socket | None = None
+        self._fd = -1
+        self._closed = False
+
+    def start(self) -> None:
+        """Bind the socket now: events from this moment on are queued for ``batches``."""
+        if self._closed:
+            raise SourceUnavailable("kernel uevent source was closed")
+        if self._sock is not None:
+            return
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT)
+        except (OSError, AttributeError) as exc:
+            raise SourceUnavailable(f"cannot open the kernel uevent netlink socket: {exc}") from exc
+        try:
+            self.obtained_buffer = set_receive_buffer(sock, self.receive_buffer)
+            sock.bind((0, KERNEL_GROUP))
+            sock.setblocking(False)
+        except (OSError, OverflowError) as exc:
+            sock.close()
+            raise SourceUnavailable(f"cannot bind the kernel uevent netlink socket: {exc}") from exc
+        log.info(
+            "kernel uevent source: receive buffer %d bytes (asked for %d)",
+            self.obtained_buffer,
+            self.receive_buffer,
+        )
+        self._sock, self._fd = sock, sock.fileno()
+
+    async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
+        """Yield every drained batch (and one overflow marker whenever events were lost).
+
+        Holds no local reference to the socket across a ``yield``, so ``close`` really
+        closes it even while this generator is suspended.
+        """
+        self.start()
+        failures = 0
+        while self._sock is not None:
+            try:
+                await anyio.wait_readable(self._fd)
+            except (anyio.ClosedResourceError, OSError, ValueError):
+                return
+            while self._sock is not None:
+                batch, overflow, more = self._drain()
+                if batch:
+                    yield batch
+                if overflow is not None:
+                    yield overflow
+                    if overflow.error.startswith("ENOBUFS"):
+                        failures = 0
+                    else:  # an error we did not expect: back off instead of spinning on it
+                        failures += 1
+                        await anyio.sleep(min(0.01 * 2**failures, 1.0))
+                        break
+                if not more:
+                    break
+                # Let requests and other tasks in between batches of a backlog.
+                await anyio.lowlevel.checkpoint()
+
+    def _drain(self) -> tuple[list[UEvent], SourceOverflow | None, bool]:
+        """Receive until empty, `MAX_BATCH` events, or an error.
+
+        Returns ``(batch, overflow, more)``; ``more`` when the queue may hold more.
+        """
+        batch: list[UEvent] = []
+        sock = self._sock
+        if sock is None:
+            return batch, None, False
+        wanted = self._wanted
+        recvfrom = sock.recvfrom
+        while len(batch) < MAX_BATCH:
+            try:
+                data, sender = recvfrom(_MAX_MESSAGE)
+            except BlockingIOError:
+                return batch, None, False
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                return batch, self._lost(exc), True
+            if sender[0] != 0:  # only the kernel (port 0) speaks here; anything else is forged
+                self.rejected += 1
+                continue
+            if subsystem_of(data) not in wanted:
+                continue
+            event = parse_kernel_uevent(data)
+            if event is not None:
+                batch.append(event)
+        return batch, None, True
+
+    def _lost(self, exc: OSError) -> SourceOverflow:
+        """Events were lost: drain what is queued (the rescan covers it) and say so once."""
+        code = exc.errno or 0
+        dropped = 0
+        sock = self._sock
+        if code == errno.ENOBUFS and sock is not None:
+            while dropped < _MAX_DROP:
+                try:
+                    sock.recv(_MAX_MESSAGE)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as again:
+                    if again.errno != errno.ENOBUFS:
+                        break
+                    continue
+                dropped += 1
+        text = describe_errno(code) if code else f"receive failed: {exc}"
+        log.warning(
+            "kernel uevent source lost events (%s; %d queued dropped); the model must be "
+            "rescanned",
+            text,
+            dropped,
+        )
+        return SourceOverflow(error=text)
+
+    def close(self) -> None:
+        """Close the socket; a ``batches`` waiting on it ends (idempotent)."""
+        self._closed = True
+        sock, self._sock = self._sock, None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            # Without a running event loop nobody can be waiting on the fd.
+            with contextlib.suppress(RuntimeError):
+                anyio.notify_closing(fd)
+        if sock is not None:
+            sock.close()
