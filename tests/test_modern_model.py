@@ -340,3 +340,18 @@ def test_sysroot_vfio_dev_twice_is_refused(empty_host: SysRoot) -> None:
     empty_host.add_vfio_dev("0000:03:00.0", 1)
     with pytest.raises(ValueError):
         empty_host.add_vfio_dev("0000:03:00.0", 2)
+
+
+async def test_one_batch_keeps_every_recovery_step(tmp_path: Path) -> None:
+    """The watcher reads a device once per batch, but every uevent-only fact counts."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        start = len(h.events)
+        for step in ("BEGIN_RECOVERY", "FAILED_RECOVERY"):
+            h.source.push(host.uevent_props("change", NV, ERROR_EVENT=step, DEVICE_ONLINE="0"))
+        h.source.push(host.uevent_props("change", CARD1, WEDGED="vendor-specific"))
+        got = strip(await h.collect(start, 4))
+        assert [(e["type"], e.get("health")) for e in got[:3]] == [
+            ("device-error", "recovering"), ("device-error", "failed"), ("gpu-wedged", None)]
+        assert got[3]["type"] == "probe-changed"
+        assert h.watcher.model.function(NV).health == "wedged"

@@ -341,6 +341,11 @@ class HostState:
                                   online=seen.online, health=health))
 
     def _drm_wedge(self, seen: DrmWedgeSeen, events: list[BaseModel]) -> None:
+        if not seen.addr:  # a devpath that does not name the parent: the card's link does
+            node = self.drm.get(seen.card)
+            if node is not None and node.device_addr:
+                seen = DrmWedgeSeen(node.device_addr, seen.card, seen.recovery, seen.pid,
+                                    seen.task)
         fn = self.functions.get(seen.addr) if seen.addr else None
         if fn is not None and fn.health != "wedged":
             self._replace(fn, {"health": "wedged"}, events, announce=False)

@@ -18,7 +18,6 @@ from gpuwatch.core.observations import (
     CdiSeen,
     DrmGone,
     DrmSeen,
-    DrmWedgeSeen,
     IommuSeen,
     KfdSeen,
     ModuleSeen,
@@ -26,9 +25,7 @@ from gpuwatch.core.observations import (
     NodesSeen,
     NodeStat,
     Observation,
-    PciErrorSeen,
     PciGone,
-    PciRebound,
     PciSeen,
     Snapshot,
     SriovSeen,
@@ -40,15 +37,10 @@ from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
-_CARD_RE = re.compile(r"^card[0-9]+$")
 _VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
 _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
-#: Uevent actions after which a function starts afresh (its bad health is cleared).
-_FRESH_ACTIONS = frozenset(("bind", "add"))
-#: Bounds on what one uevent may make us keep: WEDGED methods and their length, TASK.
-_MAX_METHODS = 8
-_MAX_WORD = 64
+
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
@@ -459,8 +451,9 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
     """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint
     (for bind/unbind, a hint that only the driver link can have changed: `read_function_known`).
 
-    What sysfs does not keep comes from the uevent itself: PCI error recovery
-    (``ERROR_EVENT``) and a DRM wedge (``WEDGED``).
+    What sysfs does not keep (PCI error recovery, a DRM wedge, a fresh bind) is not read here:
+    `gpuwatch.core.uevent_facts` takes it from every uevent, since the watcher reads each
+    device only once per batch but must keep every one of those.
     """
     name = event.devpath.rsplit("/", 1)[-1]
     subsystem = event.subsystem
@@ -477,18 +470,9 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
             if isinstance(seen, PciSeen) and seen.physfn:
                 # A VF came, went or rebound: its PF's virtfnN links say so, no PF event does.
                 out.append(read_function(paths, seen.physfn))
-            if event.action in _FRESH_ACTIONS:
-                out.append(PciRebound(addr))
-            error_event = event.properties.get("ERROR_EVENT")
-            if error_event:
-                out.append(PciErrorSeen(addr, error_event[:_MAX_WORD],
-                                        _online(event.get("DEVICE_ONLINE"))))
     elif subsystem == "drm":
         if _DRM_NODE_RE.match(name):
             out.append(read_drm(paths, name, event.devpath))
-            wedged = event.properties.get("WEDGED")
-            if wedged is not None and _CARD_RE.match(name):
-                out.append(_wedge(name, event, wedged, out[-1]))
     elif subsystem == "vfio-dev":
         # .../<addr>/vfio-dev/vfioN. On add the node first, so the function sees it exists;
         # on remove the function first, so it lets go of its cdev in one change.
@@ -513,29 +497,3 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
 def _node_seen(paths: HostPaths, devname: str) -> NodeSeen:
     host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
     return NodeSeen(host_path, node_stat(paths, host_path))
-
-
-def _online(text: str) -> bool | None:
-    """``DEVICE_ONLINE``: ``1`` true, ``0`` false, absent or anything else ``None``."""
-    return {"1": True, "0": False}.get(text.strip())
-
-
-def _wedge(card: str, event: UEvent, wedged: str, drm: Observation) -> DrmWedgeSeen:
-    """The DRM wedge uevent: recovery methods (bounded), the owning function, PID and TASK."""
-    methods = tuple(
-        dict.fromkeys(m.strip()[:_MAX_WORD] for m in wedged.split(",") if m.strip())
-    )[:_MAX_METHODS]
-    addr = drm.device_addr if isinstance(drm, DrmSeen) else ""
-    if not addr:  # the card is gone already: its devpath still names the parent
-        parts = event.devpath.rsplit("/", 3)
-        addr = parts[1] if len(parts) == 4 and parts[2] == "drm" and is_pci_addr(parts[1]) else ""
-    pid_text = event.get("PID").strip()
-    task = event.properties.get("TASK")
-    return DrmWedgeSeen(
-        addr=addr,
-        card=card,
-        recovery=methods,
-        pid=int(pid_text) if pid_text.isascii() and pid_text.isdigit() and len(pid_text) <= 10
-        else None,
-        task=task[:_MAX_WORD] if task is not None else None,
-    )

@@ -24,11 +24,13 @@ from gpuwatch.config import Tables, load_tables
 from gpuwatch.core.events import Ready, Resync
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
+from gpuwatch.core.uevent import UEvent
+from gpuwatch.core.uevent_facts import uevent_facts
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
-from gpuwatch.watch.subscription import Subscription, matches
+from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
 
@@ -36,6 +38,10 @@ DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_VGPU_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
+#: Events applied between two chances for other tasks to run (requests, subscribers).
+PUMP_SLICE = 256
+#: Actions after which only a function's driver link can have changed (see `observe`).
+_DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 
 
 def rfc3339_now() -> str:
@@ -80,8 +86,11 @@ class Watcher:
         self._closed = False
         self.source_ended = anyio.Event()
         self.resyncs = 0
-        #: Observers called with every stamped event (metrics, NFD, the socket server).
+        #: Observers called with every stamped event (metrics, NFD).
         self.listeners: list[Callable[[BaseModel], None]] = []
+        #: Observers called once per published batch with the stamped events and their JSON
+        #: lines, serialised once for the log and every reader (the socket server).
+        self.batch_listeners: list[Callable[[Sequence[BaseModel], Sequence[str]], None]] = []
 
     # ------------------------------------------------------------------ reading
 
@@ -175,15 +184,18 @@ class Watcher:
             fields = event.__dict__
             fields["seq"] = self._seq
             fields["time"] = now
+        lines: Sequence[str] = ()
+        if self._log is not None or self.batch_listeners:  # serialised once, for everyone
+            lines = [event.model_dump_json() for event in events]
         if self._log is not None:  # on disk before anyone hears of it
-            self._log.write_lines([event.model_dump_json() for event in events])
+            self._log.write_lines(lines)
+        for batch_listener in tuple(self.batch_listeners):
+            batch_listener(events, lines)
         for listener in self.listeners:
             for event in events:
                 listener(event)
         for sub in tuple(self._subscribers):
-            for event in events:
-                if matches(sub, event):
-                    sub.offer(event)
+            sub.offer_batch(events)
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed."""
@@ -241,13 +253,43 @@ class Watcher:
                     _log.warning("events lost (%s): rescanning", batch.error)
                     await self.resync("overflow")
                     continue
-                async with self._lock:
-                    observations: list[Observation] = []
-                    for event in batch:
-                        observations.extend(observe(self.paths, self.tables, event))
-                    self.apply(observations)
+                # A source may hand over a whole backlog at once: apply it in slices, and let
+                # socket requests and subscribers run between them, so nobody waits for all of it.
+                for start in range(0, len(batch), PUMP_SLICE):
+                    if start:
+                        await anyio.lowlevel.checkpoint()
+                    async with self._lock:
+                        self.apply(self._observe(batch[start : start + PUMP_SLICE]))
         finally:
             self.source_ended.set()
+
+    def _observe(self, batch: Sequence[UEvent]) -> list[Observation]:
+        """Read each device the batch names once, however often it names it.
+
+        The tree is read after the batch, so the last read is the only one that counts: a
+        flapping link or a storm of a hundred events for one function costs one read. A
+        bind/unbind-only read (`read_function_known`) is used only when every event for the
+        device was one; anything else makes it the full read.
+        """
+        last: dict[tuple[str, str, str], UEvent] = {}
+        full: set[tuple[str, str, str]] = set()
+        for event in batch:
+            key = (event.subsystem, event.devpath, event.properties.get("DEVNAME", ""))
+            if event.action not in _DRIVER_ACTIONS:
+                full.add(key)
+            last.pop(key, None)  # re-insert: dict order is then the order of last mention
+            last[key] = event
+        observations: list[Observation] = []
+        paths, tables = self.paths, self.tables
+        for key, event in last.items():
+            if key in full and event.action in _DRIVER_ACTIONS:
+                event = event._replace(action="change")
+            observations.extend(observe(paths, tables, event))
+        # What only the uevents say (error recovery, wedges, fresh binds): every one, in the
+        # kernel's order, after the reads that brought their functions into the model.
+        for event in batch:
+            observations.extend(uevent_facts(event))
+        return observations
 
     async def _poll_cdi(self) -> None:
         # CDI specs are plain files: no uevent announces them, so look twice a second.
