@@ -455,9 +455,9 @@ def test_hostile_tree_never_fails_a_probe(host: SysRoot) -> None:
 
 
 def test_function_vanishing_mid_read_is_a_removal(host: SysRoot) -> None:
-    from gpuwatch.config import default_tables
     from gpuwatch.core.observations import PciGone
     from gpuwatch.hostfs.scan import HostPaths, read_function
+    from gpuwatch.settings import default_tables
 
     devpath = host.devpath(NIC)
     host.remove_function(NIC)

@@ -22,9 +22,17 @@ from cli_helpers import run_cli
 
 from gpuwatch.cli.daemon import DaemonLost, ask_daemon
 from gpuwatch.core.events import NodeAdded, ProbeChanged
-from gpuwatch.errors import DeviceNotFound
+from gpuwatch.errors import (
+    DeviceNotFound,
+    GroupBusy,
+    GroupPoisoned,
+    NotPrivileged,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+)
 from gpuwatch.jsonout import jsonable
-from gpuwatch.model import ACTIONS
+from gpuwatch.model import ACTIONS, holders_report, plan_for_host
 from gpuwatch.service import protocol as P
 from gpuwatch.service.client import (
     AsyncClient,
@@ -39,15 +47,6 @@ from gpuwatch.service.peers import PeerCred
 from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
 from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.switch.errors import (
-    GroupBusy,
-    GroupPoisoned,
-    NotPrivileged,
-    SwitchFailed,
-    SwitchRefused,
-    SwitchWedged,
-)
-from gpuwatch.switch.planning import holders_report, plan_for_host
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import EventLog
 

@@ -31,14 +31,14 @@ from gpuwatch.core.plan import (
     parse_vendor,
 )
 from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import NotPrivileged
+from gpuwatch.host import open_host
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.sources import SourceUnavailable
-from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchEngine, SwitchResult
-from gpuwatch.switch.errors import NotPrivileged
+from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchResult
 from gpuwatch.switch.hostops import Backend, make_backend
 from gpuwatch.switch.poison import PoisonStore
-from gpuwatch.watch.watcher import open_watcher
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,14 +93,14 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
 
 async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str,
                          target: str, mode: Mode | None) -> SwitchResult:
-    """Open a watcher of our own for the switch's duration and run ``action`` in it."""
-    async with open_watcher(args.root, backend.source, config=args.config, log=args.log,
-                            reconcile_interval=0, cdi_poll_interval=0) as watcher:
-        engine = SwitchEngine.attach(watcher, backend.ops, geteuid=backend.geteuid)
+    """Open a host of our own for the switch's duration and run ``action`` in it."""
+    async with open_host(args.root, source=backend.source, config=args.config, log=args.log,
+                         ops=backend.ops, geteuid=backend.geteuid, reconcile_interval=0,
+                         cdi_poll_interval=0) as host:
         if action == "recover":
-            return await engine.recover(target, timeout=args.timeout)
+            return await host.recover(target, timeout=args.timeout)
         assert mode is not None
-        return await engine.switch(target, mode, timeout=args.timeout)
+        return await host.switch(target, mode, timeout=args.timeout)
 
 
 def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: str,

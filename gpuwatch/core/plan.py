@@ -28,8 +28,7 @@ from gpuwatch.core.pci import (
 )
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import HostState
-from gpuwatch.errors import DeviceNotFound, UsageError
-from gpuwatch.switch.errors import UnsafeName
+from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 
 NVIDIA_VENDOR = "0x10de"
 #: The documented card `gpuwatch plan` uses on a host without a matching one.
@@ -495,6 +494,11 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     return SwitchPlan(**base, steps=tuple(steps), notes=tuple(notes), unloads_nvidia=unloads)
 
 
+def default_mode(members: Sequence[PciFunction]) -> Mode:
+    """With no mode asked for, plan the way out of the current one."""
+    return "vfio" if group_mode(members) == "nvidia" else "nvidia"
+
+
 def holders_reason(holders: Sequence[Holding]) -> str:
     named = ", ".join(f"{h.comm or '?'} (pid {h.pid}) holds {h.node}" for h in holders)
     return f"the card is in use: {named}; close them and retry (gpuwatch never kills them)"
@@ -518,6 +522,7 @@ __all__ = [
     "card_scope",
     "cdi_steps",
     "check_names",
+    "default_mode",
     "example_card",
     "find_card",
     "holder_scope",

@@ -21,7 +21,6 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables
 from gpuwatch.core.events import (
     DeviceAdded,
     DeviceChanged,
@@ -69,6 +68,7 @@ from gpuwatch.core.results import (
     Sriov,
     Vgpu,
 )
+from gpuwatch.core.tables import Tables
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
 WATCHED_PROBES = (
@@ -116,6 +116,10 @@ class HostState:
         # rebuilds one entry, so the answer costs a C-level tuple copy, not a pass over all GPUs.
         self._gpu_infos: list[GpuInfo | None] = []
         self._gpu_dirty: set[str] = set()  # GPUs whose _gpu_infos entry is stale
+        # GPUs rebuilt or gone since detect-vfio was last published, and the entries it was
+        # published with: what a probe-changed carries is the difference of the two.
+        self._gpu_touched: set[str] = set()
+        self._published_gpus: dict[str, GpuInfo] = {}
         self.drm: dict[str, DrmSeen] = {}
         self._drm_by_addr: dict[str, set[str]] = {}
         self._amd_cards: set[str] = set()
@@ -400,6 +404,7 @@ class HostState:
             index = bisect.bisect_left(self._gpu_addrs, addr)
             del self._gpu_addrs[index]
             del self._gpu_infos[index]
+            self._gpu_touched.add(addr)
         elif is_gpu and not was_gpu:
             index = bisect.bisect_left(self._gpu_addrs, addr)
             self._gpu_addrs.insert(index, addr)
@@ -534,11 +539,50 @@ class HostState:
                 continue
             new = self._compute(action)
             old = self._answers.get(action, _MISSING)
-            if old is _MISSING or old != new:
+            if old is _MISSING:
                 self._answers[action] = new
-                if old is not _MISSING:
-                    changes.append(ProbeChanged(action=action, old=old, new=new))
+                if action == "detect-vfio":
+                    self._published_gpus = {gpu.addr: gpu for gpu in new.gpus}
+                    self._gpu_touched.clear()
+                continue
+            if action == "detect-vfio":
+                delta = self._vfio_delta(old, new)
+            elif isinstance(new, BaseModel):
+                delta = _fields_delta(old, new)
+            else:
+                delta = None if old == new else (old, new)
+            if delta is not None:
+                self._answers[action] = new
+                changes.append(ProbeChanged(action=action, old=delta[0], new=delta[1]))
         return changes
+
+    def _vfio_delta(
+        self, old: DetectVfioResult, new: DetectVfioResult
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """What changed in detect-vfio: the IOMMU fields that differ, and under ``gpus`` only
+        the GPU entries that changed (before in ``old``, after in ``new``; an entry on one side
+        only was added or removed). The cost follows the GPUs touched, not the GPUs present."""
+        before, after = _fields_delta(old, new, skip="gpus") or ({}, {})
+        touched, self._gpu_touched = self._gpu_touched, set()
+        published, functions = self._published_gpus, self.functions
+        old_gpus: list[GpuInfo] = []
+        new_gpus: list[GpuInfo] = []
+        for addr in sorted(touched):
+            was = published.get(addr)
+            fn = functions.get(addr)
+            now = self._gpu(addr) if fn is not None and is_gpu_class(fn.class_) else None
+            if was is now or (was is not None and now is not None and was == now):
+                continue
+            if was is not None:
+                old_gpus.append(was)
+            if now is None:
+                del published[addr]
+            else:
+                new_gpus.append(now)
+                published[addr] = now
+        if old_gpus or new_gpus:
+            before["gpus"], after["gpus"] = old_gpus, new_gpus
+        return (before, after) if before or after else None
 
     def _compute(self, action: str) -> Any:
         if action == "detect-gpu":
@@ -576,6 +620,7 @@ class HostState:
                 index = bisect.bisect_left(addrs, addr)
                 if index < len(addrs) and addrs[index] == addr:
                     infos[index] = self._gpu(addr)
+            self._gpu_touched |= self._gpu_dirty
             self._gpu_dirty.clear()
         # Every entry is set: a GPU enters _gpu_infos as None and dirty at once.
         return cast("tuple[GpuInfo, ...]", tuple(self._gpu_infos))
@@ -665,6 +710,20 @@ def _same_vgpu(model: Vgpu | None, seen: VgpuSeen | None) -> bool:
     if model is None or seen is None:
         return model is None and seen is None
     return model.type == seen.type and model.creatable == seen.creatable
+
+
+def _fields_delta(
+    old: BaseModel, new: BaseModel, *, skip: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The fields of two answers of one model that differ, as ``(before, after)``."""
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    old_fields = old.__dict__
+    for name, value in new.__dict__.items():
+        if name != skip and old_fields.get(name) != value:
+            before[name] = old_fields.get(name)
+            after[name] = value
+    return (before, after) if after else None
 
 
 @functools.lru_cache(maxsize=16)

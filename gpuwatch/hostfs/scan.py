@@ -12,7 +12,6 @@ import re
 import shutil
 import stat as stat_mod
 
-from gpuwatch.config import Tables
 from gpuwatch.core.kfd import parse_gfx_target_version
 from gpuwatch.core.observations import (
     CdiSeen,
@@ -33,6 +32,7 @@ from gpuwatch.core.observations import (
     VgpusSeen,
 )
 from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 

@@ -40,8 +40,8 @@ from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, pee
 from gpuwatch.watch.eventlog import read_records
 
 if TYPE_CHECKING:
+    from gpuwatch.host import Host
     from gpuwatch.service.metrics import Metrics
-    from gpuwatch.watch.watcher import Watcher
 
 _log = logging.getLogger("gpuwatch.service")
 
@@ -298,11 +298,12 @@ class Connection:
 
 
 class SocketServer:
-    """Serves ``watcher`` at ``path``. Run `serve` as a task (``await tg.start(server.serve)``)."""
+    """Serves the `Host` ``watcher`` at ``path``. Run `serve` as a task
+    (``await tg.start(server.serve)``)."""
 
     def __init__(
         self,
-        watcher: Watcher,
+        watcher: Host,
         path: str,
         *,
         read_gid: int | None = None,

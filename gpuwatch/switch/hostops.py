@@ -26,8 +26,8 @@ import anyio
 import anyio.to_thread
 
 from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
+from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.sources import EventSource
-from gpuwatch.switch.errors import HostStepError, StepTimedOut, UnsafeStep
 
 _ADDR = PCI_ADDR_PATTERN
 _DRV = r"[A-Za-z0-9_.-]+"

@@ -15,15 +15,7 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 
-
-class SubscriberLagged(Exception):
-    """The subscriber fell behind by more than its buffer; ``missed`` events were dropped for it."""
-
-    def __init__(self, missed: int) -> None:
-        super().__init__(
-            f"subscriber lagged: {missed} event(s) missed; resubscribe and read snapshot()"
-        )
-        self.missed = missed
+from gpuwatch.errors import SubscriberLagged
 
 
 class Subscription:

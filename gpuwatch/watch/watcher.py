@@ -13,21 +13,21 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables, load_tables
-from gpuwatch.core.events import Ready, Resync
+from gpuwatch.core.events import Ready, Resync, format_event_time
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
+from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.core.uevent_facts import uevent_facts
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
+from gpuwatch.settings import load_tables
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
 from gpuwatch.watch.subscription import Subscription
@@ -42,11 +42,6 @@ DEFAULT_SUBSCRIBER_BUFFER = 4096
 PUMP_SLICE = 256
 #: Actions after which only a function's driver link can have changed (see `observe`).
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
-
-
-def rfc3339_now() -> str:
-    """UTC with microseconds and a ``Z``: sortable, and what every log tool parses."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class HostSnapshot(BaseModel):
@@ -176,7 +171,7 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
-        now = rfc3339_now()
+        now = format_event_time()
         for event in events:
             self._seq += 1
             # Straight into the instance dict: pydantic's __setattr__ machinery is a tenth of
@@ -203,6 +198,12 @@ class Watcher:
         self.publish(events)
         return events
 
+    async def refresh(self, observations: Sequence[Observation]) -> None:
+        """`apply` under the pump's lock: for observations read outside the pump (the switch
+        re-reading the tree), so they cannot interleave with a batch or a rescan."""
+        async with self._lock:
+            self.apply(observations)
+
     async def resync(self, reason: str) -> int:
         """Rescan everything (in a thread), diff against the model, publish the drift and a
         ``resync`` event. Returns how many change events the diff produced."""
@@ -215,34 +216,6 @@ class Watcher:
         if events or reason == "overflow":
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
-
-    # ------------------------------------------------------------------ switching (gpuwatch.switch)
-
-    async def switch(
-        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False
-    ) -> Any:
-        """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
-        `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).switch(
-            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant
-        )
-
-    async def plan(self, addr_or_vendor: str, mode: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).plan(addr_or_vendor, mode)
-
-    async def recover(self, addr_or_vendor: str, *, timeout: float = 90) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).recover(addr_or_vendor, timeout=timeout)
-
-    async def holders(self, addr_or_vendor: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).holders(addr_or_vendor)
 
     # ------------------------------------------------------------------ tasks
 
@@ -403,4 +376,4 @@ async def open_watcher(
             event_log.close()
 
 
-__all__ = ["HostSnapshot", "Watcher", "open_watcher", "rfc3339_now"]
+__all__ = ["HostSnapshot", "Watcher", "open_watcher"]
