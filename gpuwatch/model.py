@@ -11,14 +11,14 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode
+from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
 from gpuwatch.core.plan import SwitchPlan, example_card, find_card, plan_switch, step_json
-from gpuwatch.core.results import PciFunction
-from gpuwatch.core.state import WATCHED_PROBES, HostState
+from gpuwatch.core.results import PciFunction, VfioBackend
+from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.errors import DeviceNotFound, SwitchRefused, UsageError
 from gpuwatch.hostfs import procfs
@@ -42,6 +42,7 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "display-driver": ("addr",),
     "current-mode": ("addr",),
     "group-in-mode": ("addr", "mode"),
+    "vfio-backend": ("addr",),
     "wedge-detected": (),
     "plan": ("mode",),  # and --addr or --vendor
 }
@@ -103,8 +104,10 @@ class HostModel:
             "display-driver": lambda g, a, m: self.function(a).driver,
             "current-mode": lambda g, a, m: current_mode(self.function(a)),
             "group-in-mode": lambda g, a, m: group_in_mode(
-                self.state.group_members(self.function(a).addr), _as_mode(m)
+                self.state.group_members(self.function(a).addr), _as_mode(m),
+                self.state.vfio_variants,
             ),
+            "vfio-backend": lambda g, a, m: self.vfio_backend(a),
             "wedge-detected": lambda g, a, m: wedge_detected(self.paths.root),
         }
 
@@ -174,6 +177,27 @@ class HostModel:
             if path.startswith(prefix) and path[len(prefix) :].isdigit()
         }
         self._access_version = self.state.vfio_nodes_version
+
+    def vfio_backend(self, addr: str | None) -> VfioBackend:
+        """How to open the function through VFIO: its cdev with iommufd when both exist, else
+        its group node, else nothing (a function not on VFIO has neither to offer)."""
+        fn = self.function(addr)
+        nodes = self.state.nodes
+        group_node = f"/dev/vfio/{fn.iommu_group}" if fn.iommu_group >= 0 else ""
+        if group_node not in nodes:
+            group_node = ""
+        vfio = on_vfio(fn, self.state.vfio_variants)
+        iommufd = IOMMU_NODE in nodes
+        recommended: Literal["iommufd", "group", "none"]
+        if vfio and fn.vfio_cdev and iommufd:
+            recommended = "iommufd"
+        elif vfio and group_node:
+            recommended = "group"
+        else:
+            recommended = "none"
+        return VfioBackend(addr=fn.addr, driver=fn.driver, on_vfio=vfio, group_node=group_node,
+                           cdev_node=fn.vfio_cdev, iommufd=iommufd,
+                           recommended=recommended)
 
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]

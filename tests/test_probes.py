@@ -104,7 +104,8 @@ def test_iommu_kind(empty_host: SysRoot, units: list[str], cmdline: str, kind: s
     empty_host.set_cmdline(cmdline)
     empty_host.add_function("0000:01:00.0", iommu_group=3)
     result = answer(empty_host, "detect-vfio")
-    assert result == {"iommu_enabled": True, "iommu_kind": kind, "gpus": result["gpus"]}  # type: ignore[index]
+    assert result == {"iommu_enabled": True, "iommu_kind": kind, "iommufd": False,  # type: ignore[index]
+                      "gpus": result["gpus"]}  # type: ignore[index]
 
 
 def test_iommu_off_when_no_groups(empty_host: SysRoot) -> None:
