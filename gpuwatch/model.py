@@ -92,6 +92,8 @@ class HostModel:
         self.state = state
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
+        self._access: dict[int, bool] = {}
+        self._access_version = -1
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         self.poisoned: dict[int, str] = {}
@@ -132,10 +134,13 @@ class HostModel:
             return answers[action]
         if (
             action == "vfio-group-accessible"
-            and group is not None
+            and group.__class__ is int
             and (addr is None and mode is None and vendor is None)
         ):
-            return self.vfio_group_accessible(group)  # nothing here for check_params to reject
+            # Prepared per group: nothing to compute, nothing here for check_params to reject.
+            if self._access_version != self.state.vfio_nodes_version:
+                self._prepare_access()
+            return self._access.get(group, False)
         if action == "plan":
             check_params(action, group, addr, mode, vendor)
             return self.plan(_as_mode(mode), addr=addr, vendor=vendor)
@@ -157,8 +162,21 @@ class HostModel:
     def vfio_group_accessible(self, group: int | None) -> bool:
         if group is None or group < 0:
             return False
-        stat = self.state.nodes.get(f"/dev/vfio/{group}")
-        return stat is not None and may_read_write(stat, self._uid, self._gids)
+        if self._access_version != self.state.vfio_nodes_version:
+            self._prepare_access()
+        return self._access.get(group, False)
+
+    def _prepare_access(self) -> None:
+        """Whether this process may open each ``/dev/vfio/N``, for every group at once: done
+        when a vfio node appears, goes or changes mode, so the probe is a dict lookup."""
+        prefix = "/dev/vfio/"
+        uid, gids = self._uid, self._gids
+        self._access = {
+            int(path[len(prefix) :]): may_read_write(stat, uid, gids)
+            for path, stat in self.state.nodes.items()
+            if path.startswith(prefix) and path[len(prefix) :].isdigit()
+        }
+        self._access_version = self.state.vfio_nodes_version
 
     def vfio_backend(self, addr: str | None) -> VfioBackend:
         """How to open the function through VFIO: its cdev with iommufd when both exist, else

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A probe the daemon answers takes the stdlib-only path: no parser of every subcommand,
+    # no pydantic (gpuwatch.cli.fast); anything it does not answer comes back here.
+    from gpuwatch.cli.fast import run_fast
+
+    fast = run_fast(sys.argv[1:] if argv is None else argv)
+    if fast is not None:
+        return fast
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -132,6 +132,9 @@ class HostState:
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
+        #: Bumped whenever a ``/dev/vfio/N`` node appears, goes or changes owner or mode, so
+        #: answers derived from those nodes (per-group access) are rebuilt only then.
+        self.vfio_nodes_version = 0
         self.cdi = CdiSeen(etc_spec=False, var_spec=False, ctk_on_path=False)
         self.iommu = IommuSeen(enabled=False, kind="")
         self._stale: set[str] = set(WATCHED_PROBES)
@@ -503,15 +506,18 @@ class HostState:
         if not self.is_watched_node(path):
             return
         old = self.nodes.get(path)
+        if old == stat:
+            return
+        is_vfio = _VFIO_NODE_RE.match(path) is not None
+        if is_vfio:
+            self.vfio_nodes_version += 1
         if stat is None:
-            if old is None:
-                return
             del self.nodes[path]
             events.append(NodeRemoved(path=path))
         else:
             self.nodes[path] = stat
             if old is not None:
-                return  # a mode change is not a new node; the access answer reads the new stat
+                return  # a mode change is not a new node; the access answers are rebuilt
             events.append(NodeAdded(path=path))
         if path == IOMMU_NODE:
             self._stale.add("detect-vfio")
@@ -522,7 +528,7 @@ class HostState:
             if fn is not None:
                 self._replace(fn, {"vfio_cdev": path if stat is not None else ""}, events)
             return
-        if not _VFIO_NODE_RE.match(path):
+        if not is_vfio:
             self._devices = None
             if path.startswith(_RENDER_PREFIX):
                 self._render_node = None
