@@ -6,6 +6,7 @@ connect, so the kernel, not the test, vouches for who they are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -76,10 +77,9 @@ def _child(
             replies = []
             result["replies"] = replies
             for request in requests:
-                try:
+                # The daemon may have closed already (EPIPE): its reply may still be queued.
+                with contextlib.suppress(OSError):
                     sock.sendall(request)
-                except OSError:  # the daemon closed already (EPIPE): its reply may be queued
-                    pass
                 try:
                     line = reader.readline()
                 except OSError:  # ECONNRESET: closed with our request unread
