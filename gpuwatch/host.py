@@ -121,14 +121,17 @@ class Host:
     # ------------------------------------------------------------------ switching
 
     async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False) -> SwitchResult:
+                     tolerant: bool = False, force: bool = False) -> SwitchResult:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
-        `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`."""
-        return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant)
+        `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway."""
+        return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
+                                        force=force)
 
-    async def plan(self, addr_or_vendor: str, mode: str) -> dict[str, Any]:
+    async def plan(self, addr_or_vendor: str, mode: str, *,
+                   force: bool = False) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON."""
-        return await self.engine.plan(addr_or_vendor, mode)
+        return await self.engine.plan(addr_or_vendor, mode, force=force)
 
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:

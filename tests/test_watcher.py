@@ -99,9 +99,11 @@ async def test_gpu_bind_sequence_and_probe_changes(host: SysRoot) -> None:
         assert strip(got)[1] == {"type": "probe-changed", "action": "detect-gpu", "old": True,
                                  "new": False}
         assert got[2]["type"] == "probe-changed" and got[2]["action"] == "detect-vfio"
-        assert got[2]["old"]["gpus"][1]["driver"] == "nvidia"
-        assert got[2]["new"]["gpus"][1]["driver"] == ""
-        assert got[3]["action"] == "detect-host-devices" and got[3]["new"]["gpu"] is False
+        # Only the GPU entry that changed, never the whole list; unchanged fields are absent.
+        assert [(g["addr"], g["driver"]) for g in got[2]["old"]["gpus"]] == [(NV, "nvidia")]
+        assert [(g["addr"], g["driver"]) for g in got[2]["new"]["gpus"]] == [(NV, "")]
+        assert set(got[2]["new"]) == {"gpus"}
+        assert got[3]["action"] == "detect-host-devices" and got[3]["new"] == {"gpu": False}
         assert got[1]["seq"] == got[0]["seq"] + 1
         h.host.bind(NV, "vfio-pci")
         await h.send("bind", NV, expect=2)
@@ -163,6 +165,12 @@ async def test_add_and_remove(host: SysRoot) -> None:
             "class_label": "0x0200",
             "driver": "ixgbe",
             "iommu_group": 30,
+            "vfio_dev": "",
+            "vfio_cdev": "",
+            "sriov": None,
+            "physfn": "",
+            "vgpu": None,
+            "health": "ok",
         }
         h.host.remove_function("0000:05:00.0")
         got = await h.send("remove", "0000:05:00.0", expect=1)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from gpuwatch.core.results import Holding, PciFunction
+from gpuwatch.core.results import Health, Holding, PciFunction, Vgpu
 from gpuwatch.errors import InternalError
 
 
@@ -84,6 +84,47 @@ class IommuGroupChanged(_Event):
     new: int
 
 
+class DeviceChanged(_Event):
+    """A function's other fields changed (``vfio_dev``, ``vfio_cdev``, ``sriov``, ``physfn``,
+    or ``health`` cleared by a rebind): ``changed`` names them, ``device`` is the new record.
+    A driver, group, vGPU or error change has its own event instead."""
+
+    type: Literal["device-changed"] = "device-changed"
+    addr: str
+    changed: list[str]
+    device: PciFunction
+
+
+class VgpuChanged(_Event):
+    """An NVIDIA vGPU VF's current or creatable vGPU types changed (no uevent says so)."""
+
+    type: Literal["vgpu-changed"] = "vgpu-changed"
+    addr: str
+    vgpu: Vgpu | None
+
+
+class DeviceError(_Event):
+    """A PCI error-recovery uevent: ``error_event`` as the kernel sent it (``BEGIN_RECOVERY``,
+    ``SUCCESSFUL_RECOVERY``, ``FAILED_RECOVERY``), ``online`` from ``DEVICE_ONLINE``."""
+
+    type: Literal["device-error"] = "device-error"
+    addr: str
+    error_event: str
+    online: bool | None
+    health: Health
+
+
+class GpuWedged(_Event):
+    """A DRM driver declared the GPU wedged; ``recovery`` lists what the kernel says to do."""
+
+    type: Literal["gpu-wedged"] = "gpu-wedged"
+    addr: str
+    card: str
+    recovery: list[str]
+    pid: int | None
+    task: str | None
+
+
 class NodeAdded(_Event):
     type: Literal["node-added"] = "node-added"
     path: str
@@ -95,6 +136,10 @@ class NodeRemoved(_Event):
 
 
 class ProbeChanged(_Event):
+    """A watched answer changed. Plain answers carry whole ``old``/``new`` values; object
+    answers only the fields that changed, and ``detect-vfio`` only the GPU entries that
+    changed (docs/events.md): an event's size never grows with the host."""
+
     type: Literal["probe-changed"] = "probe-changed"
     action: str
     old: Any
@@ -153,8 +198,12 @@ Event = Annotated[
     Ready
     | DeviceAdded
     | DeviceRemoved
+    | DeviceChanged
     | DriverChanged
     | IommuGroupChanged
+    | VgpuChanged
+    | DeviceError
+    | GpuWedged
     | NodeAdded
     | NodeRemoved
     | ProbeChanged
@@ -170,7 +219,8 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 EVENT_TYPES: frozenset[str] = frozenset(
     m.model_fields["type"].default
     for m in (
-        Ready, DeviceAdded, DeviceRemoved, DriverChanged, IommuGroupChanged, NodeAdded,
+        Ready, DeviceAdded, DeviceRemoved, DeviceChanged, DriverChanged, IommuGroupChanged,
+        VgpuChanged, DeviceError, GpuWedged, NodeAdded,
         NodeRemoved, ProbeChanged, Resync, SwitchStarted, SwitchCompleted, SwitchRefused,
         SwitchFailed,
     )
@@ -200,5 +250,7 @@ def json_schema() -> dict[str, Any]:
             required = definition.setdefault("required", [])
             definition["required"] = ["seq", "time", "type", *[r for r in required if r not in
                                                               ("seq", "time", "type")]]
+        elif props:
+            # Every field is serialised, defaults included (the PCI function's newer fields).
+            definition["required"] = list(props)
     return schema
-

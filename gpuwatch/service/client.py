@@ -196,13 +196,16 @@ class Client:
                 yield event
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-               timeout: float | None = None, tolerant: bool | None = None) -> Any:
+               timeout: float | None = None, tolerant: bool | None = None,
+               force: bool | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return self.call("switch", _params(mode=mode, addr=addr, vendor=vendor, timeout=timeout,
-                                           tolerant=tolerant), timeout=wait)
+                                           tolerant=tolerant, force=force or None), timeout=wait)
 
-    def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None) -> Any:
-        return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+    def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
+             force: bool | None = None) -> Any:
+        return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
+                                         force=force or None))
 
     def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
@@ -309,15 +312,18 @@ class AsyncClient:
                 yield event
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-                     timeout: float | None = None, tolerant: bool | None = None) -> Any:
+                     timeout: float | None = None, tolerant: bool | None = None,
+                     force: bool | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return await self.call("switch", _params(mode=mode, addr=addr, vendor=vendor,
-                                                 timeout=timeout, tolerant=tolerant),
+                                                 timeout=timeout, tolerant=tolerant,
+                                                 force=force or None),
                                timeout=wait)
 
     async def plan(self, mode: str, *, addr: str | None = None,
-                   vendor: str | None = None) -> Any:
-        return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+                   vendor: str | None = None, force: bool | None = None) -> Any:
+        return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
+                                               force=force or None))
 
     async def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return await self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)

@@ -24,9 +24,10 @@ from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
+from gpuwatch.core.uevent_facts import uevent_facts
+from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
 from gpuwatch.watch.subscription import Subscription
@@ -35,6 +36,7 @@ _log = logging.getLogger("gpuwatch.watch")
 
 DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
+DEFAULT_VGPU_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
 #: Events applied between two chances for other tasks to run (requests, subscribers).
 PUMP_SLICE = 256
@@ -64,8 +66,10 @@ class Watcher:
         reconcile_interval: float,
         cdi_poll_interval: float,
         subscriber_buffer: int,
+        vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
     ) -> None:
         self.model = model
+        self._vgpu_poll_interval = vgpu_poll_interval
         self.source = source
         self._log = log
         self._reconcile_interval = reconcile_interval
@@ -248,6 +252,10 @@ class Watcher:
             if key in full and event.action in _DRIVER_ACTIONS:
                 event = event._replace(action="change")
             observations.extend(observe(paths, tables, event))
+        # What only the uevents say (error recovery, wedges, fresh binds): every one, in the
+        # kernel's order, after the reads that brought their functions into the model.
+        for event in batch:
+            observations.extend(uevent_facts(event))
         return observations
 
     async def _poll_cdi(self) -> None:
@@ -258,6 +266,21 @@ class Watcher:
             if seen != self.model.state.cdi:
                 async with self._lock:
                     self.apply([seen])
+
+    async def poll_vgpus(self) -> int:
+        """Re-read the vGPU files of the functions that have them (no uevent announces a new
+        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
+        addrs = self.model.state.vgpu_addrs()
+        if not addrs:
+            return 0
+        seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
+        async with self._lock:
+            return len(self.apply([seen]))
+
+    async def _poll_vgpu(self) -> None:
+        while True:
+            await anyio.sleep(self._vgpu_poll_interval)
+            await self.poll_vgpus()
 
     async def _reconcile(self) -> None:
         while True:
@@ -270,6 +293,8 @@ class Watcher:
             tg.start_soon(self._poll_cdi, name="gpuwatch-cdi")
         if self._reconcile_interval > 0:
             tg.start_soon(self._reconcile, name="gpuwatch-reconcile")
+        if self._vgpu_poll_interval > 0:
+            tg.start_soon(self._poll_vgpu, name="gpuwatch-vgpu")
 
     def _close(self) -> None:
         self._closed = True
@@ -280,7 +305,7 @@ class Watcher:
 
 @asynccontextmanager
 async def open_watcher(
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     source: str | EventSource = "auto",
     *,
     config: str | os.PathLike[str] | Tables | None = None,
@@ -291,13 +316,15 @@ async def open_watcher(
     cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
+    vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
 
     The source is bound *before* the scan, so a change made while the scan runs arrives as
     an event afterwards rather than being lost between the two.
     """
-    tables = config if isinstance(config, Tables) else load_tables(config)
+    tables = tables_in_force(config)
+    root = root_in_force(root, config)
     src = (
         source
         if not isinstance(source, str)
@@ -322,6 +349,7 @@ async def open_watcher(
             reconcile_interval=reconcile_interval,
             cdi_poll_interval=cdi_poll_interval,
             subscriber_buffer=subscriber_buffer,
+            vgpu_poll_interval=vgpu_poll_interval,
         )
         watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
         try:
