@@ -52,7 +52,7 @@ from gpuwatch.core.plan import (
     plan_switch,
     unbind_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.errors import (
     DeviceNotFound,
     GroupBusy,
@@ -364,7 +364,7 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
 
     async def _scan(self, scope: NodeScope, deadline: float,
-                    plan: SwitchPlan) -> list[ev.Holding]:
+                    plan: SwitchPlan) -> list[Holding]:
         timeout = max(0.1, min(self.scan_timeout, deadline - time.monotonic()))
         try:
             return await call_bounded(lambda: scan_holders(self.root, scope), timeout,
@@ -458,7 +458,7 @@ class SwitchEngine:
         )
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
-                 holders: Sequence[ev.Holding]) -> None:
+                 holders: Sequence[Holding]) -> None:
         _log.warning("switch of group %s refused: %s", group, reason)
         self._publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
                                                reason=reason, holders=list(holders))])

@@ -20,7 +20,15 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.core.events import LogDegraded, LogGap, Ready, Resync, Stopped, format_event_time
+from gpuwatch.core.events import (
+    LogDegraded,
+    LogGap,
+    Ready,
+    Resync,
+    Stopped,
+    format_event_time,
+    stamp,
+)
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
@@ -193,14 +201,8 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
-        now = format_event_time()
-        for event in events:
-            self._seq += 1
-            # Straight into the instance dict: pydantic's __setattr__ machinery is a tenth of
-            # an event's cost, and these two fields are ours to set once.
-            fields = event.__dict__
-            fields["seq"] = self._seq
-            fields["time"] = now
+        stamp(events, self._seq + 1, format_event_time())
+        self._seq += len(events)
         lines: Sequence[str] = ()
         if self._log is not None or self.batch_listeners:  # serialised once, for everyone
             lines = [event.model_dump_json() for event in events]
