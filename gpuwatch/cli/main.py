@@ -32,6 +32,8 @@ SUBCOMMANDS = (
     "recover_cmd",
     "holders_cmd",
     "ensure_cdi_cmd",
+    "service_cmd",
+    "health_cmd",
 )
 
 
