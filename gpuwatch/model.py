@@ -6,21 +6,27 @@ The state is pure; this facade adds the root it was read from and the two live p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatch.config import Tables, load_tables
 from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode
 from gpuwatch.core.observations import NodeStat
-from gpuwatch.core.pci import normalize_addr
+from gpuwatch.core.pci import canonical_addr, parse_addr
+from gpuwatch.core.plan import SwitchPlan, example_card, find_card, plan_switch, step_json
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import WATCHED_PROBES, HostState
-from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.core.tables import Tables
+from gpuwatch.errors import DeviceNotFound, SwitchRefused, UsageError
 from gpuwatch.hostfs import procfs
+from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
+from gpuwatch.hostfs.wedge import wedge_detected
+from gpuwatch.settings import load_tables
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -28,6 +34,7 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "detect-gpu": (),
     "detect-amd-gpu": (),
     "amd-gfx-version": (),
+    "amd-gfx-target": (),
     "detect-host-devices": (),
     "memlock": (),
     "vfio-group-accessible": ("group",),
@@ -73,10 +80,7 @@ def check_params(
         parse_vendor(vendor)
     if addr is None:
         return None
-    norm = normalize_addr(addr)
-    if norm is None:
-        raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
-    return norm
+    return parse_addr(addr)
 
 
 class HostModel:
@@ -99,7 +103,7 @@ class HostModel:
             "group-in-mode": lambda g, a, m: group_in_mode(
                 self.state.group_members(self.function(a).addr), _as_mode(m)
             ),
-            "wedge-detected": lambda g, a, m: _wedge_detected(self.paths.root),
+            "wedge-detected": lambda g, a, m: wedge_detected(self.paths.root),
         }
 
     @property
@@ -141,7 +145,7 @@ class HostModel:
         return handler(group, addr, mode)
 
     def function(self, addr: str | None) -> PciFunction:
-        norm = normalize_addr(addr or "")
+        norm = canonical_addr(addr or "")
         fn = self.state.functions.get(norm or "")
         if fn is None:
             raise DeviceNotFound(f"no PCI function {addr} on this host")
@@ -162,23 +166,47 @@ class HostModel:
     def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None) -> Any:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
         it reads holders and modules). A refusal raises `SwitchRefused`."""
-        from gpuwatch.core.plan import step_json
-        from gpuwatch.switch.planning import plan_for_host
-
         plan = plan_for_host(self, mode, addr=addr, vendor=vendor)
         if plan.example:
             logging.getLogger("gpuwatch.switch").warning("plan: %s", plan.notes[0])
         if plan.refusal is not None:
-            from gpuwatch.switch.errors import SwitchRefused
-
             raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
         return [step_json(s) for s in plan.steps]
 
 
-def _wedge_detected(root: str) -> bool:
-    from gpuwatch.switch.wedge import wedge_detected
+def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
+                  vendor: str | None = None, euid: int | None = None,
+                  which: Callable[[str], str | None] | None = None) -> SwitchPlan:
+    """The plan for the named card, from facts read now; for the documented example card
+    when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
+    paths, state = model.paths, model.state
+    try:
+        _card, members = find_card(state, addr=addr, vendor=vendor)
+    except DeviceNotFound:
+        members, facts = example_card(mode)
+        return plan_switch(members, mode, dataclasses.replace(facts, root=paths.root),
+                           example=True)
+    facts = gather_facts_now(paths, state, members, mode,
+                             euid=os.geteuid() if euid is None else euid,
+                             which=which or shutil.which)
+    return plan_switch(members, mode, facts)
 
-    return wedge_detected(root)
+
+def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | None = None,
+                   euid: int | None = None) -> dict[str, Any]:
+    """Who holds the card's nodes (``/dev/nvidia*``, its DRI and sound nodes, /dev/vfio/N)."""
+    paths, state = model.paths, model.state
+    card, members = find_card(state, addr=addr, vendor=vendor)
+    complete = (os.geteuid() if euid is None else euid) == 0
+    holders = card_holders(paths, state, members)
+    return {
+        "addr": card.addr,
+        "group": card.iommu_group,
+        "complete": complete,
+        "holders": [h.model_dump() for h in holders],
+        "note": "" if complete else ("not root: processes of other users cannot be seen, the "
+                                     "list may be incomplete"),
+    }
 
 
 def _as_mode(mode: str | None) -> Mode:
@@ -213,4 +241,13 @@ def probe(
     return scan(root, config).probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
 
-__all__ = ["ACTIONS", "WATCHED_PROBES", "HostModel", "check_params", "probe", "scan"]
+__all__ = [
+    "ACTIONS",
+    "WATCHED_PROBES",
+    "HostModel",
+    "check_params",
+    "holders_report",
+    "plan_for_host",
+    "probe",
+    "scan",
+]

@@ -55,6 +55,8 @@ class GpuReport(BaseModel):
 class StatusReport(BaseModel):
     iommu: IommuReport
     vfio_pci_loaded: bool
+    #: detect-gpu: nvidia loaded, CDI reachable and a display function bound to nvidia.
+    nvidia_usable: bool
     memlock: MemlockReport
     gpus: list[GpuReport]
 
@@ -134,6 +136,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
             hint=iommu_hint(vfio.iommu_enabled, vfio.iommu_kind),
         ),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
+        nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
         gpus=gpus,
     )
@@ -159,6 +162,10 @@ def render_status(report: StatusReport) -> str:
     lines.append(
         f"vfio-pci: {'loaded' if report.vfio_pci_loaded else 'not loaded (modprobe vfio-pci)'}"
     )
+    lines.append("NVIDIA:   " + ("usable (nvidia loaded, CDI reachable, a GPU on nvidia)"
+                                 if report.nvidia_usable else
+                                 "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, "
+                                 "and a GPU on nvidia)"))
     ml = report.memlock
     lines.append(f"memlock:  {_fmt_bytes(ml.soft)} (hard {_fmt_bytes(ml.hard)}): {ml.verdict}")
     if ml.hint and ml.verdict == "too low":

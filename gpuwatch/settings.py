@@ -1,26 +1,34 @@
-"""The daemon's settings: every ``gpuwatch watch`` option, from flag, environment, file or default.
+"""Settings, the one module that owns them: every option from flag, environment, file or
+default, and the data tables (embedded, or overridden from the same file).
 
 Precedence, highest first: a command-line flag, an environment variable ``GPUWATCH_<KEY>``
 (``GPUWATCH_LOG_KEEP=3``), the config file (``--config FILE``, else ``$GPUWATCH_CONFIG``,
-else ``/etc/gpuwatch/config.yaml`` when it exists), the default. The config file also holds
-the data tables (`gpuwatch.config`); both loaders accept each other's keys and nothing else,
-so a typo is reported instead of silently ignored.
+else ``/etc/gpuwatch/config.yaml`` when it exists), the default. The config file holds the
+options and the data tables (`Tables`); a key that is neither is reported instead of
+silently ignored.
 
-Every bad value is a `ConfigError` whose one-line message names the key and where it came
-from; the CLI turns it into exit 2.
+Tables are data, not code, so operators can teach gpuwatch a new vendor or device node
+without a release. Every bad value is a `ConfigError` whose one-line message names the key
+and where it came from; the CLI turns it into exit 2. PyYAML and pydantic are imported on
+first use only: ``import gpuwatch`` and ``gpuwatch --help`` stay lean.
 """
 
 from __future__ import annotations
 
+import grp
 import ipaddress
 import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from gpuwatch.config import ConfigError, Tables, load_tables, read_config_file
+from gpuwatch.core.tables import TABLE_KEYS
+from gpuwatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gpuwatch.core.tables import Tables
 
 DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
 ENV_PREFIX = "GPUWATCH_"
@@ -116,7 +124,7 @@ SETTINGS: tuple[Setting, ...] = (
 )
 BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
 
-#: The non-table keys a config file may hold (`gpuwatch.config` accepts these too).
+#: The non-table keys a config file may hold.
 SETTING_KEYS: tuple[str, ...] = tuple(s.key for s in SETTINGS)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -290,8 +298,6 @@ def load_settings(
 def _with_groups(settings: WatchSettings) -> WatchSettings:
     from dataclasses import replace
 
-    from gpuwatch.service.peers import GroupNotFound, default_socket_gid, resolve_group
-
     gids: dict[str, int | None] = {}
     for key in ("socket_group", "switch_group"):
         name = getattr(settings, key)
@@ -309,16 +315,145 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
     return replace(settings, socket_gid=gids["socket_group"], switch_gid=gids["switch_group"])
 
 
+# --------------------------------------------------------------------------- groups
+
+#: Default group allowed to read through the socket, when it exists on the host.
+DEFAULT_SOCKET_GROUP = "gpuwatch"
+
+
+class GroupNotFound(LookupError):
+    """A group named in the settings does not exist on this host."""
+
+
+def resolve_group(name: str | int) -> int:
+    """A group name or number as a gid; numbers need not exist in the database."""
+    if isinstance(name, int):
+        return name
+    text = name.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise GroupNotFound(f"group {text!r} does not exist on this host") from None
+
+
+def default_socket_gid() -> int | None:
+    """The ``gpuwatch`` group when the host has one, else None (root only)."""
+    try:
+        return grp.getgrnam(DEFAULT_SOCKET_GROUP).gr_gid
+    except KeyError:
+        return None
+
+
+# --------------------------------------------------------------------------- the file and tables
+
+
+def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
+    import yaml  # first use only: a lean `import gpuwatch`
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys at the top level")
+    return data
+
+
+def embedded_tables_raw() -> dict[str, Any]:
+    from importlib import resources
+
+    text = resources.files("gpuwatch").joinpath("data/tables.yaml").read_text(encoding="utf-8")
+    return _load_yaml_mapping(text, "embedded tables")
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The raw mapping of a config file; every failure is a one-line `ConfigError`."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc}") from None
+    return _load_yaml_mapping(text, str(path))
+
+
+def build_tables(overrides: Mapping[str, Any], where: str = "config") -> Tables:
+    """Embedded tables with each given key replacing the embedded one whole."""
+    from pydantic import ValidationError
+
+    from gpuwatch.core.tables import Tables
+
+    merged = embedded_tables_raw()
+    for key in TABLE_KEYS:
+        if key in overrides:
+            merged[key] = overrides[key]
+    try:
+        return Tables.model_validate(merged)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"{where}: {loc}: {err['msg']}") from None
+
+
+def load_tables(config: str | os.PathLike[str] | Tables | None = None) -> Tables:
+    """The tables in force: embedded, or overridden key by key from ``config``.
+
+    Unknown top-level keys are reported rather than ignored: a typo like ``gpu_vendor``
+    would otherwise silently do nothing. Tables given as such are returned as they are.
+    """
+    if config is None:
+        return default_tables()
+    if not isinstance(config, str | os.PathLike):
+        return config
+    raw = read_config_file(config)
+    return build_tables(_only_table_keys(raw, str(config)), str(config))
+
+
+def _only_table_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(raw) - set(TABLE_KEYS) - set(SETTING_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
+    return {k: v for k, v in raw.items() if k in TABLE_KEYS}
+
+
+_DEFAULT: Tables | None = None
+
+
+def default_tables() -> Tables:
+    """The embedded tables, parsed once on first use."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = build_tables({}, "embedded tables")
+    return _DEFAULT
+
+
 __all__ = [
     "CONFIG_ENV",
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_SOCKET_GROUP",
     "ENV_PREFIX",
     "SETTINGS",
     "SETTING_KEYS",
+    "TABLE_KEYS",
+    "ConfigError",
+    "GroupNotFound",
     "InvalidListenAddress",
     "Setting",
     "WatchSettings",
+    "build_tables",
     "config_file_path",
+    "default_socket_gid",
+    "default_tables",
     "load_settings",
+    "load_tables",
     "parse_listen_address",
+    "read_config_file",
+    "resolve_group",
 ]

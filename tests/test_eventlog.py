@@ -19,13 +19,13 @@ from typing import Any, cast
 import pytest
 
 from gpuwatch.cli import events_cmd
+from gpuwatch.core.events import format_event_time
 from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import (
     EventLog,
     EventLogClosedError,
     afollow_events,
     follow_events,
-    format_event_time,
     last_seq_in,
     read_events,
     read_records,

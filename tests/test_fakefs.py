@@ -8,11 +8,11 @@ import pytest
 from pyfakefs.fake_filesystem import FakeFilesystem
 
 import gpuwatch
-from gpuwatch.config import default_tables
 from gpuwatch.core.observations import PciGone, PciSeen
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.hostfs.scan import HostPaths, observe, read_function
+from gpuwatch.settings import default_tables
 from gpuwatch.testing import SysRoot, example_gpu_host
 
 NV, NIC = "0000:01:00.0", "0000:02:00.0"

@@ -150,6 +150,7 @@ def test_cdi_decision_table(
         tool.write_text("#!/bin/sh\n")
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", str(bindir))
+    empty_host.add_function("0000:01:00.0", driver="nvidia", iommu_group=1)
     if module:
         empty_host.add_module("nvidia")
     if etc:
@@ -453,9 +454,9 @@ def test_hostile_tree_never_fails_a_probe(host: SysRoot) -> None:
 
 
 def test_function_vanishing_mid_read_is_a_removal(host: SysRoot) -> None:
-    from gpuwatch.config import default_tables
     from gpuwatch.core.observations import PciGone
     from gpuwatch.hostfs.scan import HostPaths, read_function
+    from gpuwatch.settings import default_tables
 
     devpath = host.devpath(NIC)
     host.remove_function(NIC)

@@ -13,8 +13,14 @@ from typing import Any
 import pytest
 
 from gpuwatch.cli.main import main
-from gpuwatch.config import ConfigError, load_tables
-from gpuwatch.settings import SETTING_KEYS, SETTINGS, WatchSettings, load_settings
+from gpuwatch.settings import (
+    SETTING_KEYS,
+    SETTINGS,
+    ConfigError,
+    WatchSettings,
+    load_settings,
+    load_tables,
+)
 from gpuwatch.testing import SysRoot
 
 REPO = Path(__file__).resolve().parent.parent

@@ -70,6 +70,7 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="nvidia") == 1
             assert value(s, "gpuwatch_gpus", vendor="Intel", mode="host driver") == 1
             assert value(s, "gpuwatch_pci_functions") == 7
+            assert value(s, "gpuwatch_nvidia_gpu_usable") == 1
             assert value(s, "gpuwatch_events_total", type="ready") == 1
             assert value(s, "gpuwatch_last_event_seq") == 1
 
@@ -108,7 +109,9 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="vfio") == 1
             assert value(s, "gpuwatch_gpus", vendor="NVIDIA", mode="nvidia") is None  # gone, not 0
             assert value(s, "gpuwatch_events_total", type="driver-changed") == 2
-            assert value(s, "gpuwatch_events_total", type="probe-changed") == 2
+            # detect-vfio twice, and the card leaving nvidia: detect-gpu, detect-host-devices
+            assert value(s, "gpuwatch_events_total", type="probe-changed") == 4
+            assert value(s, "gpuwatch_nvidia_gpu_usable") == 0
             assert value(s, "gpuwatch_resyncs_total", reason="reconcile") == 1
             assert value(s, "gpuwatch_switches_total", outcome="completed") == 1
             assert value(s, "gpuwatch_switches_total", outcome="refused") == 1

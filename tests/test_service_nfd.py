@@ -94,13 +94,20 @@ async def test_rewritten_on_a_change_and_only_then(host: SysRoot, tmp_path: Path
         second = identity(path)
         assert second[0] != first[0]  # a new inode: written aside, then renamed over
         assert parse(path)[0]["gpuwatch.gpu.vfio.count"] == "1"
+        # No display function is left on nvidia: no usable NVIDIA GPU, whatever CDI says.
+        assert parse(path)[0]["gpuwatch.nvidia.cdi"] == "false"
         assert not [p for p in features.iterdir() if p.name != "gpuwatch"]  # no temp file left
 
+        await bind(w, source, host, NV, "nvidia")
+        with anyio.fail_after(5):
+            while nfd.writes < 3:
+                await anyio.sleep(0.01)
+        assert parse(path)[0]["gpuwatch.nvidia.cdi"] == "true"
         # The CDI spec goes away: detect-gpu flips, so does gpuwatch.nvidia.cdi.
         host.remove_cdi_spec("etc")
         w.apply([read_cdi(w.paths)])  # what the watcher's CDI poll does
         with anyio.fail_after(5):
-            while nfd.writes < 3:
+            while nfd.writes < 4:
                 await anyio.sleep(0.01)
         assert parse(path)[0]["gpuwatch.nvidia.cdi"] == "false"
         tg.cancel_scope.cancel()

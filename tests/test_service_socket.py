@@ -22,9 +22,17 @@ from cli_helpers import run_cli
 
 from gpuwatch.cli.daemon import DaemonLost, ask_daemon
 from gpuwatch.core.events import NodeAdded, ProbeChanged
-from gpuwatch.errors import DeviceNotFound
+from gpuwatch.errors import (
+    DeviceNotFound,
+    GroupBusy,
+    GroupPoisoned,
+    NotPrivileged,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+)
 from gpuwatch.jsonout import jsonable
-from gpuwatch.model import ACTIONS
+from gpuwatch.model import ACTIONS, holders_report, plan_for_host
 from gpuwatch.service import protocol as P
 from gpuwatch.service.client import (
     AsyncClient,
@@ -39,15 +47,6 @@ from gpuwatch.service.peers import PeerCred
 from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
 from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.switch.errors import (
-    GroupBusy,
-    GroupPoisoned,
-    NotPrivileged,
-    SwitchFailed,
-    SwitchRefused,
-    SwitchWedged,
-)
-from gpuwatch.switch.planning import holders_report, plan_for_host
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import EventLog
 
@@ -228,7 +227,8 @@ async def test_subscribe_streams_filtered_events(
         )
         assert reply == {"id": 1, "result": {"seq": 1, "complete": True}}
         assert (await everything.request("subscribe"))["result"]["seq"] == 1
-        await toggle(served, host, NV, "nvidia")  # driver-changed + probe-changed
+        # driver-changed + probe-changed detect-gpu, detect-vfio, detect-host-devices
+        await toggle(served, host, NV, "nvidia")
         await toggle(served, host, NIC, "igb")
         got = await only_nic.line()
         assert (got["type"], got["addr"], got["old"], got["new"]) == (
@@ -240,11 +240,12 @@ async def test_subscribe_streams_filtered_events(
         assert got["seq"] == served.watcher.seq
         seen = [await everything.line() for _ in range(served.watcher.seq - 1)]
         assert [e["seq"] for e in seen] == list(range(2, served.watcher.seq + 1))
-        assert [e["type"] for e in seen] == ["driver-changed", "probe-changed", "driver-changed"]
+        assert [e["type"] for e in seen] == ["driver-changed", *["probe-changed"] * 3,
+                                             "driver-changed"]
         # A subscribed connection still answers requests, the reply told apart by its "id".
         assert (await only_nic.request("probe", {"action": "detect-gpu"}, rid=9)) == {
             "id": 9,
-            "result": True,
+            "result": False,  # the only NVIDIA GPU left nvidia
         }
         again = await only_nic.request("subscribe", rid=10)
         assert again["error"]["code"] == P.ALREADY_SUBSCRIBED

@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatch.config import default_tables
 from gpuwatch.core.events import (
     DeviceAdded,
     DeviceRemoved,
@@ -31,6 +30,7 @@ from gpuwatch.core.observations import (
 )
 from gpuwatch.core.state import HostState
 from gpuwatch.jsonout import jsonable
+from gpuwatch.settings import default_tables
 
 TABLES = default_tables()
 ST = NodeStat(mode=0o660, uid=0, gid=0)
@@ -98,7 +98,10 @@ def test_bind_and_unbind_emit_driver_changes_and_update_answers() -> None:
     events = state.apply(fn(GPU, driver=""))
     assert events[0] == DriverChanged(addr=GPU, old="nvidia", new="")
     assert isinstance(events[1], ProbeChanged) and events[1].action == "detect-vfio"
-    assert events[1].old is vfio_before
+    # Only what changed: the one GPU entry, before and after; the IOMMU fields did not change.
+    assert events[1].old == {"gpus": [vfio_before.gpus[0]]}
+    assert events[1].old["gpus"][0] is vfio_before.gpus[0]
+    assert events[1].new == {"gpus": [state.answer("detect-vfio").gpus[0]]}
     assert state.answer("detect-vfio").gpus[0].driver == ""
     events = state.apply(fn(GPU, driver="vfio-pci"))
     assert events[0] == DriverChanged(addr=GPU, old="", new="vfio-pci")
@@ -173,7 +176,8 @@ def test_detect_gpu_follows_module_and_cdi() -> None:
     host_devices = [
         e for e in events if isinstance(e, ProbeChanged) and e.action == "detect-host-devices"
     ]
-    assert host_devices[0].new.gpu is True
+    assert host_devices[0].new == {"gpu": True}
+    assert host_devices[0].old == {"gpu": False}
     events = state.apply(CdiSeen(False, False, False))
     assert ("detect-gpu", True, False) in [(e.action, e.old, e.new) for e in events]  # type: ignore[attr-defined]
     assert state.apply(ModuleSeen("snd", True)) == []
@@ -221,7 +225,8 @@ def test_kfd_change() -> None:
     state = base_state()
     events = state.apply(KfdSeen(((0, 0), (1, 110000))))
     assert [(e.action, e.new) for e in events if isinstance(e, ProbeChanged)] == [
-        ("amd-gfx-version", "11.0.0")
+        ("amd-gfx-version", "11.0.0"),
+        ("amd-gfx-target", "gfx1100"),
     ]
 
 
@@ -272,13 +277,77 @@ def base_state_functions() -> list[PciSeen]:
 
 
 def test_address_and_driver_checks_are_full_matches() -> None:
-    from gpuwatch.core.pci import is_driver_name, is_pci_addr, normalize_addr
+    from gpuwatch.core.pci import canonical_addr, is_driver_name, is_pci_addr
 
     assert is_pci_addr("0000:01:00.0") and not is_pci_addr("0000:01:00.0\n")
     assert (
-        normalize_addr("0000:0A:00.1") == "0000:0a:00.1"
-        and normalize_addr("0000:0a:00.1\n") is None
+        canonical_addr("0000:0A:00.1") == "0000:0a:00.1"
+        and canonical_addr("0000:0a:00.1\n") is None
     )
     assert (
         is_driver_name("vfio-pci") and not is_driver_name("nvidia\n") and not is_driver_name("..")
     )
+
+
+# --------------------------------------------------------------------------- probe-changed deltas
+
+
+def apply_vfio_delta(answer: dict[str, object], change: ProbeChanged) -> dict[str, object]:
+    """What a consumer does with a detect-vfio probe-changed: patch its copy of the answer."""
+    patched = {**answer, **{k: v for k, v in change.new.items() if k != "gpus"}}
+    gpus = {g["addr"]: g for g in patched["gpus"]}  # type: ignore[attr-defined]
+    for gone in change.old.get("gpus", []):
+        gpus.pop(gone.addr, None)
+    for now in change.new.get("gpus", []):
+        gpus[now.addr] = jsonable(now)
+    patched["gpus"] = [gpus[a] for a in sorted(gpus)]
+    return patched
+
+
+def test_vfio_delta_names_added_changed_and_removed_gpus_only() -> None:
+    many = [fn(f"0000:{bus:02x}:00.0", group=bus) for bus in range(1, 65)]
+    state = HostState(TABLES, snapshot(*many))
+    copy = jsonable(state.answer("detect-vfio"))
+    observations = [
+        fn("0000:05:00.0", driver="vfio-pci", group=5),  # changed
+        PciGone("0000:06:00.0"),  # removed
+        fn("0000:99:00.0", group=99),  # added
+        fn("0000:07:00.0", group=7),  # unchanged
+    ]
+    changes = [e for e in state.apply(observations) if isinstance(e, ProbeChanged)]
+    vfio = [e for e in changes if e.action == "detect-vfio"]
+    assert len(vfio) == 1
+    change = vfio[0]
+    assert [g.addr for g in change.old["gpus"]] == ["0000:05:00.0", "0000:06:00.0"]
+    assert [g.addr for g in change.new["gpus"]] == ["0000:05:00.0", "0000:99:00.0"]
+    assert set(change.new) == {"gpus"}  # the IOMMU fields did not change
+    assert apply_vfio_delta(copy, change) == jsonable(state.answer("detect-vfio"))
+
+
+def test_vfio_delta_size_does_not_grow_with_the_gpus_present() -> None:
+    sizes = []
+    for n in (8, 256):
+        state = HostState(TABLES, snapshot(*(fn(f"0000:{b >> 4:02x}:{b & 15:02x}.0", group=b)
+                                             for b in range(1, n + 1))))
+        events = state.apply(fn("0000:00:01.0", driver="", group=1))
+        vfio = [e for e in events if isinstance(e, ProbeChanged) and e.action == "detect-vfio"]
+        sizes.append(len(vfio[0].model_dump_json()))
+    assert sizes[0] == sizes[1]
+
+
+def test_vfio_delta_reports_the_iommu_fields_and_a_group_move_of_a_member() -> None:
+    state = base_state()
+    events = state.apply(IommuSeen(enabled=True, kind="amd"))
+    change = next(e for e in events if isinstance(e, ProbeChanged))
+    assert (change.old, change.new) == ({"iommu_kind": "intel"}, {"iommu_kind": "amd"})
+    # The audio function leaves the GPU's group: the GPU entry's members change.
+    events = state.apply(fn(AUDIO, "snd_hda_intel", group=9, klass="0x0403"))
+    change = next(e for e in events if isinstance(e, ProbeChanged) and e.action == "detect-vfio")
+    assert [len(g.group_members) for g in change.old["gpus"]] == [2]
+    assert [len(g.group_members) for g in change.new["gpus"]] == [1]
+
+
+def test_a_rebuilt_but_equal_gpu_entry_is_no_change() -> None:
+    state = base_state()
+    events = state.apply([fn(GPU, driver=""), fn(GPU)])
+    assert not [e for e in events if isinstance(e, ProbeChanged)]

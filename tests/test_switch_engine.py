@@ -17,9 +17,8 @@ from pydantic import BaseModel
 
 from gpuwatch.core import events as ev
 from gpuwatch.core.plan import step_json
-from gpuwatch.errors import DeviceNotFound, UsageError
-from gpuwatch.switch.engine import SwitchResult, ensure_cdi
-from gpuwatch.switch.errors import (
+from gpuwatch.errors import (
+    DeviceNotFound,
     GroupBusy,
     GroupPoisoned,
     NotPrivileged,
@@ -29,7 +28,9 @@ from gpuwatch.switch.errors import (
     SwitchWedged,
     UnsafeName,
     UnsafeStep,
+    UsageError,
 )
+from gpuwatch.switch.engine import SwitchResult, ensure_cdi
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
 

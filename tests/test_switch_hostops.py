@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.switch import hostops
-from gpuwatch.switch.errors import HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.switch.hostops import (
     RealHostOps,
     check_command,

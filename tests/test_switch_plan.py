@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatch.config import default_tables
 from gpuwatch.core.events import Holding
 from gpuwatch.core.plan import (
     CLEAR_OVERRIDE,
@@ -20,9 +19,9 @@ from gpuwatch.core.plan import (
 )
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import HostState
-from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 from gpuwatch.hostfs.scan import HostPaths, scan
-from gpuwatch.switch.errors import UnsafeName
+from gpuwatch.settings import default_tables
 from gpuwatch.testing import SysRoot
 
 NV, AUDIO = "0000:01:00.0", "0000:01:00.1"

@@ -93,11 +93,17 @@ async def test_gpu_bind_sequence_and_probe_changes(host: SysRoot) -> None:
     async with harness_for(host) as harness:
         h = harness
         h.host.unbind(NV)
-        got = await h.send("unbind", NV, expect=2)
+        # The only NVIDIA GPU leaves nvidia: detect-gpu turns false with it.
+        got = await h.send("unbind", NV, expect=4)
         assert strip(got)[0] == {"type": "driver-changed", "addr": NV, "old": "nvidia", "new": ""}
-        assert got[1]["type"] == "probe-changed" and got[1]["action"] == "detect-vfio"
-        assert got[1]["old"]["gpus"][1]["driver"] == "nvidia"
-        assert got[1]["new"]["gpus"][1]["driver"] == ""
+        assert strip(got)[1] == {"type": "probe-changed", "action": "detect-gpu", "old": True,
+                                 "new": False}
+        assert got[2]["type"] == "probe-changed" and got[2]["action"] == "detect-vfio"
+        # Only the GPU entry that changed, never the whole list; unchanged fields are absent.
+        assert [(g["addr"], g["driver"]) for g in got[2]["old"]["gpus"]] == [(NV, "nvidia")]
+        assert [(g["addr"], g["driver"]) for g in got[2]["new"]["gpus"]] == [(NV, "")]
+        assert set(got[2]["new"]) == {"gpus"}
+        assert got[3]["action"] == "detect-host-devices" and got[3]["new"] == {"gpu": False}
         assert got[1]["seq"] == got[0]["seq"] + 1
         h.host.bind(NV, "vfio-pci")
         await h.send("bind", NV, expect=2)

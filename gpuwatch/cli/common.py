@@ -7,10 +7,10 @@ import os
 import sys
 from typing import NoReturn
 
-#: Documented exit codes (docs/cli.md).
-EXIT_OK = 0
-EXIT_FAILURE = 1  # the request was fine but the host said no: not found, not root, refused, failed
-EXIT_USAGE = 2  # the request was wrong: bad flag, bad address, bad config
+# Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
+# request was fine but the host said no (not found, not root, refused, failed), 2 the
+# request was wrong (bad flag, bad address, bad config).
+from gpuwatch.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -73,8 +73,11 @@ def non_negative_seconds(text: str) -> float:
     return seconds(text, allow_zero=True)
 
 
-class UsageProblem(Exception):
+class UsageProblem(UsageError):
     """Raised by a subcommand for a usage error found after parsing (exit 2)."""
+
+
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE"]
 
 
 def fail(message: str, code: int) -> int:

@@ -10,9 +10,8 @@ from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.jsonout import dumps
-from gpuwatch.model import scan
+from gpuwatch.model import holders_report, scan
 from gpuwatch.switch.hostops import make_backend
-from gpuwatch.switch.planning import holders_report
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

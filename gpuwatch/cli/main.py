@@ -14,9 +14,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, UsageProblem, fail
-from gpuwatch.config import ConfigError
-from gpuwatch.errors import GpuwatchError, UsageError
+from gpuwatch.cli.common import EXIT_FAILURE, OneLineParser, fail
+from gpuwatch.errors import GpuwatchError
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
 SUBCOMMANDS = (
@@ -62,10 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
         return code
-    except (UsageError, UsageProblem, ConfigError) as exc:
-        return fail(str(exc), EXIT_USAGE)
-    except GpuwatchError as exc:
-        return fail(str(exc), EXIT_FAILURE)
+    except GpuwatchError as exc:  # UsageError, ConfigError, ...: the code says which exit
+        return fail(str(exc), exc.exit_status)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

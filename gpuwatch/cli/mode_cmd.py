@@ -15,7 +15,6 @@ import anyio
 from gpuwatch.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
-    UsageProblem,
     add_root_args,
     check_root,
     fail,
@@ -24,22 +23,22 @@ from gpuwatch.cli.common import (
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
 from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
-    canonical_addr,
     find_card,
     parse_mode,
     parse_vendor,
 )
 from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import NotPrivileged
+from gpuwatch.host import open_host
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.sources import SourceUnavailable
-from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchEngine, SwitchResult
-from gpuwatch.switch.errors import NotPrivileged
+from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchResult
 from gpuwatch.switch.hostops import Backend, make_backend
 from gpuwatch.switch.poison import PoisonStore
-from gpuwatch.watch.watcher import open_watcher
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,10 +71,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
     """``(addr, vendor)`` from the flags, validated; the vendor defaults to NVIDIA's."""
     if args.addr is not None:
-        addr = canonical_addr(args.addr)
-        if addr is None:
-            raise UsageProblem(f"{args.addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
-        return addr, None
+        return parse_addr(args.addr), None
     return None, parse_vendor(args.vendor if args.vendor is not None else NVIDIA_VENDOR)
 
 
@@ -97,14 +93,14 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
 
 async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str,
                          target: str, mode: Mode | None) -> SwitchResult:
-    """Open a watcher of our own for the switch's duration and run ``action`` in it."""
-    async with open_watcher(args.root, backend.source, config=args.config, log=args.log,
-                            reconcile_interval=0, cdi_poll_interval=0) as watcher:
-        engine = SwitchEngine.attach(watcher, backend.ops, geteuid=backend.geteuid)
+    """Open a host of our own for the switch's duration and run ``action`` in it."""
+    async with open_host(args.root, source=backend.source, config=args.config, log=args.log,
+                         ops=backend.ops, geteuid=backend.geteuid, reconcile_interval=0,
+                         cdi_poll_interval=0) as host:
         if action == "recover":
-            return await engine.recover(target, timeout=args.timeout)
+            return await host.recover(target, timeout=args.timeout)
         assert mode is not None
-        return await engine.switch(target, mode, timeout=args.timeout)
+        return await host.switch(target, mode, timeout=args.timeout)
 
 
 def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: str,

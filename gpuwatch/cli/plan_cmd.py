@@ -16,12 +16,11 @@ from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.core.modes import MODES, Mode
-from gpuwatch.core.plan import find_card, parse_mode
+from gpuwatch.core.plan import default_mode, find_card, parse_mode
 from gpuwatch.errors import DeviceNotFound
 from gpuwatch.jsonout import dumps
-from gpuwatch.model import scan
+from gpuwatch.model import plan_for_host, scan
 from gpuwatch.switch.hostops import make_backend
-from gpuwatch.switch.planning import default_mode, plan_for_host
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

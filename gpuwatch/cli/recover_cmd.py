@@ -17,11 +17,11 @@ from gpuwatch.cli.mode_cmd import (
     target_of,
 )
 from gpuwatch.core.plan import NVIDIA_VENDOR, find_card
+from gpuwatch.errors import NotPrivileged, RebootRequired, SwitchRefused
+from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import scan
 from gpuwatch.switch.engine import DEFAULT_TIMEOUT, SwitchResult
-from gpuwatch.switch.errors import NotPrivileged, RebootRequired, SwitchRefused
 from gpuwatch.switch.hostops import make_backend
-from gpuwatch.switch.wedge import scan_wedge
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,12 +7,12 @@ from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.config import load_tables
 from gpuwatch.hostfs.procfs import memlock
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.report import build_status, render_status
 from gpuwatch.service.remote import RemoteModel
+from gpuwatch.settings import load_tables
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

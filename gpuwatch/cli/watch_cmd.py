@@ -23,10 +23,10 @@ from gpuwatch.cli.common import (
     non_negative_seconds,
     positive_int,
 )
+from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
 from gpuwatch.sources import SourceUnavailable
-from gpuwatch.watch.watcher import open_watcher
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -98,11 +98,11 @@ async def watch(settings: WatchSettings) -> None:
     from gpuwatch.service.daemon import run_services
 
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_watcher(
-            settings.root, settings.source, config=settings.tables(), log=settings.log,
+        async with open_host(
+            settings.root, source=settings.source, config=settings.tables(), log=settings.log,
             log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
             reconcile_interval=settings.reconcile_interval,
-        ) as watcher, run_services(watcher, settings), anyio.create_task_group() as tg:
+        ) as host, run_services(host, settings), anyio.create_task_group() as tg:
 
             async def stop_on_signal() -> None:
                 async for _ in signals:
@@ -110,7 +110,7 @@ async def watch(settings: WatchSettings) -> None:
                     return
 
             tg.start_soon(stop_on_signal)
-            await watcher.source_ended.wait()
+            await host.source_ended.wait()
             tg.cancel_scope.cancel()
 
 

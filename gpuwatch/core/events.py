@@ -6,11 +6,20 @@ hands them out, so the pure core needs no clock and numbering is the log's busin
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from gpuwatch.core.results import PciFunction
+
+
+def format_event_time(when: datetime | None = None) -> str:
+    """RFC 3339 UTC with microseconds (``2026-12-02T17:20:41.123456Z``): fixed width, sortable,
+    and what every log tool parses. The one clock format of events, logs and poison records;
+    the core never calls it without ``when`` (the publisher does)."""
+    moment = datetime.now(UTC) if when is None else when.astimezone(UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class _Event(BaseModel):
@@ -63,6 +72,10 @@ class NodeRemoved(_Event):
 
 
 class ProbeChanged(_Event):
+    """A watched answer changed. Plain answers carry whole ``old``/``new`` values; object
+    answers only the fields that changed, and ``detect-vfio`` only the GPU entries that
+    changed (docs/events.md): an event's size never grows with the host."""
+
     type: Literal["probe-changed"] = "probe-changed"
     action: str
     old: Any

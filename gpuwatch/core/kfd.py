@@ -33,3 +33,24 @@ def first_gfx_version(nodes: Iterable[tuple[int, int]]) -> str:
         if version:
             return format_gfx_version(version)
     return ""
+
+
+def format_gfx_target(value: int) -> str:
+    """The ISA name ROCm gives a ``gfx_target_version`` V: ``gfx{major}{minor:x}{stepping:x}``
+    with major V//10000, minor V//100%100, stepping V%100. 90010 → ``gfx90a`` (MI210),
+    90402 → ``gfx942`` (MI300), 100306 → ``gfx1036``, 110000 → ``gfx1100``; ``""`` for 0.
+
+    Not derivable from `format_gfx_version`: that one drops the stepping, and 9.0.0 is
+    gfx900's override, not an MI210's.
+    """
+    if value <= 0:
+        return ""
+    return f"gfx{value // 10000}{value // 100 % 100:x}{value % 100:x}"
+
+
+def first_gfx_target(nodes: Iterable[tuple[int, int]]) -> str:
+    """`format_gfx_target` of the same node `first_gfx_version` picks."""
+    for _node, version in sorted(nodes):
+        if version:
+            return format_gfx_target(version)
+    return ""

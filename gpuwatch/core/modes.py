@@ -41,8 +41,12 @@ def current_mode(function: PciFunction) -> str:
 
 
 def group_mode(members: Iterable[PciFunction]) -> str:
-    """The operator's view of a group: ``vfio``, ``nvidia``, ``host driver`` or ``mixed``."""
+    """The operator's view of a group: ``vfio``, ``nvidia``, ``unbound`` (no function has a
+    driver: nothing is mixed, it is simply free), ``host driver`` or ``mixed`` (functions on
+    drivers of different modes)."""
     fns = list(members)
+    if fns and not any(fn.driver for fn in fns):
+        return "unbound"
     if group_in_mode(fns, "vfio"):
         return "vfio"
     if group_in_mode(fns, "nvidia"):

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import re
 
-#: Canonical sysfs spelling, lower-case hex. The switch refuses anything else before writing.
-PCI_ADDR_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-#: Accepted on the command line (upper-case hex too); normalised to lower case.
-_PCI_ADDR_LOOSE_RE = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
+from gpuwatch.errors import UsageError
+
+#: Canonical sysfs spelling, lower-case hex: the kernel prints the domain with ``%04x``, so it
+#: is 4 digits, or up to 8 when it does not fit (Intel VMD puts devices in domain ``10000``).
+#: The switch refuses anything else before writing.
+PCI_ADDR_PATTERN = r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+PCI_ADDR_RE = re.compile(PCI_ADDR_PATTERN)
+#: Accepted from users (upper-case hex, a zero-padded domain); normalised by `canonical_addr`.
+_PCI_ADDR_LOOSE_RE = re.compile(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 DRIVER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -16,11 +21,34 @@ def is_pci_addr(name: str) -> bool:
     return PCI_ADDR_RE.fullmatch(name) is not None
 
 
-def normalize_addr(text: str) -> str | None:
-    """The canonical form of a user-given address, or None when it is not one."""
-    if _PCI_ADDR_LOOSE_RE.fullmatch(text) is None:
+def canonical_addr(text: str) -> str | None:
+    """The one parser of user-given addresses: the sysfs spelling of ``text``, or None.
+
+    Hex of either case; a domain of 4 to 8 digits, written the way the kernel names it
+    (``%04x``: ``0000``, ``10000``; a padded ``00010000`` becomes ``10000``). Strict
+    otherwise: no surrounding space, no trailing newline, no short ``BB:DD.F`` form.
+    """
+    m = _PCI_ADDR_LOOSE_RE.fullmatch(text)
+    if m is None:
         return None
-    return text.lower()
+    domain, bus, slot, function = m.groups()
+    return f"{int(domain, 16):04x}:{bus.lower()}:{slot.lower()}.{function}"
+
+
+ADDR_FORMAT = "DDDD:BB:DD.F, hex, a domain of 4 to 8 digits"
+
+
+def parse_addr(text: str) -> str:
+    """`canonical_addr`, or the one `UsageError` every entry point gives for a bad address."""
+    addr = canonical_addr(text)
+    if addr is None:
+        raise UsageError(f"{text!r} is not a PCI address ({ADDR_FORMAT})")
+    return addr
+
+
+def pci_domain_of(addr: str) -> str:
+    """``10000:01:00.0`` → ``10000``: the domain as the kernel spells it."""
+    return addr.rsplit(":", 2)[0]
 
 
 def is_driver_name(name: str) -> bool:

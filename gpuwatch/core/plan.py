@@ -18,11 +18,17 @@ from typing import Any, Literal
 
 from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
-from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_RE, is_gpu_class, normalize_addr
+from gpuwatch.core.pci import (
+    ADDR_FORMAT,
+    DRIVER_NAME_RE,
+    PCI_ADDR_RE,
+    canonical_addr,
+    is_gpu_class,
+    parse_addr,
+)
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import HostState
-from gpuwatch.errors import DeviceNotFound, UsageError
-from gpuwatch.switch.errors import UnsafeName
+from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 
 NVIDIA_VENDOR = "0x10de"
 #: The documented card `gpuwatch plan` uses on a host without a matching one.
@@ -229,12 +235,6 @@ def _driver_of(members: Sequence[PciFunction], addr: str) -> str:
 # --------------------------------------------------------------------------- requests
 
 
-def canonical_addr(text: str) -> str | None:
-    """A user-given address in sysfs spelling, or None. Strict: no trailing newline either."""
-    norm = normalize_addr(text)
-    return norm if norm is not None and PCI_ADDR_RE.fullmatch(norm) else None
-
-
 def parse_mode(text: str | None) -> Mode:
     if text == "vfio":
         return "vfio"
@@ -258,7 +258,8 @@ def parse_target(text: str) -> tuple[str | None, str | None]:
         return addr, None
     if _VENDOR_RE.fullmatch(text):
         return None, parse_vendor(text)
-    raise UsageError(f"{text!r} is neither a PCI address (DDDD:BB:DD.F) nor a vendor id (0x10de)")
+    raise UsageError(f"{text!r} is neither a PCI address ({ADDR_FORMAT}) nor a vendor id "
+                     "(0x10de)")
 
 
 def find_card(state: HostState, *, addr: str | None = None,
@@ -269,9 +270,7 @@ def find_card(state: HostState, *, addr: str | None = None,
     exactly one group: on a host with several such cards, guessing would switch the wrong one.
     """
     if addr is not None:
-        norm = canonical_addr(addr)
-        if norm is None:
-            raise UsageError(f"{addr!r} is not a PCI address (DDDD:BB:DD.F, hex)")
+        norm = parse_addr(addr)
         if norm not in state.functions:
             raise DeviceNotFound(f"no PCI function {norm} on this host")
         members = state.group_members(norm)
@@ -495,6 +494,11 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     return SwitchPlan(**base, steps=tuple(steps), notes=tuple(notes), unloads_nvidia=unloads)
 
 
+def default_mode(members: Sequence[PciFunction]) -> Mode:
+    """With no mode asked for, plan the way out of the current one."""
+    return "vfio" if group_mode(members) == "nvidia" else "nvidia"
+
+
 def holders_reason(holders: Sequence[Holding]) -> str:
     named = ", ".join(f"{h.comm or '?'} (pid {h.pid}) holds {h.node}" for h in holders)
     return f"the card is in use: {named}; close them and retry (gpuwatch never kills them)"
@@ -518,6 +522,7 @@ __all__ = [
     "card_scope",
     "cdi_steps",
     "check_names",
+    "default_mode",
     "example_card",
     "find_card",
     "holder_scope",

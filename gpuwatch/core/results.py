@@ -41,6 +41,7 @@ class HostDevicesResult(_Frozen):
     gpu: bool
     amd_gpu: bool
     amd_gfx_version: str
+    amd_gfx_target: str
     devices: tuple[str, ...]
     render_node: str
 

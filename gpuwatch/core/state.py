@@ -21,7 +21,6 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables
 from gpuwatch.core.events import (
     DeviceAdded,
     DeviceRemoved,
@@ -31,7 +30,7 @@ from gpuwatch.core.events import (
     NodeRemoved,
     ProbeChanged,
 )
-from gpuwatch.core.kfd import first_gfx_version
+from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.observations import (
     OBSERVATION_TYPES,
     CdiSeen,
@@ -50,12 +49,14 @@ from gpuwatch.core.observations import (
 )
 from gpuwatch.core.pci import is_gpu_class
 from gpuwatch.core.results import DetectVfioResult, GpuInfo, HostDevicesResult, PciFunction
+from gpuwatch.core.tables import Tables
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
 WATCHED_PROBES = (
     "detect-gpu",
     "detect-amd-gpu",
     "amd-gfx-version",
+    "amd-gfx-target",
     "detect-vfio",
     "detect-host-devices",
 )
@@ -81,9 +82,16 @@ class HostState:
         # rebuilds one entry, so the answer costs a C-level tuple copy, not a pass over all GPUs.
         self._gpu_infos: list[GpuInfo | None] = []
         self._gpu_dirty: set[str] = set()  # GPUs whose _gpu_infos entry is stale
+        # GPUs rebuilt or gone since detect-vfio was last published, and the entries it was
+        # published with: what a probe-changed carries is the difference of the two.
+        self._gpu_touched: set[str] = set()
+        self._published_gpus: dict[str, GpuInfo] = {}
         self.drm: dict[str, DrmSeen] = {}
         self._drm_by_addr: dict[str, set[str]] = {}
         self._amd_cards: set[str] = set()
+        #: Display functions bound to nvidia: detect-gpu needs one (a loaded module and a
+        #: CDI spec with every card on vfio-pci is not a usable GPU).
+        self._nvidia_gpus: set[str] = set()
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
@@ -151,7 +159,7 @@ class HostState:
         elif isinstance(obs, KfdSeen):
             if obs != self.kfd:
                 self.kfd = obs
-                self._stale.update(("amd-gfx-version", "detect-host-devices"))
+                self._stale.update(("amd-gfx-version", "amd-gfx-target", "detect-host-devices"))
         elif isinstance(obs, NodeSeen):
             self._node_seen(obs.path, obs.stat, events)
         elif isinstance(obs, NodesSeen):
@@ -252,11 +260,19 @@ class HostState:
             index = bisect.bisect_left(self._gpu_addrs, addr)
             del self._gpu_addrs[index]
             del self._gpu_infos[index]
+            self._gpu_touched.add(addr)
         elif is_gpu and not was_gpu:
             index = bisect.bisect_left(self._gpu_addrs, addr)
             self._gpu_addrs.insert(index, addr)
             self._gpu_infos.insert(index, None)
         vfio_stale = was_gpu or is_gpu
+        on_nvidia = is_gpu and new is not None and new.driver == "nvidia"
+        if on_nvidia != (addr in self._nvidia_gpus):
+            if on_nvidia:
+                self._nvidia_gpus.add(addr)
+            else:
+                self._nvidia_gpus.discard(addr)
+            self._stale.update(("detect-gpu", "detect-host-devices"))
         self._gpu_info.pop(addr, None)
         if is_gpu:
             self._gpu_dirty.add(addr)
@@ -369,20 +385,60 @@ class HostState:
                 continue
             new = self._compute(action)
             old = self._answers.get(action, _MISSING)
-            if old is _MISSING or old != new:
+            if old is _MISSING:
                 self._answers[action] = new
-                if old is not _MISSING:
-                    changes.append(ProbeChanged(action=action, old=old, new=new))
+                if action == "detect-vfio":
+                    self._published_gpus = {gpu.addr: gpu for gpu in new.gpus}
+                    self._gpu_touched.clear()
+                continue
+            if action == "detect-vfio":
+                delta = self._vfio_delta(old, new)
+            elif isinstance(new, BaseModel):
+                delta = _fields_delta(old, new)
+            else:
+                delta = None if old == new else (old, new)
+            if delta is not None:
+                self._answers[action] = new
+                changes.append(ProbeChanged(action=action, old=delta[0], new=delta[1]))
         return changes
+
+    def _vfio_delta(
+        self, old: DetectVfioResult, new: DetectVfioResult
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """What changed in detect-vfio: the IOMMU fields that differ, and under ``gpus`` only
+        the GPU entries that changed (before in ``old``, after in ``new``; an entry on one side
+        only was added or removed). The cost follows the GPUs touched, not the GPUs present."""
+        before, after = _fields_delta(old, new, skip="gpus") or ({}, {})
+        touched, self._gpu_touched = self._gpu_touched, set()
+        published, functions = self._published_gpus, self.functions
+        old_gpus: list[GpuInfo] = []
+        new_gpus: list[GpuInfo] = []
+        for addr in sorted(touched):
+            was = published.get(addr)
+            fn = functions.get(addr)
+            now = self._gpu(addr) if fn is not None and is_gpu_class(fn.class_) else None
+            if was is now or (was is not None and now is not None and was == now):
+                continue
+            if was is not None:
+                old_gpus.append(was)
+            if now is None:
+                del published[addr]
+            else:
+                new_gpus.append(now)
+                published[addr] = now
+        if old_gpus or new_gpus:
+            before["gpus"], after["gpus"] = old_gpus, new_gpus
+        return (before, after) if before or after else None
 
     def _compute(self, action: str) -> Any:
         if action == "detect-gpu":
-            cdi = self.cdi
-            return "nvidia" in self.modules and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
+            return self.nvidia_usable()
         if action == "detect-amd-gpu":
             return bool(self._amd_cards)
         if action == "amd-gfx-version":
             return first_gfx_version(self.kfd.nodes)
+        if action == "amd-gfx-target":
+            return first_gfx_target(self.kfd.nodes)
         if action == "detect-vfio":
             return DetectVfioResult.model_construct(
                 iommu_enabled=self.iommu.enabled,
@@ -395,6 +451,7 @@ class HostState:
                 gpu=self._answers["detect-gpu"],
                 amd_gpu=amd,
                 amd_gfx_version=self._answers["amd-gfx-version"] if amd else "",
+                amd_gfx_target=self._answers["amd-gfx-target"] if amd else "",
                 devices=self.devices(),
                 render_node=self.render_node(),
             )
@@ -408,6 +465,7 @@ class HostState:
                 index = bisect.bisect_left(addrs, addr)
                 if index < len(addrs) and addrs[index] == addr:
                     infos[index] = self._gpu(addr)
+            self._gpu_touched |= self._gpu_dirty
             self._gpu_dirty.clear()
         # Every entry is set: a GPU enters _gpu_infos as None and dirty at once.
         return cast("tuple[GpuInfo, ...]", tuple(self._gpu_infos))
@@ -421,6 +479,16 @@ class HostState:
             info = GpuInfo(**fn.__dict__, group_members=self.group_members(addr))
             self._gpu_info[addr] = info
         return info
+
+    def nvidia_usable(self) -> bool:
+        """detect-gpu: the nvidia module is loaded, CDI is reachable, and at least one
+        display function is bound to nvidia: an NVIDIA GPU containers can use now."""
+        cdi = self.cdi
+        return (
+            "nvidia" in self.modules
+            and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
+            and bool(self._nvidia_gpus)
+        )
 
     def answer(self, action: str) -> Any:
         """The cached answer of a watched probe: the same object until it changes."""
@@ -446,7 +514,11 @@ class HostState:
             choice = renders[0] if renders else ""
             for path in renders:
                 node = self.drm.get(path.rsplit("/", 1)[1])
-                if node is not None and node.device_vendor in self._gpu_vendor_ids:
+                if node is None:
+                    continue
+                fn = self.functions.get(node.device_addr) if node.device_addr else None
+                vendor = fn.vendor_id if fn is not None else node.device_vendor
+                if vendor in self._gpu_vendor_ids:
                     choice = path
                     break
             self._render_node = choice
@@ -461,6 +533,20 @@ class HostState:
 
     def gpu_addrs(self) -> Sequence[str]:
         return tuple(self._gpu_addrs)
+
+
+def _fields_delta(
+    old: BaseModel, new: BaseModel, *, skip: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The fields of two answers of one model that differ, as ``(before, after)``."""
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    old_fields = old.__dict__
+    for name, value in new.__dict__.items():
+        if name != skip and old_fields.get(name) != value:
+            before[name] = old_fields.get(name)
+            after[name] = value
+    return (before, after) if after else None
 
 
 @functools.lru_cache(maxsize=16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
@@ -35,12 +36,60 @@ def read_attr(path: str) -> str:
 
 
 def link_name(path: str) -> str:
-    """The basename of a symlink's target (``driver`` → ``nvidia``); ``""`` when absent."""
+    """The name a sysfs link stands for: the basename of its target (``driver`` → ``nvidia``,
+    in any spelling, ``../../../0000:03:00.0`` too, dangling or not); ``""`` when absent.
+
+    Trees copied by capture tools often hold a real directory where the kernel has a link
+    (the copy of what it pointed to): then the directory names itself, see `dir_link_name`.
+    """
     try:
         target = os.readlink(path)
-    except (OSError, ValueError):
+    except OSError as exc:
+        return dir_link_name(path) if exc.errno == errno.EINVAL else ""
+    except ValueError:
         return ""
     return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
+
+
+def uevent_value(directory: str, key: str) -> str:
+    """``KEY=value`` from a sysfs directory's ``uevent`` file; ``""`` when absent."""
+    prefix = key + "="
+    for line in (read_text(directory + "/uevent") or "").splitlines():
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    return ""
+
+
+def dir_link_name(path: str) -> str:
+    """What a directory copied in place of a sysfs link stands for, from the kernel's own
+    files: a device (``device``, ``physfn``, ``virtfnN``) by its ``PCI_SLOT_NAME``, a driver
+    by the ``DRIVER`` of the device holding the link, an IOMMU group by the group folder
+    that lists the device, a subsystem by what only it holds. ``""`` when it cannot tell."""
+    parent, _, base = path.rstrip("/").rpartition("/")
+    if not os.path.isdir(path):
+        return ""
+    if base in ("device", "physfn") or base.startswith("virtfn"):
+        return uevent_value(path, "PCI_SLOT_NAME")
+    if base == "driver":
+        return uevent_value(parent, "DRIVER")
+    if base == "iommu_group":
+        return _group_listing(parent)
+    if base == "subsystem":
+        return "pci" if os.path.exists(path + "/drivers_probe") else ""
+    return ""
+
+
+def _group_listing(device_dir: str) -> str:
+    """The IOMMU group whose ``devices/`` lists this device (``sys/kernel/iommu_groups``)."""
+    addr = uevent_value(device_dir, "PCI_SLOT_NAME") or device_dir.rpartition("/")[2]
+    marker = device_dir.rfind("/sys/")
+    if marker < 0 or not addr:
+        return ""
+    groups = device_dir[: marker + 4] + "/kernel/iommu_groups"
+    for group in list_dir(groups):
+        if os.path.lexists(f"{groups}/{group}/devices/{addr}"):
+            return group
+    return ""
 
 
 def list_dir(path: str) -> list[str]:

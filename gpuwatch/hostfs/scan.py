@@ -12,7 +12,6 @@ import re
 import shutil
 import stat as stat_mod
 
-from gpuwatch.config import Tables
 from gpuwatch.core.kfd import parse_gfx_target_version
 from gpuwatch.core.observations import (
     CdiSeen,
@@ -30,6 +29,7 @@ from gpuwatch.core.observations import (
     Snapshot,
 )
 from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 
@@ -218,12 +218,20 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         return DrmGone(name)
     device = directory + "/device"
     device_name = link_name(device)
+    vendor = read_attr(device + "/vendor") if device_name else ""
+    driver = link_name(device + "/driver") if device_name else ""
+    addr = device_name if is_pci_addr(device_name) else ""
+    if addr and not vendor:
+        # A captured tree can keep the kernel's relative spelling where it no longer resolves
+        # (the link was copied into a flattened folder): the bus entry still names the device.
+        entry = paths.bus_pci + "/" + addr
+        vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
     return DrmSeen(
         name=name,
         devpath=devpath or "",
-        device_addr=device_name if is_pci_addr(device_name) else "",
-        device_vendor=read_attr(device + "/vendor") if device_name else "",
-        device_driver=link_name(device + "/driver") if device_name else "",
+        device_addr=addr,
+        device_vendor=vendor,
+        device_driver=driver,
     )
 
 

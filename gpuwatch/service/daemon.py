@@ -20,7 +20,9 @@ import anyio
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.service.notify import Notifier
 from gpuwatch.settings import WatchSettings
-from gpuwatch.watch.watcher import Watcher
+
+if TYPE_CHECKING:
+    from gpuwatch.host import Host
 
 if TYPE_CHECKING:
     from gpuwatch.service.metrics import Metrics
@@ -46,7 +48,7 @@ class Services:
 
 
 @asynccontextmanager
-async def run_services(watcher: Watcher, settings: WatchSettings, *,
+async def run_services(watcher: Host, settings: WatchSettings, *,
                        notifier: Notifier | None = None) -> AsyncIterator[Services]:
     """Start every configured part, signal READY, run the watchdog; stop all on exit."""
     services = Services(notifier=notifier or Notifier())
@@ -58,7 +60,7 @@ async def run_services(watcher: Watcher, settings: WatchSettings, *,
                 from gpuwatch.service.metrics import Metrics
 
                 metrics = Metrics()
-                metrics.attach(watcher)
+                metrics.attach(watcher.watcher)
                 services.metrics = metrics
                 try:
                     services.metrics_address = metrics.serve(settings.metrics)
@@ -69,7 +71,7 @@ async def run_services(watcher: Watcher, settings: WatchSettings, *,
                 from gpuwatch.service.nfd import NfdFeatureFile
 
                 nfd = NfdFeatureFile(settings.nfd_features, expiry=settings.nfd_expiry)
-                nfd.attach(watcher)
+                nfd.attach(watcher.watcher)
                 services.nfd = nfd
                 tg.start_soon(nfd.run, name="gpuwatch-nfd")
             if settings.socket:
@@ -96,7 +98,7 @@ async def run_services(watcher: Watcher, settings: WatchSettings, *,
                 nfd.detach()
 
 
-def _status(watcher: Watcher, settings: WatchSettings) -> str:
+def _status(watcher: Host, settings: WatchSettings) -> str:
     gpus = len(watcher.probe("detect-vfio").gpus)
     parts = [f"watching {len(watcher.model.state.functions)} PCI functions, {gpus} GPU(s)"]
     if settings.socket:

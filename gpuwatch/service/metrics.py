@@ -47,7 +47,11 @@ class Metrics:
         self.gpus = Gauge("gpuwatch_gpus", "GPUs (display-class functions) by vendor and mode "
                           "of their IOMMU group", ["vendor", "mode"], registry=r)
         self._gpu_series: set[tuple[str, str]] = set()
+        self._tally: Tally[tuple[str, str]] = Tally()
         self.functions = Gauge("gpuwatch_pci_functions", "PCI functions in the model", registry=r)
+        self.nvidia_usable = Gauge("gpuwatch_nvidia_gpu_usable", "1 when an NVIDIA GPU is usable "
+                                   "now (detect-gpu: nvidia loaded, CDI reachable, a display "
+                                   "function bound to nvidia)", registry=r)
         self.events = Counter("gpuwatch_events", "Events published, by type", ["type"], registry=r)
         self.resyncs = Counter("gpuwatch_resyncs", "Full rescans diffed against the model, by "
                                "reason", ["reason"], registry=r)
@@ -83,6 +87,7 @@ class Metrics:
         self.last_seq.set(watcher.seq)
         self.functions.set(len(watcher.model.state.functions))
         self.set_gpus(watcher.probe("detect-vfio"))
+        self.nvidia_usable.set(1 if watcher.probe("detect-gpu") else 0)
         watcher.listeners.append(self.on_event)
 
     def detach(self) -> None:
@@ -91,21 +96,40 @@ class Metrics:
         self._watcher = None
 
     def set_gpus(self, detect_vfio: Any) -> None:
-        """GPU gauges from a ``detect-vfio`` answer (model or its JSON form)."""
+        """GPU gauges from a whole ``detect-vfio`` answer (model or its JSON form)."""
         gpus = detect_vfio["gpus"] if isinstance(detect_vfio, dict) else detect_vfio.gpus
-        tally: Tally[tuple[str, str]] = Tally()
-        for gpu in gpus:
-            if isinstance(gpu, dict):
-                from gpuwatch.core.results import GpuInfo
+        self._tally = Tally(self._gpu_key(gpu) for gpu in gpus)
+        self._publish_gpus(set(self._tally) | self._gpu_series)
 
-                gpu = GpuInfo.model_validate(gpu)
-            tally[(self._vendor_name(gpu.vendor_id), group_mode(gpu.group_members))] += 1
+    def update_gpus(self, old: Any, new: Any) -> None:
+        """GPU gauges patched by a ``detect-vfio`` probe-changed, which carries only the GPU
+        entries that changed: the work follows the GPUs touched, not the GPUs present."""
+        touched: set[tuple[str, str]] = set()
+        for side, sign in ((old, -1), (new, 1)):
+            for gpu in side.get("gpus", ()) if isinstance(side, dict) else ():
+                key = self._gpu_key(gpu)
+                self._tally[key] += sign
+                touched.add(key)
+        self._publish_gpus(touched)
+
+    def _gpu_key(self, gpu: Any) -> tuple[str, str]:
+        if isinstance(gpu, dict):
+            from gpuwatch.core.results import GpuInfo
+
+            gpu = GpuInfo.model_validate(gpu)
+        return (self._vendor_name(gpu.vendor_id), group_mode(gpu.group_members))
+
+    def _publish_gpus(self, keys: set[tuple[str, str]]) -> None:
         # Set the new series, then drop the vanished ones: a scrape never sees an empty gap.
-        for (vendor, mode), count in sorted(tally.items()):
-            self.gpus.labels(vendor=vendor, mode=mode).set(count)
-        for key in self._gpu_series - set(tally):
-            self.gpus.remove(*key)
-        self._gpu_series = set(tally)
+        for key in sorted(keys):
+            if self._tally.get(key, 0) > 0:
+                self.gpus.labels(vendor=key[0], mode=key[1]).set(self._tally[key])
+        for key in sorted(keys):
+            if self._tally.get(key, 0) <= 0:
+                self._tally.pop(key, None)
+                if key in self._gpu_series:
+                    self.gpus.remove(*key)
+        self._gpu_series = {k for k in self._gpu_series | keys if k in self._tally}
 
     def on_event(self, event: BaseModel) -> None:
         """Watcher listener: constant work per event, except a detect-vfio change (per GPU).
@@ -123,7 +147,9 @@ class Metrics:
         if self._watcher is not None:
             self.functions.set(len(self._watcher.model.state.functions))
         if etype == "probe-changed" and getattr(event, "action", "") == "detect-vfio":
-            self.set_gpus(getattr(event, "new"))  # noqa: B009 - any event model
+            self.update_gpus(getattr(event, "old"), getattr(event, "new"))  # noqa: B009
+        elif etype == "probe-changed" and getattr(event, "action", "") == "detect-gpu":
+            self.nvidia_usable.set(1 if getattr(event, "new") else 0)  # noqa: B009
         elif etype == "resync":
             self.resyncs.labels(reason=str(getattr(event, "reason", ""))).inc()
         elif etype == "switch-completed":

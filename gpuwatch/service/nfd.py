@@ -36,7 +36,8 @@ NFD_FILE_NAME = "gpuwatch"
 NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
 DEFAULT_EXPIRY = 3600.0
 #: The probe answers the labels are made of: a change to any other one cannot alter them.
-LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version"})
+LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version",
+                          "amd-gfx-target"})
 
 _SLUG_RE = re.compile(r"[^a-z0-9]+")
 
@@ -60,6 +61,7 @@ def feature_labels(
     detect_amd_gpu: bool,
     amd_gfx_version: str,
     vendor_name: Callable[[str], str],
+    amd_gfx_target: str = "",
 ) -> dict[str, str]:
     """The labels of one host, from probe answers only (pure: the tests feed it plain data)."""
     labels = {
@@ -72,6 +74,8 @@ def feature_labels(
         labels["gpuwatch.iommu.kind"] = str(kind)
     if amd_gfx_version:
         labels["gpuwatch.amd.gfx"] = amd_gfx_version
+    if amd_gfx_target:
+        labels["gpuwatch.amd.gfx-target"] = amd_gfx_target
     vendors: Counter[str] = Counter()
     vfio = 0
     gpus = list(_get(detect_vfio, "gpus"))
@@ -173,6 +177,7 @@ class NfdFeatureFile:
         return feature_labels(
             w.probe("detect-vfio"), bool(w.probe("detect-gpu")), bool(w.probe("detect-amd-gpu")),
             str(w.probe("amd-gfx-version")), lambda vid: gpu_vendors.get(vid, vid or "unknown"),
+            str(w.probe("amd-gfx-target")) if w.probe("detect-amd-gpu") else "",
         )
 
     async def update(self, *, force: bool = False) -> bool:

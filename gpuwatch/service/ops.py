@@ -1,14 +1,13 @@
 """The socket's switch-side methods (``switch``, ``plan``, ``recover``, ``holders``) and the
 live probes that read /proc.
 
-They delegate to the switch (``Watcher.switch``/``plan``/``recover``/``holders``, see
-docs/switch.md), imported lazily so that the socket's read side never loads it. Host reads
+They delegate to the host (`gpuwatch.host.Host` ``switch``/``plan``/``recover``/``holders``,
+see docs/switch.md). Host reads
 (holders in ``/proc/*/fd`` and ``maps``, task stacks) run in a bounded worker thread, the
 switch's for its methods and `bounded` here for the live probes: a slow or wedged /proc must
 not stall the event loop that every client and the watcher share.
 
-The switch's typed errors become error replies by class name (`error_for`), so no switch
-class is needed here at import.
+Every `GpuwatchError` carries its reply code (`error_for`): one table, in `gpuwatch.errors`.
 """
 
 from __future__ import annotations
@@ -18,30 +17,15 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.modes import MODES
-from gpuwatch.errors import DeviceNotFound, UsageError
+from gpuwatch.errors import GpuwatchError
 from gpuwatch.service import protocol as P
 from gpuwatch.service.peers import PeerCred
 
 if TYPE_CHECKING:
-    from gpuwatch.watch.watcher import Watcher
+    from gpuwatch.host import Host
 
-OpHandler = Callable[["Watcher", P.Params, PeerCred], Awaitable[Any]]
+OpHandler = Callable[["Host", P.Params, PeerCred], Awaitable[Any]]
 
-#: Exception class names of the switch and the error code each becomes (most specific first
-#: along the MRO, so GroupPoisoned wins over its base SwitchRefused).
-_ERROR_CODES = {
-    "GroupPoisoned": P.GROUP_POISONED,
-    "RebootRequired": P.REBOOT_REQUIRED,
-    "UnsafeName": P.INVALID_PARAMS,
-    "SwitchRefused": P.SWITCH_REFUSED,
-    "SwitchWedged": P.SWITCH_WEDGED,
-    "GroupBusy": P.GROUP_BUSY,
-    "NotPrivileged": P.NOT_ROOT,
-    "SwitchFailed": P.SWITCH_FAILED,
-    "StepTimedOut": P.SWITCH_FAILED,
-    "HostStepError": P.SWITCH_FAILED,
-    "UnsafeStep": P.SWITCH_FAILED,
-}
 DEFAULT_VENDOR = "0x10de"
 #: Bound on one /proc scan (holders, wedge): a task stuck in the kernel can block its reads.
 READ_TIMEOUT = 10.0
@@ -49,14 +33,8 @@ READ_TIMEOUT = 10.0
 
 def error_for(exc: BaseException) -> P.RpcError:
     """The error reply for an exception raised by the switch or the model; others re-raised."""
-    for cls in type(exc).__mro__:
-        code = _ERROR_CODES.get(cls.__name__)
-        if code is not None:
-            return P.RpcError(code, str(exc))
-    if isinstance(exc, UsageError):
-        return P.RpcError(P.INVALID_PARAMS, str(exc))
-    if isinstance(exc, DeviceNotFound):
-        return P.RpcError(P.NOT_FOUND, str(exc))
+    if isinstance(exc, GpuwatchError):
+        return P.RpcError(exc.code, str(exc))
     if isinstance(exc, PermissionError):
         return P.RpcError(P.NOT_ROOT, str(exc))
     if isinstance(exc, TimeoutError):
@@ -98,31 +76,21 @@ async def _guarded(call: Callable[[], Any]) -> Any:
     return result
 
 
-def _switcher(watcher: Watcher) -> Any:
-    """What switches (and plans, recovers, lists holders) for this watcher: the watcher itself
-    when it has those methods, else the switch engine attached to it."""
-    if all(callable(getattr(watcher, m, None)) for m in ("switch", "plan", "recover", "holders")):
-        return watcher
-    from gpuwatch.switch.engine import engine_for
-
-    return engine_for(watcher)
-
-
 # --------------------------------------------------------------------------- reads
 
 
 async def bounded(fn: Callable[[], Any], what: str) -> Any:
     """A blocking host read off the loop, given up after `READ_TIMEOUT`."""
-    from gpuwatch.switch.facts import call_bounded
+    from gpuwatch.hostfs.facts import call_bounded
 
     return await call_bounded(fn, READ_TIMEOUT, what)
 
 
-async def plan_probe(watcher: Watcher, mode: str | None, addr: str | None,
+async def plan_probe(host: Host, mode: str | None, addr: str | None,
                      vendor: str | None) -> Any:
     """The ``plan`` probe action: the steps, or the refusal as an error (as the model does)."""
     target = addr if addr is not None else (vendor or DEFAULT_VENDOR)
-    plan: dict[str, Any] = await _switcher(watcher).plan(target, mode or "")
+    plan: dict[str, Any] = await host.plan(target, mode or "")
     refused = plan.get("refused")
     if refused:
         raise P.RpcError(P.SWITCH_REFUSED, str(refused.get("reason", "refused")))
@@ -132,41 +100,41 @@ async def plan_probe(watcher: Watcher, mode: str | None, addr: str | None,
 # --------------------------------------------------------------------------- methods
 
 
-async def op_switch(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
+async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
-    mode = _mode(params, required=True)
+    mode = _mode(params, required=True) or ""
     timeout = params.opt_float("timeout")
     tolerant = params.opt_bool("tolerant")
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    target = addr if addr is not None else vendor
-    return await _guarded(lambda: _switcher(watcher).switch(target, mode, **kwargs))
+    target = addr if addr is not None else vendor or DEFAULT_VENDOR
+    return await _guarded(lambda: host.switch(target, mode, **kwargs))
 
 
-async def op_recover(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
+async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     timeout = params.opt_float("timeout")
     params.done()
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    target = addr if addr is not None else vendor
-    return await _guarded(lambda: _switcher(watcher).recover(target, **kwargs))
+    target = addr if addr is not None else vendor or DEFAULT_VENDOR
+    return await _guarded(lambda: host.recover(target, **kwargs))
 
 
-async def op_plan(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
+async def op_plan(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
-    mode = _mode(params, required=True)
+    mode = _mode(params, required=True) or ""
     params.done()
-    target = addr if addr is not None else vendor
-    return await _guarded(lambda: _switcher(watcher).plan(target, mode))
+    target = addr if addr is not None else vendor or DEFAULT_VENDOR
+    return await _guarded(lambda: host.plan(target, mode))
 
 
-async def op_holders(watcher: Watcher, params: P.Params, peer: PeerCred) -> Any:
+async def op_holders(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     params.done()
-    target = addr if addr is not None else vendor
-    return await _guarded(lambda: _switcher(watcher).holders(target))
+    target = addr if addr is not None else vendor or DEFAULT_VENDOR
+    return await _guarded(lambda: host.holders(target))
 
 
 def default_ops() -> dict[str, OpHandler]:

@@ -18,16 +18,9 @@ from dataclasses import dataclass
 from gpuwatch.core.results import MemlockResult
 from gpuwatch.service.protocol import SWITCH_METHODS
 
-#: Default group allowed to read through the socket, when it exists on the host.
-DEFAULT_SOCKET_GROUP = "gpuwatch"
-
 _UCRED = struct.Struct("3i")
 # SO_PEERGROUPS is 59 in asm-generic; these architectures use their own numbering.
 _OWN_SOCKOPT_NUMBERS = ("alpha", "mips", "parisc", "sparc")
-
-
-class GroupNotFound(LookupError):
-    """A group named in the settings does not exist on this host."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,27 +68,6 @@ def peer_credentials(sock: socket.socket) -> PeerCred:
     if groups is None:
         groups = _db_groups(uid, gid)
     return PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *groups)))
-
-
-def resolve_group(name: str | int) -> int:
-    """A group name or number as a gid; numbers need not exist in the database."""
-    if isinstance(name, int):
-        return name
-    text = name.strip()
-    if text.isdigit():
-        return int(text)
-    try:
-        return grp.getgrnam(text).gr_gid
-    except KeyError:
-        raise GroupNotFound(f"group {text!r} does not exist on this host") from None
-
-
-def default_socket_gid() -> int | None:
-    """The ``gpuwatch`` group when the host has one, else None (root only)."""
-    try:
-        return grp.getgrnam(DEFAULT_SOCKET_GROUP).gr_gid
-    except KeyError:
-        return None
 
 
 def group_label(gid: int | None) -> str:
@@ -163,13 +135,9 @@ def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
 
 
 __all__ = [
-    "DEFAULT_SOCKET_GROUP",
     "AccessPolicy",
-    "GroupNotFound",
     "PeerCred",
-    "default_socket_gid",
     "group_label",
     "peer_credentials",
     "peer_memlock",
-    "resolve_group",
 ]

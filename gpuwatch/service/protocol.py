@@ -12,6 +12,8 @@ from typing import Any, Final
 
 from pydantic_core import to_json
 
+from gpuwatch import errors as E
+
 #: Where the systemd unit serves the socket (``RuntimeDirectory=gpuwatch``).
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatch/gpuwatch.sock"
 #: A request line longer than this is refused: no legitimate request comes close.
@@ -24,24 +26,26 @@ SWITCH_METHODS: Final = frozenset({"switch", "recover"})
 METHODS: Final = READ_METHODS | SWITCH_METHODS
 
 # Error codes. Strings, not JSON-RPC numbers: a shell script reads them without a table.
+# Those a `GpuwatchError` can carry are defined once, in `gpuwatch.errors` (the CLI's exit
+# statuses key on the same strings); the rest belong to the protocol alone.
 PARSE_ERROR: Final = "parse-error"  # the line is not JSON
 LINE_TOO_LONG: Final = "line-too-long"  # over MAX_LINE bytes before the newline
 INVALID_REQUEST: Final = "invalid-request"  # JSON, but not {"id", "method", "params"}
 UNKNOWN_METHOD: Final = "unknown-method"
-INVALID_PARAMS: Final = "invalid-params"  # missing, unknown or wrongly typed parameter
+INVALID_PARAMS: Final = E.INVALID_PARAMS  # missing, unknown or wrongly typed parameter
 PERMISSION_DENIED: Final = "permission-denied"  # SO_PEERCRED says this peer may not
-NOT_FOUND: Final = "not-found"  # no such PCI function / card on this host
+NOT_FOUND: Final = E.NOT_FOUND  # no such PCI function / card on this host
 UNAVAILABLE: Final = "unavailable"  # this daemon cannot answer that (feature absent)
 ALREADY_SUBSCRIBED: Final = "already-subscribed"
 TOO_MANY_CLIENTS: Final = "too-many-clients"
-SWITCH_REFUSED: Final = "switch-refused"  # holders named in the message; nothing written
-SWITCH_FAILED: Final = "switch-failed"
-SWITCH_WEDGED: Final = "switch-wedged"  # a kernel write hung: group poisoned until reboot/recover
-GROUP_BUSY: Final = "group-busy"  # another switch of this group is in progress
-GROUP_POISONED: Final = "group-poisoned"  # an earlier switch wedged: reboot or recover
-REBOOT_REQUIRED: Final = "reboot-required"  # recover refused: a task is stuck in the driver
-NOT_ROOT: Final = "not-root"  # the daemon itself lacks the privilege to do it
-INTERNAL: Final = "internal-error"
+SWITCH_REFUSED: Final = E.SWITCH_REFUSED  # holders named in the message; nothing written
+SWITCH_FAILED: Final = E.SWITCH_FAILED
+SWITCH_WEDGED: Final = E.SWITCH_WEDGED  # a kernel write hung: group poisoned until reboot/recover
+GROUP_BUSY: Final = E.GROUP_BUSY  # another switch of this group is in progress
+GROUP_POISONED: Final = E.GROUP_POISONED  # an earlier switch wedged: reboot or recover
+REBOOT_REQUIRED: Final = E.REBOOT_REQUIRED  # recover refused: a task is stuck in the driver
+NOT_ROOT: Final = E.NOT_ROOT  # the daemon itself lacks the privilege to do it
+INTERNAL: Final = E.INTERNAL
 
 ERROR_CODES: Final = frozenset({
     PARSE_ERROR, LINE_TOO_LONG, INVALID_REQUEST, UNKNOWN_METHOD, INVALID_PARAMS,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpuwatch.config import Tables
 from gpuwatch.core.results import DetectVfioResult, PciFunction
+from gpuwatch.core.tables import Tables
 from gpuwatch.service.client import Client
 
 

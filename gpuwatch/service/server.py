@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import select
 import socket
 import stat
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -39,8 +40,8 @@ from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, pee
 from gpuwatch.watch.eventlog import read_records
 
 if TYPE_CHECKING:
+    from gpuwatch.host import Host
     from gpuwatch.service.metrics import Metrics
-    from gpuwatch.watch.watcher import Watcher
 
 _log = logging.getLogger("gpuwatch.service")
 
@@ -130,6 +131,34 @@ class _Subscription:
         if self.types is not None and etype not in self.types:
             return False
         return self.addrs is None or addr in self.addrs
+
+
+class _Batch:
+    """One published batch as the socket sends it: each line encoded once, when first
+    wanted, and the whole batch joined once for every subscriber without a filter."""
+
+    __slots__ = ("_encoded", "_lines", "_whole", "addrs", "seqs", "types")
+
+    def __init__(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
+        self.seqs = [int(getattr(e, "seq", 0)) for e in events]
+        self.types = [getattr(e, "type", None) for e in events]
+        self.addrs = [getattr(e, "addr", None) for e in events]
+        self._lines = lines if len(lines) == len(events) else [
+            e.model_dump_json() for e in events
+        ]
+        self._encoded: list[bytes | None] = [None] * len(events)
+        self._whole: bytes | None = None
+
+    def line(self, index: int) -> bytes:
+        data = self._encoded[index]
+        if data is None:
+            data = self._encoded[index] = (self._lines[index] + "\n").encode("utf-8")
+        return data
+
+    def whole(self) -> bytes:
+        if self._whole is None:
+            self._whole = "".join(line + "\n" for line in self._lines).encode("utf-8")
+        return self._whole
 
 
 class Connection:
@@ -224,6 +253,26 @@ class Connection:
 
     # -- subscription
 
+    def offer_batch(self, batch: _Batch) -> None:
+        """A published batch (listener context: never waits): one outbox entry for it."""
+        if self.closed or self.sub is None:
+            return
+        seqs = batch.seqs
+        if not seqs:
+            return
+        if self.replaying or seqs[0] <= self.last_seq:
+            for i, seq in enumerate(seqs):  # the rare paths: one event at a time
+                self.offer(seq, batch.types[i], batch.addrs[i], functools.partial(batch.line, i))
+            return
+        self.last_seq = seqs[-1]
+        sub = self.sub
+        if sub.types is None and sub.addrs is None:
+            self.enqueue(batch.whole())
+            return
+        wanted = [i for i in range(len(seqs)) if sub.wants(batch.types[i], batch.addrs[i])]
+        if wanted:
+            self.enqueue(b"".join(batch.line(i) for i in wanted))
+
     def offer(self, seq: int, etype: Any, addr: Any, line: Callable[[], bytes]) -> None:
         """A live event (listener context: never waits)."""
         if self.closed or self.sub is None:
@@ -249,11 +298,12 @@ class Connection:
 
 
 class SocketServer:
-    """Serves ``watcher`` at ``path``. Run `serve` as a task (``await tg.start(server.serve)``)."""
+    """Serves the `Host` ``watcher`` at ``path``. Run `serve` as a task
+    (``await tg.start(server.serve)``)."""
 
     def __init__(
         self,
-        watcher: Watcher,
+        watcher: Host,
         path: str,
         *,
         read_gid: int | None = None,
@@ -288,14 +338,14 @@ class SocketServer:
                             else (0 if os.geteuid() == 0 else None))
         st = os.stat(self.path)
         self._ident = (st.st_dev, st.st_ino)
-        self.watcher.listeners.append(self._on_event)
+        self.watcher.batch_listeners.append(self._on_batch)
         try:
             async with anyio.create_task_group() as tg:
                 task_status.started()
                 await self._accept_loop(lsock, tg)
         finally:
-            if self._on_event in self.watcher.listeners:
-                self.watcher.listeners.remove(self._on_event)
+            if self._on_batch in self.watcher.batch_listeners:
+                self.watcher.batch_listeners.remove(self._on_batch)
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(lsock)
             lsock.close()
@@ -601,29 +651,21 @@ class SocketServer:
 
     # ------------------------------------------------------------------ fan-out
 
-    def _on_event(self, event: BaseModel) -> None:
-        """Watcher listener: serialise once, append to each subscriber's outbox, never wait.
-        Never raises either: an exception here would stop the watcher's publishing."""
+    def _on_batch(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
+        """Watcher batch listener: the lines the watcher serialised, one outbox append (one
+        ``send``) per subscriber per batch, never waiting. Never raises either: an exception
+        here would stop the watcher's publishing."""
         if not self._subscribers:
             return
         try:
-            self._fan_out(event)
+            self._fan_out(events, lines)
         except Exception:
-            _log.exception("socket fan-out of event %s failed", getattr(event, "seq", "?"))
+            _log.exception("socket fan-out of %d event(s) failed", len(events))
 
-    def _fan_out(self, event: BaseModel) -> None:
-        cache: list[bytes] = []
-
-        def line() -> bytes:
-            if not cache:
-                cache.append(event.model_dump_json().encode("utf-8") + b"\n")
-            return cache[0]
-
-        seq = int(getattr(event, "seq", 0))
-        etype = getattr(event, "type", None)
-        addr = getattr(event, "addr", None)
+    def _fan_out(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
+        batch = _Batch(events, lines)
         for conn in tuple(self._subscribers):
-            conn.offer(seq, etype, addr, line)
+            conn.offer_batch(batch)
 
     def _lag_drop(self, conn: Connection) -> None:
         self.lag_drops += 1

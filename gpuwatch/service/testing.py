@@ -17,19 +17,23 @@ from typing import Any
 
 import anyio
 
+from gpuwatch.host import Host, open_host
 from gpuwatch.service.server import SocketServer
 from gpuwatch.sources import EventSource
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.watch.eventlog import EventLog
-from gpuwatch.watch.watcher import Watcher, open_watcher
+from gpuwatch.watch.watcher import Watcher
 
 
 @dataclass
 class ServedWatcher:
+    #: The watcher under the served host (its pump, subscriptions and publish).
     watcher: Watcher
     source: MemorySource | EventSource
     server: SocketServer
     path: str
+    #: The host the socket serves (the watcher plus its switch engine).
+    host: Host
 
 
 @asynccontextmanager
@@ -48,12 +52,13 @@ async def served_watcher(
     """
     src = source if source is not None else MemorySource()
     log_path = log.path if isinstance(log, EventLog) else log
-    async with open_watcher(root, src, log=log, reconcile_interval=0, cdi_poll_interval=0) as w, \
+    async with open_host(root, source=src, log=log, reconcile_interval=0,
+                         cdi_poll_interval=0) as w, \
             anyio.create_task_group() as tg:
         server = SocketServer(w, socket_path, log_path=log_path, **server_options)
         await tg.start(server.serve)
         try:
-            yield ServedWatcher(w, src, server, socket_path)
+            yield ServedWatcher(w.watcher, src, server, socket_path, w)
         finally:
             tg.cancel_scope.cancel()
 

@@ -1,6 +1,9 @@
 """The switch engine: moves a GPU's whole IOMMU group between vfio-pci and nvidia, safely.
 
-One engine per watcher. A switch is: resolve the card, return at once if the group is
+One engine per host, wired by its constructor: the model it reads, the `HostOps` seam it
+writes through, and three callables of the watcher that owns the model (publish events,
+subscribe to them, fold re-read observations in under the pump's lock). It never sees the
+watcher itself. A switch is: resolve the card, return at once if the group is
 already in mode (no write, no privilege), check root, claim the group (a second request
 for it fails at once), read the host facts off the event loop, plan (`gpuwatch.core.plan`),
 refuse with names or run the plan's steps one by one through the `HostOps` seam, each under
@@ -20,15 +23,16 @@ import fcntl
 import logging
 import os
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from pydantic import BaseModel, ConfigDict
 
 from gpuwatch.core import events as ev
+from gpuwatch.core.events import format_event_time
 from gpuwatch.core.modes import Mode, group_in_mode, group_mode
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
@@ -49,29 +53,28 @@ from gpuwatch.core.plan import (
     unbind_scope,
 )
 from gpuwatch.core.results import PciFunction
-from gpuwatch.errors import DeviceNotFound, UsageError
-from gpuwatch.hostfs.scan import CDI_SPECS, read_function
-from gpuwatch.model import HostModel
-from gpuwatch.switch.errors import (
+from gpuwatch.errors import (
+    DeviceNotFound,
     GroupBusy,
     GroupPoisoned,
     HostStepError,
     NotPrivileged,
     RebootRequired,
     StepTimedOut,
+    SubscriberLagged,
     SwitchFailed,
     SwitchRefused,
     SwitchWedged,
     UnsafeName,
     UnsafeStep,
+    UsageError,
 )
-from gpuwatch.switch.facts import call_bounded, gather_facts, model_facts, scan_holders
+from gpuwatch.hostfs.facts import call_bounded, gather_facts, model_facts, scan_holders
+from gpuwatch.hostfs.scan import CDI_SPECS, read_function
+from gpuwatch.hostfs.wedge import scan_wedge
+from gpuwatch.model import HostModel, holders_report, plan_for_host
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
-from gpuwatch.switch.planning import holders_report, plan_for_host
 from gpuwatch.switch.poison import PoisonEntry, PoisonStore
-from gpuwatch.switch.wedge import scan_wedge
-from gpuwatch.watch.subscription import SubscriberLagged, Subscription
-from gpuwatch.watch.watcher import Watcher, rfc3339_now
 
 _log = logging.getLogger("gpuwatch.switch")
 
@@ -107,33 +110,42 @@ class CdiOutcome:
     message: str
 
 
-_ENGINES: weakref.WeakKeyDictionary[Watcher, SwitchEngine] = weakref.WeakKeyDictionary()
+class EventStream(Protocol):
+    """What the engine reads progress from: a subscription (`gpuwatch.watch.subscription`)."""
+
+    async def receive(self) -> Any: ...
 
 
-def engine_for(watcher: Watcher) -> SwitchEngine:
-    """The watcher's engine, made on first use with the default backend (`make_backend`)."""
-    engine = _ENGINES.get(watcher)
-    if engine is None:
-        engine = SwitchEngine.attach(watcher)
-    return engine
+#: Publish events (stamped, logged and fanned out by the watcher; never awaits).
+Publish = Callable[[Sequence[Any]], None]
+#: Subscribe to the events of the given types from now on.
+Subscribe = Callable[[Iterable[str]], AbstractAsyncContextManager[EventStream]]
+#: Fold freshly read observations into the model, ordered against the pump and resyncs.
+Refresh = Callable[[Sequence[Observation]], Awaitable[None]]
 
 
 class SwitchEngine:
-    """Driver switches of one watcher's host. Get it with `engine_for` or `attach`."""
+    """Driver switches of one host. `gpuwatch.host.Host` builds one over its watcher."""
 
     def __init__(
         self,
-        watcher: Watcher,
+        model: HostModel,
         ops: HostOps | None = None,
         *,
+        publish: Publish,
+        subscribe: Subscribe,
+        refresh: Refresh,
         geteuid: Callable[[], int] | None = None,
         poison_path: str | os.PathLike[str] | None = None,
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
         scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
         tree_check_after: float = DEFAULT_TREE_CHECK_AFTER,
     ) -> None:
-        self.watcher = watcher
-        root = watcher.paths.root
+        self.model = model
+        self._publish = publish
+        self._subscribe = subscribe
+        self._refresh = refresh
+        root = model.paths.root
         if ops is None or geteuid is None:
             backend = make_backend(root)
             ops = ops if ops is not None else backend.ops
@@ -149,27 +161,9 @@ class SwitchEngine:
         for group, entry in self.poison.load().items():
             self.model.poisoned[group] = entry.error
 
-    @classmethod
-    def attach(cls, watcher: Watcher, ops: HostOps | None = None, *,
-               geteuid: Callable[[], int] | None = None,
-               poison_path: str | os.PathLike[str] | None = None,
-               step_timeout: float = DEFAULT_STEP_TIMEOUT,
-               scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
-               tree_check_after: float = DEFAULT_TREE_CHECK_AFTER) -> SwitchEngine:
-        """Make an engine and make it the one ``watcher.switch`` uses."""
-        engine = cls(watcher, ops, geteuid=geteuid, poison_path=poison_path,
-                     step_timeout=step_timeout, scan_timeout=scan_timeout,
-                     tree_check_after=tree_check_after)
-        _ENGINES[watcher] = engine
-        return engine
-
-    @property
-    def model(self) -> HostModel:
-        return self.watcher.model
-
     @property
     def root(self) -> str:
-        return self.watcher.paths.root
+        return self.model.paths.root
 
     def euid(self) -> int:
         return self._geteuid()
@@ -184,7 +178,7 @@ class SwitchEngine:
             raise UsageError(f"timeout must be positive, not {timeout!r}")
         addr, vendor = parse_target(target)
         try:
-            card, members = find_card(self.watcher.model.state, addr=addr, vendor=vendor)
+            card, members = find_card(self.model.state, addr=addr, vendor=vendor)
         except DeviceNotFound as exc:
             if not tolerant:
                 raise
@@ -197,7 +191,7 @@ class SwitchEngine:
         """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
         in the nvidia driver: then touch nothing (`RebootRequired`)."""
         addr, vendor = parse_target(target)
-        card, members = find_card(self.watcher.model.state, addr=addr, vendor=vendor)
+        card, members = find_card(self.model.state, addr=addr, vendor=vendor)
         self._require_root("recover")
         scan = await call_bounded(lambda: scan_wedge(self.root), self.scan_timeout,
                                   "the wedge scan")
@@ -218,7 +212,7 @@ class SwitchEngine:
         """The plan a switch would follow now, as JSON (the ``plan`` probe, over the socket)."""
         to_mode = parse_mode(mode)
         addr, vendor = parse_target(target)
-        model = self.watcher.model
+        model = self.model
         try:
             _card, members = find_card(model.state, addr=addr, vendor=vendor)
         except DeviceNotFound:
@@ -227,14 +221,14 @@ class SwitchEngine:
             return plan.to_json()
         known = model_facts(model.state, members)
         facts = await call_bounded(
-            lambda: gather_facts(self.watcher.paths, members, to_mode, known, euid=self.euid(),
+            lambda: gather_facts(self.model.paths, members, to_mode, known, euid=self.euid(),
                                  which=self.ops.which), self.scan_timeout, "the holder scan")
         return plan_switch(members, to_mode, facts).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
         """Who holds the card's nodes, read off the event loop."""
         addr, vendor = parse_target(target)
-        model = self.watcher.model
+        model = self.model
         find_card(model.state, addr=addr, vendor=vendor)  # DeviceNotFound before any scan
         euid = self.euid()
         return await call_bounded(
@@ -275,13 +269,13 @@ class SwitchEngine:
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
                       deadline: float) -> SwitchResult:
-        state = self.watcher.model.state
+        state = self.model.state
         members = state.group_members(addr)
         known = model_facts(state, members)
         group = members[0].iommu_group
         try:
             facts = await call_bounded(
-                lambda: gather_facts(self.watcher.paths, members, to_mode, known,
+                lambda: gather_facts(self.model.paths, members, to_mode, known,
                                      euid=self.euid(), which=self.ops.which),
                 max(0.1, min(self.scan_timeout, deadline - time.monotonic())), "the holder scan")
         except StepTimedOut as exc:
@@ -305,18 +299,18 @@ class SwitchEngine:
                 raise GroupBusy(f"unloading the nvidia module needs the host to itself, and "
                                 f"group {', '.join(others)} is being switched: retry after it")
             self._exclusive = key
-        self.watcher.publish([ev.SwitchStarted(
+        self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
             members=[a for a, _ in plan.targets])])
         _log.info("switch of group %s to %s: %d step(s)", group, to_mode, len(plan.steps))
         notes = list(plan.notes)
-        async with self.watcher.subscribe(types=_PROGRESS_EVENTS) as sub:
+        async with self._subscribe(_PROGRESS_EVENTS) as sub:
             for step in plan.steps:
                 await self._step(plan, facts, step, deadline, notes)
             await self._verify(plan, sub, deadline, notes)
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
-        self.watcher.publish([ev.SwitchCompleted(
+        self._publish([ev.SwitchCompleted(
             addr=result.addr, group=group, from_mode=result.from_mode, to_mode=to_mode,
             members=result.members, duration_ms=result.duration_ms)])
         return result
@@ -386,7 +380,7 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
         self._fail(plan, what)
 
-    async def _verify(self, plan: SwitchPlan, sub: Subscription, deadline: float,
+    async def _verify(self, plan: SwitchPlan, sub: EventStream, deadline: float,
                       notes: list[str]) -> None:
         """Wait for the model to see every function on its target; re-read the tree when the
         events are slow (they may have been lost) and once more before giving up."""
@@ -418,32 +412,31 @@ class SwitchEngine:
 
     async def _reread(self, plan: SwitchPlan, deadline: float) -> None:
         addrs = [a for a, _ in plan.targets]
-        paths = self.watcher.paths
+        paths = self.model.paths
         timeout = max(0.5, min(self.scan_timeout, deadline - time.monotonic()))
         try:
             seen: list[Observation] = await call_bounded(
                 lambda: [read_function(paths, a) for a in addrs], timeout, "re-reading the tree")
         except StepTimedOut as exc:
             self._fail(plan, str(exc))
-        async with self.watcher._lock:  # ordered against the pump and resyncs
-            self.watcher.apply(seen)
+        await self._refresh(seen)
 
     # ------------------------------------------------------------------ outcomes
 
     def _reached(self, targets: dict[str, str]) -> bool:
-        functions = self.watcher.model.state.functions
+        functions = self.model.state.functions
         return all((fn := functions.get(a)) is not None and fn.driver == d
                    for a, d in targets.items())
 
     def _drivers_text(self, targets: dict[str, str]) -> str:
-        functions = self.watcher.model.state.functions
+        functions = self.model.state.functions
         return ", ".join(
             f"{a} on {(functions[a].driver if a in functions else 'gone') or 'no driver'} "
             f"(wants {d})" for a, d in targets.items())
 
     def _result(self, addr: str, group: int, from_mode: str, to_mode: str, started: float, *,
                 changed: bool, notes: list[str]) -> SwitchResult:
-        state = self.watcher.model.state
+        state = self.model.state
         members = state.group_members(addr) if addr in state.functions else ()
         return SwitchResult(
             addr=addr, group=group,
@@ -457,11 +450,11 @@ class SwitchEngine:
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
                  holders: Sequence[ev.Holding]) -> None:
         _log.warning("switch of group %s refused: %s", group, reason)
-        self.watcher.publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
+        self._publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
                                                reason=reason, holders=list(holders))])
 
     def _fail(self, plan: SwitchPlan, error: str) -> None:
-        self.watcher.publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
+        self._publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
                                               to_mode=plan.to_mode, error=error, wedged=False)])
         raise SwitchFailed(error)
 
@@ -470,12 +463,12 @@ class SwitchEngine:
                  "is wedged")
         try:
             self.poison.add(plan.group, PoisonEntry(addr=plan.addr, to_mode=plan.to_mode,
-                                                    error=error, time=rfc3339_now()))
+                                                    error=error, time=format_event_time()))
         except OSError as err:
             _log.warning("cannot record the poison of group %s in %s: %s", plan.group,
                          self.poison.path, err)
         self.model.poisoned[plan.group] = error
-        self.watcher.publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
+        self._publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
                                               to_mode=plan.to_mode, error=error, wedged=True)])
         raise SwitchWedged(f"{error}; IOMMU group {plan.group} is poisoned until the next boot "
                            "(or `gpuwatch recover` once no task is stuck)")
@@ -539,8 +532,11 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
 __all__ = [
     "DEFAULT_TIMEOUT",
     "CdiOutcome",
+    "EventStream",
+    "Publish",
+    "Refresh",
+    "Subscribe",
     "SwitchEngine",
     "SwitchResult",
-    "engine_for",
     "ensure_cdi",
 ]

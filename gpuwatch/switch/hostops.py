@@ -25,11 +25,11 @@ from typing import Protocol, runtime_checkable
 import anyio
 import anyio.to_thread
 
-from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_RE
+from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
+from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.sources import EventSource
-from gpuwatch.switch.errors import HostStepError, StepTimedOut, UnsafeStep
 
-_ADDR = r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]"
+_ADDR = PCI_ADDR_PATTERN
 _DRV = r"[A-Za-z0-9_.-]+"
 _OVERRIDE_RE = re.compile(rf"^/sys/bus/pci/devices/({_ADDR})/driver_override$")
 _DRIVER_FILE_RE = re.compile(rf"^/sys/bus/pci/drivers/({_DRV})/(?:unbind|bind)$")

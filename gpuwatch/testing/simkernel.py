@@ -30,17 +30,17 @@ from pydantic import BaseModel
 
 from gpuwatch.core.plan import module_of
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.errors import HostStepError, StepTimedOut
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr
 from gpuwatch.hostfs.scan import HostPaths, read_function
 from gpuwatch.sources import EventSource, SourceOverflow
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.switch.errors import HostStepError, StepTimedOut
 from gpuwatch.switch.hostops import CommandResult, check_command, check_dir, check_write
 from gpuwatch.testing.sysroot import SysRoot
 
 if TYPE_CHECKING:
+    from gpuwatch.host import Host
     from gpuwatch.switch.engine import SwitchEngine
-    from gpuwatch.watch.watcher import Watcher
 
 __all__ = ["DEFAULT_TOOLS", "SimKernel", "simulated_switch"]
 
@@ -442,22 +442,20 @@ async def simulated_switch(
     host: SysRoot, *, euid: int = 0, sim: SimKernel | None = None,
     poison_path: str | os.PathLike[str] | None = None, step_timeout: float = 30.0,
     scan_timeout: float = 10.0, tree_check_after: float = 5.0,
-) -> AsyncIterator[tuple[Watcher, SimKernel, SwitchEngine, list[BaseModel]]]:
-    """A watcher over ``host`` fed by a simulated kernel, with a switch engine on it.
+) -> AsyncIterator[tuple[Host, SimKernel, SwitchEngine, list[BaseModel]]]:
+    """A `Host` over ``host`` fed and switched by a simulated kernel.
 
-    Yields ``(watcher, sim, engine, events)``; ``events`` collects every published event.
+    Yields ``(host, sim, engine, events)``; ``events`` collects every published event.
     ``euid`` is who the engine believes it runs as (0: root).
     """
-    from gpuwatch.switch.engine import SwitchEngine
-    from gpuwatch.watch.watcher import open_watcher
+    from gpuwatch.host import open_host
 
     kernel = sim if sim is not None else SimKernel(host)
     kernel.source = MemorySource()  # a watcher closes its source: each one gets its own
-    async with open_watcher(host.root, kernel.source, reconcile_interval=0,
-                            cdi_poll_interval=0) as watcher:
-        engine = SwitchEngine.attach(watcher, kernel, geteuid=lambda: euid,
-                                     poison_path=poison_path, step_timeout=step_timeout,
-                                     scan_timeout=scan_timeout, tree_check_after=tree_check_after)
+    async with open_host(host.root, source=kernel.source, ops=kernel, geteuid=lambda: euid,
+                         poison_path=poison_path, step_timeout=step_timeout,
+                         scan_timeout=scan_timeout, tree_check_after=tree_check_after,
+                         reconcile_interval=0, cdi_poll_interval=0) as gpu_host:
         events: list[BaseModel] = []
-        watcher.listeners.append(events.append)
-        yield watcher, kernel, engine, events
+        gpu_host.listeners.append(events.append)
+        yield gpu_host, kernel, gpu_host.engine, events

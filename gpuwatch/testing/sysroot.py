@@ -57,7 +57,7 @@ _ROOT_DIRS = (
     "etc",
     "var/run",
 )
-_ROOT_COMPLEX_RE = re.compile(r"^(?:/devices/)?(pci[0-9a-f]{4}:[0-9a-f]{2})$")
+_ROOT_COMPLEX_RE = re.compile(r"^(?:/devices/)?(pci[0-9a-f]{4,8}:[0-9a-f]{2})$")
 _DRM_MINOR_RE = re.compile(r"^(card|renderD)([0-9]+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:+@-]+$")
 _NO_FDS: Mapping[int, str] = MappingProxyType({})
@@ -285,7 +285,7 @@ class SysRoot:
         self._gone_nodes: dict[str, _Node] = {}
         self._drm: dict[str, str] = {}  # name → devpath
         self._modules: set[str] = set()
-        self._roots: set[str] = set()
+        self._roots: dict[str, str] = {}  # root complex name → its devpath
         self._seqnum = 0
         self._vfio_minor = 0
         for rel in _ROOT_DIRS:
@@ -325,13 +325,33 @@ class SysRoot:
             raise UnknownDeviceError(addr_or_devpath)
         return fn
 
-    def _ensure_root(self, name: str) -> None:
-        if name in self._roots:
-            return
-        self._roots.add(name)
+    def _ensure_root(self, name: str) -> str:
+        """The devpath of root complex ``name``, made at ``/devices/<name>`` on first use."""
+        known = self._roots.get(name)
+        if known is not None:
+            return known
+        self._roots[name] = f"/devices/{name}"
         if self.layout == "symlink":
             os.makedirs(self._abs(f"sys/devices/{name}"), exist_ok=True)
             self._ensure_file(f"sys/devices/{name}/uevent", b"")
+        return self._roots[name]
+
+    def add_vmd_domain(self, vmd_addr: str, domain: str = "10000") -> str:
+        """A PCI domain behind an Intel VMD controller (``vmd_addr``, bound to ``vmd``): its
+        root complex ``pci<domain>:00`` sits *inside* the controller's directory, and the
+        functions behind it are named ``<domain>:BB:DD.F`` (5 to 8 hex digits). Returns the
+        root complex name, to pass as ``parent``."""
+        if not re.fullmatch(r"[0-9a-f]{4,8}", domain):
+            raise ValueError(f"not a PCI domain: {domain!r}")
+        name = f"pci{domain}:00"
+        if name in self._roots:
+            raise DeviceExistsError(name)
+        vmd = self._fn(vmd_addr)
+        self._roots[name] = f"{vmd.devpath}/{name}"
+        if self.layout == "symlink":
+            os.makedirs(self._abs(f"{vmd.rel}/{name}"), exist_ok=True)
+            self._ensure_file(f"{vmd.rel}/{name}/uevent", b"")
+        return name
 
     def _ensure_driver(self, driver: str) -> str:
         rel = f"sys/bus/pci/drivers/{driver}"
@@ -459,13 +479,12 @@ class SysRoot:
         if driver is not None and not is_driver_name(driver):
             raise ValueError(f"invalid driver name: {driver!r}")
         if parent is None:
-            root_name = f"pci{addr[:4]}:00"
+            root_name = f"pci{addr.rsplit(':', 2)[0]}:00"
         else:
             m = _ROOT_COMPLEX_RE.match(parent)
             root_name = m.group(1) if m else ""
         if root_name:
-            self._ensure_root(root_name)
-            devpath = f"/devices/{root_name}/{addr}"
+            devpath = f"{self._ensure_root(root_name)}/{addr}"
         else:
             devpath = f"{self._fn(parent or '').devpath}/{addr}"
         flat = self.layout == "flat"
@@ -908,6 +927,53 @@ class SysRoot:
 
     def remove_process(self, pid: int) -> None:
         shutil.rmtree(self._abs(f"proc/{int(pid)}"), ignore_errors=True)
+
+    # ----------------------------------------------------------------- captured trees
+
+    def flatten_link(self, rel: str, *, nested: Sequence[str] = ()) -> None:
+        """Do to one link what capture tools do when they copy a host's sysfs: replace the
+        symlink at ``rel`` (root-relative, e.g. ``sys/class/drm/card0/device``) with a real
+        directory holding a copy of what it points to. Files are copied; links inside keep
+        the kernel's relative spelling (from their new place they may no longer resolve),
+        except those named in ``nested`` (``driver``, ``iommu_group``…), flattened in turn.
+        """
+        parts = rel.split("/")
+        if not rel or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"invalid path: {rel!r}")
+        path = self._abs(rel)
+        if not os.path.islink(path):
+            raise ValueError(f"not a link: {rel!r}")
+        target = os.path.realpath(path)
+        if not (target + "/").startswith(self._r + "/") or not os.path.isdir(target):
+            raise ValueError(f"{rel!r} does not lead to a folder under the root")
+        os.unlink(path)
+        self._copy_flat(target, path, frozenset(nested), depth=0)
+
+    def _copy_flat(self, source: str, dest: str, nested: frozenset[str], depth: int) -> None:
+        os.mkdir(dest)
+        for entry in os.scandir(source):
+            out = f"{dest}/{entry.name}"
+            if entry.is_symlink():
+                real = os.path.realpath(entry.path)
+                if entry.name in nested and depth < 4 and os.path.isdir(real):
+                    self._copy_flat(real, out, nested, depth + 1)
+                else:
+                    os.symlink(os.readlink(entry.path), out)
+            elif entry.is_dir():
+                shutil.copytree(entry.path, out, symlinks=True)
+            elif entry.is_file():
+                shutil.copyfile(entry.path, out)
+
+    def capture(self, *, nested: Sequence[str] = ("device", "driver", "iommu_group")) -> None:
+        """The whole tree as a capture tool leaves it: every ``sys/class/drm/*`` node and
+        every ``sys/bus/pci/devices/*`` entry a real directory (`flatten_link`), with their
+        ``device``, ``driver`` and ``iommu_group`` links flattened too. The builder's own
+        bookkeeping stays as it was: call it last."""
+        for base in ("sys/class/drm", "sys/bus/pci/devices", "sys/class/kfd"):
+            for name in sorted(os.listdir(self._abs(base)) if os.path.isdir(self._abs(base))
+                               else ()):
+                if os.path.islink(self._abs(f"{base}/{name}")):
+                    self.flatten_link(f"{base}/{name}", nested=nested)
 
     # ----------------------------------------------------------------- uevents
 

@@ -21,7 +21,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
@@ -36,7 +35,6 @@ __all__ = [
     "afollow_records",
     "follow_events",
     "follow_records",
-    "format_event_time",
     "last_seq_in",
     "read_events",
     "read_records",
@@ -68,12 +66,6 @@ class EventRecord(NamedTuple):
 
     event: dict[str, Any]
     line: str
-
-
-def format_event_time(when: datetime | None = None) -> str:
-    """RFC 3339 UTC with microseconds (``2026-12-02T17:20:41.123456Z``): fixed width, sortable."""
-    moment = datetime.now(UTC) if when is None else when.astimezone(UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def rotated_path(path: str | os.PathLike[str], index: int) -> str:

@@ -7,47 +7,67 @@ A lagged reader is not silently skipped: it drains what it already has, then get
 
 from __future__ import annotations
 
+import math
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 from pydantic import BaseModel
 
-
-class SubscriberLagged(Exception):
-    """The subscriber fell behind by more than its buffer; ``missed`` events were dropped for it."""
-
-    def __init__(self, missed: int) -> None:
-        super().__init__(
-            f"subscriber lagged: {missed} event(s) missed; resubscribe and read snapshot()"
-        )
-        self.missed = missed
+from gpuwatch.errors import SubscriberLagged
 
 
 class Subscription:
-    """Async iterator of events matching ``types``/``addrs`` (None means all)."""
+    """Async iterator of events matching ``types``/``addrs`` (None means all).
+
+    Events travel as the batches the watcher published them in: one queue operation (and
+    one wake-up of the reader) per batch, not per event, so a reader that keeps up on
+    average takes a whole burst a batch at a time. ``buffer`` still bounds what waits in
+    the queue, counted in events.
+    """
 
     def __init__(
         self, types: frozenset[str] | None, addrs: frozenset[str] | None, buffer: int
     ) -> None:
         self.types = types
         self.addrs = addrs
-        self._send, self._recv = anyio.create_memory_object_stream[BaseModel](buffer)
+        self.buffer = buffer
+        self._send, self._recv = anyio.create_memory_object_stream[Sequence[BaseModel]](
+            math.inf
+        )
+        self._queued = 0  # events waiting in the stream, not yet taken by the reader
+        self._taken: deque[BaseModel] = deque()  # the batch the reader is working through
         self.lagged = False
         self.missed = 0
 
     def offer(self, event: BaseModel) -> None:
-        """Queue without waiting; on a full queue mark the subscriber lagged and count."""
+        """Queue one event without waiting (see `offer_batch`)."""
+        self.offer_batch((event,))
+
+    def offer_batch(self, events: Sequence[BaseModel]) -> None:
+        """Queue the events this subscriber wants, as one batch, without waiting.
+
+        If they do not fit in what is left of the buffer, the subscriber is lagged: it
+        keeps what is queued, and every later event counts as missed.
+        """
+        if self.types is not None or self.addrs is not None:
+            events = [e for e in events if matches(self, e)]
+        if not events:
+            return
         if self.lagged:
-            self.missed += 1
+            self.missed += len(events)
+            return
+        if self._queued + len(events) > self.buffer:
+            self.lagged = True
+            self.missed = len(events)
+            self._send.close()
             return
         try:
-            self._send.send_nowait(event)
-        except anyio.WouldBlock:
-            self.lagged = True
-            self.missed = 1
-            self._send.close()
+            self._send.send_nowait(events)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
+            return
+        self._queued += len(events)
 
     def close(self) -> None:
         """End the stream: a reader waiting in ``receive`` sees the end, not a hang."""
@@ -59,12 +79,17 @@ class Subscription:
         self._recv.close()
 
     async def receive(self) -> Any:
-        try:
-            return await self._recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            if self.lagged:
-                raise SubscriberLagged(self.missed) from None
-            raise StopAsyncIteration from None
+        taken = self._taken
+        if not taken:
+            try:
+                batch = await self._recv.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                if self.lagged:
+                    raise SubscriberLagged(self.missed) from None
+                raise StopAsyncIteration from None
+            self._queued -= len(batch)
+            taken.extend(batch)
+        return taken.popleft()
 
     def __aiter__(self) -> Subscription:
         return self

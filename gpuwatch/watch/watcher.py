@@ -13,33 +13,33 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.config import Tables, load_tables
-from gpuwatch.core.events import Ready, Resync
+from gpuwatch.core.events import Ready, Resync, format_event_time
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
+from gpuwatch.core.tables import Tables
+from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, scan
 from gpuwatch.model import HostModel
+from gpuwatch.settings import load_tables
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
-from gpuwatch.watch.subscription import Subscription, matches
+from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
 
 DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_SUBSCRIBER_BUFFER = 4096
-
-
-def rfc3339_now() -> str:
-    """UTC with microseconds and a ``Z``: sortable, and what every log tool parses."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+#: Events applied between two chances for other tasks to run (requests, subscribers).
+PUMP_SLICE = 256
+#: Actions after which only a function's driver link can have changed (see `observe`).
+_DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 
 
 class HostSnapshot(BaseModel):
@@ -77,8 +77,11 @@ class Watcher:
         self._closed = False
         self.source_ended = anyio.Event()
         self.resyncs = 0
-        #: Observers called with every stamped event (metrics, NFD, the socket server).
+        #: Observers called with every stamped event (metrics, NFD).
         self.listeners: list[Callable[[BaseModel], None]] = []
+        #: Observers called once per published batch with the stamped events and their JSON
+        #: lines, serialised once for the log and every reader (the socket server).
+        self.batch_listeners: list[Callable[[Sequence[BaseModel], Sequence[str]], None]] = []
 
     # ------------------------------------------------------------------ reading
 
@@ -164,7 +167,7 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
-        now = rfc3339_now()
+        now = format_event_time()
         for event in events:
             self._seq += 1
             # Straight into the instance dict: pydantic's __setattr__ machinery is a tenth of
@@ -172,21 +175,30 @@ class Watcher:
             fields = event.__dict__
             fields["seq"] = self._seq
             fields["time"] = now
+        lines: Sequence[str] = ()
+        if self._log is not None or self.batch_listeners:  # serialised once, for everyone
+            lines = [event.model_dump_json() for event in events]
         if self._log is not None:  # on disk before anyone hears of it
-            self._log.write_lines([event.model_dump_json() for event in events])
+            self._log.write_lines(lines)
+        for batch_listener in tuple(self.batch_listeners):
+            batch_listener(events, lines)
         for listener in self.listeners:
             for event in events:
                 listener(event)
         for sub in tuple(self._subscribers):
-            for event in events:
-                if matches(sub, event):
-                    sub.offer(event)
+            sub.offer_batch(events)
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed."""
         events = self.model.state.apply(observations)
         self.publish(events)
         return events
+
+    async def refresh(self, observations: Sequence[Observation]) -> None:
+        """`apply` under the pump's lock: for observations read outside the pump (the switch
+        re-reading the tree), so they cannot interleave with a batch or a rescan."""
+        async with self._lock:
+            self.apply(observations)
 
     async def resync(self, reason: str) -> int:
         """Rescan everything (in a thread), diff against the model, publish the drift and a
@@ -201,34 +213,6 @@ class Watcher:
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
 
-    # ------------------------------------------------------------------ switching (gpuwatch.switch)
-
-    async def switch(
-        self, addr_or_vendor: str, mode: str, *, timeout: float = 90, tolerant: bool = False
-    ) -> Any:
-        """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); returns the
-        `SwitchResult` or raises `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`."""
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).switch(
-            addr_or_vendor, mode, timeout=timeout, tolerant=tolerant
-        )
-
-    async def plan(self, addr_or_vendor: str, mode: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).plan(addr_or_vendor, mode)
-
-    async def recover(self, addr_or_vendor: str, *, timeout: float = 90) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).recover(addr_or_vendor, timeout=timeout)
-
-    async def holders(self, addr_or_vendor: str) -> Any:
-        from gpuwatch.switch.engine import engine_for
-
-        return await engine_for(self).holders(addr_or_vendor)
-
     # ------------------------------------------------------------------ tasks
 
     async def _pump(self) -> None:
@@ -238,13 +222,39 @@ class Watcher:
                     _log.warning("events lost (%s): rescanning", batch.error)
                     await self.resync("overflow")
                     continue
-                async with self._lock:
-                    observations: list[Observation] = []
-                    for event in batch:
-                        observations.extend(observe(self.paths, self.tables, event))
-                    self.apply(observations)
+                # A source may hand over a whole backlog at once: apply it in slices, and let
+                # socket requests and subscribers run between them, so nobody waits for all of it.
+                for start in range(0, len(batch), PUMP_SLICE):
+                    if start:
+                        await anyio.lowlevel.checkpoint()
+                    async with self._lock:
+                        self.apply(self._observe(batch[start : start + PUMP_SLICE]))
         finally:
             self.source_ended.set()
+
+    def _observe(self, batch: Sequence[UEvent]) -> list[Observation]:
+        """Read each device the batch names once, however often it names it.
+
+        The tree is read after the batch, so the last read is the only one that counts: a
+        flapping link or a storm of a hundred events for one function costs one read. A
+        bind/unbind-only read (`read_function_known`) is used only when every event for the
+        device was one; anything else makes it the full read.
+        """
+        last: dict[tuple[str, str, str], UEvent] = {}
+        full: set[tuple[str, str, str]] = set()
+        for event in batch:
+            key = (event.subsystem, event.devpath, event.properties.get("DEVNAME", ""))
+            if event.action not in _DRIVER_ACTIONS:
+                full.add(key)
+            last.pop(key, None)  # re-insert: dict order is then the order of last mention
+            last[key] = event
+        observations: list[Observation] = []
+        paths, tables = self.paths, self.tables
+        for key, event in last.items():
+            if key in full and event.action in _DRIVER_ACTIONS:
+                event = event._replace(action="change")
+            observations.extend(observe(paths, tables, event))
+        return observations
 
     async def _poll_cdi(self) -> None:
         # CDI specs are plain files: no uevent announces them, so look twice a second.
@@ -339,4 +349,4 @@ async def open_watcher(
             event_log.close()
 
 
-__all__ = ["HostSnapshot", "Watcher", "open_watcher", "rfc3339_now"]
+__all__ = ["HostSnapshot", "Watcher", "open_watcher"]

@@ -33,10 +33,10 @@ from gpuwatch.core.plan import (
 )
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.state import HostState
+from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.files import list_dir, read_attr, read_text
 from gpuwatch.hostfs.procfs import fd_targets, pids, read_comm
 from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
-from gpuwatch.switch.errors import StepTimedOut
 
 T = TypeVar("T")
 

@@ -1,0 +1,56 @@
+"""The lookup tables (device patterns, GPU vendors, PCI class labels) as one frozen value.
+
+Pure: validation only. Where the tables come from (the embedded YAML, an override file) is
+`gpuwatch.settings`' business, so the model can hold tables without reading a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels")
+
+
+def _hex_key(key: object) -> str:
+    # YAML turns an unquoted 0x10de into the int 4318; give the user the key they meant.
+    if isinstance(key, bool):
+        raise ValueError(f"{key!r} is not a hex id")
+    if isinstance(key, int):
+        return f"0x{key:04x}"
+    if isinstance(key, str):
+        return key.strip().lower()
+    raise ValueError(f"{key!r} is not a hex id")
+
+
+class Tables(BaseModel):
+    """The lookup tables every reader and the model share. Immutable once loaded."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device_patterns: tuple[str, ...]
+    gpu_vendors: Mapping[str, str]
+    pci_class_labels: Mapping[str, str]
+
+    @field_validator("device_patterns")
+    @classmethod
+    def _absolute_dev_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in value:
+            if not pattern.startswith("/dev/"):
+                raise ValueError(f"pattern {pattern!r} must start with /dev/")
+        return value
+
+    @field_validator("gpu_vendors", "pci_class_labels", mode="before")
+    @classmethod
+    def _normalise_hex_keys(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value
+        return {_hex_key(k): v for k, v in value.items()}
+
+    def class_label(self, klass: str) -> str:
+        return self.pci_class_labels.get(klass, klass)
+
+
+__all__ = ["TABLE_KEYS", "Tables"]

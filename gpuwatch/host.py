@@ -1,0 +1,188 @@
+"""`Host`: one GPU host, composed. The model kept current by a watcher, and the switch over it.
+
+This is the composition layer: it builds the watcher (source pump, event log, reconcile
+loop, subscriptions) and a `SwitchEngine` handed only what it needs (the model, the
+`HostOps` seam, and the watcher's publish, subscribe and refresh callables), so neither
+half knows the other. The service and the CLI stand on it; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from gpuwatch.switch.engine import (
+    DEFAULT_STEP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    EventStream,
+    SwitchEngine,
+    SwitchResult,
+)
+from gpuwatch.watch import watcher as _watch
+from gpuwatch.watch.watcher import (
+    DEFAULT_CDI_POLL_INTERVAL,
+    DEFAULT_RECONCILE_INTERVAL,
+    DEFAULT_SUBSCRIBER_BUFFER,
+    HostSnapshot,
+    Watcher,
+)
+
+if TYPE_CHECKING:
+    import anyio
+
+    from gpuwatch.core.observations import Observation
+    from gpuwatch.core.tables import Tables
+    from gpuwatch.hostfs.scan import HostPaths
+    from gpuwatch.model import HostModel
+    from gpuwatch.sources import EventSource
+    from gpuwatch.switch.hostops import HostOps
+    from gpuwatch.watch.eventlog import EventLog
+    from gpuwatch.watch.subscription import Subscription
+
+
+class Host:
+    """A running host: probes and snapshots from memory, events, and driver switches.
+
+    Get one from `open_host`. Reads answer from the model; ``switch``/``recover`` write
+    through the `HostOps` seam (root only) and return once the model sees the new drivers.
+    """
+
+    def __init__(self, watcher: Watcher, engine: SwitchEngine) -> None:
+        self.watcher = watcher
+        self.engine = engine
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def model(self) -> HostModel:
+        return self.watcher.model
+
+    @property
+    def paths(self) -> HostPaths:
+        return self.watcher.paths
+
+    @property
+    def tables(self) -> Tables:
+        return self.watcher.tables
+
+    @property
+    def source(self) -> EventSource:
+        return self.watcher.source
+
+    @property
+    def seq(self) -> int:
+        """The seq of the last event published."""
+        return self.watcher.seq
+
+    @property
+    def source_ended(self) -> anyio.Event:
+        return self.watcher.source_ended
+
+    @property
+    def listeners(self) -> list[Callable[[Any], None]]:
+        """Observers called with every stamped event (metrics, NFD, the socket server)."""
+        return self.watcher.listeners
+
+    @property
+    def batch_listeners(self) -> list[Callable[[Sequence[Any], Sequence[str]], None]]:
+        """Observers called once per published batch with the events and their JSON lines."""
+        return self.watcher.batch_listeners
+
+    def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
+              mode: str | None = None, vendor: str | None = None) -> Any:
+        """Answer a probe action (docs/probes.md) from memory."""
+        return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
+
+    def snapshot(self) -> HostSnapshot:
+        return self.watcher.snapshot()
+
+    # ------------------------------------------------------------------ events
+
+    def subscribe(self, types: Iterable[str] | None = None, addrs: Iterable[str] | None = None,
+                  *, buffer: int | None = None) -> AbstractAsyncContextManager[Subscription]:
+        """Events from now on, filtered (`Watcher.subscribe`)."""
+        return self.watcher.subscribe(types, addrs, buffer=buffer)
+
+    async def wait_for(self, predicate: Callable[[Any], bool], timeout: float | None = None,
+                       *, types: Iterable[str] | None = None) -> Any:
+        return await self.watcher.wait_for(predicate, timeout, types=types)
+
+    def publish(self, events: Sequence[Any]) -> None:
+        self.watcher.publish(events)
+
+    def apply(self, observations: Sequence[Observation]) -> list[Any]:
+        return self.watcher.apply(observations)
+
+    async def resync(self, reason: str) -> int:
+        return await self.watcher.resync(reason)
+
+    # ------------------------------------------------------------------ switching
+
+    async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
+                     tolerant: bool = False) -> SwitchResult:
+        """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
+        `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`."""
+        return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant)
+
+    async def plan(self, addr_or_vendor: str, mode: str) -> dict[str, Any]:
+        """The plan a switch would follow now, as JSON."""
+        return await self.engine.plan(addr_or_vendor, mode)
+
+    async def recover(self, addr_or_vendor: str, *,
+                      timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
+        """Rebind a wedged group to vfio-pci and clear its poison (`RebootRequired` if stuck)."""
+        return await self.engine.recover(addr_or_vendor, timeout=timeout)
+
+    async def holders(self, addr_or_vendor: str) -> dict[str, Any]:
+        """Who holds the card's nodes."""
+        return await self.engine.holders(addr_or_vendor)
+
+
+@asynccontextmanager
+async def open_host(
+    root: str | os.PathLike[str] = "/",
+    source: str | EventSource = "auto",
+    *,
+    config: str | os.PathLike[str] | Tables | None = None,
+    log: str | os.PathLike[str] | EventLog | None = None,
+    ops: HostOps | None = None,
+    geteuid: Callable[[], int] | None = None,
+    poison_path: str | os.PathLike[str] | None = None,
+    step_timeout: float = DEFAULT_STEP_TIMEOUT,
+    log_max_bytes: int | None = None,
+    log_keep: int = 5,
+    reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL,
+    cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
+    subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
+    receive_buffer: int | None = None,
+    **engine_options: Any,
+) -> AsyncIterator[Host]:
+    """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
+
+    ``ops``/``geteuid`` default to the real host's seam (or a refusing one off the real
+    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`.
+    """
+    async with _watch.open_watcher(
+        root, source, config=config, log=log, log_max_bytes=log_max_bytes, log_keep=log_keep,
+        reconcile_interval=reconcile_interval, cdi_poll_interval=cdi_poll_interval,
+        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer,
+    ) as watcher:
+
+        def subscribe(types: Iterable[str]) -> AbstractAsyncContextManager[EventStream]:
+            return watcher.subscribe(types=types)
+
+        engine = SwitchEngine(
+            watcher.model, ops, publish=watcher.publish, subscribe=subscribe,
+            refresh=watcher.refresh, geteuid=geteuid, poison_path=poison_path,
+            step_timeout=step_timeout, **engine_options,
+        )
+        yield Host(watcher, engine)
+
+
+#: The first name of `open_host`, from when the watcher also switched: code written against
+#: ``gpuwatch.open_watcher`` (probes, subscriptions and switches) runs unchanged.
+open_watcher = open_host
+
+__all__ = ["Host", "open_host", "open_watcher"]

@@ -1,0 +1,160 @@
+"""Hosts of the kinds gpuwatch meets in the field, laid out as those machines lay out sysfs.
+
+Each builder returns a `SysRoot` modelled on a real machine of that kind: the vendor and
+device ids, classes, drivers, IOMMU grouping and KFD topology such a host shows. Call
+``SysRoot.capture()`` on the result for the tree a capture tool would copy from it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gpuwatch.testing.sysroot import SysRoot
+
+NVIDIA, AMD, INTEL, ASPEED, MATROX, HPE = "0x10de", "0x1002", "0x8086", "0x1a03", "0x102b", "0x103c"
+
+
+def bmc_server_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A 2U GPU server: the BMC's ASPEED AST2600 VGA (``ast``, boot_vga 1) behind the BMC's
+    own bridge in IOMMU group 20, and two NVIDIA A100s (3D controllers, no audio) on nvidia
+    in groups 30 and 31. The ASPEED is the host's console: never a passthrough candidate."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:1c.0", iommu_group=10)
+    s.add_bridge("0000:02:00.0", parent="0000:00:1c.0", vendor=ASPEED, device="0x1150",
+                 iommu_group=20)
+    s.add_function("0000:03:00.0", parent="0000:02:00.0", vendor=ASPEED, device="0x2000",
+                   klass="0x030000", driver="ast", iommu_group=20, subsystem_vendor=ASPEED)
+    s.set_attr("0000:03:00.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:03:00.0")
+    for i, (port, addr) in enumerate((("0000:40:01.1", "0000:41:00.0"),
+                                      ("0000:c0:01.1", "0000:c1:00.0"))):
+        s.add_bridge(port, domain_root=f"pci0000:{port[5:7]}", iommu_group=40 + i)
+        s.add_function(addr, parent=port, vendor=NVIDIA, device="0x20b2", klass="0x030200",
+                       driver="nvidia", iommu_group=30 + i)
+        s.add_dev_node(f"/dev/nvidia{i}")
+    s.add_module("nvidia", refcnt=2, holders=("nvidia_modeset", "nvidia_uvm"))
+    s.add_module("nvidia_modeset", refcnt=1, holders=("nvidia_drm",))
+    s.add_module("nvidia_drm")
+    s.add_module("nvidia_uvm")
+    s.add_module("ast")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_cdi_spec("etc")
+    s.add_iommu_unit("ivhd0")
+    return s
+
+
+def hpe_ilo_host(root: str | os.PathLike[str]) -> SysRoot:
+    """An HPE ProLiant: the iLO's functions share slot 01:00 and one IOMMU group (1): the
+    management processor (``hpilo``), its watchdog (``hpwdt``) and the Matrox G200eH3 VGA
+    (``mgag200``, boot_vga 1), plus one NVIDIA L4 on nvidia in group 40."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:1c.4", iommu_group=9)
+    ilo = (("0000:01:00.0", HPE, "0x3306", "0x088000", "hpwdt"),
+           ("0000:01:00.1", MATROX, "0x0538", "0x030000", "mgag200"),
+           ("0000:01:00.2", HPE, "0x3307", "0x088000", "hpilo"))
+    for addr, vendor, device, klass, driver in ilo:
+        s.add_function(addr, parent="0000:00:1c.4", vendor=vendor, device=device, klass=klass,
+                       driver=driver, iommu_group=1, subsystem_vendor=HPE)
+    s.set_attr("0000:01:00.1", "boot_vga", "1\n")
+    s.add_bridge("0000:00:03.0", iommu_group=39)
+    s.add_function("0000:08:00.0", parent="0000:00:03.0", vendor=NVIDIA, device="0x27b8",
+                   klass="0x030200", driver="nvidia", iommu_group=40)
+    s.add_module("nvidia")
+    s.add_iommu_unit("dmar0")
+    return s
+
+
+def vmd_host(root: str | os.PathLike[str]) -> SysRoot:
+    """An Intel workstation with VMD on: the VMD controller (0000:00:0e.0, ``vmd``) opens PCI
+    domain 10000, where an NVMe drive and an NVIDIA RTX A4000 with its HDMI audio sit
+    (``10000:01:00.0``/``.1``, one IOMMU group: VMD's own)."""
+    s = SysRoot(root)
+    s.add_function("0000:00:02.0", vendor=INTEL, device="0xa780", klass="0x030000",
+                   driver="i915", iommu_group=0, subsystem_vendor=INTEL)
+    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
+    s.add_function("0000:00:0e.0", vendor=INTEL, device="0xa77f", klass="0x010400",
+                   driver="vmd", iommu_group=5, subsystem_vendor=INTEL)
+    domain = s.add_vmd_domain("0000:00:0e.0", "10000")
+    s.add_bridge("10000:00:01.0", parent=domain, iommu_group=5)
+    s.add_function("10000:01:00.0", parent="10000:00:01.0", vendor=NVIDIA, device="0x24b0",
+                   klass="0x030000", driver="vfio-pci", iommu_group=6)
+    s.add_function("10000:01:00.1", parent="10000:00:01.0", vendor=NVIDIA, device="0x228b",
+                   klass="0x040300", driver="vfio-pci", iommu_group=6)
+    s.add_function("10000:02:00.0", parent="10000:00:01.0", vendor="0x144d", device="0xa80a",
+                   klass="0x010802", driver="nvme", iommu_group=5)
+    s.add_vfio_group(6)
+    s.add_module("vfio_pci")
+    s.add_iommu_unit("dmar0")
+    return s
+
+
+def instinct_host(root: str | os.PathLike[str], *, gfx: int = 90010, device: str = "0x740f",
+                  cards: int = 2) -> SysRoot:
+    """An AMD Instinct node: ``cards`` OAM/PCIe accelerators (Display controller 0x0380, on
+    amdgpu; MI210 ``0x740f`` gfx_target_version 90010 by default, MI300X ``0x74a1`` 90402),
+    KFD node 0 the CPU, nodes 1… the GPUs, as kfd_topology numbers them."""
+    s = SysRoot(root)
+    s.add_kfd_node(0, 0)
+    for i in range(cards):
+        port, addr = f"0000:{0x10 * (i + 1):02x}:01.0", f"0000:{0x10 * (i + 1) + 1:02x}:00.0"
+        s.add_bridge(port, iommu_group=50 + i)
+        s.add_function(addr, parent=port, vendor=AMD, device=device, klass="0x038000",
+                       driver="amdgpu", iommu_group=60 + i, subsystem_vendor=AMD)
+        s.add_drm(f"card{i + 1}", addr)
+        s.add_drm(f"renderD{128 + i}", addr)
+        s.add_kfd_node(i + 1, gfx, vendor_id=int(AMD, 16), device_id=int(device, 16),
+                       drm_render_minor=128 + i)
+    s.add_dev_node("/dev/kfd")
+    s.add_module("amdgpu")
+    s.add_iommu_unit("ivhd0")
+    return s
+
+
+def vm_guest_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A cloud VM: virtio-gpu console (boot_vga 1) and a passed-through NVIDIA T4 on nvidia,
+    no vIOMMU (so no IOMMU groups at all)."""
+    s = SysRoot(root)
+    s.add_function("0000:00:01.0", vendor="0x1af4", device="0x1050", klass="0x030000",
+                   driver="virtio-pci", subsystem_vendor="0x1af4")
+    s.set_attr("0000:00:01.0", "boot_vga", "1\n")
+    s.add_function("0000:00:05.0", vendor=NVIDIA, device="0x1eb8", klass="0x030200",
+                   driver="nvidia")
+    s.add_drm("card0", "0000:00:01.0")
+    s.add_module("nvidia")
+    s.add_dev_node("/dev/nvidia0")
+    s.add_cdi_spec("var")
+    return s
+
+
+def single_gpu_desktop(root: str | os.PathLike[str], *, boot_vga: bool = True) -> SysRoot:
+    """A desktop whose only display function is an NVIDIA RTX 3080 (+ HDMI audio, group 12):
+    the firmware booted on it, so it is the host's console (boot_vga 1)."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:01.0", iommu_group=2)
+    s.add_function("0000:01:00.0", parent="0000:00:01.0", device="0x2206", driver="nvidia",
+                   iommu_group=12)
+    s.add_function("0000:01:00.1", parent="0000:00:01.0", device="0x1aef", klass="0x040300",
+                   driver="snd_hda_intel", iommu_group=12)
+    if boot_vga:
+        s.set_attr("0000:01:00.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:01:00.0")
+    s.add_module("nvidia", refcnt=2, holders=("nvidia_modeset", "nvidia_uvm"))
+    s.add_module("nvidia_modeset", refcnt=1, holders=("nvidia_drm",))
+    s.add_module("nvidia_drm")
+    s.add_module("nvidia_uvm")
+    s.add_module("snd_hda_intel")
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_cdi_spec("etc")
+    s.add_iommu_unit("dmar0")
+    return s
+
+
+__all__ = [
+    "bmc_server_host",
+    "hpe_ilo_host",
+    "instinct_host",
+    "single_gpu_desktop",
+    "vm_guest_host",
+    "vmd_host",
+]

@@ -1,0 +1,290 @@
+"""Probe answers on trees laid out like real machines of many kinds, and as capture tools
+copy them (links flattened into folders, links in the kernel's relative spelling)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import gpuwatch
+from gpuwatch.cli.main import main
+from gpuwatch.core.kfd import format_gfx_target
+from gpuwatch.core.modes import group_mode
+from gpuwatch.core.pci import canonical_addr, is_pci_addr
+from gpuwatch.errors import UsageError
+from gpuwatch.jsonout import jsonable
+from gpuwatch.report import build_status, passthrough_gpus
+from gpuwatch.service.metrics import Metrics
+from gpuwatch.service.nfd import feature_labels
+from gpuwatch.switch.hostops import check_write
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.machines import (
+    bmc_server_host,
+    instinct_host,
+    vm_guest_host,
+    vmd_host,
+)
+
+NV = "0000:01:00.0"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def probe(root: SysRoot | Path, action: str, **kw: object) -> object:
+    base = root.root if isinstance(root, SysRoot) else root
+    return jsonable(gpuwatch.scan(base).probe(action, **kw))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ detect-gpu: a GPU on nvidia
+
+
+def test_detect_gpu_needs_a_display_function_on_nvidia(host: SysRoot) -> None:
+    assert probe(host, "detect-gpu") is True
+    # Module loaded, CDI spec present, but the only NVIDIA card is on vfio-pci.
+    host.bind(NV, "vfio-pci")
+    assert host.root.joinpath("sys/module/nvidia").is_dir()
+    assert probe(host, "detect-gpu") is False
+    assert probe(host, "detect-host-devices")["gpu"] is False  # type: ignore[index]
+    host.bind(NV, "nvidia")
+    assert probe(host, "detect-gpu") is True
+    # The card removed (hot-unplugged): the module and spec stay, the GPU is gone.
+    host.remove_function(NV)
+    assert probe(host, "detect-gpu") is False
+
+
+@pytest.mark.parametrize("kind", ["bmc", "vm"])
+def test_detect_gpu_follows_3d_controllers(tmp_path: Path, kind: str) -> None:
+    s = bmc_server_host(tmp_path / "h") if kind == "bmc" else vm_guest_host(tmp_path / "h")
+    assert probe(s, "detect-gpu") is True  # A100 / T4 are 3D controllers (0x0302)
+    for addr in [a for a in s.functions if s.device_dir(a).joinpath("vendor").read_text()
+                 .strip() == "0x10de"]:
+        s.bind(addr, "vfio-pci")
+    assert probe(s, "detect-gpu") is False
+
+
+def test_status_and_metrics_use_the_same_rule(host: SysRoot) -> None:
+    host.bind(NV, "vfio-pci")
+    model = gpuwatch.scan(host.root)
+    report = build_status(model, gpuwatch.scan(host.root).probe("memlock"))
+    assert report.nvidia_usable is False
+    metrics = Metrics()
+    metrics.nvidia_usable.set(1 if model.probe("detect-gpu") else 0)
+    assert metrics.registry.get_sample_value("gpuwatch_nvidia_gpu_usable") == 0
+
+
+# ------------------------------------------------------------ captured trees
+
+
+def amd_workstation(root: Path) -> SysRoot:
+    """A Ryzen workstation with a Radeon RX 7900 XTX on amdgpu (gfx1100)."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:01.1", iommu_group=2)
+    s.add_function("0000:03:00.0", parent="0000:00:01.1", vendor="0x1002", device="0x744c",
+                   driver="amdgpu", iommu_group=14, subsystem_vendor="0x1002")
+    s.add_function("0000:03:00.1", parent="0000:00:01.1", vendor="0x1002", device="0xab30",
+                   klass="0x040300", driver="snd_hda_intel", iommu_group=14)
+    s.add_drm("card0", "0000:03:00.0")
+    s.add_drm("renderD128", "0000:03:00.0")
+    s.add_kfd_node(0, 0)
+    s.add_kfd_node(1, 110000)
+    s.add_dev_node("/dev/kfd")
+    return s
+
+
+def test_kernel_spelling_of_the_device_link(tmp_path: Path) -> None:
+    s = amd_workstation(tmp_path / "h")
+    link = s.root / "sys/class/drm/card0"
+    assert os.readlink(link / "device") == "../../../0000:03:00.0"
+    assert os.readlink(s.root / "sys/bus/pci/devices/0000:03:00.0").startswith("../../../devices/")
+    assert probe(s, "detect-amd-gpu") is True
+    # card0 copied as a folder, its device link kept as the kernel spells it: from the new
+    # place it leads nowhere, yet it still names the card.
+    s.flatten_link("sys/class/drm/card0")
+    assert not (link / "device").exists() and os.path.islink(link / "device")
+    assert probe(s, "detect-amd-gpu") is True
+    assert probe(s, "detect-host-devices")["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("nested", [(), ("driver",), ("driver", "iommu_group")])
+def test_flattened_drm_device_folder_still_names_the_card(tmp_path: Path,
+                                                          nested: tuple[str, ...]) -> None:
+    s = amd_workstation(tmp_path / "h")
+    s.flatten_link("sys/class/drm/card0", nested=("device", *nested))
+    device = s.root / "sys/class/drm/card0/device"
+    assert device.is_dir() and not device.is_symlink()
+    assert (device / "vendor").read_text() == "0x1002\n"
+    assert probe(s, "detect-amd-gpu") is True
+    hd = probe(s, "detect-host-devices")
+    assert hd["amd_gpu"] is True and hd["amd_gfx_target"] == "gfx1100"  # type: ignore[index]
+    assert hd["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+
+
+def test_whole_captured_tree_answers_like_the_host(tmp_path: Path) -> None:
+    live = amd_workstation(tmp_path / "live")
+    captured = amd_workstation(tmp_path / "captured")
+    captured.capture()
+    entry = captured.root / "sys/bus/pci/devices/0000:03:00.0"
+    assert entry.is_dir() and not entry.is_symlink()
+    assert (entry / "driver").is_dir() and not (entry / "driver").is_symlink()
+    assert (entry / "iommu_group").is_dir() and not (entry / "iommu_group").is_symlink()
+    for action in ("detect-vfio", "detect-amd-gpu", "amd-gfx-version", "amd-gfx-target",
+                   "detect-host-devices"):
+        assert probe(captured, action) == probe(live, action), action
+    fn = gpuwatch.scan(captured.root).function("0000:03:00.0")
+    assert (fn.driver, fn.iommu_group) == ("amdgpu", 14)
+
+
+def test_captured_nvidia_host_keeps_groups_and_drivers(tmp_path: Path) -> None:
+    live = example_gpu_host(tmp_path / "live")
+    captured = example_gpu_host(tmp_path / "captured")
+    captured.capture()
+    assert probe(captured, "detect-vfio") == probe(live, "detect-vfio")
+    assert probe(captured, "detect-gpu") is True
+
+
+def test_flattened_driver_without_uevent_driver_line_reads_unbound(tmp_path: Path) -> None:
+    s = amd_workstation(tmp_path / "h")
+    s.capture()
+    s.set_attr("0000:03:00.0", "uevent", "PCI_SLOT_NAME=0000:03:00.0\n")
+    # The bus entry is a copy now: rewrite its uevent too, as a garbage capture would hold.
+    (s.root / "sys/bus/pci/devices/0000:03:00.0/uevent").write_text("garbage\n")
+    fn = gpuwatch.scan(s.root).function("0000:03:00.0")
+    assert fn.driver == ""  # no claim the tree cannot back
+
+
+# ------------------------------------------------------------ PCI domains of 4 to 8 digits
+
+
+def test_address_parser_accepts_wide_domains() -> None:
+    assert canonical_addr("10000:01:00.0") == "10000:01:00.0"
+    assert canonical_addr("0001000A:01:00.0") == "1000a:01:00.0"
+    assert canonical_addr("FFFFFFFF:ff:1F.7") == "ffffffff:ff:1f.7"
+    assert canonical_addr("00000000:01:00.0") == "0000:01:00.0"
+    for bad in ("000:01:00.0", "123456789:01:00.0", "10000:1:00.0", "10000:01:00.8",
+                "10000:01:00.0\n", " 0000:01:00.0", "01:00.0", "g000:01:00.0"):
+        assert canonical_addr(bad) is None, bad
+    assert is_pci_addr("10000:01:00.0") and not is_pci_addr("pci10000:00")
+
+
+def test_vmd_domain_is_in_the_model_and_every_report(tmp_path: Path) -> None:
+    s = vmd_host(tmp_path / "h")
+    assert s.devpath("10000:01:00.0") == (
+        "/devices/pci0000:00/0000:00:0e.0/pci10000:00/10000:00:01.0/10000:01:00.0")
+    model = gpuwatch.scan(s.root)
+    gpus = model.probe("detect-vfio").gpus
+    vmd_gpu = next(g for g in gpus if g.addr == "10000:01:00.0")
+    assert [m.addr for m in vmd_gpu.group_members] == ["10000:01:00.0", "10000:01:00.1"]
+    assert model.probe("display-driver", addr="10000:01:00.0") == "vfio-pci"
+    assert model.probe("group-in-mode", addr="10000:01:00.1", mode="vfio") is True
+    listed = {g.addr: g for g in passthrough_gpus(model)}
+    assert "domain='0x10000'" in listed["10000:01:00.0"].functions[0].hostdev_xml  # type: ignore[operator]
+    status = build_status(model, model.probe("memlock"))
+    assert {g.addr: g.mode for g in status.gpus}["10000:01:00.0"] == "vfio"
+    labels = feature_labels(model.probe("detect-vfio"), False, False, "", lambda v: v)
+    assert labels["gpuwatch.gpu.count"] == "2" and labels["gpuwatch.gpu.vfio.count"] == "1"
+    check_write("/sys/bus/pci/drivers/vfio-pci/bind", "10000:01:00.0")  # no UnsafeStep
+    check_write("/sys/bus/pci/devices/10000:01:00.0/driver_override", "vfio-pci")
+
+
+def test_vmd_domain_on_the_command_line(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    s = vmd_host(tmp_path / "h")
+    code, out, err = cli(capsys, "probe", "display-driver", "--addr", "10000:01:00.0",
+                         "--root", str(s.root))
+    assert (code, json.loads(out)["result"], err) == (0, "vfio-pci", "")
+    code, out, _ = cli(capsys, "probe", "current-mode", "--addr", "0001000A:01:00.0",
+                       "--root", str(s.root))
+    assert code == 1  # a well-formed address of a function that is not there
+    code, _, err = cli(capsys, "probe", "display-driver", "--addr", "123456789:01:00.0",
+                       "--root", str(s.root))
+    assert code == 2 and "not a PCI address" in err and err[-1] == "\n" and err.count("\n") == 1
+    code, out, _ = cli(capsys, "mode", "--addr", "10000:01:00.1", "--root", str(s.root),
+                       "--json", "--no-daemon")
+    assert code == 0 and json.loads(out)["mode"] == "vfio"
+    code, out, _ = cli(capsys, "list", "--root", str(s.root), "--json", "--no-daemon")
+    assert "10000:01:00.0" in {g["addr"] for g in json.loads(out)}
+    code, out, _ = cli(capsys, "status", "--root", str(s.root), "--no-daemon")
+    assert code == 0 and "GPU 10000:01:00.0" in out
+
+
+def test_wide_domain_in_the_watcher_from_uevents(tmp_path: Path) -> None:
+    from gpuwatch.core.uevent import UEvent
+    from gpuwatch.hostfs.scan import HostPaths, observe
+
+    s = vmd_host(tmp_path / "h")
+    s.unbind("10000:01:00.0")
+    props = s.uevent_props("unbind", "10000:01:00.0")
+    seen = observe(HostPaths(s.root), gpuwatch.scan(s.root).tables, UEvent.from_properties(props))
+    assert [(o.addr, o.driver) for o in seen] == [("10000:01:00.0", "")]  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------ amd-gfx-target
+
+
+@pytest.mark.parametrize(
+    ("version", "target"),
+    [(90010, "gfx90a"), (90012, "gfx90c"), (90402, "gfx942"), (100306, "gfx1036"),
+     (110000, "gfx1100"), (90000, "gfx900"), (100300, "gfx1030"), (120001, "gfx1201"),
+     (0, "")],
+)
+def test_gfx_target_rule(version: int, target: str) -> None:
+    assert format_gfx_target(version) == target
+
+
+@pytest.mark.parametrize(
+    ("gfx", "device", "version", "target"),
+    [(90010, "0x740f", "9.0.0", "gfx90a"), (90402, "0x74a1", "9.4.0", "gfx942")],
+)
+def test_instinct_topologies(tmp_path: Path, gfx: int, device: str, version: str,
+                             target: str) -> None:
+    s = instinct_host(tmp_path / "h", gfx=gfx, device=device, cards=3)
+    assert probe(s, "amd-gfx-version") == version
+    assert probe(s, "amd-gfx-target") == target
+    hd = probe(s, "detect-host-devices")
+    assert (hd["amd_gpu"], hd["amd_gfx_version"], hd["amd_gfx_target"]) == (  # type: ignore[index]
+        True, version, target)
+
+
+def test_gfx_target_empty_without_kfd_or_amd_card(host: SysRoot, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert probe(host, "amd-gfx-target") == ""
+    assert probe(host, "detect-host-devices")["amd_gfx_target"] == ""  # type: ignore[index]
+    s = instinct_host(tmp_path / "mi", cards=1)
+    code, out, _ = cli(capsys, "probe", "amd-gfx-target", "--root", str(s.root))
+    assert (code, json.loads(out)) == (0, {"action": "amd-gfx-target", "result": "gfx90a"})
+
+
+# ------------------------------------------------------------ unbound groups
+
+
+def test_all_unbound_group_reads_unbound(host: SysRoot) -> None:
+    host.unbind(NV)
+    host.unbind("0000:01:00.1")
+    model = gpuwatch.scan(host.root)
+    members = model.state.group_members(NV)
+    assert group_mode(members) == "unbound"
+    status = build_status(model, model.probe("memlock"))
+    assert {g.addr: g.mode for g in status.gpus}[NV] == "unbound"
+
+
+def test_mixed_is_for_drivers_of_different_modes(host: SysRoot) -> None:
+    host.bind("0000:01:00.1", "vfio-pci")  # display on nvidia, audio on vfio-pci
+    members = gpuwatch.scan(host.root).state.group_members(NV)
+    assert group_mode(members) == "mixed"
+    host.unbind(NV)  # display unbound, audio on vfio-pci: not all unbound
+    assert group_mode(gpuwatch.scan(host.root).state.group_members(NV)) == "mixed"
+
+
+def test_usage_error_names_the_accepted_form() -> None:
+    with pytest.raises(UsageError, match="4 to 8"):
+        gpuwatch.scan("/nonexistent-root").probe("display-driver", addr="1:2:3")
