@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.service.udev_rules import DEFAULT_GROUP as VFIO_GROUP
 from gpuwatch.service.udev_rules import RULES_FILE, render_rules
 
@@ -42,8 +42,10 @@ _HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
 _TMP_PREFIXES = ("/tmp/", "/var/tmp/")
 
 
-class InstallError(GpuwatchError):
+class InstallError(HostError):
     """The service cannot be installed or removed as asked (exit 1)."""
+
+    code = SERVICE
 
 
 def shipped_unit() -> str:
