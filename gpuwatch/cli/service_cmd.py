@@ -80,11 +80,23 @@ def _prepare(args: argparse.Namespace) -> tuple[str, bool]:
 
 
 def run_install(args: argparse.Namespace) -> int:
-    from gpuwatch.service.install import check_program, execute, gather_facts, plan_install
+    from gpuwatch.service.install import (
+        InstallError,
+        check_program,
+        execute,
+        gather_facts,
+        plan_install,
+    )
 
     root, host = _prepare(args)
     exec_argv, seen = running_gpuwatch()
-    check_program((exec_argv[0], *seen))
+    if host:  # a tree being built (--root) runs its programs elsewhere: nothing to check
+        try:
+            check_program((exec_argv[0], *seen))
+        except InstallError as exc:
+            if not args.dry_run:
+                raise
+            print(f"gpuwatch: warning: {exc}", file=sys.stderr)
     if os.environ.get("PYTHONPATH"):
         print("gpuwatch: note: PYTHONPATH is set here but the service does not inherit it",
               file=sys.stderr)
