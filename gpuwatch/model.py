@@ -11,14 +11,14 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode
+from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
 from gpuwatch.core.plan import SwitchPlan, example_card, find_card, plan_switch, step_json
-from gpuwatch.core.results import PciFunction
-from gpuwatch.core.state import WATCHED_PROBES, HostState
+from gpuwatch.core.results import PciFunction, VfioBackend
+from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.errors import DeviceNotFound, SwitchRefused, UsageError
 from gpuwatch.hostfs import procfs
@@ -26,7 +26,7 @@ from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.hostfs.wedge import wedge_detected
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import root_in_force, tables_in_force
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -42,6 +42,7 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "display-driver": ("addr",),
     "current-mode": ("addr",),
     "group-in-mode": ("addr", "mode"),
+    "vfio-backend": ("addr",),
     "wedge-detected": (),
     "plan": ("mode",),  # and --addr or --vendor
 }
@@ -91,6 +92,8 @@ class HostModel:
         self.state = state
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
+        self._access: dict[int, bool] = {}
+        self._access_version = -1
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         self.poisoned: dict[int, str] = {}
@@ -101,8 +104,10 @@ class HostModel:
             "display-driver": lambda g, a, m: self.function(a).driver,
             "current-mode": lambda g, a, m: current_mode(self.function(a)),
             "group-in-mode": lambda g, a, m: group_in_mode(
-                self.state.group_members(self.function(a).addr), _as_mode(m)
+                self.state.group_members(self.function(a).addr), _as_mode(m),
+                self.state.vfio_variants,
             ),
+            "vfio-backend": lambda g, a, m: self.vfio_backend(a),
             "wedge-detected": lambda g, a, m: wedge_detected(self.paths.root),
         }
 
@@ -129,10 +134,13 @@ class HostModel:
             return answers[action]
         if (
             action == "vfio-group-accessible"
-            and group is not None
+            and group.__class__ is int
             and (addr is None and mode is None and vendor is None)
         ):
-            return self.vfio_group_accessible(group)  # nothing here for check_params to reject
+            # Prepared per group: nothing to compute, nothing here for check_params to reject.
+            if self._access_version != self.state.vfio_nodes_version:
+                self._prepare_access()
+            return self._access.get(group, False)
         if action == "plan":
             check_params(action, group, addr, mode, vendor)
             return self.plan(_as_mode(mode), addr=addr, vendor=vendor)
@@ -154,11 +162,49 @@ class HostModel:
     def vfio_group_accessible(self, group: int | None) -> bool:
         if group is None or group < 0:
             return False
-        stat = self.state.nodes.get(f"/dev/vfio/{group}")
-        return stat is not None and may_read_write(stat, self._uid, self._gids)
+        if self._access_version != self.state.vfio_nodes_version:
+            self._prepare_access()
+        return self._access.get(group, False)
+
+    def _prepare_access(self) -> None:
+        """Whether this process may open each ``/dev/vfio/N``, for every group at once: done
+        when a vfio node appears, goes or changes mode, so the probe is a dict lookup."""
+        prefix = "/dev/vfio/"
+        uid, gids = self._uid, self._gids
+        self._access = {
+            int(path[len(prefix) :]): may_read_write(stat, uid, gids)
+            for path, stat in self.state.nodes.items()
+            if path.startswith(prefix) and path[len(prefix) :].isdigit()
+        }
+        self._access_version = self.state.vfio_nodes_version
+
+    def vfio_backend(self, addr: str | None) -> VfioBackend:
+        """How to open the function through VFIO: its cdev with iommufd when both exist, else
+        its group node, else nothing (a function not on VFIO has neither to offer)."""
+        fn = self.function(addr)
+        nodes = self.state.nodes
+        group_node = f"/dev/vfio/{fn.iommu_group}" if fn.iommu_group >= 0 else ""
+        if group_node not in nodes:
+            group_node = ""
+        vfio = on_vfio(fn, self.state.vfio_variants)
+        iommufd = IOMMU_NODE in nodes
+        recommended: Literal["iommufd", "group", "none"]
+        if vfio and fn.vfio_cdev and iommufd:
+            recommended = "iommufd"
+        elif vfio and group_node:
+            recommended = "group"
+        else:
+            recommended = "none"
+        return VfioBackend(addr=fn.addr, driver=fn.driver, on_vfio=vfio, group_node=group_node,
+                           cdev_node=fn.vfio_cdev, iommufd=iommufd,
+                           recommended=recommended)
 
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]
+
+    def kept_for_host(self, addr: str) -> str:
+        """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
+        return self.state.kept_for_host(self.function(addr).addr)
 
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
@@ -176,7 +222,8 @@ class HostModel:
 
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
-                  which: Callable[[str], str | None] | None = None) -> SwitchPlan:
+                  which: Callable[[str], str | None] | None = None,
+                  force: bool = False) -> SwitchPlan:
     """The plan for the named card, from facts read now; for the documented example card
     when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
@@ -189,7 +236,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
                              which=which or shutil.which)
-    return plan_switch(members, mode, facts)
+    return plan_switch(members, mode, facts, force=force)
 
 
 def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | None = None,
@@ -218,17 +265,22 @@ def _as_mode(mode: str | None) -> Mode:
 
 
 def scan(
-    root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None
+    root: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | Tables | None = None,
 ) -> HostModel:
-    """Read the whole host under ``root`` once and return its model."""
-    tables = config if isinstance(config, Tables) else load_tables(config)
-    paths = HostPaths(root)
+    """Read the whole host under ``root`` once and return its model.
+
+    Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
+    ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
+    so a direct probe answers with the tables the daemon uses."""
+    tables = tables_in_force(config)
+    paths = HostPaths(root_in_force(root, config))
     return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
 
 
 def probe(
     action: str,
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Tables | None = None,
     *,
     group: int | None = None,

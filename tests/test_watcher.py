@@ -165,6 +165,12 @@ async def test_add_and_remove(host: SysRoot) -> None:
             "class_label": "0x0200",
             "driver": "ixgbe",
             "iommu_group": 30,
+            "vfio_dev": "",
+            "vfio_cdev": "",
+            "sriov": None,
+            "physfn": "",
+            "vgpu": None,
+            "health": "ok",
         }
         h.host.remove_function("0000:05:00.0")
         got = await h.send("remove", "0000:05:00.0", expect=1)

@@ -56,9 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A probe the daemon answers takes the stdlib-only path: no parser of every subcommand,
+    # no pydantic (gpuwatch.cli.fast); anything it does not answer comes back here.
+    from gpuwatch.cli.fast import run_fast
+
+    fast = run_fast(sys.argv[1:] if argv is None else argv)
+    if fast is not None:
+        return fast
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "resolve_root", False) and args.root is None:
+            # The daemon's root: a direct run and the daemon must look at the same host.
+            from gpuwatch.settings import root_in_force
+
+            args.root = root_in_force(None, getattr(args, "config", None))
         code: int = args.func(args)
         return code
     except GpuwatchError as exc:  # UsageError, ConfigError, ...: the code says which exit

@@ -2,6 +2,11 @@
 
 One rule, shared by the `group-in-mode` probe, `status`, and the switch planner, so that
 "in mode" means exactly the same thing everywhere.
+
+A function is *on VFIO* when it has a ``vfio-dev`` entry or its driver is vfio-pci or a
+vfio-pci variant (``nvgrace_gpu_vfio_pci``, ``mlx5_vfio_pci``, or one the table key
+``vfio_variant_drivers`` names). Driver names compare with ``-`` and ``_`` as equal, as
+modprobe compares module names.
 """
 
 from __future__ import annotations
@@ -17,11 +22,46 @@ VFIO_DRIVER = "vfio-pci"
 HOST_GPU_DRIVERS = frozenset(
     {"amdgpu", "radeon", "i915", "xe", "nouveau", "virtio-pci", "bochs-drm"}
 )
+_NO_VARIANTS: frozenset[str] = frozenset()
+
+
+def driver_key(name: str) -> str:
+    """The spelling two driver or module names are compared in: ``vfio-pci`` → ``vfio_pci``."""
+    return name.replace("-", "_")
+
+
+def same_driver(a: str, b: str) -> bool:
+    return a == b or driver_key(a) == driver_key(b)
+
+
+def variant_keys(names: Iterable[str]) -> frozenset[str]:
+    """The table's ``vfio_variant_drivers`` in comparison spelling."""
+    return frozenset(driver_key(n) for n in names if n)
+
+
+def is_vfio_driver(name: str, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+    """vfio-pci itself, a driver named ``…_vfio_pci``/``…-vfio-pci``, or a listed variant."""
+    key = driver_key(name)
+    return key == "vfio_pci" or key.endswith("_vfio_pci") or (bool(key) and key in variants)
+
+
+def on_vfio(function: PciFunction, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+    return bool(function.vfio_dev) or is_vfio_driver(function.driver, variants)
+
+
+def vfio_variant(members: Iterable[PciFunction],
+                 variants: frozenset[str] = _NO_VARIANTS) -> str:
+    """The vfio-pci variant a group's functions are bound to (``""`` when none is)."""
+    for fn in members:
+        if is_vfio_driver(fn.driver, variants) and driver_key(fn.driver) != "vfio_pci":
+            return fn.driver
+    return ""
 
 
 def target_driver(function: PciFunction, mode: Mode) -> str:
     """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
-    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI)."""
+    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
+    (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
     if mode == "vfio":
         return VFIO_DRIVER
     if function.class_.startswith("0x03"):
@@ -31,8 +71,17 @@ def target_driver(function: PciFunction, mode: Mode) -> str:
     return VFIO_DRIVER
 
 
-def group_in_mode(members: Iterable[PciFunction], mode: Mode) -> bool:
-    return all(fn.driver == target_driver(fn, mode) for fn in members)
+def in_mode(function: PciFunction, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+    """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio."""
+    target = target_driver(function, mode)
+    if target == VFIO_DRIVER:
+        return on_vfio(function, variants)
+    return same_driver(function.driver, target)
+
+
+def group_in_mode(members: Iterable[PciFunction], mode: Mode,
+                  variants: frozenset[str] = _NO_VARIANTS) -> bool:
+    return all(in_mode(fn, mode, variants) for fn in members)
 
 
 def current_mode(function: PciFunction) -> str:
@@ -40,18 +89,19 @@ def current_mode(function: PciFunction) -> str:
     return "nvidia" if function.driver == "nvidia" else "vfio"
 
 
-def group_mode(members: Iterable[PciFunction]) -> str:
+def group_mode(members: Iterable[PciFunction], variants: frozenset[str] = _NO_VARIANTS) -> str:
     """The operator's view of a group: ``vfio``, ``nvidia``, ``unbound`` (no function has a
     driver: nothing is mixed, it is simply free), ``host driver`` or ``mixed`` (functions on
     drivers of different modes)."""
     fns = list(members)
     if fns and not any(fn.driver for fn in fns):
         return "unbound"
-    if group_in_mode(fns, "vfio"):
+    if group_in_mode(fns, "vfio", variants):
         return "vfio"
-    if group_in_mode(fns, "nvidia"):
+    if group_in_mode(fns, "nvidia", variants):
         return "nvidia"
     display = [fn for fn in fns if fn.class_.startswith("0x03")]
-    if display and all(fn.driver and fn.driver not in (VFIO_DRIVER, "nvidia") for fn in display):
+    if display and all(fn.driver and not is_vfio_driver(fn.driver, variants)
+                       and fn.driver != "nvidia" for fn in display):
         return "host driver"
     return "mixed"

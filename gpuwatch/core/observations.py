@@ -10,6 +10,20 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+class SriovSeen(NamedTuple):
+    """A physical function's ``sriov_totalvfs`` and the VFs its ``virtfnN`` links name."""
+
+    totalvfs: int
+    vfs: tuple[str, ...]
+
+
+class VgpuSeen(NamedTuple):
+    """``nvidia/current_vgpu_type`` and ``nvidia/creatable_vgpu_types`` of a vGPU VF."""
+
+    type: int
+    creatable: tuple[int, ...]
+
+
 class PciSeen(NamedTuple):
     """A PCI function as read from its sysfs directory. Unreadable fields are ``""`` / -1.
 
@@ -24,6 +38,52 @@ class PciSeen(NamedTuple):
     klass: str
     driver: str
     iommu_group: int
+    #: The ``vfio-dev/vfioN`` entry's name, ``""`` when the function has none.
+    vfio_dev: str = ""
+    #: ``/dev/vfio/devices/vfioN`` when ``vfio-dev/vfioN/dev`` exists (a kernel with the
+    #: VFIO device cdev); the model reports it once that node exists too.
+    vfio_cdev: str = ""
+    sriov: SriovSeen | None = None
+    physfn: str = ""
+    vgpu: VgpuSeen | None = None
+    #: ``boot_vga`` reads 1: the firmware's console (only display functions have the file).
+    boot_vga: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PciErrorSeen:
+    """A PCI error-recovery ``change`` uevent (``ERROR_EVENT=…``, ``DEVICE_ONLINE=0|1``)."""
+
+    addr: str
+    error_event: str
+    online: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class DrmWedgeSeen:
+    """A DRM ``change`` uevent with ``WEDGED=<method>[,…]`` on ``card``, under function ``addr``."""
+
+    addr: str
+    card: str
+    recovery: tuple[str, ...]
+    pid: int | None
+    task: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PciRebound:
+    """A ``bind`` or ``add`` uevent named the function: a fresh start clears its bad health,
+    even when the batch folded the unbind and bind (or remove and add) into one read."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class VgpusSeen:
+    """The vGPU files of the functions that have them, re-read without a uevent (they
+    change without one): ``(addr, vgpu)`` pairs, ``None`` where the files went away."""
+
+    vgpus: tuple[tuple[str, VgpuSeen | None], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +164,10 @@ class IommuSeen:
 Observation = (
     PciSeen
     | PciGone
+    | PciErrorSeen
+    | DrmWedgeSeen
+    | PciRebound
+    | VgpusSeen
     | DrmSeen
     | DrmGone
     | ModuleSeen
@@ -118,6 +182,10 @@ Observation = (
 OBSERVATION_TYPES = (
     PciSeen,
     PciGone,
+    PciErrorSeen,
+    DrmWedgeSeen,
+    PciRebound,
+    VgpusSeen,
     DrmSeen,
     DrmGone,
     ModuleSeen,

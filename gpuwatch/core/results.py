@@ -6,11 +6,32 @@ caller can keep one without it changing under them, and a cached probe costs a l
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+#: A function's health as its error-recovery and DRM wedge uevents left it.
+Health = Literal["ok", "recovering", "failed", "wedged"]
+HEALTH_STATES: tuple[Health, ...] = ("ok", "recovering", "failed", "wedged")
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, serialize_by_alias=True, validate_by_name=True)
+
+
+class Sriov(_Frozen):
+    """A physical function's SR-IOV state: ``vfs`` from its ``virtfnN`` links, in N order."""
+
+    totalvfs: int
+    numvfs: int
+    vfs: tuple[str, ...]
+
+
+class Vgpu(_Frozen):
+    """An NVIDIA vGPU-capable VF: its current vGPU type (0 = none) and the creatable ones."""
+
+    type: int
+    creatable: tuple[int, ...]
 
 
 class PciFunction(_Frozen):
@@ -23,6 +44,12 @@ class PciFunction(_Frozen):
     class_label: str
     driver: str
     iommu_group: int
+    vfio_dev: str = ""
+    vfio_cdev: str = ""
+    sriov: Sriov | None = None
+    physfn: str = ""
+    vgpu: Vgpu | None = None
+    health: Health = "ok"
 
 
 class GpuInfo(PciFunction):
@@ -34,7 +61,21 @@ class GpuInfo(PciFunction):
 class DetectVfioResult(_Frozen):
     iommu_enabled: bool
     iommu_kind: str
+    #: ``/dev/iommu`` exists: VMMs can use iommufd with the functions' VFIO cdevs.
+    iommufd: bool = False
     gpus: tuple[GpuInfo, ...]
+
+
+class VfioBackend(_Frozen):
+    """How a VMM should open one function through VFIO (the ``vfio-backend`` probe)."""
+
+    addr: str
+    driver: str
+    on_vfio: bool
+    group_node: str
+    cdev_node: str
+    iommufd: bool
+    recommended: Literal["iommufd", "group", "none"]
 
 
 class HostDevicesResult(_Frozen):
@@ -54,7 +95,13 @@ class MemlockResult(_Frozen):
 
 
 class Holder(_Frozen):
-    """A process holding a GPU device node open."""
+    """A process holding a GPU device node open (the ``nvidia-holders`` probe)."""
 
     pid: int
     comm: str
+
+
+class Holding(Holder):
+    """A process that keeps a device node of the group open, so the switch must not unbind."""
+
+    node: str

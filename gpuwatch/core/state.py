@@ -23,19 +23,26 @@ from pydantic import BaseModel
 
 from gpuwatch.core.events import (
     DeviceAdded,
+    DeviceChanged,
+    DeviceError,
     DeviceRemoved,
     DriverChanged,
+    GpuWedged,
     IommuGroupChanged,
     NodeAdded,
     NodeRemoved,
     ProbeChanged,
+    VgpuChanged,
 )
+from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
+from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.observations import (
     OBSERVATION_TYPES,
     CdiSeen,
     DrmGone,
     DrmSeen,
+    DrmWedgeSeen,
     IommuSeen,
     KfdSeen,
     ModuleSeen,
@@ -43,12 +50,25 @@ from gpuwatch.core.observations import (
     NodesSeen,
     NodeStat,
     Observation,
+    PciErrorSeen,
     PciGone,
+    PciRebound,
     PciSeen,
     Snapshot,
+    SriovSeen,
+    VgpuSeen,
+    VgpusSeen,
 )
 from gpuwatch.core.pci import is_gpu_class
-from gpuwatch.core.results import DetectVfioResult, GpuInfo, HostDevicesResult, PciFunction
+from gpuwatch.core.results import (
+    DetectVfioResult,
+    GpuInfo,
+    Health,
+    HostDevicesResult,
+    PciFunction,
+    Sriov,
+    Vgpu,
+)
 from gpuwatch.core.tables import Tables
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
@@ -62,7 +82,16 @@ WATCHED_PROBES = (
 )
 
 _VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
+#: A VFIO device cdev (``vfio-dev/vfioN`` of a function) and the iommufd node.
+_VFIO_CDEV_RE = re.compile(r"^/dev/vfio/devices/vfio[0-9]+$")
+IOMMU_NODE = "/dev/iommu"
 _RENDER_PREFIX = "/dev/dri/renderD"
+#: ``ERROR_EVENT`` values of a PCI error-recovery uevent and the health each leaves.
+ERROR_HEALTH: dict[str, Health] = {
+    "BEGIN_RECOVERY": "recovering",
+    "SUCCESSFUL_RECOVERY": "ok",
+    "FAILED_RECOVERY": "failed",
+}
 
 
 class HostState:
@@ -73,8 +102,16 @@ class HostState:
         self._gpu_vendor_ids = frozenset(tables.gpu_vendors)
         self._patterns = tables.device_patterns
         self._pattern_res = _compiled_patterns(self._patterns)
+        #: ``vfio_variant_drivers`` in comparison spelling (see `gpuwatch.core.modes`).
+        self.vfio_variants = variant_keys(tables.vfio_variant_drivers)
         self.functions: dict[str, PciFunction] = {}
+        #: Each function's cdev path as sysfs names it (reported once the node exists), and
+        #: the reverse map, so a node event updates its function without a search.
+        self._cdev_of: dict[str, str] = {}
+        self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
+        #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
+        self.boot_vga: set[str] = set()
         self.groups: dict[int, set[str]] = {}
         self._gpu_addrs: list[str] = []  # sorted
         self._gpu_info: dict[str, GpuInfo] = {}  # cache; an absent GPU entry is stale
@@ -95,6 +132,9 @@ class HostState:
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
+        #: Bumped whenever a ``/dev/vfio/N`` node appears, goes or changes owner or mode, so
+        #: answers derived from those nodes (per-group access) are rebuilt only then.
+        self.vfio_nodes_version = 0
         self.cdi = CdiSeen(etc_spec=False, var_spec=False, ctk_on_path=False)
         self.iommu = IommuSeen(enabled=False, kind="")
         self._stale: set[str] = set(WATCHED_PROBES)
@@ -150,6 +190,15 @@ class HostState:
             self._pci_seen(obs, events)
         elif isinstance(obs, PciGone):
             self._pci_gone(obs.addr, events)
+        elif isinstance(obs, PciErrorSeen):
+            self._pci_error(obs, events)
+        elif isinstance(obs, DrmWedgeSeen):
+            self._drm_wedge(obs, events)
+        elif isinstance(obs, PciRebound):
+            self._set_health(obs.addr, "ok", events, announce=True)
+        elif isinstance(obs, VgpusSeen):
+            for addr, vgpu in obs.vgpus:
+                self._vgpu_seen(addr, vgpu, events)
         elif isinstance(obs, DrmSeen):
             self._drm_seen(obs)
         elif isinstance(obs, DrmGone):
@@ -179,6 +228,11 @@ class HostState:
     def _pci_seen(self, seen: PciSeen, events: list[BaseModel]) -> None:
         old = self.functions.get(seen.addr)
         self.devpaths[seen.addr] = seen.devpath
+        if seen.boot_vga:
+            self.boot_vga.add(seen.addr)
+        else:
+            self.boot_vga.discard(seen.addr)
+        cdev = self._cdev_path(seen)
         # Field by field before building anything: the label follows from the class, so this
         # is `old == new` without constructing `new` or running pydantic's __eq__.
         if (
@@ -188,6 +242,11 @@ class HostState:
             and old.vendor_id == seen.vendor_id
             and old.device_id == seen.device_id
             and old.class_ == seen.klass
+            and old.vfio_dev == seen.vfio_dev
+            and old.vfio_cdev == cdev
+            and old.physfn == seen.physfn
+            and _same_sriov(old.sriov, seen.sriov)
+            and _same_vgpu(old.vgpu, seen.vgpu)
         ):
             return
         new = PciFunction(
@@ -198,6 +257,17 @@ class HostState:
             class_label=self.tables.class_label(seen.klass) if seen.klass else "",
             driver=seen.driver,
             iommu_group=seen.iommu_group,
+            vfio_dev=seen.vfio_dev,
+            vfio_cdev=cdev,
+            sriov=_sriov(seen.sriov),
+            physfn=seen.physfn,
+            vgpu=_vgpu(seen.vgpu),
+            # A bind to another driver is a fresh start: it clears a failed or wedged state.
+            health=(
+                old.health
+                if old is not None and (old.driver == seen.driver or not seen.driver)
+                else "ok"
+            ),
         )
         if old is not None and (
             old.vendor_id != new.vendor_id
@@ -208,6 +278,11 @@ class HostState:
             self._pci_gone(seen.addr, events)
             old = None
             self.devpaths[seen.addr] = seen.devpath
+            if seen.boot_vga:
+                self.boot_vga.add(seen.addr)
+            if new.health != "ok":
+                new = new.model_copy(update={"health": "ok"})
+        self._set_cdev(seen.addr, seen.vfio_cdev)
         self._store_function(old, new)
         if old is None:
             events.append(DeviceAdded(addr=new.addr, device=new))
@@ -218,16 +293,98 @@ class HostState:
             events.append(
                 IommuGroupChanged(addr=new.addr, old=old.iommu_group, new=new.iommu_group)
             )
+        changed = [
+            name
+            for name in ("vfio_dev", "vfio_cdev", "sriov", "physfn", "health")
+            if getattr(old, name) != getattr(new, name)
+        ]
+        if changed:
+            events.append(DeviceChanged(addr=new.addr, changed=changed, device=new))
+        if old.vgpu != new.vgpu:
+            events.append(VgpuChanged(addr=new.addr, vgpu=new.vgpu))
+
+    def _cdev_path(self, seen: PciSeen) -> str:
+        """The cdev the model reports: sysfs names it and the node exists under the root."""
+        return seen.vfio_cdev if seen.vfio_cdev and seen.vfio_cdev in self.nodes else ""
+
+    def _set_cdev(self, addr: str, cdev: str) -> None:
+        old = self._cdev_of.get(addr, "")
+        if old == cdev:
+            return
+        if old:
+            del self._cdev_of[addr]
+            if self._cdev_owner.get(old) == addr:
+                del self._cdev_owner[old]
+        if cdev:
+            self._cdev_of[addr] = cdev
+            self._cdev_owner[cdev] = addr
 
     def _pci_gone(self, addr: str, events: list[BaseModel]) -> None:
         old = self.functions.get(addr)
         if old is None:
             return
         self._store_function(old, None)
+        self._set_cdev(addr, "")
         self.devpaths.pop(addr, None)
+        self.boot_vga.discard(addr)
         for name in sorted(self._drm_by_addr.get(addr, ())):
             self._drm_gone(name)
         events.append(DeviceRemoved(addr=addr, device=old))
+        # The kernel drops the PF's virtfnN link before it removes the VF, and sends no event
+        # for the PF: follow the VF's removal here.
+        pf = self.functions.get(old.physfn) if old.physfn else None
+        if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
+            vfs = tuple(a for a in pf.sriov.vfs if a != addr)
+            sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
+            self._replace(pf, {"sriov": sriov}, events)
+
+    def _replace(self, old: PciFunction, update: dict[str, Any], events: list[BaseModel],
+                 *, announce: bool = True) -> PciFunction:
+        """Change fields of a known function in place; ``device-changed`` names them."""
+        new = old.model_copy(update=update)
+        self._store_function(old, new)
+        if announce:
+            events.append(DeviceChanged(addr=new.addr, changed=list(update), device=new))
+        return new
+
+    def _pci_error(self, seen: PciErrorSeen, events: list[BaseModel]) -> None:
+        health = ERROR_HEALTH.get(seen.error_event)
+        fn = self.functions.get(seen.addr)
+        if health is None or fn is None:
+            return
+        if fn.health != health:
+            self._replace(fn, {"health": health}, events, announce=False)
+        events.append(DeviceError(addr=seen.addr, error_event=seen.error_event,
+                                  online=seen.online, health=health))
+
+    def _drm_wedge(self, seen: DrmWedgeSeen, events: list[BaseModel]) -> None:
+        if not seen.addr:  # a devpath that does not name the parent: the card's link does
+            node = self.drm.get(seen.card)
+            if node is not None and node.device_addr:
+                seen = DrmWedgeSeen(node.device_addr, seen.card, seen.recovery, seen.pid,
+                                    seen.task)
+        fn = self.functions.get(seen.addr) if seen.addr else None
+        if fn is not None and fn.health != "wedged":
+            self._replace(fn, {"health": "wedged"}, events, announce=False)
+        events.append(GpuWedged(addr=seen.addr, card=seen.card, recovery=list(seen.recovery),
+                                pid=seen.pid, task=seen.task))
+
+    def _set_health(self, addr: str, health: Health, events: list[BaseModel], *,
+                    announce: bool) -> None:
+        fn = self.functions.get(addr)
+        if fn is not None and fn.health != health:
+            self._replace(fn, {"health": health}, events, announce=announce)
+
+    def _vgpu_seen(self, addr: str, seen: VgpuSeen | None, events: list[BaseModel]) -> None:
+        fn = self.functions.get(addr)
+        if fn is None or _same_vgpu(fn.vgpu, seen):
+            return
+        new = self._replace(fn, {"vgpu": _vgpu(seen)}, events, announce=False)
+        events.append(VgpuChanged(addr=addr, vgpu=new.vgpu))
+
+    def vgpu_addrs(self) -> tuple[str, ...]:
+        """Functions whose vGPU files the cheap poll re-reads (those that have them)."""
+        return tuple(sorted(a for a, fn in self.functions.items() if fn.vgpu is not None))
 
     def _store_function(self, old: PciFunction | None, new: PciFunction | None) -> None:
         """Swap one function's record and invalidate exactly what depends on it."""
@@ -349,25 +506,38 @@ class HostState:
         if not self.is_watched_node(path):
             return
         old = self.nodes.get(path)
+        if old == stat:
+            return
+        is_vfio = _VFIO_NODE_RE.match(path) is not None
+        if is_vfio:
+            self.vfio_nodes_version += 1
         if stat is None:
-            if old is None:
-                return
             del self.nodes[path]
             events.append(NodeRemoved(path=path))
         else:
             self.nodes[path] = stat
             if old is not None:
-                return  # a mode change is not a new node; the access answer reads the new stat
+                return  # a mode change is not a new node; the access answers are rebuilt
             events.append(NodeAdded(path=path))
-        if not _VFIO_NODE_RE.match(path):
+        if path == IOMMU_NODE:
+            self._stale.add("detect-vfio")
+            return
+        if _VFIO_CDEV_RE.match(path):
+            owner = self._cdev_owner.get(path)
+            fn = self.functions.get(owner) if owner else None
+            if fn is not None:
+                self._replace(fn, {"vfio_cdev": path if stat is not None else ""}, events)
+            return
+        if not is_vfio:
             self._devices = None
             if path.startswith(_RENDER_PREFIX):
                 self._render_node = None
             self._stale.add("detect-host-devices")
 
     def is_watched_node(self, path: str) -> bool:
-        """A device path gpuwatch reports: one matching ``device_patterns``, or a vfio group."""
-        if _VFIO_NODE_RE.match(path):
+        """A device path gpuwatch reports: one matching ``device_patterns``, a vfio group, a
+        VFIO device cdev or ``/dev/iommu``."""
+        if _VFIO_NODE_RE.match(path) or path == IOMMU_NODE or _VFIO_CDEV_RE.match(path):
             return True
         return any(r.match(path) for r in self._pattern_res)
 
@@ -443,6 +613,7 @@ class HostState:
             return DetectVfioResult.model_construct(
                 iommu_enabled=self.iommu.enabled,
                 iommu_kind=self.iommu.kind,
+                iommufd=IOMMU_NODE in self.nodes,
                 gpus=self._gpu_tuple(),
             )
         if action == "detect-host-devices":
@@ -531,8 +702,40 @@ class HostState:
             return (fn,)
         return tuple(self.functions[a] for a in sorted(self.groups.get(fn.iommu_group, (addr,))))
 
+    def kept_for_host(self, addr: str) -> str:
+        """Why the IOMMU group of ``addr`` stays with the host (`kept_for_host_reason`), or
+        ``""`` when it may be passed through."""
+        return kept_for_host_reason(
+            self.group_members(addr),
+            console_drivers=self.tables.host_console_drivers,
+            boot_vga=self.boot_vga,
+            host_displays=self._gpu_addrs,
+        )
+
     def gpu_addrs(self) -> Sequence[str]:
         return tuple(self._gpu_addrs)
+
+
+def _sriov(seen: SriovSeen | None) -> Sriov | None:
+    if seen is None:
+        return None
+    return Sriov(totalvfs=seen.totalvfs, numvfs=len(seen.vfs), vfs=seen.vfs)
+
+
+def _vgpu(seen: VgpuSeen | None) -> Vgpu | None:
+    return None if seen is None else Vgpu(type=seen.type, creatable=seen.creatable)
+
+
+def _same_sriov(model: Sriov | None, seen: SriovSeen | None) -> bool:
+    if model is None or seen is None:
+        return model is None and seen is None
+    return model.totalvfs == seen.totalvfs and model.vfs == seen.vfs
+
+
+def _same_vgpu(model: Vgpu | None, seen: VgpuSeen | None) -> bool:
+    if model is None or seen is None:
+        return model is None and seen is None
+    return model.type == seen.type and model.creatable == seen.creatable
 
 
 def _fields_delta(

@@ -6,12 +6,15 @@ Pure: validation only. Where the tables come from (the embedded YAML, an overrid
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels")
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
+              "host_console_drivers")
+_DRIVER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _hex_key(key: object) -> str:
@@ -33,6 +36,18 @@ class Tables(BaseModel):
     device_patterns: tuple[str, ...]
     gpu_vendors: Mapping[str, str]
     pci_class_labels: Mapping[str, str]
+    #: vfio-pci variant drivers whose name does not end in ``vfio_pci`` (those are known).
+    vfio_variant_drivers: tuple[str, ...] = ()
+    #: Drivers of BMC/console functions: a group with one bound to them stays with the host.
+    host_console_drivers: tuple[str, ...] = ()
+
+    @field_validator("vfio_variant_drivers", "host_console_drivers")
+    @classmethod
+    def _driver_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not _DRIVER_NAME_RE.fullmatch(name) or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a driver name ([A-Za-z0-9_.-]+)")
+        return value
 
     @field_validator("device_patterns")
     @classmethod

@@ -27,13 +27,20 @@ from gpuwatch.core.observations import (
     PciGone,
     PciSeen,
     Snapshot,
+    SriovSeen,
+    VgpuSeen,
+    VgpusSeen,
 )
-from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
+_VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
+_VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
+_VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
+
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
@@ -79,11 +86,13 @@ class HostPaths:
         self.class_iommu = os.path.join(self.sys, "class/iommu")
         self.dev = os.path.join(self.root, "dev")
         self.cmdline = os.path.join(self.root, "proc/cmdline")
-        #: Function directory → (st_dev, st_ino, vendor, device, class) from its last full read.
+        #: Function directory → (st_dev, st_ino, vendor, device, class, is a PF, physfn,
+        #: boot_vga) from its
+        #: last full read.
         #: The kernel reads a function's ids from config space once, when it creates the
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
-        self.identity: dict[str, tuple[int, int, str, str, str]] = {}
+        self.identity: dict[str, tuple[int, int, str, str, str, bool, str, bool]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -119,6 +128,9 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                         seen.vendor_id,
                         seen.device_id,
                         seen.klass,
+                        seen.sriov is not None,
+                        seen.physfn,
+                        seen.boot_vga,
                     )
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
@@ -133,8 +145,9 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
 
 def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | PciGone:
     """`read_function` for a bind/unbind: when the directory is the very inode fully read
-    before, its ids are known (see `HostPaths.identity`) and only the driver and IOMMU group
-    links are read, 3 syscalls instead of 11. Anything else falls back to the full read."""
+    before, its ids are known (see `HostPaths.identity`) and only what a bind can change is
+    read (driver, IOMMU group, vfio-dev, vGPU files). Anything else falls back to the full
+    read."""
     candidate = paths.sys + devpath
     known = paths.identity.get(candidate)
     if known is not None:
@@ -143,28 +156,112 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | 
         except (OSError, ValueError):
             st = None
         if st is not None and st.st_ino == known[1] and st.st_dev == known[0]:
+            driver = link_name(candidate + "/driver")
+            vfio_dev, vfio_cdev = read_vfio_dev(candidate)
             return PciSeen(
                 addr=addr,
                 devpath=devpath,
                 vendor_id=known[2],
                 device_id=known[3],
                 klass=known[4],
-                driver=link_name(candidate + "/driver"),
+                driver=driver,
                 iommu_group=parse_group(link_name(candidate + "/iommu_group")),
+                vfio_dev=vfio_dev,
+                vfio_cdev=vfio_cdev,
+                # A physical function is one for the directory's life; its VFs come and go.
+                sriov=read_sriov(candidate) if known[5] else None,
+                physfn=known[6],
+                vgpu=read_vgpu(candidate) if driver == "nvidia" else None,
+                boot_vga=known[7],
             )
     return read_function(paths, addr, devpath)
 
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+    klass = class_prefix(read_attr(directory + "/class"))
+    driver = link_name(directory + "/driver")
+    vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
         devpath=devpath,
         vendor_id=read_attr(directory + "/vendor"),
         device_id=read_attr(directory + "/device"),
-        klass=class_prefix(read_attr(directory + "/class")),
-        driver=link_name(directory + "/driver"),
+        klass=klass,
+        driver=driver,
         iommu_group=parse_group(link_name(directory + "/iommu_group")),
+        vfio_dev=vfio_dev,
+        vfio_cdev=vfio_cdev,
+        sriov=read_sriov(directory),
+        physfn=link_addr(directory + "/physfn"),
+        vgpu=read_vgpu(directory) if driver == "nvidia" else None,
+        # Only display functions have it: one read more for them, none for the rest.
+        boot_vga=is_gpu_class(klass) and read_attr(directory + "/boot_vga") == "1",
     )
+
+
+def link_addr(path: str) -> str:
+    """The PCI address a link such as ``physfn`` or ``virtfn0`` names (a directory copied in
+    its place too, see `link_name`); ``""`` when absent or not an address."""
+    name = link_name(path)
+    return name if is_pci_addr(name) else ""
+
+
+def read_vfio_dev(directory: str) -> tuple[str, str]:
+    """``(vfio_dev, cdev path)``: ``vfio-dev/vfioN`` and, when that entry has a ``dev`` file
+    (a kernel built with the VFIO device cdev), ``/dev/vfio/devices/vfioN``."""
+    names = sorted(n for n in list_dir(directory + "/vfio-dev") if _VFIO_DEV_RE.match(n))
+    if not names:
+        return "", ""
+    name = names[0]
+    has_dev = os.path.exists(f"{directory}/vfio-dev/{name}/dev")
+    return name, f"/dev/vfio/devices/{name}" if has_dev else ""
+
+
+def read_sriov(directory: str) -> SriovSeen | None:
+    """A physical function's ``sriov_totalvfs`` and its ``virtfnN`` links in N order.
+
+    ``sriov_numvfs`` is not read: its read takes the device lock, held for the whole of a
+    VF enable. The VFs the links name are what the kernel has added so far.
+    """
+    total = read_text(directory + "/sriov_totalvfs")
+    if total is None:
+        return None
+    vfs: list[tuple[int, str]] = []
+    for name in list_dir(directory):
+        m = _VIRTFN_RE.match(name)
+        if m is not None:
+            vf = link_addr(f"{directory}/{name}")
+            if vf:
+                vfs.append((int(m.group(1)), vf))
+    return SriovSeen(
+        totalvfs=int(total) if total.isascii() and total.isdigit() else 0,
+        vfs=tuple(vf for _, vf in sorted(vfs)),
+    )
+
+
+def read_vgpu(directory: str) -> VgpuSeen | None:
+    """NVIDIA vGPU on SR-IOV: ``nvidia/current_vgpu_type`` (an id, 0 for none) and the ids in
+    ``nvidia/creatable_vgpu_types`` (``ID : name`` lines, a header line aside)."""
+    current = read_text(directory + "/nvidia/current_vgpu_type")
+    if current is None:
+        return None
+    creatable = read_attr(directory + "/nvidia/creatable_vgpu_types")
+    ids: list[int] = []
+    for line in creatable.splitlines()[:4096]:
+        m = _VGPU_ID_RE.match(line)
+        if m is not None and len(m.group(1)) <= 9:
+            ids.append(int(m.group(1)))
+    token = current.split(None, 1)[0] if current.split() else ""
+    return VgpuSeen(
+        type=int(token) if token.isascii() and token.isdigit() and len(token) <= 9 else 0,
+        creatable=tuple(dict.fromkeys(ids)),
+    )
+
+
+def read_vgpus(paths: HostPaths, addrs: list[str] | tuple[str, ...]) -> VgpusSeen:
+    """The vGPU files of ``addrs`` only: what the cheap poll re-reads (no uevent says when
+    ``current_vgpu_type`` or ``creatable_vgpu_types`` change)."""
+    return VgpusSeen(tuple((a, read_vgpu(os.path.join(paths.bus_pci, a))) for a in addrs))
 
 
 def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
@@ -306,7 +403,8 @@ def node_stat(paths: HostPaths, host_path: str) -> NodeStat | None:
 
 
 def scan_nodes(paths: HostPaths, tables: Tables) -> NodesSeen:
-    """Every device path matching a pattern, plus ``/dev/vfio/<N>`` group nodes."""
+    """Every device path matching a pattern, plus the VFIO nodes: ``/dev/vfio/<N>`` groups,
+    ``/dev/vfio/devices/vfio<N>`` device cdevs and ``/dev/iommu``."""
     found: dict[str, NodeStat] = {}
     escaped_root = glob.escape(paths.root)
     for pattern in tables.device_patterns:
@@ -320,6 +418,14 @@ def scan_nodes(paths: HostPaths, tables: Tables) -> NodesSeen:
             st = node_stat(paths, "/dev/vfio/" + name)
             if st is not None:
                 found["/dev/vfio/" + name] = st
+    for name in list_dir(os.path.join(paths.dev, "vfio/devices")):
+        if _VFIO_DEV_RE.match(name):
+            st = node_stat(paths, "/dev/vfio/devices/" + name)
+            if st is not None:
+                found["/dev/vfio/devices/" + name] = st
+    st = node_stat(paths, "/dev/iommu")
+    if st is not None:
+        found["/dev/iommu"] = st
     return NodesSeen(nodes=tuple(sorted(found.items())))
 
 
@@ -349,20 +455,39 @@ def scan(paths: HostPaths, tables: Tables) -> Snapshot:
 
 def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation]:
     """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint
-    (for bind/unbind, a hint that only the driver link can have changed: `read_function_known`)."""
+    (for bind/unbind, a hint that only the driver link can have changed: `read_function_known`).
+
+    What sysfs does not keep (PCI error recovery, a DRM wedge, a fresh bind) is not read here:
+    `gpuwatch.core.uevent_facts` takes it from every uevent, since the watcher reads each
+    device only once per batch but must keep every one of those.
+    """
     name = event.devpath.rsplit("/", 1)[-1]
     subsystem = event.subsystem
     out: list[Observation] = []
+    devname = event.properties.get("DEVNAME")  # the mapping itself: one call less per event
     if subsystem == "pci":
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
         if addr is name or is_pci_addr(addr):  # checked once, not twice, per event
             if event.action in _DRIVER_ACTIONS and event.devpath:
-                out.append(read_function_known(paths, addr, event.devpath))
+                seen = read_function_known(paths, addr, event.devpath)
             else:
-                out.append(read_function(paths, addr, event.devpath))
+                seen = read_function(paths, addr, event.devpath)
+            out.append(seen)
+            if isinstance(seen, PciSeen) and seen.physfn:
+                # A VF came, went or rebound: its PF's virtfnN links say so, no PF event does.
+                out.append(read_function(paths, seen.physfn))
     elif subsystem == "drm":
         if _DRM_NODE_RE.match(name):
             out.append(read_drm(paths, name, event.devpath))
+    elif subsystem == "vfio-dev":
+        # .../<addr>/vfio-dev/vfioN. On add the node first, so the function sees it exists;
+        # on remove the function first, so it lets go of its cdev in one change.
+        if devname and event.action != "remove":
+            out.append(_node_seen(paths, devname))
+            devname = None
+        parts = event.devpath.rsplit("/", 3)
+        if len(parts) == 4 and parts[2] == "vfio-dev" and is_pci_addr(parts[1]):
+            out.append(read_function(paths, parts[1], parts[0] + "/" + parts[1]))
     elif subsystem == "module":
         if name:
             out.append(ModuleSeen(name, os.path.isdir(os.path.join(paths.module, name))))
@@ -370,8 +495,11 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
             out.append(scan_nodes(paths, tables))
     elif subsystem == "kfd":
         out.append(read_kfd(paths))
-    devname = event.properties.get("DEVNAME")  # the mapping itself: one call less per event
     if devname:
-        host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
-        out.append(NodeSeen(host_path, node_stat(paths, host_path)))
+        out.append(_node_seen(paths, devname))
     return out
+
+
+def _node_seen(paths: HostPaths, devname: str) -> NodeSeen:
+    host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
+    return NodeSeen(host_path, node_stat(paths, host_path))

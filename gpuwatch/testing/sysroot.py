@@ -43,6 +43,7 @@ Layout = Literal["symlink", "flat"]
 DRM_MAJOR = 226
 KFD_MAJOR = 238
 VFIO_GROUP_MAJOR = 243
+VFIO_CDEV_MAJOR = 511
 
 _ROOT_DIRS = (
     "sys/devices",
@@ -229,6 +230,15 @@ def _check_addr(addr: str) -> None:
         raise ValueError(f"not a canonical PCI address: {addr!r}")
 
 
+def read_small(path: str) -> str:
+    """A fixture attribute's text, stripped; ``""`` when absent."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(4096).strip()
+    except OSError:
+        return ""
+
+
 def _as_bytes(text: str | bytes) -> bytes:
     return text if isinstance(text, bytes) else text.encode("utf-8", "surrogateescape")
 
@@ -249,6 +259,9 @@ class _Function:
     driver: str | None = None
     group: int | None = None
     drm: list[str] = field(default_factory=list)
+    vfio_dev: str | None = None  # "vfio3" while a vfio-dev entry exists
+    physfn: str | None = None  # a VF's PF address
+    virtfns: dict[int, str] = field(default_factory=dict)  # a PF's VFs by index
 
 
 @dataclass(slots=True)
@@ -362,6 +375,14 @@ class SysRoot:
                 _write(f"{path}/{name}", b"", 0o200 if name != "uevent" else 0o644)
         return rel
 
+    @staticmethod
+    def _modalias(fn: _Function) -> str:
+        klass = _hex(fn.klass)
+        ven, dev = _hex(fn.vendor), _hex(fn.device)
+        sven, sdev = _hex(fn.subsystem_vendor), _hex(fn.subsystem_device)
+        return (f"pci:v{ven:08X}d{dev:08X}sv{sven:08X}sd{sdev:08X}"
+                f"bc{klass >> 16 & 0xFF:02X}sc{klass >> 8 & 0xFF:02X}i{klass & 0xFF:02X}")
+
     def _uevent_text(self, fn: _Function) -> bytes:
         lines = [f"DRIVER={fn.driver}"] if fn.driver else []
         klass = _hex(fn.klass)
@@ -372,8 +393,7 @@ class SysRoot:
             f"PCI_ID={ven:04X}:{dev:04X}",
             f"PCI_SUBSYS_ID={sven:04X}:{sdev:04X}",
             f"PCI_SLOT_NAME={fn.addr}",
-            f"MODALIAS=pci:v{ven:08X}d{dev:08X}sv{sven:08X}sd{sdev:08X}"
-            f"bc{klass >> 16 & 0xFF:02X}sc{klass >> 8 & 0xFF:02X}i{klass & 0xFF:02X}",
+            f"MODALIAS={self._modalias(fn)}",
         ]
         return ("\n".join(lines) + "\n").encode()
 
@@ -530,6 +550,7 @@ class SysRoot:
             self._link(rel, f"{drel}/{addr}")
             fn.driver = driver
         _write(path + "/uevent", self._uevent_text(fn))
+        _write(path + "/modalias", (self._modalias(fn) + "\n").encode())
         if iommu_group is not None:
             self._join_group(fn, iommu_group)
         return devpath
@@ -570,6 +591,8 @@ class SysRoot:
         fn = self._fn(addr)
         if fn.driver is None:
             return
+        if fn.vfio_dev is not None:  # the VFIO device goes with the vfio driver's binding
+            self.remove_vfio_dev(addr)
         self._unlink(f"sys/bus/pci/drivers/{fn.driver}/{addr}")
         self._unlink(fn.rel + "/driver")
         fn.driver = None
@@ -614,6 +637,15 @@ class SysRoot:
     def _remove_one(self, fn: _Function) -> None:
         for name in list(fn.drm):
             self.remove_drm(name)
+        if fn.vfio_dev is not None:
+            self.remove_vfio_dev(fn.addr)
+        pf = self._fns.get(fn.physfn) if fn.physfn else None
+        if pf is not None:  # the kernel drops the PF's virtfnN link before the VF
+            for index, vf in list(pf.virtfns.items()):
+                if vf == fn.addr:
+                    self._unlink(f"{pf.rel}/virtfn{index}")
+                    del pf.virtfns[index]
+            _write(self._abs(pf.rel + "/sriov_numvfs"), f"{len(pf.virtfns)}\n".encode())
         if fn.driver is not None:
             self._unlink(f"sys/bus/pci/drivers/{fn.driver}/{fn.addr}")
         group = fn.group
@@ -626,6 +658,132 @@ class SysRoot:
         del self._fn_by_devpath[fn.devpath]
         self._gone_fns[fn.addr] = fn
         self._gone_fns[fn.devpath] = fn
+
+    # ----------------------------------------------------------------- VFIO cdev, SR-IOV, vGPU
+
+    def add_vfio_dev(self, addr: str, index: int, *, cdev: bool = True) -> str:
+        """``<function>/vfio-dev/vfio<index>`` as vfio registers it; with ``cdev`` (a kernel
+        built with CONFIG_VFIO_DEVICE_CDEV) its ``dev`` file and ``/dev/vfio/devices/vfioN``.
+        Returns the entry's devpath (its uevent: `uevent_props`)."""
+        fn = self._fn(addr)
+        if index < 0:
+            raise ValueError(f"negative vfio device index: {index}")
+        if fn.vfio_dev is not None:
+            raise DeviceExistsError(f"{addr} already has {fn.vfio_dev}")
+        name = f"vfio{int(index)}"
+        rel = f"{fn.rel}/vfio-dev/{name}"
+        path = self._abs(rel)
+        os.makedirs(path)
+        props: dict[str, str] = {}
+        if cdev:
+            props = {"MAJOR": str(VFIO_CDEV_MAJOR), "MINOR": str(index),
+                     "DEVNAME": f"vfio/devices/{name}"}
+            _write(path + "/dev", f"{VFIO_CDEV_MAJOR}:{index}\n".encode())
+        _write(path + "/uevent", "".join(f"{k}={v}\n" for k, v in props.items()).encode())
+        os.makedirs(self._abs("sys/class/vfio-dev"), exist_ok=True)
+        self._link("sys/class/vfio-dev", rel + "/subsystem")
+        self._link(fn.rel, rel + "/device")
+        self._link(rel, f"sys/class/vfio-dev/{name}")
+        devpath = f"{fn.devpath}/vfio-dev/{name}"
+        node = _Node(devpath, rel, {"SUBSYSTEM": "vfio-dev", **props}, owner=addr)
+        if cdev:
+            node.dev_node = self._dev_rel(f"dev/vfio/devices/{name}")
+            self.add_dev_node(node.dev_node)
+        self._register(node)
+        fn.vfio_dev = name
+        return devpath
+
+    def remove_vfio_dev(self, addr: str) -> str:
+        """Remove the function's ``vfio-dev`` entry (and cdev node); returns its devpath."""
+        fn = self._fn(addr)
+        if fn.vfio_dev is None:
+            raise UnknownDeviceError(f"{addr} has no vfio-dev entry")
+        name, fn.vfio_dev = fn.vfio_dev, None
+        devpath = f"{fn.devpath}/vfio-dev/{name}"
+        node = self._retire(devpath)
+        self._unlink(f"sys/class/vfio-dev/{name}")
+        shutil.rmtree(self._abs(f"{fn.rel}/vfio-dev"), ignore_errors=True)
+        if node is not None and node.dev_node:
+            self._unlink(node.dev_node)
+        return devpath
+
+    def enable_sriov(self, addr: str, totalvfs: int, *, vf_device: str | None = None,
+                     offset: int = 1, stride: int = 1) -> None:
+        """Make the function an SR-IOV physical function (the ``sriov_*`` attributes)."""
+        fn = self._fn(addr)
+        files = {
+            "sriov_totalvfs": str(int(totalvfs)),
+            "sriov_numvfs": str(len(fn.virtfns)),
+            "sriov_offset": str(int(offset)),
+            "sriov_stride": str(int(stride)),
+            "sriov_vf_device": (vf_device or fn.device).removeprefix("0x"),
+            "sriov_drivers_autoprobe": "1",
+            "sriov_vf_total_msix": "0",
+        }
+        for name, text in files.items():
+            _write(self._abs(f"{fn.rel}/{name}"), (text + "\n").encode())
+
+    def add_vfs(self, addr: str, count: int, *, driver: str | None = None,
+                first_group: int | None = None) -> list[str]:
+        """What a write of ``count`` to ``sriov_numvfs`` makes the kernel do: VFs at the PF's
+        routing id + offset + stride·i, each with ``physfn`` and the PF's ``virtfnN`` link.
+        Each VF gets its own IOMMU group from ``first_group`` on. Returns their addresses."""
+        pf = self._fn(addr)
+        text = self.device_dir(addr) / "sriov_offset"
+        if not text.exists():
+            raise ValueError(f"{addr} is not an SR-IOV physical function (enable_sriov first)")
+        base = pf.rel
+        offset = int(read_small(self._abs(base + "/sriov_offset")) or 1)
+        stride = int(read_small(self._abs(base + "/sriov_stride")) or 1)
+        vf_device = "0x" + (read_small(self._abs(base + "/sriov_vf_device")) or pf.device[2:])
+        domain, bus, rest = addr.split(":")
+        slot, func = rest.split(".")
+        rid = int(bus, 16) << 8 | int(slot, 16) << 3 | int(func)
+        parent = pf.devpath.rsplit("/", 1)[0]
+        added: list[str] = []
+        for i in range(len(pf.virtfns), len(pf.virtfns) + count):
+            vrid = rid + offset + stride * i
+            vf_addr = f"{domain}:{vrid >> 8 & 0xFF:02x}:{vrid >> 3 & 0x1F:02x}.{vrid & 7}"
+            self.add_function(
+                vf_addr, vendor=pf.vendor, device=vf_device, klass=pf.klass, driver=driver,
+                iommu_group=None if first_group is None else first_group + i, parent=parent,
+                subsystem_vendor=pf.subsystem_vendor, subsystem_device=pf.subsystem_device,
+            )
+            vf = self._fns[vf_addr]
+            vf.physfn = addr
+            self._link(pf.rel, vf.rel + "/physfn")
+            self._link(vf.rel, f"{pf.rel}/virtfn{i}")
+            pf.virtfns[i] = vf_addr
+            added.append(vf_addr)
+        _write(self._abs(pf.rel + "/sriov_numvfs"), f"{len(pf.virtfns)}\n".encode())
+        return added
+
+    def remove_vfs(self, addr: str) -> list[str]:
+        """``echo 0 > sriov_numvfs``: every VF removed, last first. Returns their addresses."""
+        pf = self._fn(addr)
+        gone = [pf.virtfns[i] for i in sorted(pf.virtfns, reverse=True)]
+        for vf in gone:
+            self.remove_function(vf)
+        return gone
+
+    def set_vgpu(self, addr: str, current: int, creatable: Sequence[tuple[int, str]]) -> None:
+        """An NVIDIA vGPU VF's ``nvidia/current_vgpu_type`` and ``creatable_vgpu_types``."""
+        table = "ID    : vGPU Name\n" + "".join(f"{i:<5} : {name}\n" for i, name in creatable)
+        self.set_attr(addr, "nvidia/current_vgpu_type", f"{int(current)}\n")
+        self.set_attr(addr, "nvidia/creatable_vgpu_types", table)
+
+    def set_osrelease(self, release: str) -> None:
+        _check_name(release, "kernel release")
+        os.makedirs(self._abs("proc/sys/kernel"), exist_ok=True)
+        _write(self._abs("proc/sys/kernel/osrelease"), (release + "\n").encode())
+
+    def add_modules_alias(self, release: str, text: str) -> Path:
+        """``lib/modules/<release>/modules.alias`` (as depmod writes it) and the osrelease."""
+        self.set_osrelease(release)
+        folder = self._abs(f"lib/modules/{release}")
+        os.makedirs(folder, exist_ok=True)
+        _write(folder + "/modules.alias", text.encode())
+        return Path(folder + "/modules.alias")
 
     # ----------------------------------------------------------------- DRM
 

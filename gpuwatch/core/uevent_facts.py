@@ -1,0 +1,68 @@
+"""What a uevent says that sysfs does not keep: PCI error recovery, a DRM wedge, a fresh bind.
+
+Pure parsing of the uevent's own properties (no reads): the watcher folds these in, in the
+order the kernel sent them, after the batch's sysfs reads, so a batch that names one device
+several times still reports every recovery step and wedge.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpuwatch.core.observations import DrmWedgeSeen, Observation, PciErrorSeen, PciRebound
+from gpuwatch.core.pci import is_pci_addr
+from gpuwatch.core.uevent import UEvent
+
+_CARD_RE = re.compile(r"^card[0-9]+$")
+#: Uevent actions after which a function starts afresh (its bad health is cleared).
+FRESH_ACTIONS = frozenset(("bind", "add"))
+#: Bounds on what one uevent may make us keep: WEDGED methods and their length, TASK.
+MAX_METHODS = 8
+MAX_WORD = 64
+
+
+def uevent_facts(event: UEvent) -> list[Observation]:
+    """The health observations one uevent carries (usually none)."""
+    props = event.properties
+    subsystem = event.subsystem
+    if subsystem == "pci":
+        name = event.devpath.rsplit("/", 1)[-1]
+        addr = name if is_pci_addr(name) else props.get("PCI_SLOT_NAME", "")
+        if not is_pci_addr(addr):
+            return []
+        out: list[Observation] = []
+        if event.action in FRESH_ACTIONS:
+            out.append(PciRebound(addr))
+        error_event = props.get("ERROR_EVENT")
+        if error_event:
+            out.append(PciErrorSeen(addr, error_event.strip()[:MAX_WORD],
+                                    online(props.get("DEVICE_ONLINE", ""))))
+        return out
+    if subsystem == "drm" and "WEDGED" in props:
+        parts = event.devpath.rsplit("/", 3)
+        if len(parts) == 4 and _CARD_RE.match(parts[3]):
+            parent = parts[1] if parts[2] == "drm" and is_pci_addr(parts[1]) else ""
+            return [wedge(parts[3], parent, event)]
+    return []
+
+
+def online(text: str) -> bool | None:
+    """``DEVICE_ONLINE``: ``1`` true, ``0`` false, absent or anything else ``None``."""
+    return {"1": True, "0": False}.get(text.strip())
+
+
+def wedge(card: str, addr: str, event: UEvent) -> DrmWedgeSeen:
+    """``WEDGED=<method>[,…]`` (bounded, duplicates dropped), ``PID=`` and ``TASK=``."""
+    methods = tuple(dict.fromkeys(
+        m.strip()[:MAX_WORD] for m in event.get("WEDGED").split(",") if m.strip()
+    ))[:MAX_METHODS]
+    pid_text = event.get("PID").strip()
+    task = event.properties.get("TASK")
+    return DrmWedgeSeen(
+        addr=addr,
+        card=card,
+        recovery=methods,
+        pid=int(pid_text) if pid_text.isascii() and pid_text.isdigit() and len(pid_text) <= 10
+        else None,
+        task=task[:MAX_WORD] if task is not None else None,
+    )
