@@ -152,6 +152,33 @@ class Resync(_Event):
     changes: int
 
 
+class Stopped(_Event):
+    """The last record of a run: the watcher stops here (signal, end of a file source)."""
+
+    type: Literal["stopped"] = "stopped"
+    reason: str
+
+
+class LogDegraded(_Event):
+    """Writing the event log failed (ENOSPC, EIO, …): events go on to subscribers, the log
+    is retried with backoff and resumes with a ``log-gap`` record. Never in the log itself."""
+
+    type: Literal["log-degraded"] = "log-degraded"
+    path: str
+    error: str
+
+
+class LogGap(_Event):
+    """Written to the log when it resumes: the events ``first_seq..last_seq`` were published
+    but could not be written. It takes ``last_seq`` as its own ``seq``, so seqs in the file
+    stay increasing and a reader sees exactly which ones it cannot replay."""
+
+    type: Literal["log-gap"] = "log-gap"
+    first_seq: int
+    last_seq: int
+    error: str
+
+
 class SwitchMember(BaseModel):
     addr: str
     driver: str
@@ -211,7 +238,10 @@ Event = Annotated[
     | SwitchStarted
     | SwitchCompleted
     | SwitchRefused
-    | SwitchFailed,
+    | SwitchFailed
+    | Stopped
+    | LogDegraded
+    | LogGap,
     Field(discriminator="type"),
 ]
 
@@ -222,7 +252,7 @@ EVENT_TYPES: frozenset[str] = frozenset(
         Ready, DeviceAdded, DeviceRemoved, DeviceChanged, DriverChanged, IommuGroupChanged,
         VgpuChanged, DeviceError, GpuWedged, NodeAdded,
         NodeRemoved, ProbeChanged, Resync, SwitchStarted, SwitchCompleted, SwitchRefused,
-        SwitchFailed,
+        SwitchFailed, Stopped, LogDegraded, LogGap,
     )
 )
 
