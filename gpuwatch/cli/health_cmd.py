@@ -18,7 +18,7 @@ HEALTH_ACTION = "detect-vfio"
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "health", help="exit 0 when the daemon answers (readiness/liveness probes)",
+        "health",
         description="Ask the gpuwatch daemon one question over its socket; exit 0 when it "
                     "answers within the timeout, 1 when it does not (not running, not ready, "
                     "stuck, or this user may not ask it).")

@@ -51,6 +51,8 @@ SUMMARIES: dict[str, str] = {
     "recover_cmd": "rebind a poisoned group to vfio-pci (unless a reboot is required)",
     "holders_cmd": "processes holding the card's device nodes open",
     "ensure_cdi_cmd": "generate the NVIDIA CDI spec if none exists",
+    "service_cmd": "install or remove the systemd service running this gpuwatch",
+    "health_cmd": "exit 0 when the daemon answers (readiness/liveness probes)",
 }
 
 

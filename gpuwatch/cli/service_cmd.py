@@ -15,7 +15,7 @@ from gpuwatch.cli.common import EXIT_OK, check_root
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "service", help="install or remove the systemd service running this gpuwatch",
+        "service",
         description="Install or remove gpuwatch as the host's systemd service: the unit (its "
                     "ExecStart= naming this gpuwatch), the udev rules for /dev/vfio, "
                     "/etc/gpuwatch/config.yaml when absent and the gpuwatch group when "
