@@ -26,7 +26,7 @@ from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.hostfs.wedge import wedge_detected
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import root_in_force, tables_in_force
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -202,6 +202,10 @@ class HostModel:
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]
 
+    def kept_for_host(self, addr: str) -> str:
+        """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
+        return self.state.kept_for_host(self.function(addr).addr)
+
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 
@@ -218,7 +222,8 @@ class HostModel:
 
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
-                  which: Callable[[str], str | None] | None = None) -> SwitchPlan:
+                  which: Callable[[str], str | None] | None = None,
+                  force: bool = False) -> SwitchPlan:
     """The plan for the named card, from facts read now; for the documented example card
     when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
@@ -231,7 +236,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
                              which=which or shutil.which)
-    return plan_switch(members, mode, facts)
+    return plan_switch(members, mode, facts, force=force)
 
 
 def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | None = None,
@@ -260,17 +265,22 @@ def _as_mode(mode: str | None) -> Mode:
 
 
 def scan(
-    root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None
+    root: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | Tables | None = None,
 ) -> HostModel:
-    """Read the whole host under ``root`` once and return its model."""
-    tables = config if isinstance(config, Tables) else load_tables(config)
-    paths = HostPaths(root)
+    """Read the whole host under ``root`` once and return its model.
+
+    Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
+    ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
+    so a direct probe answers with the tables the daemon uses."""
+    tables = tables_in_force(config)
+    paths = HostPaths(root_in_force(root, config))
     return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
 
 
 def probe(
     action: str,
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Tables | None = None,
     *,
     group: int | None = None,

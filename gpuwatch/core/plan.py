@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
 from gpuwatch.core.pci import (
     ADDR_FORMAT,
@@ -26,7 +25,7 @@ from gpuwatch.core.pci import (
     is_gpu_class,
     parse_addr,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 
@@ -181,6 +180,8 @@ class HostFacts:
     holders: tuple[Holding, ...] = ()
     #: False when not root: other users' ``/proc/<pid>/fd`` cannot be read.
     holders_complete: bool = True
+    #: Why the group is the host's own console/management group (`kept_for_host_reason`).
+    kept_for_host: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,7 +396,7 @@ def cdi_steps(root: str, cdi_spec: bool,
 
 
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
-                example: bool = False) -> SwitchPlan:
+                example: bool = False, force: bool = False) -> SwitchPlan:
     """The ordered steps that bring every function of the group to its target driver.
 
     Raises `UnsafeName` for a malformed address or driver name; every other reason not to
@@ -421,6 +422,9 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         return SwitchPlan(**base, refusal=Refusal(reason, tuple(holders)))
 
     group = display.iommu_group
+    if mode == "vfio" and facts.kept_for_host and not force:
+        return refuse(f"IOMMU group {group} is kept for the host: {facts.kept_for_host} "
+                      "(--force passes it through anyway)")
     bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
     if bridges:
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "

@@ -21,7 +21,6 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import Mode
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
@@ -31,7 +30,7 @@ from gpuwatch.core.plan import (
     card_scope,
     holder_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.files import list_dir, read_attr, read_text
@@ -126,6 +125,7 @@ class ModelFacts:
 
     other_nvidia: tuple[str, ...]
     dri_nodes: dict[str, tuple[str, ...]]
+    kept_for_host: str = ""
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
@@ -134,6 +134,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
                                   if fn.driver == "nvidia" and a not in addrs)),
         dri_nodes=dri_nodes(state, addrs),
+        kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
     )
 
 
@@ -160,6 +161,7 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
         cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
         holders_complete=euid == 0,
+        kept_for_host=known.kept_for_host,
     )
     holders = [h for h in scan_holders(paths.root, holder_scope(fns, mode, facts))
                if not is_persistenced(h.comm)]

@@ -105,8 +105,11 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     mode = _mode(params, required=True) or ""
     timeout = params.opt_float("timeout")
     tolerant = params.opt_bool("tolerant")
+    force = params.opt_bool("force")
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
+    if force:
+        kwargs["force"] = True  # a group kept for the host (BMC/console) to vfio anyway
     if timeout is not None:
         kwargs["timeout"] = timeout
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
@@ -125,9 +128,11 @@ async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
 async def op_plan(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     mode = _mode(params, required=True) or ""
+    force = params.opt_bool("force")
     params.done()
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
-    return await _guarded(lambda: host.plan(target, mode))
+    kwargs: dict[str, Any] = {"force": True} if force else {}
+    return await _guarded(lambda: host.plan(target, mode, **kwargs))
 
 
 async def op_holders(host: Host, params: P.Params, peer: PeerCred) -> Any:

@@ -52,7 +52,7 @@ from gpuwatch.core.plan import (
     plan_switch,
     unbind_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.errors import (
     DeviceNotFound,
     GroupBusy,
@@ -171,8 +171,9 @@ class SwitchEngine:
     # ------------------------------------------------------------------ public
 
     async def switch(self, target: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False) -> SwitchResult:
-        """Switch the group of ``target`` (an address, or a vendor id naming one card)."""
+                     tolerant: bool = False, force: bool = False) -> SwitchResult:
+        """Switch the group of ``target`` (an address, or a vendor id naming one card).
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway."""
         to_mode = parse_mode(mode)
         if not timeout > 0:
             raise UsageError(f"timeout must be positive, not {timeout!r}")
@@ -185,7 +186,8 @@ class SwitchEngine:
             return SwitchResult(addr=addr or "", group=-1, from_mode="", to_mode=to_mode,
                                 members=[], duration_ms=0.0, changed=False,
                                 notes=[f"{exc}: nothing to switch"])
-        return await self._switch(card, members, to_mode, timeout, recovering=False)
+        return await self._switch(card, members, to_mode, timeout, recovering=False,
+                                  force=force)
 
     async def recover(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
@@ -208,7 +210,7 @@ class SwitchEngine:
             notes.append(f"poison of group {group} cleared")
         return result.model_copy(update={"notes": notes})
 
-    async def plan(self, target: str, mode: str) -> dict[str, Any]:
+    async def plan(self, target: str, mode: str, *, force: bool = False) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON (the ``plan`` probe, over the socket)."""
         to_mode = parse_mode(mode)
         addr, vendor = parse_target(target)
@@ -223,7 +225,7 @@ class SwitchEngine:
         facts = await call_bounded(
             lambda: gather_facts(self.model.paths, members, to_mode, known, euid=self.euid(),
                                  which=self.ops.which), self.scan_timeout, "the holder scan")
-        return plan_switch(members, to_mode, facts).to_json()
+        return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
         """Who holds the card's nodes, read off the event loop."""
@@ -238,7 +240,7 @@ class SwitchEngine:
     # ------------------------------------------------------------------ the switch
 
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
-                      timeout: float, *, recovering: bool) -> SwitchResult:
+                      timeout: float, *, recovering: bool, force: bool = False) -> SwitchResult:
         started = time.monotonic()
         deadline = started + timeout
         group = card.iommu_group
@@ -253,13 +255,21 @@ class SwitchEngine:
         if group_in_mode(members, to_mode):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
+        kept = self.model.state.kept_for_host(card.addr) if to_mode == "vfio" else ""
+        if kept and not (force or recovering):
+            # Before the privilege check: the answer is the same for anyone, and writes nothing.
+            reason = (f"IOMMU group {group} is kept for the host: {kept} (--force passes it "
+                      "through anyway)")
+            self._refused(card.addr, group, to_mode, reason, ())
+            raise SwitchRefused(reason)
         self._require_root("switching drivers")
         key: int | str = group if group >= 0 else card.addr
         self._claim(key)
         try:
             fd = self._flock(key)
             try:
-                return await self._locked(card.addr, key, to_mode, started, deadline)
+                return await self._locked(card.addr, key, to_mode, started, deadline,
+                                          force=force or recovering)
             finally:
                 os.close(fd)
         finally:
@@ -268,7 +278,7 @@ class SwitchEngine:
                 self._exclusive = None
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
-                      deadline: float) -> SwitchResult:
+                      deadline: float, *, force: bool = False) -> SwitchResult:
         state = self.model.state
         members = state.group_members(addr)
         known = model_facts(state, members)
@@ -283,7 +293,7 @@ class SwitchEngine:
             self._refused(addr, group, to_mode, reason, ())
             raise SwitchRefused(reason) from None
         try:
-            plan = plan_switch(members, to_mode, facts)
+            plan = plan_switch(members, to_mode, facts, force=force)
         except UnsafeName as exc:
             self._refused(addr, group, to_mode, str(exc), ())
             raise
@@ -354,7 +364,7 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
 
     async def _scan(self, scope: NodeScope, deadline: float,
-                    plan: SwitchPlan) -> list[ev.Holding]:
+                    plan: SwitchPlan) -> list[Holding]:
         timeout = max(0.1, min(self.scan_timeout, deadline - time.monotonic()))
         try:
             return await call_bounded(lambda: scan_holders(self.root, scope), timeout,
@@ -448,7 +458,7 @@ class SwitchEngine:
         )
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
-                 holders: Sequence[ev.Holding]) -> None:
+                 holders: Sequence[Holding]) -> None:
         _log.warning("switch of group %s refused: %s", group, reason)
         self._publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
                                                reason=reason, holders=list(holders))])
