@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "watch", help="watch the host and log change events as JSON lines",
+        "watch",
         description="Follow kernel uevents, keep the host model current and write every change "
                     "event as one JSON line; optionally serve it on a Unix socket, as Prometheus "
                     "metrics and as a node-feature-discovery file. Options also come from "
