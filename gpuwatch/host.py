@@ -121,14 +121,17 @@ class Host:
     # ------------------------------------------------------------------ switching
 
     async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False) -> SwitchResult:
+                     tolerant: bool = False, vfio_driver: str | None = None) -> SwitchResult:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
-        `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`."""
-        return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant)
+        `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
+        ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
+        return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
+                                        vfio_driver=vfio_driver)
 
-    async def plan(self, addr_or_vendor: str, mode: str) -> dict[str, Any]:
+    async def plan(self, addr_or_vendor: str, mode: str, *,
+                   vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON."""
-        return await self.engine.plan(addr_or_vendor, mode)
+        return await self.engine.plan(addr_or_vendor, mode, vfio_driver=vfio_driver)
 
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:

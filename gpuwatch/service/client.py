@@ -196,13 +196,17 @@ class Client:
                 yield event
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-               timeout: float | None = None, tolerant: bool | None = None) -> Any:
+               timeout: float | None = None, tolerant: bool | None = None,
+               vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return self.call("switch", _params(mode=mode, addr=addr, vendor=vendor, timeout=timeout,
-                                           tolerant=tolerant), timeout=wait)
+                                           tolerant=tolerant, vfio_driver=vfio_driver),
+                         timeout=wait)
 
-    def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None) -> Any:
-        return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+    def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
+             vfio_driver: str | None = None) -> Any:
+        return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
+                                         vfio_driver=vfio_driver))
 
     def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
@@ -309,15 +313,18 @@ class AsyncClient:
                 yield event
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-                     timeout: float | None = None, tolerant: bool | None = None) -> Any:
+                     timeout: float | None = None, tolerant: bool | None = None,
+                     vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return await self.call("switch", _params(mode=mode, addr=addr, vendor=vendor,
-                                                 timeout=timeout, tolerant=tolerant),
+                                                 timeout=timeout, tolerant=tolerant,
+                                                 vfio_driver=vfio_driver),
                                timeout=wait)
 
     async def plan(self, mode: str, *, addr: str | None = None,
-                   vendor: str | None = None) -> Any:
-        return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor))
+                   vendor: str | None = None, vfio_driver: str | None = None) -> Any:
+        return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
+                                               vfio_driver=vfio_driver))
 
     async def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return await self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)

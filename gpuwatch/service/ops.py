@@ -105,10 +105,13 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     mode = _mode(params, required=True) or ""
     timeout = params.opt_float("timeout")
     tolerant = params.opt_bool("tolerant")
+    vfio_driver = params.opt_str("vfio_driver")
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if vfio_driver is not None:
+        kwargs["vfio_driver"] = vfio_driver
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
     return await _guarded(lambda: host.switch(target, mode, **kwargs))
 
@@ -125,9 +128,10 @@ async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
 async def op_plan(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     mode = _mode(params, required=True) or ""
+    vfio_driver = params.opt_str("vfio_driver")
     params.done()
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
-    return await _guarded(lambda: host.plan(target, mode))
+    return await _guarded(lambda: host.plan(target, mode, vfio_driver=vfio_driver))
 
 
 async def op_holders(host: Host, params: P.Params, peer: PeerCred) -> Any:
