@@ -121,17 +121,19 @@ class Host:
     # ------------------------------------------------------------------ switching
 
     async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False, vfio_driver: str | None = None) -> SwitchResult:
+                     tolerant: bool = False, force: bool = False,
+                     vfio_driver: str | None = None) -> SwitchResult:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
         `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
         ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
         return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
-                                        vfio_driver=vfio_driver)
+                                        force=force, vfio_driver=vfio_driver)
 
-    async def plan(self, addr_or_vendor: str, mode: str, *,
+    async def plan(self, addr_or_vendor: str, mode: str, *, force: bool = False,
                    vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON."""
-        return await self.engine.plan(addr_or_vendor, mode, vfio_driver=vfio_driver)
+        return await self.engine.plan(addr_or_vendor, mode, force=force, vfio_driver=vfio_driver)
 
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
@@ -160,17 +162,20 @@ async def open_host(
     cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
+    announce: bool = True,
     **engine_options: Any,
 ) -> AsyncIterator[Host]:
     """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
 
     ``ops``/``geteuid`` default to the real host's seam (or a refusing one off the real
-    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`.
+    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`. ``announce=False``: the
+    body runs before ``ready``, and calls ``host.watcher.announce_ready()`` (a daemon, once
+    its listeners are bound).
     """
     async with _watch.open_watcher(
         root, source, config=config, log=log, log_max_bytes=log_max_bytes, log_keep=log_keep,
         reconcile_interval=reconcile_interval, cdi_poll_interval=cdi_poll_interval,
-        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer,
+        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer, announce=announce,
     ) as watcher:
 
         def subscribe(types: Iterable[str]) -> AbstractAsyncContextManager[EventStream]:

@@ -33,7 +33,7 @@ from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.hostfs.wedge import wedge_detected
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import root_in_force, tables_in_force
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -99,6 +99,8 @@ class HostModel:
         self.state = state
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
+        self._access: dict[int, bool] = {}
+        self._access_version = -1
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         self.poisoned: dict[int, str] = {}
@@ -139,10 +141,13 @@ class HostModel:
             return answers[action]
         if (
             action == "vfio-group-accessible"
-            and group is not None
+            and group.__class__ is int
             and (addr is None and mode is None and vendor is None)
         ):
-            return self.vfio_group_accessible(group)  # nothing here for check_params to reject
+            # Prepared per group: nothing to compute, nothing here for check_params to reject.
+            if self._access_version != self.state.vfio_nodes_version:
+                self._prepare_access()
+            return self._access.get(group, False)
         if action == "plan":
             check_params(action, group, addr, mode, vendor)
             return self.plan(_as_mode(mode), addr=addr, vendor=vendor)
@@ -164,8 +169,21 @@ class HostModel:
     def vfio_group_accessible(self, group: int | None) -> bool:
         if group is None or group < 0:
             return False
-        stat = self.state.nodes.get(f"/dev/vfio/{group}")
-        return stat is not None and may_read_write(stat, self._uid, self._gids)
+        if self._access_version != self.state.vfio_nodes_version:
+            self._prepare_access()
+        return self._access.get(group, False)
+
+    def _prepare_access(self) -> None:
+        """Whether this process may open each ``/dev/vfio/N``, for every group at once: done
+        when a vfio node appears, goes or changes mode, so the probe is a dict lookup."""
+        prefix = "/dev/vfio/"
+        uid, gids = self._uid, self._gids
+        self._access = {
+            int(path[len(prefix) :]): may_read_write(stat, uid, gids)
+            for path, stat in self.state.nodes.items()
+            if path.startswith(prefix) and path[len(prefix) :].isdigit()
+        }
+        self._access_version = self.state.vfio_nodes_version
 
     def vfio_backend(self, addr: str | None) -> VfioBackend:
         """How to open the function through VFIO: its cdev with iommufd when both exist, else
@@ -191,6 +209,10 @@ class HostModel:
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]
 
+    def kept_for_host(self, addr: str) -> str:
+        """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
+        return self.state.kept_for_host(self.function(addr).addr)
+
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 
@@ -209,7 +231,7 @@ class HostModel:
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
                   which: Callable[[str], str | None] | None = None,
-                  vfio_driver: str | None = None) -> SwitchPlan:
+                  force: bool = False, vfio_driver: str | None = None) -> SwitchPlan:
     """The plan for the named card, from facts read now; for the documented example card
     when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
@@ -223,7 +245,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
                              which=which or shutil.which, vfio_driver=vfio_driver)
-    return plan_switch(members, mode, facts)
+    return plan_switch(members, mode, facts, force=force)
 
 
 def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | None = None,
@@ -252,17 +274,22 @@ def _as_mode(mode: str | None) -> Mode:
 
 
 def scan(
-    root: str | os.PathLike[str] = "/", config: str | os.PathLike[str] | Tables | None = None
+    root: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | Tables | None = None,
 ) -> HostModel:
-    """Read the whole host under ``root`` once and return its model."""
-    tables = config if isinstance(config, Tables) else load_tables(config)
-    paths = HostPaths(root)
+    """Read the whole host under ``root`` once and return its model.
+
+    Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
+    ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
+    so a direct probe answers with the tables the daemon uses."""
+    tables = tables_in_force(config)
+    paths = HostPaths(root_in_force(root, config))
     return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
 
 
 def probe(
     action: str,
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | Tables | None = None,
     *,
     group: int | None = None,

@@ -246,7 +246,8 @@ class HostdevFunction(BaseModel):
     addr: str
     class_label: str
     driver: str
-    hostdev_xml: str
+    #: None for a group kept for the host: it gets no block to paste.
+    hostdev_xml: str | None
 
 
 class PassthroughGpu(BaseModel):
@@ -260,6 +261,9 @@ class PassthroughGpu(BaseModel):
     physfn: str = ""
     note: str  # what that attribute means for who detaches the group (and its holder checks)
     functions: list[HostdevFunction]
+    #: The host's own console or management group (`gpuwatch.core.hostkeep`): not offered.
+    kept_for_host: bool = False
+    reason: str = ""
 
 
 #: The two values of libvirt's ``managed`` attribute that ``gpuwatch list --managed`` offers.
@@ -324,6 +328,7 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
         if gpu.physfn and not vf_ready(gpu, variants):
             continue
         members: list[PciFunction] = [m for m in gpu.group_members if m.class_ != BRIDGE_CLASS]
+        kept = model.kept_for_host(gpu.addr)
         out.append(
             PassthroughGpu(
                 addr=gpu.addr,
@@ -333,15 +338,17 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
                 iommu_group=gpu.iommu_group,
                 managed=managed,
                 physfn=gpu.physfn,
-                note=MANAGED_NOTES[managed].format(
+                note="" if kept else MANAGED_NOTES[managed].format(
                     addr=gpu.addr,
                     back=_BACK_TO_HOST.get(gpu.vendor_id, "").format(addr=gpu.addr)),
+                kept_for_host=bool(kept),
+                reason=kept,
                 functions=[
                     HostdevFunction(
                         addr=m.addr,
                         class_label=m.class_label,
                         driver=m.driver,
-                        hostdev_xml=hostdev_xml(m.addr, managed),
+                        hostdev_xml=None if kept else hostdev_xml(m.addr, managed),
                     )
                     for m in members
                 ],
@@ -351,11 +358,19 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
 
 
 def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:
-    if not gpus:
-        why = "" if iommu_enabled else " (the IOMMU is off: see `gpuwatch status`)"
-        return f"no passthrough-capable GPU{why}"
+    offered = [g for g in gpus if not g.kept_for_host]
+    kept = [g for g in gpus if g.kept_for_host]
     blocks: list[str] = []
-    for gpu in gpus:
+    if not offered:
+        why = "" if iommu_enabled else " (the IOMMU is off: see `gpuwatch status`)"
+        blocks.append(f"no passthrough-capable GPU{why}")
+    if kept:
+        # Its own section, before the blocks, so that copying the blocks never takes it along.
+        blocks.append("kept for the host (not offered for passthrough):")
+        for gpu in kept:
+            blocks.append(f"  GPU {gpu.addr} {gpu.vendor} {gpu.device_id}, IOMMU group "
+                          f"{gpu.iommu_group}: {gpu.reason}")
+    for gpu in offered:
         # The note is prose, not an XML comment: it names flags, and "--" may not appear
         # inside one. The blocks and their comments below stay valid XML to paste.
         blocks.append(f"note: {gpu.note}")
@@ -364,6 +379,6 @@ def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:
             f"<!-- GPU {gpu.addr}{vf} {gpu.vendor} {gpu.device_id}, IOMMU group "
             f"{gpu.iommu_group}: pass every function below together -->"
         )
-        blocks.extend(f.hostdev_xml for f in gpu.functions)
+        blocks.extend(f.hostdev_xml for f in gpu.functions if f.hostdev_xml is not None)
     return "\n".join(blocks)
 

@@ -34,6 +34,8 @@ DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
 ENV_PREFIX = "GPUWATCH_"
 #: The environment variable naming the config file (below ``--config``, above the default).
 CONFIG_ENV = "GPUWATCH_CONFIG"
+#: The root the daemon watches when no ``--root`` is given (also the config file's ``root``).
+ROOT_ENV = "GPUWATCH_ROOT"
 
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
@@ -114,9 +116,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_max_bytes", "int", None, optional=True, minimum=1),
     Setting("log_keep", "int", 5, minimum=1),
     Setting("reconcile_interval", "float", 300.0, minimum=0),
+    Setting("receive_buffer", "int", None, optional=True, minimum=4096),
     Setting("socket", "str", None, optional=True),
     Setting("socket_group", "str", None, optional=True),
     Setting("switch_group", "str", None, optional=True),
+    Setting("socket_max_request_bytes", "int", 65536, minimum=1024),
+    Setting("socket_max_clients", "int", 1024, minimum=1),
+    Setting("socket_max_per_uid", "int", 16, minimum=1),
+    Setting("socket_root_reserve", "int", 64, minimum=0),
+    Setting("socket_stall_timeout", "float", 30.0, minimum=0.001),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
     Setting("nfd_expiry", "float", 3600.0, minimum=0),
@@ -219,9 +227,15 @@ class WatchSettings:
     log_max_bytes: int | None = None
     log_keep: int = 5
     reconcile_interval: float = 300.0
+    receive_buffer: int | None = None
     socket: str | None = None
     socket_group: str | None = None
     switch_group: str | None = None
+    socket_max_request_bytes: int = 65536
+    socket_max_clients: int = 1024
+    socket_max_per_uid: int = 16
+    socket_root_reserve: int = 64
+    socket_stall_timeout: float = 30.0
     metrics: str | None = None
     nfd_features: str | None = None
     nfd_expiry: float = 3600.0
@@ -237,14 +251,45 @@ class WatchSettings:
         return load_tables(self.config_path)
 
 
-def config_file_path(flag: str | None, env: Mapping[str, str],
+def config_file_path(flag: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None,
                      default: str = DEFAULT_CONFIG_PATH) -> str | None:
     """``--config``, else ``$GPUWATCH_CONFIG``, else the default file when it exists."""
+    env = os.environ if env is None else env
     if flag:
-        return flag
+        return os.fspath(flag)
     if env.get(CONFIG_ENV):
         return env[CONFIG_ENV]
     return default if os.path.isfile(default) else None
+
+
+def tables_in_force(config: str | os.PathLike[str] | Tables | None = None,
+                    env: Mapping[str, str] | None = None) -> Tables:
+    """The tables the daemon would use: ``config`` when given, else the file
+    `config_file_path` finds, else the embedded ones. The library and every CLI command
+    read through here, so a direct probe and the daemon never disagree."""
+    if config is not None and not isinstance(config, str | os.PathLike):
+        return config
+    return load_tables(config_file_path(config, env))
+
+
+def root_in_force(root: str | os.PathLike[str] | None = None,
+                  config: str | os.PathLike[str] | Tables | None = None,
+                  env: Mapping[str, str] | None = None) -> str:
+    """The host root the daemon would watch: ``root`` when given, else ``$GPUWATCH_ROOT``,
+    else the config file's ``root``, else ``/`` (the daemon's own precedence)."""
+    if root is not None:
+        return os.fspath(root)
+    env = os.environ if env is None else env
+    if env.get(ROOT_ENV, "").strip():
+        return env[ROOT_ENV]
+    if config is not None and not isinstance(config, str | os.PathLike):
+        return "/"  # tables given as such name no file
+    path = config_file_path(config, env)
+    if path is not None:
+        value = read_config_file(path).get("root")
+        if isinstance(value, str) and value.strip():
+            return value
+    return "/"
 
 
 def load_settings(
@@ -439,6 +484,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_SOCKET_GROUP",
     "ENV_PREFIX",
+    "ROOT_ENV",
     "SETTINGS",
     "SETTING_KEYS",
     "TABLE_KEYS",
@@ -456,4 +502,6 @@ __all__ = [
     "parse_listen_address",
     "read_config_file",
     "resolve_group",
+    "root_in_force",
+    "tables_in_force",
 ]

@@ -281,6 +281,25 @@ def test_vfio_group_accessible(host: SysRoot) -> None:
     assert model.probe("vfio-group-accessible", group=-1) is False
 
 
+def test_vfio_group_access_is_prepared_again_when_a_node_changes(host: SysRoot) -> None:
+    """The per-group answers are prepared once and rebuilt on any vfio node change."""
+    from gpuwatch.core.observations import NodeSeen
+
+    host.add_vfio_group(13)
+    model = gpuwatch.scan(host.root)
+    model._uid, model._gids = 1000, frozenset({1000})  # as an unprivileged caller
+    node = "/dev/vfio/13"
+    model.state.apply(NodeSeen(node, NodeStat(mode=0o600, uid=0, gid=0)))
+    assert model.probe("vfio-group-accessible", group=13) is False
+    model.state.apply(NodeSeen(node, NodeStat(mode=0o660, uid=0, gid=1000)))  # chgrp+chmod
+    assert model.probe("vfio-group-accessible", group=13) is True
+    model.state.apply(NodeSeen("/dev/vfio/14", NodeStat(mode=0o666, uid=0, gid=0)))
+    assert model.probe("vfio-group-accessible", group=14) is True
+    model.state.apply(NodeSeen(node, None))
+    assert model.probe("vfio-group-accessible", group=13) is False
+    assert model.vfio_group_accessible(14) is True
+
+
 @pytest.mark.parametrize(
     ("mode", "owner", "group", "uid", "gids", "expected"),
     [

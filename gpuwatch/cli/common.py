@@ -23,16 +23,20 @@ class OneLineParser(argparse.ArgumentParser):
 def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
     parser.add_argument(
         "--root",
-        default="/",
+        default=None,
         metavar="DIR",
-        help="host root holding sys/, proc/, dev/ (default /; a fixture for tests)",
+        help="host root holding sys/, proc/, dev/ (default: the daemon's, $GPUWATCH_ROOT or "
+             "the config file's root, else /; a fixture for tests)",
     )
+    parser.set_defaults(resolve_root=True)
     if config:
         parser.add_argument(
             "--config",
             metavar="FILE",
             default=None,
-            help="YAML file overriding the data tables (and watch options)",
+            help="YAML file overriding the data tables (and watch options); default "
+                 "$GPUWATCH_CONFIG, else /etc/gpuwatch/config.yaml when it exists, as the "
+                 "daemon reads it",
         )
 
 

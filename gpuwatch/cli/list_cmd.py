@@ -11,11 +11,11 @@ from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.report import MANAGED_VALUES, PassthroughGpu, passthrough_gpus, render_list
 from gpuwatch.service.remote import RemoteModel
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import tables_in_force
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("list", help="passthrough-capable GPUs as libvirt <hostdev> blocks",
+    p = subparsers.add_parser("list",
                               description="Passthrough-capable GPUs and a libvirt <hostdev> block "
                                           "for every function of each GPU's IOMMU group.")
     add_root_args(p)
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: _gpus(
-        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), args.managed))
+        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), args.managed))
     gpus, iommu_enabled = (answer.value if answer is not None
                            else _gpus(scan(args.root, args.config), args.managed))
     if args.json:

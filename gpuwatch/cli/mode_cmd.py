@@ -47,7 +47,7 @@ from gpuwatch.switch.poison import PoisonStore
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "mode", help="show or switch a GPU group between vfio-pci and nvidia",
+        "mode",
         description="Without a mode, show the mode of the card's IOMMU group. With one, switch "
                     "every function of the group to its driver for that mode (root only).")
     p.add_argument("mode", nargs="?", choices=MODES, help="vfio or nvidia (omit to show)")
@@ -60,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="append the watcher's events (switch-started, …) to this log")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
@@ -88,6 +89,12 @@ def vfio_driver_of(args: argparse.Namespace, mode: Mode | None) -> str | None:
     if mode != "vfio":
         raise UsageProblem("--vfio-driver needs mode vfio")
     return parse_vfio_driver(name, mode, frozenset({driver_key(name)}))
+
+
+def add_force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="vfio: pass a group kept for the host (its BMC/console VGA, or its only "
+                        "boot display) through anyway")
 
 
 def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -123,6 +130,7 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
             return await host.recover(target, timeout=args.timeout)
         assert mode is not None
         return await host.switch(target, mode, timeout=args.timeout,
+                                 force=bool(getattr(args, "force", False)),
                                  vfio_driver=getattr(args, "vfio_driver", None))
 
 
@@ -141,10 +149,12 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
           as_json: bool) -> None:
     poisoned = PoisonStore(model.root).load().get(card.iommu_group)
     mode = group_mode(members, model.state.vfio_variants)
+    kept = model.kept_for_host(card.addr)
     if as_json:
         print(dumps({
             "addr": card.addr, "group": card.iommu_group, "mode": mode,
             "poisoned": poisoned.error if poisoned is not None else None,
+            "kept_for_host": bool(kept), "reason": kept,
             "members": [{"addr": m.addr, "class": m.class_, "driver": m.driver,
                          "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia"),
                          "health": m.health}
@@ -156,6 +166,8 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
         print(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}")
     if poisoned is not None:
         print(f"  poisoned until reboot or `gpuwatch recover`: {poisoned.error}")
+    if kept:
+        print(f"  kept for the host: {kept}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         # A running daemon owns the switch lock and the log: it switches, we report.
         answer = ask_daemon(args, lambda c: c.switch(mode, addr=addr, vendor=vendor,
                                                      timeout=args.timeout,
+                                                     force=args.force or None,
                                                      vfio_driver=vfio_driver), mutating=True)
         if answer is not None:
             print_result(SwitchResult.model_validate(answer.value), args.json)
@@ -188,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
             members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
             duration_ms=0.0, changed=False, notes=[]), args.json)
         return EXIT_OK
+    kept = model.kept_for_host(card.addr) if mode == "vfio" else ""
+    if kept and not args.force:
+        raise SwitchRefused(f"IOMMU group {card.iommu_group} is kept for the host: {kept} "
+                            "(--force passes it through anyway)")
     backend = make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "

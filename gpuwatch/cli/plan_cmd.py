@@ -14,7 +14,13 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.cli.mode_cmd import add_target_args, add_vfio_driver_arg, target_of, vfio_driver_of
+from gpuwatch.cli.mode_cmd import (
+    add_force_arg,
+    add_target_args,
+    add_vfio_driver_arg,
+    target_of,
+    vfio_driver_of,
+)
 from gpuwatch.core.modes import MODES, Mode
 from gpuwatch.core.plan import default_mode, find_card, parse_mode
 from gpuwatch.errors import DeviceNotFound
@@ -25,7 +31,7 @@ from gpuwatch.switch.hostops import make_backend
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "plan", help="the exact steps a switch would take (executes nothing)",
+        "plan",
         description="Print the ordered writes and commands `gpuwatch mode MODE` would run on "
                     "this host now. Needs no privilege and changes nothing.")
     p.add_argument("mode", nargs="?", choices=MODES,
@@ -35,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_root_args(p)
     add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_force_arg(p)
     p.set_defaults(func=run)
 
 
@@ -73,7 +80,7 @@ def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
             mode = "vfio"
     backend = make_backend(args.root)
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
-                         which=backend.ops.which, vfio_driver=vfio_driver)
+                         which=backend.ops.which, force=args.force, vfio_driver=vfio_driver)
     return plan.to_json()
 
 
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     # The daemon runs as root and sees every holder; a plan made here may not.
     answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor,
+                                               force=args.force or None,
                                                vfio_driver=vfio_driver)) if mode else None
     plan = (answer.value if answer is not None
             else _local_plan(args, mode, addr, vendor, vfio_driver))

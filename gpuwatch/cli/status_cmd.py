@@ -12,11 +12,11 @@ from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.report import build_status, render_status
 from gpuwatch.service.remote import RemoteModel
-from gpuwatch.settings import load_tables
+from gpuwatch.settings import tables_in_force
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("status", help="VFIO/passthrough readiness of this host",
+    p = subparsers.add_parser("status",
                               description="IOMMU, vfio-pci, memlock and every GPU with its group.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: build_status(
-        cast(HostModel, RemoteModel(c, load_tables(args.config), args.root)), memlock()))
+        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), memlock()))
     report = answer.value if answer is not None else build_status(scan(args.root, args.config),
                                                                    memlock())
     print(dumps(report) if args.json else render_status(report))

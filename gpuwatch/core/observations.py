@@ -46,6 +46,8 @@ class PciSeen(NamedTuple):
     sriov: SriovSeen | None = None
     physfn: str = ""
     vgpu: VgpuSeen | None = None
+    #: ``boot_vga`` reads 1: the firmware's console (only display functions have the file).
+    boot_vga: bool = False
 
 
 @dataclass(frozen=True, slots=True)

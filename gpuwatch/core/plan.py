@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.health import UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
     MODES,
@@ -37,7 +36,7 @@ from gpuwatch.core.pci import (
     is_gpu_class,
     parse_addr,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 
@@ -215,6 +214,8 @@ class HostFacts:
     vfio_variants: frozenset[str] = frozenset()
     #: The DRM wedge recovery methods the kernel named, per wedged function.
     wedge_recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Why the group is the host's own console/management group (`kept_for_host_reason`).
+    kept_for_host: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,7 +486,8 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts) -> str | 
 
 
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
-                example: bool = False, recovering: bool = False) -> SwitchPlan:
+                example: bool = False, force: bool = False,
+                recovering: bool = False) -> SwitchPlan:
     """The ordered steps that bring every function of the group to its target driver.
 
     Raises `UnsafeName` for a malformed address or driver name; every other reason not to
@@ -519,6 +521,9 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                                                f"already in mode {mode}: nothing to write")})
 
     group = display.iommu_group
+    if mode == "vfio" and facts.kept_for_host and not force:
+        return refuse(f"IOMMU group {group} is kept for the host: {facts.kept_for_host} "
+                      "(--force passes it through anyway)")
     bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
     if bridges:
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "

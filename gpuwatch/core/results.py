@@ -95,7 +95,13 @@ class MemlockResult(_Frozen):
 
 
 class Holder(_Frozen):
-    """A process holding a GPU device node open."""
+    """A process holding a GPU device node open (the ``nvidia-holders`` probe)."""
 
     pid: int
     comm: str
+
+
+class Holding(Holder):
+    """A process that keeps a device node of the group open, so the switch must not unbind."""
+
+    node: str

@@ -34,6 +34,7 @@ from gpuwatch.core.events import (
     ProbeChanged,
     VgpuChanged,
 )
+from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.observations import (
@@ -111,6 +112,8 @@ class HostState:
         self.wedge_recovery: dict[str, tuple[str, ...]] = {}
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
+        #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
+        self.boot_vga: set[str] = set()
         self.groups: dict[int, set[str]] = {}
         self._gpu_addrs: list[str] = []  # sorted
         self._gpu_info: dict[str, GpuInfo] = {}  # cache; an absent GPU entry is stale
@@ -131,6 +134,9 @@ class HostState:
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
+        #: Bumped whenever a ``/dev/vfio/N`` node appears, goes or changes owner or mode, so
+        #: answers derived from those nodes (per-group access) are rebuilt only then.
+        self.vfio_nodes_version = 0
         self.cdi = CdiSeen(etc_spec=False, var_spec=False, ctk_on_path=False)
         self.iommu = IommuSeen(enabled=False, kind="")
         self._stale: set[str] = set(WATCHED_PROBES)
@@ -224,6 +230,10 @@ class HostState:
     def _pci_seen(self, seen: PciSeen, events: list[BaseModel]) -> None:
         old = self.functions.get(seen.addr)
         self.devpaths[seen.addr] = seen.devpath
+        if seen.boot_vga:
+            self.boot_vga.add(seen.addr)
+        else:
+            self.boot_vga.discard(seen.addr)
         cdev = self._cdev_path(seen)
         # Field by field before building anything: the label follows from the class, so this
         # is `old == new` without constructing `new` or running pydantic's __eq__.
@@ -270,6 +280,8 @@ class HostState:
             self._pci_gone(seen.addr, events)
             old = None
             self.devpaths[seen.addr] = seen.devpath
+            if seen.boot_vga:
+                self.boot_vga.add(seen.addr)
             if new.health != "ok":
                 new = new.model_copy(update={"health": "ok"})
         self._set_cdev(seen.addr, seen.vfio_cdev)
@@ -316,6 +328,7 @@ class HostState:
         self._store_function(old, None)
         self._set_cdev(addr, "")
         self.devpaths.pop(addr, None)
+        self.boot_vga.discard(addr)
         for name in sorted(self._drm_by_addr.get(addr, ())):
             self._drm_gone(name)
         events.append(DeviceRemoved(addr=addr, device=old))
@@ -499,15 +512,18 @@ class HostState:
         if not self.is_watched_node(path):
             return
         old = self.nodes.get(path)
+        if old == stat:
+            return
+        is_vfio = _VFIO_NODE_RE.match(path) is not None
+        if is_vfio:
+            self.vfio_nodes_version += 1
         if stat is None:
-            if old is None:
-                return
             del self.nodes[path]
             events.append(NodeRemoved(path=path))
         else:
             self.nodes[path] = stat
             if old is not None:
-                return  # a mode change is not a new node; the access answer reads the new stat
+                return  # a mode change is not a new node; the access answers are rebuilt
             events.append(NodeAdded(path=path))
         if path == IOMMU_NODE:
             self._stale.add("detect-vfio")
@@ -518,7 +534,7 @@ class HostState:
             if fn is not None:
                 self._replace(fn, {"vfio_cdev": path if stat is not None else ""}, events)
             return
-        if not _VFIO_NODE_RE.match(path):
+        if not is_vfio:
             self._devices = None
             if path.startswith(_RENDER_PREFIX):
                 self._render_node = None
@@ -691,6 +707,16 @@ class HostState:
         if fn.iommu_group < 0:
             return (fn,)
         return tuple(self.functions[a] for a in sorted(self.groups.get(fn.iommu_group, (addr,))))
+
+    def kept_for_host(self, addr: str) -> str:
+        """Why the IOMMU group of ``addr`` stays with the host (`kept_for_host_reason`), or
+        ``""`` when it may be passed through."""
+        return kept_for_host_reason(
+            self.group_members(addr),
+            console_drivers=self.tables.host_console_drivers,
+            boot_vga=self.boot_vga,
+            host_displays=self._gpu_addrs,
+        )
 
     def gpu_addrs(self) -> Sequence[str]:
         return tuple(self._gpu_addrs)

@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers")
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
+              "host_console_drivers")
 _DRIVER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -37,8 +38,10 @@ class Tables(BaseModel):
     pci_class_labels: Mapping[str, str]
     #: vfio-pci variant drivers whose name does not end in ``vfio_pci`` (those are known).
     vfio_variant_drivers: tuple[str, ...] = ()
+    #: Drivers of BMC/console functions: a group with one bound to them stays with the host.
+    host_console_drivers: tuple[str, ...] = ()
 
-    @field_validator("vfio_variant_drivers")
+    @field_validator("vfio_variant_drivers", "host_console_drivers")
     @classmethod
     def _driver_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:

@@ -21,7 +21,6 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.modalias import (
     VFIO_PCI_MODULE,
     VfioAlias,
@@ -38,7 +37,7 @@ from gpuwatch.core.plan import (
     card_scope,
     holder_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.files import list_dir, read_attr, read_text
@@ -135,6 +134,7 @@ class ModelFacts:
     dri_nodes: dict[str, tuple[str, ...]]
     vfio_variants: frozenset[str] = frozenset()
     wedge_recovery: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    kept_for_host: str = ""
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
@@ -145,6 +145,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
         dri_nodes=dri_nodes(state, addrs),
         vfio_variants=state.vfio_variants,
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
+        kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
     )
 
 
@@ -254,6 +255,7 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
         vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),
         vfio_variants=known.vfio_variants,
         wedge_recovery=known.wedge_recovery,
+        kept_for_host=known.kept_for_host,
     )
     holders = [h for h in scan_holders(paths.root, holder_scope(fns, mode, facts))
                if not is_persistenced(h.comm)]

@@ -31,7 +31,7 @@ from gpuwatch.core.observations import (
     VgpuSeen,
     VgpusSeen,
 )
-from gpuwatch.core.pci import class_prefix, is_pci_addr, parse_group
+from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
@@ -86,12 +86,13 @@ class HostPaths:
         self.class_iommu = os.path.join(self.sys, "class/iommu")
         self.dev = os.path.join(self.root, "dev")
         self.cmdline = os.path.join(self.root, "proc/cmdline")
-        #: Function directory → (st_dev, st_ino, vendor, device, class, is a PF, physfn) from its
+        #: Function directory → (st_dev, st_ino, vendor, device, class, is a PF, physfn,
+        #: boot_vga) from its
         #: last full read.
         #: The kernel reads a function's ids from config space once, when it creates the
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
-        self.identity: dict[str, tuple[int, int, str, str, str, bool, str]] = {}
+        self.identity: dict[str, tuple[int, int, str, str, str, bool, str, bool]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -129,6 +130,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                         seen.klass,
                         seen.sriov is not None,
                         seen.physfn,
+                        seen.boot_vga,
                     )
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
@@ -170,11 +172,13 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | 
                 sriov=read_sriov(candidate) if known[5] else None,
                 physfn=known[6],
                 vgpu=read_vgpu(candidate) if driver == "nvidia" else None,
+                boot_vga=known[7],
             )
     return read_function(paths, addr, devpath)
 
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+    klass = class_prefix(read_attr(directory + "/class"))
     driver = link_name(directory + "/driver")
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
@@ -182,7 +186,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
         devpath=devpath,
         vendor_id=read_attr(directory + "/vendor"),
         device_id=read_attr(directory + "/device"),
-        klass=class_prefix(read_attr(directory + "/class")),
+        klass=klass,
         driver=driver,
         iommu_group=parse_group(link_name(directory + "/iommu_group")),
         vfio_dev=vfio_dev,
@@ -190,6 +194,8 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
         sriov=read_sriov(directory),
         physfn=link_addr(directory + "/physfn"),
         vgpu=read_vgpu(directory) if driver == "nvidia" else None,
+        # Only display functions have it: one read more for them, none for the rest.
+        boot_vga=is_gpu_class(klass) and read_attr(directory + "/boot_vga") == "1",
     )
 
 

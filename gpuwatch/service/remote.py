@@ -43,6 +43,19 @@ class RemoteModel:
             return False
         return bool(self._client.probe("vfio-group-accessible", group=group))
 
+    def kept_for_host(self, addr: str) -> str:
+        """The same rule as the model's; ``boot_vga`` is in no probe answer, so it is read
+        from sysfs here, as `module_loaded` reads modules."""
+        from gpuwatch.core.hostkeep import kept_for_host_reason
+        from gpuwatch.hostfs.files import read_attr
+
+        gpus = [g.addr for g in self._vfio.gpus]
+        bus = os.path.join(self.root, "sys/bus/pci/devices")
+        boot_vga = {a for a in gpus if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
+        return kept_for_host_reason(self.state.group_members(addr),
+                                    console_drivers=self.tables.host_console_drivers,
+                                    boot_vga=boot_vga, host_displays=gpus)
+
     def module_loaded(self, name: str) -> bool:
         # Module state is not in any probe answer; sysfs says it directly and cheaply.
         return os.path.isdir(os.path.join(self.root, "sys/module", name))

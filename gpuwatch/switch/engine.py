@@ -54,7 +54,7 @@ from gpuwatch.core.plan import (
     unbind_scope,
     unhealthy_reason,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.errors import (
     DeviceNotFound,
     GroupBusy,
@@ -173,8 +173,10 @@ class SwitchEngine:
     # ------------------------------------------------------------------ public
 
     async def switch(self, target: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False, vfio_driver: str | None = None) -> SwitchResult:
+                     tolerant: bool = False, force: bool = False,
+                     vfio_driver: str | None = None) -> SwitchResult:
         """Switch the group of ``target`` (an address, or a vendor id naming one card).
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
         ``vfio_driver`` names the VFIO driver for its display functions (else modules.alias
         chooses, as the kernel would)."""
         to_mode = parse_mode(mode)
@@ -191,7 +193,7 @@ class SwitchEngine:
                                 members=[], duration_ms=0.0, changed=False,
                                 notes=[f"{exc}: nothing to switch"])
         return await self._switch(card, members, to_mode, timeout, recovering=False,
-                                  vfio_driver=vfio_driver)
+                                  force=force, vfio_driver=vfio_driver)
 
     async def recover(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
@@ -214,7 +216,7 @@ class SwitchEngine:
             notes.append(f"poison of group {group} cleared")
         return result.model_copy(update={"notes": notes})
 
-    async def plan(self, target: str, mode: str, *,
+    async def plan(self, target: str, mode: str, *, force: bool = False,
                    vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON (the ``plan`` probe, over the socket)."""
         to_mode = parse_mode(mode)
@@ -232,7 +234,7 @@ class SwitchEngine:
             lambda: gather_facts(self.model.paths, members, to_mode, known, euid=self.euid(),
                                  which=self.ops.which, vfio_driver=vfio_driver),
             self.scan_timeout, "the holder scan")
-        return plan_switch(members, to_mode, facts).to_json()
+        return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
         """Who holds the card's nodes, read off the event loop."""
@@ -247,7 +249,7 @@ class SwitchEngine:
     # ------------------------------------------------------------------ the switch
 
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
-                      timeout: float, *, recovering: bool,
+                      timeout: float, *, recovering: bool, force: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
         started = time.monotonic()
         deadline = started + timeout
@@ -271,6 +273,13 @@ class SwitchEngine:
                                                  self.model.state.vfio_variants):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
+        kept = self.model.state.kept_for_host(card.addr) if to_mode == "vfio" else ""
+        if kept and not (force or recovering):
+            # Before the privilege check: the answer is the same for anyone, and writes nothing.
+            reason = (f"IOMMU group {group} is kept for the host: {kept} (--force passes it "
+                      "through anyway)")
+            self._refused(card.addr, group, to_mode, reason, ())
+            raise SwitchRefused(reason)
         self._require_root("switching drivers")
         key: int | str = group if group >= 0 else card.addr
         self._claim(key)
@@ -278,7 +287,8 @@ class SwitchEngine:
             fd = self._flock(key)
             try:
                 return await self._locked(card.addr, key, to_mode, started, deadline,
-                                          recovering=recovering, vfio_driver=vfio_driver)
+                                          force=force or recovering, recovering=recovering,
+                                          vfio_driver=vfio_driver)
             finally:
                 os.close(fd)
         finally:
@@ -287,7 +297,7 @@ class SwitchEngine:
                 self._exclusive = None
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
-                      deadline: float, *, recovering: bool = False,
+                      deadline: float, *, force: bool = False, recovering: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
         state = self.model.state
         members = state.group_members(addr)
@@ -304,7 +314,7 @@ class SwitchEngine:
             self._refused(addr, group, to_mode, reason, ())
             raise SwitchRefused(reason) from None
         try:
-            plan = plan_switch(members, to_mode, facts, recovering=recovering)
+            plan = plan_switch(members, to_mode, facts, force=force, recovering=recovering)
         except UnsafeName as exc:
             self._refused(addr, group, to_mode, str(exc), ())
             raise
@@ -375,7 +385,7 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
 
     async def _scan(self, scope: NodeScope, deadline: float,
-                    plan: SwitchPlan) -> list[ev.Holding]:
+                    plan: SwitchPlan) -> list[Holding]:
         timeout = max(0.1, min(self.scan_timeout, deadline - time.monotonic()))
         try:
             return await call_bounded(lambda: scan_holders(self.root, scope), timeout,
@@ -472,7 +482,7 @@ class SwitchEngine:
         )
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
-                 holders: Sequence[ev.Holding]) -> None:
+                 holders: Sequence[Holding]) -> None:
         _log.warning("switch of group %s refused: %s", group, reason)
         self._publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
                                                reason=reason, holders=list(holders))])

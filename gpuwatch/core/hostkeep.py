@@ -1,0 +1,43 @@
+"""Which GPU groups belong to the host itself, and so are never passthrough candidates. Pure.
+
+A VM manager that passes the BMC's VGA or the host's only console to a guest takes the
+host's screen (and on iLO/iDRAC boards its management functions) with it. `list` shows such
+groups apart and `mode vfio` refuses them unless forced; both ask this one rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from gpuwatch.core.pci import is_gpu_class
+from gpuwatch.core.results import PciFunction
+
+
+def kept_for_host_reason(
+    members: Sequence[PciFunction],
+    *,
+    console_drivers: Collection[str],
+    boot_vga: Collection[str],
+    host_displays: Iterable[str],
+) -> str:
+    """Why this IOMMU group stays with the host, or ``""`` when it may be passed through.
+
+    Kept when a member is bound to a BMC/console driver (``host_console_drivers``), or when
+    its display function has ``boot_vga`` 1 and is the only display function on the host
+    (``host_displays``: every display-class address).
+    """
+    consoles = [f"{fn.addr} ({fn.driver})" for fn in sorted(members, key=lambda m: m.addr)
+                if fn.driver and fn.driver in console_drivers]
+    if consoles:
+        return (f"{', '.join(consoles)} {'is' if len(consoles) == 1 else 'are'} bound to a "
+                "BMC/console driver (host_console_drivers): this group is the host's console "
+                "or management function")
+    displays = set(host_displays)
+    for fn in sorted(members, key=lambda m: m.addr):
+        if is_gpu_class(fn.class_) and fn.addr in boot_vga and displays <= {fn.addr}:
+            return (f"{fn.addr} is the host's boot display (boot_vga 1) and its only display "
+                    "function: passing it through leaves the host without a console")
+    return ""
+
+
+__all__ = ["kept_for_host_reason"]

@@ -1,0 +1,141 @@
+"""The stdlib-only ``gpuwatch probe`` path: nothing heavy imported before the reply is printed,
+and byte for byte the full command's output; anything it cannot answer goes to the full one."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import anyio
+import pytest
+
+from gpuwatch.cli.fast import parse_probe, socket_path
+from gpuwatch.cli.main import build_parser
+from gpuwatch.service.testing import served_watcher, short_socket_dir
+from gpuwatch.testing import SysRoot
+
+NV, IGPU, NIC = "0000:01:00.0", "0000:00:02.0", "0000:02:00.0"
+HEAVY = ("pydantic", "pydantic_core", "yaml", "anyio", "pyudev")
+REPO = Path(__file__).resolve().parents[1]
+
+#: Runs the command as the installed script does, and reports which heavy modules were loaded
+#: at the moment the reply was printed.
+SPY = """
+import builtins, sys
+from gpuwatch.cli.main import main
+real = builtins.print
+def spy(*args, **kwargs):
+    heavy = sorted(m for m in {heavy!r} if m in sys.modules)
+    sys.stderr.write("HEAVY=" + ",".join(heavy) + "\\n")
+    real(*args, **kwargs)
+builtins.print = spy
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+def run_spied(argv: list[str]) -> tuple[int, bytes, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("GPUWATCH_SOCKET", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SPY.format(heavy=HEAVY), *argv],
+        capture_output=True, env=env, timeout=60,
+    )
+    return done.returncode, done.stdout, done.stderr.decode()
+
+
+def run_full(argv: list[str]) -> bytes:
+    """The full command, parser and all, without the fast path."""
+    args = build_parser().parse_args(argv)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert args.func(args) == 0
+    return out.getvalue().encode()
+
+
+async def test_a_probe_the_daemon_answers_imports_nothing_heavy_and_prints_the_same(
+    host: SysRoot, sockdir: str
+) -> None:
+    host.add_vfio_group(13)
+    root = str(host.root)
+    async with served_watcher(root, f"{sockdir}/gw.sock") as served:
+        sock = ["--socket", served.path, "--root", root]
+        for argv in (
+            ["probe", "detect-vfio", *sock],
+            ["probe", "detect-host-devices", *sock],
+            ["probe", "detect-gpu", *sock],
+            ["probe", "vfio-group-accessible", "--group", "13", *sock],
+            ["probe", "vfio-group-accessible", "--group=-1", *sock],
+            ["probe", "display-driver", f"--addr={NIC}", *sock],
+            ["probe", *sock, "current-mode", "--addr", NV.upper()],
+            ["probe", "group-in-mode", "--addr", NV, "--mode", "vfio", *sock],
+        ):
+            code, out, err = await anyio.to_thread.run_sync(run_spied, argv)
+            assert code == 0, (argv, err)
+            assert "HEAVY=\n" in err, (argv, err)  # nothing heavy when the reply is printed
+            full = await anyio.to_thread.run_sync(run_full, argv)
+            assert out == full, argv
+
+
+async def test_what_the_fast_path_cannot_answer_gets_the_full_commands_words(
+    host: SysRoot, sockdir: str
+) -> None:
+    root = str(host.root)
+    async with served_watcher(root, f"{sockdir}/gw.sock") as served:
+        sock = ["--socket", served.path, "--root", root]
+        # An error reply: the full command runs and says it in its words, with its exit code.
+        code, out, err = await anyio.to_thread.run_sync(
+            run_spied, ["probe", "display-driver", "--addr", "0000:0a:00.0", *sock])
+        assert code == 1 and out == b""
+        assert err.splitlines()[-1].startswith("gpuwatch: ") and "no PCI function" in err
+        # A bad request never reaches the daemon from the fast path either.
+        code, _, err = await anyio.to_thread.run_sync(
+            run_spied, ["probe", "display-driver", "--addr", "nonsense", *sock])
+        assert code == 2 and "not a PCI address" in err
+
+
+def test_only_plain_probe_command_lines_are_taken() -> None:
+    assert parse_probe(["probe", "detect-vfio"]) == ("detect-vfio", {"action": "detect-vfio"},
+                                                     "/", None)
+    assert parse_probe(["probe", "--group=3", "vfio-group-accessible", "--socket", "/s"]) == (
+        "vfio-group-accessible", {"action": "vfio-group-accessible", "group": 3}, "/", "/s")
+    for argv in (
+        ["status"],
+        ["probe"],
+        ["probe", "memlock"],  # this process's own limit, never the daemon's
+        ["probe", "plan", "--mode", "vfio"],
+        ["probe", "detect-vfio", "--fresh"],
+        ["probe", "detect-vfio", "--config", "x.yaml"],
+        ["probe", "detect-vfio", "--no-daemon"],
+        ["probe", "detect-vfio", "--vendor", "0x10de"],
+        ["probe", "detect-vfio", "--help"],
+        ["probe", "detect-vfio", "extra"],
+        ["probe", "vfio-group-accessible", "--group", "x"],
+        ["probe", "vfio-group-accessible", "--group", "1", "--group", "2"],
+        ["probe", "display-driver", "--addr", "1:00.0"],
+        ["probe", "display-driver", "--addr"],
+        ["probe", "display-driver", "--addr", "--root"],
+        ["probe", "detect-vfio", "--gr", "1"],  # an abbreviation: argparse's business
+    ):
+        assert parse_probe(argv) is None, argv
+
+
+def test_the_default_socket_only_for_the_host_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GPUWATCH_SOCKET", raising=False)
+    assert socket_path("/", None) == "/run/gpuwatch/gpuwatch.sock"
+    assert socket_path(str(tmp_path), None) is None
+    assert socket_path(str(tmp_path), "/x.sock") == "/x.sock"
+    monkeypatch.setenv("GPUWATCH_SOCKET", "/elsewhere.sock")
+    assert socket_path("/", None) == "/elsewhere.sock"

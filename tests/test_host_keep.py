@@ -1,0 +1,221 @@
+"""Passthrough candidates: the host's own console and management groups are never offered.
+
+Trees laid out like a BMC server (ASPEED), an HPE ProLiant (iLO + Matrox), a single-GPU
+desktop, a laptop with an iGPU and a VM; and the same trees as capture tools copy them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+import gpuwatch
+from gpuwatch.cli.main import main
+from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import SwitchRefused
+from gpuwatch.report import passthrough_gpus, render_list
+from gpuwatch.switch import hostops
+from gpuwatch.switch.hostops import Backend
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.machines import (
+    bmc_server_host,
+    hpe_ilo_host,
+    single_gpu_desktop,
+    vm_guest_host,
+)
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+
+Run = Callable[..., tuple[int, str, str]]
+ASPEED_VGA, A100 = "0000:03:00.0", "0000:41:00.0"
+
+
+def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch,
+           capsys: pytest.CaptureFixture[str]) -> tuple[Run, SimKernel]:
+    """The CLI on ``s`` with the simulated kernel behind every host write, run as root."""
+    sim = SimKernel(s)
+
+    def backend(root: str) -> Backend:
+        assert Path(root).resolve() == s.root.resolve()  # never the real host
+        return Backend(sim, sim.new_source(), lambda: 0)
+
+    monkeypatch.setattr(hostops, "backend_factory", backend)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            code = main([*argv, "--root", str(s.root)])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run, sim
+
+
+def fn(addr: str, driver: str, klass: str = "0x0300", group: int = 1) -> PciFunction:
+    return PciFunction(addr=addr, vendor_id="0x1a03", device_id="0x2000", class_=klass,
+                       class_label="", driver=driver, iommu_group=group)
+
+
+# ------------------------------------------------------------ the rule, pure
+
+
+def test_rule_console_driver_and_only_boot_display() -> None:
+    drivers = ("ast", "mgag200", "hpilo", "hpwdt")
+    vga = fn("0000:03:00.0", "ast")
+    assert "ast" in kept_for_host_reason([vga], console_drivers=drivers, boot_vga=(),
+                                         host_displays=["0000:03:00.0", "0000:41:00.0"])
+    # A member of the group on hpilo keeps the whole group, display or not.
+    assert "hpilo" in kept_for_host_reason(
+        [fn("0000:01:00.1", "vfio-pci"), fn("0000:01:00.2", "hpilo", "0x0880")],
+        console_drivers=drivers, boot_vga=(), host_displays=["0000:01:00.1"])
+    gpu = fn("0000:01:00.0", "nvidia")
+    only = kept_for_host_reason([gpu], console_drivers=drivers, boot_vga={gpu.addr},
+                                host_displays=[gpu.addr])
+    assert "boot_vga" in only and "only display" in only
+    assert kept_for_host_reason([gpu], console_drivers=drivers, boot_vga={gpu.addr},
+                                host_displays=[gpu.addr, "0000:00:02.0"]) == ""
+    assert kept_for_host_reason([gpu], console_drivers=drivers, boot_vga=(),
+                                host_displays=[gpu.addr]) == ""
+    assert kept_for_host_reason([gpu], console_drivers=(), boot_vga=(),
+                                host_displays=[gpu.addr]) == ""
+
+
+def test_default_table_names_the_bmc_drivers() -> None:
+    drivers = gpuwatch.scan("/nonexistent-root").tables.host_console_drivers
+    assert {"ast", "mgag200", "hpilo", "hpwdt"} <= set(drivers)
+
+
+# ------------------------------------------------------------ list
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_bmc_server_lists_the_aspeed_apart(tmp_path: Path, captured: bool,
+                                           capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    s = bmc_server_host(tmp_path / "h")
+    if captured:
+        s.capture()
+    run, _ = runner(s, monkeypatch, capsys)
+    code, out, err = run("list", "--json", "--no-daemon")
+    assert (code, err) == (0, "")
+    gpus = {g["addr"]: g for g in json.loads(out)}
+    aspeed = gpus[ASPEED_VGA]
+    assert aspeed["kept_for_host"] is True and "ast" in aspeed["reason"]
+    assert all(f["hostdev_xml"] is None for f in aspeed["functions"])
+    for a100 in ("0000:41:00.0", "0000:c1:00.0"):
+        assert gpus[a100]["kept_for_host"] is False and gpus[a100]["reason"] == ""
+        assert "<hostdev" in gpus[a100]["functions"][0]["hostdev_xml"]
+    code, text, _ = run("list", "--no-daemon")
+    head, _, blocks = text.partition("<!--")
+    assert "kept for the host" in head and ASPEED_VGA in head
+    assert "bus='0x41'" in blocks and "bus='0x03'" not in blocks  # no block for the ASPEED
+
+
+def test_hpe_ilo_group_is_kept_by_its_management_functions(tmp_path: Path) -> None:
+    s = hpe_ilo_host(tmp_path / "h")
+    model = gpuwatch.scan(s.root)
+    listed = {g.addr: g for g in passthrough_gpus(model)}
+    assert listed["0000:01:00.1"].kept_for_host  # the Matrox VGA, with hpilo/hpwdt beside it
+    assert all(d in listed["0000:01:00.1"].reason for d in ("mgag200", "hpilo", "hpwdt"))
+    assert not listed["0000:08:00.0"].kept_for_host
+    # Without mgag200 in the table the iLO functions still keep the group.
+    s2 = hpe_ilo_host(tmp_path / "h2")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"host_console_drivers": ["hpilo"]}))
+    model2 = gpuwatch.scan(s2.root, config)
+    assert "hpilo" in model2.kept_for_host("0000:01:00.1")
+
+
+@pytest.mark.parametrize(("boot_vga", "kept"), [(True, True), (False, False)])
+def test_single_gpu_desktop_keeps_its_only_console(tmp_path: Path, boot_vga: bool,
+                                                   kept: bool) -> None:
+    s = single_gpu_desktop(tmp_path / "h", boot_vga=boot_vga)
+    (gpu,) = [g for g in passthrough_gpus(gpuwatch.scan(s.root)) if g.addr == "0000:01:00.0"]
+    assert gpu.kept_for_host is kept
+    assert ("boot_vga" in gpu.reason) is kept
+    text = render_list([gpu], True)
+    assert ("<hostdev" in text) is (not kept)
+    if kept:
+        assert "no passthrough-capable GPU" in text and "kept for the host" in text
+
+
+def test_laptop_and_vm_offer_their_dgpu(host: SysRoot, tmp_path: Path) -> None:
+    # Laptop/workstation: the iGPU is the boot display but not the only display function.
+    listed = {g.addr: g for g in passthrough_gpus(gpuwatch.scan(host.root))}
+    assert not listed["0000:00:02.0"].kept_for_host
+    assert not listed["0000:01:00.0"].kept_for_host
+    vm = vm_guest_host(tmp_path / "vm")
+    assert passthrough_gpus(gpuwatch.scan(vm.root)) == []  # no IOMMU groups in the guest
+
+
+def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:
+    s = bmc_server_host(tmp_path / "h")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"host_console_drivers": []}))
+    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ""
+    config.write_text(yaml.safe_dump({"host_console_drivers": "ast"}))
+    code = main(["probe", "detect-gpu", "--root", str(s.root), "--config", str(config)])
+    assert code == 2  # a list is wanted: one line, exit 2
+
+
+# ------------------------------------------------------------ mode vfio / plan vfio
+
+
+def test_mode_vfio_refuses_a_kept_group_unless_forced(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = bmc_server_host(tmp_path / "h")
+    run, sim = runner(s, monkeypatch, capsys)
+    code, out, err = run("mode", "vfio", "--addr", ASPEED_VGA, "--no-daemon")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and "kept for the host" in err and "ast" in err
+    assert sim.record == []  # nothing written, nothing run
+    code, out, err = run("plan", "vfio", "--addr", ASPEED_VGA, "--json", "--no-daemon")
+    assert code == 1 and "kept for the host" in json.loads(out)["refused"]["reason"]
+    code, out, err = run("plan", "vfio", "--addr", ASPEED_VGA, "--json", "--no-daemon",
+                         "--force")
+    # Forced past the keep, the ASPEED still cannot go: its bridge shares the group.
+    assert code == 1 and "PCI bridge" in json.loads(out)["refused"]["reason"]
+
+
+def test_forced_switch_of_the_only_console(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    s = single_gpu_desktop(tmp_path / "h")
+    run, sim = runner(s, monkeypatch, capsys)
+    code, _, err = run("mode", "vfio", "--no-daemon")
+    assert code == 1 and "boot_vga" in err and sim.record == []
+    code, out, err = run("plan", "vfio", "--json", "--no-daemon", "--force")
+    assert code == 0 and json.loads(out)["refused"] is None
+    code, out, err = run("mode", "vfio", "--force", "--json", "--no-daemon", "--timeout", "20")
+    assert code == 0, err
+    assert json.loads(out)["changed"] is True
+    assert ("write", "/sys/bus/pci/devices/0000:01:00.0/driver_override",
+            "vfio-pci") in sim.record
+
+
+def test_mode_vfio_offers_any_vendor_not_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    s = hpe_ilo_host(tmp_path / "h")
+    run, _ = runner(s, monkeypatch, capsys)
+    code, _, err = run("mode", "vfio", "--addr", "0000:01:00.1", "--no-daemon")
+    assert code == 1 and "kept for the host" in err
+
+
+async def test_engine_refuses_kept_group_with_an_event(tmp_path: Path) -> None:
+    s = single_gpu_desktop(tmp_path / "h")
+    async with simulated_switch(s) as (_w, sim, engine, events):
+        with pytest.raises(SwitchRefused, match="kept for the host"):
+            await engine.switch("0000:01:00.0", "vfio", timeout=20)
+        assert sim.record == []
+        refused = [e for e in events if getattr(e, "type", "") == "switch-refused"]
+        assert len(refused) == 1 and "boot_vga" in refused[0].reason  # type: ignore[attr-defined]
+
+
+def test_example_workstation_unchanged(host: SysRoot) -> None:
+    assert example_gpu_host is not None
+    assert gpuwatch.scan(host.root).kept_for_host("0000:01:00.0") == ""
