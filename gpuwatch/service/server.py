@@ -205,6 +205,20 @@ class Connection:
         if self.pending and self.pending + len(data) > self.server.outbox_limit:
             self.overflow()
             return False
+        if not self.outbox:
+            # Nothing queued: hand it to the kernel now (non-blocking). A reply or a batch
+            # that fits the socket buffer then costs no wake-up of the writer task.
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # EPIPE, ECONNRESET: the client left
+                self.close()
+                return False
+            if sent == len(data):
+                self._progress.set()
+                return True
+            data = data[sent:]
         self.outbox.append(data)
         self.pending += len(data)
         self._wake.set()
