@@ -32,6 +32,8 @@ SUBCOMMANDS = (
     "recover_cmd",
     "holders_cmd",
     "ensure_cdi_cmd",
+    "service_cmd",
+    "health_cmd",
 )
 
 #: The one line ``gpuwatch --help`` shows for each subcommand. Kept here, not in the modules,
@@ -49,6 +51,8 @@ SUMMARIES: dict[str, str] = {
     "recover_cmd": "rebind a poisoned group to vfio-pci (unless a reboot is required)",
     "holders_cmd": "processes holding the card's device nodes open",
     "ensure_cdi_cmd": "generate the NVIDIA CDI spec if none exists",
+    "service_cmd": "install or remove the systemd service running this gpuwatch",
+    "health_cmd": "exit 0 when the daemon answers (readiness/liveness probes)",
 }
 
 

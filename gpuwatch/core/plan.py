@@ -14,7 +14,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
 from gpuwatch.core.health import UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
@@ -72,10 +72,6 @@ class WriteStep:
     path: str
     value: str
 
-    @property
-    def kind(self) -> str:
-        return "write"
-
     def key(self) -> tuple[str, ...]:
         return ("write", self.path, self.value)
 
@@ -91,10 +87,6 @@ class CommandStep:
     argv: tuple[str, ...]
     on_error: OnError = "fail"
 
-    @property
-    def kind(self) -> str:
-        return "command"
-
     def key(self) -> tuple[str, ...]:
         return ("command", *self.argv)
 
@@ -108,10 +100,6 @@ class MakeDirStep:
 
     path: str
 
-    @property
-    def kind(self) -> str:
-        return "mkdir"
-
     def key(self) -> tuple[str, ...]:
         return ("mkdir", self.path)
 
@@ -119,16 +107,23 @@ class MakeDirStep:
         return f"mkdir -p {self.path}"
 
 
+#: The closed set of step types. The executor and `step_json` match on the type itself (a
+#: new type is a mypy error at every ``assert_never`` until it is handled there), and the
+#: ``kind`` string exists only in the plan's JSON.
 Step = WriteStep | CommandStep | MakeDirStep
 
 
 def step_json(step: Step) -> dict[str, Any]:
     """The step as the plan's JSON spells it, ``kind`` first."""
-    if isinstance(step, WriteStep):
-        return {"kind": "write", "path": step.path, "value": step.value}
-    if isinstance(step, CommandStep):
-        return {"kind": "command", "argv": list(step.argv), "on_error": step.on_error}
-    return {"kind": "mkdir", "path": step.path}
+    match step:
+        case WriteStep(path=path, value=value):
+            return {"kind": "write", "path": path, "value": value}
+        case CommandStep(argv=argv, on_error=on_error):
+            return {"kind": "command", "argv": list(argv), "on_error": on_error}
+        case MakeDirStep(path=path):
+            return {"kind": "mkdir", "path": path}
+        case _:
+            assert_never(step)
 
 
 def override_path(addr: str) -> str:

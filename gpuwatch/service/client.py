@@ -14,12 +14,12 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import EllipsisType, TracebackType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import anyio
 import anyio.abc
 
-from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
+from gpuwatch.errors import SERVICE, Blame, DeviceNotFound, HostError, UsageError
 from gpuwatch.service import protocol as P
 
 DEFAULT_TIMEOUT = 30.0
@@ -27,7 +27,7 @@ DEFAULT_TIMEOUT = 30.0
 _MAX_REPLY = 256 << 20
 
 
-class DaemonError(GpuwatchError):
+class DaemonError(HostError):
     """An error reply from the daemon; ``code`` is one of docs/socket.md's codes."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -39,13 +39,19 @@ class DaemonError(GpuwatchError):
 class DaemonUsageError(DaemonError, UsageError):
     """``invalid-params``: the request itself is wrong (exit 2 in the CLI)."""
 
+    blame: ClassVar[Blame] = "caller"
+
 
 class DaemonDeviceNotFound(DaemonError, DeviceNotFound):
     """``not-found``: no such PCI function or card on the daemon's host (exit 1)."""
 
+    blame: ClassVar[Blame] = "caller"
 
-class DaemonUnavailable(GpuwatchError, ConnectionError):
+
+class DaemonUnavailable(HostError, ConnectionError):
     """Nothing answers at the socket, or the connection broke."""
+
+    code = SERVICE
 
 
 def error_from_reply(error: Any) -> DaemonError:

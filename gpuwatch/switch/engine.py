@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import anyio
 from pydantic import BaseModel, ConfigDict
@@ -354,16 +354,19 @@ class SwitchEngine:
         timeout = min(self.step_timeout, remaining)
         _log.info("step: %s", step.describe())
         try:
-            if isinstance(step, WriteStep):
-                if step.path.endswith("/unbind"):
-                    await self._guard_unbind(plan, facts, step, deadline)
-                await self.ops.write(step.path, step.value, timeout)
-            elif isinstance(step, CommandStep):
-                result = await self.ops.run(step.argv, timeout)
-                if not result.ok:
-                    await self._command_failed(plan, facts, step, result, deadline, notes)
-            elif isinstance(step, MakeDirStep):
-                await self.ops.makedirs(step.path)
+            match step:
+                case WriteStep(path=path, value=value):
+                    if path.endswith("/unbind"):
+                        await self._guard_unbind(plan, facts, step, deadline)
+                    await self.ops.write(path, value, timeout)
+                case CommandStep(argv=argv):
+                    result = await self.ops.run(argv, timeout)
+                    if not result.ok:
+                        await self._command_failed(plan, facts, step, result, deadline, notes)
+                case MakeDirStep(path=path):
+                    await self.ops.makedirs(path)
+                case _:
+                    assert_never(step)
         except StepTimedOut as exc:
             self._wedge(plan, step, exc)
         except (HostStepError, UnsafeStep, OSError) as exc:
@@ -547,16 +550,21 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
     if not steps:
         return CdiOutcome(False, False, None, why[0])
     for step in steps:
-        if isinstance(step, MakeDirStep):
-            await ops.makedirs(step.path)
-        elif isinstance(step, CommandStep):
-            try:
-                result = await ops.run(step.argv, timeout)
-            except StepTimedOut as exc:
-                return CdiOutcome(False, False, None, str(exc))
-            if not result.ok:
-                return CdiOutcome(False, False, None,
-                                  f"`{' '.join(step.argv)}` failed: {result.message()}")
+        match step:
+            case MakeDirStep(path=path):
+                await ops.makedirs(path)
+            case CommandStep(argv=argv):
+                try:
+                    result = await ops.run(argv, timeout)
+                except StepTimedOut as exc:
+                    return CdiOutcome(False, False, None, str(exc))
+                if not result.ok:
+                    return CdiOutcome(False, False, None,
+                                      f"`{' '.join(argv)}` failed: {result.message()}")
+            case WriteStep():
+                raise UnsafeStep(f"ensure-cdi never writes to sysfs: {step.describe()}")
+            case _:
+                assert_never(step)
     spec = "/" + CDI_SPECS[0]
     if not os.path.exists(os.path.join(root, CDI_SPECS[0])):
         return CdiOutcome(False, False, None, f"nvidia-ctk ran but {spec} does not exist")
