@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatch.core.tables import TABLE_KEYS
-from gpuwatch.errors import ConfigError
+from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
 
 if TYPE_CHECKING:
     from gpuwatch.core.tables import Tables
@@ -73,7 +73,7 @@ def _check_source(value: Any) -> str | None:
     return f"must be auto, udev, kernel or file:PATH, not {value!r}"
 
 
-class InvalidListenAddress(ValueError):
+class InvalidListenAddress(CallerError, ValueError):
     """``--metrics`` is not ``HOST:PORT``, ``:PORT`` or ``PORT``."""
 
 
@@ -374,8 +374,10 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
 DEFAULT_SOCKET_GROUP = "gpuwatch"
 
 
-class GroupNotFound(LookupError):
+class GroupNotFound(CallerError, LookupError):
     """A group named in the settings does not exist on this host."""
+
+    code = BAD_CONFIG
 
 
 def resolve_group(name: str | int) -> int:
