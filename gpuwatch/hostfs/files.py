@@ -13,8 +13,9 @@ _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 ATTR_CAP = 65536
 
 
-class NotARegularFile(OSError):
-    """A FIFO, socket, device node or directory where a file was expected."""
+def _not_regular(path: str) -> OSError:
+    """A FIFO, socket, device node or directory where a file was expected (EINVAL)."""
+    return OSError(errno.EINVAL, "not a regular file", path)
 
 
 def open_regular(path: str) -> int:
@@ -25,11 +26,11 @@ def open_regular(path: str) -> int:
     writer), and checked again on the descriptor, so a swap in between is caught too.
     """
     if not stat.S_ISREG(os.stat(path).st_mode):
-        raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+        raise _not_regular(path)
     fd = os.open(path, _READ_FLAGS)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+            raise _not_regular(path)
     except OSError:
         os.close(fd)
         raise
@@ -38,7 +39,8 @@ def open_regular(path: str) -> int:
 
 def read_bytes(path: str, cap: int = ATTR_CAP) -> bytes:
     """At most ``cap`` bytes of the regular file ``path``; `OSError` otherwise
-    (`NotARegularFile` for a special file, ``EFBIG`` when the file is longer than ``cap``)."""
+    (EINVAL "not a regular file" for a special file, ``EFBIG`` when it is longer than
+    ``cap``)."""
     fd = open_regular(path)
     try:
         chunks: list[bytes] = []
