@@ -170,28 +170,31 @@ def measure_kernel_vs_floor(rounds: int, burst: int) -> dict[str, float] | None:
         base: list[float] = []
         home = {addr: HOME_DRIVER}
         try:
-            for _ in range(rounds):
+            for i in range(rounds):
                 toggle(host, addr, home)
                 _kick(addr, burst)
                 time.sleep(0.02)  # let the kernel deliver them all
-                t0 = time.perf_counter_ns()
-                n = _floor_drain(floor, burst)
-                t1 = time.perf_counter_ns()
-                applied = 0
-                while True:
-                    batch, _overflow, more = src._drain()
-                    if batch:
-                        # What the pump does with one source batch (in one slice).
-                        observations = watcher._observe(watcher._collapse(batch))
-                        observations.extend(f for e in batch for f in uevent_facts(e))
-                        watcher.apply(observations)
-                        applied += len(batch)
-                    if not more:
-                        break
-                t2 = time.perf_counter_ns()
-                if n and applied:
-                    base.append((t1 - t0) / n / 1e3)
-                    ours.append((t2 - t1) / applied / 1e3)
+                # Alternate which drains first, so neither always meets the colder caches.
+                for side in ((0, 1) if i % 2 else (1, 0)):
+                    t0 = time.perf_counter_ns()
+                    if side == 0:
+                        n = _floor_drain(floor, burst)
+                        if n:
+                            base.append((time.perf_counter_ns() - t0) / n / 1e3)
+                        continue
+                    applied = 0
+                    while True:
+                        batch, _overflow, more = src._drain()
+                        if batch:
+                            # What the pump does with one source batch (in one slice).
+                            observations = watcher._observe(watcher._collapse(batch))
+                            observations.extend(f for e in batch for f in uevent_facts(e))
+                            watcher.apply(observations)
+                            applied += len(batch)
+                        if not more:
+                            break
+                    if applied:
+                        ours.append((time.perf_counter_ns() - t0) / applied / 1e3)
         finally:
             src.close()
             floor.close()
