@@ -208,15 +208,16 @@ class Client:
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                timeout: float | None = None, tolerant: bool | None = None,
-               force: bool | None = None) -> Any:
+               force: bool | None = None, vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return self.call("switch", _params(mode=mode, addr=addr, vendor=vendor, timeout=timeout,
-                                           tolerant=tolerant, force=force or None), timeout=wait)
+                                           tolerant=tolerant, force=force or None,
+                                           vfio_driver=vfio_driver), timeout=wait)
 
     def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-             force: bool | None = None) -> Any:
+             force: bool | None = None, vfio_driver: str | None = None) -> Any:
         return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
-                                         force=force or None))
+                                         force=force or None, vfio_driver=vfio_driver))
 
     def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
@@ -324,17 +325,18 @@ class AsyncClient:
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                      timeout: float | None = None, tolerant: bool | None = None,
-                     force: bool | None = None) -> Any:
+                     force: bool | None = None, vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return await self.call("switch", _params(mode=mode, addr=addr, vendor=vendor,
                                                  timeout=timeout, tolerant=tolerant,
-                                                 force=force or None),
+                                                 force=force or None, vfio_driver=vfio_driver),
                                timeout=wait)
 
     async def plan(self, mode: str, *, addr: str | None = None,
-                   vendor: str | None = None, force: bool | None = None) -> Any:
+                   vendor: str | None = None, force: bool | None = None,
+                   vfio_driver: str | None = None) -> Any:
         return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
-                                               force=force or None))
+                                               force=force or None, vfio_driver=vfio_driver))
 
     async def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return await self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
