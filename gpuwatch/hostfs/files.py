@@ -6,6 +6,8 @@ import errno
 import os
 import stat
 
+from gpuwatch.errors import UNREADABLE, HostError
+
 # O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
 # for a writer forever; O_NOCTTY: a tty there never becomes our terminal.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -13,9 +15,10 @@ _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 ATTR_CAP = 65536
 
 
-def _not_regular(path: str) -> OSError:
-    """A FIFO, socket, device node or directory where a file was expected (EINVAL)."""
-    return OSError(errno.EINVAL, "not a regular file", path)
+class NotARegularFile(HostError, OSError):
+    """A FIFO, socket, device node or directory where a file was expected."""
+
+    code = UNREADABLE
 
 
 def open_regular(path: str) -> int:
@@ -26,11 +29,11 @@ def open_regular(path: str) -> int:
     writer), and checked again on the descriptor, so a swap in between is caught too.
     """
     if not stat.S_ISREG(os.stat(path).st_mode):
-        raise _not_regular(path)
+        raise NotARegularFile(errno.EINVAL, "not a regular file", path)
     fd = os.open(path, _READ_FLAGS)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _not_regular(path)
+            raise NotARegularFile(errno.EINVAL, "not a regular file", path)
     except OSError:
         os.close(fd)
         raise
@@ -39,8 +42,7 @@ def open_regular(path: str) -> int:
 
 def read_bytes(path: str, cap: int = ATTR_CAP) -> bytes:
     """At most ``cap`` bytes of the regular file ``path``; `OSError` otherwise
-    (EINVAL "not a regular file" for a special file, ``EFBIG`` when it is longer than
-    ``cap``)."""
+    (`NotARegularFile` for a special file, ``EFBIG`` when the file is longer than ``cap``)."""
     fd = open_regular(path)
     try:
         chunks: list[bytes] = []
