@@ -16,7 +16,14 @@ from typing import Any, Literal
 from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
-from gpuwatch.core.plan import SwitchPlan, example_card, find_card, plan_switch, step_json
+from gpuwatch.core.plan import (
+    SwitchPlan,
+    example_card,
+    find_card,
+    parse_vfio_driver,
+    plan_switch,
+    step_json,
+)
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.core.tables import Tables
@@ -209,10 +216,11 @@ class HostModel:
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 
-    def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None) -> Any:
+    def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None,
+             vfio_driver: str | None = None) -> Any:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
         it reads holders and modules). A refusal raises `SwitchRefused`."""
-        plan = plan_for_host(self, mode, addr=addr, vendor=vendor)
+        plan = plan_for_host(self, mode, addr=addr, vendor=vendor, vfio_driver=vfio_driver)
         if plan.example:
             logging.getLogger("gpuwatch.switch").warning("plan: %s", plan.notes[0])
         if plan.refusal is not None:
@@ -223,10 +231,11 @@ class HostModel:
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
                   which: Callable[[str], str | None] | None = None,
-                  force: bool = False) -> SwitchPlan:
+                  force: bool = False, vfio_driver: str | None = None) -> SwitchPlan:
     """The plan for the named card, from facts read now; for the documented example card
     when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
+    vfio_driver = parse_vfio_driver(vfio_driver, mode, state.vfio_variants)
     try:
         _card, members = find_card(state, addr=addr, vendor=vendor)
     except DeviceNotFound:
@@ -235,7 +244,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                            example=True)
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
-                             which=which or shutil.which)
+                             which=which or shutil.which, vfio_driver=vfio_driver)
     return plan_switch(members, mode, facts, force=force)
 
 

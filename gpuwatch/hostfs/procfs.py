@@ -11,7 +11,7 @@ import resource
 from collections.abc import Callable, Iterator
 
 from gpuwatch.core.results import Holder, MemlockResult
-from gpuwatch.hostfs.files import list_dir
+from gpuwatch.hostfs.files import list_dir, read_bytes
 
 
 def memlock() -> MemlockResult:
@@ -27,8 +27,7 @@ def memlock() -> MemlockResult:
 def read_comm(proc: str, pid: int) -> str:
     """A process's comm; bytes that are not UTF-8 are replaced, never fatal."""
     try:
-        with open(f"{proc}/{pid}/comm", "rb") as fh:
-            raw = fh.read(256)
+        raw = read_bytes(f"{proc}/{pid}/comm", 256)
     except OSError:
         return ""
     return raw.decode("utf-8", "replace").rstrip("\n")

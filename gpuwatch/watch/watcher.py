@@ -48,7 +48,7 @@ DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_VGPU_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
 #: Events applied between two chances for other tasks to run (requests, subscribers).
-PUMP_SLICE = 256
+PUMP_SLICE = 64
 #: Actions after which only a function's driver link can have changed (see `observe`).
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 #: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
@@ -303,22 +303,32 @@ class Watcher:
                     _log.warning("events lost (%s): rescanning", batch.error)
                     await self.resync("overflow")
                     continue
-                # A source may hand over a whole backlog at once: apply it in slices, and let
-                # socket requests and subscribers run between them, so nobody waits for all of it.
-                for start in range(0, len(batch), PUMP_SLICE):
+                # A source may hand over a whole backlog at once: read each device it names once,
+                # then apply in slices, letting socket requests and subscribers run between
+                # them, so nobody waits for all of it.
+                reads = self._collapse(batch)
+                for start in range(0, max(1, len(reads)), PUMP_SLICE):
                     if start:
                         await anyio.lowlevel.checkpoint()
                     async with self._lock:
-                        self.apply(self._observe(batch[start : start + PUMP_SLICE]))
+                        observations = self._observe(reads[start : start + PUMP_SLICE])
+                        if start + PUMP_SLICE >= len(reads):
+                            # What only the uevents say (error recovery, wedges, fresh binds):
+                            # every one, in the kernel's order, after the reads that brought
+                            # their functions into the model.
+                            for event in batch:
+                                observations.extend(uevent_facts(event))
+                        self.apply(observations)
         finally:
             self.source_ended.set()
 
-    def _observe(self, batch: Sequence[UEvent]) -> list[Observation]:
-        """Read each device the batch names once, however often it names it.
+    @staticmethod
+    def _collapse(batch: Sequence[UEvent]) -> list[UEvent]:
+        """One uevent per device the batch names, however often it names it.
 
         The tree is read after the batch, so the last read is the only one that counts: a
         flapping link or a storm of a hundred events for one function costs one read. A
-        bind/unbind-only read (`read_function_known`) is used only when every event for the
+        bind/unbind-only read (`read_function_known`) is kept only when every event for the
         device was one; anything else makes it the full read.
         """
         last: dict[tuple[str, str, str], UEvent] = {}
@@ -329,16 +339,18 @@ class Watcher:
                 full.add(key)
             last.pop(key, None)  # re-insert: dict order is then the order of last mention
             last[key] = event
+        return [
+            event._replace(action="change")
+            if key in full and event.action in _DRIVER_ACTIONS else event
+            for key, event in last.items()
+        ]
+
+    def _observe(self, reads: Sequence[UEvent]) -> list[Observation]:
+        """Read the tree for each (already collapsed) uevent."""
         observations: list[Observation] = []
         paths, tables = self.paths, self.tables
-        for key, event in last.items():
-            if key in full and event.action in _DRIVER_ACTIONS:
-                event = event._replace(action="change")
+        for event in reads:
             observations.extend(observe(paths, tables, event))
-        # What only the uevents say (error recovery, wedges, fresh binds): every one, in the
-        # kernel's order, after the reads that brought their functions into the model.
-        for event in batch:
-            observations.extend(uevent_facts(event))
         return observations
 
     async def _poll_cdi(self) -> None:
