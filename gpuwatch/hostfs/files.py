@@ -6,6 +6,8 @@ import errno
 import os
 import stat
 
+from gpuwatch.errors import UNREADABLE, HostError
+
 # O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
 # for a writer forever; O_NOCTTY: a tty there never becomes our terminal.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
@@ -13,8 +15,10 @@ _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 ATTR_CAP = 65536
 
 
-class NotARegularFile(OSError):
+class NotARegularFile(HostError, OSError):
     """A FIFO, socket, device node or directory where a file was expected."""
+
+    code = UNREADABLE
 
 
 def open_regular(path: str) -> int:
