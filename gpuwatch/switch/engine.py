@@ -335,10 +335,18 @@ class SwitchEngine:
             members=[a for a, _ in plan.targets])])
         _log.info("switch of group %s to %s: %d step(s)", group, to_mode, len(plan.steps))
         notes = list(plan.notes)
-        async with self._subscribe(_PROGRESS_EVENTS) as sub:
-            for step in plan.steps:
-                await self._step(plan, facts, step, deadline, notes)
-            await self._verify(plan, sub, deadline, notes)
+        try:
+            async with self._subscribe(_PROGRESS_EVENTS) as sub:
+                for step in plan.steps:
+                    await self._step(plan, facts, step, deadline, notes)
+                await self._verify(plan, sub, deadline, notes)
+        except BaseException as exc:
+            # Cancelled (SIGINT/SIGTERM, a caller's timeout): `switch-started` must not be
+            # left without an end. Failures and refusals published their own already.
+            if not isinstance(exc, Exception):
+                self._publish([ev.SwitchFailed(addr=plan.addr, group=group, to_mode=to_mode,
+                                               error="interrupted", wedged=False)])
+            raise
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
         self._publish([ev.SwitchCompleted(
