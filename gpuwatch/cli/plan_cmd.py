@@ -14,10 +14,9 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.cli.mode_cmd import add_force_arg, add_target_args, target_of
+from gpuwatch.cli.mode_cmd import add_force_arg, add_target_args, load_poison, target_of
 from gpuwatch.core.modes import MODES, Mode
 from gpuwatch.core.plan import default_mode, find_card, parse_mode
-from gpuwatch.errors import DeviceNotFound
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import plan_for_host, scan
 from gpuwatch.switch.hostops import make_backend
@@ -35,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_force_arg(p)
+    p.add_argument("--example", action="store_true",
+                   help="plan for the documented example card (display 0000:01:00.0, audio "
+                        "0000:01:00.1, group 1) instead of this host's; the plan says "
+                        "\"example\": true")
     p.set_defaults(func=run)
 
 
@@ -64,14 +67,14 @@ def render(plan: dict[str, Any]) -> str:
 def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
                 vendor: str | None) -> dict[str, Any]:
     model = scan(args.root, args.config)
-    if mode is None:
-        try:
-            mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
-        except DeviceNotFound:
-            mode = "vfio"
+    if args.example:
+        mode = mode or "vfio"
+    elif mode is None:
+        mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
+    load_poison(model)
     backend = make_backend(args.root)
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
-                         which=backend.ops.which, force=args.force)
+                         which=backend.ops.which, force=args.force, example=args.example)
     return plan.to_json()
 
 
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     # The daemon runs as root and sees every holder; a plan made here may not.
     answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor,
-                                               force=args.force or None)) if mode else None
+                                               force=args.force or None)) \
+        if mode and not args.example else None
     plan = answer.value if answer is not None else _local_plan(args, mode, addr, vendor)
     print(dumps(plan) if args.json else render(plan))
     for note in plan["notes"]:

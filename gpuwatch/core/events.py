@@ -9,7 +9,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+)
 
 from gpuwatch.core.results import Health, PciFunction, Vgpu
 
@@ -135,11 +142,22 @@ class SwitchMember(BaseModel):
 
 
 class Holding(BaseModel):
-    """A process that keeps a device node of the group open, so the switch must not unbind."""
+    """A process that keeps a device node of the group open, so the switch must not unbind.
+
+    ``unreadable``: its ``/proc/<pid>/fd`` or ``maps`` did not answer in time (a task stuck
+    in the kernel), so it may hold one; spelled ``{"pid", "comm", "unreadable": true}``."""
 
     pid: int
     comm: str
-    node: str
+    node: str = ""
+    unreadable: bool = False
+
+    @model_serializer(mode="wrap")
+    def _spelling(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            data.pop("node" if self.unreadable else "unreadable", None)
+        return data
 
 
 class SwitchStarted(_Event):
@@ -168,6 +186,9 @@ class SwitchRefused(_Event):
     to_mode: str
     reason: str
     holders: list[Holding]
+    #: What a switch that had begun put back before giving up (``systemctl start …``,
+    #: ``modprobe …``); empty when it had changed nothing.
+    restored: list[str] = []
 
 
 class SwitchFailed(_Event):
@@ -177,6 +198,8 @@ class SwitchFailed(_Event):
     to_mode: str
     error: str
     wedged: bool
+    #: As in switch-refused; always empty after a wedge (nothing is touched then).
+    restored: list[str] = []
 
 
 Event = Annotated[

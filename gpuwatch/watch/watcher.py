@@ -27,7 +27,7 @@ from gpuwatch.core.uevent import UEvent
 from gpuwatch.core.uevent_facts import uevent_facts
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
-from gpuwatch.settings import root_in_force, tables_in_force
+from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog
 from gpuwatch.watch.subscription import Subscription
@@ -348,6 +348,7 @@ async def open_watcher(
         paths = HostPaths(root)
         snapshot = await anyio.to_thread.run_sync(scan, paths, tables)
         model = HostModel(paths, HostState(tables, snapshot))
+        model.proc_deadline = proc_read_timeout_in_force(config)
         watcher = Watcher(
             model,
             src,
