@@ -63,6 +63,7 @@ KEYS = (
     "kernel_latency_us",
     "rss_mb",
     "peer",
+    "ratios",  # issue 13: each figure against its named baseline, same run
 )
 #: What a function without a driver is bound to when a benchmark toggles it.
 HOME_DRIVER = "vfio-pci"
@@ -89,6 +90,12 @@ class Settings:
     peer_cached_loops: int = 2000
     rss: bool = True
     kernel: bool = True
+    ratios: bool = True  # the ratio rows of benchmarks/ratios.py
+    ratio_toggles: int = 1000
+    ratio_kernel_rounds: int = 30
+    ratio_cli_reps: int = 15
+    ratio_trips: int = 500
+    ratio_fanout_events: int = 2048
 
     def scan_reps_for(self, n: int) -> int:
         return self.scan_reps.get(n, 25 if n <= 1024 else 11)
@@ -96,6 +103,11 @@ class Settings:
 
 FULL = Settings()
 QUICK = Settings(
+    ratio_toggles=200,
+    ratio_kernel_rounds=8,
+    ratio_cli_reps=3,
+    ratio_trips=100,
+    ratio_fanout_events=512,
     scan_reps={64: 7, 1024: 5, 4096: 3},
     probe_rounds=5,
     cached_batches=3,
@@ -378,11 +390,17 @@ class StormRun:
         return self.seen / self.seconds if self.seconds > 0 else 0.0
 
 
-async def _storm(host: SysRoot, plan: dict[str, Any], plan_path: str
-                 ) -> tuple[dict[str, Any], bool, float]:
+async def _storm(host: SysRoot, plan: dict[str, Any], plan_path: str,
+                 reader: list[str] | None = None) -> tuple[dict[str, Any], bool, float]:
     with subprocess.Popen([sys.executable, str(WRITER), plan_path], stdout=subprocess.PIPE,
                           text=True) as writer:
         try:
+            if reader is not None:  # the baseline reader instead of gpuwatch
+                done = await anyio.run_process([*reader, str(host.root), plan["fifo"],
+                                                plan["log"]], check=False)
+                out, _ = await anyio.to_thread.run_sync(writer.communicate)
+                report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+                return report, done.returncode == 0, 0.0
             async with open_watcher(host.root, "file:" + plan["fifo"], log=plan["log"],
                                     reconcile_interval=0, cdi_poll_interval=0) as w:
                 cpu0 = time.process_time()
@@ -395,11 +413,11 @@ async def _storm(host: SysRoot, plan: dict[str, Any], plan_path: str
             if writer.poll() is None:
                 writer.kill()
                 writer.wait()
-    report: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    report = json.loads(out.strip().splitlines()[-1])
     return report, equal, cpu
 
 
-def run_storm(host: SysRoot, events: int) -> StormRun:
+def run_storm(host: SysRoot, events: int, reader: list[str] | None = None) -> StormRun:
     """``events`` bind/unbind uevents over every function of ``host`` through a ``file:`` FIFO,
     end to end into the log (see storm_writer.py for why each must produce one event)."""
     with temp_dir("storm") as work:
@@ -408,7 +426,7 @@ def run_storm(host: SysRoot, events: int) -> StormRun:
         plan_path = os.path.join(work, "plan.json")
         with open(plan_path, "w", encoding="utf-8") as fh:
             json.dump(plan, fh)
-        report, equal, watcher_cpu = anyio.run(_storm, host, plan, plan_path)
+        report, equal, watcher_cpu = anyio.run(_storm, host, plan, plan_path, reader)
         if "error" in report:
             raise RuntimeError(f"storm writer: {report['error']}")
         produced = 0
@@ -665,6 +683,11 @@ def run_all(s: Settings, progress: Callable[[str], None] = lambda msg: None,
         progress(f"per-event cost, N={', '.join(map(str, s.sizes))}")
         figures = measure_event_apply([hosts[n] for n in s.sizes], s)
         results["event_apply_us"] = {str(n): f for n, f in zip(s.sizes, figures, strict=True)}
+        if s.ratios:
+            from benchmarks.ratios import run_ratios
+
+            results["ratios"] = run_ratios(s, hosts[s.sizes[0]], hosts[s.sizes[-1]],
+                                           hosts[s.storm_n], progress)
         for n in sizes:  # the storm's process should hold what a watcher holds, no more
             if n != s.storm_n:
                 keep[n].close()
@@ -763,6 +786,11 @@ def format_table(r: dict[str, Any], notes: dict[str, Any] | None = None) -> str:
                  "≥ 100x faster than pyudev"))
     if p["pyudev"] and p["cached"]:
         rows.append(("  pyudev / cached", f"{p['pyudev'] / p['cached']:,.0f}x", "≥ 100x"))
+    if r.get("ratios"):
+        from benchmarks.ratios import format_ratio_rows
+
+        rows.append(("ratios against a baseline of the same run (issue 13)", "", ""))
+        rows += [("  " + a, b, c) for a, b, c in format_ratio_rows(r["ratios"])]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
     lines = [f"{'figure':<{w0}}  {'value':>{w1}}  target", "-" * (w0 + w1 + 20)]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
-    from gpuwatch.core.events import Holding
+    from gpuwatch.core.results import Holding
 
 Blame = Literal["caller", "host", "gpuwatch"]
 

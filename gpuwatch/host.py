@@ -160,17 +160,20 @@ async def open_host(
     cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
+    announce: bool = True,
     **engine_options: Any,
 ) -> AsyncIterator[Host]:
     """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
 
     ``ops``/``geteuid`` default to the real host's seam (or a refusing one off the real
-    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`.
+    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`. ``announce=False``: the
+    body runs before ``ready``, and calls ``host.watcher.announce_ready()`` (a daemon, once
+    its listeners are bound).
     """
     async with _watch.open_watcher(
         root, source, config=config, log=log, log_max_bytes=log_max_bytes, log_keep=log_keep,
         reconcile_interval=reconcile_interval, cdi_poll_interval=cdi_poll_interval,
-        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer,
+        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer, announce=announce,
     ) as watcher:
 
         def subscribe(types: Iterable[str]) -> AbstractAsyncContextManager[EventStream]:

@@ -116,9 +116,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_max_bytes", "int", None, optional=True, minimum=1),
     Setting("log_keep", "int", 5, minimum=1),
     Setting("reconcile_interval", "float", 300.0, minimum=0),
+    Setting("receive_buffer", "int", None, optional=True, minimum=4096),
     Setting("socket", "str", None, optional=True),
     Setting("socket_group", "str", None, optional=True),
     Setting("switch_group", "str", None, optional=True),
+    Setting("socket_max_request_bytes", "int", 65536, minimum=1024),
+    Setting("socket_max_clients", "int", 1024, minimum=1),
+    Setting("socket_max_per_uid", "int", 16, minimum=1),
+    Setting("socket_root_reserve", "int", 64, minimum=0),
+    Setting("socket_stall_timeout", "float", 30.0, minimum=0.001),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
     Setting("nfd_expiry", "float", 3600.0, minimum=0),
@@ -224,9 +230,15 @@ class WatchSettings:
     log_max_bytes: int | None = None
     log_keep: int = 5
     reconcile_interval: float = 300.0
+    receive_buffer: int | None = None
     socket: str | None = None
     socket_group: str | None = None
     switch_group: str | None = None
+    socket_max_request_bytes: int = 65536
+    socket_max_clients: int = 1024
+    socket_max_per_uid: int = 16
+    socket_root_reserve: int = 64
+    socket_stall_timeout: float = 30.0
     metrics: str | None = None
     nfd_features: str | None = None
     nfd_expiry: float = 3600.0

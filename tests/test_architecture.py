@@ -221,3 +221,22 @@ def test_public_names_load_on_first_use() -> None:
     assert "pydantic" in loaded_after("import gpuwatch\ngpuwatch.PciFunction")
     with pytest.raises(AttributeError):
         _ = gpuwatch.no_such_name  # type: ignore[attr-defined]
+
+
+def test_gpuwatch_help_is_lean() -> None:
+    code = ("import contextlib, io\nfrom gpuwatch.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out, "
+            "contextlib.suppress(SystemExit):\n    main(['--help'])\n"
+            "assert 'udev-rules' in out.getvalue() and 'ensure-cdi' in out.getvalue()")
+    assert loaded_after(code) == []
+
+
+def test_every_subcommand_is_listed_without_loading_it() -> None:
+    from gpuwatch.cli.main import SUBCOMMANDS, SUMMARIES, build_parser
+
+    assert set(SUMMARIES) == set(SUBCOMMANDS)
+    listing = build_parser(()).format_help()
+    full = build_parser().format_help()
+    assert listing == full  # the lean listing says exactly what the full parser says
+    for module in SUBCOMMANDS:
+        assert SUMMARIES[module].split()[0] in listing

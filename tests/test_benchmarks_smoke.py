@@ -53,6 +53,11 @@ TINY = Settings(
     kernel_samples=3,
     peer_reps=2,
     peer_cached_loops=5,
+    ratio_toggles=10,
+    ratio_kernel_rounds=2,
+    ratio_cli_reps=1,
+    ratio_trips=5,
+    ratio_fanout_events=64,
 )
 
 
@@ -87,8 +92,24 @@ def test_run_writes_every_figure_under_the_issues_keys(
     assert peer is None or (set(peer) == {"pyudev", "fresh", "cached"}
                             and all(is_number(v) for v in peer.values()))
 
+    ratios = r["ratios"]
+    assert set(ratios) == {"probe_vs_empty_call", "gpu_toggle_log_on", "kernel_vs_floor",
+                           "cli_and_socket", "fanout", "backlog", "burst", "storm_vs_reader"}
+    assert list(ratios["probe_vs_empty_call"]) == list(PROBE_ACTIONS)
+    assert all(is_number(v) for v in ratios["probe_vs_empty_call"].values())
+    for key in ("gpu_toggle_log_on", "fanout", "storm_vs_reader"):
+        assert is_number(ratios[key]["ratio"]), ratios[key]
+    assert ratios["storm_vs_reader"]["lost"] == 0
+    assert ratios["burst"] == {"events": 48, "lag_notices": 0}
+    cli = ratios["cli_and_socket"]
+    assert all(is_number(cli[k]) for k in ("cli_daemon_ratio", "cli_direct_ratio",
+                                           "request_ratio"))
+    backlog = ratios["backlog"]
+    assert backlog["answered_ms"] > 0 and backlog["backlog_ms"] > 0
+
     table = capsys.readouterr().out
     assert "storm lost" in table and "0 of 500" in table
+    assert "100 socket subscribers" in table
     assert format_table(r).count("\n") > 20
 
 

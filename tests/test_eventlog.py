@@ -54,7 +54,8 @@ def seqs(events: Iterator[dict[str, Any]] | list[dict[str, Any]]) -> list[int]:
 
 def log_files(path: Path) -> list[Path]:
     """PATH.N … PATH.1, PATH: oldest first, the order readers use."""
-    rotated = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -int(p.suffix[1:]))
+    rotated = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+                     key=lambda p: -int(p.suffix[1:]))
     return [*rotated, path]
 
 
@@ -101,8 +102,8 @@ def test_rotation_under_burst_keeps_whole_lines_and_newest_events(tmp_path: Path
     with EventLog(path, max_bytes=1500, keep=3) as log:
         write_events(log, 1, 10_000)
 
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "events.jsonl", "events.jsonl.1", "events.jsonl.2", "events.jsonl.3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # and the writer's lock file
+        "events.jsonl", "events.jsonl.1", "events.jsonl.2", "events.jsonl.3", "events.jsonl.lock"]
     on_disk: list[int] = []
     for f in log_files(path):
         data = f.read_bytes()
@@ -130,10 +131,11 @@ def test_no_rotation_without_max_bytes_and_keep_zero_discards(tmp_path: Path) ->
     path = tmp_path / "ev.jsonl"
     with EventLog(path) as log:
         write_events(log, 1, 500)
-    assert [p.name for p in tmp_path.iterdir()] == ["ev.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.jsonl", "ev.jsonl.lock"]
     with EventLog(tmp_path / "z.jsonl", max_bytes=200, keep=0) as log:
         write_events(log, 1, 50)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.jsonl", "z.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ev.jsonl", "ev.jsonl.lock", "z.jsonl", "z.jsonl.lock"]
     assert seqs(read_events(tmp_path / "z.jsonl"))[-1] == 50
 
 

@@ -221,7 +221,8 @@ def test_watch_takes_its_options_from_env_and_file(host: SysRoot, tmp_path: Path
     config = write(tmp_path, f"root: {host.root}\nlog: {file_log}\nreconcile_interval: 0\n")
     proc = run_watch(host, tmp_path, env={"GPUWATCH_CONFIG": config})
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(file_log.read_text())["type"] == "ready"
+    records = [json.loads(line) for line in file_log.read_text().splitlines()]
+    assert [r["type"] for r in records] == ["ready", "stopped"]
     proc = run_watch(host, tmp_path, env={"GPUWATCH_CONFIG": config, "GPUWATCH_LOG": str(env_log)})
     assert proc.returncode == 0 and env_log.exists()
     proc = run_watch(
@@ -232,4 +233,4 @@ def test_watch_takes_its_options_from_env_and_file(host: SysRoot, tmp_path: Path
         env={"GPUWATCH_CONFIG": config, "GPUWATCH_LOG": str(env_log)},
     )
     assert proc.returncode == 0 and flag_log.exists()
-    assert len(env_log.read_text().splitlines()) == 1  # the flag won: nothing more went there
+    assert len(env_log.read_text().splitlines()) == 2  # the flag won: nothing more went there

@@ -60,7 +60,7 @@ async def test_rewritten_on_a_change_and_only_then(host: SysRoot, tmp_path: Path
         tg.start_soon(nfd.run)
         path = features / "gpuwatch"
         with anyio.fail_after(5):
-            while not path.exists():
+            while nfd.writes < 1:  # counted once the rename is done, not when it appears
                 await anyio.sleep(0.01)
         labels, directives = parse(path)
         assert labels == {
@@ -194,3 +194,36 @@ def test_resolve_path(tmp_path: Path) -> None:
     assert resolve_path(tmp_path) == os.path.join(tmp_path, "gpuwatch")
     assert resolve_path(f"{tmp_path}/missing/") == f"{tmp_path}/missing/gpuwatch"
     assert resolve_path(tmp_path / "custom") == str(tmp_path / "custom")
+
+
+async def test_an_unwritable_directory_backs_off_logs_once_and_counts(
+    host: SysRoot, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prometheus_client import generate_latest
+
+    from gpuwatch.service import nfd as nfd_module
+    from gpuwatch.service.metrics import Metrics
+
+    blocker = tmp_path / "features.d"
+    blocker.write_text("a file where the directory should be")  # ENOTDIR/EEXIST, even for root
+    async with open_watcher(host.root, MemorySource(), reconcile_interval=0,
+                            cdi_poll_interval=0) as w:
+        nfd = NfdFeatureFile(str(blocker) + "/", expiry=3600)
+        nfd.attach(w)
+        metrics = Metrics()
+        metrics.track_nfd(nfd)
+        backoffs = []
+        for _ in range(9):
+            assert await nfd.update() is False
+            backoffs.append(nfd._backoff)
+        assert backoffs == [1, 2, 4, 8, 16, 32, 60, 60, 60]  # at most one try a minute
+        assert nfd.failures == 9
+        warnings = [r for r in caplog.records if "cannot write NFD" in r.getMessage()]
+        assert len(warnings) == 1  # said once, not per try
+        text = generate_latest(metrics.registry).decode()
+        assert "gpuwatch_nfd_write_failures_total 9.0" in text
+        # The directory becomes writable: the next try writes and the backoff resets.
+        blocker.unlink()
+        assert await nfd.update() is True
+        assert nfd._backoff == 0 and (blocker / nfd_module.NFD_FILE_NAME).is_file()
+        nfd.detach()

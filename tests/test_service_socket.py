@@ -402,17 +402,29 @@ async def test_oversized_line_is_refused_without_buffering_it(
     async with daemon(host, sockdir, tmp_path) as served:
         c = await Raw.connect(served.path)
         big = b'{"id": 1, "method": "probe", "params": {"action": "' + b"a" * (3 << 20)
+
+        async def push() -> None:
+            with pytest.raises((anyio.BrokenResourceError, BrokenPipeError, ConnectionResetError)):
+                await c.send(big + b'"}}\n')
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                c.send, big + b'"}}\n' + P.encode_request(2, "probe", {"action": "detect-gpu"})
-            )
+            tg.start_soon(push)
             first = await c.line()
-            second = await c.line()
-        assert first["id"] is None and first["error"]["code"] == P.LINE_TOO_LONG
-        assert second == {"id": 2, "result": True}  # the next line is read normally
-        exactly = P.encode_request(3, "probe", {"action": "detect-gpu", "addr": "x" * 100})
-        assert len(exactly) < P.MAX_LINE
+            assert await c.eof() == b""  # and then the connection is closed
+        await c.aclose()
+        assert first["id"] is None and first["error"]["code"] == P.REQUEST_TOO_LARGE
+        assert "65536" in first["error"]["message"]
+        # A line of exactly the limit (newline not counted) is a request like any other.
+        c = await Raw.connect(served.path)
+        head = b'{"id": 3, "method": "probe", "params": {"action": "detect-gpu", "addr": "'
+        exact = head + b"x" * (P.MAX_LINE - len(head) - 3) + b'"}}'
+        assert len(exact) == P.MAX_LINE
+        await c.send(exact + b"\n")
+        assert (await c.line())["error"]["code"] == P.INVALID_PARAMS  # read, parsed, answered
         assert (await c.request("snapshot", rid=4))["id"] == 4
+        await c.send(exact + b"y\n")
+        assert (await c.line())["error"]["code"] == P.REQUEST_TOO_LARGE
+        assert await c.eof() == b""
         await c.aclose()
 
 

@@ -211,6 +211,17 @@ def test_unit_hardening_leaves_sysfs_modules_and_devices_usable() -> None:
         assert before.lstrip().startswith("#"), key
 
 
+def test_unit_lets_the_documented_nfd_default_be_written() -> None:
+    from gpuwatch.service.nfd import NFD_FEATURES_DIR
+
+    writable = [p.lstrip("-") for p in unit()["Service"]["ReadWritePaths"].split()]
+    assert NFD_FEATURES_DIR in writable  # ProtectSystem=strict makes the rest of /etc read-only
+    docs = (REPO / "docs" / "service.md").read_text()
+    assert f"gpuwatch watch --socket --nfd-features {NFD_FEATURES_DIR}/" in docs
+    for path in writable:
+        assert path in docs, path  # the docs name every writable path the unit grants
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     copy = tmp_path / "gpuwatch.service"  # verify wants ExecStart to exist: point it at true

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.plan import (
     CLEAR_OVERRIDE,
     CommandStep,
@@ -17,7 +16,7 @@ from gpuwatch.core.plan import (
     parse_target,
     plan_switch,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 from gpuwatch.hostfs.scan import HostPaths, scan

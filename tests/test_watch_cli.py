@@ -99,7 +99,7 @@ def test_sigterm_while_watching_exits_0_with_whole_lines(host: SysRoot, tmp_path
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, stderr
-    assert [e["type"] for e in read_events(log)] == ["ready", "driver-changed"]
+    assert [e["type"] for e in read_events(log)] == ["ready", "driver-changed", "stopped"]
 
 
 def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None:

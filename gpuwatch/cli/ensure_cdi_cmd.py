@@ -18,7 +18,7 @@ from gpuwatch.switch.hostops import make_backend
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "ensure-cdi", help="generate the NVIDIA CDI spec if none exists",
+        "ensure-cdi",
         description="Report the NVIDIA CDI spec, generating it with nvidia-ctk when neither "
                     "spec exists. Root only.")
     add_root_args(p, config=False)

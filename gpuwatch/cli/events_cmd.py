@@ -27,7 +27,6 @@ _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "events",
-        help="print the event log as JSON lines",
         description="Print events from a gpuwatch JSONL event log (rotated files included, "
         "oldest first), optionally following it as it grows and rotates.",
     )

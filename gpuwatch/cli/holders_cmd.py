@@ -16,7 +16,7 @@ from gpuwatch.switch.hostops import make_backend
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "holders", help="processes holding the card's device nodes open",
+        "holders",
         description="Every process with an open file on, or a mapping of, a node of the card: "
                     "/dev/nvidia*, its /dev/dri card and render nodes, its audio function's "
                     "/dev/snd nodes and /dev/vfio/N.")

@@ -15,7 +15,7 @@ from gpuwatch.settings import tables_in_force
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("list", help="passthrough-capable GPUs as libvirt <hostdev> blocks",
+    p = subparsers.add_parser("list",
                               description="Passthrough-capable GPUs and a libvirt <hostdev> block "
                                           "for every function of each GPU's IOMMU group.")
     add_root_args(p)

@@ -12,7 +12,8 @@ import importlib
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, OneLineParser, fail
 from gpuwatch.errors import GpuwatchError
@@ -31,10 +32,62 @@ SUBCOMMANDS = (
     "recover_cmd",
     "holders_cmd",
     "ensure_cdi_cmd",
+    "service_cmd",
+    "health_cmd",
 )
 
+#: The one line ``gpuwatch --help`` shows for each subcommand. Kept here, not in the modules,
+#: so the listing imports none of them (and none of pydantic, PyYAML, anyio or pyudev).
+SUMMARIES: dict[str, str] = {
+    "probe_cmd": "answer one probe action as JSON",
+    "status_cmd": "VFIO/passthrough readiness of this host",
+    "list_cmd": "passthrough-capable GPUs as libvirt <hostdev> blocks",
+    "watch_cmd": "watch the host and log change events as JSON lines",
+    "events_cmd": "print the event log as JSON lines",
+    "record_cmd": "write live uevents as JSON lines (replayable with --source file:PATH)",
+    "udev_rules_cmd": "udev rules giving a group read/write on /dev/vfio/* (rootless VMs)",
+    "mode_cmd": "show or switch a GPU group between vfio-pci and nvidia",
+    "plan_cmd": "the exact steps a switch would take (executes nothing)",
+    "recover_cmd": "rebind a poisoned group to vfio-pci (unless a reboot is required)",
+    "holders_cmd": "processes holding the card's device nodes open",
+    "ensure_cdi_cmd": "generate the NVIDIA CDI spec if none exists",
+    "service_cmd": "install or remove the systemd service running this gpuwatch",
+    "health_cmd": "exit 0 when the daemon answers (readiness/liveness probes)",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def command_name(module: str) -> str:
+    """``udev_rules_cmd`` -> ``udev-rules``: the command a subcommand module registers."""
+    return module.removesuffix("_cmd").replace("_", "-")
+
+
+def chosen_module(argv: Sequence[str]) -> str | None:
+    """The subcommand module the command line names (its first word), if any."""
+    for word in argv:
+        if word == "--":
+            return None
+        if not word.startswith("-"):
+            return next((m for m in SUBCOMMANDS if command_name(m) == word), None)
+    return None
+
+
+class _Summarised:
+    """The subparsers as a module's ``register`` sees them, adding its `SUMMARIES` line."""
+
+    def __init__(self, subparsers: Any, summary: str | None) -> None:
+        self._subparsers = subparsers
+        self._summary = summary
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if self._summary is not None:
+            kwargs.setdefault("help", self._summary)
+        parser: argparse.ArgumentParser = self._subparsers.add_parser(name, **kwargs)
+        return parser
+
+
+def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with the full arguments of the modules ``only`` names (None: every one)
+    and a one-line entry for each other subcommand, whose module stays unloaded."""
     parser = OneLineParser(
         prog="gpuwatch",
         description="Watch a Linux GPU host: probes from memory, change events, safe driver "
@@ -48,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers.required = True
     for name in SUBCOMMANDS:
-        module = importlib.import_module(f"gpuwatch.cli.{name}")
-        module.register(subparsers)
+        summary = SUMMARIES.get(name)
+        if only is None or name in only or summary is None:
+            module = importlib.import_module(f"gpuwatch.cli.{name}")
+            module.register(_Summarised(subparsers, summary))
+        else:
+            subparsers.add_parser(command_name(name), help=summary)
     return parser
 
 
@@ -61,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fast = run_fast(sys.argv[1:] if argv is None else argv)
     if fast is not None:
         return fast
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = chosen_module(argv)
+    parser = build_parser(() if chosen is None else (chosen,))
     args = parser.parse_args(argv)
     try:
         if getattr(args, "resolve_root", False) and args.root is None:

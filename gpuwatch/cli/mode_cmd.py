@@ -44,7 +44,7 @@ from gpuwatch.switch.poison import PoisonStore
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "mode", help="show or switch a GPU group between vfio-pci and nvidia",
+        "mode",
         description="Without a mode, show the mode of the card's IOMMU group. With one, switch "
                     "every function of the group to its driver for that mode (root only).")
     p.add_argument("mode", nargs="?", choices=MODES, help="vfio or nvidia (omit to show)")

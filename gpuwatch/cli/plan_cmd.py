@@ -24,7 +24,7 @@ from gpuwatch.switch.hostops import make_backend
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "plan", help="the exact steps a switch would take (executes nothing)",
+        "plan",
         description="Print the ordered writes and commands `gpuwatch mode MODE` would run on "
                     "this host now. Needs no privilege and changes nothing.")
     p.add_argument("mode", nargs="?", choices=MODES,

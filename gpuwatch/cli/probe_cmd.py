@@ -11,7 +11,7 @@ from gpuwatch.model import ACTIONS, check_params, probe, scan
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("probe", help="answer one probe action as JSON",
+    p = subparsers.add_parser("probe",
                               description="Answer one probe action as JSON (docs/probes.md).")
     p.add_argument("action", metavar="ACTION", help="one of: " + ", ".join(ACTIONS))
     add_root_args(p)

@@ -28,7 +28,6 @@ log = logging.getLogger("gpuwatch.sources")
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "record",
-        help="write live uevents as JSON lines (replayable with --source file:PATH)",
         description="Write each uevent the source delivers as one JSON object a line, "
         "flushed per line, until SIGINT/SIGTERM or the source ends.",
     )

@@ -26,7 +26,7 @@ from gpuwatch.switch.hostops import make_backend
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "recover", help="rebind a poisoned group to vfio-pci (unless a reboot is required)",
+        "recover",
         description="If a task is stuck in the nvidia driver, say a reboot is required and "
                     "touch nothing; otherwise rebind every function of the group to vfio-pci "
                     "and clear its poison. Root only.")

@@ -16,7 +16,7 @@ from gpuwatch.settings import tables_in_force
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("status", help="VFIO/passthrough readiness of this host",
+    p = subparsers.add_parser("status",
                               description="IOMMU, vfio-pci, memlock and every GPU with its group.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")

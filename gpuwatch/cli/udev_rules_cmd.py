@@ -12,7 +12,7 @@ from gpuwatch.service.udev_rules import DEFAULT_GROUP, RULES_FILE, InvalidGroupN
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "udev-rules", help="udev rules giving a group read/write on /dev/vfio/* (rootless VMs)",
+        "udev-rules",
         description=f"Print udev rules that give GROUP read/write on VFIO device nodes, for "
                     f"rootless GPU passthrough. Install with: gpuwatch udev-rules --group G > "
                     f"{RULES_FILE} (contrib/udev/README.md).")

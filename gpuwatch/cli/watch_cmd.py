@@ -8,10 +8,11 @@ a flag wins over both (gpuwatch/settings.py, docs/service.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -28,11 +29,15 @@ from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
 from gpuwatch.sources import SourceUnavailable
+from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
+
+if TYPE_CHECKING:
+    from gpuwatch.watch.watcher import Watcher
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "watch", help="watch the host and log change events as JSON lines",
+        "watch",
         description="Follow kernel uevents, keep the host model current and write every change "
                     "event as one JSON line; optionally serve it on a Unix socket, as Prometheus "
                     "metrics and as a node-feature-discovery file. Options also come from "
@@ -55,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="rotated files to keep, PATH.1 … PATH.K (default 5)")
     p.add_argument("--reconcile-interval", type=non_negative_seconds, default=None, metavar="S",
                    help="full rescan every S seconds to catch drift (default 300, 0 = off)")
+    p.add_argument("--receive-buffer", type=positive_int, default=None, metavar="BYTES",
+                   help="uevent netlink receive buffer (default 128 MiB; the kernel caps it at "
+                        "net.core.rmem_max without CAP_NET_ADMIN)")
     p.add_argument("--socket", nargs="?", const=DEFAULT_SOCKET_PATH, default=None, metavar="PATH",
                    help="serve the socket API (docs/socket.md) at PATH "
                         f"(default {DEFAULT_SOCKET_PATH} when given without PATH)")
@@ -64,6 +72,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--switch-group", default=None, metavar="GROUP",
                    help="group that may also switch and recover through the socket "
                         "(default: root only)")
+    p.add_argument("--socket-max-request-bytes", type=positive_int, default=None, metavar="N",
+                   help="longest request line; a longer one is refused and its connection "
+                        "closed (default 65536)")
+    p.add_argument("--socket-max-clients", type=positive_int, default=None, metavar="N",
+                   help="connections served at once (default 1024)")
+    p.add_argument("--socket-max-per-uid", type=positive_int, default=None, metavar="N",
+                   help="connections one non-root user may hold (default 16)")
+    p.add_argument("--socket-root-reserve", type=int, default=None, metavar="N",
+                   help="of --socket-max-clients, slots only root may take (default 64)")
+    p.add_argument("--socket-stall-timeout", type=non_negative_seconds, default=None,
+                   metavar="S", help="close a connection whose partial request line waits S "
+                                     "seconds for its newline (default 30)")
     p.add_argument("--metrics", default=None, metavar="ADDR",
                    help="serve Prometheus metrics at http://ADDR/metrics (HOST:PORT, :PORT)")
     p.add_argument("--nfd-features", default=None, metavar="PATH",
@@ -96,27 +116,67 @@ def settings_from_args(args: argparse.Namespace) -> WatchSettings:
     return load_settings(flags, config=args.config)
 
 
-async def watch(settings: WatchSettings) -> None:
+class _Terminated(BaseException):
+    """SIGTERM before the event loop's own handler is installed (settings, log, imports)."""
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise _Terminated(signal.Signals(signum).name)
+
+
+async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
     """Run until SIGINT/SIGTERM or the end of a file source; the event in hand is finished first
-    (publishing never awaits, so cancellation can only land between events)."""
+    (publishing never awaits, so cancellation can only land between events).
+
+    A signal at any moment, even during the first scan, ends the run cleanly with a
+    ``stopped`` record. ``ready`` comes only once every listener is bound (run_services).
+    """
     from gpuwatch.service.daemon import run_services
 
+    current: list[Watcher] = []
+    reason = "source ended"
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_host(
-            settings.root, source=settings.source, config=settings.tables(), log=settings.log,
-            log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
-            reconcile_interval=settings.reconcile_interval,
-        ) as host, run_services(host, settings), anyio.create_task_group() as tg:
-            host.watcher.model.proc_deadline = settings.proc_read_timeout
+        async with anyio.create_task_group() as tg:
 
             async def stop_on_signal() -> None:
-                async for _ in signals:
+                nonlocal reason
+                async for signum in signals:
+                    reason = f"signal {signal.Signals(signum).name}"
+                    if current:
+                        current[0].stop(reason)  # subscribers hear it before the socket goes
                     tg.cancel_scope.cancel()
                     return
 
             tg.start_soon(stop_on_signal)
-            await host.source_ended.wait()
+            async with open_host(
+                settings.root, source=settings.source, config=settings.tables(),
+                log=log if log is not None else settings.log,
+                log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
+                reconcile_interval=settings.reconcile_interval,
+                receive_buffer=settings.receive_buffer, announce=False,
+            ) as host:
+                host.watcher.model.proc_deadline = settings.proc_read_timeout
+                current.append(host.watcher)
+                async with run_services(host, settings):
+                    await host.source_ended.wait()
+                host.watcher.stop(reason)
             tg.cancel_scope.cancel()
+    if not current and log is not None:
+        write_stopped(log, reason)
+
+
+def write_stopped(log: EventLog, reason: str) -> None:
+    """The ``stopped`` record of a run that ended before its watcher existed."""
+    from gpuwatch.core.events import Stopped, format_event_time
+
+    record = Stopped(reason=reason, seq=(log.last_seq or 0) + 1, time=format_event_time())
+    with contextlib.suppress(OSError, ValueError):
+        log.write_lines([record.model_dump_json()])
+
+
+def open_log(settings: WatchSettings) -> EventLog:
+    """The event log, locked (one writer) before anything is written to it."""
+    return EventLog(settings.log, max_bytes=settings.log_max_bytes, keep=settings.log_keep)
 
 
 def _first_leaf(exc: BaseException) -> BaseException:
@@ -126,19 +186,46 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+#: Errors that mean "this configuration cannot run here": one line and exit 2.
+_SETUP_ERRORS: tuple[type[BaseException], ...] = (SourceUnavailable, EventLogUnavailable)
+
+
+def _setup_errors() -> tuple[type[BaseException], ...]:
+    from gpuwatch.service.daemon import ServiceSetupError
+    from gpuwatch.service.server import SocketInUse, SocketSetupError
+
+    return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse)
+
+
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    check_root(settings.root)
-    setup_logging(settings.verbose)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    log: EventLog | None = None
     try:
-        anyio.run(watch, settings)
-    except SourceUnavailable as exc:
-        return fail(str(exc), EXIT_USAGE)
+        settings = settings_from_args(args)
+        check_root(settings.root)
+        setup_logging(settings.verbose)
+        log = open_log(settings)
+        anyio.run(watch, settings, log)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        if log is not None:
+            name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            write_stopped(log, f"signal {name}")
+        return EXIT_OK
     except BaseExceptionGroup as group:
         leaf = _first_leaf(group)
-        if isinstance(leaf, SourceUnavailable):
+        if isinstance(leaf, _setup_errors()):
             return fail(str(leaf), EXIT_USAGE)
         if isinstance(leaf, Exception):
             raise leaf from None  # main() maps it to its exit code, in one line
         raise
+    except _SETUP_ERRORS as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except Exception as exc:
+        if isinstance(exc, _setup_errors()):
+            return fail(str(exc), EXIT_USAGE)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if log is not None:
+            log.close()
     return EXIT_OK

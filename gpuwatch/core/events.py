@@ -1,11 +1,15 @@
 """Change events: what the model, the watcher and the switch publish (docs/events.md).
 
-The model returns these with ``seq=0`` and ``time=""``; the publisher stamps both when it
-hands them out, so the pure core needs no clock and numbering is the log's business.
+Each event is one immutable record. The model creates it with ``seq=0`` and ``time=""``;
+the publisher stamps both exactly once (`stamp`) before anyone sees it, so the pure core
+needs no clock and numbering is the log's business. From then on nothing changes it: every
+in-process subscriber gets this same frozen object, and its JSON line is serialised once
+per publication and shared by the log, every socket client and ``--json`` output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -13,12 +17,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     TypeAdapter,
-    model_serializer,
 )
 
-from gpuwatch.core.results import Health, PciFunction, Vgpu
+from gpuwatch.core.results import Health, Holding, PciFunction, Vgpu
+from gpuwatch.errors import InternalError
 
 
 def format_event_time(when: datetime | None = None) -> str:
@@ -30,10 +33,28 @@ def format_event_time(when: datetime | None = None) -> str:
 
 
 class _Event(BaseModel):
-    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
+    model_config = ConfigDict(frozen=True, serialize_by_alias=True, validate_by_name=True)
 
     seq: int = 0
     time: str = ""
+
+
+def stamp(events: Sequence[BaseModel], first_seq: int, time: str) -> None:
+    """Give fresh events their ``seq`` (from ``first_seq`` up) and ``time``: the one write a
+    frozen event ever takes, made by the publisher before the event is shared.
+
+    Straight into the instance dict: pydantic's ``__setattr__`` would refuse (frozen) and
+    costs a tenth of an event anyway. An event published twice would be two log lines
+    with one identity; that is a bug, so it raises instead.
+    """
+    seq = first_seq
+    for event in events:
+        fields = event.__dict__
+        if fields["seq"]:
+            raise InternalError(f"event {fields['seq']} ({fields.get('type')}) published twice")
+        fields["seq"] = seq
+        fields["time"] = time
+        seq += 1
 
 
 class Ready(_Event):
@@ -136,28 +157,36 @@ class Resync(_Event):
     changes: int
 
 
+class Stopped(_Event):
+    """The last record of a run: the watcher stops here (signal, end of a file source)."""
+
+    type: Literal["stopped"] = "stopped"
+    reason: str
+
+
+class LogDegraded(_Event):
+    """Writing the event log failed (ENOSPC, EIO, …): events go on to subscribers, the log
+    is retried with backoff and resumes with a ``log-gap`` record. Never in the log itself."""
+
+    type: Literal["log-degraded"] = "log-degraded"
+    path: str
+    error: str
+
+
+class LogGap(_Event):
+    """Written to the log when it resumes: the events ``first_seq..last_seq`` were published
+    but could not be written. It takes ``last_seq`` as its own ``seq``, so seqs in the file
+    stay increasing and a reader sees exactly which ones it cannot replay."""
+
+    type: Literal["log-gap"] = "log-gap"
+    first_seq: int
+    last_seq: int
+    error: str
+
+
 class SwitchMember(BaseModel):
     addr: str
     driver: str
-
-
-class Holding(BaseModel):
-    """A process that keeps a device node of the group open, so the switch must not unbind.
-
-    ``unreadable``: its ``/proc/<pid>/fd`` or ``maps`` did not answer in time (a task stuck
-    in the kernel), so it may hold one; spelled ``{"pid", "comm", "unreadable": true}``."""
-
-    pid: int
-    comm: str
-    node: str = ""
-    unreadable: bool = False
-
-    @model_serializer(mode="wrap")
-    def _spelling(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        if isinstance(data, dict):
-            data.pop("node" if self.unreadable else "unreadable", None)
-        return data
 
 
 class SwitchStarted(_Event):
@@ -219,7 +248,10 @@ Event = Annotated[
     | SwitchStarted
     | SwitchCompleted
     | SwitchRefused
-    | SwitchFailed,
+    | SwitchFailed
+    | Stopped
+    | LogDegraded
+    | LogGap,
     Field(discriminator="type"),
 ]
 
@@ -230,7 +262,7 @@ EVENT_TYPES: frozenset[str] = frozenset(
         Ready, DeviceAdded, DeviceRemoved, DeviceChanged, DriverChanged, IommuGroupChanged,
         VgpuChanged, DeviceError, GpuWedged, NodeAdded,
         NodeRemoved, ProbeChanged, Resync, SwitchStarted, SwitchCompleted, SwitchRefused,
-        SwitchFailed,
+        SwitchFailed, Stopped, LogDegraded, LogGap,
     )
 )
 

@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
 from gpuwatch.core.pci import (
     ADDR_FORMAT,
@@ -26,7 +25,7 @@ from gpuwatch.core.pci import (
     is_gpu_class,
     parse_addr,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 

@@ -21,7 +21,6 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from gpuwatch.core.events import Holding
 from gpuwatch.core.modes import Mode
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
@@ -31,7 +30,7 @@ from gpuwatch.core.plan import (
     card_scope,
     holder_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.files import list_dir, read_attr, read_text

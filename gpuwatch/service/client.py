@@ -10,7 +10,6 @@ model handles them unchanged.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -69,9 +68,15 @@ def _list(values: Iterable[str] | None) -> list[str] | None:
     return None if values is None else list(values)
 
 
+#: Replies echo a request id (itself up to `P.MAX_DEPTH` deep) inside their envelope.
+REPLY_MAX_DEPTH = 2 * P.MAX_DEPTH
+
+
 def _decode(line: bytes, path: str) -> Any:
+    """One reply or event line, decoded strictly and without recursion past
+    `REPLY_MAX_DEPTH` (what answers at ``path`` may be anything, even hostile)."""
     try:
-        return json.loads(line)
+        return P.loads(line, max_depth=REPLY_MAX_DEPTH)
     except ValueError:
         raise DaemonUnavailable(f"{path} does not speak the gpuwatch protocol") from None
 
@@ -191,7 +196,7 @@ class Client:
 
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         while True:
-            event = json.loads(self._readline(timeout))
+            event = _decode(self._readline(timeout), self.path)
             if isinstance(event, dict) and "seq" in event and "type" in event:
                 yield event
 
@@ -307,7 +312,7 @@ class AsyncClient:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         while True:
-            event = json.loads(await self._readline())
+            event = _decode(await self._readline(), self.path)
             if isinstance(event, dict) and "seq" in event and "type" in event:
                 yield event
 

@@ -72,6 +72,8 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
 
                 nfd = NfdFeatureFile(settings.nfd_features, expiry=settings.nfd_expiry)
                 nfd.attach(watcher.watcher)
+                if metrics is not None:
+                    metrics.track_nfd(nfd)
                 services.nfd = nfd
                 tg.start_soon(nfd.run, name="gpuwatch-nfd")
             if settings.socket:
@@ -83,9 +85,16 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 server = SocketServer(
                     watcher, settings.socket, read_gid=read_gid,
                     switch_gid=settings.switch_gid, log_path=settings.log, metrics=metrics,
+                    max_line=settings.socket_max_request_bytes,
+                    max_clients=settings.socket_max_clients,
+                    max_per_uid=settings.socket_max_per_uid,
+                    root_reserve=settings.socket_root_reserve,
+                    stall_timeout=settings.socket_stall_timeout,
                 )
                 services.server = server
                 await tg.start(server.serve, name="gpuwatch-socket")
+            # Every listener is bound: only now is `ready` a promise the daemon can keep.
+            watcher.watcher.announce_ready()
             services.notifier.ready(_status(watcher, settings))
             tg.start_soon(services.notifier.run_watchdog, name="gpuwatch-watchdog")
             yield services

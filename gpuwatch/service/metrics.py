@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -21,6 +21,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
@@ -37,11 +38,25 @@ _log = logging.getLogger("gpuwatch.service")
 SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 120.0)
 
 
+class _ReadCounter:
+    """A counter kept by its owner (an int attribute), read at scrape time: the owner
+    needs no import of prometheus_client and no lock."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name, self._doc, self._read = name, documentation, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc)
+        family.add_metric([], float(self._read()))
+        yield family
+
+
 class Metrics:
     """One registry per watcher (not the global one), so tests and embedders can hold several."""
 
     def __init__(self, vendor_name: Callable[[str], str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._watcher: Watcher | None = None
         r = self.registry
         self._vendor_name = vendor_name or (lambda vid: vid or "unknown")
         self.gpus = Gauge("gpuwatch_gpus", "GPUs (display-class functions) by vendor and mode "
@@ -72,9 +87,16 @@ class Metrics:
         self.last_event_age = Gauge("gpuwatch_last_event_age_seconds", "Seconds since the last "
                                     "event was published", registry=r)
         self.last_event_age.set_function(lambda: time.time() - self._last_event)
+        self.log_degraded = Gauge("gpuwatch_log_degraded", "1 while the event log cannot be "
+                                  "written (full disk, EIO): events go on, the log has a gap",
+                                  registry=r)
+        self.log_degraded.set_function(
+            lambda: 1.0 if self._watcher is not None and self._watcher.log_degraded else 0.0)
+        r.register(_ReadCounter(
+            "gpuwatch_log_write_failures", "Event log writes that failed (each retry counts)",
+            lambda: self._watcher.log_write_failures if self._watcher is not None else 0))
         ProcessCollector(registry=r)
         self._server: WSGIServer | None = None
-        self._watcher: Watcher | None = None
 
     # ------------------------------------------------------------------ feeding
 
@@ -82,13 +104,21 @@ class Metrics:
         """Start from the watcher's current state and follow its events from now on."""
         self._watcher = watcher
         self._vendor_name = lambda vid: watcher.tables.gpu_vendors.get(vid, vid or "unknown")
-        # open_watcher publishes exactly one `ready` before it hands the watcher out.
-        self.events.labels(type="ready").inc()
+        # open_watcher publishes one `ready` before it hands the watcher out, unless the
+        # daemon holds it back until its listeners are bound (then it is counted as it comes).
+        if watcher.announced:
+            self.events.labels(type="ready").inc()
         self.last_seq.set(watcher.seq)
         self.functions.set(len(watcher.model.state.functions))
         self.set_gpus(watcher.probe("detect-vfio"))
         self.nvidia_usable.set(1 if watcher.probe("detect-gpu") else 0)
         watcher.listeners.append(self.on_event)
+
+    def track_nfd(self, nfd: Any) -> None:
+        """Count the NFD writer's failed writes (``gpuwatch_nfd_write_failures_total``)."""
+        self.registry.register(_ReadCounter(
+            "gpuwatch_nfd_write_failures", "NFD features file writes that failed (retried "
+            "with backoff, at most once a minute)", lambda: int(nfd.failures)))
 
     def detach(self) -> None:
         if self._watcher is not None and self.on_event in self._watcher.listeners:

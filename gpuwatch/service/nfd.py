@@ -35,6 +35,9 @@ NFD_FILE_NAME = "gpuwatch"
 #: NFD's usual features directory on a node.
 NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
 DEFAULT_EXPIRY = 3600.0
+#: After a failed write: wait 1 s, doubling, until at most one attempt a minute.
+RETRY_FIRST = 1.0
+RETRY_MAX = 60.0
 #: The probe answers the labels are made of: a change to any other one cannot alter them.
 LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version",
                           "amd-gfx-target"})
@@ -152,6 +155,9 @@ class NfdFeatureFile:
         self._dirty = True
         self._wake: anyio.Event | None = None  # made in `run`: an Event needs a running loop
         self.writes = 0
+        #: Failed writes (each retry counts): ``gpuwatch_nfd_write_failures_total``.
+        self.failures = 0
+        self._backoff = 0.0  # seconds to wait before the next try; 0 while writes succeed
 
     def attach(self, watcher: Watcher) -> None:
         self._watcher = watcher
@@ -187,14 +193,24 @@ class NfdFeatureFile:
         now = self._clock()
         refresh_due = self.expiry > 0 and now >= self._written_at + self.expiry / 2
         if not force and labels == self._labels and not refresh_due:
+            self._backoff = 0.0
             return False
         expires = now + self.expiry if self.expiry > 0 else None
         text = render(labels, expires)
         try:
             await anyio.to_thread.run_sync(write_atomically, self.path, text)
         except OSError as exc:
-            _log.warning("cannot write NFD features file %s: %s", self.path, exc)
+            # Said once per outage, not per try: a read-only directory stays read-only.
+            if self._backoff == 0:
+                _log.warning("cannot write NFD features file %s: %s; retrying at most once "
+                             "a minute", self.path, exc)
+            self.failures += 1
+            self._dirty = True
+            self._backoff = min(max(self._backoff * 2, RETRY_FIRST), RETRY_MAX)
             return False
+        if self._backoff:
+            _log.warning("NFD features file %s written again", self.path)
+        self._backoff = 0.0
         self._labels = labels
         self._written_at = now
         self.writes += 1
@@ -205,7 +221,9 @@ class NfdFeatureFile:
         self._wake = anyio.Event()
         await self.update(force=True)
         while True:
-            if not self._dirty:
+            if self._backoff:
+                await anyio.sleep(self._backoff)  # changes meanwhile are picked up after
+            elif not self._dirty:
                 wait = None
                 if self.expiry > 0:
                     wait = max(self._written_at + self.expiry / 2 - self._clock(), 0.0)

@@ -92,8 +92,16 @@ class AccessPolicy:
     #: The daemon's own user: a daemon run without root (a developer's) serves its user.
     owner_uid: int = 0
 
+    def privileged(self, peer: PeerCred) -> bool:
+        """Root or the daemon's own user: never refused, never counted against a share."""
+        return peer.uid in (0, self.owner_uid)
+
+    def may_connect(self, peer: PeerCred) -> bool:
+        """Whether the peer may use the socket at all (checked at accept, before parsing)."""
+        return any(self.allows(method, peer) for method in ("probe", "switch"))
+
     def allows(self, method: str, peer: PeerCred) -> bool:
-        if peer.uid in (0, self.owner_uid):
+        if self.privileged(peer):
             return True
         in_switch = self.switch_gid is not None and self.switch_gid in peer.groups
         if method in SWITCH_METHODS:

@@ -7,7 +7,10 @@ definition of a well-formed request and of every error code.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any, Final
 
 from pydantic_core import to_json
@@ -16,8 +19,11 @@ from gpuwatch import errors as E
 
 #: Where the systemd unit serves the socket (``RuntimeDirectory=gpuwatch``).
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatch/gpuwatch.sock"
-#: A request line longer than this is refused: no legitimate request comes close.
-MAX_LINE: Final = 1 << 20
+#: A request line longer than this is refused (and the connection closed): the longest
+#: legitimate request is a few hundred bytes. ``--socket-max-request-bytes`` changes it.
+MAX_LINE: Final = 64 << 10
+#: JSON nested deeper than this is ``bad-request``; no request needs more than 3 levels.
+MAX_DEPTH: Final = 32
 
 #: Methods anyone allowed on the socket may call.
 READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders"})
@@ -29,7 +35,9 @@ METHODS: Final = READ_METHODS | SWITCH_METHODS
 # Those a `GpuwatchError` can carry are defined once, in `gpuwatch.errors` (the CLI's exit
 # statuses key on the same strings); the rest belong to the protocol alone.
 PARSE_ERROR: Final = "parse-error"  # the line is not JSON
-LINE_TOO_LONG: Final = "line-too-long"  # over MAX_LINE bytes before the newline
+BAD_REQUEST: Final = "bad-request"  # JSON we refuse: too deep, NaN/Infinity, duplicate keys
+REQUEST_TOO_LARGE: Final = "request-too-large"  # over MAX_LINE bytes: reply, then close
+REQUEST_TIMEOUT: Final = "request-timeout"  # a partial line stalled: reply, then close
 INVALID_REQUEST: Final = "invalid-request"  # JSON, but not {"id", "method", "params"}
 UNKNOWN_METHOD: Final = "unknown-method"
 INVALID_PARAMS: Final = E.INVALID_PARAMS  # missing, unknown or wrongly typed parameter
@@ -48,7 +56,8 @@ NOT_ROOT: Final = E.NOT_ROOT  # the daemon itself lacks the privilege to do it
 INTERNAL: Final = E.INTERNAL
 
 ERROR_CODES: Final = frozenset({
-    PARSE_ERROR, LINE_TOO_LONG, INVALID_REQUEST, UNKNOWN_METHOD, INVALID_PARAMS,
+    PARSE_ERROR, BAD_REQUEST, REQUEST_TOO_LARGE, REQUEST_TIMEOUT, INVALID_REQUEST,
+    UNKNOWN_METHOD, INVALID_PARAMS,
     PERMISSION_DENIED, NOT_FOUND, UNAVAILABLE, ALREADY_SUBSCRIBED, TOO_MANY_CLIENTS,
     SWITCH_REFUSED, SWITCH_FAILED, SWITCH_WEDGED, GROUP_BUSY, GROUP_POISONED, REBOOT_REQUIRED,
     NOT_ROOT, INTERNAL,
@@ -75,14 +84,82 @@ class Request:
         self.params = params
 
 
+class UnsafeJson(ValueError):
+    """Well-formed JSON we still refuse: nesting too deep, a non-finite number, a duplicate
+    key or a lone surrogate. Each would break a reader somewhere down the line."""
+
+
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def json_depth(text: str) -> int:
+    """How deep ``text``'s arrays and objects nest, in linear time and without recursion.
+
+    Escapes are removed first (``\\\\`` before ``\\"``, the order a parser reads them), so
+    splitting on the remaining quotes leaves string bodies at the odd positions; only the
+    brackets outside strings count.
+    """
+    if text.count("[") + text.count("{") <= 1:
+        return text.count("[") + text.count("{")
+    bare = text.replace("\\\\", "").replace('\\"', "")
+    outside = _NOT_BRACKET.sub("", "".join(bare.split('"')[::2]))
+    if not outside:
+        return 0
+    return max(0, *accumulate(1 if c in "[{" else -1 for c in outside))
+
+
+def _no_constant(name: str) -> Any:
+    raise UnsafeJson(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UnsafeJson(f"number {text[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise UnsafeJson(f"duplicate key {dup[:40]!r}")
+    return obj
+
+
+def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Strict JSON: `UnsafeJson` for what `UnsafeJson` lists, `ValueError` for not-JSON.
+
+    The depth is decided before the parser runs, so a depth-1000 array is refused without
+    the (recursive) C parser ever seeing it. Used for requests and, in the client, replies.
+    """
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text).decode("utf-8")  # UnicodeDecodeError is a ValueError
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise UnsafeJson(f"JSON nested {depth} deep (at most {max_depth})")
+    obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite,
+                     object_pairs_hook=_unique_keys)
+    if _LONE_SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsafeJson("a string holds a lone UTF-16 surrogate") from None
+    return obj
+
+
 def parse_request(line: bytes | str) -> Request:
     """A request line as a `Request`; `RpcError` (with the id when one was readable) otherwise.
 
     The id travels inside the error so the reply can still name the request it answers.
     """
     try:
-        obj = json.loads(line)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        obj = loads(line)
+    except UnsafeJson as exc:
+        raise RequestError(None, BAD_REQUEST, str(exc)) from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise RequestError(None, PARSE_ERROR, f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise RequestError(None, INVALID_REQUEST,
@@ -114,18 +191,25 @@ class RequestError(RpcError):
 
 
 def encode_result(rid: Any, result: Any) -> bytes:
-    """``{"id", "result"}`` + newline; pydantic answers serialised by alias (``class``)."""
-    return to_json({"id": rid, "result": result}, by_alias=True) + b"\n"
+    """``{"id", "result"}`` + newline; pydantic answers serialised by alias (``class``).
+    A non-finite float becomes ``null``: no reply ever holds ``NaN`` or ``Infinity``."""
+    return to_json({"id": rid, "result": result}, by_alias=True, inf_nan_mode="null") + b"\n"
 
 
 def encode_error(rid: Any, code: str, message: str) -> bytes:
-    """``{"id", "error": {"code", "message"}}`` + newline; the message is one line."""
+    """``{"id", "error": {"code", "message"}}`` + newline; the message is one line.
+    Never raises: an id JSON cannot carry back is replaced by null."""
     one_line = " ".join(message.split())
-    return to_json({"id": rid, "error": {"code": code, "message": one_line}}) + b"\n"
+    body = {"code": code, "message": one_line.encode("utf-8", "replace").decode("utf-8")}
+    try:
+        return to_json({"id": rid, "error": body}, inf_nan_mode="null") + b"\n"
+    except ValueError:
+        return to_json({"id": None, "error": body}) + b"\n"
 
 
 def encode_request(rid: Any, method: str, params: Mapping[str, Any] | None = None) -> bytes:
-    return to_json({"id": rid, "method": method, "params": dict(params or {})}) + b"\n"
+    return to_json({"id": rid, "method": method, "params": dict(params or {})},
+                   inf_nan_mode="null") + b"\n"
 
 
 # --------------------------------------------------------------------------- parameters
@@ -200,6 +284,7 @@ class Params:
 __all__ = [
     "DEFAULT_SOCKET_PATH",
     "ERROR_CODES",
+    "MAX_DEPTH",
     "MAX_LINE",
     "METHODS",
     "READ_METHODS",
@@ -208,8 +293,11 @@ __all__ = [
     "Request",
     "RequestError",
     "RpcError",
+    "UnsafeJson",
     "encode_error",
     "encode_request",
     "encode_result",
+    "json_depth",
+    "loads",
     "parse_request",
 ]

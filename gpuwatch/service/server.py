@@ -18,6 +18,7 @@ import errno
 import functools
 import logging
 import os
+import resource
 import select
 import socket
 import stat
@@ -47,7 +48,16 @@ _log = logging.getLogger("gpuwatch.service")
 
 #: Bytes a client may leave unread before it is disconnected.
 DEFAULT_OUTBOX_LIMIT = 4 << 20
+#: Connections served at once, all peers together.
 DEFAULT_MAX_CLIENTS = 1024
+#: Connections one non-root uid may hold: one user cannot take every slot.
+DEFAULT_MAX_PER_UID = 16
+#: Slots only root (and the daemon's own user) may take: root is never locked out by others.
+DEFAULT_ROOT_RESERVE = 64
+#: Seconds a partial request line may wait for its newline before the connection is closed.
+DEFAULT_STALL_TIMEOUT = 30.0
+# How long a connection being closed for cause gets to take its last (error) line.
+_FLUSH_BEFORE_CLOSE = 5.0
 _RECV = 64 * 1024
 # How often a half-closed subscriber (it sent EOF but still reads) is checked for hang-up.
 _HUP_POLL = 1.0
@@ -191,6 +201,20 @@ class Connection:
         if self.pending and self.pending + len(data) > self.server.outbox_limit:
             self.overflow()
             return False
+        if not self.outbox:
+            # Nothing queued: hand it to the kernel now (non-blocking). A reply or a batch
+            # that fits the socket buffer then costs no wake-up of the writer task.
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # EPIPE, ECONNRESET: the client left
+                self.close()
+                return False
+            if sent == len(data):
+                self._progress.set()
+                return True
+            data = data[sent:]
         self.outbox.append(data)
         self.pending += len(data)
         self._wake.set()
@@ -312,7 +336,10 @@ class SocketServer:
         metrics: Metrics | None = None,
         outbox_limit: int = DEFAULT_OUTBOX_LIMIT,
         max_clients: int = DEFAULT_MAX_CLIENTS,
+        max_per_uid: int = DEFAULT_MAX_PER_UID,
+        root_reserve: int = DEFAULT_ROOT_RESERVE,
         max_line: int = P.MAX_LINE,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         ops: dict[str, OpHandler] | None = None,
     ) -> None:
         self.watcher = watcher
@@ -323,7 +350,12 @@ class SocketServer:
         self.metrics = metrics
         self.outbox_limit = outbox_limit
         self.max_clients = max_clients
+        self.max_per_uid = max_per_uid
+        self.root_reserve = min(root_reserve, max_clients)
         self.max_line = max_line
+        self.stall_timeout = stall_timeout
+        self._per_uid: dict[int, int] = {}
+        self._unprivileged = 0
         self.ops = ops if ops is not None else default_ops()
         self.connections: set[Connection] = set()
         self._subscribers: list[Connection] = []
@@ -334,6 +366,7 @@ class SocketServer:
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report started, accept until cancelled; the socket file is removed at the end."""
+        _raise_fd_limit(self.max_clients + 256)
         lsock = bind_socket(self.path, self.policy.read_gid if self.policy.read_gid is not None
                             else (0 if os.geteuid() == 0 else None))
         st = os.stat(self.path)
@@ -381,37 +414,75 @@ class SocketServer:
 
     # ------------------------------------------------------------------ one client
 
+    def _admit(self, peer: PeerCred) -> tuple[str, str] | None:
+        """Why ``peer`` may not have a connection now ((code, message)), or None.
+
+        Decided from SO_PEERCRED alone, before a byte of the peer is read: a peer that may
+        not use the socket, or that holds its uid's share already, costs one error line.
+        """
+        if not self.policy.may_connect(peer):
+            return P.PERMISSION_DENIED, self.policy.refusal("probe", peer)
+        if self.policy.privileged(peer):
+            if len(self.connections) >= self.max_clients:
+                return P.TOO_MANY_CLIENTS, (f"the daemon serves at most {self.max_clients} "
+                                            "clients")
+            return None
+        if self._per_uid.get(peer.uid, 0) >= self.max_per_uid:
+            return P.TOO_MANY_CLIENTS, (f"uid {peer.uid} holds {self.max_per_uid} connections "
+                                        "already (--socket-max-per-uid)")
+        if (self._unprivileged >= self.max_clients - self.root_reserve
+                or len(self.connections) >= self.max_clients):
+            return P.TOO_MANY_CLIENTS, (f"the daemon serves at most "
+                                        f"{self.max_clients - self.root_reserve} non-root "
+                                        "clients")
+        return None
+
+    def _track(self, peer: PeerCred, delta: int) -> None:
+        if self.policy.privileged(peer):
+            return
+        count = self._per_uid.get(peer.uid, 0) + delta
+        if count > 0:
+            self._per_uid[peer.uid] = count
+        else:
+            self._per_uid.pop(peer.uid, None)
+        self._unprivileged += delta
+
     async def _handle(self, sock: socket.socket) -> None:
         try:
             peer = peer_credentials(sock)
         except OSError:
             sock.close()
             return
-        conn = Connection(self, sock, peer)
-        if len(self.connections) >= self.max_clients:
-            _log.warning("refusing %s: %d clients connected", peer.describe(),
-                         len(self.connections))
+        refusal = self._admit(peer)
+        if refusal is not None:
+            code, message = refusal
+            _log.warning("refusing %s: %s", peer.describe(), message)
+            self._count("?", code)
             with contextlib.suppress(OSError):
-                sock.send(P.encode_error(None, P.TOO_MANY_CLIENTS,
-                                         f"the daemon serves at most {self.max_clients} clients"))
+                sock.send(P.encode_error(None, code, message))
+                sock.shutdown(socket.SHUT_WR)
             sock.close()
             return
+        conn = Connection(self, sock, peer)
         self.connections.add(conn)
+        self._track(peer, +1)
         if self.metrics is not None:
             self.metrics.clients.set(len(self.connections))
         try:
             with conn.scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(conn.writer)
-                    await self._reader(conn)
-                    with anyio.move_on_after(_FLUSH_AFTER_EOF):
+                    ended_by_peer = await self._reader(conn)
+                    with anyio.move_on_after(_FLUSH_AFTER_EOF if ended_by_peer
+                                             else _FLUSH_BEFORE_CLOSE):
                         await conn.flushed()
-                    if conn.sub is not None:
+                    if ended_by_peer and conn.sub is not None:
                         await self._await_hangup(conn)
                     tg.cancel_scope.cancel()
         finally:
             conn.closed = True
             self.connections.discard(conn)
+            self._track(peer, -1)
             if conn in self._subscribers:
                 self._subscribers.remove(conn)
             if self.metrics is not None:
@@ -429,55 +500,70 @@ class SocketServer:
                 return
             await anyio.sleep(_HUP_POLL)
 
-    async def _reader(self, conn: Connection) -> None:
-        """Read lines until EOF; each complete line is one request, answered in order."""
+    async def _reader(self, conn: Connection) -> bool:
+        """Read lines; each complete line is one request, answered in order.
+
+        True when the peer ended (EOF); False when the connection is being closed for
+        cause: a line over ``max_line`` bytes, or a partial line that stalled for
+        ``stall_timeout`` seconds. At most ``max_line`` bytes of a request are ever held.
+        """
         sock = conn.sock
         buf = bytearray()
-        discarding = False  # inside an oversized line: drop bytes up to its newline
+        deadline = 0.0  # when the partial line in buf must be complete
         while not conn.closed:
-            await anyio.wait_readable(sock)
+            if buf:
+                with anyio.move_on_after(deadline - anyio.current_time()) as waited:
+                    await anyio.wait_readable(sock)
+                if waited.cancelled_caught:
+                    self._refuse_line(conn, P.REQUEST_TIMEOUT,
+                                      f"request line incomplete after {self.stall_timeout:g} "
+                                      "seconds")
+                    return False
+            else:
+                await anyio.wait_readable(sock)
             try:
                 chunk = sock.recv(_RECV)
             except BlockingIOError:
                 continue
             except OSError:
                 conn.close()
-                return
+                return True
             if not chunk:
-                if buf and not discarding:
+                if buf:
                     await self._line(conn, bytes(buf))  # a last request without newline
-                return
+                return True
             start = 0
             while True:
                 cut = chunk.find(b"\n", start)
                 if cut < 0:
                     break
-                piece = chunk[start:cut]
-                start = cut + 1
-                if discarding:
-                    discarding = False
-                    buf.clear()
-                    continue
-                if len(buf) + len(piece) > self.max_line:
-                    buf.clear()
+                if len(buf) + cut - start > self.max_line:
                     self._too_long(conn)
-                    continue
-                line = bytes(buf) + piece if buf else piece
+                    return False
+                line = bytes(buf) + chunk[start:cut] if buf else chunk[start:cut]
+                start = cut + 1
                 buf.clear()
                 await self._line(conn, line)
                 if conn.closed:
-                    return
-            if not discarding:
+                    return True
+            if len(buf) + len(chunk) - start > self.max_line:
+                self._too_long(conn)
+                return False
+            if start < len(chunk):
+                if not buf:
+                    deadline = anyio.current_time() + self.stall_timeout
                 buf += chunk[start:]
-                if len(buf) > self.max_line:
-                    buf.clear()
-                    discarding = True
-                    self._too_long(conn)
+        return True
+
+    def _refuse_line(self, conn: Connection, code: str, message: str) -> None:
+        """One error line; the connection is then flushed (briefly) and closed."""
+        _log.warning("closing %s: %s", conn.peer.describe(), message)
+        conn.enqueue(P.encode_error(None, code, message))
+        self._count("?", code)
 
     def _too_long(self, conn: Connection) -> None:
-        conn.enqueue(P.encode_error(None, P.LINE_TOO_LONG,
-                                    f"request line longer than {self.max_line} bytes"))
-        self._count("?", P.LINE_TOO_LONG)
+        self._refuse_line(conn, P.REQUEST_TOO_LARGE,
+                          f"request line longer than {self.max_line} bytes")
 
     async def _line(self, conn: Connection, line: bytes) -> None:
         if not line.strip():
@@ -673,6 +759,16 @@ class SocketServer:
             self.metrics.lag_drops.inc()
         if conn in self._subscribers:
             self._subscribers.remove(conn)
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Lift the soft RLIMIT_NOFILE towards ``wanted`` (within the hard limit), as systemd
+    expects of a daemon: the default soft 1024 is less than the clients it may serve."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _chain(first: tuple[int, Any, Any, bytes],

@@ -55,7 +55,7 @@ from gpuwatch.core.plan import (
     switch_guard,
     unbind_scope,
 )
-from gpuwatch.core.results import PciFunction
+from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.errors import (
     DeviceNotFound,
     GroupBusy,
@@ -440,7 +440,7 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
 
     async def _scan(self, scope: NodeScope, deadline: float,
-                    plan: SwitchPlan) -> list[ev.Holding]:
+                    plan: SwitchPlan) -> list[Holding]:
         proc_deadline = self.model.proc_deadline
         timeout = max(0.1, min(self.scan_timeout, proc_deadline + 1, deadline - time.monotonic()))
         try:
@@ -536,7 +536,7 @@ class SwitchEngine:
         )
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
-                 holders: Sequence[ev.Holding]) -> None:
+                 holders: Sequence[Holding]) -> None:
         # INFO: the refusal is the caller's error (printed once, by the CLI) and an event;
         # a warning here would reach stderr a second time through logging's last resort.
         _log.info("switch of group %s refused: %s", group, reason)

@@ -13,6 +13,9 @@ duplicates when a rotation races their directory scan.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -27,9 +30,14 @@ from typing import IO, Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.errors import GpuwatchError
+
 __all__ = [
     "EventLog",
     "EventLogClosedError",
+    "EventLogLocked",
+    "EventLogUnavailable",
+    "EventLogWriteError",
     "EventRecord",
     "afollow_events",
     "afollow_records",
@@ -59,6 +67,68 @@ _Ident = tuple[int, int]
 
 class EventLogClosedError(ValueError):
     """``write_line`` after ``close``: the event would otherwise vanish silently."""
+
+
+class EventLogUnavailable(GpuwatchError):
+    """The log path cannot be opened for writing (no permission, a directory, read-only…)."""
+
+
+class EventLogLocked(EventLogUnavailable):
+    """Another process writes this log (it holds ``PATH.lock``); two writers would
+    interleave lines and repeat seqs, so the second one stops before writing anything."""
+
+
+class EventLogWriteError(OSError):
+    """A write failed (ENOSPC, EIO, …); nothing of the failed batch is known to be on disk
+    in full. The log stays usable: the next write tries again."""
+
+
+def lock_path(path: str | os.PathLike[str]) -> str:
+    """The lock file beside a log: ``PATH.lock``."""
+    return os.fspath(path) + ".lock"
+
+
+def _describe_os_error(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{name}: {text}" if name else text
+
+
+def _take_lock(path: str) -> int:
+    """Hold ``PATH.lock`` exclusively for the life of the writer; the file names our pid.
+
+    flock, not a pid file alone: the kernel drops the lock when the holder dies (even by
+    kill -9), so a stale file never blocks a restart. On a full disk the lock file may not
+    be creatable; the directory itself is locked instead (flock works on directories).
+    """
+    name = lock_path(path)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise EventLogUnavailable(
+                f"event log {path}: cannot open its lock {name}: {_describe_os_error(exc)}"
+            ) from None
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = ""
+        with contextlib.suppress(OSError, ValueError):
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            who = f"pid {holder}" if holder.isdigit() else "another process"
+            raise EventLogLocked(
+                f"event log {path} is written by {who} (it holds {name}); "
+                "one log has one writer") from None
+        raise EventLogUnavailable(
+            f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
+    with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
+        pid = f"{os.getpid()}\n".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, pid, 0)
+    return fd
 
 
 class EventRecord(NamedTuple):
@@ -162,7 +232,8 @@ class EventLog:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, keep: int = 5
+        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, keep: int = 5,
+        lock: bool = True,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -177,16 +248,36 @@ class EventLog:
         self._size = 0
         self._closed = False
         self._last_seq: int | None = None
+        self._lock_fd: int | None = None
+        #: Why the last write failed (None while writes succeed): a full disk, EIO, …
+        self.error: str | None = None
+        self._check_tail = True  # before the next write: end a torn last line
         if self._stdout:
             return
         parent = os.path.dirname(self._path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        self._open()
-        if self._size > 0 and not self._ends_with_newline():
-            # A writer died mid-line. End that line so the next event does not fuse with it
-            # into one malformed line; readers skip the damaged one.
-            self._write_all(b"\n")
+        try:
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                raise EventLogUnavailable(
+                    f"event log {self._path}: cannot create {parent}: "
+                    f"{_describe_os_error(exc)}") from None
+        if lock:
+            self._lock_fd = _take_lock(self._path)  # before anything is written
+        try:
+            self._open()
+            self._end_torn_line()
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
+                             errno.EROFS, errno.ELOOP, errno.ENOENT, errno.ENXIO):
+                self._release_lock()
+                raise EventLogUnavailable(
+                    f"event log {self._path}: cannot open it for writing: "
+                    f"{_describe_os_error(exc)}") from None
+            # A full or failing disk: serve anyway, the writes are retried (degraded start).
+            self.error = _describe_os_error(exc)
+            _log.warning("event log %s: %s; starting without it", self._path, self.error)
         self._last_seq = last_seq_in(self._path)
 
     @property
@@ -199,9 +290,26 @@ class EventLog:
         return self._last_seq
 
     def _open(self) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        self._fd = os.open(self._path, flags, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        # O_NONBLOCK for the open only: a FIFO planted at PATH fails with ENXIO instead of
+        # hanging the daemon until someone reads it.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(self._path, flags, 0o644)
+        os.set_blocking(fd, True)
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
+
+    def _end_torn_line(self) -> None:
+        if self._check_tail:
+            if self._size > 0 and not self._ends_with_newline():
+                # A writer died mid-line (or a write failed half way). End that line so the
+                # next event does not fuse with it; readers skip the damaged one.
+                self._write_all(b"\n")
+            self._check_tail = False
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _ends_with_newline(self) -> bool:
         with open(self._path, "rb") as f:
@@ -241,26 +349,41 @@ class EventLog:
         with self._lock:
             if self._closed:
                 raise EventLogClosedError(f"event log {self._path} is closed")
-            pending: list[bytes] = []
-            pending_size = 0
-            for line in lines:
-                data = (line + "\n").encode("utf-8")
-                size = self._size + pending_size
-                if self._max_bytes is not None and size > 0 and size + len(data) > self._max_bytes:
-                    if pending:
-                        self._write_all(b"".join(pending))
-                        pending, pending_size = [], 0
-                    if self._size > 0:
-                        self._rotate()
-                pending.append(data)
-                pending_size += len(data)
-            if pending:
-                self._write_all(b"".join(pending))
+            try:
+                self._append(lines)
+            except OSError as exc:
+                # Anything may be on disk up to the failure, even half a line: look at the
+                # tail before the next write. The caller decides what to retry and when.
+                self._check_tail = True
+                self.error = _describe_os_error(exc)
+                raise EventLogWriteError(exc.errno, self.error) from None
+            self.error = None
+
+    def _append(self, lines: Sequence[str]) -> None:
+        if self._fd is None:
+            self._open()  # resuming after a failure (or a failed rotation's reopen)
+        self._end_torn_line()
+        pending: list[bytes] = []
+        pending_size = 0
+        for line in lines:
+            data = (line + "\n").encode("utf-8")
+            size = self._size + pending_size
+            if self._max_bytes is not None and size > 0 and size + len(data) > self._max_bytes:
+                if pending:
+                    self._write_all(b"".join(pending))
+                    pending, pending_size = [], 0
+                if self._size > 0:
+                    self._rotate()
+            pending.append(data)
+            pending_size += len(data)
+        if pending:
+            self._write_all(b"".join(pending))
 
     def _rotate(self) -> None:
         assert self._fd is not None
         os.close(self._fd)
         self._fd = None
+        self._check_tail = False  # the new file starts empty
         try:
             self._shift_files()
         except OSError as exc:
@@ -292,6 +415,7 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            self._release_lock()
 
     def __enter__(self) -> EventLog:
         return self

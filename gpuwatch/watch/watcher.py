@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +20,15 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from gpuwatch.core.events import Ready, Resync, format_event_time
+from gpuwatch.core.events import (
+    LogDegraded,
+    LogGap,
+    Ready,
+    Resync,
+    Stopped,
+    format_event_time,
+    stamp,
+)
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
@@ -29,7 +38,7 @@ from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
-from gpuwatch.watch.eventlog import EventLog
+from gpuwatch.watch.eventlog import EventLog, EventLogWriteError
 from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
@@ -39,9 +48,12 @@ DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_VGPU_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
 #: Events applied between two chances for other tasks to run (requests, subscribers).
-PUMP_SLICE = 256
+PUMP_SLICE = 64
 #: Actions after which only a function's driver link can have changed (see `observe`).
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
+#: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
+LOG_RETRY_FIRST = 1.0
+LOG_RETRY_MAX = 60.0
 
 
 class HostSnapshot(BaseModel):
@@ -79,6 +91,7 @@ class Watcher:
         self._seq = (log.last_seq or 0) if log is not None else 0
         self._lock = anyio.Lock()
         self._closed = False
+        self._stopped = False
         self.source_ended = anyio.Event()
         self.resyncs = 0
         #: Observers called with every stamped event (metrics, NFD).
@@ -86,6 +99,23 @@ class Watcher:
         #: Observers called once per published batch with the stamped events and their JSON
         #: lines, serialised once for the log and every reader (the socket server).
         self.batch_listeners: list[Callable[[Sequence[BaseModel], Sequence[str]], None]] = []
+        self._announced = anyio.Event()
+        # Event log health: the unwritten seq range and when to try again.
+        self._gap: tuple[int, int] | None = None
+        self._log_retry_at = 0.0
+        self._log_backoff = LOG_RETRY_FIRST
+        self.log_write_failures = 0
+        self._log_error = ""
+
+    @property
+    def announced(self) -> bool:
+        """Whether ``ready`` has been published."""
+        return self._announced.is_set()
+
+    @property
+    def log_degraded(self) -> str | None:
+        """Why the event log is not being written (None: it is)."""
+        return self._log_error if self._gap is not None else None
 
     # ------------------------------------------------------------------ reading
 
@@ -171,19 +201,12 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
-        now = format_event_time()
-        for event in events:
-            self._seq += 1
-            # Straight into the instance dict: pydantic's __setattr__ machinery is a tenth of
-            # an event's cost, and these two fields are ours to set once.
-            fields = event.__dict__
-            fields["seq"] = self._seq
-            fields["time"] = now
+        stamp(events, self._seq + 1, format_event_time())
+        self._seq += len(events)
         lines: Sequence[str] = ()
         if self._log is not None or self.batch_listeners:  # serialised once, for everyone
             lines = [event.model_dump_json() for event in events]
-        if self._log is not None:  # on disk before anyone hears of it
-            self._log.write_lines(lines)
+        degraded_now = self._log is not None and self._write_log(events, lines)
         for batch_listener in tuple(self.batch_listeners):
             batch_listener(events, lines)
         for listener in self.listeners:
@@ -191,6 +214,44 @@ class Watcher:
                 listener(event)
         for sub in tuple(self._subscribers):
             sub.offer_batch(events)
+        if degraded_now:
+            assert self._log is not None
+            self.publish([LogDegraded(path=self._log.path, error=self._log_error)])
+
+    def _write_log(self, events: Sequence[BaseModel], lines: Sequence[str]) -> bool:
+        """On disk before anyone hears of it, or, on a full or failing disk, not at all:
+        the daemon goes on, the range is remembered, and a write is tried again (with the
+        next event, after a backoff) led by a ``log-gap`` record naming what is missing.
+        True when this batch is the one that found the log failing."""
+        assert self._log is not None
+        first = int(getattr(events[0], "seq", 0))
+        last = int(getattr(events[-1], "seq", 0))
+        if self._gap is not None and time.monotonic() < self._log_retry_at:
+            self._gap = (self._gap[0], last)
+            return False
+        if self._gap is not None and self._gap[0] < first:
+            gap = LogGap(first_seq=self._gap[0], last_seq=first - 1, error=self._log_error,
+                         seq=first - 1, time=getattr(events[0], "time", ""))
+            lines = [gap.model_dump_json(), *lines]
+        try:
+            self._log.write_lines(lines)
+        except EventLogWriteError as exc:
+            self.log_write_failures += 1
+            fresh = self._gap is None
+            self._gap = (first, last) if self._gap is None else (self._gap[0], last)
+            self._log_error = exc.strerror or str(exc)
+            self._log_retry_at = time.monotonic() + self._log_backoff
+            self._log_backoff = min(self._log_backoff * 2, LOG_RETRY_MAX)
+            if fresh:
+                _log.error("event log %s: %s; events go on, the log resumes when it can",
+                           self._log.path, self._log_error)
+            return fresh
+        if self._gap is not None:
+            _log.warning("event log %s resumed; seqs %d..%d are not in it", self._log.path,
+                         self._gap[0], first - 1)
+        self._gap = None
+        self._log_backoff = LOG_RETRY_FIRST
+        return False
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed."""
@@ -219,29 +280,55 @@ class Watcher:
 
     # ------------------------------------------------------------------ tasks
 
+    def announce_ready(self) -> None:
+        """Publish ``ready`` and start applying uevents (queued in the source meanwhile).
+        `open_watcher` does it before its body unless ``announce=False``: a daemon first
+        binds its listeners, so ``ready`` is never a promise it cannot keep."""
+        if self._announced.is_set():
+            return
+        self.publish([Ready(devices=len(self.model.state.functions), source=self.source.name)])
+        self._announced.set()
+
+    def stop(self, reason: str) -> None:
+        """Publish the ``stopped`` record (once): the last line of this run's log."""
+        if not self._stopped:
+            self._stopped = True
+            self.publish([Stopped(reason=reason)])
+
     async def _pump(self) -> None:
+        await self._announced.wait()
         try:
             async for batch in self.source.batches():
                 if isinstance(batch, SourceOverflow):
                     _log.warning("events lost (%s): rescanning", batch.error)
                     await self.resync("overflow")
                     continue
-                # A source may hand over a whole backlog at once: apply it in slices, and let
-                # socket requests and subscribers run between them, so nobody waits for all of it.
-                for start in range(0, len(batch), PUMP_SLICE):
+                # A source may hand over a whole backlog at once: read each device it names once,
+                # then apply in slices, letting socket requests and subscribers run between
+                # them, so nobody waits for all of it.
+                reads = self._collapse(batch)
+                for start in range(0, max(1, len(reads)), PUMP_SLICE):
                     if start:
                         await anyio.lowlevel.checkpoint()
                     async with self._lock:
-                        self.apply(self._observe(batch[start : start + PUMP_SLICE]))
+                        observations = self._observe(reads[start : start + PUMP_SLICE])
+                        if start + PUMP_SLICE >= len(reads):
+                            # What only the uevents say (error recovery, wedges, fresh binds):
+                            # every one, in the kernel's order, after the reads that brought
+                            # their functions into the model.
+                            for event in batch:
+                                observations.extend(uevent_facts(event))
+                        self.apply(observations)
         finally:
             self.source_ended.set()
 
-    def _observe(self, batch: Sequence[UEvent]) -> list[Observation]:
-        """Read each device the batch names once, however often it names it.
+    @staticmethod
+    def _collapse(batch: Sequence[UEvent]) -> list[UEvent]:
+        """One uevent per device the batch names, however often it names it.
 
         The tree is read after the batch, so the last read is the only one that counts: a
         flapping link or a storm of a hundred events for one function costs one read. A
-        bind/unbind-only read (`read_function_known`) is used only when every event for the
+        bind/unbind-only read (`read_function_known`) is kept only when every event for the
         device was one; anything else makes it the full read.
         """
         last: dict[tuple[str, str, str], UEvent] = {}
@@ -252,20 +339,23 @@ class Watcher:
                 full.add(key)
             last.pop(key, None)  # re-insert: dict order is then the order of last mention
             last[key] = event
+        return [
+            event._replace(action="change")
+            if key in full and event.action in _DRIVER_ACTIONS else event
+            for key, event in last.items()
+        ]
+
+    def _observe(self, reads: Sequence[UEvent]) -> list[Observation]:
+        """Read the tree for each (already collapsed) uevent."""
         observations: list[Observation] = []
         paths, tables = self.paths, self.tables
-        for key, event in last.items():
-            if key in full and event.action in _DRIVER_ACTIONS:
-                event = event._replace(action="change")
+        for event in reads:
             observations.extend(observe(paths, tables, event))
-        # What only the uevents say (error recovery, wedges, fresh binds): every one, in the
-        # kernel's order, after the reads that brought their functions into the model.
-        for event in batch:
-            observations.extend(uevent_facts(event))
         return observations
 
     async def _poll_cdi(self) -> None:
         # CDI specs are plain files: no uevent announces them, so look twice a second.
+        await self._announced.wait()
         while True:
             await anyio.sleep(self._cdi_poll_interval)
             seen = read_cdi(self.paths)
@@ -289,6 +379,7 @@ class Watcher:
             await self.poll_vgpus()
 
     async def _reconcile(self) -> None:
+        await self._announced.wait()
         while True:
             await anyio.sleep(self._reconcile_interval)
             await self.resync("reconcile")
@@ -323,11 +414,13 @@ async def open_watcher(
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
     vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
+    announce: bool = True,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
 
     The source is bound *before* the scan, so a change made while the scan runs arrives as
-    an event afterwards rather than being lost between the two.
+    an event afterwards rather than being lost between the two. With ``announce=False`` the
+    body runs before ``ready``: it calls `Watcher.announce_ready` when it is ready to serve.
     """
     tables = tables_in_force(config)
     root = root_in_force(root, config)
@@ -346,7 +439,8 @@ async def open_watcher(
         for warning in src.warnings:
             _log.warning("%s", warning)
         paths = HostPaths(root)
-        snapshot = await anyio.to_thread.run_sync(scan, paths, tables)
+        # Abandoned on cancel: SIGTERM during a long first scan stops now, not after it.
+        snapshot = await anyio.to_thread.run_sync(scan, paths, tables, abandon_on_cancel=True)
         model = HostModel(paths, HostState(tables, snapshot))
         model.proc_deadline = proc_read_timeout_in_force(config)
         watcher = Watcher(
@@ -358,7 +452,8 @@ async def open_watcher(
             subscriber_buffer=subscriber_buffer,
             vgpu_poll_interval=vgpu_poll_interval,
         )
-        watcher.publish([Ready(devices=len(model.state.functions), source=src.name)])
+        if announce:
+            watcher.announce_ready()
         try:
             async with anyio.create_task_group() as tg:
                 watcher._start_tasks(tg)

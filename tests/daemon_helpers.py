@@ -1,0 +1,160 @@
+"""A real ``gpuwatch watch`` daemon in a subprocess, for the attack tests: its own process,
+a real unix socket, a real log file, uevents pushed through a FIFO (``--source file:``) or
+the real kernel (``--source kernel``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from gpuwatch.service import protocol as P
+from gpuwatch.watch.eventlog import read_events
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gpuwatch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gpuwatch", *args]
+
+
+def env() -> dict[str, str]:
+    """The worktree's code for the child, never an installed copy."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
+    e["PYTHONPATH"] = str(REPO)
+    e.pop("NOTIFY_SOCKET", None)
+    return e
+
+
+class Daemon:
+    """``gpuwatch watch --socket`` over a fixture root; `start` returns once the log says
+    ``ready`` (which, by contract, is after the socket listens)."""
+
+    def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
+                 source: str = "fifo") -> None:
+        self.root, self.workdir, self.sock = root, workdir, sock
+        self.log = workdir / "events.jsonl"
+        self.fifo = workdir / "uevents.fifo"
+        self.args = args
+        self.source = source
+        self.proc: subprocess.Popen[str] | None = None
+        self._fifo: IO[str] | None = None
+        self.stderr = ""
+
+    def start(self, timeout: float = 30) -> Daemon:
+        spec = self.source
+        if spec == "fifo":
+            if not self.fifo.exists():
+                os.mkfifo(self.fifo)
+            spec = f"file:{self.fifo}"
+        before = self.seq()
+        self.proc = subprocess.Popen(
+            gpuwatch_cmd("watch", "--root", str(self.root), "--source", spec, "--log",
+                         str(self.log), "--reconcile-interval", "0", "--socket", self.sock,
+                         *self.args),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
+            cwd=REPO)
+        if self.source == "fifo":
+            self._fifo = open(self.fifo, "w")  # noqa: SIM115 - closed in stop()
+        deadline = time.monotonic() + timeout
+        while not any(e["type"] == "ready" and e["seq"] > before for e in self.events()):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: "
+                                     f"{self.proc.stderr.read() if self.proc.stderr else ''}")
+            assert time.monotonic() < deadline, "daemon not ready in time"
+            time.sleep(0.02)
+        return self
+
+    def push(self, props: dict[str, str]) -> None:
+        assert self._fifo is not None
+        self._fifo.write(json.dumps(props) + "\n")
+        self._fifo.flush()
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(read_events(self.log)) if self.log.exists() else []
+
+    def seq(self) -> int:
+        events = self.events()
+        return events[-1]["seq"] if events else 0
+
+    def wait_event(self, pred: Any, timeout: float = 15) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for e in self.events():
+                if pred(e):
+                    return e
+            assert time.monotonic() < deadline, "event did not come"
+            time.sleep(0.02)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, self.stderr = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.communicate()
+            if self._fifo is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    self._fifo.close()
+                self._fifo = None
+        return self.proc.returncode
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect(path: str, timeout: float = 10) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    return s
+
+
+class Lines:
+    """Reply lines of one connection, decoded strictly (no NaN, no duplicate keys)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def line(self) -> Any:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError("connection closed")
+            self.buf += chunk
+        raw, _, self.buf = self.buf.partition(b"\n")
+        return P.loads(raw, max_depth=64)
+
+    def eof(self) -> bool:
+        """True when the daemon closes the connection (after any lines left)."""
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return True
+                self.buf += chunk
+        except ConnectionResetError:
+            return True
+
+    def request(self, method: str, params: dict[str, Any] | None = None, rid: Any = 1) -> Any:
+        self.sock.sendall(P.encode_request(rid, method, params))
+        return self.line()
+
+
+def probe(path: str, action: str = "detect-gpu", **params: Any) -> Any:
+    with connect(path) as s:
+        return Lines(s).request("probe", {"action": action, **params})

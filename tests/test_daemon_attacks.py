@@ -1,0 +1,354 @@
+"""Attacks on a real daemon process: hostile frames, oversized and stalled lines, outsiders,
+connection floods, a second writer, unusable paths, and signals at any moment.
+
+Each test runs ``gpuwatch watch --socket`` as its own process (tests/daemon_helpers.py) and
+speaks to it over its real unix socket, the way an attacker on the host would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import Daemon, Lines, connect, env, gpuwatch_cmd, probe
+
+from gpuwatch.service import protocol as P
+from gpuwatch.service.testing import short_socket_dir
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import read_events
+
+NV = "0000:01:00.0"
+READERS = 424211  # --socket-group of the flood tests
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+@pytest.fixture
+def daemon(host: SysRoot, tmp_path: Path, sockdir: str) -> Iterator[Daemon]:
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-stall-timeout", "0.5")
+    with d:
+        yield d
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
+
+
+HOSTILE = [
+    (b"[" * 1000 + b"]" * 1000, P.BAD_REQUEST),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, P.REQUEST_TOO_LARGE),  # 600 KB: too large first
+    (b'{"id":' * 40 + b"1" + b"}" * 40, P.BAD_REQUEST),
+    (b'{"id": 1, "method": "probe", "params": {"action": "detect-gpu", "x": NaN}}', P.BAD_REQUEST),
+    (b'{"id": Infinity, "method": "probe"}', P.BAD_REQUEST),
+    (b'{"id": -Infinity, "method": "probe"}', P.BAD_REQUEST),
+    (b'{"id": 1e999, "method": "probe"}', P.BAD_REQUEST),
+    (b'{"id": 1, "id": 2, "method": "probe"}', P.BAD_REQUEST),
+    (b'{"id": "\\ud800", "method": "probe"}', P.BAD_REQUEST),
+    (b"\xff\xfe{}", P.PARSE_ERROR),
+    (b'{"id": 7, "method": "probe", "params": {"action": "detect-gpu", "x": [[[[1]]]]}}',
+     P.INVALID_PARAMS),
+]
+
+
+def test_hostile_frames_are_refused_and_the_daemon_answers(daemon: Daemon) -> None:
+    for frame, code in HOSTILE:
+        with connect(daemon.sock) as s:
+            lines = Lines(s)
+            # Closed for size while we were still sending: the reply is queued all the same.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(frame + b"\n")
+            reply = lines.line()  # strict decode: no NaN/Infinity ever comes back
+            assert reply["error"]["code"] == code, (frame[:60], reply)
+            if code == P.REQUEST_TOO_LARGE:
+                assert lines.eof()
+                continue
+            # Everything else leaves the connection usable.
+            assert lines.request("probe", {"action": "current-mode", "addr": NV}, rid=2) == {
+                "id": 2, "result": "nvidia"}
+    assert probe(daemon.sock)["result"] is True
+
+
+def test_request_size_limit_is_configurable(host: SysRoot, tmp_path: Path, sockdir: str) -> None:
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-request-bytes",
+                "2048") as d, connect(d.sock) as s:
+        lines = Lines(s)
+        ok = P.encode_request(1, "probe", {"action": "detect-gpu"})
+        s.sendall(ok[:-1] + b" " * (2048 - len(ok) + 1) + b"\n")  # exactly 2048
+        assert lines.line() == {"id": 1, "result": True}
+        s.sendall(b" " * 2049 + b"\n")
+        reply = lines.line()
+        assert reply["error"]["code"] == P.REQUEST_TOO_LARGE and "2048" in reply["error"][
+            "message"]
+        assert lines.eof()
+
+
+def test_a_stalled_partial_line_is_closed_and_idle_clients_are_not(daemon: Daemon) -> None:
+    with connect(daemon.sock) as idle, connect(daemon.sock) as stalled:
+        stalled.sendall(b'{"id": 1, "method": "pro')
+        lines = Lines(stalled)
+        reply = lines.line()  # after --socket-stall-timeout 0.5
+        assert reply["error"]["code"] == P.REQUEST_TIMEOUT
+        assert lines.eof()
+        # A slow drip does not reset the clock: the deadline runs from the line's first byte.
+        with connect(daemon.sock) as drip:
+            drip.sendall(b"{")
+            for _ in range(3):
+                time.sleep(0.2)
+                try:
+                    drip.sendall(b" ")
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            assert Lines(drip).line()["error"]["code"] == P.REQUEST_TIMEOUT
+        # A connection holding no partial line is a client waiting, not an attacker.
+        assert Lines(idle).request("probe", {"action": "detect-gpu"}) == {"id": 1, "result": True}
+
+
+# --------------------------------------------------------------------------- other users
+
+_CROWD = r"""
+import json, os, select, socket, sys
+path, gid, per_uid, partial = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+uids = [int(u) for u in sys.argv[5].split(",")]
+kids = []
+for uid in uids:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.setgroups([gid]); os.setgid(gid); os.setuid(uid)
+        socks = []
+        for _ in range(per_uid):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            if partial == "1":
+                s.send(b'{"id": 1, "meth')
+            socks.append(s)
+        refused = {}
+        waiting = list(socks)
+        while waiting:  # refusals come at once; a quiet second means the rest were taken
+            ready, _, _ = select.select(waiting, [], [], 1.0)
+            if not ready:
+                break
+            for s in ready:
+                waiting.remove(s)
+                data = s.recv(4096)
+                if data:
+                    code = json.loads(data.split(b"\n")[0])["error"]["code"]
+                    refused[code] = refused.get(code, 0) + 1
+        os.write(w, (json.dumps({"uid": uid, "refused": refused}) + "\n").encode())
+        os.close(w)
+        sys.stdin.read()  # hang, connections open, until the test lets go
+        os._exit(0)
+    os.close(w)
+    kids.append((pid, r))
+for pid, r in kids:
+    sys.stdout.write(os.read(r, 65536).decode())
+sys.stdout.write("ALL\n")
+sys.stdout.flush()
+sys.stdin.read()
+for pid, _ in kids:
+    os.waitpid(pid, 0)
+"""
+
+
+def crowd(path: str, uids: list[int], per_uid: int, *, partial: bool = False,
+          ) -> tuple[subprocess.Popen[str], list[dict[str, object]]]:
+    """Children as ``uids`` (in the socket group) each holding ``per_uid`` connections."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CROWD, path, str(READERS), str(per_uid), "1" if partial else "0",
+         ",".join(map(str, uids))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=env())
+    assert proc.stdout is not None
+    reports = []
+    for line in proc.stdout:
+        if line.strip() == "ALL":
+            break
+        reports.append(json.loads(line))
+    assert len(reports) == len(uids), "a crowd member failed"
+    return proc, reports
+
+
+def release(proc: subprocess.Popen[str]) -> None:
+    proc.communicate(timeout=30)
+
+
+@needs_root
+def test_one_uid_gets_16_connections_and_root_still_gets_in(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group",
+                str(READERS)) as d:
+        proc, reports = crowd(d.sock, [70001], 20)
+        try:
+            assert reports[0]["refused"] == {P.TOO_MANY_CLIENTS: 4}
+            assert probe(d.sock)["result"] is True  # root is not counted against anyone
+            other, more = crowd(d.sock, [70002], 1)  # another user is not held up either
+            assert more[0]["refused"] == {}
+            release(other)
+        finally:
+            release(proc)
+
+
+@needs_root
+def test_a_thousand_hanging_peers_leave_roots_probe_answered(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group",
+                str(READERS)) as d:
+        # 100 users x 10 connections, each sending half a request and hanging: the non-root
+        # share (1024 - 64 reserved) fills, the rest are refused at accept.
+        proc, reports = crowd(d.sock, list(range(71000, 71100)), 10, partial=True)
+        try:
+            refused = sum(sum(r["refused"].values()) for r in reports)  # type: ignore[attr-defined]
+            assert refused == 1000 - (1024 - 64)
+            started = time.monotonic()
+            with connect(d.sock, timeout=5) as s:
+                reply = Lines(s).request("probe", {"action": "current-mode", "addr": NV})
+            elapsed = time.monotonic() - started
+            assert reply == {"id": 1, "result": "nvidia"}
+            assert elapsed < 1.0, f"root's probe took {elapsed:.2f}s under the flood"
+        finally:
+            release(proc)
+        # Once they let go, every slot is free again.
+        assert probe(d.sock)["result"] is True
+
+
+@needs_root
+def test_an_outsider_is_refused_at_accept_before_a_byte_is_parsed(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:  # root only
+        os.chmod(d.sock, 0o666)  # even with the file mode loosened
+        proc, reports = crowd(d.sock, [70003], 1)
+        release(proc)
+        assert reports[0]["refused"] == {P.PERMISSION_DENIED: 1}  # unasked: nothing was sent
+        assert probe(d.sock)["result"] is True
+
+
+# --------------------------------------------------------------------------- the log
+
+
+def test_a_second_writer_exits_2_naming_the_holder_before_writing(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:
+        before = d.log.read_bytes()
+        for extra in (["--socket", f"{sockdir}/two.sock"], []):
+            second = subprocess.run(
+                gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null",
+                             "--log", str(d.log), *extra),
+                capture_output=True, text=True, env=env(), timeout=60)
+            assert second.returncode == 2, second.stderr
+            assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+            assert d.proc is not None and f"pid {d.proc.pid}" in second.stderr
+            assert str(d.log) in second.stderr
+            assert d.log.read_bytes() == before  # no ready, no duplicate seq
+        assert not os.path.exists(f"{sockdir}/two.sock")
+
+
+@pytest.mark.parametrize("kind", ["directory", "under-a-file", "fifo", "in-proc"])
+def test_an_unopenable_log_is_exit_2_naming_the_path(
+    host: SysRoot, tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "log"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "under-a-file":
+        path.write_text("")
+        path = path / "events.jsonl"
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path("/proc/gpuwatch-test/events.jsonl")  # no directory can be made there
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null", "--log",
+                     str(path)), capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and str(path) in proc.stderr, proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("what", ["metrics", "socket"])
+def test_a_listener_that_cannot_bind_is_exit_2_and_nothing_is_announced(
+    host: SysRoot, tmp_path: Path, sockdir: str, what: str
+) -> None:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(f"{sockdir}/notify")
+    notify.setblocking(False)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    args = ["--socket", f"{sockdir}/gw.sock"]
+    if what == "metrics":
+        args += ["--metrics", f"127.0.0.1:{taken.getsockname()[1]}"]
+    else:
+        (tmp_path / "notasocket").write_text("precious")
+        args = ["--socket", str(tmp_path / "notasocket")]
+    log = tmp_path / "events.jsonl"
+    try:
+        proc = subprocess.run(
+            gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null",
+                         "--log", str(log), *args),
+            capture_output=True, text=True, env={**env(), "NOTIFY_SOCKET": f"{sockdir}/notify"},
+            timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "ready" not in [e["type"] for e in read_events(log)]
+        datagrams = []
+        while True:
+            try:
+                datagrams.append(notify.recv(4096).decode())
+            except BlockingIOError:
+                break
+        assert not any("READY=1" in d for d in datagrams), datagrams
+    finally:
+        notify.close()
+        taken.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3, 0.6, 1.0])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_at_any_moment_exits_0_with_a_stopped_record(
+    host: SysRoot, tmp_path: Path, sockdir: str, delay: float, sig: int
+) -> None:
+    log = tmp_path / "events.jsonl"
+    fifo = tmp_path / "uevents"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}", "--log",
+                     str(log), "--socket", f"{sockdir}/gw.sock"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    writer = os.open(fifo, os.O_RDWR)  # keeps the source open without blocking us
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{log}.lock"):  # the log is locked: the run has begun
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    events = list(read_events(log))
+    assert events and events[-1]["type"] == "stopped", events
+    assert events[-1]["reason"] == f"signal {signal.Signals(sig).name}"
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert not os.path.exists(f"{sockdir}/gw.sock")

@@ -1,0 +1,334 @@
+"""The container image and the Kubernetes manifests: rendered like kustomize, validated offline
+against the Kubernetes schemas, their settings checked against the real ``gpuwatch watch``,
+and the pod's configuration run for real over a fixture root (health probe, metrics parsed
+with prometheus_client's own parser, NFD labels)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import kustomize_lite
+import pytest
+import yaml
+
+from gpuwatch.cli.main import build_parser
+from gpuwatch.settings import SETTINGS, load_settings, parse_listen_address
+from gpuwatch.switch.poison import DEFAULT_POISON_FILE
+from gpuwatch.testing import SysRoot
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed")
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "contrib/kubernetes"
+DEFAULT, SWITCHING = K8S, K8S / "overlays/switching"
+CONTAINERFILE = REPO / "contrib/container/Containerfile"
+#: Kubernetes releases the manifests must be valid for (oldest supported to newest bundled).
+K8S_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.latest_version())
+SETTING_ENVS = {s.env: s for s in SETTINGS}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    return kustomize_lite.build(directory)
+
+
+def daemonset(directory: Path) -> dict[str, Any]:
+    (ds,) = [o for o in render(directory) if o["kind"] == "DaemonSet"]
+    return ds
+
+
+def container(ds: dict[str, Any]) -> dict[str, Any]:
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def containerfile() -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` of the final stage, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", CONTAINERFILE.read_text())
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and not ln.strip().startswith("#")]
+    stages: list[list[tuple[str, str]]] = []
+    for line in lines:
+        word, _, rest = line.partition(" ")
+        if word.upper() == "FROM":
+            stages.append([])
+        stages[-1].append((word.upper(), rest.strip()))
+    return stages[-1]
+
+
+def image_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in containerfile():
+        if word == "ENV":
+            for pair in shlex.split(rest):
+                key, _, value = pair.partition("=")
+                env[key] = value
+    return env
+
+
+def pod_env(ds: dict[str, Any]) -> dict[str, str]:
+    """What the daemon sees: the image's ENV, then the container's env over it."""
+    env = image_env()
+    env.update({e["name"]: e["value"] for e in container(ds).get("env", [])})
+    return env
+
+
+def mounts(ds: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """mountPath -> (volumeMount, volume)."""
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in container(ds)["volumeMounts"]}
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@pytest.mark.parametrize("directory", [DEFAULT, SWITCHING], ids=["default", "switching"])
+def test_kustomize_renders_the_same_as_kubectl(directory: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    objects = render(directory)
+    assert sorted(o["kind"] for o in objects) == ["DaemonSet", "Namespace", "ServiceAccount"]
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: rendered by tests/kustomize_lite.py only")
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+    def key(o: dict[str, Any]) -> tuple[str, str]:
+        return o["kind"], o["metadata"]["name"]
+
+    theirs = sorted((d for d in yaml.safe_load_all(proc.stdout) if d), key=key)
+    assert kustomize_lite.normalise(sorted(objects, key=key)) == kustomize_lite.normalise(theirs)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("directory", [DEFAULT, SWITCHING], ids=["default", "switching"])
+def test_every_manifest_is_valid_for_kubernetes(directory: Path, version: str) -> None:
+    for obj in render(directory):
+        kubernetes_validate.validate(obj, version, strict=True)
+    for raw in sorted((K8S / "base").glob("*.yaml")):
+        for obj in yaml.safe_load_all(raw.read_text()):
+            if obj and obj.get("kind") != "Kustomization":
+                kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_validator_catches_mistakes() -> None:
+    ds = daemonset(DEFAULT)
+    container(ds)["volumeMount"] = container(ds).pop("volumeMounts")  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, K8S_VERSIONS[-1], strict=True)
+    ds = daemonset(DEFAULT)
+    container(ds)["ports"][0]["containerPort"] = "metrics"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, K8S_VERSIONS[-1], strict=True)
+
+
+# --------------------------------------------------------------------------- the image
+
+
+def test_image_is_a_slim_python_with_runtime_dependencies_only() -> None:
+    stage = containerfile()
+    base = next(rest for word, rest in stage if word == "FROM")
+    match = re.search(r"python:3\.(\d+)-slim", base)
+    assert match and int(match.group(1)) >= 11
+    runs = " ".join(rest for word, rest in stage if word == "RUN")
+    assert "pip install" in runs and "/wheels/" in runs
+    assert "[" not in runs.split("pip install", 1)[1].split("&&")[0]  # no extras: no test deps
+    assert "-e " not in runs
+    user = next(rest for word, rest in stage if word == "USER")
+    assert user not in ("0", "root")
+    text = CONTAINERFILE.read_text()
+    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for part in source.split():
+            assert (REPO / part).exists(), part
+
+
+def test_image_entrypoint_and_environment_are_real_watch_options() -> None:
+    stage = dict(containerfile())
+    entrypoint = json.loads(stage["ENTRYPOINT"])
+    assert entrypoint == ["gpuwatch", "watch"]
+    assert build_parser().parse_args(entrypoint[1:]).command == "watch"
+    env = image_env()
+    gpuwatch_env = {k: v for k, v in env.items() if k.startswith("GPUWATCH_")}
+    assert set(gpuwatch_env) <= set(SETTING_ENVS), set(gpuwatch_env) - set(SETTING_ENVS)
+    settings = load_settings({}, env=gpuwatch_env, default_config="/nonexistent")
+    assert settings.root == "/host"
+    assert settings.source == "kernel"  # no udevd in a container
+    assert settings.socket == "/run/gpuwatch/gpuwatch.sock"
+    assert settings.nfd_features == "/etc/kubernetes/node-feature-discovery/features.d/"
+    assert settings.metrics is not None
+    host, port = parse_listen_address(settings.metrics)
+    assert host in ("", "0.0.0.0", "::")  # every address of the pod: the scraper is elsewhere
+    assert stage["EXPOSE"] == str(port)
+    health = json.loads(stage["HEALTHCHECK"].split("CMD", 1)[1])
+    assert build_parser().parse_args(health[1:]).command == "health"
+
+
+# --------------------------------------------------------------------------- the DaemonSet
+
+
+def test_default_daemonset_reads_the_host_and_serves_the_node() -> None:
+    objects = render(DEFAULT)
+    ds = daemonset(DEFAULT)
+    (ns,) = [o for o in objects if o["kind"] == "Namespace"]
+    (sa,) = [o for o in objects if o["kind"] == "ServiceAccount"]
+    pod = ds["spec"]["template"]["spec"]
+    assert ds["metadata"]["namespace"] == sa["metadata"]["namespace"] == ns["metadata"]["name"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is False
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    keys = {e["key"] for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]}
+    assert "feature.node.kubernetes.io/pci-0300_10de.present" in keys
+    assert "feature.node.kubernetes.io/pci-0302_10de.present" in keys  # datacenter GPUs
+
+    settings = load_settings({}, env={k: v for k, v in pod_env(ds).items()
+                                      if k.startswith("GPUWATCH_")},
+                             default_config="/nonexistent")
+    by_path = mounts(ds)
+    # The host is read under GPUWATCH_ROOT, read-only, each from the same host path.
+    for sub in ("sys", "proc", "dev", "etc/cdi", "var/run/cdi"):
+        mount, volume = by_path[f"{settings.root}/{sub}"]
+        assert volume["hostPath"]["path"] == f"/{sub}"
+        assert mount.get("readOnly") is True
+    # The socket, the log and the NFD file live in host directories, writable.
+    for path in (settings.socket, settings.log, settings.nfd_features):
+        assert path is not None
+        folder = path.rstrip("/") if path.endswith("/") else os.path.dirname(path)
+        mount, volume = by_path[folder]
+        assert volume["hostPath"]["path"] == folder and not mount.get("readOnly")
+    assert settings.log == "/var/log/gpuwatch/events.jsonl"
+
+    c = container(ds)
+    port = c["ports"][0]
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert settings.metrics is not None
+    assert port["containerPort"] == int(annotations["prometheus.io/port"])
+    assert port["containerPort"] == parse_listen_address(settings.metrics)[1]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert command[0] == "gpuwatch" and "sleep" not in command
+        assert build_parser().parse_args(command[1:]).command == "health"
+
+    security = c["securityContext"]
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert not security.get("privileged") and not pod.get("hostPID")
+
+
+def test_switching_overlay_adds_exactly_what_a_switch_needs() -> None:
+    base, ds = daemonset(DEFAULT), daemonset(SWITCHING)
+    pod, c = ds["spec"]["template"]["spec"], container(ds)
+    assert c["securityContext"]["privileged"] is True and pod["hostPID"] is True
+    by_path = mounts(ds)
+    root = pod_env(ds)["GPUWATCH_ROOT"]
+    for writable in ("sys", "dev", "etc/cdi", "var/run/cdi"):
+        assert by_path[f"{root}/{writable}"][0].get("readOnly") is False
+    assert by_path[f"{root}/proc"][0]["readOnly"] is True
+    assert by_path["/lib/modules"][1]["hostPath"]["path"] == "/lib/modules"
+    poison_dir = f"{root}/{os.path.dirname(DEFAULT_POISON_FILE)}"
+    assert by_path[poison_dir][1]["hostPath"]["path"] == "/var/lib/gpuwatch"
+    assert pod["terminationGracePeriodSeconds"] >= 120  # a switch's own bound is 90 s
+    # Everything else is the base's.
+    for key in ("affinity", "tolerations", "serviceAccountName"):
+        assert pod[key] == base["spec"]["template"]["spec"][key]
+    assert c["env"] == container(base)["env"] and c["image"] == container(base)["image"]
+
+
+# --------------------------------------------------------------------------- run it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_pods_configuration_runs(host: SysRoot, tmp_path: Path) -> None:
+    """``gpuwatch watch`` with the pod's environment, its host paths moved under tmp_path:
+    the probe command passes, the metrics parse, the NFD file appears, SIGTERM stops it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ds = daemonset(DEFAULT)
+    env = pod_env(ds)
+    port = free_port()
+    sockdir = Path(f"/tmp/gw-pod-{os.getpid()}")
+    sockdir.mkdir(exist_ok=True)
+    moved = {
+        "GPUWATCH_ROOT": str(host.root),
+        "GPUWATCH_SOCKET": str(sockdir / "gpuwatch.sock"),
+        "GPUWATCH_LOG": str(tmp_path / "log/events.jsonl"),
+        "GPUWATCH_NFD_FEATURES": str(tmp_path / "features.d") + "/",
+        "GPUWATCH_METRICS": f"127.0.0.1:{port}",
+    }
+    assert set(moved) <= set(env)
+    (tmp_path / "features.d").mkdir()
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
+    run_env.update(env)
+    run_env.update(moved)
+    run_env["PYTHONPATH"] = str(REPO)
+    entrypoint = json.loads(dict(containerfile())["ENTRYPOINT"])
+    errors = tmp_path / "stderr"
+    with errors.open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuwatch", *entrypoint[1:]],
+                                env=run_env, stdout=subprocess.DEVNULL, stderr=err_file)
+    try:
+        probe = container(ds)["readinessProbe"]["exec"]["command"]
+        deadline = time.monotonic() + 60
+        while True:
+            check = subprocess.run([sys.executable, "-m", "gpuwatch", *probe[1:]],
+                                   env=run_env, capture_output=True, text=True, timeout=30,
+                                   check=False)
+            if check.returncode == 0:
+                break
+            if proc.poll() is not None:
+                err = errors.read_text()
+                if "netlink" in err.lower() or "uevent" in err.lower():
+                    pytest.skip(f"no kernel uevent source here: {err.strip()}")
+                pytest.fail(f"the daemon exited {proc.returncode}: {err}")
+            assert time.monotonic() < deadline, check.stderr
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        gpus = {(s.labels["vendor"], s.labels["mode"]): s.value
+                for s in families["gpuwatch_gpus"].samples}
+        assert gpus[("NVIDIA", "nvidia")] == 1 and sum(gpus.values()) == 2
+        assert families["gpuwatch_pci_functions"].samples[0].value == len(host.functions)
+        deadline = time.monotonic() + 30
+        features = tmp_path / "features.d/gpuwatch"
+        while not features.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        labels = dict(line.split("=", 1) for line in features.read_text().splitlines()
+                      if line and not line.startswith("#"))
+        assert labels["gpuwatch.gpu.count"] == "2"
+        assert labels["gpuwatch.gpu.nvidia.count"] == "1"
+        first = json.loads((tmp_path / "log/events.jsonl").read_text().splitlines()[0])
+        assert first["type"] == "ready"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            shutil.rmtree(sockdir, ignore_errors=True)
+    assert code == 0

@@ -1,0 +1,272 @@
+"""``gpuwatch service install|uninstall`` against fixture roots: every file written is checked,
+the unit is verified by systemd's own tool where it exists, and nothing outside the root moves.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.cli.main import build_parser, main
+from gpuwatch.service.install import (
+    CONFIG_FILE,
+    UNIT_FILE,
+    Facts,
+    InstallError,
+    Run,
+    Write,
+    check_program,
+    plan_install,
+    plan_uninstall,
+    render_unit,
+    shipped_config,
+    shipped_unit,
+    systemd_quote,
+)
+from gpuwatch.service.udev_rules import RULES_FILE, render_rules
+from gpuwatch.settings import load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+CONSOLE_SCRIPT = Path(sys.executable).parent / "gpuwatch"
+GROUPS = "root:x:0:\nkvm:x:999:\nsystemd-journal:x:998:\nusers:x:100:\nalice:x:1000:\n"
+
+
+def gpuwatch_cmd() -> list[str]:
+    """The console script of this environment when there is one (what users run)."""
+    if CONSOLE_SCRIPT.is_file() and os.access(CONSOLE_SCRIPT, os.X_OK):
+        return [str(CONSOLE_SCRIPT)]
+    return [sys.executable, "-m", "gpuwatch"]
+
+
+def expected_exec() -> tuple[list[str], list[str]]:
+    cmd = gpuwatch_cmd()
+    argv = [str(Path(cmd[0]).absolute())] + ([] if len(cmd) == 1 else ["-m", "gpuwatch"])
+    seen = [os.path.realpath(cmd[0]), os.path.realpath(sys.executable)]
+    return argv, seen
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([*gpuwatch_cmd(), *args], capture_output=True, text=True, env=env,
+                          timeout=120, check=False, cwd="/")
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and link under root: its text, or where a link points."""
+    out: dict[str, str] = {}
+    for path in sorted(root.rglob("*")):
+        rel = "/" + str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "-> " + os.readlink(path)
+        elif path.is_file():
+            out[rel] = path.read_text()
+    return out
+
+
+def exec_words(unit: str) -> list[str]:
+    joined = unit.replace("\\\n", " ")
+    line = next(ln for ln in joined.splitlines() if ln.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart="))
+
+
+@pytest.fixture
+def fixture_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/group").write_text(GROUPS)
+    (root / "etc/gshadow").write_text("root:*::\nkvm:!::\n")
+    return root
+
+
+def test_install_writes_each_file_and_says_so(fixture_root: Path) -> None:
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    files = tree(fixture_root)
+    argv, seen = expected_exec()
+
+    unit = files["/etc/systemd/system/gpuwatch.service"]
+    assert unit == render_unit(argv, seen)
+    words = exec_words(unit)
+    assert words[: len(argv)] == argv
+    assert os.path.isabs(words[0]) and os.access(words[0], os.X_OK)
+    # The flags the unit passes are real `gpuwatch watch` flags.
+    args = build_parser().parse_args(words[len(argv):])
+    assert (args.command, args.socket, args.log) == (
+        "watch", "/run/gpuwatch/gpuwatch.sock", "/var/log/gpuwatch/events.jsonl")
+    home = any(p.startswith(("/home/", "/root/", "/run/user/")) for p in [argv[0], *seen])
+    assert ("ProtectHome=read-only" in unit) == home
+    assert ("ProtectHome=yes" in unit) == (not home)
+
+    assert files[RULES_FILE] == render_rules("kvm")
+    config = files[CONFIG_FILE]
+    assert config == shipped_config() == (REPO / "contrib/config.yaml").read_text()
+    loaded = load_settings({}, config=str(fixture_root / CONFIG_FILE.lstrip("/")), env={})
+    assert loaded.log_keep == 5
+
+    assert files["/etc/group"] == GROUPS + "gpuwatch:x:997:\n"  # highest free system gid
+    assert files["/etc/gshadow"] == "root:*::\nkvm:!::\ngpuwatch:!::\n"
+    assert set(files) == {"/etc/systemd/system/gpuwatch.service", RULES_FILE, CONFIG_FILE,
+                          "/etc/group", "/etc/gshadow"}
+    for rel in ("/etc/systemd/system/gpuwatch.service", RULES_FILE, CONFIG_FILE):
+        assert (fixture_root / rel.lstrip("/")).stat().st_mode & 0o777 == 0o644
+
+    said = proc.stdout.splitlines()
+    for rel in files:
+        assert any(line.startswith(f"wrote {fixture_root}{rel}") for line in said), rel
+    assert not any("ran " in line for line in said)  # no --now: no command
+
+
+def test_config_is_never_overwritten_and_groups_are_kept(fixture_root: Path) -> None:
+    config = fixture_root / "etc/gpuwatch/config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("log_keep: 2\n")
+    (fixture_root / "etc/group").write_text(GROUPS + "gpuwatch:x:990:vmm\n")
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert config.read_text() == "log_keep: 2\n"
+    assert (fixture_root / "etc/group").read_text() == GROUPS + "gpuwatch:x:990:vmm\n"
+    assert f"kept {config} (exists; never overwritten)" in proc.stdout
+    assert "kept group gpuwatch (exists)" in proc.stdout
+
+
+def test_dry_run_changes_nothing(fixture_root: Path) -> None:
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--dry-run", "--now")
+    assert proc.returncode == 0, proc.stderr
+    assert tree(fixture_root) == before
+    assert f"would write {fixture_root}/etc/systemd/system/gpuwatch.service" in proc.stdout
+    assert f"would write {fixture_root}/etc/group" in proc.stdout
+    assert "would write" in proc.stdout and "wrote" not in proc.stdout
+
+
+def test_now_enables_it_inside_the_root_only(fixture_root: Path) -> None:
+    proc = run("service", "install", "--root", str(fixture_root), "--now")
+    assert proc.returncode == 0, proc.stderr
+    assert "daemon-reload" not in proc.stdout.replace("skipped systemctl daemon-reload", "")
+    link = fixture_root / "etc/systemd/system/multi-user.target.wants/gpuwatch.service"
+    if shutil.which("systemctl") is None:
+        assert "skipped systemctl" in proc.stdout
+        return
+    assert link.is_symlink() and os.readlink(link) == "/etc/systemd/system/gpuwatch.service"
+    assert f"ran systemctl --root={fixture_root} enable gpuwatch.service" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed on this machine")
+def test_unit_passes_systemd_analyze_verify(fixture_root: Path, tmp_path: Path) -> None:
+    assert run("service", "install", "--root", str(fixture_root)).returncode == 0
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    ok = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                        text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr
+    # The check can fail: the same unit with a program that does not exist does.
+    bad = tmp_path / "bad" / "gpuwatch.service"
+    bad.parent.mkdir()
+    bad.write_text(render_unit(["/nonexistent/bin/gpuwatch"]))
+    no = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True,
+                        text=True, timeout=60, check=False)
+    assert no.returncode != 0
+    assert "/nonexistent/bin/gpuwatch" in no.stderr
+
+
+def test_uninstall_reverses_install_and_keeps_log_state_and_edits(fixture_root: Path) -> None:
+    assert run("service", "install", "--root", str(fixture_root), "--now").returncode == 0
+    for kept in ("var/log/gpuwatch/events.jsonl", "var/lib/gpuwatch/poison.json"):
+        (fixture_root / kept).parent.mkdir(parents=True)
+        (fixture_root / kept).write_text("{}\n")
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    files = tree(fixture_root)
+    assert set(files) == {"/etc/group", "/etc/gshadow", "/var/log/gpuwatch/events.jsonl",
+                          "/var/lib/gpuwatch/poison.json"}  # the unchanged config went too
+    assert f"removed {fixture_root}/etc/systemd/system/gpuwatch.service" in proc.stdout
+    assert f"removed {fixture_root}{RULES_FILE}" in proc.stdout
+    assert f"kept {fixture_root}/var/log/gpuwatch" in proc.stdout
+    assert f"kept {fixture_root}/var/lib/gpuwatch" in proc.stdout
+
+    # An edited config stays, and a second uninstall finds nothing to do.
+    assert run("service", "install", "--root", str(fixture_root)).returncode == 0
+    config = fixture_root / "etc/gpuwatch/config.yaml"
+    config.write_text(config.read_text() + "log_keep: 9\n")
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0 and config.exists()
+    assert f"kept {config} (edited since install)" in proc.stdout
+    again = run("service", "uninstall", "--root", str(fixture_root))
+    assert again.returncode == 0 and "removed" not in again.stdout
+
+
+def test_the_running_host_needs_root_unless_dry_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As a user (made one for the check when the suite runs as root): refused before any
+    # file is read or written, in one line, exit 1; --dry-run only reads.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["service", "install"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "run it as root" in err and len(err.strip().splitlines()) == 1
+    assert main(["service", "uninstall"]) == 1
+    capsys.readouterr()
+    assert main(["service", "install", "--dry-run"]) == 0
+    out, _ = capsys.readouterr()
+    assert "would write /etc/systemd/system/gpuwatch.service" in out
+    assert "wrote" not in out
+
+
+def test_bad_root_is_a_usage_error(tmp_path: Path) -> None:
+    proc = run("service", "install", "--root", str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+# --------------------------------------------------------------------------- pure planning
+
+
+def test_plan_for_the_running_host_runs_groupadd_and_systemctl() -> None:
+    facts = Facts(root="/", exec_argv=("/opt/gpuwatch/bin/gpuwatch",), have_systemctl=True,
+                  systemd_running=True, have_udevadm=True)
+    steps = plan_install(facts, now=True)
+    commands = [s.argv for s in steps if isinstance(s, Run)]
+    assert commands[:3] == [("groupadd", "--system", "gpuwatch"),
+                            ("systemctl", "daemon-reload"),
+                            ("systemctl", "enable", "--now", "gpuwatch")]
+    assert ("udevadm", "control", "--reload") in commands
+    writes = {s.path for s in steps if isinstance(s, Write)}
+    assert writes == {UNIT_FILE, RULES_FILE, CONFIG_FILE}  # never /etc/group on a real host
+    with pytest.raises(InstallError, match="systemd running"):
+        plan_install(Facts(root="/", exec_argv=("/usr/bin/gpuwatch",)), now=True)
+
+
+def test_plan_uninstall_stops_before_removing() -> None:
+    facts = Facts(root="/", existing={UNIT_FILE: shipped_unit(), RULES_FILE: render_rules(),
+                                      CONFIG_FILE: shipped_config()},
+                  group_exists=True, have_systemctl=True, systemd_running=True)
+    steps = plan_uninstall(facts)
+    first, last = steps[0], steps[-1]
+    assert isinstance(first, Run) and first.argv == ("systemctl", "disable", "--now", "gpuwatch")
+    assert isinstance(last, Run) and last.argv == ("systemctl", "daemon-reload")
+
+
+def test_exec_start_quoting_and_where_the_program_lives() -> None:
+    assert systemd_quote("/opt/gpu watch/bin/gpuwatch") == '"/opt/gpu watch/bin/gpuwatch"'
+    assert systemd_quote("/opt/100%/gpuwatch") == "/opt/100%%/gpuwatch"
+    unit = render_unit(["/opt/gpu watch/bin/gpuwatch"])
+    assert exec_words(unit)[:2] == ["/opt/gpu watch/bin/gpuwatch", "watch"]
+    assert "ProtectHome=yes" in unit
+    pipx = render_unit(["/usr/local/bin/gpuwatch"],
+                       ["/home/ann/.local/pipx/venvs/gpuwatch/bin/python3"])
+    assert "ProtectHome=read-only" in pipx and "ProtectHome=yes" not in pipx
+    with pytest.raises(InstallError, match="absolute"):
+        render_unit(["gpuwatch"])
+    with pytest.raises(InstallError, match="PrivateTmp"):
+        check_program(["/tmp/venv/bin/gpuwatch"])
+    check_program(["/opt/venv/bin/gpuwatch"])
+
+
+def test_contrib_files_are_the_shipped_ones() -> None:
+    assert (REPO / "contrib/systemd/gpuwatch.service").read_text() == shipped_unit()
+    assert "ExecStart=/usr/bin/gpuwatch watch" in shipped_unit()
