@@ -31,8 +31,6 @@ BAD_CONFIG = "bad-config"
 SUBSCRIBER_LAGGED = "subscriber-lagged"
 #: The event source cannot be opened (netlink refused, no such file).
 SOURCE_UNAVAILABLE = "source-unavailable"
-#: The event log cannot be used (closed, unwritable).
-EVENT_LOG = "event-log"
 SWITCH_REFUSED = "switch-refused"
 GROUP_POISONED = "group-poisoned"
 REBOOT_REQUIRED = "reboot-required"
@@ -40,6 +38,8 @@ GROUP_BUSY = "group-busy"
 SWITCH_FAILED = "switch-failed"
 SWITCH_WEDGED = "switch-wedged"
 NOT_ROOT = "not-root"
+#: The event log could not be written (disk full, I/O error).
+EVENT_LOG = "event-log-failed"
 #: The daemon or its socket could not be set up, or a daemon answer was lost.
 SERVICE = "service-error"
 INTERNAL = "internal-error"
@@ -56,7 +56,6 @@ EXIT_STATUS: dict[str, int] = {
     NOT_FOUND: EXIT_FAILURE,
     SUBSCRIBER_LAGGED: EXIT_FAILURE,
     SOURCE_UNAVAILABLE: EXIT_FAILURE,
-    EVENT_LOG: EXIT_FAILURE,
     SWITCH_REFUSED: EXIT_FAILURE,
     GROUP_POISONED: EXIT_FAILURE,
     REBOOT_REQUIRED: EXIT_FAILURE,
@@ -64,6 +63,7 @@ EXIT_STATUS: dict[str, int] = {
     SWITCH_FAILED: EXIT_FAILURE,
     SWITCH_WEDGED: EXIT_FAILURE,
     NOT_ROOT: EXIT_FAILURE,
+    EVENT_LOG: EXIT_FAILURE,
     SERVICE: EXIT_FAILURE,
     INTERNAL: EXIT_FAILURE,
 }
@@ -93,21 +93,21 @@ class CallerError(GpuwatchError):
     """The caller's request is wrong or names nothing: fix the call, not the host."""
 
     code = INVALID_PARAMS
-    blame = "caller"
+    blame: ClassVar[Blame] = "caller"
 
 
 class HostError(GpuwatchError):
     """The host refused or failed what was asked: the request was fine."""
 
     code = SWITCH_FAILED
-    blame = "host"
+    blame: ClassVar[Blame] = "host"
 
 
 class InternalError(GpuwatchError):
     """gpuwatch itself went wrong (a broken invariant): report it."""
 
     code = INTERNAL
-    blame = "gpuwatch"
+    blame: ClassVar[Blame] = "gpuwatch"
 
 
 # --- the caller

@@ -121,17 +121,19 @@ class Host:
     # ------------------------------------------------------------------ switching
 
     async def switch(self, addr_or_vendor: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False, force: bool = False) -> SwitchResult:
+                     tolerant: bool = False, force: bool = False,
+                     vfio_driver: str | None = None) -> SwitchResult:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
         `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
-        ``force`` passes a group kept for the host (BMC/console) to vfio anyway."""
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
+        ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
         return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
-                                        force=force)
+                                        force=force, vfio_driver=vfio_driver)
 
-    async def plan(self, addr_or_vendor: str, mode: str, *,
-                   force: bool = False) -> dict[str, Any]:
+    async def plan(self, addr_or_vendor: str, mode: str, *, force: bool = False,
+                   vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON."""
-        return await self.engine.plan(addr_or_vendor, mode, force=force)
+        return await self.engine.plan(addr_or_vendor, mode, force=force, vfio_driver=vfio_driver)
 
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:

@@ -15,7 +15,14 @@ from typing import Any, Literal
 from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
-from gpuwatch.core.plan import SwitchPlan, example_card, find_card, plan_switch, step_json
+from gpuwatch.core.plan import (
+    SwitchPlan,
+    example_card,
+    find_card,
+    parse_vfio_driver,
+    plan_switch,
+    step_json,
+)
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.core.tables import Tables
@@ -216,11 +223,12 @@ class HostModel:
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
 
-    def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None) -> Any:
+    def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None,
+             vfio_driver: str | None = None) -> Any:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
         it reads holders and modules). No such card is `DeviceNotFound`, a refusal
         `SwitchRefused` (`GroupPoisoned` for a poisoned group)."""
-        plan = plan_for_host(self, mode, addr=addr, vendor=vendor)
+        plan = plan_for_host(self, mode, addr=addr, vendor=vendor, vfio_driver=vfio_driver)
         if plan.refusal is not None:
             cls = GroupPoisoned if plan.refusal.poisoned else SwitchRefused
             raise cls(plan.refusal.reason, plan.refusal.holders)
@@ -230,12 +238,14 @@ class HostModel:
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
                   which: Callable[[str], str | None] | None = None,
-                  force: bool = False, example: bool = False) -> SwitchPlan:
+                  force: bool = False, vfio_driver: str | None = None,
+                  example: bool = False) -> SwitchPlan:
     """The plan for the named card, from facts read now. No such card is `DeviceNotFound`:
     a plan is never invented. ``example`` plans for the documented example card instead
     (the plan says ``example``), whatever the host holds. Reads files (holders, modules),
     writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
+    vfio_driver = parse_vfio_driver(vfio_driver, mode, state.vfio_variants)
     if example:
         members, facts = example_card(mode)
         return plan_switch(members, mode, dataclasses.replace(facts, root=paths.root),
@@ -243,7 +253,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     card, members = find_card(state, addr=addr, vendor=vendor)
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
-                             which=which or shutil.which,
+                             which=which or shutil.which, vfio_driver=vfio_driver,
                              poisoned=model.poisoned.get(card.iommu_group, ""),
                              deadline=model.proc_deadline)
     return plan_switch(members, mode, facts, force=force)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from gpuwatch.core.modes import group_mode
+from gpuwatch.core.health import health_advice
+from gpuwatch.core.modes import group_mode, on_vfio, vfio_variant
 from gpuwatch.core.results import MemlockResult, PciFunction
 from gpuwatch.model import HostModel
 
@@ -36,6 +37,17 @@ class MemberReport(BaseModel):
     vendor_id: str
     device_id: str
     driver: str
+    health: str = "ok"
+
+
+class HealthReport(BaseModel):
+    """A function that is not ok, and what to do about it."""
+
+    addr: str
+    class_label: str
+    driver: str
+    health: str
+    advice: str
 
 
 class GpuReport(BaseModel):
@@ -47,6 +59,8 @@ class GpuReport(BaseModel):
     driver: str
     iommu_group: int
     mode: str
+    #: The vfio-pci variant the group is bound to (``nvgrace_gpu_vfio_pci``), ``""`` if none.
+    vfio_variant: str = ""
     vfio_node: str
     vfio_accessible: bool
     members: list[MemberReport]
@@ -59,6 +73,8 @@ class StatusReport(BaseModel):
     nvidia_usable: bool
     memlock: MemlockReport
     gpus: list[GpuReport]
+    #: Every function whose health is not ok (error recovery, DRM wedge), with advice.
+    unhealthy: list[HealthReport] = []
 
 
 def iommu_hint(enabled: bool, kind: str) -> str:
@@ -98,8 +114,26 @@ def memlock_report(limit: MemlockResult) -> MemlockReport:
     )
 
 
+def unhealthy_functions(model: HostModel) -> list[HealthReport]:
+    """Functions that are not ok: every one the model holds, or (a daemon's model seen
+    through its probes) those of the GPU groups."""
+    state = model.state
+    functions: dict[str, PciFunction] = dict(getattr(state, "functions", {}))
+    if not functions:
+        for gpu in model.probe("detect-vfio").gpus:
+            functions.update((m.addr, m) for m in gpu.group_members)
+    recovery = getattr(state, "wedge_recovery", {})
+    return [
+        HealthReport(addr=fn.addr, class_label=fn.class_label, driver=fn.driver,
+                     health=fn.health,
+                     advice=health_advice(fn.health, fn.addr, fn.driver, recovery.get(fn.addr, ())))
+        for addr, fn in sorted(functions.items()) if fn.health != "ok"
+    ]
+
+
 def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
     state = model.state
+    variants: frozenset[str] = getattr(state, "vfio_variants", frozenset())
     vfio = model.probe("detect-vfio")
     gpus: list[GpuReport] = []
     for gpu in vfio.gpus:
@@ -114,7 +148,8 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                 class_label=gpu.class_label,
                 driver=gpu.driver,
                 iommu_group=group,
-                mode=group_mode(members),
+                mode=group_mode(members, variants),
+                vfio_variant=vfio_variant(members, variants),
                 vfio_node=f"/dev/vfio/{group}" if group >= 0 else "",
                 vfio_accessible=model.vfio_group_accessible(group),
                 members=[
@@ -124,6 +159,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                         vendor_id=m.vendor_id,
                         device_id=m.device_id,
                         driver=m.driver,
+                        health=m.health,
                     )
                     for m in members
                 ],
@@ -139,6 +175,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
         nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
         gpus=gpus,
+        unhealthy=unhealthy_functions(model),
     )
 
 
@@ -175,14 +212,16 @@ def render_status(report: StatusReport) -> str:
     for gpu in report.gpus:
         group = f"group {gpu.iommu_group}" if gpu.iommu_group >= 0 else "no IOMMU group"
         lines.append("")
+        variant = f" ({gpu.vfio_variant})" if gpu.vfio_variant else ""
         lines.append(
             f"GPU {gpu.addr}  {gpu.vendor} {gpu.device_id} ({gpu.class_label})  {group}  "
-            f"mode: {gpu.mode}"
+            f"mode: {gpu.mode}{variant}"
         )
         for m in gpu.members:
             lines.append(
                 f"  {m.addr}  {m.class_label:<20} {m.vendor_id}:{m.device_id}  "
                 f"driver: {m.driver or '(none)'}"
+                + (f"  health: {m.health}" if m.health != "ok" else "")
             )
         if gpu.vfio_node:
             access = (
@@ -191,6 +230,12 @@ def render_status(report: StatusReport) -> str:
                 else "not accessible (absent or no permission)"
             )
             lines.append(f"  {gpu.vfio_node}: {access}")
+    if report.unhealthy:
+        lines.append("")
+        lines.append("Not healthy:")
+        for bad in report.unhealthy:
+            lines.append(f"  {bad.addr}  {bad.class_label}  {bad.health}")
+            lines.append(f"          -> {bad.advice}")
     return "\n".join(lines)
 
 
@@ -212,6 +257,8 @@ class PassthroughGpu(BaseModel):
     device_id: str
     iommu_group: int
     managed: str  # "yes" | "no": the blocks' libvirt managed attribute
+    #: A virtual function's PF (SR-IOV): each ready VF is offered on its own.
+    physfn: str = ""
     note: str  # what that attribute means for who detaches the group (and its holder checks)
     functions: list[HostdevFunction]
     #: The host's own console or management group (`gpuwatch.core.hostkeep`): not offered.
@@ -258,14 +305,27 @@ def hostdev_xml(addr: str, managed: str = "yes") -> str:
     )
 
 
+def vf_ready(fn: PciFunction, variants: frozenset[str] = frozenset()) -> bool:
+    """An SR-IOV VF a guest can take now: healthy, and on VFIO, unbound (libvirt binds it), or
+    an NVIDIA vGPU VF with a vGPU type chosen. A VF on a host driver is in use by the host."""
+    if fn.health != "ok":
+        return False
+    if on_vfio(fn, variants) or not fn.driver:
+        return True
+    return fn.vgpu is not None and fn.vgpu.type != 0
+
+
 def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[PassthroughGpu]:
     """GPUs in an IOMMU group; every non-bridge function of the group must go to the guest.
 
     Bridges share groups with endpoints on some boards but stay with the host (pcieport).
     """
     out: list[PassthroughGpu] = []
+    variants: frozenset[str] = getattr(model.state, "vfio_variants", frozenset())
     for gpu in model.probe("detect-vfio").gpus:
         if gpu.iommu_group < 0:
+            continue
+        if gpu.physfn and not vf_ready(gpu, variants):
             continue
         members: list[PciFunction] = [m for m in gpu.group_members if m.class_ != BRIDGE_CLASS]
         kept = model.kept_for_host(gpu.addr)
@@ -277,6 +337,7 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
                 device_id=gpu.device_id,
                 iommu_group=gpu.iommu_group,
                 managed=managed,
+                physfn=gpu.physfn,
                 note="" if kept else MANAGED_NOTES[managed].format(
                     addr=gpu.addr,
                     back=_BACK_TO_HOST.get(gpu.vendor_id, "").format(addr=gpu.addr)),
@@ -313,8 +374,9 @@ def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:
         # The note is prose, not an XML comment: it names flags, and "--" may not appear
         # inside one. The blocks and their comments below stay valid XML to paste.
         blocks.append(f"note: {gpu.note}")
+        vf = f" (SR-IOV VF of {gpu.physfn})" if gpu.physfn else ""
         blocks.append(
-            f"<!-- GPU {gpu.addr} {gpu.vendor} {gpu.device_id}, IOMMU group "
+            f"<!-- GPU {gpu.addr}{vf} {gpu.vendor} {gpu.device_id}, IOMMU group "
             f"{gpu.iommu_group}: pass every function below together -->"
         )
         blocks.extend(f.hostdev_xml for f in gpu.functions if f.hostdev_xml is not None)

@@ -20,12 +20,13 @@ import ipaddress
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatch.core.tables import TABLE_KEYS
-from gpuwatch.errors import ConfigError
+from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
 
 if TYPE_CHECKING:
     from gpuwatch.core.tables import Tables
@@ -72,7 +73,7 @@ def _check_source(value: Any) -> str | None:
     return f"must be auto, udev, kernel or file:PATH, not {value!r}"
 
 
-class InvalidListenAddress(ValueError):
+class InvalidListenAddress(CallerError, ValueError):
     """``--metrics`` is not ``HOST:PORT``, ``:PORT`` or ``PORT``."""
 
 
@@ -251,7 +252,13 @@ class WatchSettings:
     socket_gid: int | None = None
     switch_gid: int | None = None
 
+    #: The tables built from the same read of the config file (None: not loaded here).
+    loaded_tables: Tables | None = field(default=None, compare=False, repr=False)
+
     def tables(self) -> Tables:
+        """The tables in force, from the one read of the config file `load_settings` did."""
+        if self.loaded_tables is not None:
+            return self.loaded_tables
         return load_tables(self.config_path)
 
 
@@ -338,9 +345,10 @@ def load_settings(
         raise ValueError(f"not a setting: {unknown_flags[0]!r}")  # a programming error
     path = config_file_path(config, env, default_config)
     raw: Mapping[str, Any] = {}
+    tables: Tables | None = None
     if path is not None:
-        raw = read_config_file(path)
-        load_tables(path)  # validates the table keys and rejects unknown keys
+        raw = read_config_file(path)  # read and parsed once, for the options and the tables
+        tables = build_tables(_only_table_keys(raw, path), path)  # rejects unknown keys too
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
     for s in SETTINGS:
@@ -360,7 +368,7 @@ def load_settings(
             raise ConfigError(f"{where}: {exc}") from None
         values[s.key] = value
         origins[s.key] = origin  # type: ignore[assignment]
-    settings = WatchSettings(**values, config_path=path, origins=origins)
+    settings = WatchSettings(**values, config_path=path, origins=origins, loaded_tables=tables)
     if not resolve_groups:
         return settings
     return _with_groups(settings)
@@ -392,8 +400,10 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
 DEFAULT_SOCKET_GROUP = "gpuwatch"
 
 
-class GroupNotFound(LookupError):
+class GroupNotFound(CallerError, LookupError):
     """A group named in the settings does not exist on this host."""
+
+    code = BAD_CONFIG
 
 
 def resolve_group(name: str | int) -> int:
@@ -420,11 +430,33 @@ def default_socket_gid() -> int | None:
 # --------------------------------------------------------------------------- the file and tables
 
 
+#: A config file larger than this is refused: the whole of a real one is a few KiB.
+CONFIG_MAX_BYTES = 1 << 20
+#: Mappings and lists nested deeper than this are refused: a real config nests 2 levels.
+CONFIG_MAX_DEPTH = 32
+
+
 def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
+    """YAML with the C safe loader when PyYAML has it. Nesting is measured first from the
+    parser's flat event stream (no recursion), so a deep file is refused before the
+    recursive constructor could overflow the stack."""
     import yaml  # first use only: a lean `import gpuwatch`
 
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    opening = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+    closing = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
     try:
-        data = yaml.safe_load(text)
+        depth = 0
+        for event in yaml.parse(text, Loader=loader):
+            if isinstance(event, opening):
+                depth += 1
+                if depth > CONFIG_MAX_DEPTH:
+                    raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels")
+            elif isinstance(event, closing):
+                depth -= 1
+        data = yaml.load(text, Loader=loader)
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -444,14 +476,36 @@ def embedded_tables_raw() -> dict[str, Any]:
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The raw mapping of a config file; every failure is a one-line `ConfigError`."""
+    """The raw mapping of a config file; every failure is a one-line `ConfigError`.
+
+    A regular file of at most `CONFIG_MAX_BYTES`, opened without blocking: a FIFO, socket
+    or device node at the path is an error at once, never a hang.
+    """
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        # Checked before the open (a device node's open runs its driver) and on the fd.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"{path}: not a regular file")
+            data = b""
+            while len(data) <= CONFIG_MAX_BYTES:
+                chunk = os.read(fd, CONFIG_MAX_BYTES + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(fd)
+        if len(data) > CONFIG_MAX_BYTES:
+            raise ConfigError(f"{path}: larger than {CONFIG_MAX_BYTES} bytes")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
     return _load_yaml_mapping(text, str(path))
 
 

@@ -68,6 +68,7 @@ async def test_rewritten_on_a_change_and_only_then(host: SysRoot, tmp_path: Path
             "gpuwatch.gpu.count": "2",
             "gpuwatch.gpu.intel.count": "1",
             "gpuwatch.gpu.nvidia.count": "1",
+            "gpuwatch.gpu.unhealthy.count": "0",
             "gpuwatch.gpu.vfio.count": "0",
             "gpuwatch.iommu": "true",
             "gpuwatch.iommu.kind": "intel",
@@ -136,7 +137,8 @@ async def test_expiry_is_refreshed_before_it_lapses(host: SysRoot, tmp_path: Pat
 @pytest.mark.parametrize(
     ("gpus", "expected"),
     [
-        ([], {"gpuwatch.gpu.count": "0", "gpuwatch.gpu.vfio.count": "0"}),
+        ([], {"gpuwatch.gpu.count": "0", "gpuwatch.gpu.vfio.count": "0",
+              "gpuwatch.gpu.unhealthy.count": "0"}),
         (
             [
                 ("0x1002", [("0x0300", "vfio-pci"), ("0x0403", "vfio-pci")]),
@@ -146,6 +148,7 @@ async def test_expiry_is_refreshed_before_it_lapses(host: SysRoot, tmp_path: Pat
             {
                 "gpuwatch.gpu.count": "3",
                 "gpuwatch.gpu.vfio.count": "1",
+                "gpuwatch.gpu.unhealthy.count": "0",
                 "gpuwatch.gpu.amd.count": "2",
                 "gpuwatch.gpu.0x1af4.count": "1",
             },

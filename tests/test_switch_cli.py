@@ -77,7 +77,8 @@ def test_mode_shows_the_group(cli: Run) -> None:
     assert (code, data["addr"], data["group"], data["mode"], data["poisoned"]) == (
         0, NV, 13, "nvidia", None)
     assert data["members"][1] == {"addr": AUDIO, "class": "0x0403", "driver": "snd_hda_intel",
-                                  "vfio": "vfio-pci", "nvidia": "snd_hda_intel"}
+                                  "vfio": "vfio-pci", "nvidia": "snd_hda_intel",
+                                  "health": "ok"}
 
 
 def test_mode_switches_and_prints_the_result(cli: Run, sim: SimKernel, tmp_path: Path) -> None:

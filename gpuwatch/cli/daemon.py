@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.service.client import Client, DaemonError, DaemonUnavailable, try_daemon
 from gpuwatch.service.protocol import PERMISSION_DENIED, UNAVAILABLE
 
@@ -44,9 +44,11 @@ class DaemonAnswer(Generic[T]):
     value: T
 
 
-class DaemonLost(GpuwatchError):
+class DaemonLost(HostError):
     """The daemon stopped answering while it was changing the host: doing it again here
     could race its switch, so the command stops and says so (exit 1)."""
+
+    code = SERVICE
 
 
 def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,

@@ -15,6 +15,7 @@ import anyio
 from gpuwatch.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    UsageProblem,
     add_root_args,
     check_root,
     fail,
@@ -22,14 +23,17 @@ from gpuwatch.cli.common import (
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
-from gpuwatch.core.modes import MODES, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.modes import MODES, Mode, driver_key, group_in_mode, group_mode, target_driver
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
+    HostFacts,
     find_card,
     parse_mode,
     parse_vendor,
+    parse_vfio_driver,
     switch_guard,
+    unhealthy_reason,
 )
 from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchRefused
@@ -51,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_target_args(p)
     p.add_argument("--timeout", type=positive_seconds, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"bound of the whole switch in seconds (default {DEFAULT_TIMEOUT:g})")
+    add_vfio_driver_arg(p)
     add_root_args(p)
     add_daemon_args(p)
     p.add_argument("--log", default=None, metavar="PATH|-",
@@ -68,6 +73,23 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--addr", metavar="ADDR", help="a PCI address of the card (DDDD:BB:DD.F)")
     group.add_argument("--vendor", metavar="VENDOR",
                        help=f"the card's PCI vendor id (default {NVIDIA_VENDOR}, one card only)")
+
+
+def add_vfio_driver_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vfio-driver", metavar="NAME", default=None,
+                   help="the VFIO driver for the card's display functions (vfio-pci or a "
+                        "variant such as nvgrace_gpu_vfio_pci); default: what modules.alias "
+                        "says the kernel would pick")
+
+
+def vfio_driver_of(args: argparse.Namespace, mode: Mode | None) -> str | None:
+    """``--vfio-driver``, checked as far as it can be without the host (exit 2 when wrong)."""
+    name: str | None = args.vfio_driver
+    if name is None:
+        return None
+    if mode != "vfio":
+        raise UsageProblem("--vfio-driver needs mode vfio")
+    return parse_vfio_driver(name, mode, frozenset({driver_key(name)}))
 
 
 def add_force_arg(p: argparse.ArgumentParser) -> None:
@@ -116,7 +138,8 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
             return await host.recover(target, timeout=args.timeout)
         assert mode is not None
         return await host.switch(target, mode, timeout=args.timeout,
-                                 force=bool(getattr(args, "force", False)))
+                                 force=bool(getattr(args, "force", False)),
+                                 vfio_driver=getattr(args, "vfio_driver", None))
 
 
 def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: str,
@@ -133,7 +156,7 @@ def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: 
 def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
           as_json: bool) -> None:
     poisoned = PoisonStore(model.root).load().get(card.iommu_group)
-    mode = group_mode(members)
+    mode = group_mode(members, model.state.vfio_variants)
     kept = model.kept_for_host(card.addr)
     if as_json:
         print(dumps({
@@ -141,7 +164,8 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
             "poisoned": poisoned.error if poisoned is not None else None,
             "kept_for_host": bool(kept), "reason": kept,
             "members": [{"addr": m.addr, "class": m.class_, "driver": m.driver,
-                         "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia")}
+                         "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia"),
+                         "health": m.health}
                         for m in members],
         }))
         return
@@ -157,12 +181,14 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
 def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     mode = parse_mode(args.mode) if args.mode is not None else None
+    vfio_driver = vfio_driver_of(args, mode)
     check_root(args.root)
     if mode is not None and args.log is None:
         # A running daemon owns the switch lock and the log: it switches, we report.
         answer = ask_daemon(args, lambda c: c.switch(mode, addr=addr, vendor=vendor,
                                                      timeout=args.timeout,
-                                                     force=args.force or None), mutating=True)
+                                                     force=args.force or None,
+                                                     vfio_driver=vfio_driver), mutating=True)
         if answer is not None:
             print_result(SwitchResult.model_validate(answer.value), args.json)
             return EXIT_OK
@@ -179,7 +205,12 @@ def run(args: argparse.Namespace) -> int:
                          force=args.force)
     if guard is not None:
         raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
-    if group_in_mode(members, mode):
+    variants = model.state.vfio_variants
+    parse_vfio_driver(vfio_driver, mode, variants)
+    unhealthy = unhealthy_reason(members, HostFacts(wedge_recovery=model.state.wedge_recovery))
+    if unhealthy is not None:
+        raise SwitchRefused(unhealthy)
+    if vfio_driver is None and group_in_mode(members, mode, variants):
         # No write, so no privilege needed: a claim can run this on every start.
         print_result(SwitchResult(
             addr=card.addr, group=card.iommu_group, from_mode=mode, to_mode=mode,

@@ -14,7 +14,14 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.cli.mode_cmd import add_force_arg, add_target_args, load_poison, target_of
+from gpuwatch.cli.mode_cmd import (
+    add_force_arg,
+    add_target_args,
+    add_vfio_driver_arg,
+    load_poison,
+    target_of,
+    vfio_driver_of,
+)
 from gpuwatch.core.modes import MODES, Mode
 from gpuwatch.core.plan import default_mode, find_card, parse_mode
 from gpuwatch.jsonout import dumps
@@ -30,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("mode", nargs="?", choices=MODES,
                    help="vfio or nvidia (default: out of the group's current mode)")
     add_target_args(p)
+    add_vfio_driver_arg(p)
     add_root_args(p)
     add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -54,7 +62,9 @@ def render(plan: dict[str, Any]) -> str:
     lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
              f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
     for member in plan["members"]:
-        lines.append(f"  {member['addr']}: {member['target']}")
+        alias = member.get("alias", "")
+        lines.append(f"  {member['addr']}: {member['target']}"
+                     + (f" (modules.alias {alias})" if alias else ""))
     if plan["refused"] is not None:
         lines.append(f"refused: {plan['refused']['reason']}")
     elif not plan["steps"]:
@@ -65,7 +75,7 @@ def render(plan: dict[str, Any]) -> str:
 
 
 def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
-                vendor: str | None) -> dict[str, Any]:
+                vendor: str | None, vfio_driver: str | None = None) -> dict[str, Any]:
     model = scan(args.root, args.config)
     if args.example:
         mode = mode or "vfio"
@@ -74,19 +84,25 @@ def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
     load_poison(model)
     backend = make_backend(args.root)
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
-                         which=backend.ops.which, force=args.force, example=args.example)
+                         which=backend.ops.which, force=args.force, vfio_driver=vfio_driver,
+                         example=args.example)
     return plan.to_json()
 
 
 def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     mode: Mode | None = parse_mode(args.mode) if args.mode is not None else None
+    if args.vfio_driver is not None and mode is None:
+        mode = "vfio"  # naming a VFIO driver says where the card is going
+    vfio_driver = vfio_driver_of(args, mode)
     check_root(args.root)
     # The daemon runs as root and sees every holder; a plan made here may not.
     answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor,
-                                               force=args.force or None)) \
+                                               force=args.force or None,
+                                               vfio_driver=vfio_driver)) \
         if mode and not args.example else None
-    plan = answer.value if answer is not None else _local_plan(args, mode, addr, vendor)
+    plan = (answer.value if answer is not None
+            else _local_plan(args, mode, addr, vendor, vfio_driver))
     print(dumps(plan) if args.json else render(plan))
     for note in plan["notes"]:
         print(f"gpuwatch: note: {note}", file=sys.stderr)

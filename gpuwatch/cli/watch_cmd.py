@@ -124,7 +124,8 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise _Terminated(signal.Signals(signum).name)
 
 
-async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
+async def watch(settings: WatchSettings, log: EventLog | None = None,
+                progress: dict[str, bool] | None = None) -> None:
     """Run until SIGINT/SIGTERM or the end of a file source; the event in hand is finished first
     (publishing never awaits, so cancellation can only land between events).
 
@@ -135,6 +136,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
 
     current: list[Watcher] = []
     reason = "source ended"
+    progress = {} if progress is None else progress
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
 
@@ -157,12 +159,14 @@ async def watch(settings: WatchSettings, log: EventLog | None = None) -> None:
             ) as host:
                 host.watcher.model.proc_deadline = settings.proc_read_timeout
                 current.append(host.watcher)
+                progress["watching"] = True  # from here on the watcher writes `stopped`
                 async with run_services(host, settings):
                     await host.source_ended.wait()
                 host.watcher.stop(reason)
             tg.cancel_scope.cancel()
     if not current and log is not None:
         write_stopped(log, reason)
+    progress["watching"] = True
 
 
 def write_stopped(log: EventLog, reason: str) -> None:
@@ -197,22 +201,38 @@ def _setup_errors() -> tuple[type[BaseException], ...]:
     return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse)
 
 
+def _stopped_early(log: EventLog | None, progress: dict[str, bool], exc: BaseException) -> None:
+    """A signal before the watcher took over (or after it finished): `stopped` once."""
+    if log is not None and not progress.get("watching"):
+        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+        write_stopped(log, f"signal {name}")
+
+
 def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     log: EventLog | None = None
+    progress: dict[str, bool] = {}
     try:
         settings = settings_from_args(args)
         check_root(settings.root)
         setup_logging(settings.verbose)
-        log = open_log(settings)
-        anyio.run(watch, settings, log)
+        # Signals wait while the log is opened: one arriving then is handled (below) with
+        # the log in hand, so even it leaves a `stopped` record.
+        stopping = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+        try:
+            log = open_log(settings)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
+        anyio.run(watch, settings, log, progress)
     except (KeyboardInterrupt, _Terminated) as exc:
-        if log is not None:
-            name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
-            write_stopped(log, f"signal {name}")
+        _stopped_early(log, progress, exc)
         return EXIT_OK
     except BaseExceptionGroup as group:
         leaf = _first_leaf(group)
+        if isinstance(leaf, KeyboardInterrupt | _Terminated):
+            _stopped_early(log, progress, leaf)
+            return EXIT_OK
         if isinstance(leaf, _setup_errors()):
             return fail(str(leaf), EXIT_USAGE)
         if isinstance(leaf, Exception):

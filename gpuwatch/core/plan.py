@@ -14,9 +14,20 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, assert_never
 
-from gpuwatch.core.modes import MODES, VFIO_DRIVER, Mode, group_in_mode, group_mode, target_driver
+from gpuwatch.core.health import UNSWITCHABLE, health_advice
+from gpuwatch.core.modes import (
+    MODES,
+    VFIO_DRIVER,
+    Mode,
+    driver_key,
+    group_in_mode,
+    group_mode,
+    is_vfio_driver,
+    same_driver,
+    target_driver,
+)
 from gpuwatch.core.pci import (
     ADDR_FORMAT,
     DRIVER_NAME_RE,
@@ -61,10 +72,6 @@ class WriteStep:
     path: str
     value: str
 
-    @property
-    def kind(self) -> str:
-        return "write"
-
     def key(self) -> tuple[str, ...]:
         return ("write", self.path, self.value)
 
@@ -80,10 +87,6 @@ class CommandStep:
     argv: tuple[str, ...]
     on_error: OnError = "fail"
 
-    @property
-    def kind(self) -> str:
-        return "command"
-
     def key(self) -> tuple[str, ...]:
         return ("command", *self.argv)
 
@@ -97,10 +100,6 @@ class MakeDirStep:
 
     path: str
 
-    @property
-    def kind(self) -> str:
-        return "mkdir"
-
     def key(self) -> tuple[str, ...]:
         return ("mkdir", self.path)
 
@@ -108,16 +107,23 @@ class MakeDirStep:
         return f"mkdir -p {self.path}"
 
 
+#: The closed set of step types. The executor and `step_json` match on the type itself (a
+#: new type is a mypy error at every ``assert_never`` until it is handled there), and the
+#: ``kind`` string exists only in the plan's JSON.
 Step = WriteStep | CommandStep | MakeDirStep
 
 
 def step_json(step: Step) -> dict[str, Any]:
     """The step as the plan's JSON spells it, ``kind`` first."""
-    if isinstance(step, WriteStep):
-        return {"kind": "write", "path": step.path, "value": step.value}
-    if isinstance(step, CommandStep):
-        return {"kind": "command", "argv": list(step.argv), "on_error": step.on_error}
-    return {"kind": "mkdir", "path": step.path}
+    match step:
+        case WriteStep(path=path, value=value):
+            return {"kind": "write", "path": path, "value": value}
+        case CommandStep(argv=argv, on_error=on_error):
+            return {"kind": "command", "argv": list(argv), "on_error": on_error}
+        case MakeDirStep(path=path):
+            return {"kind": "mkdir", "path": path}
+        case _:
+            assert_never(step)
 
 
 def override_path(addr: str) -> str:
@@ -157,6 +163,22 @@ class NodeScope:
         return bool(self.exact or self.prefixes)
 
 
+@dataclass(frozen=True, slots=True)
+class VfioTarget:
+    """The VFIO driver a function goes to: ``driver`` as the kernel spells the driver's name
+    (what ``driver_override`` must hold), the ``module`` that provides it, the modules.alias
+    pattern that chose it (``""`` for the default or an explicit ``--vfio-driver``), and
+    ``exact``: asked for by name, so another VFIO driver does not count as there."""
+
+    driver: str = VFIO_DRIVER
+    module: str = "vfio_pci"
+    alias: str = ""
+    exact: bool = False
+
+
+DEFAULT_VFIO_TARGET = VfioTarget()
+
+
 @dataclass(frozen=True)
 class HostFacts:
     """What the edge read before planning. Defaults describe an empty host."""
@@ -180,6 +202,13 @@ class HostFacts:
     holders: tuple[Holding, ...] = ()
     #: False when not root: other users' ``/proc/<pid>/fd`` cannot be read.
     holders_complete: bool = True
+    #: The VFIO driver each function would go to (modules.alias, ``--vfio-driver``); a
+    #: function not named gets plain vfio-pci.
+    vfio_targets: Mapping[str, VfioTarget] = field(default_factory=dict)
+    #: The table's ``vfio_variant_drivers`` (comparison spelling).
+    vfio_variants: frozenset[str] = frozenset()
+    #: The DRM wedge recovery methods the kernel named, per wedged function.
+    wedge_recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -213,6 +242,8 @@ class SwitchPlan:
     example: bool = False
     #: True when the plan unloads the nvidia module (it needs the host to itself).
     unloads_nvidia: bool = False
+    #: The modules.alias pattern that chose each member's VFIO driver (``""``: none did).
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def in_mode(self) -> bool:
@@ -225,7 +256,8 @@ class SwitchPlan:
             "from_mode": self.from_mode,
             "to_mode": self.to_mode,
             "example": self.example,
-            "members": [{"addr": a, "driver": _driver_of(self.members, a), "target": t}
+            "members": [{"addr": a, "driver": _driver_of(self.members, a), "target": t,
+                         "alias": dict(self.aliases).get(a, "")}
                         for a, t in self.targets],
             "steps": [step_json(s) for s in self.steps],
             "refused": None if self.refusal is None else {
@@ -249,6 +281,22 @@ def parse_mode(text: str | None) -> Mode:
     if text == "nvidia":
         return "nvidia"
     raise UsageError(f"mode must be one of {', '.join(MODES)}, not {text!r}")
+
+
+def parse_vfio_driver(name: str | None, mode: Mode,
+                      variants: frozenset[str] = frozenset()) -> str | None:
+    """``--vfio-driver NAME`` (socket ``vfio_driver``): a driver name that is vfio-pci or a
+    vfio-pci variant, for a switch to vfio only. `UsageError` otherwise."""
+    if name is None:
+        return None
+    if mode != "vfio":
+        raise UsageError(f"--vfio-driver is for the switch to vfio, not to {mode}")
+    if not DRIVER_NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise UsageError(f"{name!r} is not a driver name ([A-Za-z0-9_.-]+)")
+    if not is_vfio_driver(name, variants):
+        raise UsageError(f"{name!r} is neither vfio-pci nor a vfio-pci variant (a driver "
+                         "named …_vfio_pci, or one listed in vfio_variant_drivers)")
+    return name
 
 
 def parse_vendor(text: str) -> str:
@@ -343,8 +391,11 @@ def unbind_scope(fn: PciFunction, facts: HostFacts) -> NodeScope:
     scope = NodeScope(exact=frozenset(facts.dri_nodes.get(fn.addr, ())))
     if fn.driver == NVIDIA_DRIVER:
         scope = scope | nvidia_scope(facts)
-    elif fn.driver == VFIO_DRIVER and fn.iommu_group >= 0:
+    if (is_vfio_driver(fn.driver, facts.vfio_variants) or fn.vfio_dev) and fn.iommu_group >= 0:
+        # A VM holds the group node, or the function's own cdev (iommufd).
         scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{fn.iommu_group}"}))
+    if fn.vfio_cdev:
+        scope = scope | NodeScope(exact=frozenset({fn.vfio_cdev}))
     if fn.driver and (fn.driver == SND_DRIVER or fn.class_ == AUDIO_CLASS):
         scope = scope | NodeScope(exact=frozenset(facts.snd_nodes.get(fn.addr, ())))
     return scope
@@ -355,9 +406,30 @@ def holder_scope(members: Iterable[PciFunction], mode: Mode, facts: HostFacts) -
     its current driver."""
     scope = NodeScope()
     for fn in members:
-        if fn.driver and fn.driver != target_driver(fn, mode):
+        if fn.driver and not satisfied(fn.driver, fn, target_of(fn, mode, facts), facts):
             scope = scope | unbind_scope(fn, facts)
     return scope
+
+
+def target_of(fn: PciFunction, mode: Mode, facts: HostFacts) -> VfioTarget:
+    """Where ``mode`` sends the function: its VFIO target, or the host driver and its module."""
+    driver = target_driver(fn, mode)
+    if driver == VFIO_DRIVER:
+        return facts.vfio_targets.get(fn.addr, DEFAULT_VFIO_TARGET)
+    return VfioTarget(driver=driver, module=module_of(driver))
+
+
+def satisfied(current: str, fn: PciFunction, target: VfioTarget, facts: HostFacts) -> bool:
+    """Is a function on ``current`` where it should be? Any VFIO driver counts for a VFIO
+    target, unless that driver was asked for by name."""
+    if not current:
+        return False
+    if same_driver(current, target.driver):
+        return True
+    vfio_target = is_vfio_driver(target.driver, facts.vfio_variants)
+    return vfio_target and not target.exact and (
+        is_vfio_driver(current, facts.vfio_variants)
+        or (bool(fn.vfio_dev) and current == fn.driver))
 
 
 def card_scope(members: Iterable[PciFunction], facts: HostFacts) -> NodeScope:
@@ -372,7 +444,8 @@ def card_scope(members: Iterable[PciFunction], facts: HostFacts) -> NodeScope:
 # --------------------------------------------------------------------------- the plan
 
 
-def check_names(members: Iterable[PciFunction], mode: Mode) -> None:
+def check_names(members: Iterable[PciFunction], mode: Mode,
+                facts: HostFacts | None = None) -> None:
     """Every address and driver name that becomes part of a write, checked before any is made.
 
     ``fullmatch``: with ``re.match`` a ``$`` also matches before a trailing newline, and
@@ -381,7 +454,8 @@ def check_names(members: Iterable[PciFunction], mode: Mode) -> None:
     for fn in members:
         if not PCI_ADDR_RE.fullmatch(fn.addr):
             raise UnsafeName(f"refusing to switch: {fn.addr!r} is not a canonical PCI address")
-        for driver in (fn.driver, target_driver(fn, mode)):
+        target = target_of(fn, mode, facts or HostFacts()).driver
+        for driver in (fn.driver, target):
             if driver and (not DRIVER_NAME_RE.fullmatch(driver) or driver in (".", "..")):
                 raise UnsafeName(f"refusing to switch: driver name {driver!r} of {fn.addr} "
                                  "is not [A-Za-z0-9_.-]+")
@@ -402,20 +476,36 @@ def cdi_steps(root: str, cdi_spec: bool,
     ), ()
 
 
+def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts) -> str | None:
+    """Why a group with a wedged or failed function must not be switched, and what to do."""
+    for fn in members:
+        if fn.health in UNSWITCHABLE:
+            advice = health_advice(fn.health, fn.addr, fn.driver,
+                                   facts.wedge_recovery.get(fn.addr, ()))
+            return (f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it "
+                    "(`gpuwatch recover` rebinds it to vfio-pci)")
+    return None
+
+
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
-                example: bool = False, force: bool = False) -> SwitchPlan:
+                example: bool = False, force: bool = False,
+                recovering: bool = False) -> SwitchPlan:
     """The ordered steps that bring every function of the group to its target driver.
 
     Raises `UnsafeName` for a malformed address or driver name; every other reason not to
-    switch is a `Refusal` in the plan, with no steps.
+    switch is a `Refusal` in the plan, with no steps. ``recovering`` (``gpuwatch recover``)
+    plans for a wedged or failed group too: a rebind is its recovery.
     """
     fns = tuple(sorted(members, key=lambda f: f.addr))
     display = next((f for f in fns if is_gpu_class(f.class_)), fns[0])
-    check_names(fns, mode)
-    targets = {fn.addr: target_driver(fn, mode) for fn in fns}
+    check_names(fns, mode, facts)
+    chosen = {fn.addr: target_of(fn, mode, facts) for fn in fns}
+    targets = {a: t.driver for a, t in chosen.items()}
     base: dict[str, Any] = {
-        "addr": display.addr, "group": display.iommu_group, "from_mode": group_mode(fns),
-        "to_mode": mode, "members": fns, "targets": tuple(targets.items()), "example": example,
+        "addr": display.addr, "group": display.iommu_group,
+        "from_mode": group_mode(fns, facts.vfio_variants), "to_mode": mode, "members": fns,
+        "targets": tuple(targets.items()), "example": example,
+        "aliases": tuple((a, t.alias) for a, t in chosen.items()),
     }
     if example:
         base["notes"] = (f"no matching card on this host: planned for the documented example "
@@ -425,12 +515,16 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                          kept_for_host=facts.kept_for_host, force=force)
     if guard is not None:
         return SwitchPlan(**base, refusal=guard)  # poison wins even over "already in mode"
-    if group_in_mode(fns, mode):
-        return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
-                                               f"already in mode {mode}: nothing to write")})
 
     def refuse(reason: str, holders: Sequence[Holding] = ()) -> SwitchPlan:
         return SwitchPlan(**base, refusal=Refusal(reason, tuple(holders)))
+
+    unhealthy = None if recovering else unhealthy_reason(fns, facts)
+    if unhealthy is not None:
+        return refuse(unhealthy)
+    if all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
+        return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
+                                               f"already in mode {mode}: nothing to write")})
 
     group = display.iommu_group
     bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
@@ -451,7 +545,8 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     current = {fn.addr: fn.driver for fn in fns}
     unloads = False
     on_nvidia = [fn for fn in fns
-                 if fn.driver == NVIDIA_DRIVER and targets[fn.addr] != NVIDIA_DRIVER]
+                 if fn.driver == NVIDIA_DRIVER and targets[fn.addr] != NVIDIA_DRIVER
+                 and not satisfied(fn.driver, fn, chosen[fn.addr], facts)]
     if on_nvidia:
         if facts.persistenced:
             steps.append(CommandStep(("systemctl", "stop", PERSISTENCED_UNIT), "warn"))
@@ -482,9 +577,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         for fn in on_nvidia:
             current[fn.addr] = ""
 
-    changing = [fn for fn in fns if current[fn.addr] != targets[fn.addr]]
-    for module in dict.fromkeys(module_of(targets[fn.addr]) for fn in changing):
-        if module not in facts.modules:
+    changing = [fn for fn in fns if not satisfied(current[fn.addr], fn, chosen[fn.addr], facts)]
+    loaded = {driver_key(m) for m in facts.modules}
+    for module in dict.fromkeys(driver_key(chosen[fn.addr].module) for fn in changing):
+        if module not in loaded:
             steps.append(CommandStep(("modprobe", module), "fail"))
     for fn in changing:
         target = targets[fn.addr]
@@ -558,6 +654,7 @@ def holders_reason(holders: Sequence[Holding]) -> str:
 
 __all__ = [
     "CLEAR_OVERRIDE",
+    "DEFAULT_VFIO_TARGET",
     "DRIVERS_PROBE",
     "EXAMPLE_AUDIO",
     "EXAMPLE_DISPLAY",
@@ -569,6 +666,7 @@ __all__ = [
     "Refusal",
     "Step",
     "SwitchPlan",
+    "VfioTarget",
     "WriteStep",
     "canonical_addr",
     "card_scope",
@@ -583,9 +681,13 @@ __all__ = [
     "parse_mode",
     "parse_target",
     "parse_vendor",
+    "parse_vfio_driver",
     "plan_switch",
+    "satisfied",
     "step_json",
     "switch_guard",
+    "target_of",
     "unbind_path",
     "unbind_scope",
+    "unhealthy_reason",
 ]

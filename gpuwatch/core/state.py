@@ -108,6 +108,8 @@ class HostState:
         #: Each function's cdev path as sysfs names it (reported once the node exists), and
         #: the reverse map, so a node event updates its function without a search.
         self._cdev_of: dict[str, str] = {}
+        #: The recovery methods of each wedged function's last DRM wedge uevent.
+        self.wedge_recovery: dict[str, tuple[str, ...]] = {}
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
         #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
@@ -366,6 +368,8 @@ class HostState:
         fn = self.functions.get(seen.addr) if seen.addr else None
         if fn is not None and fn.health != "wedged":
             self._replace(fn, {"health": "wedged"}, events, announce=False)
+        if fn is not None:
+            self.wedge_recovery[fn.addr] = seen.recovery
         events.append(GpuWedged(addr=seen.addr, card=seen.card, recovery=list(seen.recovery),
                                 pid=seen.pid, task=seen.task))
 
@@ -411,6 +415,8 @@ class HostState:
             del functions[addr]
         else:
             functions[addr] = new
+        if addr in self.wedge_recovery and (new is None or new.health != "wedged"):
+            del self.wedge_recovery[addr]
         was_gpu = old is not None and is_gpu_class(old.class_)
         is_gpu = new is not None and is_gpu_class(new.class_)
         if was_gpu and not is_gpu:

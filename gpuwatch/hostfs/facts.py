@@ -21,12 +21,19 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from gpuwatch.core.modes import Mode
+from gpuwatch.core.modalias import (
+    VFIO_PCI_MODULE,
+    VfioAlias,
+    best_vfio_alias,
+    parse_vfio_aliases,
+)
+from gpuwatch.core.modes import Mode, driver_key, target_driver
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
     CDI_OUTPUT,
     HostFacts,
     NodeScope,
+    VfioTarget,
     card_scope,
     holder_scope,
 )
@@ -158,6 +165,8 @@ class ModelFacts:
 
     other_nvidia: tuple[str, ...]
     dri_nodes: dict[str, tuple[str, ...]]
+    vfio_variants: frozenset[str] = frozenset()
+    wedge_recovery: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     kept_for_host: str = ""
     poisoned: str = ""
 
@@ -169,13 +178,95 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
                                   if fn.driver == "nvidia" and a not in addrs)),
         dri_nodes=dri_nodes(state, addrs),
+        vfio_variants=state.vfio_variants,
+        wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
         kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
         poisoned=poisoned,
     )
 
 
+# --------------------------------------------------------------------------- VFIO driver choice
+
+#: modules.alias holds tens of thousands of lines; more than this is no depmod output.
+_ALIAS_FILE_CAP = 64 * 1024 * 1024
+_alias_cache: dict[str, tuple[tuple[int, int], tuple[VfioAlias, ...]]] = {}
+
+
+def modules_alias_path(paths: HostPaths) -> str:
+    """``lib/modules/<release>/modules.alias`` for the release in ``proc/sys/kernel/osrelease``
+    (``""`` when the release is unreadable or not a plain name)."""
+    release = read_attr(os.path.join(paths.root, "proc/sys/kernel/osrelease"))
+    if not release or "/" in release or release in (".", "..") or not release.isprintable():
+        return ""
+    return os.path.join(paths.root, "lib/modules", release, "modules.alias")
+
+
+def read_vfio_aliases(paths: HostPaths) -> tuple[VfioAlias, ...]:
+    """The ``vfio_pci:`` aliases depmod wrote for the running kernel; cached per file version."""
+    path = modules_alias_path(paths)
+    if not path:
+        return ()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    key = (st.st_mtime_ns, st.st_size)
+    cached = _alias_cache.get(path)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(_ALIAS_FILE_CAP)
+    except OSError:
+        return ()
+    text = data.decode("utf-8", "replace")
+    aliases = parse_vfio_aliases(line for line in text.splitlines() if "vfio_pci:" in line)
+    _alias_cache[path] = (key, aliases)
+    return aliases
+
+
+def driver_name(paths: HostPaths, module: str) -> str:
+    """The PCI driver name ``module`` registers, as the kernel spells it (``driver_override``
+    is compared with it byte for byte): a registered driver of that name, else the module's
+    own ``drivers/pci:<name>`` link, else ``vfio-pci`` for vfio_pci, else the module name."""
+    key = driver_key(module)
+    for name in list_dir(paths.sys + "/bus/pci/drivers"):
+        if driver_key(name) == key:
+            return name
+    for entry in list_dir(os.path.join(paths.module, key, "drivers")):
+        if entry.startswith("pci:"):
+            return entry[4:]
+    return "vfio-pci" if key == VFIO_PCI_MODULE else module
+
+
+def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *,
+                 vfio_driver: str | None = None) -> dict[str, VfioTarget]:
+    """The VFIO driver each function that ``mode`` sends to VFIO would get: ``vfio_driver``
+    for the display functions when asked, else the most specific ``vfio_pci:`` alias of its
+    ``modalias``, else vfio-pci."""
+    aliases = read_vfio_aliases(paths)
+    out: dict[str, VfioTarget] = {}
+    for fn in members:
+        if target_driver(fn, mode) != "vfio-pci":
+            continue
+        if vfio_driver and fn.class_.startswith("0x03"):
+            module = driver_key(vfio_driver)
+            out[fn.addr] = VfioTarget(driver_name(paths, vfio_driver), module, "", exact=True)
+            continue
+        modalias = read_attr(os.path.join(paths.bus_pci, fn.addr, "modalias"))
+        best = best_vfio_alias(aliases, modalias)
+        if best is not None and driver_key(best.module) != VFIO_PCI_MODULE:
+            out[fn.addr] = VfioTarget(driver_name(paths, best.module), driver_key(best.module),
+                                      best.pattern)
+        else:
+            out[fn.addr] = VfioTarget(driver_name(paths, VFIO_PCI_MODULE), VFIO_PCI_MODULE,
+                                      best.pattern if best is not None else "")
+    return out
+
+
 def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, known: ModelFacts,
                  *, euid: int, which: Callable[[str], str | None],
+                 vfio_driver: str | None = None,
                  deadline: float = DEFAULT_PROC_DEADLINE) -> HostFacts:
     """Read everything `plan_switch` needs for this group and direction, holders last (their
     scope depends on the rest). nvidia-persistenced is not counted: the plan stops it.
@@ -183,15 +274,17 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
     Reads files only, so it may run in a worker thread; /proc within ``deadline``.
     """
     fns = tuple(members)
-    facts = _card_facts(paths, fns, known, euid=euid, which=which)
+    facts = _card_facts(paths, fns, mode, known, euid=euid, which=which,
+                        vfio_driver=vfio_driver)
     procs = scan_procs(paths.root, holder_scope(fns, mode, facts), deadline=deadline)
     holders = [h for h in procs.holders if h.unreadable or not is_persistenced(h.comm)]
     return dataclasses.replace(facts, holders=tuple(holders), persistenced=procs.persistenced,
                                persistenced_fds=procs.persistenced_fds)
 
 
-def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], known: ModelFacts, *,
-                euid: int, which: Callable[[str], str | None]) -> HostFacts:
+def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, known: ModelFacts,
+                *, euid: int, which: Callable[[str], str | None],
+                vfio_driver: str | None = None) -> HostFacts:
     """Everything but /proc: modules, refcnt, the card's minor and nodes, CDI."""
     display = next((fn.addr for fn in fns if fn.class_.startswith("0x03")), fns[0].addr)
     nvidia_dir = os.path.join(paths.module, "nvidia")
@@ -207,6 +300,9 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], known: ModelFact
         cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
         holders_complete=euid == 0,
+        vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),
+        vfio_variants=known.vfio_variants,
+        wedge_recovery=known.wedge_recovery,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
     )
@@ -214,12 +310,12 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], known: ModelFact
 
 def gather_facts_now(paths: HostPaths, state: HostState, members: Iterable[PciFunction],
                      mode: Mode, *, euid: int, which: Callable[[str], str | None],
-                     poisoned: str = "",
+                     poisoned: str = "", vfio_driver: str | None = None,
                      deadline: float = DEFAULT_PROC_DEADLINE) -> HostFacts:
     """`gather_facts` in one call, for a model no uevent changes meanwhile (plan, probe)."""
     fns = tuple(members)
     return gather_facts(paths, fns, mode, model_facts(state, fns, poisoned), euid=euid,
-                        which=which, deadline=deadline)
+                        which=which, vfio_driver=vfio_driver, deadline=deadline)
 
 
 def card_holders(paths: HostPaths, state: HostState, members: Iterable[PciFunction], *,
@@ -227,7 +323,8 @@ def card_holders(paths: HostPaths, state: HostState, members: Iterable[PciFuncti
     """Every holder of every node of the card, nvidia-persistenced included; one bounded
     pass over /proc."""
     fns = tuple(members)
-    facts = _card_facts(paths, fns, model_facts(state, fns), euid=0, which=lambda _: None)
+    facts = _card_facts(paths, fns, "vfio", model_facts(state, fns), euid=0,
+                        which=lambda _: None)
     return scan_holders(paths.root, card_scope(fns, facts), deadline=deadline)
 
 

@@ -4,24 +4,76 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC
+from gpuwatch.errors import HostError
+
+# O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
+# for a writer forever; O_NOCTTY: a tty there never becomes our terminal.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+#: An attribute is at most a page; anything longer than this is not one.
+ATTR_CAP = 65536
+
+
+class NotARegularFile(HostError, OSError):
+    """A FIFO, socket, device node or directory where a file was expected (the host's
+    tree is wrong, not the request: a `HostError`, and an `OSError` for every reader)."""
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file, else `OSError`.
+
+    Sysfs and procfs attributes are regular files to ``stat``. Anything else is refused
+    *before* it is opened (opening a device node runs its driver's open, a FIFO waits for a
+    writer), and checked again on the descriptor, so a swap in between is caught too.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bytes(path: str, cap: int = ATTR_CAP) -> bytes:
+    """At most ``cap`` bytes of the regular file ``path``; `OSError` otherwise
+    (`NotARegularFile` for a special file, ``EFBIG`` when the file is longer than ``cap``)."""
+    fd = open_regular(path)
+    try:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            data = os.read(fd, cap + 1 - total)
+            if not data:
+                break
+            chunks.append(data)
+            total += len(data)
+            if total > cap:
+                raise OSError(errno.EFBIG, f"longer than {cap} bytes", path)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def read_text(path: str) -> str | None:
     """A small attribute file's text, stripped; None when it cannot be read for any reason.
 
-    ENOENT/ENODEV (device gone), EACCES, EIO and odd bytes (replaced) are all normal on a
-    live host and must not stop a scan.
+    ENOENT/ENODEV (device gone), EACCES, EIO, odd bytes (replaced) and a special file
+    planted where the attribute should be are all normal on a live host (or a hostile
+    tree) and must not stop, or block, a scan.
     """
     # os.open/os.read, not open(): no buffered file object per attribute, which is a third of
     # the cost of a scan. One read suffices: sysfs hands out an attribute in a single read.
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = open_regular(path)
     except (OSError, ValueError):
         return None
     try:
-        data = os.read(fd, 65536)
+        data = os.read(fd, ATTR_CAP)
     except OSError:
         return None
     finally:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from gpuwatch.core.results import Holder, MemlockResult
-from gpuwatch.hostfs.files import list_dir
+from gpuwatch.hostfs.files import list_dir, read_bytes
 
 T = TypeVar("T")
 
@@ -111,8 +111,7 @@ def memlock() -> MemlockResult:
 def read_comm(proc: str, pid: int) -> str:
     """A process's comm; bytes that are not UTF-8 are replaced, never fatal."""
     try:
-        with open(f"{proc}/{pid}/comm", "rb") as fh:
-            raw = fh.read(256)
+        raw = read_bytes(f"{proc}/{pid}/comm", 256)
     except OSError:
         return ""
     return raw.decode("utf-8", "replace").rstrip("\n")

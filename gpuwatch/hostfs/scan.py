@@ -34,7 +34,7 @@ from gpuwatch.core.observations import (
 from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_text
+from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_bytes, read_text
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 _VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
@@ -54,8 +54,7 @@ _OCTAL_ESCAPE_RE = re.compile(r"\\([0-7]{3})")
 def fs_type(path: str) -> str:
     """The type of the filesystem mounted at ``path`` (from mountinfo); ``""`` when unknown."""
     try:
-        with open(_MOUNTINFO, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
+        lines = read_bytes(_MOUNTINFO, 4 << 20).decode("utf-8", "replace").splitlines()
     except OSError:
         return ""
     target = os.path.realpath(path)

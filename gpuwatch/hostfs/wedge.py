@@ -13,6 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from gpuwatch.hostfs.files import read_bytes
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, pids, read_comm, read_each
 
 _log = logging.getLogger("gpuwatch.switch")
@@ -49,8 +50,7 @@ class WedgeScan:
 def _state(proc: str, pid: int) -> str:
     """The one-letter state from ``/proc/<pid>/stat`` (after the comm's last ``)``)."""
     try:
-        with open(f"{proc}/{pid}/stat", "rb") as fh:
-            raw = fh.read(4096)
+        raw = read_bytes(f"{proc}/{pid}/stat", 4096)
     except OSError:
         return ""
     tail = raw.rpartition(b")")[2].split()
@@ -76,9 +76,8 @@ def _stack_hit(proc: str, pid: int) -> tuple[bool, str]:
     readable = False
     for stack in _tasks(proc, pid):
         try:
-            with open(stack, "rb") as fh:
-                text = fh.read(65536).decode("utf-8", "replace")
-        except OSError:  # gone, or EACCES for non-root
+            text = read_bytes(stack).decode("utf-8", "replace")
+        except OSError:  # gone, EACCES for non-root, or not a /proc file at all
             continue
         readable = True
         hit = next((s for s in WEDGE_SYMBOLS if s in text), "")

@@ -14,12 +14,12 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import EllipsisType, TracebackType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import anyio
 import anyio.abc
 
-from gpuwatch.errors import DeviceNotFound, GpuwatchError, UsageError
+from gpuwatch.errors import SERVICE, Blame, DeviceNotFound, HostError, UsageError
 from gpuwatch.service import protocol as P
 
 DEFAULT_TIMEOUT = 30.0
@@ -27,7 +27,7 @@ DEFAULT_TIMEOUT = 30.0
 _MAX_REPLY = 256 << 20
 
 
-class DaemonError(GpuwatchError):
+class DaemonError(HostError):
     """An error reply from the daemon; ``code`` is one of docs/socket.md's codes."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -39,13 +39,19 @@ class DaemonError(GpuwatchError):
 class DaemonUsageError(DaemonError, UsageError):
     """``invalid-params``: the request itself is wrong (exit 2 in the CLI)."""
 
+    blame: ClassVar[Blame] = "caller"
+
 
 class DaemonDeviceNotFound(DaemonError, DeviceNotFound):
     """``not-found``: no such PCI function or card on the daemon's host (exit 1)."""
 
+    blame: ClassVar[Blame] = "caller"
 
-class DaemonUnavailable(GpuwatchError, ConnectionError):
+
+class DaemonUnavailable(HostError, ConnectionError):
     """Nothing answers at the socket, or the connection broke."""
+
+    code = SERVICE
 
 
 def error_from_reply(error: Any) -> DaemonError:
@@ -202,15 +208,16 @@ class Client:
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                timeout: float | None = None, tolerant: bool | None = None,
-               force: bool | None = None) -> Any:
+               force: bool | None = None, vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return self.call("switch", _params(mode=mode, addr=addr, vendor=vendor, timeout=timeout,
-                                           tolerant=tolerant, force=force or None), timeout=wait)
+                                           tolerant=tolerant, force=force or None,
+                                           vfio_driver=vfio_driver), timeout=wait)
 
     def plan(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
-             force: bool | None = None) -> Any:
+             force: bool | None = None, vfio_driver: str | None = None) -> Any:
         return self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
-                                         force=force or None))
+                                         force=force or None, vfio_driver=vfio_driver))
 
     def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)
@@ -318,17 +325,18 @@ class AsyncClient:
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                      timeout: float | None = None, tolerant: bool | None = None,
-                     force: bool | None = None) -> Any:
+                     force: bool | None = None, vfio_driver: str | None = None) -> Any:
         wait = None if timeout is None else timeout + 10
         return await self.call("switch", _params(mode=mode, addr=addr, vendor=vendor,
                                                  timeout=timeout, tolerant=tolerant,
-                                                 force=force or None),
+                                                 force=force or None, vfio_driver=vfio_driver),
                                timeout=wait)
 
     async def plan(self, mode: str, *, addr: str | None = None,
-                   vendor: str | None = None, force: bool | None = None) -> Any:
+                   vendor: str | None = None, force: bool | None = None,
+                   vfio_driver: str | None = None) -> Any:
         return await self.call("plan", _params(mode=mode, addr=addr, vendor=vendor,
-                                               force=force or None))
+                                               force=force or None, vfio_driver=vfio_driver))
 
     async def recover(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return await self.call("recover", _params(addr=addr, vendor=vendor), timeout=None)

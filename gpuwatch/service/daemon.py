@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.service.notify import Notifier
 from gpuwatch.settings import WatchSettings
 
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 _log = logging.getLogger("gpuwatch.service")
 
 
-class ServiceSetupError(GpuwatchError):
+class ServiceSetupError(HostError):
     """A service part cannot start (metrics port taken, socket path unusable, …)."""
+
+    code = SERVICE
 
 
 @dataclass

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
+from gpuwatch.core.results import HEALTH_STATES
 from gpuwatch.settings import InvalidListenAddress, parse_listen_address
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class Metrics:
         self._gpu_series: set[tuple[str, str]] = set()
         self._tally: Tally[tuple[str, str]] = Tally()
         self.functions = Gauge("gpuwatch_pci_functions", "PCI functions in the model", registry=r)
+        self.function_health = Gauge(
+            "gpuwatch_function_health", "1 for each PCI function's health state (ok, recovering, "
+            "failed, wedged: from PCI error recovery and DRM wedge uevents), 0 for the others",
+            ["addr", "state"], registry=r)
+        self._health: dict[str, str] = {}
+        self._variants: frozenset[str] = frozenset()
         self.nvidia_usable = Gauge("gpuwatch_nvidia_gpu_usable", "1 when an NVIDIA GPU is usable "
                                    "now (detect-gpu: nvidia loaded, CDI reachable, a display "
                                    "function bound to nvidia)", registry=r)
@@ -110,6 +117,8 @@ class Metrics:
             self.events.labels(type="ready").inc()
         self.last_seq.set(watcher.seq)
         self.functions.set(len(watcher.model.state.functions))
+        self._variants = watcher.model.state.vfio_variants
+        self.sync_health()
         self.set_gpus(watcher.probe("detect-vfio"))
         self.nvidia_usable.set(1 if watcher.probe("detect-gpu") else 0)
         watcher.listeners.append(self.on_event)
@@ -124,6 +133,29 @@ class Metrics:
         if self._watcher is not None and self.on_event in self._watcher.listeners:
             self._watcher.listeners.remove(self.on_event)
         self._watcher = None
+
+    def set_health(self, addr: str, health: str | None) -> None:
+        """One function's health series: 1 for its state, 0 for the others; gone with it."""
+        if health is None:
+            if self._health.pop(addr, None) is not None:
+                for state in HEALTH_STATES:
+                    self.function_health.remove(addr, state)
+            return
+        if self._health.get(addr) == health:
+            return
+        self._health[addr] = health
+        for state in HEALTH_STATES:
+            self.function_health.labels(addr=addr, state=state).set(1 if state == health else 0)
+
+    def sync_health(self) -> None:
+        """Every function's health from the model (start, resync)."""
+        if self._watcher is None:
+            return
+        functions = self._watcher.model.state.functions
+        for addr in sorted(set(self._health) - set(functions)):
+            self.set_health(addr, None)
+        for addr, fn in sorted(functions.items()):
+            self.set_health(addr, fn.health)
 
     def set_gpus(self, detect_vfio: Any) -> None:
         """GPU gauges from a whole ``detect-vfio`` answer (model or its JSON form)."""
@@ -147,7 +179,7 @@ class Metrics:
             from gpuwatch.core.results import GpuInfo
 
             gpu = GpuInfo.model_validate(gpu)
-        return (self._vendor_name(gpu.vendor_id), group_mode(gpu.group_members))
+        return (self._vendor_name(gpu.vendor_id), group_mode(gpu.group_members, self._variants))
 
     def _publish_gpus(self, keys: set[tuple[str, str]]) -> None:
         # Set the new series, then drop the vanished ones: a scrape never sees an empty gap.
@@ -180,8 +212,19 @@ class Metrics:
             self.update_gpus(getattr(event, "old"), getattr(event, "new"))  # noqa: B009
         elif etype == "probe-changed" and getattr(event, "action", "") == "detect-gpu":
             self.nvidia_usable.set(1 if getattr(event, "new") else 0)  # noqa: B009
+        elif etype in ("device-added", "device-changed"):
+            device = getattr(event, "device", None)
+            if device is not None:
+                self.set_health(device.addr, device.health)
+        elif etype == "device-removed":
+            self.set_health(str(getattr(event, "addr", "")), None)
+        elif etype in ("device-error", "gpu-wedged") and self._watcher is not None:
+            fn = self._watcher.model.state.functions.get(str(getattr(event, "addr", "")))
+            if fn is not None:
+                self.set_health(fn.addr, fn.health)
         elif etype == "resync":
             self.resyncs.labels(reason=str(getattr(event, "reason", ""))).inc()
+            self.sync_health()
         elif etype == "switch-completed":
             self.switches.labels(outcome="completed").inc()
             self.switch_duration.observe(float(getattr(event, "duration_ms", 0.0)) / 1000)

@@ -65,6 +65,7 @@ def feature_labels(
     amd_gfx_version: str,
     vendor_name: Callable[[str], str],
     amd_gfx_target: str = "",
+    vfio_variants: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """The labels of one host, from probe answers only (pure: the tests feed it plain data)."""
     labels = {
@@ -80,17 +81,22 @@ def feature_labels(
     if amd_gfx_target:
         labels["gpuwatch.amd.gfx-target"] = amd_gfx_target
     vendors: Counter[str] = Counter()
-    vfio = 0
+    vfio = unhealthy = 0
     gpus = list(_get(detect_vfio, "gpus"))
     for gpu in gpus:
         vendors[_slug(vendor_name(str(_get(gpu, "vendor_id"))))] += 1
         members = _get(gpu, "group_members")
-        if members and group_mode(_as_functions(members)) == "vfio":
+        if members and group_mode(_as_functions(members), vfio_variants) == "vfio":
             vfio += 1
+        # Answers from before health existed (an older daemon's JSON) count as healthy.
+        health = gpu.get("health", "ok") if isinstance(gpu, Mapping) else gpu.health
+        if health != "ok":
+            unhealthy += 1
     for vendor, count in vendors.items():
         labels[f"gpuwatch.gpu.{vendor}.count"] = str(count)
     labels["gpuwatch.gpu.count"] = str(len(gpus))
     labels["gpuwatch.gpu.vfio.count"] = str(vfio)
+    labels["gpuwatch.gpu.unhealthy.count"] = str(unhealthy)
     return dict(sorted(labels.items()))
 
 
@@ -170,8 +176,8 @@ class NfdFeatureFile:
     def on_event(self, event: BaseModel) -> None:
         """Watcher listener: only mark and wake; the writer task does the I/O."""
         etype = getattr(event, "type", "")
-        if etype == "ready" or (etype == "probe-changed"
-                                and getattr(event, "action", "") in LABEL_PROBES):
+        if etype in ("ready", "device-error", "gpu-wedged") or (
+                etype == "probe-changed" and getattr(event, "action", "") in LABEL_PROBES):
             self._dirty = True
             if self._wake is not None:
                 self._wake.set()
@@ -184,6 +190,7 @@ class NfdFeatureFile:
             w.probe("detect-vfio"), bool(w.probe("detect-gpu")), bool(w.probe("detect-amd-gpu")),
             str(w.probe("amd-gfx-version")), lambda vid: gpu_vendors.get(vid, vid or "unknown"),
             str(w.probe("amd-gfx-target")) if w.probe("detect-amd-gpu") else "",
+            w.model.state.vfio_variants,
         )
 
     async def update(self, *, force: bool = False) -> bool:

@@ -106,12 +106,15 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     timeout = params.opt_float("timeout")
     tolerant = params.opt_bool("tolerant")
     force = params.opt_bool("force")
+    vfio_driver = params.opt_str("vfio_driver")
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
     if force:
         kwargs["force"] = True  # a group kept for the host (BMC/console) to vfio anyway
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if vfio_driver is not None:
+        kwargs["vfio_driver"] = vfio_driver
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
     return await _guarded(lambda: host.switch(target, mode, **kwargs))
 
@@ -129,9 +132,12 @@ async def op_plan(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     mode = _mode(params, required=True) or ""
     force = params.opt_bool("force")
+    vfio_driver = params.opt_str("vfio_driver")
     params.done()
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
     kwargs: dict[str, Any] = {"force": True} if force else {}
+    if vfio_driver is not None:
+        kwargs["vfio_driver"] = vfio_driver
     return await _guarded(lambda: host.plan(target, mode, **kwargs))
 
 

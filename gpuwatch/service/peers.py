@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from gpuwatch.core.results import MemlockResult
+from gpuwatch.hostfs.files import read_bytes
 from gpuwatch.service.protocol import SWITCH_METHODS
 
 _UCRED = struct.Struct("3i")
@@ -122,8 +123,7 @@ def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
     """The peer's RLIMIT_MEMLOCK from ``/proc/<pid>/limits`` (world-readable, no privilege):
     the probe contract answers for the asking process, so the daemon answers for its peer."""
     try:
-        with open(f"{proc}/{pid}/limits", encoding="ascii", errors="replace") as fh:
-            lines = fh.readlines()
+        lines = read_bytes(f"{proc}/{pid}/limits", 16384).decode("ascii", "replace").splitlines()
     except OSError:
         return None
     for line in lines:

@@ -64,7 +64,7 @@ ERROR_CODES: Final = frozenset({
 })
 
 
-class RpcError(Exception):
+class RpcError(E.CallerError):
     """A request that gets an error reply; ``code`` is one of `ERROR_CODES`."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -84,7 +84,7 @@ class Request:
         self.params = params
 
 
-class UnsafeJson(ValueError):
+class UnsafeJson(E.CallerError, ValueError):
     """Well-formed JSON we still refuse: nesting too deep, a non-finite number, a duplicate
     key or a lone surrogate. Each would break a reader somewhere down the line."""
 

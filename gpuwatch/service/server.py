@@ -32,7 +32,7 @@ from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
 from gpuwatch.core.events import EVENT_TYPES
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
@@ -64,12 +64,16 @@ _HUP_POLL = 1.0
 # A client that sent EOF gets this long to read its last replies.
 _FLUSH_AFTER_EOF = 60.0
 
-class SocketInUse(GpuwatchError):
+class SocketInUse(HostError):
     """Another process answers at the socket path (a second daemon); we do not steal it."""
 
+    code = SERVICE
 
-class SocketSetupError(GpuwatchError):
+
+class SocketSetupError(HostError):
     """The socket cannot be created at that path (missing permission, not a socket, …)."""
+
+    code = SERVICE
 
 
 # --------------------------------------------------------------------------- binding

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from gpuwatch.errors import CallerError
+
 DEFAULT_GROUP = "kvm"
 RULES_FILE = "/etc/udev/rules.d/70-gpuwatch-vfio.rules"
 #: POSIX-ish group names (what useradd/groupadd accept); nothing that could break out of a
@@ -17,7 +19,7 @@ RULES_FILE = "/etc/udev/rules.d/70-gpuwatch-vfio.rules"
 _GROUP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
 
 
-class InvalidGroupName(ValueError):
+class InvalidGroupName(CallerError, ValueError):
     """The group name could not be a Unix group, or would inject into the rules file."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.errors import INVALID_PARAMS, SOURCE_UNAVAILABLE, CallerError, HostError
 
 __all__ = [
     "UDEV_CONTROL",
@@ -28,16 +29,20 @@ __all__ = [
 UDEV_CONTROL = "run/udev/control"
 
 
-class SourceUnavailable(Exception):
+class SourceUnavailable(HostError):
     """The requested source cannot deliver events here; the message says why, in one line."""
 
+    code = SOURCE_UNAVAILABLE
 
-class InvalidSourceSpec(SourceUnavailable, ValueError):
+
+class InvalidSourceSpec(CallerError, SourceUnavailable, ValueError):
     """The source spec is not one of ``auto``, ``udev``, ``kernel`` or ``file:PATH``.
 
     A subclass of :class:`SourceUnavailable` so that a caller reporting "no source" with
     one line and exit code 2 needs only one ``except``.
     """
+
+    code = INVALID_PARAMS
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import anyio
 import anyio.lowlevel
 
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.errors import CallerError
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
 
 __all__ = ["JsonlFileSource", "parse_jsonl_line", "uevent_to_json"]
@@ -37,7 +38,7 @@ def uevent_to_json(ev: UEvent) -> str:
     return json.dumps(ev.to_properties(), separators=(",", ":"), sort_keys=True)
 
 
-class MalformedLine(ValueError):
+class MalformedLine(CallerError, ValueError):
     """A JSONL line that is not an object of string (or number) values."""
 
 

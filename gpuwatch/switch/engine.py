@@ -28,14 +28,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import anyio
 from pydantic import BaseModel, ConfigDict
 
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import format_event_time
-from gpuwatch.core.modes import Mode, group_in_mode, group_mode
+from gpuwatch.core.modes import Mode, group_in_mode, group_mode, is_vfio_driver, same_driver
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
     CommandStep,
@@ -51,9 +51,11 @@ from gpuwatch.core.plan import (
     nvidia_scope,
     parse_mode,
     parse_target,
+    parse_vfio_driver,
     plan_switch,
     switch_guard,
     unbind_scope,
+    unhealthy_reason,
 )
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.errors import (
@@ -179,12 +181,16 @@ class SwitchEngine:
     # ------------------------------------------------------------------ public
 
     async def switch(self, target: str, mode: str, *, timeout: float = DEFAULT_TIMEOUT,
-                     tolerant: bool = False, force: bool = False) -> SwitchResult:
+                     tolerant: bool = False, force: bool = False,
+                     vfio_driver: str | None = None) -> SwitchResult:
         """Switch the group of ``target`` (an address, or a vendor id naming one card).
-        ``force`` passes a group kept for the host (BMC/console) to vfio anyway."""
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
+        ``vfio_driver`` names the VFIO driver for its display functions (else modules.alias
+        chooses, as the kernel would)."""
         to_mode = parse_mode(mode)
         if not (timeout > 0 and math.isfinite(timeout)):
             raise UsageError(f"timeout must be a finite positive number, not {timeout!r}")
+        vfio_driver = parse_vfio_driver(vfio_driver, to_mode, self.model.state.vfio_variants)
         addr, vendor = parse_target(target)
         try:
             card, members = find_card(self.model.state, addr=addr, vendor=vendor)
@@ -195,7 +201,7 @@ class SwitchEngine:
                                 members=[], duration_ms=0.0, changed=False,
                                 notes=[f"{exc}: nothing to switch"])
         return await self._switch(card, members, to_mode, timeout, recovering=False,
-                                  force=force)
+                                  force=force, vfio_driver=vfio_driver)
 
     async def recover(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
@@ -225,9 +231,11 @@ class SwitchEngine:
             notes.append(f"poison of group {group} cleared")
         return result.model_copy(update={"notes": notes})
 
-    async def plan(self, target: str, mode: str, *, force: bool = False) -> dict[str, Any]:
+    async def plan(self, target: str, mode: str, *, force: bool = False,
+                   vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON (the ``plan`` probe, over the socket)."""
         to_mode = parse_mode(mode)
+        vfio_driver = parse_vfio_driver(vfio_driver, to_mode, self.model.state.vfio_variants)
         addr, vendor = parse_target(target)
         model = self.model
         card, members = find_card(model.state, addr=addr, vendor=vendor)  # never invented
@@ -235,8 +243,9 @@ class SwitchEngine:
         deadline, euid = model.proc_deadline, self.euid()
         facts = await call_bounded(
             lambda: gather_facts(self.model.paths, members, to_mode, known, euid=euid,
-                                 which=self.ops.which, deadline=deadline),
-            deadline + 1, "the holder scan")
+                                 which=self.ops.which, vfio_driver=vfio_driver,
+                                 deadline=deadline),
+            min(self.scan_timeout, deadline + 1), "the holder scan")
         return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
@@ -252,7 +261,8 @@ class SwitchEngine:
     # ------------------------------------------------------------------ the switch
 
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
-                      timeout: float, *, recovering: bool, force: bool = False) -> SwitchResult:
+                      timeout: float, *, recovering: bool, force: bool = False,
+                      vfio_driver: str | None = None) -> SwitchResult:
         started = time.monotonic()
         deadline = started + timeout
         group = card.iommu_group
@@ -268,7 +278,15 @@ class SwitchEngine:
             if guard is not None:
                 self._refused(card.addr, group, to_mode, guard.reason, ())
                 raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
-        if group_in_mode(members, to_mode):
+        # A wedged or failed function needs its recovery, not a rebind by a switch: refused
+        # even when the group is in mode, since it is unusable either way.
+        unhealthy = None if recovering else unhealthy_reason(
+            members, HostFacts(wedge_recovery=self.model.state.wedge_recovery))
+        if unhealthy is not None:
+            self._refused(card.addr, group, to_mode, unhealthy, ())
+            raise SwitchRefused(unhealthy)
+        if vfio_driver is None and group_in_mode(members, to_mode,
+                                                 self.model.state.vfio_variants):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
@@ -278,7 +296,8 @@ class SwitchEngine:
             fd = self._flock(key)
             try:
                 return await self._locked(card.addr, key, to_mode, started, deadline,
-                                          force=force or recovering)
+                                          force=force or recovering, recovering=recovering,
+                                          vfio_driver=vfio_driver)
             finally:
                 os.close(fd)
         finally:
@@ -287,7 +306,8 @@ class SwitchEngine:
                 self._exclusive = None
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
-                      deadline: float, *, force: bool = False) -> SwitchResult:
+                      deadline: float, *, force: bool = False, recovering: bool = False,
+                      vfio_driver: str | None = None) -> SwitchResult:
         state = self.model.state
         members = state.group_members(addr)
         known = model_facts(state, members)
@@ -296,7 +316,8 @@ class SwitchEngine:
         try:
             facts = await call_bounded(
                 lambda: gather_facts(self.model.paths, members, to_mode, known,
-                                     euid=euid, which=self.ops.which, deadline=proc_deadline),
+                                     euid=euid, which=self.ops.which,
+                                     vfio_driver=vfio_driver, deadline=proc_deadline),
                 max(0.1, min(self.scan_timeout, proc_deadline + 1,
                            deadline - time.monotonic())),
                 "the holder scan")
@@ -305,7 +326,7 @@ class SwitchEngine:
             self._refused(addr, group, to_mode, reason, ())
             raise SwitchRefused(reason) from None
         try:
-            plan = plan_switch(members, to_mode, facts, force=force)
+            plan = plan_switch(members, to_mode, facts, force=force, recovering=recovering)
         except UnsafeName as exc:
             self._refused(addr, group, to_mode, str(exc), ())
             raise
@@ -407,17 +428,20 @@ class SwitchEngine:
         timeout = min(self.step_timeout, remaining)
         _log.info("step: %s", step.describe())
         try:
-            if isinstance(step, WriteStep):
-                if step.path.endswith("/unbind"):
-                    await self._guard_unbind(plan, facts, step, deadline)
-                await self.ops.write(step.path, step.value, timeout)
-            elif isinstance(step, CommandStep):
-                result = await self.ops.run(step.argv, timeout)
-                if not result.ok:
-                    await self._command_failed(plan, facts, step, result, deadline, notes)
-                    return False
-            elif isinstance(step, MakeDirStep):
-                await self.ops.makedirs(step.path)
+            match step:
+                case WriteStep(path=path, value=value):
+                    if path.endswith("/unbind"):
+                        await self._guard_unbind(plan, facts, step, deadline)
+                    await self.ops.write(path, value, timeout)
+                case CommandStep(argv=argv):
+                    result = await self.ops.run(argv, timeout)
+                    if not result.ok:
+                        await self._command_failed(plan, facts, step, result, deadline, notes)
+                        return False
+                case MakeDirStep(path=path):
+                    await self.ops.makedirs(path)
+                case _:
+                    assert_never(step)
         except StepTimedOut as exc:
             self._wedge(plan, step, exc)
         except (HostStepError, UnsafeStep, OSError) as exc:
@@ -513,8 +537,11 @@ class SwitchEngine:
 
     def _reached(self, targets: dict[str, str]) -> bool:
         functions = self.model.state.functions
-        return all((fn := functions.get(a)) is not None and fn.driver == d
-                   for a, d in targets.items())
+        variants = self.model.state.vfio_variants
+        return all((fn := functions.get(a)) is not None and (
+            same_driver(fn.driver, d)
+            or (is_vfio_driver(d, variants) and is_vfio_driver(fn.driver, variants)))
+            for a, d in targets.items())
 
     def _drivers_text(self, targets: dict[str, str]) -> str:
         functions = self.model.state.functions
@@ -611,16 +638,21 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
     if not steps:
         return CdiOutcome(False, False, None, why[0])
     for step in steps:
-        if isinstance(step, MakeDirStep):
-            await ops.makedirs(step.path)
-        elif isinstance(step, CommandStep):
-            try:
-                result = await ops.run(step.argv, timeout)
-            except StepTimedOut as exc:
-                return CdiOutcome(False, False, None, str(exc))
-            if not result.ok:
-                return CdiOutcome(False, False, None,
-                                  f"`{' '.join(step.argv)}` failed: {result.message()}")
+        match step:
+            case MakeDirStep(path=path):
+                await ops.makedirs(path)
+            case CommandStep(argv=argv):
+                try:
+                    result = await ops.run(argv, timeout)
+                except StepTimedOut as exc:
+                    return CdiOutcome(False, False, None, str(exc))
+                if not result.ok:
+                    return CdiOutcome(False, False, None,
+                                      f"`{' '.join(argv)}` failed: {result.message()}")
+            case WriteStep():
+                raise UnsafeStep(f"ensure-cdi never writes to sysfs: {step.describe()}")
+            case _:
+                assert_never(step)
     spec = "/" + CDI_SPECS[0]
     if not os.path.exists(os.path.join(root, CDI_SPECS[0])):
         return CdiOutcome(False, False, None, f"nvidia-ctk ran but {spec} does not exist")

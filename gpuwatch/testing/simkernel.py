@@ -28,6 +28,7 @@ import anyio
 import anyio.lowlevel
 from pydantic import BaseModel
 
+from gpuwatch.core.modes import is_vfio_driver
 from gpuwatch.core.plan import module_of
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import HostStepError, StepTimedOut
@@ -79,7 +80,8 @@ class SimKernel:
         self.wedge_unbind: set[str] = set()
         #: Model the kernel's remove waiting for open files (the real hazard). On by default.
         self.unbind_waits_for_holders = True
-        #: Drop ``bind`` uevents: the tree changes but the watcher is not told.
+        #: Drop ``bind`` uevents (and the ``vfio-dev`` adds of the bind): the tree changes but
+        #: the watcher is not told.
         self.lose_bind_events = False
         #: ``modprobe NAME`` of these fails (module not found).
         self.fail_modules: set[str] = set()
@@ -88,6 +90,9 @@ class SimKernel:
         self._overrides: dict[str, str] = {}
         self._next_stuck_pid = 31337
         self._persistenced_refs: dict[int, int] = {}  # pid → nvidia refcnt its files hold
+        #: Whether the simulated kernel has the VFIO device cdev (``vfio-dev/vfioN/dev``).
+        self.vfio_cdev = True
+        self._next_vfio_dev = 0
 
     @property
     def source(self) -> MemorySource:
@@ -263,22 +268,29 @@ class SimKernel:
 
     def _bind(self, addr: str, driver: str) -> None:
         self.sys.bind(addr, driver)
-        if driver == "vfio-pci":
+        if is_vfio_driver(driver):  # vfio-pci or a variant: vfio-pci-core registers both
             group = self._group(addr)
             if group >= 0 and not os.path.exists(self.paths.under(f"/dev/vfio/{group}")):
                 devpath = self.sys.add_vfio_group(group)
+                self.source.push(self.sys.uevent_props("add", devpath))
+            devpath = self.sys.add_vfio_dev(addr, self._next_vfio_dev, cdev=self.vfio_cdev)
+            self._next_vfio_dev += 1
+            if not self.lose_bind_events:  # lost with the bind it belongs to
                 self.source.push(self.sys.uevent_props("add", devpath))
         if not self.lose_bind_events:
             self.source.push(self.sys.uevent_props("bind", addr))
 
     def _unbind(self, addr: str) -> None:
         driver = self._driver(addr)
+        if os.path.isdir(os.path.join(self.paths.bus_pci, addr, "vfio-dev")):
+            devpath = self.sys.remove_vfio_dev(addr)
+            self.source.push(self.sys.uevent_props("remove", devpath))
         self.sys.unbind(addr)
         self.source.push(self.sys.uevent_props("unbind", addr))
-        if driver == "vfio-pci":
+        if is_vfio_driver(driver):
             group = self._group(addr)
             still = [a for a in self.sys.functions
-                     if self._group(a) == group and self._driver(a) == "vfio-pci"]
+                     if self._group(a) == group and is_vfio_driver(self._driver(a))]
             if group >= 0 and not still and os.path.exists(self.paths.under(f"/dev/vfio/{group}")):
                 self.sys.remove_vfio_group(group)
                 self.source.push(self.sys.uevent_props("remove", f"/devices/virtual/vfio/{group}"))

@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from gpuwatch.core.pci import is_driver_name, is_pci_addr
+from gpuwatch.errors import CallerError
 
 __all__ = [
     "DeviceExistsError",
@@ -171,11 +172,11 @@ _KFD_CPU_OVERRIDES = {
 }
 
 
-class UnknownDeviceError(LookupError):
+class UnknownDeviceError(CallerError, LookupError):
     """The address, devpath or name does not name anything this SysRoot built."""
 
 
-class DeviceExistsError(ValueError):
+class DeviceExistsError(CallerError, ValueError):
     """Something with that address or name was already added (remove it first)."""
 
 

@@ -30,7 +30,7 @@ from typing import IO, Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import EVENT_LOG, HostError, InternalError
 
 __all__ = [
     "EventLog",
@@ -65,12 +65,14 @@ _SCAN_ATTEMPTS = 5
 _Ident = tuple[int, int]
 
 
-class EventLogClosedError(ValueError):
+class EventLogClosedError(InternalError, ValueError):
     """``write_line`` after ``close``: the event would otherwise vanish silently."""
 
 
-class EventLogUnavailable(GpuwatchError):
+class EventLogUnavailable(HostError):
     """The log path cannot be opened for writing (no permission, a directory, read-only…)."""
+
+    code = EVENT_LOG
 
 
 class EventLogLocked(EventLogUnavailable):
@@ -78,9 +80,11 @@ class EventLogLocked(EventLogUnavailable):
     interleave lines and repeat seqs, so the second one stops before writing anything."""
 
 
-class EventLogWriteError(OSError):
+class EventLogWriteError(HostError, OSError):
     """A write failed (ENOSPC, EIO, …); nothing of the failed batch is known to be on disk
     in full. The log stays usable: the next write tries again."""
+
+    code = EVENT_LOG
 
 
 def lock_path(path: str | os.PathLike[str]) -> str:

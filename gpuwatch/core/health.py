@@ -1,0 +1,46 @@
+"""What to do about a function that is not healthy: the operator's advice, from the model. Pure.
+
+The kernel names recovery methods in a DRM wedge uevent (``WEDGED=rebind,bus-reset``); PCI
+error recovery says only whether it began, succeeded or failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: Health states a switch refuses: the device needs its recovery first, not another rebind.
+UNSWITCHABLE = frozenset({"wedged", "failed"})
+
+
+def method_advice(method: str, addr: str, driver: str) -> str:
+    """One WEDGED recovery method as something to do."""
+    drv = driver or "DRIVER"
+    if method == "rebind":
+        return (f"rebind its driver (echo {addr} > /sys/bus/pci/drivers/{drv}/unbind, then "
+                f"bind)")
+    if method == "bus-reset":
+        return f"reset it (echo 1 > /sys/bus/pci/devices/{addr}/reset), then rebind"
+    if method == "vendor-specific":
+        return "follow the vendor's recovery procedure"
+    if method == "none":
+        return "nothing: the driver recovered it (telemetry only)"
+    if method == "unknown":
+        return "no known recovery: reboot"
+    return f"recovery method {method!r}"
+
+
+def health_advice(health: str, addr: str, driver: str, recovery: Sequence[str] = ()) -> str:
+    """A line for ``status`` and refusals; ``""`` for a healthy function."""
+    if health == "wedged":
+        steps = "; or ".join(method_advice(m, addr, driver) for m in recovery) or (
+            "the recovery methods are in its gpu-wedged event; or reboot")
+        return f"the driver declared the GPU wedged: {steps}"
+    if health == "failed":
+        return (f"PCI error recovery failed: remove and rescan it (echo 1 > "
+                f"/sys/bus/pci/devices/{addr}/remove; echo 1 > /sys/bus/pci/rescan) or reboot")
+    if health == "recovering":
+        return "PCI error recovery is in progress: wait for it to finish"
+    return ""
+
+
+__all__ = ["UNSWITCHABLE", "health_advice", "method_advice"]

@@ -1,0 +1,154 @@
+"""Issue 15 in the operator's views: status (variant, health advice), list (SR-IOV VFs),
+metrics (gpuwatch_function_health) and the NFD unhealthy-GPU count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from cli_helpers import run_cli
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import gpuwatch
+from gpuwatch.core.results import MemlockResult
+from gpuwatch.report import build_status, passthrough_gpus, render_status
+from gpuwatch.service.metrics import Metrics
+from gpuwatch.service.nfd import NfdFeatureFile
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.modern import GH_ADDR, SRIOV_PF, VGPU_TYPES, grace_hopper_host, sriov_gpu_host
+from tests.test_watcher import harness_for
+
+NV = "0000:01:00.0"
+CARD1 = "/devices/pci0000:00/0000:00:01.0/0000:01:00.0/drm/card1"
+UNLIMITED = MemlockResult(soft=None, hard=None)
+
+
+def test_status_names_the_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    grace_hopper_host(tmp_path)
+    report = build_status(gpuwatch.scan(tmp_path), UNLIMITED)
+    gpu = report.gpus[0]
+    assert (gpu.mode, gpu.vfio_variant) == ("vfio", "nvgrace_gpu_vfio_pci")
+    assert "mode: vfio (nvgrace_gpu_vfio_pci)" in render_status(report)
+    code, out, _ = anyio.run(run_cli, capsys, "status", "--json", "--root", str(tmp_path),
+                             "--no-daemon")
+    assert code == 0 and json.loads(out)["gpus"][0]["vfio_variant"] == "nvgrace_gpu_vfio_pci"
+
+
+async def test_status_shows_unhealthy_functions_with_what_to_do(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", CARD1, expect=2, WEDGED="rebind,bus-reset")
+        await h.send("change", "0000:02:00.0", expect=1, ERROR_EVENT="FAILED_RECOVERY")
+        report = build_status(h.watcher.model, UNLIMITED)
+    bad = {b.addr: b for b in report.unhealthy}
+    assert set(bad) == {NV, "0000:02:00.0"}  # the NIC too: every function, not only GPUs
+    assert bad[NV].health == "wedged"
+    assert "rebind its driver" in bad[NV].advice and "/reset" in bad[NV].advice
+    assert "recovery failed" in bad["0000:02:00.0"].advice
+    text = render_status(report)
+    assert "Not healthy:" in text and "health: wedged" in text
+
+
+def test_list_offers_each_ready_vf(tmp_path: Path) -> None:
+    host = sriov_gpu_host(tmp_path, vfs=3, vgpu=True)
+    host.set_vgpu("0000:41:00.5", 1156, VGPU_TYPES)  # a vGPU type chosen: ready
+    host.unbind("0000:41:00.6")  # unbound: libvirt can take it
+    offered = {g.addr: g for g in passthrough_gpus(gpuwatch.scan(tmp_path))}
+    assert "0000:41:00.4" not in offered  # on nvidia with no vGPU type: the host's
+    assert offered["0000:41:00.5"].physfn == SRIOV_PF
+    assert [f.addr for f in offered["0000:41:00.6"].functions] == ["0000:41:00.6"]
+    assert SRIOV_PF in offered
+
+
+def test_list_text_marks_vfs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = sriov_gpu_host(tmp_path, vfs=1)
+    host.bind("0000:41:00.4", "vfio-pci")
+    code, out, _ = anyio.run(run_cli, capsys, "list", "--root", str(tmp_path), "--no-daemon")
+    assert code == 0
+    assert f"GPU 0000:41:00.4 (SR-IOV VF of {SRIOV_PF})" in out
+    assert "function='0x4'" in out
+
+
+def metric(registry: Any, name: str) -> dict[tuple[str, str], float]:
+    text = generate_latest(registry).decode()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[(sample.labels["addr"], sample.labels["state"])] = sample.value
+    return out
+
+
+async def test_function_health_metric(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        metrics = Metrics()
+        metrics.attach(h.watcher)
+        health = metric(metrics.registry, "gpuwatch_function_health")
+        assert health[(NV, "ok")] == 1 and health[(NV, "wedged")] == 0
+        assert len(health) == 4 * len(host.functions)
+        await h.send("change", NV, expect=2, ERROR_EVENT="BEGIN_RECOVERY")
+        health = metric(metrics.registry, "gpuwatch_function_health")
+        assert (health[(NV, "recovering")], health[(NV, "ok")]) == (1, 0)
+        await h.send("change", CARD1, expect=2, WEDGED="unknown")
+        assert metric(metrics.registry, "gpuwatch_function_health")[(NV, "wedged")] == 1
+        host.remove_function("0000:02:00.0")
+        await h.send("remove", "0000:02:00.0", expect=1)
+        assert ("0000:02:00.0", "ok") not in metric(metrics.registry,
+                                                     "gpuwatch_function_health")
+        metrics.close()
+
+
+async def test_nfd_counts_unhealthy_gpus(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path)
+    features = tmp_path / "features.d"
+    async with harness_for(host) as h, anyio.create_task_group() as tg:
+        nfd = NfdFeatureFile(str(features) + "/", expiry=3600)
+        nfd.attach(h.watcher)
+        tg.start_soon(nfd.run)
+        path = features / "gpuwatch"
+
+        async def label() -> str:
+            with anyio.fail_after(5):
+                while not path.exists():
+                    await anyio.sleep(0.01)
+            return dict(line.split("=", 1) for line in path.read_text().splitlines()
+                        if line and not line.startswith("#"))["gpuwatch.gpu.unhealthy.count"]
+
+        assert await label() == "0"
+        await h.send("change", CARD1, expect=2, WEDGED="rebind")
+        with anyio.fail_after(5):
+            while await label() != "1":
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+
+
+def test_status_through_a_remote_model_uses_gpu_members(empty_host: SysRoot) -> None:
+    """A daemon's model seen through detect-vfio: health travels in the function objects."""
+    from gpuwatch.report import unhealthy_functions
+
+    class Remote:
+        def __init__(self, vfio: Any) -> None:
+            self.state = object()
+            self._vfio = vfio
+
+        def probe(self, action: str) -> Any:
+            return self._vfio
+
+    empty_host.add_function(NV, driver="nvidia", iommu_group=1)
+    vfio = gpuwatch.scan(empty_host.root).probe("detect-vfio")
+    gpu = vfio.gpus[0]
+    wedged = gpu.model_copy(update={"group_members": (
+        gpu.group_members[0].model_copy(update={"health": "wedged"}),)})
+    bad = unhealthy_functions(Remote(vfio.model_copy(update={"gpus": (wedged,)})))  # type: ignore[arg-type]
+    assert [(b.addr, b.health) for b in bad] == [(NV, "wedged")]
+    assert "gpu-wedged event" in bad[0].advice
+
+
+def test_gh_vfio_backend_in_status_json(tmp_path: Path) -> None:
+    grace_hopper_host(tmp_path)
+    assert gpuwatch.scan(tmp_path).probe("vfio-backend", addr=GH_ADDR).recommended == "iommufd"

@@ -1,0 +1,276 @@
+"""Issue 15's switch: vfio-pci variants, the modules.alias driver choice, --vfio-driver, and
+refusing a wedged or failed group — through the library, the CLI and the socket."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+from cli_helpers import run_cli
+
+import gpuwatch
+from gpuwatch.core.modalias import VfioAlias, best_vfio_alias, parse_vfio_aliases
+from gpuwatch.core.modes import group_mode, is_vfio_driver, same_driver
+from gpuwatch.errors import SwitchRefused, UsageError
+from gpuwatch.service.server import SocketServer
+from gpuwatch.service.testing import short_socket_dir
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.modern import GH_ADDR, MODULES_ALIAS, grace_hopper_host
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+
+GH_MODALIAS = "pci:v000010DEd00002342sv000010DEsd000016EBbc03sc02i00"
+NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
+CARD1 = "/devices/pci0000:00/0000:00:01.0/0000:01:00.0/drm/card1"
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+def test_driver_names_compare_with_dash_and_underscore_equal() -> None:
+    assert same_driver("vfio-pci", "vfio_pci")
+    assert same_driver("snd-hda-intel", "snd_hda_intel")
+    assert not same_driver("vfio-pci", "vfio-pci-core")
+    for name in ("vfio-pci", "vfio_pci", "nvgrace_gpu_vfio_pci", "mlx5-vfio-pci"):
+        assert is_vfio_driver(name)
+    for name in ("nvidia", "vfio", "vfio_pci_core", "xvfio_pci", ""):
+        assert not is_vfio_driver(name)
+    assert is_vfio_driver("acme-passthru", frozenset({"acme_passthru"}))
+
+
+def test_most_specific_alias_wins_and_the_generic_loses() -> None:
+    aliases = parse_vfio_aliases(MODULES_ALIAS.splitlines())
+    assert all(a.pattern.startswith("vfio_pci:") for a in aliases)
+    assert len(aliases) == 7  # the pci: lines are not vfio_pci aliases
+    best = best_vfio_alias(aliases, GH_MODALIAS)
+    assert best == VfioAlias("vfio_pci:v000010DEd00002342sv*sd*bc*sc*i*", "nvgrace_gpu_vfio_pci")
+    rtx = best_vfio_alias(aliases, "pci:v000010DEd00002204sv00001458sd0000403Bbc03sc00i00")
+    assert rtx is not None and rtx.module == "vfio_pci"
+    assert best_vfio_alias(parse_vfio_aliases(["alias pci:v* foo"]), GH_MODALIAS) is None
+    assert best_vfio_alias(aliases, "") is None
+
+
+def test_class_alias_loses_to_device_alias_whatever_the_order() -> None:
+    lines = [
+        "alias vfio_pci:v000010DEd*sv*sd*bc03sc02i* acme_class_vfio_pci",
+        "alias vfio_pci:v000010DEd00002342sv*sd*bc*sc*i* nvgrace_gpu_vfio_pci",
+        "alias vfio_pci:v*d*sv*sd*bc*sc*i* vfio_pci",
+        "garbage line with vfio_pci: in it",
+        "alias vfio_pci:" + "x" * 1000 + " toolong",
+    ]
+    for order in (lines, list(reversed(lines))):
+        best = best_vfio_alias(parse_vfio_aliases(order), GH_MODALIAS)
+        assert best is not None and best.module == "nvgrace_gpu_vfio_pci"
+
+
+def test_group_mode_accepts_variants_and_vfio_dev() -> None:
+    fn = gpuwatch.PciFunction(addr=GH_ADDR, vendor_id="0x10de", device_id="0x2342",
+                              class_="0x0302", class_label="3D", driver="nvgrace_gpu_vfio_pci",
+                              iommu_group=19)
+    assert group_mode([fn]) == "vfio"
+    assert group_mode([fn.model_copy(update={"driver": "acme"})]) == "host driver"
+    assert group_mode([fn.model_copy(update={"driver": "acme"})], frozenset({"acme"})) == "vfio"
+    vgpu_vf = fn.model_copy(update={"driver": "nvidia", "vfio_dev": "vfio4"})
+    assert group_mode([vgpu_vf]) == "vfio"
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_plan_picks_the_variant_from_modules_alias(tmp_path: Path) -> None:
+    host = grace_hopper_host(tmp_path, bound=False)
+    host.remove_module("nvgrace_gpu_vfio_pci")
+    plan = gpuwatch.scan(tmp_path).plan("vfio", addr=GH_ADDR)
+    assert {"kind": "command", "argv": ["modprobe", "nvgrace_gpu_vfio_pci"],
+            "on_error": "fail"} in plan
+    override = f"/sys/bus/pci/devices/{GH_ADDR}/driver_override"
+    assert {"kind": "write", "path": override, "value": "nvgrace_gpu_vfio_pci"} in plan
+
+
+def test_plan_members_carry_target_and_alias_through_the_cli(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    grace_hopper_host(tmp_path, bound=False)
+    code, out, err = anyio.run(run_cli, capsys, "plan", "vfio", "--addr", GH_ADDR, "--json",
+                               "--root", str(tmp_path), "--no-daemon")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["members"] == [{"addr": GH_ADDR, "driver": "nvidia",
+                                "target": "nvgrace_gpu_vfio_pci",
+                                "alias": "vfio_pci:v000010DEd00002342sv*sd*bc*sc*i*"}]
+    code, out, _ = anyio.run(run_cli, capsys, "plan", "vfio", "--addr", GH_ADDR,
+                             "--root", str(tmp_path), "--no-daemon")
+    assert "nvgrace_gpu_vfio_pci (modules.alias vfio_pci:v000010DEd00002342" in out
+
+
+def test_vfio_driver_overrides_and_spells_the_kernel_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    grace_hopper_host(tmp_path, bound=False)
+    code, out, err = anyio.run(run_cli, capsys, "plan", "vfio", "--addr", GH_ADDR, "--json",
+                               "--vfio-driver", "vfio_pci", "--root", str(tmp_path),
+                               "--no-daemon")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["members"][0]["target"] == "vfio-pci"  # the driver's name, not the module's
+    assert plan["members"][0]["alias"] == ""
+    assert {"kind": "write", "path": f"/sys/bus/pci/devices/{GH_ADDR}/driver_override",
+            "value": "vfio-pci"} in plan["steps"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "vfio", "--vfio-driver", "nvidia"],
+    ["plan", "nvidia", "--vfio-driver", "vfio-pci"],
+    ["plan", "vfio", "--vfio-driver", "../x_vfio_pci"],
+    ["mode", "--vfio-driver", "vfio-pci"],
+])
+def test_bad_vfio_driver_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    grace_hopper_host(tmp_path, bound=False)
+    code, _, err = anyio.run(run_cli, capsys, *argv, "--addr", GH_ADDR, "--root",
+                             str(tmp_path), "--no-daemon")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_no_modules_alias_means_vfio_pci(tmp_path: Path) -> None:
+    host = grace_hopper_host(tmp_path, bound=False)
+    (host.root / "proc/sys/kernel/osrelease").write_text("6.99.0-other\n")
+    plan = gpuwatch.scan(tmp_path).plan("vfio", addr=GH_ADDR)
+    assert {"kind": "write", "path": f"/sys/bus/pci/devices/{GH_ADDR}/driver_override",
+            "value": "vfio-pci"} in plan
+
+
+def test_generic_alias_chooses_vfio_pci_and_is_named(tmp_path: Path) -> None:
+    host = example_gpu_host(tmp_path)
+    host.add_modules_alias("6.8.0-45-generic", MODULES_ALIAS)
+    model = gpuwatch.scan(tmp_path)
+    from gpuwatch.model import plan_for_host
+
+    plan = plan_for_host(model, "vfio", addr=NV, euid=0).to_json()
+    assert [(m["target"], m["alias"]) for m in plan["members"]] == [
+        ("vfio-pci", "vfio_pci:v*d*sv*sd*bc*sc*i*")] * 2
+
+
+def test_already_on_a_variant_is_in_mode(tmp_path: Path) -> None:
+    grace_hopper_host(tmp_path)
+    model = gpuwatch.scan(tmp_path)
+    from gpuwatch.model import plan_for_host
+
+    plan = plan_for_host(model, "vfio", addr=GH_ADDR, euid=0)
+    assert plan.steps == () and "already in mode vfio" in plan.notes[-1]
+    explicit = plan_for_host(model, "vfio", addr=GH_ADDR, euid=0, vfio_driver="vfio-pci")
+    assert [s.value for s in explicit.steps if getattr(s, "path", "").endswith("unbind")] == [
+        GH_ADDR]
+
+
+# --------------------------------------------------------------------------- switching
+
+
+async def test_switch_to_vfio_binds_the_variant_and_verifies(tmp_path: Path) -> None:
+    host = grace_hopper_host(tmp_path, bound=False)
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        result = await w.switch(GH_ADDR, "vfio", timeout=10)
+        assert result.changed
+        assert [m.driver for m in result.members] == ["nvgrace_gpu_vfio_pci"]
+        assert ("write", f"/sys/bus/pci/devices/{GH_ADDR}/driver_override",
+                "nvgrace_gpu_vfio_pci") in sim.record
+        with anyio.fail_after(5):
+            while w.probe("vfio-backend", addr=GH_ADDR).recommended != "iommufd":
+                await anyio.sleep(0.01)
+        fn = w.model.function(GH_ADDR)
+        assert fn.vfio_dev and fn.vfio_cdev.startswith("/dev/vfio/devices/vfio")
+        assert w.probe("group-in-mode", addr=GH_ADDR, mode="vfio") is True
+        # ... and back: the variant is unbound by its own name.
+        await w.switch(GH_ADDR, "nvidia", timeout=10)
+        assert ("write", "/sys/bus/pci/drivers/nvgrace_gpu_vfio_pci/unbind", GH_ADDR) in \
+            sim.record
+        assert w.model.function(GH_ADDR).vfio_dev == ""
+    assert [e.type for e in events if e.type.startswith("switch-")] == [  # type: ignore[attr-defined]
+        "switch-started", "switch-completed", "switch-started", "switch-completed"]
+
+
+async def test_switch_on_a_kernel_without_the_cdev(tmp_path: Path) -> None:
+    host = grace_hopper_host(tmp_path, bound=False)
+    sim = SimKernel(host)
+    sim.vfio_cdev = False
+    async with simulated_switch(host, sim=sim) as (w, _sim, _engine, _events):
+        await w.switch(GH_ADDR, "vfio", timeout=10)
+        backend = w.probe("vfio-backend", addr=GH_ADDR)
+        assert (backend.cdev_node, backend.recommended) == ("", "group")
+        assert w.model.function(GH_ADDR).vfio_dev.startswith("vfio")
+
+
+async def test_wedged_or_failed_group_is_refused(host: SysRoot) -> None:
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        w.source.push(host.uevent_props("change", CARD1, WEDGED="bus-reset"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "wedged":
+                await anyio.sleep(0.01)
+        with pytest.raises(SwitchRefused, match=r"wedged.*reset it"):
+            await w.switch(NV, "vfio", timeout=5)
+        with pytest.raises(SwitchRefused, match="wedged"):  # even when already in mode
+            await w.switch(NV, "nvidia", timeout=5)
+        plan = await w.plan(NV, "vfio")
+        assert plan["refused"] is not None and "bus-reset" not in plan["refused"]["reason"]
+        assert "/reset" in plan["refused"]["reason"]
+        assert not sim.writes
+        refused = [e for e in events if e.type == "switch-refused"]  # type: ignore[attr-defined]
+        assert len(refused) == 2
+
+
+async def test_failed_recovery_refuses_until_successful(host: SysRoot) -> None:
+    async with simulated_switch(host) as (w, _sim, _engine, _events):
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        with pytest.raises(SwitchRefused, match="PCI error recovery failed"):
+            await w.switch(NV, "vfio", timeout=5)
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                                        DEVICE_ONLINE="1"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "ok":
+                await anyio.sleep(0.01)
+        result = await w.switch(NV, "vfio", timeout=10)
+        assert result.changed
+
+
+async def test_vfio_driver_through_the_socket(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = grace_hopper_host(tmp_path, bound=False)
+    root = str(host.root)
+    with short_socket_dir() as sockdir:
+        async with (
+            simulated_switch(host) as (watcher, sim, _engine, _events),
+            anyio.create_task_group() as tg,
+        ):
+            server = SocketServer(watcher, f"{sockdir}/gw.sock")
+            await tg.start(server.serve)
+            sock = ["--root", root, "--socket", f"{sockdir}/gw.sock"]
+            code, out, err = await run_cli(capsys, "plan", "vfio", "--addr", GH_ADDR, "--json",
+                                           "--vfio-driver", "vfio-pci", *sock)
+            assert code == 0, err
+            assert json.loads(out)["members"][0]["target"] == "vfio-pci"
+            code, out, err = await run_cli(capsys, "plan", "vfio", "--addr", GH_ADDR, "--json",
+                                           *sock)
+            assert json.loads(out)["members"][0]["target"] == "nvgrace_gpu_vfio_pci"
+            code, _, err = await run_cli(capsys, "plan", "vfio", "--addr", GH_ADDR,
+                                         "--vfio-driver", "nvidia", *sock)
+            assert code == 2 and "vfio-pci variant" in err
+            code, out, err = await run_cli(capsys, "mode", "vfio", "--addr", GH_ADDR, "--json",
+                                           "--vfio-driver", "vfio-pci", *sock)
+            assert code == 0, err
+            assert [m["driver"] for m in json.loads(out)["members"]] == ["vfio-pci"]
+            assert ("write", f"/sys/bus/pci/devices/{GH_ADDR}/driver_override", "vfio-pci") \
+                in sim.record
+            code, out, err = await run_cli(capsys, "probe", "vfio-backend", "--addr", GH_ADDR,
+                                           *sock)
+            assert code == 0, err
+            assert json.loads(out)["result"]["on_vfio"] is True
+            tg.cancel_scope.cancel()
+
+
+def test_usage_error_for_vfio_driver_in_library(tmp_path: Path) -> None:
+    grace_hopper_host(tmp_path, bound=False)
+    with pytest.raises(UsageError):
+        gpuwatch.scan(tmp_path).plan("nvidia", addr=GH_ADDR, vfio_driver="vfio-pci")

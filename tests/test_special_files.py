@@ -1,0 +1,161 @@
+"""FIFOs, sockets and device nodes planted where a file is expected: in sysfs, procfs and the
+config file. Each is read as unreadable (its documented empty value, or a config error) and
+none ever blocks a scan, the loop or the daemon's start."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import Daemon, env, gpuwatch_cmd, probe
+
+from gpuwatch.errors import ConfigError
+from gpuwatch.hostfs.files import NotARegularFile, read_bytes, read_text
+from gpuwatch.hostfs.scan import HostPaths, scan
+from gpuwatch.service.testing import short_socket_dir
+from gpuwatch.settings import CONFIG_MAX_BYTES, load_settings, load_tables, read_config_file
+from gpuwatch.testing import SysRoot
+
+NV = "0000:01:00.0"
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+def plant(path: Path, kind: str) -> None:
+    """Replace ``path`` with a special file of ``kind``."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        with short_socket_dir() as short, socket.socket(socket.AF_UNIX) as s:
+            s.bind(f"{short}/s")  # bound where the path is short enough, then moved
+            os.rename(f"{short}/s", path)  # the socket file stays; nothing listens
+    elif kind == "chardev":
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: endless bytes
+    else:
+        raise AssertionError(kind)
+
+
+KINDS = ["fifo", "socket", "chardev"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_file_reads_as_unreadable_at_once(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "vendor"
+    plant(path, kind)
+    assert read_text(str(path)) is None
+    with pytest.raises(NotARegularFile):
+        read_bytes(str(path))
+
+
+def test_reads_are_size_capped(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    assert read_bytes(str(big), 5000) == b"x" * 5000
+    with pytest.raises(OSError, match="longer than 4999"):
+        read_bytes(str(big), 4999)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_scan_treats_planted_attributes_as_unreadable(host: SysRoot, kind: str) -> None:
+    dev = host.device_dir(NV)
+    for attr in ("vendor", "class", "driver_override", "boot_vga", "numa_node"):
+        plant(dev / attr, kind)
+    plant(host.root / "proc" / "cmdline", kind)
+    snapshot = scan(HostPaths(host.root), load_tables())  # returns: nothing waits on a writer
+    fn = next(f for f in snapshot.functions if f.addr == NV)
+    assert fn.vendor_id == "" and fn.driver == "nvidia"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_daemon_over_a_planted_tree_starts_and_answers(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
+) -> None:
+    dev = host.device_dir(NV)
+    for attr in ("vendor", "device", "class", "driver_override"):
+        plant(dev / attr, kind)
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:
+        assert probe(d.sock, "current-mode", addr="0000:02:00.0")["result"] == "vfio"
+        assert "result" in probe(d.sock, "detect-vfio")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_special_config_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "config.yaml"
+    plant(path, kind)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_config_file(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: " + "[" * 1000 + "]" * 1000, "nested deeper than 32"),
+        ("a:\n" + "".join("  " * i + "- \n" for i in range(1, 200)), "nested deeper than 32"),
+        ("x" * (CONFIG_MAX_BYTES + 1), f"larger than {CONFIG_MAX_BYTES} bytes"),
+        ("a: [1, 2", "not valid YAML"),
+        ("!!python/object:os.system {}\n", "not valid YAML"),
+    ],
+)
+def test_hostile_config_files_are_one_line_errors(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        read_config_file(path)
+    assert "\n" not in str(info.value)
+
+
+def test_the_config_file_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpuwatch.settings as settings_module
+
+    path = tmp_path / "config.yaml"
+    path.write_text("log_keep: 3\ngpu_vendors:\n  '0x10de': NVIDIA\n")
+    reads: list[object] = []
+    real = settings_module.read_config_file
+
+    def counting(p: object) -> object:
+        reads.append(p)
+        return real(p)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(settings_module, "read_config_file", counting)
+    settings = load_settings(config=str(path), env={}, resolve_groups=False)
+    assert settings.log_keep == 3 and settings.tables().gpu_vendors == {"0x10de": "NVIDIA"}
+    assert len(reads) == 1
+
+
+@pytest.mark.parametrize("case", ["deep", "huge", "fifo", "chardev"])
+def test_watch_with_a_hostile_config_exits_2_at_once(
+    host: SysRoot, tmp_path: Path, case: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    if case == "deep":
+        path.write_text("gpu_vendors: " + "[" * 100_000 + "]" * 100_000)
+    elif case == "huge":
+        path.write_text("# " + "x" * (2 << 20))
+    else:
+        plant(path, case)
+    started = time.monotonic()
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null",
+                     "--config", str(path)),
+        capture_output=True, text=True, env=env(), timeout=60)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and str(path) in proc.stderr, proc.stderr
+    assert elapsed < 30  # bounded (a hang would hit the timeout); the speed is a benchmark's
