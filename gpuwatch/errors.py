@@ -38,6 +38,8 @@ GROUP_BUSY = "group-busy"
 SWITCH_FAILED = "switch-failed"
 SWITCH_WEDGED = "switch-wedged"
 NOT_ROOT = "not-root"
+#: A host file could not be read safely (a FIFO or device where a file belongs).
+UNREADABLE = "unreadable"
 #: The event log could not be written (disk full, I/O error).
 EVENT_LOG = "event-log-failed"
 #: The daemon or its socket could not be set up, or a daemon answer was lost.
@@ -63,6 +65,7 @@ EXIT_STATUS: dict[str, int] = {
     SWITCH_FAILED: EXIT_FAILURE,
     SWITCH_WEDGED: EXIT_FAILURE,
     NOT_ROOT: EXIT_FAILURE,
+    UNREADABLE: EXIT_FAILURE,
     EVENT_LOG: EXIT_FAILURE,
     SERVICE: EXIT_FAILURE,
     INTERNAL: EXIT_FAILURE,

@@ -101,9 +101,11 @@ class Host:
     # ------------------------------------------------------------------ events
 
     def subscribe(self, types: Iterable[str] | None = None, addrs: Iterable[str] | None = None,
-                  *, buffer: int | None = None) -> AbstractAsyncContextManager[Subscription]:
-        """Events from now on, filtered (`Watcher.subscribe`)."""
-        return self.watcher.subscribe(types, addrs, buffer=buffer)
+                  *, since_seq: int | None = None,
+                  buffer: int | None = None) -> AbstractAsyncContextManager[Subscription]:
+        """Events from now on, filtered; with ``since_seq`` the logged ones after it first,
+        handed over to live events with no gap and no duplicate (`Watcher.subscribe`)."""
+        return self.watcher.subscribe(types, addrs, since_seq=since_seq, buffer=buffer)
 
     async def wait_for(self, predicate: Callable[[Any], bool], timeout: float | None = None,
                        *, types: Iterable[str] | None = None) -> Any:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -154,3 +155,64 @@ def test_watch_command_exits_0_on_sigterm(tmp_path: Path) -> None:
     lines = log.read_text().splitlines()
     assert [line.count('"seq"') for line in lines] == [1] * len(lines)
     assert '"type":"ready"' in lines[0]
+
+
+def test_five_overflows_in_a_row_never_deafen_a_real_daemon(tmp_path: Path) -> None:
+    """A real daemon on the default kernel source (whichever implementation that is), a
+    tiny receive buffer, and five bursts that overflow it: each ends in one rescan that
+    reports what changed and a `resync`, and the next single uevent still reaches a
+    subscriber of the socket."""
+    from daemon_helpers import Daemon, Lines, connect
+
+    from gpuwatch.service.testing import short_socket_dir
+
+    addr, devpath = real_device()
+    root = tmp_path / "root"
+    mirror(root, addr, devpath, "virtio-pci")
+    with short_socket_dir() as sockdir, Daemon(
+        root, tmp_path, f"{sockdir}/gw.sock", "--receive-buffer", "4096", source="auto"
+    ) as d, connect(d.sock, timeout=30) as sub:
+        assert d.proc is not None
+        lines = Lines(sub)
+        assert "result" in lines.request("subscribe", {"types": ["resync", "driver-changed"]})
+        driver = "virtio-pci"
+
+        def until(pred: Any, what: str) -> dict[str, Any]:
+            while True:
+                try:
+                    event = lines.line()
+                except TimeoutError:
+                    raise AssertionError(f"no {what}") from None
+                if pred(event):
+                    return event
+
+        for round_ in range(5):
+            # The daemon is busy (stopped) while the burst comes: the buffer must overflow.
+            changed = "vfio-pci" if driver != "vfio-pci" else "virtio-pci"
+            set_driver(root, devpath, changed)
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                for _ in range(200):
+                    kick(addr)
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            sub.settimeout(30)
+            seen: list[dict[str, Any]] = []
+            resync = until(lambda e, seen=seen: seen.append(e) or e.get("type") == "resync",
+                           "resync")
+            assert resync["reason"] == "overflow", (round_, resync)
+            # The rescan told what changed while the daemon could not read.
+            assert any(e.get("type") == "driver-changed" and e.get("new") == changed
+                       for e in seen), (round_, seen)
+            driver = changed
+            # One more uevent after the rescan: it is heard.
+            after = "vfio-pci" if driver != "vfio-pci" else "virtio-pci"
+            set_driver(root, devpath, after)
+            time.sleep(0.2)  # let the burst's queued tail go before the one that counts
+            kick(addr)
+            event = until(lambda e, a=after: e.get("type") == "driver-changed"
+                          and e.get("new") == a, f"driver-changed to {after}")
+            assert event["addr"] == addr
+            driver = after
+        resyncs = [e for e in d.events() if e["type"] == "resync"]
+        assert len(resyncs) >= 5

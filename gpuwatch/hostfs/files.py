@@ -6,7 +6,7 @@ import errno
 import os
 import stat
 
-from gpuwatch.errors import HostError
+from gpuwatch.errors import UNREADABLE, HostError
 
 # O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
 # for a writer forever; O_NOCTTY: a tty there never becomes our terminal.
@@ -16,8 +16,9 @@ ATTR_CAP = 65536
 
 
 class NotARegularFile(HostError, OSError):
-    """A FIFO, socket, device node or directory where a file was expected (the host's
-    tree is wrong, not the request: a `HostError`, and an `OSError` for every reader)."""
+    """A FIFO, socket, device node or directory where a file was expected."""
+
+    code = UNREADABLE
 
 
 def open_regular(path: str) -> int:

@@ -545,6 +545,10 @@ class SocketServer:
                     self._too_long(conn)
                     return False
                 line = bytes(buf) + chunk[start:cut] if buf else chunk[start:cut]
+                if start:
+                    # One busy client must not starve the rest: yield between the lines of
+                    # one chunk (the first one already waited for its chunk to arrive).
+                    await anyio.lowlevel.checkpoint()
                 start = cut + 1
                 buf.clear()
                 await self._line(conn, line)
@@ -572,7 +576,6 @@ class SocketServer:
     async def _line(self, conn: Connection, line: bytes) -> None:
         if not line.strip():
             return  # blank lines are spacing (a shell's trailing newline)
-        await anyio.lowlevel.checkpoint()  # one busy client must not starve the rest
         try:
             req = P.parse_request(line)
         except P.RequestError as exc:

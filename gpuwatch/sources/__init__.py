@@ -7,7 +7,9 @@ concrete modules are imported lazily so that reading a file never loads libudev.
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +19,13 @@ from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import INVALID_PARAMS, SOURCE_UNAVAILABLE, CallerError, HostError
 
 __all__ = [
+    "MAX_DRAIN",
     "UDEV_CONTROL",
     "EventSource",
     "InvalidSourceSpec",
     "SourceOverflow",
     "SourceUnavailable",
+    "drain_to_eagain",
     "open_source",
 ]
 
@@ -50,6 +54,32 @@ class SourceOverflow:
     """Events were lost (the socket buffer overflowed): the model is stale, rescan."""
 
     error: str
+
+
+#: After an overflow, at most this many queued messages are dropped before giving up (a
+#: sender faster than we can discard would otherwise keep us here forever).
+MAX_DRAIN = 1 << 20
+
+
+def drain_to_eagain(sock: socket.socket, max_message: int = 65536,
+                    limit: int = MAX_DRAIN) -> int:
+    """The overflow contract every netlink source keeps: after ENOBUFS, discard what is
+    queued until EAGAIN, because the rescan that follows covers it, and the next uevent
+    read is then one sent *after* the rescan began: nothing stale is applied over it and
+    the source is never left deaf behind a full queue. Returns how many were dropped.
+    """
+    dropped = 0
+    while dropped < limit:
+        try:
+            sock.recv(max_message, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError as exc:
+            if exc.errno == errno.ENOBUFS:
+                continue  # overflowed again while draining: one rescan covers both
+            break
+        dropped += 1
+    return dropped
 
 
 @runtime_checkable

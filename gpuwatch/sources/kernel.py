@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import anyio
 
 from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
-from gpuwatch.sources import SourceOverflow, SourceUnavailable
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
 
 __all__ = [
     "DEFAULT_RECEIVE_BUFFER",
@@ -50,9 +50,6 @@ KERNEL_GROUP = 1
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: The kernel caps one uevent at 2 KiB of properties (UEVENT_BUFFER_SIZE) plus the header.
 _MAX_MESSAGE = 8192
-
-#: Drain after an overflow stops here even if the kernel keeps sending (the rescan follows).
-_MAX_DROP = 1 << 20
 
 _INITIAL_UID_MAP = ["0", "0", "4294967295"]
 UID_MAP_PATH = "/proc/self/uid_map"
@@ -244,16 +241,7 @@ class KernelSource:
         dropped = 0
         sock = self._sock
         if code == errno.ENOBUFS and sock is not None:
-            while dropped < _MAX_DROP:
-                try:
-                    sock.recv(_MAX_MESSAGE)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as again:
-                    if again.errno != errno.ENOBUFS:
-                        break
-                    continue
-                dropped += 1
+            dropped = drain_to_eagain(sock, _MAX_MESSAGE)
         text = describe_errno(code) if code else f"receive failed: {exc}"
         log.warning(
             "kernel uevent source lost events (%s; %d queued dropped); the model must be "

@@ -14,6 +14,7 @@ A receive error never ends the source: lost events are reported as
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ import anyio
 import pyudev
 
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.sources import SourceOverflow, SourceUnavailable
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
 from gpuwatch.sources.kernel import (
     DEFAULT_RECEIVE_BUFFER,
     MAX_BATCH,
@@ -204,9 +205,13 @@ class NetlinkSource:
         if not code and isinstance(exc, OSError) and exc.errno:
             code = exc.errno
             explained = True
+        dropped = 0
+        if code == errno.ENOBUFS and self._sock is not None:
+            dropped = drain_to_eagain(self._sock)  # the rescan covers what was queued
         text = describe_errno(code) if code else f"receive failed: {exc}"
         log.warning(
-            "%s uevent source lost events (%s); the model must be rescanned", self.name, text
+            "%s uevent source lost events (%s; %d queued dropped); the model must be "
+            "rescanned", self.name, text, dropped,
         )
         return SourceOverflow(error=text), explained
 

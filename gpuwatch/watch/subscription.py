@@ -3,19 +3,54 @@
 A lagged reader is not silently skipped: it drains what it already has, then gets
 `SubscriberLagged` with the number of events it missed, and can resubscribe and read
 ``snapshot()`` to catch up.
+
+A subscription may start in the past (``since_seq``): it is registered for live events
+first, then reads the event log from ``since_seq`` up to the seq the watcher had reached at
+that moment, so the hand-over from log to live has no gap and no duplicate (`Handover`).
+The socket server relays the log's bytes with the same hand-over.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
 from pydantic import BaseModel
 
+from gpuwatch.core.events import parse_event
 from gpuwatch.errors import SubscriberLagged
+from gpuwatch.watch.eventlog import EventRecord
+
+#: Log records read per trip to a worker thread while replaying.
+REPLAY_CHUNK = 256
+
+
+class Handover:
+    """The seam between a log replay and live events: each seq is delivered once, in order.
+
+    ``last_seq`` starts at the subscriber's ``since_seq``; `fresh` accepts a seq only if it
+    is newer than every one delivered, whichever side (log or live) it came from.
+    """
+
+    __slots__ = ("last_seq",)
+
+    def __init__(self, since_seq: int) -> None:
+        self.last_seq = since_seq
+
+    def fresh(self, seq: int) -> bool:
+        if seq <= self.last_seq:
+            return False
+        self.last_seq = seq
+        return True
+
+
+def first_is_next(first_seq: int | None, since_seq: int) -> bool:
+    """Whether a replay starting at ``first_seq`` covers everything after ``since_seq``
+    (False when the log rotated those events away, or has none)."""
+    return first_seq == since_seq + 1
 
 
 class Subscription:
@@ -40,6 +75,50 @@ class Subscription:
         self._taken: deque[BaseModel] = deque()  # the batch the reader is working through
         self.lagged = False
         self.missed = 0
+        # Replay from the log, when the subscriber asked for the past (`start_replay`).
+        self._replay: Iterator[EventRecord] | None = None
+        self._replay_until = 0
+        self._handover: Handover | None = None
+        #: False when the log no longer holds every event after ``since_seq``.
+        self.complete = True
+
+    def start_replay(self, records: Iterator[EventRecord], since_seq: int, until_seq: int,
+                     complete: bool) -> None:
+        """Deliver the log's events in (``since_seq``, ``until_seq``] before the live ones
+        (which, registered at ``until_seq``, all come after)."""
+        self._replay = records
+        self._replay_until = until_seq
+        self._handover = Handover(since_seq)
+        self.complete = complete
+
+    def _read_replay(self) -> list[BaseModel]:
+        """The next chunk of replayed events (a worker thread runs this: it reads files)."""
+        records = self._replay
+        out: list[BaseModel] = []
+        if records is None or self._handover is None:
+            return out
+        for record in records:
+            seq = record.event["seq"]
+            if seq > self._replay_until:
+                break  # from here on the live stream has it
+            if not self._handover.fresh(seq):
+                continue
+            try:
+                event = parse_event(record.line)
+            except ValueError:
+                continue  # a line this version cannot type: skipped, as readers skip garbage
+            if self.addrs is None or matches(self, event):
+                out.append(event)
+            if len(out) >= REPLAY_CHUNK:
+                return out
+        self._end_replay()
+        return out
+
+    def _end_replay(self) -> None:
+        records, self._replay = self._replay, None
+        close = getattr(records, "close", None)
+        if close is not None:
+            close()  # release the log files now, not at garbage collection
 
     def offer(self, event: BaseModel) -> None:
         """Queue one event without waiting (see `offer_batch`)."""
@@ -75,11 +154,17 @@ class Subscription:
 
     def dispose(self) -> None:
         """Release both ends once the subscriber has left (anyio warns about unclosed streams)."""
+        self._end_replay()
         self._send.close()
         self._recv.close()
 
     async def receive(self) -> Any:
         taken = self._taken
+        if self._replay is not None and not taken:
+            while self._replay is not None and not taken:
+                taken.extend(await anyio.to_thread.run_sync(self._read_replay))
+            if taken:
+                return taken.popleft()
         if not taken:
             try:
                 batch = await self._recv.receive()

@@ -9,6 +9,7 @@ scan can never overwrite a newer event.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -34,12 +35,13 @@ from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.core.uevent_facts import uevent_facts
+from gpuwatch.errors import UsageError
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
-from gpuwatch.watch.eventlog import EventLog, EventLogWriteError
-from gpuwatch.watch.subscription import Subscription
+from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
+from gpuwatch.watch.subscription import Subscription, first_is_next
 
 _log = logging.getLogger("gpuwatch.watch")
 
@@ -160,10 +162,15 @@ class Watcher:
         types: Iterable[str] | None = None,
         addrs: Iterable[str] | None = None,
         *,
+        since_seq: int | None = None,
         buffer: int | None = None,
     ) -> AsyncIterator[Subscription]:
-        """Events from now on, filtered. A reader that falls ``buffer`` behind gets
-        `SubscriberLagged` instead of slowing anyone else down."""
+        """Events from now on, filtered; with ``since_seq``, first every logged event after
+        it (no gap, no duplicate at the hand-over; ``complete`` says whether the log still
+        held them all). A reader that falls ``buffer`` behind gets `SubscriberLagged`
+        instead of slowing anyone else down."""
+        if since_seq is not None and since_seq < 0:
+            raise UsageError(f"since_seq must be >= 0, not {since_seq}")
         sub = Subscription(
             frozenset(types) if types is not None else None,
             frozenset(a.lower() for a in addrs) if addrs is not None else None,
@@ -172,13 +179,31 @@ class Watcher:
         if self._closed:
             sub.close()
         else:
-            self._subscribers.append(sub)
+            self._subscribers.append(sub)  # live from here: every seq after `now`
+        now = self._seq
         try:
+            if since_seq is not None and since_seq < now:
+                await self._start_replay(sub, since_seq, now)
+            elif since_seq is not None and since_seq > now:
+                sub.complete = False  # a seq from another log: what was missed is unknown
             yield sub
         finally:
             sub.dispose()
             if sub in self._subscribers:
                 self._subscribers.remove(sub)
+
+    async def _start_replay(self, sub: Subscription, since_seq: int, now: int) -> None:
+        path = self._log.path if self._log is not None else None
+        if path is None or path == "-":
+            sub.complete = False  # no log to replay from
+            return
+        records = read_records(path, since_seq=since_seq, types=sub.types)
+        first = await anyio.to_thread.run_sync(next, records, None)
+        if first is None:
+            sub.complete = False
+            return
+        sub.start_replay(itertools.chain((first,), records), since_seq, now,
+                         first_is_next(first.event["seq"], since_seq))
 
     async def wait_for(
         self,
