@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any, Literal
 
-from gpuwatch.core.modes import MODES, Mode, current_mode, group_in_mode, on_vfio
+from gpuwatch.core.modes import Mode, current_mode, group_in_mode, on_vfio, parse_mode
 from gpuwatch.core.observations import NodeStat
 from gpuwatch.core.pci import canonical_addr, parse_addr
 from gpuwatch.core.plan import (
@@ -81,8 +81,8 @@ def check_params(
     for name, value in (("group", group), ("addr", addr), ("mode", mode)):
         if name in needs and value is None:
             raise UsageError(f"action {action!r} needs --{name}")
-    if mode is not None and mode not in MODES:
-        raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
+    if mode is not None:
+        parse_mode(mode)
     if action == "plan" and addr is None and vendor is None:
         raise UsageError("action 'plan' needs --addr or --vendor")
     if vendor is not None:
@@ -117,7 +117,7 @@ class HostModel:
             "display-driver": lambda g, a, m: self.function(a).driver,
             "current-mode": lambda g, a, m: current_mode(self.function(a)),
             "group-in-mode": lambda g, a, m: group_in_mode(
-                self.state.group_members(self.function(a).addr), _as_mode(m),
+                self.state.group_members(self.function(a).addr), parse_mode(m),
                 self.state.vfio_variants,
             ),
             "vfio-backend": lambda g, a, m: self.vfio_backend(a),
@@ -157,7 +157,7 @@ class HostModel:
             return self._access.get(group, False)
         if action == "plan":
             check_params(action, group, addr, mode, vendor)
-            return self.plan(_as_mode(mode), addr=addr, vendor=vendor)
+            return self.plan(parse_mode(mode), addr=addr, vendor=vendor)
         handler = self._handlers.get(action)
         if handler is None:
             check_params(action, group, addr, mode)
@@ -274,14 +274,6 @@ def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | N
         "note": "" if complete else ("not root: processes of other users cannot be seen, the "
                                      "list may be incomplete"),
     }
-
-
-def _as_mode(mode: str | None) -> Mode:
-    if mode == "vfio":
-        return "vfio"
-    if mode == "nvidia":
-        return "nvidia"
-    raise UsageError(f"mode must be vfio or nvidia, not {mode!r}")
 
 
 def scan(

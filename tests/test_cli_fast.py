@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import anyio
 import pytest
 
-from gpuwatch.cli.fast import parse_probe, socket_path
+from gpuwatch.cli.fast import parse_holders, parse_probe, socket_path
 from gpuwatch.cli.main import build_parser
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
@@ -55,12 +55,16 @@ def run_spied(argv: list[str]) -> tuple[int, bytes, str]:
 
 
 def run_full(argv: list[str]) -> bytes:
-    """The full command, parser and all, without the fast path."""
+    """The full command, parser and all, without the fast path (its stdout)."""
+    return run_full_both(argv)[0]
+
+
+def run_full_both(argv: list[str]) -> tuple[bytes, str]:
     args = build_parser().parse_args(argv)
-    out = io.StringIO()
-    with redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
         assert args.func(args) == 0
-    return out.getvalue().encode()
+    return out.getvalue().encode(), err.getvalue()
 
 
 async def test_a_probe_the_daemon_answers_imports_nothing_heavy_and_prints_the_same(
@@ -85,6 +89,26 @@ async def test_a_probe_the_daemon_answers_imports_nothing_heavy_and_prints_the_s
             assert "HEAVY=\n" in err, (argv, err)  # nothing heavy when the reply is printed
             full = await anyio.to_thread.run_sync(run_full, argv)
             assert out == full, argv
+
+
+async def test_holders_the_daemon_answers_are_the_full_commands_bytes(
+    host: SysRoot, sockdir: str
+) -> None:
+    root = str(host.root)
+    async with served_watcher(root, f"{sockdir}/gw.sock") as served:
+        sock = ["--socket", served.path, "--root", root]
+        for argv in (
+            ["holders", *sock],  # the NVIDIA card by default
+            ["holders", "--addr", NV, *sock],
+            ["holders", "--json", f"--addr={NV.upper()}", *sock],
+        ):
+            code, out, err = await anyio.to_thread.run_sync(run_spied, argv)
+            assert code == 0, (argv, err)
+            assert "HEAVY=\n" in err, (argv, err)
+            full_out, full_err = await anyio.to_thread.run_sync(run_full_both, argv)
+            assert out == full_out, argv
+            assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
+                full_err.splitlines(), argv
 
 
 async def test_what_the_fast_path_cannot_answer_gets_the_full_commands_words(
@@ -128,6 +152,26 @@ def test_only_plain_probe_command_lines_are_taken() -> None:
         ["probe", "detect-vfio", "--gr", "1"],  # an abbreviation: argparse's business
     ):
         assert parse_probe(argv) is None, argv
+
+
+def test_only_plain_holders_command_lines_are_taken() -> None:
+    from gpuwatch.cli.fast import DEFAULT_VENDOR
+    from gpuwatch.core.plan import NVIDIA_VENDOR
+
+    assert DEFAULT_VENDOR == NVIDIA_VENDOR  # the full command's default card
+    assert parse_holders(["holders"]) == ({"vendor": "0x10de"}, False, "/", None)
+    assert parse_holders(["holders", "--json", "--addr", "0000:01:00.0"]) == (
+        {"addr": "0000:01:00.0"}, True, "/", None)
+    for argv in (
+        ["holders", "--vendor", "0x1002"],  # the full command validates and sends it
+        ["holders", "--addr", "1:00.0"],
+        ["holders", "--json=yes"],
+        ["holders", "--json", "--json"],
+        ["holders", "extra"],
+        ["holders", "--config", "x.yaml"],
+        ["holders", "--no-daemon"],
+    ):
+        assert parse_holders(argv) is None, argv
 
 
 def test_the_default_socket_only_for_the_host_root(

@@ -151,6 +151,9 @@ def test_image_is_a_slim_python_with_runtime_dependencies_only() -> None:
     assert "-e " not in runs
     user = next(rest for word, rest in stage if word == "USER")
     assert user not in ("0", "root")
+    # No "gpuwatch" group in the image: the socket would default to it, and chown to a group
+    # needs CAP_CHOWN, which the pod drops: the daemon would not start.
+    assert "--no-user-group" in runs and "groupadd" not in runs
     text = CONTAINERFILE.read_text()
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for part in source.split():

@@ -274,3 +274,23 @@ def test_usage_error_for_vfio_driver_in_library(tmp_path: Path) -> None:
     grace_hopper_host(tmp_path, bound=False)
     with pytest.raises(UsageError):
         gpuwatch.scan(tmp_path).plan("nvidia", addr=GH_ADDR, vfio_driver="vfio-pci")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "garbage", "release-escape", "huge-line"])
+def test_hostile_modules_alias_never_blocks_or_crashes(tmp_path: Path, kind: str) -> None:
+    import os
+
+    host = grace_hopper_host(tmp_path, bound=False)
+    alias = host.root / "lib/modules/6.8.0-1013-nvidia-64k/modules.alias"
+    if kind == "fifo":
+        alias.unlink()
+        os.mkfifo(alias)  # opening it for reading would wait for a writer forever
+    elif kind == "garbage":
+        alias.write_bytes(b"\xff\xfe\x00alias vfio_pci:\x00 \n" * 1000)
+    elif kind == "release-escape":
+        (host.root / "proc/sys/kernel/osrelease").write_text("../../../etc\n")
+    else:
+        alias.write_text("alias vfio_pci:" + "v*" * 100000 + " evil_vfio_pci\n")
+    plan = gpuwatch.scan(tmp_path).plan("vfio", addr=GH_ADDR)
+    assert {"kind": "write", "path": f"/sys/bus/pci/devices/{GH_ADDR}/driver_override",
+            "value": "vfio-pci"} in plan

@@ -270,3 +270,15 @@ def test_exec_start_quoting_and_where_the_program_lives() -> None:
 def test_contrib_files_are_the_shipped_ones() -> None:
     assert (REPO / "contrib/systemd/gpuwatch.service").read_text() == shipped_unit()
     assert "ExecStart=/usr/bin/gpuwatch watch" in shipped_unit()
+
+
+def test_the_unit_and_config_ship_in_the_wheel() -> None:
+    """`service install` from a pip or pipx install reads them from the package."""
+    import fnmatch
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["gpuwatch"]
+    for name in ("data/gpuwatch.service", "data/config.yaml"):
+        assert (REPO / "gpuwatch" / name).is_file()
+        assert any(fnmatch.fnmatch(name, g) for g in globs), name

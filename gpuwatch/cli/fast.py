@@ -1,4 +1,4 @@
-"""The stdlib-only path of ``gpuwatch probe`` when a daemon answers: as quick as the interpreter.
+"""The stdlib-only path of ``gpuwatch probe`` and ``gpuwatch holders`` when a daemon answers.
 
 A probe answered by the daemon needs a socket, one JSON line each way and ``json``: nothing
 of pydantic, PyYAML, anyio or pyudev. This module imports none of them (a test checks
@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuwatch.core.pci import canonical_addr
@@ -28,35 +28,54 @@ TIMEOUT = 10.0
 MAX_REPLY = 16 << 20
 #: Options of ``gpuwatch probe`` this path understands, each taking one value.
 _OPTIONS = frozenset({"--group", "--addr", "--mode", "--root", "--socket"})
+#: ... and of ``gpuwatch holders`` (plus the ``--json`` flag).
+_HOLDERS_OPTIONS = frozenset({"--addr", "--root", "--socket"})
+#: The card ``holders`` looks at without ``--addr`` (``gpuwatch.core.plan.NVIDIA_VENDOR``).
+DEFAULT_VENDOR = "0x10de"
 #: Answered by the full command itself (its own limits, a live plan), never by the daemon.
 _LOCAL_ACTIONS = frozenset({"memlock", "plan"})
+
+
+def _split(
+    argv: Sequence[str], options: frozenset[str], flags: frozenset[str] = frozenset()
+) -> tuple[list[str], dict[str, str]] | None:
+    """Positionals and ``{option: value}`` (a flag's value is ``""``), argparse's way for the
+    plain spellings only; None for anything else (abbreviations, repeats, ``--``, help)."""
+    positionals: list[str] = []
+    values: dict[str, str] = {}
+    rest = list(argv)
+    while rest:
+        token = rest.pop(0)
+        if not token.startswith("-"):
+            positionals.append(token)
+            continue
+        name, eq, value = token.partition("=")
+        if name in values or (name not in options and name not in flags):
+            return None
+        if name in flags:
+            if eq:
+                return None
+            values[name] = ""
+            continue
+        if not eq:
+            if not rest:
+                return None
+            value = rest.pop(0)
+            if value.startswith("-") and not (name == "--group" and value[1:].isdigit()):
+                return None  # argparse would take it for an option: its error, not ours
+        values[name] = value
+    return positionals, values
 
 
 def parse_probe(argv: Sequence[str]) -> tuple[str, dict[str, Any], str, str | None] | None:
     """``(action, params, root, socket)`` of a plain ``probe`` command line, else None."""
     if len(argv) < 2 or argv[0] != "probe":
         return None
-    action: str | None = None
-    values: dict[str, str] = {}
-    rest = list(argv[1:])
-    while rest:
-        token = rest.pop(0)
-        if token.startswith("-"):
-            name, eq, value = token.partition("=")
-            if name not in _OPTIONS or name in values:
-                return None
-            if not eq:
-                if not rest:
-                    return None
-                value = rest.pop(0)
-                if value.startswith("-") and not (name == "--group" and value[1:].isdigit()):
-                    return None  # argparse would take it for an option: its error, not ours
-            values[name] = value
-        elif action is None:
-            action = token
-        else:
-            return None
-    if action is None or action in _LOCAL_ACTIONS:
+    split = _split(argv[1:], _OPTIONS)
+    if split is None or len(split[0]) != 1:
+        return None
+    (action,), values = split
+    if action in _LOCAL_ACTIONS:
         return None
     params: dict[str, Any] = {"action": action}
     if "--group" in values:
@@ -73,6 +92,42 @@ def parse_probe(argv: Sequence[str]) -> tuple[str, dict[str, Any], str, str | No
     return action, params, values.get("--root", "/"), values.get("--socket")
 
 
+def parse_holders(argv: Sequence[str]) -> tuple[dict[str, Any], bool, str, str | None] | None:
+    """``(params, as_json, root, socket)`` of a plain ``holders`` command line, else None."""
+    if not argv or argv[0] != "holders":
+        return None
+    split = _split(argv[1:], _HOLDERS_OPTIONS, frozenset({"--json"}))
+    if split is None or split[0]:
+        return None
+    values = split[1]
+    params: dict[str, Any] = {"vendor": DEFAULT_VENDOR}
+    if "--addr" in values:
+        addr = canonical_addr(values["--addr"])
+        if addr is None:
+            return None
+        params = {"addr": addr}
+    return params, "--json" in values, values.get("--root", "/"), values.get("--socket")
+
+
+def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], str]) -> None:
+    """``gpuwatch holders``'s output, for the full command and this path alike."""
+    if as_json:
+        print(dumps(report))
+    else:
+        holders = report["holders"]
+        if not holders:
+            print(f"no process holds a node of {report['addr']} (IOMMU group {report['group']})")
+        for h in holders:
+            print(f"{h['pid']}\t{h['comm']}\t{h['node']}")
+    if report["note"]:
+        print(f"gpuwatch: note: {report['note']}", file=sys.stderr)
+
+
+def compact(value: Any) -> str:
+    """pydantic_core's compact JSON for plain JSON values: what the full command prints."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
 def socket_path(root: str, explicit: str | None) -> str | None:
     """The socket to ask, by the full command's rule: an explicit one always, the default one
     only for the host root (a fixture root is never answered by the host's daemon)."""
@@ -86,10 +141,9 @@ def socket_path(root: str, explicit: str | None) -> str | None:
     return os.environ.get("GPUWATCH_SOCKET") or DEFAULT_SOCKET_PATH
 
 
-def ask(path: str, params: dict[str, Any]) -> Any:
-    """The ``result`` of one ``probe`` request; raises OSError/ValueError on anything else."""
-    request = json.dumps({"id": 1, "method": "probe", "params": params},
-                         separators=(",", ":")).encode() + b"\n"
+def ask(path: str, method: str, params: dict[str, Any]) -> Any:
+    """The ``result`` of one request; raises OSError/ValueError on anything else."""
+    request = compact({"id": 1, "method": method, "params": params}).encode() + b"\n"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(TIMEOUT)
         sock.connect(path)
@@ -115,25 +169,33 @@ def ask(path: str, params: dict[str, Any]) -> Any:
 
 
 def run_fast(argv: Sequence[str]) -> int | None:
-    """Answer ``gpuwatch probe …`` through the daemon with the stdlib; None: not here."""
-    parsed = parse_probe(argv)
-    if parsed is None:
+    """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here."""
+    probe = parse_probe(argv)
+    holders = parse_holders(argv) if probe is None else None
+    if probe is not None:
+        method, params, root, explicit = "probe", probe[1], probe[2], probe[3]
+    elif holders is not None:
+        method, params, root, explicit = "holders", holders[0], holders[2], holders[3]
+    else:
         return None
-    action, params, root, explicit = parsed
     if not os.path.isdir(root):
         return None
     path = socket_path(root, explicit)
     if path is None or not os.path.exists(path):
         return None
     try:
-        result = ask(path, params)
+        result = ask(path, method, params)
+        if holders is not None and not (
+            isinstance(result, dict) and {"holders", "addr", "group", "note"} <= result.keys()
+        ):
+            return None
     except (OSError, ValueError):
         return None  # no answer, or an error reply: the full command decides what to do
-    # The full command prints pydantic_core's compact JSON: the same bytes for plain JSON.
-    text = json.dumps({"action": action, "result": result}, separators=(",", ":"),
-                      ensure_ascii=False)
     try:
-        print(text)
+        if probe is not None:
+            print(compact({"action": probe[0], "result": result}))
+        else:
+            print_holders(result, holders[1] if holders else False, compact)
         sys.stdout.flush()
     except BrokenPipeError:
         with contextlib.suppress(OSError):
@@ -141,4 +203,5 @@ def run_fast(argv: Sequence[str]) -> int | None:
     return 0
 
 
-__all__ = ["parse_probe", "run_fast", "socket_path"]
+__all__ = ["compact", "parse_holders", "parse_probe", "print_holders", "run_fast",
+           "socket_path"]

@@ -4,10 +4,10 @@ away from the card's driver would wait on forever. gpuwatch names them; it never
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.cli.fast import print_holders
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import holders_report, scan
@@ -37,14 +37,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         report = holders_report(scan(args.root, args.config), addr=addr, vendor=vendor,
                                 euid=make_backend(args.root).geteuid())
-    if args.json:
-        print(dumps(report))
-    else:
-        holders = report["holders"]
-        if not holders:
-            print(f"no process holds a node of {report['addr']} (IOMMU group {report['group']})")
-        for h in holders:
-            print(f"{h['pid']}\t{h['comm']}\t{h['node']}")
-    if report["note"]:
-        print(f"gpuwatch: note: {report['note']}", file=sys.stderr)
+    print_holders(report, args.json, dumps)
     return EXIT_OK

@@ -100,11 +100,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def add_source_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--source", default="auto", metavar="auto|udev|kernel|file:PATH",
-                   help="where uevents come from (default auto = kernel; udev needs udevd)")
-
-
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="gpuwatch: %(message)s")

@@ -274,11 +274,6 @@ def parse_event(data: str | bytes | dict[str, Any]) -> Event:
     return EVENT_ADAPTER.validate_json(data)
 
 
-def event_json(event: BaseModel) -> str:
-    """One compact JSON line, field order as declared (seq, time, type, …)."""
-    return event.model_dump_json()
-
-
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of one log line (docs/events.schema.json is generated from this)."""
     schema = EVENT_ADAPTER.json_schema(by_alias=True)

@@ -15,13 +15,20 @@ from collections.abc import Iterable
 from typing import Literal
 
 from gpuwatch.core.results import PciFunction
+from gpuwatch.errors import UsageError
 
 Mode = Literal["vfio", "nvidia"]
 MODES: tuple[Mode, ...] = ("vfio", "nvidia")
+
+
+def parse_mode(text: str | None) -> Mode:
+    """A requested mode as a `Mode`; anything else is a `UsageError` (the one mode parser of
+    the probes, the CLI and the switch)."""
+    for mode in MODES:
+        if text == mode:
+            return mode
+    raise UsageError(f"mode must be {' or '.join(MODES)}, not {text!r}")
 VFIO_DRIVER = "vfio-pci"
-HOST_GPU_DRIVERS = frozenset(
-    {"amdgpu", "radeon", "i915", "xe", "nouveau", "virtio-pci", "bochs-drm"}
-)
 _NO_VARIANTS: frozenset[str] = frozenset()
 
 

@@ -18,13 +18,13 @@ from typing import Any, Literal, assert_never
 
 from gpuwatch.core.health import UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
-    MODES,
     VFIO_DRIVER,
     Mode,
     driver_key,
     group_in_mode,
     group_mode,
     is_vfio_driver,
+    parse_mode,
     same_driver,
     target_driver,
 )
@@ -273,14 +273,6 @@ def _driver_of(members: Sequence[PciFunction], addr: str) -> str:
 
 
 # --------------------------------------------------------------------------- requests
-
-
-def parse_mode(text: str | None) -> Mode:
-    if text == "vfio":
-        return "vfio"
-    if text == "nvidia":
-        return "nvidia"
-    raise UsageError(f"mode must be one of {', '.join(MODES)}, not {text!r}")
 
 
 def parse_vfio_driver(name: str | None, mode: Mode,

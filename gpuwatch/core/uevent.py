@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
-KNOWN_ACTIONS = frozenset({"add", "remove", "change", "move", "bind", "unbind"})
-
 #: udevd's messages start with this magic; the kernel's with ``ACTION@DEVPATH``.
 UDEV_MAGIC = b"libudev\0"
 _SUBSYSTEM_KEY = b"\0SUBSYSTEM="
@@ -56,11 +54,6 @@ class UEvent(NamedTuple):
         props.setdefault("DEVPATH", self.devpath)
         props.setdefault("SUBSYSTEM", self.subsystem)
         return props
-
-    @property
-    def normalized_action(self) -> str:
-        """Unknown actions behave like ``change``: sysfs is the truth, the word only says 'look'."""
-        return self.action if self.action in KNOWN_ACTIONS else "change"
 
 
 def subsystem_of(data: bytes) -> bytes | None:

@@ -40,7 +40,7 @@ from gpuwatch.core.plan import (
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
-from gpuwatch.hostfs.files import list_dir, read_attr, read_text
+from gpuwatch.hostfs.files import list_dir, read_attr, read_bytes, read_text
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
 from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
 
@@ -215,8 +215,7 @@ def read_vfio_aliases(paths: HostPaths) -> tuple[VfioAlias, ...]:
     if cached is not None and cached[0] == key:
         return cached[1]
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(_ALIAS_FILE_CAP)
+        data = read_bytes(path, _ALIAS_FILE_CAP)  # a regular file only: a FIFO never blocks
     except OSError:
         return ()
     text = data.decode("utf-8", "replace")
