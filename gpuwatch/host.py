@@ -25,6 +25,7 @@ from gpuwatch.watch.watcher import (
     DEFAULT_CDI_POLL_INTERVAL,
     DEFAULT_RECONCILE_INTERVAL,
     DEFAULT_SUBSCRIBER_BUFFER,
+    DEFAULT_VGPU_POLL_INTERVAL,
     HostSnapshot,
     Watcher,
 )
@@ -165,6 +166,7 @@ async def open_host(
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
     announce: bool = True,
+    vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
     **engine_options: Any,
 ) -> AsyncIterator[Host]:
     """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
@@ -178,6 +180,7 @@ async def open_host(
         root, source, config=config, log=log, log_max_bytes=log_max_bytes, log_keep=log_keep,
         reconcile_interval=reconcile_interval, cdi_poll_interval=cdi_poll_interval,
         subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer, announce=announce,
+        vgpu_poll_interval=vgpu_poll_interval,
     ) as watcher:
 
         def subscribe(types: Iterable[str]) -> AbstractAsyncContextManager[EventStream]:

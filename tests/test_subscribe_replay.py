@@ -101,3 +101,13 @@ async def test_rotated_away_events_make_the_replay_incomplete(host: SysRoot,
             assert not sub.complete
             first = await take(sub, 1)
         assert first[0].seq > 1
+
+
+def test_the_handover_delivers_each_seq_once_in_order() -> None:
+    from gpuwatch.watch.subscription import Handover, first_is_next
+
+    seam = Handover(5)
+    assert [seam.fresh(s) for s in (4, 5, 6, 6, 8, 7, 9)] == [
+        False, False, True, False, True, False, True]
+    assert seam.last_seq == 9
+    assert first_is_next(4, 3) and not first_is_next(6, 3) and not first_is_next(None, 3)

@@ -39,6 +39,7 @@ from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
 from gpuwatch.watch.eventlog import read_records
+from gpuwatch.watch.subscription import Handover, first_is_next
 
 if TYPE_CHECKING:
     from gpuwatch.host import Host
@@ -701,7 +702,7 @@ class SocketServer:
             conn.last_seq = since_seq
             raw = self._history(since_seq)
             first = next(raw, None)
-            complete = first is not None and first[0] == since_seq + 1
+            complete = first_is_next(None if first is None else first[0], since_seq)
             history = _chain(first, raw) if first is not None else raw
         elif since_seq is not None and since_seq > now:
             complete = False  # a seq from another log: what the client missed is unknown
@@ -709,12 +710,15 @@ class SocketServer:
         conn.enqueue(P.encode_result(req.id, {"seq": now, "complete": complete}))
         if history is None:
             return
+        # The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
+        # log's lines after since_seq, then what was held live, each seq once.
+        handover = Handover(since_seq if since_seq is not None else now)
         try:
             count = 0
             for seq, etype, addr, data in history:
                 if conn.closed:
                     return
-                if seq <= conn.last_seq:
+                if not handover.fresh(seq):
                     continue
                 conn.last_seq = seq
                 if sub.wants(etype, addr):
@@ -723,7 +727,7 @@ class SocketServer:
                 if count % 256 == 0:
                     await anyio.lowlevel.checkpoint()
             for seq, _etype, _addr, data in conn.held:
-                if seq > conn.last_seq:
+                if handover.fresh(seq):
                     conn.last_seq = seq
                     await conn.paced(data)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
