@@ -23,6 +23,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -168,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     subs.stop.set()
     subs.join(timeout=30)
+    for s in subs.socks:
+        s.close()
+    stderr = daemon.stderr.read() if daemon.stderr else ""
+    if daemon.stderr:
+        daemon.stderr.close()
     events = list(read_events(log))
     seqs = [e["seq"] for e in events]
     gapless = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "rss_growth_pct": round(100 * (max(rss_samples or [rss_warm]) - rss_warm)
                                 / max(rss_warm, 1), 2),
         "daemon_rc": daemon_rc,
-        "stderr_tail": (daemon.stderr.read() if daemon.stderr else "")[-500:],
+        "stderr_tail": stderr[-500:],
     }
+    shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
