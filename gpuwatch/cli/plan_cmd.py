@@ -8,12 +8,11 @@ card, and says so.
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.common import add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.cli.fast import print_plan
 from gpuwatch.cli.mode_cmd import (
     add_force_arg,
     add_target_args,
@@ -49,31 +48,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def describe_step(step: dict[str, Any]) -> str:
-    if step["kind"] == "write":
-        return f"write {step['value']!r} to {step['path']}"
-    if step["kind"] == "command":
-        return "run " + shlex.join(step["argv"])
-    return f"mkdir -p {step['path']}"
-
-
-def render(plan: dict[str, Any]) -> str:
-    """Text of a plan in its JSON form, so a plan from the daemon reads the same as ours."""
-    lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
-             f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
-    for member in plan["members"]:
-        alias = member.get("alias", "")
-        lines.append(f"  {member['addr']}: {member['target']}"
-                     + (f" (modules.alias {alias})" if alias else ""))
-    if plan["refused"] is not None:
-        lines.append(f"refused: {plan['refused']['reason']}")
-    elif not plan["steps"]:
-        lines.append("no steps: nothing to write")
-    for i, step in enumerate(plan["steps"], 1):
-        lines.append(f"  {i}. {describe_step(step)}")
-    return "\n".join(lines)
-
-
 def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
                 vendor: str | None, vfio_driver: str | None = None) -> dict[str, Any]:
     model = scan(args.root, args.config)
@@ -103,9 +77,4 @@ def run(args: argparse.Namespace) -> int:
         if mode and not args.example else None
     plan = (answer.value if answer is not None
             else _local_plan(args, mode, addr, vendor, vfio_driver))
-    print(dumps(plan) if args.json else render(plan))
-    for note in plan["notes"]:
-        print(f"gpuwatch: note: {note}", file=sys.stderr)
-    if plan["refused"] is not None:
-        return fail(f"the switch would be refused: {plan['refused']['reason']}", EXIT_FAILURE)
-    return EXIT_OK
+    return print_plan(plan, args.json, dumps)
