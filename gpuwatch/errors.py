@@ -182,6 +182,8 @@ class SwitchRefused(SwitchError):
         super().__init__(reason)
         self.reason = reason
         self.holders: tuple[Holding, ...] = tuple(holders)
+        #: What a switch that had begun put back (services started, modules loaded again).
+        self.restored: tuple[str, ...] = ()
 
 
 class GroupPoisoned(SwitchRefused):
@@ -207,6 +209,8 @@ class SwitchFailed(SwitchError):
     """A step ran and failed, or the group never reached its target drivers in time."""
 
     code = SWITCH_FAILED
+    #: What the switch put back before giving up (services started, modules loaded again).
+    restored: tuple[str, ...] = ()
 
 
 class SwitchWedged(SwitchFailed):

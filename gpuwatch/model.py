@@ -7,7 +7,6 @@ The state is pure; this facade adds the root it was read from and the two live p
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -27,13 +26,17 @@ from gpuwatch.core.plan import (
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
 from gpuwatch.core.tables import Tables
-from gpuwatch.errors import DeviceNotFound, SwitchRefused, UsageError
+from gpuwatch.errors import DeviceNotFound, GroupPoisoned, SwitchRefused, UsageError
 from gpuwatch.hostfs import procfs
 from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.hostfs.wedge import wedge_detected
-from gpuwatch.settings import root_in_force, tables_in_force
+from gpuwatch.settings import (
+    proc_read_timeout_in_force,
+    root_in_force,
+    tables_in_force,
+)
 
 #: Every probe action, with the parameters it requires.
 ACTIONS: dict[str, tuple[str, ...]] = {
@@ -104,9 +107,12 @@ class HostModel:
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         self.poisoned: dict[int, str] = {}
+        #: The budget of one /proc scan (``proc_read_timeout``, the daemon's setting).
+        self.proc_deadline: float = procfs.DEFAULT_PROC_DEADLINE
         self._handlers: dict[str, Callable[[int | None, str | None, str | None], Any]] = {
             "memlock": lambda g, a, m: procfs.memlock(),
-            "nvidia-holders": lambda g, a, m: procfs.nvidia_holders(self.paths.root),
+            "nvidia-holders": lambda g, a, m: procfs.nvidia_holders(
+                self.paths.root, deadline=self.proc_deadline),
             "vfio-group-accessible": lambda g, a, m: self.vfio_group_accessible(g),
             "display-driver": lambda g, a, m: self.function(a).driver,
             "current-mode": lambda g, a, m: current_mode(self.function(a)),
@@ -115,7 +121,8 @@ class HostModel:
                 self.state.vfio_variants,
             ),
             "vfio-backend": lambda g, a, m: self.vfio_backend(a),
-            "wedge-detected": lambda g, a, m: wedge_detected(self.paths.root),
+            "wedge-detected": lambda g, a, m: wedge_detected(
+                self.paths.root, deadline=self.proc_deadline),
         }
 
     @property
@@ -219,32 +226,36 @@ class HostModel:
     def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None,
              vfio_driver: str | None = None) -> Any:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
-        it reads holders and modules). A refusal raises `SwitchRefused`."""
+        it reads holders and modules). No such card is `DeviceNotFound`, a refusal
+        `SwitchRefused` (`GroupPoisoned` for a poisoned group)."""
         plan = plan_for_host(self, mode, addr=addr, vendor=vendor, vfio_driver=vfio_driver)
-        if plan.example:
-            logging.getLogger("gpuwatch.switch").warning("plan: %s", plan.notes[0])
         if plan.refusal is not None:
-            raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
+            cls = GroupPoisoned if plan.refusal.poisoned else SwitchRefused
+            raise cls(plan.refusal.reason, plan.refusal.holders)
         return [step_json(s) for s in plan.steps]
 
 
 def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                   vendor: str | None = None, euid: int | None = None,
                   which: Callable[[str], str | None] | None = None,
-                  force: bool = False, vfio_driver: str | None = None) -> SwitchPlan:
-    """The plan for the named card, from facts read now; for the documented example card
-    when there is none. Reads files (holders, modules), writes nothing, needs no privilege."""
+                  force: bool = False, vfio_driver: str | None = None,
+                  example: bool = False) -> SwitchPlan:
+    """The plan for the named card, from facts read now. No such card is `DeviceNotFound`:
+    a plan is never invented. ``example`` plans for the documented example card instead
+    (the plan says ``example``), whatever the host holds. Reads files (holders, modules),
+    writes nothing, needs no privilege."""
     paths, state = model.paths, model.state
     vfio_driver = parse_vfio_driver(vfio_driver, mode, state.vfio_variants)
-    try:
-        _card, members = find_card(state, addr=addr, vendor=vendor)
-    except DeviceNotFound:
+    if example:
         members, facts = example_card(mode)
         return plan_switch(members, mode, dataclasses.replace(facts, root=paths.root),
                            example=True)
+    card, members = find_card(state, addr=addr, vendor=vendor)
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
-                             which=which or shutil.which, vfio_driver=vfio_driver)
+                             which=which or shutil.which, vfio_driver=vfio_driver,
+                             poisoned=model.poisoned.get(card.iommu_group, ""),
+                             deadline=model.proc_deadline)
     return plan_switch(members, mode, facts, force=force)
 
 
@@ -254,7 +265,7 @@ def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | N
     paths, state = model.paths, model.state
     card, members = find_card(state, addr=addr, vendor=vendor)
     complete = (os.geteuid() if euid is None else euid) == 0
-    holders = card_holders(paths, state, members)
+    holders = card_holders(paths, state, members, deadline=model.proc_deadline)
     return {
         "addr": card.addr,
         "group": card.iommu_group,
@@ -276,7 +287,9 @@ def scan(
     so a direct probe answers with the tables the daemon uses."""
     tables = tables_in_force(config)
     paths = HostPaths(root_in_force(root, config))
-    return HostModel(paths, HostState(tables, scan_tree(paths, tables)))
+    model = HostModel(paths, HostState(tables, scan_tree(paths, tables)))
+    model.proc_deadline = proc_read_timeout_in_force(config)
+    return model
 
 
 def probe(

@@ -130,6 +130,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nfd_features", "str", None, optional=True),
     Setting("nfd_expiry", "float", 3600.0, minimum=0),
     Setting("verbose", "bool", False),
+    # The whole budget of one /proc scan (holders, plan, switch, wedge-detected): a process
+    # stuck in the kernel can block a read of its fd, maps or stack for ever.
+    Setting("proc_read_timeout", "float", 2.0, minimum=0.01),
 )
 BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
 
@@ -241,6 +244,7 @@ class WatchSettings:
     nfd_features: str | None = None
     nfd_expiry: float = 3600.0
     verbose: bool = False
+    proc_read_timeout: float = 2.0
     #: The config file in force (tables and options), or None.
     config_path: str | None = None
     origins: Mapping[str, Origin] = field(default_factory=dict)
@@ -297,6 +301,28 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
         if isinstance(value, str) and value.strip():
             return value
     return "/"
+
+
+def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | None = None,
+                               env: Mapping[str, str] | None = None) -> float:
+    """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
+    the config file's, else 2 s. A bad value is a `ConfigError` naming where it came from."""
+    env = os.environ if env is None else env
+    s = BY_KEY["proc_read_timeout"]
+    try:
+        if s.env in env:
+            where = f"environment {s.env}"
+            return float(_validate(s, _from_text(s, env[s.env])))
+        if config is None or isinstance(config, str | os.PathLike):
+            path = config_file_path(config, env)
+            if path is not None:
+                raw = read_config_file(path)
+                if s.key in raw:
+                    where = f"{path}: {s.key}"
+                    return float(_validate(s, _typed(s, raw[s.key])))
+    except _Bad as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return float(s.default)
 
 
 def load_settings(
@@ -554,6 +580,7 @@ __all__ = [
     "load_settings",
     "load_tables",
     "parse_listen_address",
+    "proc_read_timeout_in_force",
     "read_config_file",
     "resolve_group",
     "root_in_force",

@@ -38,9 +38,12 @@ class Daemon:
     ``ready`` (which, by contract, is after the socket listens)."""
 
     def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
-                 source: str = "fifo") -> None:
+                 source: str = "fifo", log: Path | None = None,
+                 ready_by_socket: bool = False) -> None:
         self.root, self.workdir, self.sock = root, workdir, sock
-        self.log = workdir / "events.jsonl"
+        self.log = log if log is not None else workdir / "events.jsonl"
+        #: Ready when the socket answers (a daemon on a full disk logs no `ready`).
+        self.ready_by_socket = ready_by_socket
         self.fifo = workdir / "uevents.fifo"
         self.args = args
         self.source = source
@@ -64,13 +67,20 @@ class Daemon:
         if self.source == "fifo":
             self._fifo = open(self.fifo, "w")  # noqa: SIM115 - closed in stop()
         deadline = time.monotonic() + timeout
-        while not any(e["type"] == "ready" and e["seq"] > before for e in self.events()):
+        while not (self._answers() if self.ready_by_socket else
+                   any(e["type"] == "ready" and e["seq"] > before for e in self.events())):
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode}: "
                                      f"{self.proc.stderr.read() if self.proc.stderr else ''}")
             assert time.monotonic() < deadline, "daemon not ready in time"
             time.sleep(0.02)
         return self
+
+    def _answers(self) -> bool:
+        try:
+            return "result" in probe(self.sock)
+        except OSError:
+            return False
 
     def push(self, props: dict[str, str]) -> None:
         assert self._fifo is not None
@@ -119,7 +129,11 @@ class Daemon:
 def connect(path: str, timeout: float = 10) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
-    s.connect(path)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        raise
     return s
 
 

@@ -1,4 +1,5 @@
-"""Find the shell and Python examples in README.md and docs/, and run them against a fixture root.
+"""Find the shell and Python examples in README.md, docs/ and contrib/, and run them against a
+fixture root.
 
 The convention (README.md, "Development"): an HTML comment on the line right before a code
 fence says how its example runs; without one, a ``sh``/``bash``/``shell`` or ``python`` block
@@ -40,7 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+PAGES = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "contrib").rglob("*.md")))
 MARKERS = frozenset({"host", "daemon", "each-line", "until-stopped"})
 SHELL = frozenset({"sh", "bash", "shell"})
 PYTHON = frozenset({"python", "py", "python3"})

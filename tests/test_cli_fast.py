@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gpuwatch.cli.fast import parse_holders, parse_probe, socket_path
+from gpuwatch.cli.fast import parse_holders, parse_plan, parse_probe, socket_path
 from gpuwatch.cli.main import build_parser
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
@@ -59,11 +59,11 @@ def run_full(argv: list[str]) -> bytes:
     return run_full_both(argv)[0]
 
 
-def run_full_both(argv: list[str]) -> tuple[bytes, str]:
+def run_full_both(argv: list[str], code: int = 0) -> tuple[bytes, str]:
     args = build_parser().parse_args(argv)
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        assert args.func(args) == 0
+        assert args.func(args) == code
     return out.getvalue().encode(), err.getvalue()
 
 
@@ -91,7 +91,7 @@ async def test_a_probe_the_daemon_answers_imports_nothing_heavy_and_prints_the_s
             assert out == full, argv
 
 
-async def test_holders_the_daemon_answers_are_the_full_commands_bytes(
+async def test_holders_and_plans_the_daemon_answers_are_the_full_commands_bytes(
     host: SysRoot, sockdir: str
 ) -> None:
     root = str(host.root)
@@ -101,11 +101,15 @@ async def test_holders_the_daemon_answers_are_the_full_commands_bytes(
             ["holders", *sock],  # the NVIDIA card by default
             ["holders", "--addr", NV, *sock],
             ["holders", "--json", f"--addr={NV.upper()}", *sock],
+            ["plan", "vfio", *sock],
+            ["plan", "nvidia", "--addr", NV, *sock],
+            ["plan", "--json", "vfio", "--addr", NV, "--force", *sock],
+            ["plan", "vfio", "--addr", IGPU, *sock],  # the host's only display: refused
         ):
             code, out, err = await anyio.to_thread.run_sync(run_spied, argv)
-            assert code == 0, (argv, err)
+            assert code in (0, 1), (argv, err)
             assert "HEAVY=\n" in err, (argv, err)
-            full_out, full_err = await anyio.to_thread.run_sync(run_full_both, argv)
+            full_out, full_err = await anyio.to_thread.run_sync(run_full_both, argv, code)
             assert out == full_out, argv
             assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
                 full_err.splitlines(), argv
@@ -172,6 +176,22 @@ def test_only_plain_holders_command_lines_are_taken() -> None:
         ["holders", "--no-daemon"],
     ):
         assert parse_holders(argv) is None, argv
+
+
+def test_only_plain_plan_command_lines_are_taken() -> None:
+    assert parse_plan(["plan", "vfio"]) == ({"mode": "vfio", "vendor": "0x10de"}, False, "/",
+                                            None)
+    assert parse_plan(["plan", "--force", "nvidia", "--addr", "0000:01:00.0", "--json"]) == (
+        {"mode": "nvidia", "addr": "0000:01:00.0", "force": True}, True, "/", None)
+    for argv in (
+        ["plan"],  # the mode comes from the host: the full command decides
+        ["plan", "vfio", "--vfio-driver", "vfio-pci"],
+        ["plan", "vfio", "--vendor", "0x1002"],
+        ["plan", "bogus"],
+        ["plan", "vfio", "nvidia"],
+        ["plan", "vfio", "--force=1"],
+    ):
+        assert parse_plan(argv) is None, argv
 
 
 def test_the_default_socket_only_for_the_host_root(

@@ -1,5 +1,5 @@
-"""Every shell and Python example in README.md and docs/ runs against a fixture root, or is
-marked as needing a real host; a renamed flag or field breaks a test, not a reader.
+"""Every shell and Python example in README.md, docs/ and contrib/ runs against a fixture root,
+or is marked as needing a real host; a renamed flag or field breaks a test, not a reader.
 
 How each example runs, and the marker convention: tests/doc_examples.py.
 """

@@ -355,3 +355,17 @@ async def test_one_batch_keeps_every_recovery_step(tmp_path: Path) -> None:
             ("device-error", "recovering"), ("device-error", "failed"), ("gpu-wedged", None)]
         assert got[3]["type"] == "probe-changed"
         assert h.watcher.model.function(NV).health == "wedged"
+
+
+async def test_the_library_polls_vgpu_types_on_its_own(tmp_path: Path) -> None:
+    """gpuwatch.open_watcher's poll (no uevent says a vGPU type was chosen)."""
+    from gpuwatch.sources.memory import MemorySource
+
+    host = sriov_gpu_host(tmp_path, vfs=1, vgpu=True)
+    async with gpuwatch.open_watcher(host.root, MemorySource(), reconcile_interval=0,
+                                     cdi_poll_interval=0, vgpu_poll_interval=0.05) as w:
+        async with w.subscribe(types={"vgpu-changed"}) as sub:
+            host.set_vgpu("0000:41:00.4", 1155, VGPU_TYPES)
+            with anyio.fail_after(5):
+                event = await sub.receive()
+        assert (event.addr, event.vgpu.type) == ("0000:41:00.4", 1155)

@@ -159,8 +159,12 @@ def test_plan_prints_the_steps_the_switch_then_takes(cli: Run, sim: SimKernel) -
             for s in plan["steps"]] == [list(r[1:]) for r in sim.record]
 
 
-def test_plan_without_a_card_uses_the_example_card_and_says_so(cli: Run) -> None:
+def test_plan_without_a_card_is_not_found_and_example_only_when_asked(cli: Run) -> None:
     code, out, err = cli("plan", "nvidia", "--vendor", "0x1002", "--json")
+    assert (code, out) == (1, "") and "no card of vendor 0x1002" in one_line(err)
+    code, out, err = cli("plan", "vfio", "--addr", "0000:42:00.0", "--json")
+    assert (code, out) == (1, "") and "no PCI function 0000:42:00.0" in one_line(err)
+    code, out, err = cli("plan", "nvidia", "--example", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["example"] is True
     assert [m["addr"] for m in plan["members"]] == [NV, AUDIO]

@@ -201,9 +201,19 @@ async def test_a_holder_racing_the_unload_gets_ebusy_and_a_refusal(host: SysRoot
             await w.switch(NV, "vfio", timeout=5)
         assert drivers(w, NV) == ["nvidia"]
     assert [h.comm for h in info.value.holders] == ["nvidia-smi"]
-    assert sim.commands[-1] == ("modprobe", "-r", "nvidia")
+    # Refused after it had begun: the modules it had removed are loaded again, newest first.
+    unload = sim.commands.index(("modprobe", "-r", "nvidia"))
+    assert sim.commands[unload + 1:] == [("modprobe", "nvidia_uvm"), ("modprobe", "nvidia_modeset"),
+                                         ("modprobe", "nvidia_drm")]
     assert sim.writes == []
-    assert of_type(events, "switch-refused")[0].holders[0].pid == 6000
+    refused = of_type(events, "switch-refused")
+    assert len(refused) == 1 and refused[0].holders[0].pid == 6000
+    assert refused[0].restored == ["modprobe nvidia_uvm", "modprobe nvidia_modeset",
+                                   "modprobe nvidia_drm"]
+    assert info.value.restored == tuple(refused[0].restored)
+    assert "restored" in str(info.value) and "modprobe nvidia_drm" in str(info.value)
+    for name in ("nvidia", "nvidia_drm", "nvidia_modeset", "nvidia_uvm"):
+        assert (host.root / "sys/module" / name).is_dir(), name
 
 
 async def test_a_kernel_user_of_nvidia_refuses_before_any_command(host: SysRoot) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import NoReturn
@@ -61,6 +62,8 @@ def seconds(text: str, *, allow_zero: bool) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds")
     if not (value >= 0 if allow_zero else value > 0):
         bound = "non-negative" if allow_zero else "positive"
         raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")

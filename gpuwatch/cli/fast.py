@@ -1,4 +1,4 @@
-"""The stdlib-only path of ``gpuwatch probe`` and ``gpuwatch holders`` when a daemon answers.
+"""The stdlib-only path of ``gpuwatch probe|holders|plan`` when a daemon answers.
 
 A probe answered by the daemon needs a socket, one JSON line each way and ``json``: nothing
 of pydantic, PyYAML, anyio or pyudev. This module imports none of them (a test checks
@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
 from gpuwatch.core.pci import canonical_addr
 
 #: The daemon's socket unless ``$GPUWATCH_SOCKET`` or ``--socket`` names another.
@@ -30,7 +32,10 @@ MAX_REPLY = 16 << 20
 _OPTIONS = frozenset({"--group", "--addr", "--mode", "--root", "--socket"})
 #: ... and of ``gpuwatch holders`` (plus the ``--json`` flag).
 _HOLDERS_OPTIONS = frozenset({"--addr", "--root", "--socket"})
-#: The card ``holders`` looks at without ``--addr`` (``gpuwatch.core.plan.NVIDIA_VENDOR``).
+#: ... and of ``gpuwatch plan MODE`` (plus ``--json`` and ``--force``).
+_PLAN_OPTIONS = _HOLDERS_OPTIONS
+_MODES = ("vfio", "nvidia")
+#: The card ``holders`` and ``plan`` look at without ``--addr`` (``core.plan.NVIDIA_VENDOR``).
 DEFAULT_VENDOR = "0x10de"
 #: Answered by the full command itself (its own limits, a live plan), never by the daemon.
 _LOCAL_ACTIONS = frozenset({"memlock", "plan"})
@@ -109,6 +114,66 @@ def parse_holders(argv: Sequence[str]) -> tuple[dict[str, Any], bool, str, str |
     return params, "--json" in values, values.get("--root", "/"), values.get("--socket")
 
 
+_PLAN_KEYS = frozenset({"addr", "group", "from_mode", "to_mode", "example", "members",
+                        "refused", "steps", "notes"})
+
+
+def parse_plan(argv: Sequence[str]) -> tuple[dict[str, Any], bool, str, str | None] | None:
+    """``(params, as_json, root, socket)`` of a plain ``plan MODE`` command line, else None
+    (no mode: the full command picks one from the host; ``--vendor``/``--vfio-driver``: it
+    validates them first)."""
+    if not argv or argv[0] != "plan":
+        return None
+    split = _split(argv[1:], _PLAN_OPTIONS, frozenset({"--json", "--force"}))
+    if split is None or len(split[0]) != 1 or split[0][0] not in _MODES:
+        return None
+    (mode,), values = split
+    params: dict[str, Any] = {"mode": mode, "vendor": DEFAULT_VENDOR}
+    if "--addr" in values:
+        addr = canonical_addr(values["--addr"])
+        if addr is None:
+            return None
+        params = {"mode": mode, "addr": addr}
+    if "--force" in values:
+        params["force"] = True
+    return params, "--json" in values, values.get("--root", "/"), values.get("--socket")
+
+
+def describe_step(step: dict[str, Any]) -> str:
+    if step["kind"] == "write":
+        return f"write {step['value']!r} to {step['path']}"
+    if step["kind"] == "command":
+        return "run " + shlex.join(step["argv"])
+    return f"mkdir -p {step['path']}"
+
+
+def render_plan(plan: dict[str, Any]) -> str:
+    """Text of a plan in its JSON form, so a plan from the daemon reads the same as ours."""
+    lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
+             f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
+    for member in plan["members"]:
+        alias = member.get("alias", "")
+        lines.append(f"  {member['addr']}: {member['target']}"
+                     + (f" (modules.alias {alias})" if alias else ""))
+    if plan["refused"] is not None:
+        lines.append(f"refused: {plan['refused']['reason']}")
+    elif not plan["steps"]:
+        lines.append("no steps: nothing to write")
+    for i, step in enumerate(plan["steps"], 1):
+        lines.append(f"  {i}. {describe_step(step)}")
+    return "\n".join(lines)
+
+
+def print_plan(plan: dict[str, Any], as_json: bool, dumps: Callable[[Any], str]) -> int:
+    """``gpuwatch plan``'s output and exit code, for the full command and this path alike."""
+    print(dumps(plan) if as_json else render_plan(plan))
+    for note in plan["notes"]:
+        print(f"gpuwatch: note: {note}", file=sys.stderr)
+    if plan["refused"] is not None:
+        return fail(f"the switch would be refused: {plan['refused']['reason']}", EXIT_FAILURE)
+    return EXIT_OK
+
+
 def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], str]) -> None:
     """``gpuwatch holders``'s output, for the full command and this path alike."""
     if as_json:
@@ -172,10 +237,13 @@ def run_fast(argv: Sequence[str]) -> int | None:
     """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here."""
     probe = parse_probe(argv)
     holders = parse_holders(argv) if probe is None else None
+    plan = parse_plan(argv) if probe is None and holders is None else None
     if probe is not None:
         method, params, root, explicit = "probe", probe[1], probe[2], probe[3]
     elif holders is not None:
         method, params, root, explicit = "holders", holders[0], holders[2], holders[3]
+    elif plan is not None:
+        method, params, root, explicit = "plan", plan[0], plan[2], plan[3]
     else:
         return None
     if not os.path.isdir(root):
@@ -185,23 +253,26 @@ def run_fast(argv: Sequence[str]) -> int | None:
         return None
     try:
         result = ask(path, method, params)
-        if holders is not None and not (
-            isinstance(result, dict) and {"holders", "addr", "group", "note"} <= result.keys()
-        ):
+        expected = ({"holders", "addr", "group", "note"} if holders is not None
+                    else _PLAN_KEYS if plan is not None else set())
+        if expected and not (isinstance(result, dict) and expected <= result.keys()):
             return None
     except (OSError, ValueError):
         return None  # no answer, or an error reply: the full command decides what to do
+    code = EXIT_OK
     try:
         if probe is not None:
             print(compact({"action": probe[0], "result": result}))
-        else:
-            print_holders(result, holders[1] if holders else False, compact)
+        elif holders is not None:
+            print_holders(result, holders[1], compact)
+        elif plan is not None:
+            code = print_plan(result, plan[1], compact)
         sys.stdout.flush()
     except BrokenPipeError:
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
-    return 0
+    return code
 
 
-__all__ = ["compact", "parse_holders", "parse_probe", "print_holders", "run_fast",
-           "socket_path"]
+__all__ = ["compact", "parse_holders", "parse_plan", "parse_probe", "print_holders",
+           "print_plan", "render_plan", "run_fast", "socket_path"]

@@ -32,10 +32,11 @@ from gpuwatch.core.plan import (
     parse_mode,
     parse_vendor,
     parse_vfio_driver,
+    switch_guard,
     unhealthy_reason,
 )
 from gpuwatch.core.results import PciFunction
-from gpuwatch.errors import NotPrivileged, SwitchRefused
+from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchRefused
 from gpuwatch.host import open_host
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
@@ -95,6 +96,13 @@ def add_force_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="vfio: pass a group kept for the host (its BMC/console VGA, or its only "
                         "boot display) through anyway")
+
+
+def load_poison(model: HostModel) -> None:
+    """Fill the model's poisoned groups from the record a wedged switch left in this boot,
+    as the daemon's engine does: a poisoned group is refused here too."""
+    for group, entry in PoisonStore(model.root).load().items():
+        model.poisoned.setdefault(group, entry.error)
 
 
 def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -189,6 +197,14 @@ def run(args: argparse.Namespace) -> int:
     if mode is None:
         _show(model, card, members, args.json)
         return EXIT_OK
+    load_poison(model)
+    # Poison, vendor, kept for the host: refused before "already in mode" and before the
+    # privilege check (a wedged card "in mode nvidia" must not read as ready: exit 1).
+    guard = switch_guard(card, mode, poisoned=model.poisoned.get(card.iommu_group, ""),
+                         kept_for_host=model.kept_for_host(card.addr) if mode == "vfio" else "",
+                         force=args.force)
+    if guard is not None:
+        raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
     variants = model.state.vfio_variants
     parse_vfio_driver(vfio_driver, mode, variants)
     unhealthy = unhealthy_reason(members, HostFacts(wedge_recovery=model.state.wedge_recovery))
@@ -201,10 +217,6 @@ def run(args: argparse.Namespace) -> int:
             members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
             duration_ms=0.0, changed=False, notes=[]), args.json)
         return EXIT_OK
-    kept = model.kept_for_host(card.addr) if mode == "vfio" else ""
-    if kept and not args.force:
-        raise SwitchRefused(f"IOMMU group {card.iommu_group} is kept for the host: {kept} "
-                            "(--force passes it through anyway)")
     backend = make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "

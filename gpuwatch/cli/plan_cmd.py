@@ -8,22 +8,21 @@ card, and says so.
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.common import add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.cli.fast import print_plan
 from gpuwatch.cli.mode_cmd import (
     add_force_arg,
     add_target_args,
     add_vfio_driver_arg,
+    load_poison,
     target_of,
     vfio_driver_of,
 )
 from gpuwatch.core.modes import MODES, Mode
 from gpuwatch.core.plan import default_mode, find_card, parse_mode
-from gpuwatch.errors import DeviceNotFound
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import plan_for_host, scan
 from gpuwatch.switch.hostops import make_backend
@@ -42,45 +41,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_daemon_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_force_arg(p)
+    p.add_argument("--example", action="store_true",
+                   help="plan for the documented example card (display 0000:01:00.0, audio "
+                        "0000:01:00.1, group 1) instead of this host's; the plan says "
+                        "\"example\": true")
     p.set_defaults(func=run)
-
-
-def describe_step(step: dict[str, Any]) -> str:
-    if step["kind"] == "write":
-        return f"write {step['value']!r} to {step['path']}"
-    if step["kind"] == "command":
-        return "run " + shlex.join(step["argv"])
-    return f"mkdir -p {step['path']}"
-
-
-def render(plan: dict[str, Any]) -> str:
-    """Text of a plan in its JSON form, so a plan from the daemon reads the same as ours."""
-    lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
-             f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
-    for member in plan["members"]:
-        alias = member.get("alias", "")
-        lines.append(f"  {member['addr']}: {member['target']}"
-                     + (f" (modules.alias {alias})" if alias else ""))
-    if plan["refused"] is not None:
-        lines.append(f"refused: {plan['refused']['reason']}")
-    elif not plan["steps"]:
-        lines.append("no steps: nothing to write")
-    for i, step in enumerate(plan["steps"], 1):
-        lines.append(f"  {i}. {describe_step(step)}")
-    return "\n".join(lines)
 
 
 def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
                 vendor: str | None, vfio_driver: str | None = None) -> dict[str, Any]:
     model = scan(args.root, args.config)
-    if mode is None:
-        try:
-            mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
-        except DeviceNotFound:
-            mode = "vfio"
+    if args.example:
+        mode = mode or "vfio"
+    elif mode is None:
+        mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
+    load_poison(model)
     backend = make_backend(args.root)
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
-                         which=backend.ops.which, force=args.force, vfio_driver=vfio_driver)
+                         which=backend.ops.which, force=args.force, vfio_driver=vfio_driver,
+                         example=args.example)
     return plan.to_json()
 
 
@@ -94,12 +73,8 @@ def run(args: argparse.Namespace) -> int:
     # The daemon runs as root and sees every holder; a plan made here may not.
     answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor,
                                                force=args.force or None,
-                                               vfio_driver=vfio_driver)) if mode else None
+                                               vfio_driver=vfio_driver)) \
+        if mode and not args.example else None
     plan = (answer.value if answer is not None
             else _local_plan(args, mode, addr, vendor, vfio_driver))
-    print(dumps(plan) if args.json else render(plan))
-    for note in plan["notes"]:
-        print(f"gpuwatch: note: {note}", file=sys.stderr)
-    if plan["refused"] is not None:
-        return fail(f"the switch would be refused: {plan['refused']['reason']}", EXIT_FAILURE)
-    return EXIT_OK
+    return print_plan(plan, args.json, dumps)

@@ -16,7 +16,7 @@ from gpuwatch.cli.mode_cmd import (
     run_switch,
     target_of,
 )
-from gpuwatch.core.plan import NVIDIA_VENDOR, find_card
+from gpuwatch.core.plan import NVIDIA_VENDOR, find_card, switch_guard
 from gpuwatch.errors import NotPrivileged, RebootRequired, SwitchRefused
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import scan
@@ -49,12 +49,15 @@ def run(args: argparse.Namespace) -> int:
         if answer is not None:
             print_result(SwitchResult.model_validate(answer.value), args.json)
             return EXIT_OK
+    model = scan(args.root, args.config)
+    card, _members = find_card(model.state, addr=addr, vendor=vendor)
+    guard = switch_guard(card, "vfio", action="recover")
+    if guard is not None:  # not an NVIDIA card: refused before anything, root or not
+        raise SwitchRefused(guard.reason)
     backend = make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("recover needs root (it writes to sysfs and loads modules)")
-    model = scan(args.root, args.config)
-    find_card(model.state, addr=addr, vendor=vendor)
-    wedge = scan_wedge(model.root)
+    wedge = scan_wedge(model.root, deadline=model.proc_deadline)
     if wedge.wedged:
         raise RebootRequired(f"{wedge.describe()}: a reboot is required; nothing was touched")
     if not wedge.complete:

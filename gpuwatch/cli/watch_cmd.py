@@ -23,6 +23,7 @@ from gpuwatch.cli.common import (
     fail,
     non_negative_seconds,
     positive_int,
+    positive_seconds,
 )
 from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
@@ -91,6 +92,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
                         "(default 3600, 0 = never)")
+    p.add_argument("--proc-read-timeout", type=positive_seconds, default=None, metavar="S",
+                   help="budget of one /proc scan for holders and stuck tasks, in seconds "
+                        "(default 2); a process not read in time counts as a holder")
     p.add_argument("-v", "--verbose", action="store_true", default=None,
                    help="log source details to stderr")
     p.set_defaults(func=run)
@@ -148,6 +152,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
                 reconcile_interval=settings.reconcile_interval,
                 receive_buffer=settings.receive_buffer, announce=False,
             ) as host:
+                host.watcher.model.proc_deadline = settings.proc_read_timeout
                 current.append(host.watcher)
                 progress["watching"] = True  # from here on the watcher writes `stopped`
                 async with run_services(host, settings):

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+)
 
 from gpuwatch.core.results import Health, Holding, PciFunction, Vgpu
 from gpuwatch.errors import InternalError
@@ -210,6 +215,9 @@ class SwitchRefused(_Event):
     to_mode: str
     reason: str
     holders: list[Holding]
+    #: What a switch that had begun put back before giving up (``systemctl start …``,
+    #: ``modprobe …``); empty when it had changed nothing.
+    restored: list[str] = []
 
 
 class SwitchFailed(_Event):
@@ -219,6 +227,8 @@ class SwitchFailed(_Event):
     to_mode: str
     error: str
     wedged: bool
+    #: As in switch-refused; always empty after a wedge (nothing is touched then).
+    restored: list[str] = []
 
 
 Event = Annotated[

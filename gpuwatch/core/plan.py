@@ -211,12 +211,19 @@ class HostFacts:
     wedge_recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
+    #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
+    poisoned: str = ""
+    #: Open files of nvidia-persistenced on ``/dev/nvidia*``: each counts in the nvidia
+    #: module's refcnt, and the plan stops persistenced before unloading the module.
+    persistenced_fds: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str
     holders: tuple[Holding, ...] = ()
+    #: The group is poisoned (an earlier switch wedged): `GroupPoisoned`, not a plain refusal.
+    poisoned: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,6 +503,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         base["notes"] = (f"no matching card on this host: planned for the documented example "
                          f"card (display {EXAMPLE_DISPLAY} class 0x0300, audio {EXAMPLE_AUDIO} "
                          "class 0x0403)",)
+    guard = switch_guard(display, mode, poisoned=facts.poisoned,
+                         kept_for_host=facts.kept_for_host, force=force)
+    if guard is not None:
+        return SwitchPlan(**base, refusal=guard)  # poison wins even over "already in mode"
 
     def refuse(reason: str, holders: Sequence[Holding] = ()) -> SwitchPlan:
         return SwitchPlan(**base, refusal=Refusal(reason, tuple(holders)))
@@ -508,9 +519,6 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                                                f"already in mode {mode}: nothing to write")})
 
     group = display.iommu_group
-    if mode == "vfio" and facts.kept_for_host and not force:
-        return refuse(f"IOMMU group {group} is kept for the host: {facts.kept_for_host} "
-                      "(--force passes it through anyway)")
     bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
     if bridges:
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "
@@ -537,12 +545,13 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         if not facts.other_nvidia:
             dependents = [m for m in NVIDIA_DEPENDENTS if m in facts.modules]
             kept = [h for h in facts.nvidia_module_holders if h not in dependents]
-            left = facts.nvidia_refcnt - (len(facts.nvidia_module_holders) - len(kept))
+            left = kernel_users(facts, dependents)
             if left > 0:
                 users = f" by module {', '.join(kept)}" if kept else " by a kernel user"
                 return refuse(f"the nvidia module is in use{users} (sys/module/nvidia/refcnt "
-                              f"{facts.nvidia_refcnt}): it cannot be unloaded, so the card "
-                              "cannot leave nvidia safely")
+                              f"{facts.nvidia_refcnt}, of which the switch itself releases "
+                              f"{facts.nvidia_refcnt - left}): it cannot be unloaded, so the "
+                              "card cannot leave nvidia safely")
             if dependents:
                 steps.append(CommandStep(("modprobe", "-r", *dependents), "refuse"))
             if "nvidia" in facts.modules:
@@ -586,13 +595,52 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     return SwitchPlan(**base, steps=tuple(steps), notes=tuple(notes), unloads_nvidia=unloads)
 
 
+def kernel_users(facts: HostFacts, dependents: Sequence[str]) -> int:
+    """Users of the nvidia module the switch does not account for: ``refcnt`` counts every
+    dependent module (``nvidia_drm``, ``nvidia_modeset``, ``nvidia_uvm``, ``nvidia_peermem``)
+    and every open file of ``/dev/nvidia*``. Those the switch itself stops or unloads (the
+    dependents it removes, the files of nvidia-persistenced it stops) are subtracted; what
+    is left is someone else (a kernel user), and unloading would fail."""
+    listed = set(facts.nvidia_module_holders)
+    # The kernel's holders/ names the modules that hold nvidia; a tree without it (captured,
+    # unreadable) still had each loaded dependent count once.
+    released = len(listed & set(dependents)) if listed else len(dependents)
+    return facts.nvidia_refcnt - released - facts.persistenced_fds
+
+
+def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
+                 kept_for_host: str = "", force: bool = False,
+                 action: str = "") -> Refusal | None:
+    """The refusals that hold whatever the group's drivers, checked before anything else
+    (before "already in mode", before any privilege check): a poisoned group, in either
+    direction; ``nvidia`` (and ``recover``) for a card that is not NVIDIA's; ``vfio`` for a
+    group kept for the host, unless ``force``."""
+    group = display.iommu_group
+    what = action or f"mode {mode}"
+    if poisoned:
+        return Refusal(f"IOMMU group {group} is poisoned: an earlier switch wedged in this boot "
+                       f"({poisoned}); reboot, or run `gpuwatch recover` once no task is stuck",
+                       poisoned=True)
+    if (mode == "nvidia" or action == "recover") and display.vendor_id != NVIDIA_VENDOR:
+        return Refusal(f"{display.addr} is not an NVIDIA card (vendor "
+                       f"{display.vendor_id or 'unknown'}): {what} acts on NVIDIA GPUs "
+                       f"({NVIDIA_VENDOR}) only; nothing was written")
+    if mode == "vfio" and kept_for_host and not force and action != "recover":
+        return Refusal(f"IOMMU group {group} is kept for the host: {kept_for_host} "
+                       "(--force passes it through anyway)")
+    return None
+
+
 def default_mode(members: Sequence[PciFunction]) -> Mode:
     """With no mode asked for, plan the way out of the current one."""
     return "vfio" if group_mode(members) == "nvidia" else "nvidia"
 
 
 def holders_reason(holders: Sequence[Holding]) -> str:
-    named = ", ".join(f"{h.comm or '?'} (pid {h.pid}) holds {h.node}" for h in holders)
+    named = ", ".join(
+        f"{h.comm or '?'} (pid {h.pid}) could not be read in time (stuck in the kernel?) and "
+        "may hold it" if h.unreadable else f"{h.comm or '?'} (pid {h.pid}) holds {h.node}"
+        for h in holders)
     return f"the card is in use: {named}; close them and retry (gpuwatch never kills them)"
 
 
@@ -620,6 +668,7 @@ __all__ = [
     "example_card",
     "find_card",
     "holder_scope",
+    "kernel_users",
     "override_path",
     "parse_mode",
     "parse_target",
@@ -628,6 +677,7 @@ __all__ = [
     "plan_switch",
     "satisfied",
     "step_json",
+    "switch_guard",
     "target_of",
     "unbind_path",
     "unbind_scope",

@@ -6,9 +6,9 @@ caller can keep one without it changing under them, and a cached probe costs a l
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 #: A function's health as its error-recovery and DRM wedge uevents left it.
 Health = Literal["ok", "recovering", "failed", "wedged"]
@@ -95,13 +95,31 @@ class MemlockResult(_Frozen):
 
 
 class Holder(_Frozen):
-    """A process holding a GPU device node open (the ``nvidia-holders`` probe)."""
+    """A process holding a GPU device node open (the ``nvidia-holders`` probe);
+    ``unreadable`` when its open files could not be read in time (stuck in the kernel): it
+    may hold one, so it counts as a holder."""
 
     pid: int
     comm: str
+    unreadable: bool = False
+
+    @model_serializer(mode="wrap")
+    def _spelling(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not self.unreadable:
+            data.pop("unreadable", None)  # {"pid", "comm"}, as before
+        return data
 
 
 class Holding(Holder):
-    """A process that keeps a device node of the group open, so the switch must not unbind."""
+    """A process that keeps a device node of the group open, so the switch must not unbind;
+    an ``unreadable`` one is spelled ``{"pid", "comm", "unreadable": true}``."""
 
-    node: str
+    node: str = ""
+
+    @model_serializer(mode="wrap")
+    def _spelling(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            data.pop("node" if self.unreadable else "unreadable", None)
+        return data

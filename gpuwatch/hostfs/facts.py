@@ -41,7 +41,7 @@ from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.files import list_dir, read_attr, read_bytes, read_text
-from gpuwatch.hostfs.procfs import fd_targets, pids, read_comm
+from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
 from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
 
 T = TypeVar("T")
@@ -72,24 +72,57 @@ def map_paths(proc: str, pid: int) -> Iterator[str]:
             yield path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
 
 
-def scan_holders(root: str, scope: NodeScope) -> list[Holding]:
-    """Every (pid, comm, node) with an fd on, or a mapping of, a node in ``scope``."""
+@dataclass(frozen=True, slots=True)
+class ProcScan:
+    """One bounded pass over ``/proc``: the holders of the nodes in scope (processes that
+    could not be read in time among them, ``unreadable``), and nvidia-persistenced."""
+
+    holders: tuple[Holding, ...] = ()
+    persistenced: bool = False
+    #: persistenced's open files of ``/dev/nvidia*`` (each one counts in nvidia's refcnt).
+    persistenced_fds: int = 0
+
+
+def scan_procs(root: str, scope: NodeScope, *,
+               deadline: float = DEFAULT_PROC_DEADLINE) -> ProcScan:
+    """Read every process's comm, fds and maps, all within ``deadline`` (`read_each`)."""
+    proc = os.path.join(root, "proc")
+
+    def read(pid: int) -> tuple[str, set[str], int]:
+        comm = read_comm(proc, pid)
+        targets = list(fd_targets(proc, pid))
+        nodes = {t for t in targets if scope.matches(t)} if scope else set()
+        if scope:
+            nodes.update(p for p in map_paths(proc, pid) if scope.matches(p))
+        nvidia_fds = sum(1 for t in targets if t.startswith("/dev/nvidia"))
+        return comm, nodes, nvidia_fds
+
+    seen, stuck = read_each(pids(proc), read, deadline=deadline)
+    found: list[Holding] = []
+    persistenced, persistenced_fds = False, 0
+    for pid, (comm, nodes, nvidia_fds) in sorted(seen.items()):
+        if is_persistenced(comm):
+            persistenced, persistenced_fds = True, persistenced_fds + nvidia_fds
+        found.extend(Holding(pid=pid, comm=comm, node=node) for node in sorted(nodes))
+    for pid in stuck:
+        comm = read_comm(proc, pid)  # no lock a stuck task holds: comm still answers
+        persistenced = persistenced or is_persistenced(comm)
+        found.append(Holding(pid=pid, comm=comm, unreadable=True))
+    found.sort(key=lambda h: (h.pid, h.node))
+    return ProcScan(tuple(found), persistenced, persistenced_fds)
+
+
+def scan_holders(root: str, scope: NodeScope, *,
+                 deadline: float = DEFAULT_PROC_DEADLINE) -> list[Holding]:
+    """Every (pid, comm, node) with an fd on, or a mapping of, a node in ``scope``, and every
+    process that could not be read within ``deadline`` (``unreadable``: it may hold one)."""
     if not scope:
         return []
-    proc = os.path.join(root, "proc")
-    found: list[Holding] = []
-    for pid in pids(proc):
-        nodes = {t for t in fd_targets(proc, pid) if scope.matches(t)}
-        nodes.update(p for p in map_paths(proc, pid) if scope.matches(p))
-        if nodes:
-            comm = read_comm(proc, pid)
-            found.extend(Holding(pid=pid, comm=comm, node=node) for node in sorted(nodes))
-    return found
+    return list(scan_procs(root, scope, deadline=deadline).holders)
 
 
-def persistenced_running(root: str) -> bool:
-    proc = os.path.join(root, "proc")
-    return any(is_persistenced(read_comm(proc, pid)) for pid in pids(proc))
+def persistenced_running(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> bool:
+    return scan_procs(root, NodeScope(), deadline=deadline).persistenced
 
 
 # --------------------------------------------------------------------------- card facts
@@ -135,9 +168,11 @@ class ModelFacts:
     vfio_variants: frozenset[str] = frozenset()
     wedge_recovery: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     kept_for_host: str = ""
+    poisoned: str = ""
 
 
-def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
+def model_facts(state: HostState, members: Iterable[PciFunction],
+                poisoned: str = "") -> ModelFacts:
     addrs = {fn.addr for fn in members}
     return ModelFacts(
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
@@ -146,6 +181,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction]) -> ModelFacts:
         vfio_variants=state.vfio_variants,
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
         kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
+        poisoned=poisoned,
     )
 
 
@@ -229,16 +265,29 @@ def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *
 
 def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, known: ModelFacts,
                  *, euid: int, which: Callable[[str], str | None],
-                 vfio_driver: str | None = None) -> HostFacts:
+                 vfio_driver: str | None = None,
+                 deadline: float = DEFAULT_PROC_DEADLINE) -> HostFacts:
     """Read everything `plan_switch` needs for this group and direction, holders last (their
     scope depends on the rest). nvidia-persistenced is not counted: the plan stops it.
 
-    Reads files only, so it may run in a worker thread.
+    Reads files only, so it may run in a worker thread; /proc within ``deadline``.
     """
     fns = tuple(members)
+    facts = _card_facts(paths, fns, mode, known, euid=euid, which=which,
+                        vfio_driver=vfio_driver)
+    procs = scan_procs(paths.root, holder_scope(fns, mode, facts), deadline=deadline)
+    holders = [h for h in procs.holders if h.unreadable or not is_persistenced(h.comm)]
+    return dataclasses.replace(facts, holders=tuple(holders), persistenced=procs.persistenced,
+                               persistenced_fds=procs.persistenced_fds)
+
+
+def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, known: ModelFacts,
+                *, euid: int, which: Callable[[str], str | None],
+                vfio_driver: str | None = None) -> HostFacts:
+    """Everything but /proc: modules, refcnt, the card's minor and nodes, CDI."""
     display = next((fn.addr for fn in fns if fn.class_.startswith("0x03")), fns[0].addr)
     nvidia_dir = os.path.join(paths.module, "nvidia")
-    facts = HostFacts(
+    return HostFacts(
         root=paths.root,
         modules=read_modules(paths),
         nvidia_refcnt=_int(read_attr(os.path.join(nvidia_dir, "refcnt"))),
@@ -247,7 +296,6 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
         nvidia_minor=nvidia_minor(paths.root, display),
         dri_nodes=known.dri_nodes,
         snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
-        persistenced=persistenced_running(paths.root),
         cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
         holders_complete=euid == 0,
@@ -255,27 +303,28 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
         vfio_variants=known.vfio_variants,
         wedge_recovery=known.wedge_recovery,
         kept_for_host=known.kept_for_host,
+        poisoned=known.poisoned,
     )
-    holders = [h for h in scan_holders(paths.root, holder_scope(fns, mode, facts))
-               if not is_persistenced(h.comm)]
-    return dataclasses.replace(facts, holders=tuple(holders))
 
 
 def gather_facts_now(paths: HostPaths, state: HostState, members: Iterable[PciFunction],
                      mode: Mode, *, euid: int, which: Callable[[str], str | None],
-                     vfio_driver: str | None = None) -> HostFacts:
+                     poisoned: str = "", vfio_driver: str | None = None,
+                     deadline: float = DEFAULT_PROC_DEADLINE) -> HostFacts:
     """`gather_facts` in one call, for a model no uevent changes meanwhile (plan, probe)."""
     fns = tuple(members)
-    return gather_facts(paths, fns, mode, model_facts(state, fns), euid=euid, which=which,
-                        vfio_driver=vfio_driver)
+    return gather_facts(paths, fns, mode, model_facts(state, fns, poisoned), euid=euid,
+                        which=which, vfio_driver=vfio_driver, deadline=deadline)
 
 
-def card_holders(paths: HostPaths, state: HostState,
-                 members: Iterable[PciFunction]) -> list[Holding]:
-    """Every holder of every node of the card, nvidia-persistenced included."""
+def card_holders(paths: HostPaths, state: HostState, members: Iterable[PciFunction], *,
+                 deadline: float = DEFAULT_PROC_DEADLINE) -> list[Holding]:
+    """Every holder of every node of the card, nvidia-persistenced included; one bounded
+    pass over /proc."""
     fns = tuple(members)
-    facts = gather_facts_now(paths, state, fns, "vfio", euid=0, which=lambda _: None)
-    return scan_holders(paths.root, card_scope(fns, facts))
+    facts = _card_facts(paths, fns, "vfio", model_facts(state, fns), euid=0,
+                        which=lambda _: None)
+    return scan_holders(paths.root, card_scope(fns, facts), deadline=deadline)
 
 
 def cdi_output(root: str) -> str:
@@ -318,6 +367,7 @@ async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
 
 __all__ = [
     "ModelFacts",
+    "ProcScan",
     "call_bounded",
     "card_holders",
     "cdi_output",
@@ -330,5 +380,6 @@ __all__ = [
     "nvidia_minor",
     "persistenced_running",
     "scan_holders",
+    "scan_procs",
     "snd_nodes",
 ]

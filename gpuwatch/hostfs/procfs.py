@@ -8,10 +8,94 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from gpuwatch.core.results import Holder, MemlockResult
 from gpuwatch.hostfs.files import list_dir, read_bytes
+
+T = TypeVar("T")
+
+#: The whole budget of one scan of /proc (``proc_read_timeout``): reading ``fd``, ``maps`` or
+#: ``stack`` of a process stuck in the kernel can block for ever.
+DEFAULT_PROC_DEADLINE = 2.0
+#: One process may take this share of the budget before it is given up as unreadable, so
+#: that one stuck process does not make every other one unreadable too.
+_PER_PROCESS_SHARE = 0.25
+
+
+def read_each(pids: Sequence[int], read: Callable[[int], T], *,
+              deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[dict[int, T], list[int]]:
+    """``read(pid)`` for every pid, all of it within ``deadline`` seconds: ``(results,
+    unreadable)``, the second the pids whose read did not finish in time (stuck in the
+    kernel, or never reached). Returns within the deadline plus a scheduling moment.
+
+    The reads run in a daemon thread. A thread blocked in the kernel cannot be interrupted
+    or joined, so when one process takes more than its share it is left behind, abandoned,
+    and a fresh thread goes on with the next pid.
+    """
+    end = time.monotonic() + max(deadline, 0.0)
+    per_pid = max(deadline * _PER_PROCESS_SHARE, 0.01)
+    cond = threading.Condition()
+    results: dict[int, T] = {}
+    unreadable: list[int] = []
+    state: dict[str, object] = {"gen": 0, "pid": None, "since": 0.0, "done": False}
+
+    def worker(items: Sequence[int], gen: int) -> None:
+        for pid in items:
+            with cond:
+                if state["gen"] != gen:
+                    return
+                state["pid"], state["since"] = pid, time.monotonic()
+            try:
+                value = read(pid)
+            except Exception:  # a reader is fault-tolerant; a surprise still must not hang us
+                value = None
+            with cond:
+                if state["gen"] != gen:
+                    return  # given up on while it read: the caller has moved on
+                if value is not None:
+                    results[pid] = value
+                state["pid"] = None
+                cond.notify_all()
+        with cond:
+            if state["gen"] == gen:
+                state["done"] = True
+                cond.notify_all()
+
+    def start(items: Sequence[int]) -> None:
+        gen = int(state["gen"])  # type: ignore[call-overload]
+        threading.Thread(target=worker, args=(items, gen), name="gpuwatch /proc read",
+                         daemon=True).start()
+
+    todo = list(pids)
+    if not todo:
+        return results, unreadable
+    start(todo)
+    with cond:
+        while not state["done"]:
+            now = time.monotonic()
+            pid = state["pid"]
+            since = float(state["since"])  # type: ignore[arg-type]
+            if now >= end or (pid is not None and now - since >= per_pid):
+                # Give up on the process being read; go on with the rest while time is left.
+                state["gen"] = int(state["gen"]) + 1  # type: ignore[call-overload]
+                state["pid"] = None
+                stuck = [pid] if isinstance(pid, int) else []
+                unreadable.extend(stuck)
+                index = todo.index(stuck[0]) + 1 if stuck else 0
+                rest = [p for p in todo[index:] if p not in results]
+                if now >= end or not rest:
+                    unreadable.extend(p for p in rest if p not in unreadable)
+                    break
+                todo = rest
+                start(todo)
+                continue
+            limit = end - now if pid is None else min(end - now, per_pid - (now - since))
+            cond.wait(timeout=max(limit, 0.001))
+    return results, sorted(set(unreadable))
 
 
 def memlock() -> MemlockResult:
@@ -47,21 +131,32 @@ def fd_targets(proc: str, pid: int) -> Iterator[str]:
             continue
 
 
-def holders(root: str, matches: Callable[[str], bool]) -> list[tuple[int, str, str]]:
-    """``(pid, comm, node)`` for every fd whose target ``matches``, sorted by pid then node."""
+def holders(root: str, matches: Callable[[str], bool], *,
+            deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[list[tuple[int, str, str]],
+                                                               list[tuple[int, str]]]:
+    """``(pid, comm, node)`` for every fd whose target ``matches``, sorted by pid then node,
+    and ``(pid, comm)`` of every process whose fds could not be read within ``deadline``."""
     proc = os.path.join(root, "proc")
+
+    def read(pid: int) -> list[str]:
+        return sorted({t for t in fd_targets(proc, pid) if matches(t)})
+
+    nodes_of, stuck = read_each(pids(proc), read, deadline=deadline)
     found: list[tuple[int, str, str]] = []
-    for pid in pids(proc):
-        nodes = sorted({t for t in fd_targets(proc, pid) if matches(t)})
+    for pid, nodes in sorted(nodes_of.items()):
         if nodes:
             comm = read_comm(proc, pid)
             found.extend((pid, comm, node) for node in nodes)
-    return found
+    return found, [(pid, read_comm(proc, pid)) for pid in stuck]
 
 
-def nvidia_holders(root: str) -> tuple[Holder, ...]:
-    """Processes with an fd on ``/dev/nvidia*``, one entry per process, sorted by pid."""
-    seen: dict[int, str] = {}
-    for pid, comm, _node in holders(root, lambda t: t.startswith("/dev/nvidia")):
-        seen.setdefault(pid, comm)
-    return tuple(Holder(pid=pid, comm=comm) for pid, comm in sorted(seen.items()))
+def nvidia_holders(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[Holder, ...]:
+    """Processes with an fd on ``/dev/nvidia*``, one entry per process, sorted by pid; a
+    process whose fds could not be read in time is listed ``unreadable`` (it may hold one)."""
+    seen: dict[int, Holder] = {}
+    found, stuck = holders(root, lambda t: t.startswith("/dev/nvidia"), deadline=deadline)
+    for pid, comm, _node in found:
+        seen.setdefault(pid, Holder(pid=pid, comm=comm))
+    for pid, comm in stuck:
+        seen[pid] = Holder(pid=pid, comm=comm, unreadable=True)
+    return tuple(seen[pid] for pid in sorted(seen))

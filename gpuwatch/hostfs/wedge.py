@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from gpuwatch.hostfs.files import read_bytes
-from gpuwatch.hostfs.procfs import pids, read_comm
+from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, pids, read_comm, read_each
 
 _log = logging.getLogger("gpuwatch.switch")
 
@@ -68,35 +68,43 @@ def _tasks(proc: str, pid: int) -> list[str]:
     return [f"{proc}/{pid}/stack", *others]
 
 
-def scan_wedge(root: str) -> WedgeScan:
-    """Every task in D state whose kernel stack shows the nvidia remove path."""
+def _stack_hit(proc: str, pid: int) -> tuple[bool, str]:
+    """``(readable, symbol)`` for a D-state task: whether any of its stacks could be read,
+    and the wedge symbol found in one; ``(True, "")`` for a task not in D state."""
+    if _state(proc, pid) != "D":
+        return True, ""
+    readable = False
+    for stack in _tasks(proc, pid):
+        try:
+            text = read_bytes(stack).decode("utf-8", "replace")
+        except OSError:  # gone, EACCES for non-root, or not a /proc file at all
+            continue
+        readable = True
+        hit = next((s for s in WEDGE_SYMBOLS if s in text), "")
+        if hit:
+            return True, hit
+    return readable, ""
+
+
+def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeScan:
+    """Every task in D state whose kernel stack shows the nvidia remove path; all of it
+    within ``deadline`` (a stack read can block too: that task is counted unreadable)."""
     proc = os.path.join(root, "proc")
     stuck: list[tuple[int, str, str]] = []
-    unreadable: list[int] = []
-    for pid in pids(proc):
-        if _state(proc, pid) != "D":
-            continue
-        readable = False
-        hit = ""
-        for stack in _tasks(proc, pid):
-            try:
-                text = read_bytes(stack).decode("utf-8", "replace")
-            except OSError:  # gone, EACCES for non-root, or not a /proc file at all
-                continue
-            readable = True
-            hit = next((s for s in WEDGE_SYMBOLS if s in text), "")
-            if hit:
-                break
+    seen, timed_out = read_each(pids(proc), lambda pid: _stack_hit(proc, pid),
+                                deadline=deadline)
+    unreadable = list(timed_out)
+    for pid, (readable, hit) in sorted(seen.items()):
         if hit:
             stuck.append((pid, read_comm(proc, pid), hit))
         elif not readable:
             unreadable.append(pid)
-    return WedgeScan(tuple(stuck), tuple(unreadable))
+    return WedgeScan(tuple(stuck), tuple(sorted(unreadable)))
 
 
-def wedge_detected(root: str) -> bool:
+def wedge_detected(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> bool:
     """The probe answer; logs a warning when stacks could not be read (not root)."""
-    scan = scan_wedge(root)
+    scan = scan_wedge(root, deadline=deadline)
     if not scan.wedged and not scan.complete:
         _log.warning("wedge-detected: %s", scan.describe())
     return scan.wedged

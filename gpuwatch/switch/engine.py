@@ -19,8 +19,10 @@ refused until the next boot or a successful `recover`. The watcher keeps running
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -51,6 +53,7 @@ from gpuwatch.core.plan import (
     parse_target,
     parse_vfio_driver,
     plan_switch,
+    switch_guard,
     unbind_scope,
     unhealthy_reason,
 )
@@ -72,13 +75,18 @@ from gpuwatch.errors import (
     UsageError,
 )
 from gpuwatch.hostfs.facts import call_bounded, gather_facts, model_facts, scan_holders
-from gpuwatch.hostfs.scan import CDI_SPECS, read_function
+from gpuwatch.hostfs.scan import CDI_SPECS, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
-from gpuwatch.model import HostModel, holders_report, plan_for_host
+from gpuwatch.model import HostModel, holders_report
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
 from gpuwatch.switch.poison import PoisonEntry, PoisonStore
 
 _log = logging.getLogger("gpuwatch.switch")
+
+#: While a switch runs its steps, its switch-refused / switch-failed event waits here until
+#: what the switch changed has been put back, so the event can say what was restored.
+_DEFERRED: contextvars.ContextVar[list[BaseModel] | None] = contextvars.ContextVar(
+    "gpuwatch_switch_deferred", default=None)
 
 DEFAULT_TIMEOUT = 90.0
 DEFAULT_STEP_TIMEOUT = 30.0
@@ -180,8 +188,8 @@ class SwitchEngine:
         ``vfio_driver`` names the VFIO driver for its display functions (else modules.alias
         chooses, as the kernel would)."""
         to_mode = parse_mode(mode)
-        if not timeout > 0:
-            raise UsageError(f"timeout must be positive, not {timeout!r}")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise UsageError(f"timeout must be a finite positive number, not {timeout!r}")
         vfio_driver = parse_vfio_driver(vfio_driver, to_mode, self.model.state.vfio_variants)
         addr, vendor = parse_target(target)
         try:
@@ -198,11 +206,18 @@ class SwitchEngine:
     async def recover(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind the whole group to vfio-pci and clear its poison, unless a task is stuck
         in the nvidia driver: then touch nothing (`RebootRequired`)."""
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise UsageError(f"timeout must be a finite positive number, not {timeout!r}")
         addr, vendor = parse_target(target)
         card, members = find_card(self.model.state, addr=addr, vendor=vendor)
+        guard = switch_guard(card, "vfio", action="recover")
+        if guard is not None:  # an AMD or Intel card: nothing of nvidia's to recover from
+            self._refused(card.addr, card.iommu_group, "vfio", guard.reason, ())
+            raise SwitchRefused(guard.reason)
         self._require_root("recover")
-        scan = await call_bounded(lambda: scan_wedge(self.root), self.scan_timeout,
-                                  "the wedge scan")
+        deadline = self.model.proc_deadline
+        scan = await call_bounded(lambda: scan_wedge(self.root, deadline=deadline),
+                                  deadline + 1, "the wedge scan")
         if scan.wedged:
             raise RebootRequired(f"{scan.describe()}: a reboot is required; nothing was touched")
         if not scan.complete:
@@ -223,17 +238,14 @@ class SwitchEngine:
         vfio_driver = parse_vfio_driver(vfio_driver, to_mode, self.model.state.vfio_variants)
         addr, vendor = parse_target(target)
         model = self.model
-        try:
-            _card, members = find_card(model.state, addr=addr, vendor=vendor)
-        except DeviceNotFound:
-            plan = plan_for_host(model, to_mode, addr=addr, vendor=vendor, euid=self.euid(),
-                                 which=self.ops.which)
-            return plan.to_json()
-        known = model_facts(model.state, members)
+        card, members = find_card(model.state, addr=addr, vendor=vendor)  # never invented
+        known = model_facts(model.state, members, model.poisoned.get(card.iommu_group, ""))
+        deadline, euid = model.proc_deadline, self.euid()
         facts = await call_bounded(
-            lambda: gather_facts(self.model.paths, members, to_mode, known, euid=self.euid(),
-                                 which=self.ops.which, vfio_driver=vfio_driver),
-            self.scan_timeout, "the holder scan")
+            lambda: gather_facts(self.model.paths, members, to_mode, known, euid=euid,
+                                 which=self.ops.which, vfio_driver=vfio_driver,
+                                 deadline=deadline),
+            min(self.scan_timeout, deadline + 1), "the holder scan")
         return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
@@ -244,7 +256,7 @@ class SwitchEngine:
         euid = self.euid()
         return await call_bounded(
             lambda: holders_report(model, addr=addr, vendor=vendor, euid=euid),
-            self.scan_timeout, "the holder scan")
+            model.proc_deadline + 1, "the holder scan")
 
     # ------------------------------------------------------------------ the switch
 
@@ -254,14 +266,18 @@ class SwitchEngine:
         started = time.monotonic()
         deadline = started + timeout
         group = card.iommu_group
-        # Poison first: a wedged device "in mode" is still unusable, and saying so needs no
-        # privilege and writes nothing.
-        if not recovering and group in self.model.poisoned:
-            reason = (f"IOMMU group {group} is poisoned: an earlier switch wedged in this boot "
-                      f"({self.model.poisoned[group]}); reboot, or run `gpuwatch recover` "
-                      "once no task is stuck")
-            self._refused(card.addr, group, to_mode, reason, ())
-            raise GroupPoisoned(reason)
+        # Poison first: a wedged device "in mode" is still unusable. Then the vendor (nvidia
+        # drives NVIDIA cards only) and the host's own console. Saying so needs no privilege
+        # and writes nothing, so it comes before "already in mode" and the root check.
+        if not recovering:
+            guard = switch_guard(
+                card, to_mode, poisoned=self.model.poisoned.get(group, ""),
+                kept_for_host=self.model.state.kept_for_host(card.addr)
+                if to_mode == "vfio" else "",
+                force=force)
+            if guard is not None:
+                self._refused(card.addr, group, to_mode, guard.reason, ())
+                raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
         # A wedged or failed function needs its recovery, not a rebind by a switch: refused
         # even when the group is in mode, since it is unusable either way.
         unhealthy = None if recovering else unhealthy_reason(
@@ -273,13 +289,6 @@ class SwitchEngine:
                                                  self.model.state.vfio_variants):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
-        kept = self.model.state.kept_for_host(card.addr) if to_mode == "vfio" else ""
-        if kept and not (force or recovering):
-            # Before the privilege check: the answer is the same for anyone, and writes nothing.
-            reason = (f"IOMMU group {group} is kept for the host: {kept} (--force passes it "
-                      "through anyway)")
-            self._refused(card.addr, group, to_mode, reason, ())
-            raise SwitchRefused(reason)
         self._require_root("switching drivers")
         key: int | str = group if group >= 0 else card.addr
         self._claim(key)
@@ -303,12 +312,15 @@ class SwitchEngine:
         members = state.group_members(addr)
         known = model_facts(state, members)
         group = members[0].iommu_group
+        proc_deadline, euid = self.model.proc_deadline, self.euid()
         try:
             facts = await call_bounded(
                 lambda: gather_facts(self.model.paths, members, to_mode, known,
-                                     euid=self.euid(), which=self.ops.which,
-                                     vfio_driver=vfio_driver),
-                max(0.1, min(self.scan_timeout, deadline - time.monotonic())), "the holder scan")
+                                     euid=euid, which=self.ops.which,
+                                     vfio_driver=vfio_driver, deadline=proc_deadline),
+                max(0.1, min(self.scan_timeout, proc_deadline + 1,
+                           deadline - time.monotonic())),
+                "the holder scan")
         except StepTimedOut as exc:
             reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
             self._refused(addr, group, to_mode, reason, ())
@@ -335,10 +347,38 @@ class SwitchEngine:
             members=[a for a, _ in plan.targets])])
         _log.info("switch of group %s to %s: %d step(s)", group, to_mode, len(plan.steps))
         notes = list(plan.notes)
-        async with self._subscribe(_PROGRESS_EVENTS) as sub:
-            for step in plan.steps:
-                await self._step(plan, facts, step, deadline, notes)
-            await self._verify(plan, sub, deadline, notes)
+        done: list[CommandStep] = []  # the service and module steps that ran and succeeded
+        pending: list[BaseModel] = []
+        token: contextvars.Token[list[BaseModel] | None] | None = _DEFERRED.set(pending)
+        try:
+            async with self._subscribe(_PROGRESS_EVENTS) as sub:
+                for step in plan.steps:
+                    if await self._step(plan, facts, step, deadline, notes) and isinstance(
+                            step, CommandStep):
+                        done.append(step)
+                await self._verify(plan, sub, deadline, notes)
+        except (SwitchRefused, SwitchFailed) as exc:
+            if token is not None:
+                _DEFERRED.reset(token)
+                token = None
+            # Leave the host as found: a refused or failed switch starts again what it stopped
+            # and loads again what it unloaded. Not after a wedge: touching a device a task is
+            # stuck on only adds another stuck task (reboot, or `gpuwatch recover`).
+            restored = [] if isinstance(exc, SwitchWedged) else await self._restore(
+                plan, facts, done)
+            for event in pending:
+                self._publish([event.model_copy(update={"restored": restored})
+                               if restored else event])
+            if restored:
+                exc.restored = tuple(restored)
+                exc.args = (f"{exc}; restored what the switch had changed: "
+                            f"{', '.join(restored)}",)
+                if isinstance(exc, SwitchRefused):
+                    exc.reason = str(exc)
+            raise
+        finally:
+            if token is not None:
+                _DEFERRED.reset(token)
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
         self._publish([ev.SwitchCompleted(
@@ -346,8 +386,42 @@ class SwitchEngine:
             members=result.members, duration_ms=result.duration_ms)])
         return result
 
+    async def _restore(self, plan: SwitchPlan, facts: HostFacts,
+                       done: Sequence[CommandStep]) -> list[str]:
+        """Start again the services the switch stopped and load again the modules it
+        removed (those that are gone now), newest first; return what was run."""
+        stopped = [s.argv[2] for s in done if s.argv[:2] == ("systemctl", "stop")]
+        restarted = {s.argv[2] for s in done if s.argv[:2] == ("systemctl", "start")}
+        removal = [name for s in done if s.argv[:2] == ("modprobe", "-r") for name in s.argv[2:]]
+        # A `modprobe -r` that failed half-way removed some of its modules: look, don't guess.
+        tried = [name for s in plan.steps if isinstance(s, CommandStep)
+                 and s.argv[:2] == ("modprobe", "-r") for name in s.argv[2:]]
+        try:
+            now = await call_bounded(lambda: read_modules(self.model.paths),
+                                     self.step_timeout, "reading sys/module")
+        except StepTimedOut:
+            now = frozenset(m for m in facts.modules if m not in removal)
+        gone = [m for m in dict.fromkeys([*removal, *tried])
+                if m in facts.modules and m not in now]
+        steps: list[tuple[str, ...]] = [("modprobe", m) for m in reversed(gone)]
+        steps += [("systemctl", "start", unit) for unit in dict.fromkeys(reversed(stopped))
+                  if unit not in restarted]
+        restored: list[str] = []
+        for argv in steps:
+            what = " ".join(argv)
+            try:
+                result = await self.ops.run(argv, self.step_timeout)
+            except (StepTimedOut, HostStepError, UnsafeStep, OSError) as exc:
+                restored.append(f"{what} (failed: {exc})")
+                continue
+            restored.append(what if result.ok else f"{what} (failed: {result.message()})")
+        if restored:
+            _log.info("switch of group %s: restored %s", plan.group, ", ".join(restored))
+        return restored
+
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
-                    notes: list[str]) -> None:
+                    notes: list[str]) -> bool:
+        """Run one step; False when a command failed in a way that only warns."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail(plan, f"the switch ran out of time before: {step.describe()}")
@@ -363,6 +437,7 @@ class SwitchEngine:
                     result = await self.ops.run(argv, timeout)
                     if not result.ok:
                         await self._command_failed(plan, facts, step, result, deadline, notes)
+                        return False
                 case MakeDirStep(path=path):
                     await self.ops.makedirs(path)
                 case _:
@@ -371,6 +446,7 @@ class SwitchEngine:
             self._wedge(plan, step, exc)
         except (HostStepError, UnsafeStep, OSError) as exc:
             self._fail(plan, f"{step.describe()}: {exc}")
+        return True
 
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:
@@ -389,10 +465,12 @@ class SwitchEngine:
 
     async def _scan(self, scope: NodeScope, deadline: float,
                     plan: SwitchPlan) -> list[Holding]:
-        timeout = max(0.1, min(self.scan_timeout, deadline - time.monotonic()))
+        proc_deadline = self.model.proc_deadline
+        timeout = max(0.1, min(self.scan_timeout, proc_deadline + 1, deadline - time.monotonic()))
         try:
-            return await call_bounded(lambda: scan_holders(self.root, scope), timeout,
-                                      "the holder scan")
+            return await call_bounded(
+                lambda: scan_holders(self.root, scope, deadline=proc_deadline), timeout,
+                "the holder scan")
         except StepTimedOut as exc:
             reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
             self._refused(plan.addr, plan.group, plan.to_mode, reason, ())
@@ -402,7 +480,7 @@ class SwitchEngine:
                               result: CommandResult, deadline: float, notes: list[str]) -> None:
         what = f"`{' '.join(step.argv)}` failed: {result.message()}"
         if step.on_error == "warn":
-            _log.warning("%s", what)
+            _log.info("%s", what)  # said once, as a note of the result
             notes.append(what)
             return
         if step.on_error == "refuse":
@@ -427,7 +505,7 @@ class SwitchEngine:
                 await self._reread(plan, deadline)
                 if self._reached(targets):
                     notes.append("bind events were lost: completion read from the tree")
-                    _log.warning("switch of group %s: bind events lost, read the tree", plan.group)
+                    _log.info("switch of group %s: bind events lost, read the tree", plan.group)
                     return
                 if now >= deadline:
                     self._fail(plan, "the group did not reach its target drivers in time: "
@@ -486,13 +564,23 @@ class SwitchEngine:
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
                  holders: Sequence[Holding]) -> None:
-        _log.warning("switch of group %s refused: %s", group, reason)
-        self._publish([ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
-                                               reason=reason, holders=list(holders))])
+        # INFO: the refusal is the caller's error (printed once, by the CLI) and an event;
+        # a warning here would reach stderr a second time through logging's last resort.
+        _log.info("switch of group %s refused: %s", group, reason)
+        self._emit(ev.SwitchRefused(addr=addr, group=group, to_mode=to_mode,
+                                    reason=reason, holders=list(holders)))
+
+    def _emit(self, event: BaseModel) -> None:
+        """Publish now, or, while a switch runs its steps, once it has restored the host."""
+        pending = _DEFERRED.get()
+        if pending is not None:
+            pending.append(event)
+        else:
+            self._publish([event])
 
     def _fail(self, plan: SwitchPlan, error: str) -> None:
-        self._publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
-                                              to_mode=plan.to_mode, error=error, wedged=False)])
+        self._emit(ev.SwitchFailed(addr=plan.addr, group=plan.group,
+                                   to_mode=plan.to_mode, error=error, wedged=False))
         raise SwitchFailed(error)
 
     def _wedge(self, plan: SwitchPlan, step: Step, exc: StepTimedOut) -> None:
@@ -505,8 +593,8 @@ class SwitchEngine:
             _log.warning("cannot record the poison of group %s in %s: %s", plan.group,
                          self.poison.path, err)
         self.model.poisoned[plan.group] = error
-        self._publish([ev.SwitchFailed(addr=plan.addr, group=plan.group,
-                                              to_mode=plan.to_mode, error=error, wedged=True)])
+        self._emit(ev.SwitchFailed(addr=plan.addr, group=plan.group,
+                                   to_mode=plan.to_mode, error=error, wedged=True))
         raise SwitchWedged(f"{error}; IOMMU group {plan.group} is poisoned until the next boot "
                            "(or `gpuwatch recover` once no task is stuck)")
 

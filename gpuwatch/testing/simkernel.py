@@ -89,6 +89,7 @@ class SimKernel:
         self.stuck: list[tuple[str, str, int]] = []  # (addr, driver, pid of the D task)
         self._overrides: dict[str, str] = {}
         self._next_stuck_pid = 31337
+        self._persistenced_refs: dict[int, int] = {}  # pid → nvidia refcnt its files hold
         #: Whether the simulated kernel has the VFIO device cdev (``vfio-dev/vfioN/dev``).
         self.vfio_cdev = True
         self._next_vfio_dev = 0
@@ -129,9 +130,14 @@ class SimKernel:
             self.sys.add_process(pid, comm, maps=[node])
 
     def start_persistenced(self, pid: int = 777) -> None:
+        """nvidia-persistenced holding ``/dev/nvidiactl`` and ``/dev/nvidia0`` open; as in the
+        kernel, each open file takes a reference on the nvidia module (``refcnt``)."""
         nodes = [n for n in ("/dev/nvidiactl", "/dev/nvidia0")
                  if os.path.exists(self.paths.under(n))]
         self.sys.add_process(pid, "nvidia-persiste", fds={3 + i: n for i, n in enumerate(nodes)})
+        if self._module_loaded("nvidia"):
+            self._set_refcnt("nvidia", self._refcnt("nvidia") + len(nodes))
+        self._persistenced_refs[pid] = len(nodes) if self._module_loaded("nvidia") else 0
 
     def release_stuck(self) -> None:
         """The hung unbinds finally return (their holders went away): finish them."""
@@ -226,6 +232,9 @@ class SimKernel:
                 for pid in self._pids():
                     if read_attr(f"{self.root}/proc/{pid}/comm").startswith("nvidia-persist"):
                         self.sys.remove_process(pid)
+                        refs = self._persistenced_refs.pop(pid, 0)
+                        if refs and self._module_loaded("nvidia"):
+                            self._set_refcnt("nvidia", max(self._refcnt("nvidia") - refs, 0))
             else:
                 self.start_persistenced()
             return CommandResult(0)

@@ -38,7 +38,7 @@ from gpuwatch.core.uevent_facts import uevent_facts
 from gpuwatch.errors import UsageError
 from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
-from gpuwatch.settings import root_in_force, tables_in_force
+from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
 from gpuwatch.watch.subscription import Subscription, first_is_next
@@ -467,6 +467,7 @@ async def open_watcher(
         # Abandoned on cancel: SIGTERM during a long first scan stops now, not after it.
         snapshot = await anyio.to_thread.run_sync(scan, paths, tables, abandon_on_cancel=True)
         model = HostModel(paths, HostState(tables, snapshot))
+        model.proc_deadline = proc_read_timeout_in_force(config)
         watcher = Watcher(
             model,
             src,
