@@ -64,6 +64,9 @@ class GpuReport(BaseModel):
     vfio_node: str
     vfio_accessible: bool
     members: list[MemberReport]
+    #: The host's own console or management group (`gpuwatch.core.hostkeep`), and why.
+    kept_for_host: bool = False
+    reason: str = ""
 
 
 class StatusReport(BaseModel):
@@ -152,6 +155,8 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                 vfio_variant=vfio_variant(members, variants),
                 vfio_node=f"/dev/vfio/{group}" if group >= 0 else "",
                 vfio_accessible=model.vfio_group_accessible(group),
+                kept_for_host=bool(kept := model.kept_for_host(gpu.addr)),
+                reason=kept,
                 members=[
                     MemberReport(
                         addr=m.addr,
@@ -217,6 +222,8 @@ def render_status(report: StatusReport) -> str:
             f"GPU {gpu.addr}  {gpu.vendor} {gpu.device_id} ({gpu.class_label})  {group}  "
             f"mode: {gpu.mode}{variant}"
         )
+        if gpu.kept_for_host:
+            lines.append(f"  kept for the host: {gpu.reason}")
         for m in gpu.members:
             lines.append(
                 f"  {m.addr}  {m.class_label:<20} {m.vendor_id}:{m.device_id}  "

@@ -458,6 +458,10 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
     except yaml.YAMLError as exc:
+        if "nesting depth" in str(getattr(exc, "problem", "")):
+            # libyaml >= 0.2.5 (PyYAML 6.0.4 wheels) refuses deep flow nesting while scanning,
+            # before the event stream above reaches our own limit: the same refusal.
+            raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels") from None
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{where}: not valid YAML{at}") from None

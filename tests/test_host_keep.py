@@ -110,6 +110,11 @@ def test_bmc_server_lists_the_aspeed_apart(tmp_path: Path, captured: bool,
     for a100 in ("0000:41:00.0", "0000:c1:00.0"):
         assert gpus[a100]["kept_for_host"] is False and gpus[a100]["reason"] == ""
         assert "<hostdev" in gpus[a100]["functions"][0]["hostdev_xml"]
+    code, out, _ = run("status", "--json", "--no-daemon")
+    kept = {g["addr"]: g["kept_for_host"] for g in json.loads(out)["gpus"]}
+    assert kept == {ASPEED_VGA: True, "0000:41:00.0": False, "0000:c1:00.0": False}
+    code, out, _ = run("status", "--no-daemon")
+    assert "kept for the host: 0000:03:00.0 (ast)" in out
     code, text, _ = run("list", "--no-daemon")
     head, _, blocks = text.partition("<!--")
     assert "kept for the host" in head and ASPEED_VGA in head
