@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 import anyio
 
@@ -139,6 +140,21 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
     """Run ``action`` in a host of our own; SIGINT and SIGTERM cancel it cleanly."""
     result: list[SwitchResult] = []
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            await _in_group(signals, result, args, backend, action, target, mode)
+        except BaseExceptionGroup as group:  # the switch's own error, as itself
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+    if not result:
+        raise Interrupted("interrupted by a signal; the switch ended as switch-failed "
+                          "(interrupted): check `gpuwatch mode` before retrying")
+    return result[0]
+
+
+async def _in_group(signals: Any, result: list[SwitchResult], args: argparse.Namespace,
+                    backend: Backend, action: str, target: str, mode: Mode | None) -> None:
+    if True:
         async with anyio.create_task_group() as tg:
 
             async def on_signal() -> None:
@@ -153,10 +169,6 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
 
             tg.start_soon(on_signal)
             tg.start_soon(work)
-    if not result:
-        raise Interrupted("interrupted by a signal; the switch ended as switch-failed "
-                          "(interrupted): check `gpuwatch mode` before retrying")
-    return result[0]
 
 
 def _log_interrupt(signum: int) -> None:
