@@ -14,18 +14,16 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.switch.engine import (
+    DEFAULT_SCAN_TIMEOUT,
     DEFAULT_STEP_TIMEOUT,
     DEFAULT_TIMEOUT,
+    DEFAULT_TREE_CHECK_AFTER,
     EventStream,
     SwitchEngine,
     SwitchResult,
 )
 from gpuwatch.watch import watcher as _watch
 from gpuwatch.watch.watcher import (
-    DEFAULT_CDI_POLL_INTERVAL,
-    DEFAULT_RECONCILE_INTERVAL,
-    DEFAULT_SUBSCRIBER_BUFFER,
-    DEFAULT_VGPU_POLL_INTERVAL,
     HostSnapshot,
     Watcher,
 )
@@ -150,7 +148,7 @@ class Host:
 
 @asynccontextmanager
 async def open_host(
-    root: str | os.PathLike[str] = "/",
+    root: str | os.PathLike[str] | None = None,
     source: str | EventSource = "auto",
     *,
     config: str | os.PathLike[str] | Tables | None = None,
@@ -159,29 +157,22 @@ async def open_host(
     geteuid: Callable[[], int] | None = None,
     poison_path: str | os.PathLike[str] | None = None,
     step_timeout: float = DEFAULT_STEP_TIMEOUT,
-    log_max_bytes: int | None = None,
-    log_keep: int = 5,
-    reconcile_interval: float = DEFAULT_RECONCILE_INTERVAL,
-    cdi_poll_interval: float = DEFAULT_CDI_POLL_INTERVAL,
-    subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
-    receive_buffer: int | None = None,
-    announce: bool = True,
-    vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
-    **engine_options: Any,
+    scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
+    tree_check_after: float = DEFAULT_TREE_CHECK_AFTER,
+    **watcher_options: Any,
 ) -> AsyncIterator[Host]:
     """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
 
-    ``ops``/``geteuid`` default to the real host's seam (or a refusing one off the real
-    ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`. ``announce=False``: the
-    body runs before ``ready``, and calls ``host.watcher.announce_ready()`` (a daemon, once
-    its listeners are bound).
+    ``root``, ``source``, ``config``, ``log`` and every other keyword of
+    `gpuwatch.watch.watcher.open_watcher` (``log_max_bytes``, ``reconcile_interval``,
+    ``announce``, …) configure the watcher. ``ops``/``geteuid`` default to the real host's
+    seam (or a refusing one off the real ``/sys``); tests pass
+    `gpuwatch.testing.simkernel.SimKernel`. ``announce=False``: the body runs before
+    ``ready``, and calls ``host.watcher.announce_ready()`` (a daemon, once its listeners are
+    bound).
     """
-    async with _watch.open_watcher(
-        root, source, config=config, log=log, log_max_bytes=log_max_bytes, log_keep=log_keep,
-        reconcile_interval=reconcile_interval, cdi_poll_interval=cdi_poll_interval,
-        subscriber_buffer=subscriber_buffer, receive_buffer=receive_buffer, announce=announce,
-        vgpu_poll_interval=vgpu_poll_interval,
-    ) as watcher:
+    async with _watch.open_watcher(root, source, config=config, log=log,
+                                   **watcher_options) as watcher:
 
         def subscribe(types: Iterable[str]) -> AbstractAsyncContextManager[EventStream]:
             return watcher.subscribe(types=types)
@@ -189,7 +180,8 @@ async def open_host(
         engine = SwitchEngine(
             watcher.model, ops, publish=watcher.publish, subscribe=subscribe,
             refresh=watcher.refresh, geteuid=geteuid, poison_path=poison_path,
-            step_timeout=step_timeout, **engine_options,
+            step_timeout=step_timeout, scan_timeout=scan_timeout,
+            tree_check_after=tree_check_after,
         )
         yield Host(watcher, engine)
 

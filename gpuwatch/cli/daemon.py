@@ -8,18 +8,19 @@ and ``--no-daemon`` force a direct scan (the daemon answers with its own tables)
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+from gpuwatch.cli.fast import socket_path
 from gpuwatch.errors import SERVICE, HostError
-from gpuwatch.service.client import Client, DaemonError, DaemonUnavailable, try_daemon
-from gpuwatch.service.protocol import PERMISSION_DENIED, UNAVAILABLE
+
+if TYPE_CHECKING:
+    from gpuwatch.service.client import Client
 
 T = TypeVar("T")
 
-#: Error codes after which the command scans itself instead (the daemon cannot help).
-FALLBACK_CODES = frozenset({PERMISSION_DENIED, UNAVAILABLE})
 #: A daemon answers from memory in microseconds; one that takes this long is stuck.
 CLI_TIMEOUT = 10.0
 
@@ -35,6 +36,15 @@ def add_daemon_args(parser: argparse.ArgumentParser) -> None:
 def daemon_from_args(args: argparse.Namespace) -> Client | None:
     if getattr(args, "config", None) or getattr(args, "fresh", False):
         return None
+    if getattr(args, "no_daemon", False):
+        return None
+    # No socket file, no daemon: decided with the stdlib, so a direct scan never pays for
+    # importing the client and its protocol (a cold ``gpuwatch probe`` without a daemon).
+    path = socket_path(getattr(args, "root", "/"), getattr(args, "socket", None))
+    if path is None or not os.path.exists(path):
+        return None
+    from gpuwatch.service.client import try_daemon
+
     return try_daemon(getattr(args, "socket", None), bool(getattr(args, "no_daemon", False)),
                       root=getattr(args, "root", "/"), timeout=CLI_TIMEOUT)
 
@@ -64,6 +74,9 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
     client = daemon_from_args(args)
     if client is None:
         return None
+    from gpuwatch.service.client import DaemonError, DaemonUnavailable
+    from gpuwatch.service.protocol import PERMISSION_DENIED, UNAVAILABLE
+
     with client:
         try:
             return DaemonAnswer(call(client))
@@ -73,7 +86,7 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
                                  f"request ({exc}); see `gpuwatch status` and its log") from None
             return None
         except DaemonError as exc:
-            if exc.code in FALLBACK_CODES:
+            if exc.code in (PERMISSION_DENIED, UNAVAILABLE):  # the daemon cannot help
                 return None
             raise
 
