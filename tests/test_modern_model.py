@@ -24,6 +24,7 @@ from gpuwatch.testing.modern import (
     grace_hopper_host,
     sriov_gpu_host,
 )
+from gpuwatch.testing.sysroot import copy_attr
 from tests.test_watcher import harness_for, strip
 
 NV = "0000:01:00.0"
@@ -125,7 +126,7 @@ def test_captured_tree_with_links_copied_as_directories(tmp_path: Path) -> None:
     for link in (host.device_dir(SRIOV_PF) / "virtfn0", host.device_dir("0000:41:00.4") / "physfn"):
         target = link.resolve()
         link.unlink()
-        shutil.copytree(target, link, symlinks=True)
+        shutil.copytree(target, link, symlinks=True, copy_function=copy_attr)
     model = gpuwatch.scan(tmp_path)
     assert model.function(SRIOV_PF).sriov.vfs == ("0000:41:00.4", "0000:41:00.5")  # type: ignore[union-attr]
     assert model.function("0000:41:00.4").physfn == SRIOV_PF

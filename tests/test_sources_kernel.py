@@ -129,6 +129,8 @@ def started(subsystems: frozenset[str] | None = None) -> KernelSource:
     return src
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the kernel lets only root send "
+                    "on NETLINK_KOBJECT_UEVENT")
 async def test_a_forged_uevent_from_another_process_is_dropped() -> None:
     """Any process may unicast to our netlink port; only the kernel (port 0) is believed."""
     src = started()

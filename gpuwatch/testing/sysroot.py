@@ -35,6 +35,7 @@ __all__ = [
     "DeviceExistsError",
     "SysRoot",
     "UnknownDeviceError",
+    "copy_attr",
     "example_gpu_host",
     "synthetic_host",
 ]
@@ -210,6 +211,20 @@ def _write(path: str, data: bytes, mode: int = 0o644) -> None:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
+
+
+def copy_attr(source: str, dest: str) -> None:
+    """Copy one attribute file as a capture tool does. A write-only attribute (``bind``,
+    ``remove``, mode 0200) cannot be read by anyone on real sysfs, so its copy is an empty
+    file of the same mode; under a fixture root only a non-root process is refused, and the
+    copy must not depend on who builds it."""
+    try:
+        shutil.copyfile(source, dest)
+    except PermissionError:
+        mode = os.stat(source).st_mode & 0o7777
+        if mode & 0o444:
+            raise  # a readable attribute we may not read is a real error, not a capture rule
+        _write(dest, b"", mode)
 
 
 def _hex(text: str) -> int:
@@ -1119,9 +1134,9 @@ class SysRoot:
                 else:
                     os.symlink(os.readlink(entry.path), out)
             elif entry.is_dir():
-                shutil.copytree(entry.path, out, symlinks=True)
+                shutil.copytree(entry.path, out, symlinks=True, copy_function=copy_attr)
             elif entry.is_file():
-                shutil.copyfile(entry.path, out)
+                copy_attr(entry.path, out)
 
     def capture(self, *, nested: Sequence[str] = ("device", "driver", "iommu_group")) -> None:
         """The whole tree as a capture tool leaves it: every ``sys/class/drm/*`` node and
