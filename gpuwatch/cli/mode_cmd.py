@@ -154,21 +154,21 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
 
 async def _in_group(signals: Any, result: list[SwitchResult], args: argparse.Namespace,
                     backend: Backend, action: str, target: str, mode: Mode | None) -> None:
-    if True:
-        async with anyio.create_task_group() as tg:
+    """Run the switch beside a signal watcher: the first SIGTERM/SIGINT cancels it cleanly."""
+    async with anyio.create_task_group() as tg:
 
-            async def on_signal() -> None:
-                async for signum in signals:
-                    _log_interrupt(signum)
-                    tg.cancel_scope.cancel()
-                    return
-
-            async def work() -> None:
-                result.append(await _run_in_host(args, backend, action, target, mode))
+        async def on_signal() -> None:
+            async for signum in signals:
+                _log_interrupt(signum)
                 tg.cancel_scope.cancel()
+                return
 
-            tg.start_soon(on_signal)
-            tg.start_soon(work)
+        async def work() -> None:
+            result.append(await _run_in_host(args, backend, action, target, mode))
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(on_signal)
+        tg.start_soon(work)
 
 
 def _log_interrupt(signum: int) -> None:
