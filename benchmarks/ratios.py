@@ -257,8 +257,9 @@ def _round_trips(path: str, request: bytes, count: int) -> float:
 
 
 def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]:
-    """Cold ``gpuwatch probe`` with and without a daemon against bare interpreter starts, and
-    one socket round trip against a minimal asyncio NDJSON server, interleaved."""
+    """Cold ``gpuwatch probe`` with and without a daemon, and ``gpuwatch status`` with one,
+    against bare interpreter starts, and one socket round trip against a minimal asyncio
+    NDJSON server, interleaved."""
     py = sys.executable
     with temp_dir("cli") as work, daemon_process(root, work) as sock:
         mini = os.path.join(work, "mini.sock")
@@ -267,6 +268,7 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
                 while not os.path.exists(mini):
                     time.sleep(0.01)
                 with_d: list[float] = []
+                status_d: list[float] = []
                 without: list[float] = []
                 import_base: list[float] = []
                 bare: list[float] = []
@@ -274,6 +276,8 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
                     with_d.append(_run_s([py, "-m", "gpuwatch", "probe", "detect-vfio",
                                           "--root", root, "--socket", sock]))
                     import_base.append(_run_s([py, "-c", "import json, socket"]))
+                    status_d.append(_run_s([py, "-m", "gpuwatch", "status", "--root", root,
+                                            "--socket", sock]))
                     without.append(_run_s([py, "-m", "gpuwatch", "probe", "detect-vfio",
                                            "--root", root, "--no-daemon"]))
                     bare.append(_run_s([py, "-c", "pass"]))
@@ -289,6 +293,8 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
     return {
         "cli_daemon_s": round(median(with_d), 3),
         "cli_daemon_ratio": round(median(with_d) / median(import_base), 2),
+        "cli_status_s": round(median(status_d), 3),
+        "cli_status_ratio": round(median(status_d) / median(import_base), 2),
         "cli_direct_s": round(median(without), 3),
         "cli_direct_ratio": round(median(without) / median(bare), 2),
         "import_json_socket_s": round(median(import_base), 3),
@@ -509,6 +515,9 @@ def format_ratio_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     c = r["cli_and_socket"]
     rows.append(("`gpuwatch probe` cold, daemon up ÷ python -c 'import json, socket'",
                  f"{c['cli_daemon_ratio']:.2f}x ({c['cli_daemon_s'] * 1e3:,.0f} / "
+                 f"{c['import_json_socket_s'] * 1e3:,.0f} ms)", "≤ 2x"))
+    rows.append(("`gpuwatch status` cold, daemon up ÷ python -c 'import json, socket'",
+                 f"{c['cli_status_ratio']:.2f}x ({c['cli_status_s'] * 1e3:,.0f} / "
                  f"{c['import_json_socket_s'] * 1e3:,.0f} ms)", "≤ 2x"))
     rows.append(("`gpuwatch probe` cold, no daemon ÷ bare interpreter",
                  f"{c['cli_direct_ratio']:.2f}x ({c['cli_direct_s'] * 1e3:,.0f} / "

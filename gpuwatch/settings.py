@@ -473,10 +473,14 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
 
 
 def embedded_tables_raw() -> dict[str, Any]:
+    """The embedded tables from their pre-compiled JSON form (``data/tables.json``, tested to
+    equal ``data/tables.yaml``, the source): a direct probe parses no YAML at start-up."""
+    import json
     from importlib import resources
 
-    text = resources.files("gpuwatch").joinpath("data/tables.yaml").read_text(encoding="utf-8")
-    return _load_yaml_mapping(text, "embedded tables")
+    text = resources.files("gpuwatch").joinpath("data/tables.json").read_text(encoding="utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

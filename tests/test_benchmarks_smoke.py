@@ -197,3 +197,17 @@ def test_fs_type_names_the_mount_a_path_is_on() -> None:
         pytest.skip("no /proc/self/mountinfo")
     assert fs_type("/proc/self") == "proc"
     assert fs_type("/") != ""
+
+
+@pytest.mark.timeout(120)
+def test_the_soak_runs_small_and_holds_its_invariants(tmp_path: Path) -> None:
+    """The soak's checks on a small run: gapless rotated log, every subscriber complete."""
+    from benchmarks import soak
+
+    out = tmp_path / "soak.json"
+    assert soak.main(["--uevents", "3000", "--subscribers", "4", "--log-max-bytes", "20000",
+                      "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["log_gapless"] and result["log_files"] > 1
+    assert result["subscribers_complete"] == 4 and result["subscriber_gaps"] == 0
+    assert result["events"] >= 600 and result["last_type"] == "stopped"

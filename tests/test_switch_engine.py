@@ -654,3 +654,21 @@ def test_example_host_fixture_is_untouched_by_planning(tmp_path: Path) -> None:
 
     steps = gpuwatch.scan(host.root).probe("plan", addr=NV, mode="vfio")
     assert steps and sorted(str(p) for p in host.root.rglob("*")) == before
+
+
+async def test_a_cancelled_switch_ends_with_switch_failed_interrupted(host: SysRoot) -> None:
+    """SIGINT/SIGTERM in `gpuwatch mode` cancel the switch: it must end with `switch-failed`
+    ("interrupted"), never leave `switch-started` alone."""
+    add_second_card(host)  # nvidia stays loaded: the card is unbound from it, and that hangs
+    sim = SimKernel(host)
+    sim.wedge_unbind.add("nvidia")  # the unbind hangs: the cancel lands mid-switch
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        with anyio.move_on_after(0.5) as scope:
+            await w.switch(NV, "vfio", timeout=30)
+        assert scope.cancelled_caught
+        await anyio.sleep(0.05)
+    assert len(of_type(events, "switch-started")) == 1
+    failed = of_type(events, "switch-failed")
+    assert [(f.error, f.wedged, f.addr) for f in failed] == [("interrupted", False, NV)]
+    kinds = [getattr(e, "type", "") for e in events]
+    assert kinds.index("switch-started") < kinds.index("switch-failed")

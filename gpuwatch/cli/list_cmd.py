@@ -7,9 +7,10 @@ from typing import cast
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.core.reporttext import MANAGED_VALUES
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
-from gpuwatch.report import MANAGED_VALUES, PassthroughGpu, passthrough_gpus, render_list
+from gpuwatch.report import PassthroughGpu, passthrough_gpus, render_list
 from gpuwatch.service.remote import RemoteModel
 from gpuwatch.settings import tables_in_force
 

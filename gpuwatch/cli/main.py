@@ -111,11 +111,18 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # A probe the daemon answers takes the stdlib-only path: no parser of every subcommand,
-    # no pydantic (gpuwatch.cli.fast); anything it does not answer comes back here.
-    from gpuwatch.cli.fast import run_fast
+    # A probe (holders, plan, status, list) the daemon answers takes the stdlib-only path: no
+    # parser of every subcommand, no pydantic (gpuwatch.cli.fast, gpuwatch.cli.fast_report);
+    # anything it does not answer comes back here.
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] in (["status"], ["list"]):
+        from gpuwatch.cli.fast_report import run_report
 
-    fast = run_fast(sys.argv[1:] if argv is None else argv)
+        fast = run_report(words)
+    else:
+        from gpuwatch.cli.fast import run_fast
+
+        fast = run_fast(words)
     if fast is not None:
         return fast
     argv = sys.argv[1:] if argv is None else list(argv)

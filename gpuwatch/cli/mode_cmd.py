@@ -8,7 +8,9 @@ are shared by the other switch commands: plan, recover, holders.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from typing import Any
 
 import anyio
 
@@ -36,7 +38,7 @@ from gpuwatch.core.plan import (
     unhealthy_reason,
 )
 from gpuwatch.core.results import PciFunction
-from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchRefused
+from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchFailed, SwitchRefused
 from gpuwatch.host import open_host
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
@@ -128,8 +130,53 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
 
 
+class Interrupted(SwitchFailed):
+    """SIGINT or SIGTERM came during the switch: it ended with ``switch-failed``
+    (``"error": "interrupted"``), never with ``switch-started`` alone."""
+
+
 async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str,
                          target: str, mode: Mode | None) -> SwitchResult:
+    """Run ``action`` in a host of our own; SIGINT and SIGTERM cancel it cleanly."""
+    result: list[SwitchResult] = []
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            await _in_group(signals, result, args, backend, action, target, mode)
+        except BaseExceptionGroup as group:  # the switch's own error, as itself
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+    if not result:
+        raise Interrupted("interrupted by a signal; the switch ended as switch-failed "
+                          "(interrupted): check `gpuwatch mode` before retrying")
+    return result[0]
+
+
+async def _in_group(signals: Any, result: list[SwitchResult], args: argparse.Namespace,
+                    backend: Backend, action: str, target: str, mode: Mode | None) -> None:
+    if True:
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    _log_interrupt(signum)
+                    tg.cancel_scope.cancel()
+                    return
+
+            async def work() -> None:
+                result.append(await _run_in_host(args, backend, action, target, mode))
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signal)
+            tg.start_soon(work)
+
+
+def _log_interrupt(signum: int) -> None:
+    print(f"gpuwatch: {signal.Signals(signum).name}: stopping the switch", file=sys.stderr)
+
+
+async def _run_in_host(args: argparse.Namespace, backend: Backend, action: str,
+                       target: str, mode: Mode | None) -> SwitchResult:
     """Open a host of our own for the switch's duration and run ``action`` in it."""
     async with open_host(args.root, source=backend.source, config=args.config, log=args.log,
                          ops=backend.ops, geteuid=backend.geteuid, reconcile_interval=0,

@@ -8,9 +8,12 @@ groups apart and `mode vfio` refuses them unless forced; both ask this one rule.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from gpuwatch.core.pci import is_gpu_class
-from gpuwatch.core.results import PciFunction
+
+if TYPE_CHECKING:
+    from gpuwatch.core.results import PciFunction  # types only: no pydantic at import
 
 
 def kept_for_host_reason(

@@ -12,10 +12,12 @@ modprobe compares module names.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import UsageError
+
+if TYPE_CHECKING:
+    from gpuwatch.core.results import PciFunction  # types only: no pydantic at import
 
 Mode = Literal["vfio", "nvidia"]
 MODES: tuple[Mode, ...] = ("vfio", "nvidia")

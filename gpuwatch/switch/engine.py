@@ -376,6 +376,16 @@ class SwitchEngine:
                 if isinstance(exc, SwitchRefused):
                     exc.reason = str(exc)
             raise
+        except BaseException as exc:
+            # Cancelled (SIGINT/SIGTERM, a caller's timeout): `switch-started` must not be
+            # left without an end. Failures and refusals published their own already.
+            if not isinstance(exc, Exception):
+                if token is not None:
+                    _DEFERRED.reset(token)
+                    token = None
+                self._publish([ev.SwitchFailed(addr=plan.addr, group=group, to_mode=to_mode,
+                                               error="interrupted", wedged=False)])
+            raise
         finally:
             if token is not None:
                 _DEFERRED.reset(token)

@@ -1,0 +1,244 @@
+"""The stdlib-only path of ``gpuwatch status`` and ``gpuwatch list`` when a daemon answers.
+
+The full commands build their reports on the daemon's ``detect-vfio`` answer with pydantic
+models; here the same reports are built as plain dicts, in the models' field order, and
+rendered by the same text functions (`gpuwatch.core.reporttext`), so the output is byte for
+byte the full command's. Only the embedded tables are known here (they ship pre-compiled as
+JSON next to the YAML): with a config file in force, or anything else not plain, the full
+command runs instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+from importlib import resources
+from typing import Any
+
+from gpuwatch.cli.common import EXIT_OK
+from gpuwatch.cli.fast import _split, ask, compact, socket_path
+from gpuwatch.core.health import health_advice
+from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.modes import group_mode, vfio_variant
+from gpuwatch.core.reporttext import (
+    BRIDGE_CLASS,
+    MANAGED_VALUES,
+    hostdev_xml,
+    iommu_hint,
+    managed_note,
+    memlock_verdict,
+    render_list,
+    render_status,
+    vf_ready,
+)
+from gpuwatch.hostfs.files import read_attr
+
+#: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
+#: any of them in force and the full command decides the tables or the root.
+CONFIG_ENV, ROOT_ENV = "GPUWATCH_CONFIG", "GPUWATCH_ROOT"
+DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
+
+
+class Fn:
+    """A PCI function of a probe answer with the attribute names the shared rules read."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self.addr: str = data["addr"]
+        self.driver: str = data["driver"]
+        self.class_: str = data["class"]
+        self.vfio_dev: Any = data.get("vfio_dev")
+        self.health: str = data.get("health", "ok")
+        vgpu = data.get("vgpu")
+        self.vgpu = None if vgpu is None else _Vgpu(vgpu)
+
+
+class _Vgpu:
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.type: Any = data.get("type")
+
+
+def embedded_tables() -> dict[str, Any]:
+    """The embedded tables from their pre-compiled JSON form (tested to equal the YAML)."""
+    text = resources.files("gpuwatch").joinpath("data/tables.json").read_text("utf-8")
+    tables: dict[str, Any] = json.loads(text)
+    return tables
+
+
+def _plain(argv: list[str], command: str, options: frozenset[str]
+           ) -> tuple[dict[str, str], str, str | None] | None:
+    if not argv or argv[0] != command:
+        return None
+    split = _split(argv[1:], options, frozenset({"--json"}))
+    if split is None or split[0]:
+        return None
+    values = split[1]
+    if os.environ.get(CONFIG_ENV) or os.path.isfile(DEFAULT_CONFIG_PATH):
+        return None  # a config file's tables (and root): the full command reads it
+    if "--root" not in values and os.environ.get(ROOT_ENV, "").strip():
+        return None
+    return values, values.get("--root", "/"), values.get("--socket")
+
+
+def parse_status(argv: list[str]) -> tuple[bool, str, str | None] | None:
+    """``(as_json, root, socket)`` of a plain ``status`` command line, else None."""
+    plain = _plain(argv, "status", frozenset({"--root", "--socket"}))
+    return None if plain is None else ("--json" in plain[0], plain[1], plain[2])
+
+
+def parse_list(argv: list[str]) -> tuple[bool, str, str, str | None] | None:
+    """``(as_json, managed, root, socket)`` of a plain ``list`` command line, else None."""
+    plain = _plain(argv, "list", frozenset({"--root", "--socket", "--managed"}))
+    if plain is None or plain[0].get("--managed", "yes") not in MANAGED_VALUES:
+        return None
+    return "--json" in plain[0], plain[0].get("--managed", "yes"), plain[1], plain[2]
+
+
+class Remote:
+    """What the reports read of the daemon's model, through stdlib requests."""
+
+    def __init__(self, path: str, root: str) -> None:
+        self.path, self.root = path, root
+        self.tables = embedded_tables()
+        vfio = ask(path, "probe", {"action": "detect-vfio"})
+        if not isinstance(vfio, dict) or not isinstance(vfio.get("gpus"), list):
+            raise ValueError("not a detect-vfio answer")
+        self.vfio: dict[str, Any] = vfio
+        self.gpus: list[dict[str, Any]] = vfio["gpus"]
+
+    def members(self, gpu: dict[str, Any]) -> list[Fn]:
+        return [Fn(m) for m in gpu["group_members"]]
+
+    def vendor(self, gpu: dict[str, Any]) -> str:
+        vendor: str = self.tables["gpu_vendors"].get(gpu["vendor_id"],
+                                                     gpu["vendor_id"] or "unknown")
+        return vendor
+
+    def accessible(self, group: int) -> bool:
+        return group >= 0 and bool(ask(self.path, "probe",
+                                       {"action": "vfio-group-accessible", "group": group}))
+
+    def kept_for_host(self, gpu: dict[str, Any]) -> str:
+        addrs = [g["addr"] for g in self.gpus]
+        bus = os.path.join(self.root, "sys/bus/pci/devices")
+        boot_vga = {a for a in addrs if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
+        return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
+                                    console_drivers=self.tables["host_console_drivers"],
+                                    boot_vga=boot_vga, host_displays=addrs)
+
+
+def _memlock() -> dict[str, Any]:
+    def clean(value: int) -> int | None:
+        return None if value == resource.RLIM_INFINITY else value
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    verdict, hint = memlock_verdict(clean(soft))
+    return {"soft": clean(soft), "hard": clean(hard), "verdict": verdict, "hint": hint}
+
+
+def status_report(remote: Remote) -> dict[str, Any]:
+    """`gpuwatch.report.build_status` on the daemon's model, as the dict its JSON is."""
+    gpus: list[dict[str, Any]] = []
+    functions: dict[str, dict[str, Any]] = {}
+    for gpu in remote.gpus:
+        members = remote.members(gpu)
+        group: int = gpu["iommu_group"]
+        kept = remote.kept_for_host(gpu)
+        gpus.append({
+            "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
+            "device_id": gpu["device_id"], "class_label": gpu["class_label"],
+            "driver": gpu["driver"], "iommu_group": group,
+            "mode": group_mode(members),  # type: ignore[arg-type]
+            "vfio_variant": vfio_variant(members),  # type: ignore[arg-type]
+            "vfio_node": f"/dev/vfio/{group}" if group >= 0 else "",
+            "vfio_accessible": remote.accessible(group),
+            "members": [{"addr": m["addr"], "class_label": m["class_label"],
+                         "vendor_id": m["vendor_id"], "device_id": m["device_id"],
+                         "driver": m["driver"], "health": m.get("health", "ok")}
+                        for m in gpu["group_members"]],
+            "kept_for_host": bool(kept), "reason": kept,
+        })
+        functions.update((m["addr"], m) for m in gpu["group_members"])
+    vfio = remote.vfio
+    return {
+        "iommu": {"enabled": vfio["iommu_enabled"], "kind": vfio["iommu_kind"],
+                  "hint": iommu_hint(vfio["iommu_enabled"], vfio["iommu_kind"])},
+        "vfio_pci_loaded": os.path.isdir(os.path.join(remote.root, "sys/module", "vfio_pci")),
+        "nvidia_usable": bool(ask(remote.path, "probe", {"action": "detect-gpu"})),
+        "memlock": _memlock(),
+        "gpus": gpus,
+        "unhealthy": [
+            {"addr": addr, "class_label": fn["class_label"], "driver": fn["driver"],
+             "health": fn.get("health", "ok"),
+             "advice": health_advice(fn.get("health", "ok"), addr, fn["driver"], ())}
+            for addr, fn in sorted(functions.items()) if fn.get("health", "ok") != "ok"
+        ],
+    }
+
+
+def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
+    """`gpuwatch.report.passthrough_gpus` on the daemon's model, as the dicts of its JSON."""
+    out: list[dict[str, Any]] = []
+    for gpu in remote.gpus:
+        if gpu["iommu_group"] < 0:
+            continue
+        if gpu.get("physfn") and not vf_ready(Fn(gpu)):  # type: ignore[arg-type]
+            continue
+        kept = remote.kept_for_host(gpu)
+        out.append({
+            "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
+            "device_id": gpu["device_id"], "iommu_group": gpu["iommu_group"],
+            "managed": managed, "physfn": gpu.get("physfn", ""),
+            "note": "" if kept else managed_note(managed, gpu["addr"], gpu["vendor_id"]),
+            "functions": [{"addr": m["addr"], "class_label": m["class_label"],
+                           "driver": m["driver"],
+                           "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}
+                          for m in gpu["group_members"] if m["class"] != BRIDGE_CLASS],
+            "kept_for_host": bool(kept), "reason": kept,
+        })
+    return out
+
+
+
+
+def run_report(argv: list[str]) -> int | None:
+    """``gpuwatch status|list`` through the daemon with the stdlib; None: the full command."""
+    status = parse_status(argv)
+    listing = parse_list(argv) if status is None else None
+    if status is not None:
+        as_json, root, explicit = status
+    elif listing is not None:
+        as_json, root, explicit = listing[0], listing[2], listing[3]
+    else:
+        return None
+    if not os.path.isdir(root):
+        return None
+    path = socket_path(root, explicit)
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        remote = Remote(path, root)
+        if status is not None:
+            report = status_report(remote)
+            text = compact(report) if as_json else render_status(report)
+        else:
+            assert listing is not None
+            gpus = list_report(remote, listing[1])
+            text = compact(gpus) if as_json else render_list(
+                gpus, bool(remote.vfio["iommu_enabled"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no answer, an error reply or an unexpected one: the full command
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+    return EXIT_OK
+
+
+__all__ = ["Remote", "embedded_tables", "list_report", "parse_list", "parse_status",
+           "run_report", "status_report"]

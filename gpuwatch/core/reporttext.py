@@ -1,0 +1,198 @@
+"""The text of the operator reports (``status``, ``list``) and their pure rules, on the
+reports' plain JSON form: shared by `gpuwatch.report` (pydantic models, dumped) and the
+stdlib-only CLI path, so both print the same bytes. No pydantic here, by design."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gpuwatch.core.modes import on_vfio
+
+if TYPE_CHECKING:
+    from gpuwatch.core.results import PciFunction
+
+#: Enough locked memory to pin a 16 GiB guest: vfio pins all guest RAM.
+MEMLOCK_ENOUGH = 16 * 1024**3
+BRIDGE_CLASS = "0x0604"
+
+
+def iommu_hint(enabled: bool, kind: str) -> str:
+    if enabled:
+        return ""
+    if kind == "intel":
+        return "intel_iommu=on is asked for but no IOMMU group exists: enable VT-d in the firmware"
+    if kind == "amd":
+        return (
+            "amd_iommu=on is asked for but no IOMMU group exists: enable AMD-Vi/IOMMU in the "
+            "firmware"
+        )
+    return (
+        "enable VT-d/AMD-Vi in the firmware and add intel_iommu=on iommu=pt (Intel) or "
+        "amd_iommu=on iommu=pt (AMD) to the kernel command line, then reboot"
+    )
+
+
+def memlock_verdict(soft: int | None) -> tuple[str, str]:
+    """``(verdict, hint)`` of a soft RLIMIT_MEMLOCK (None: unlimited)."""
+    if soft is None:
+        return "unlimited", ""
+    if soft >= MEMLOCK_ENOUGH:
+        return "enough", "enough for a 16 GiB guest; raise it for larger ones"
+    return "too low", (
+        "vfio pins all guest memory: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the "
+        "systemd unit, `ulimit -l unlimited`, or memlock in /etc/security/limits.conf)"
+    )
+
+
+def _fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "unlimited"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= size:
+            return f"{value / size:g} {unit}"
+    return f"{value} B"
+
+
+def render_status(report: dict[str, Any]) -> str:
+    """``gpuwatch status``'s text of a status report in its JSON form."""
+    io = report["iommu"]
+    lines = [
+        f"IOMMU:    {'enabled' if io['enabled'] else 'disabled'}"
+        + (f" ({io['kind']})" if io["kind"] else ""),
+    ]
+    if io["hint"]:
+        lines.append(f"          -> {io['hint']}")
+    lines.append(
+        f"vfio-pci: {'loaded' if report['vfio_pci_loaded'] else 'not loaded (modprobe vfio-pci)'}"
+    )
+    lines.append("NVIDIA:   " + ("usable (nvidia loaded, CDI reachable, a GPU on nvidia)"
+                                 if report["nvidia_usable"] else
+                                 "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, "
+                                 "and a GPU on nvidia)"))
+    ml = report["memlock"]
+    lines.append(f"memlock:  {_fmt_bytes(ml['soft'])} (hard {_fmt_bytes(ml['hard'])}): "
+                 f"{ml['verdict']}")
+    if ml["hint"] and ml["verdict"] == "too low":
+        lines.append(f"          -> {ml['hint']}")
+    if not report["gpus"]:
+        lines.append("GPUs:     none found")
+    for gpu in report["gpus"]:
+        group = (f"group {gpu['iommu_group']}" if gpu["iommu_group"] >= 0
+                 else "no IOMMU group")
+        lines.append("")
+        variant = f" ({gpu['vfio_variant']})" if gpu["vfio_variant"] else ""
+        lines.append(
+            f"GPU {gpu['addr']}  {gpu['vendor']} {gpu['device_id']} ({gpu['class_label']})  "
+            f"{group}  mode: {gpu['mode']}{variant}"
+        )
+        if gpu["kept_for_host"]:
+            lines.append(f"  kept for the host: {gpu['reason']}")
+        for m in gpu["members"]:
+            lines.append(
+                f"  {m['addr']}  {m['class_label']:<20} {m['vendor_id']}:{m['device_id']}  "
+                f"driver: {m['driver'] or '(none)'}"
+                + (f"  health: {m['health']}" if m["health"] != "ok" else "")
+            )
+        if gpu["vfio_node"]:
+            access = (
+                "read/write ok"
+                if gpu["vfio_accessible"]
+                else "not accessible (absent or no permission)"
+            )
+            lines.append(f"  {gpu['vfio_node']}: {access}")
+    if report["unhealthy"]:
+        lines.append("")
+        lines.append("Not healthy:")
+        for bad in report["unhealthy"]:
+            lines.append(f"  {bad['addr']}  {bad['class_label']}  {bad['health']}")
+            lines.append(f"          -> {bad['advice']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- list
+
+#: The two values of libvirt's ``managed`` attribute that ``gpuwatch list --managed`` offers.
+MANAGED_VALUES = ("yes", "no")
+
+#: Said with every block set, because the choice decides who checks that nothing holds the GPU.
+MANAGED_NOTES = {
+    "yes": (
+        "managed='yes': libvirt itself detaches these functions from their host driver and "
+        "binds vfio-pci when the VM starts, without gpuwatch's holder checks (a process still "
+        "using the GPU is cut off); for hosts that switch with `gpuwatch mode`, use "
+        "`gpuwatch list --managed no`"
+    ),
+    "no": (
+        "managed='no': libvirt leaves the drivers alone; switch the group to vfio-pci before "
+        "the VM starts with `gpuwatch mode vfio --addr {addr}` (which checks holders){back}"
+    ),
+}
+#: How an NVIDIA group goes back to the host; other vendors' host drivers are not a mode.
+_BACK_TO_HOST = {
+    "0x10de": ", and back after it stops with `gpuwatch mode nvidia --addr {addr}`",
+}
+
+
+def managed_note(managed: str, addr: str, vendor_id: str) -> str:
+    """What the blocks' managed attribute means for who detaches the group."""
+    return MANAGED_NOTES[managed].format(
+        addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
+
+
+def hostdev_xml(addr: str, managed: str = "yes") -> str:
+    """libvirt's ``<hostdev>`` for one function. managed='yes' lets libvirt bind vfio-pci
+    itself; managed='no' expects the group on vfio-pci already (``gpuwatch mode vfio``)."""
+    if managed not in MANAGED_VALUES:
+        raise ValueError(f"managed must be yes or no, not {managed!r}")
+    domain, bus, rest = addr.split(":")
+    slot, function = rest.split(".")
+    return (
+        f"<hostdev mode='subsystem' type='pci' managed='{managed}'>\n"
+        "  <source>\n"
+        f"    <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' "
+        f"function='0x{function}'/>\n"
+        "  </source>\n"
+        "</hostdev>"
+    )
+
+
+def vf_ready(fn: PciFunction, variants: frozenset[str] = frozenset()) -> bool:
+    """An SR-IOV VF a guest can take now: healthy, and on VFIO, unbound (libvirt binds it), or
+    an NVIDIA vGPU VF with a vGPU type chosen. A VF on a host driver is in use by the host."""
+    if fn.health != "ok":
+        return False
+    if on_vfio(fn, variants) or not fn.driver:
+        return True
+    return fn.vgpu is not None and fn.vgpu.type != 0
+
+
+def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
+    """``gpuwatch list``'s text of the passthrough GPUs in their JSON form."""
+    offered = [g for g in gpus if not g["kept_for_host"]]
+    kept = [g for g in gpus if g["kept_for_host"]]
+    blocks: list[str] = []
+    if not offered:
+        why = "" if iommu_enabled else " (the IOMMU is off: see `gpuwatch status`)"
+        blocks.append(f"no passthrough-capable GPU{why}")
+    if kept:
+        # Its own section, before the blocks, so that copying the blocks never takes it along.
+        blocks.append("kept for the host (not offered for passthrough):")
+        for gpu in kept:
+            blocks.append(f"  GPU {gpu['addr']} {gpu['vendor']} {gpu['device_id']}, IOMMU group "
+                          f"{gpu['iommu_group']}: {gpu['reason']}")
+    for gpu in offered:
+        # The note is prose, not an XML comment: it names flags, and "--" may not appear
+        # inside one. The blocks and their comments below stay valid XML to paste.
+        blocks.append(f"note: {gpu['note']}")
+        vf = f" (SR-IOV VF of {gpu['physfn']})" if gpu["physfn"] else ""
+        blocks.append(
+            f"<!-- GPU {gpu['addr']}{vf} {gpu['vendor']} {gpu['device_id']}, IOMMU group "
+            f"{gpu['iommu_group']}: pass every function below together -->"
+        )
+        blocks.extend(f["hostdev_xml"] for f in gpu["functions"] if f["hostdev_xml"] is not None)
+    return "\n".join(blocks)
+
+
+__all__ = ["BRIDGE_CLASS", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
+           "iommu_hint", "managed_note", "memlock_verdict", "render_list", "render_status",
+           "vf_ready"]
