@@ -108,6 +108,15 @@ async def test_empty_file_ends_without_batches(tmp_path: Path) -> None:
         src.close()
 
 
+async def test_dev_null_ends_without_batches() -> None:
+    """``/dev/null`` is a character device epoll refuses (EPERM), for root and users alike."""
+    src = JsonlFileSource("/dev/null")
+    try:
+        assert await collect(src) == []
+    finally:
+        src.close()
+
+
 async def test_malformed_lines_are_skipped_and_the_rest_delivered(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -171,6 +171,12 @@ class JsonlFileSource:
                     await anyio.wait_readable(self._fd)
                 except anyio.ClosedResourceError:
                     return
+                except PermissionError:
+                    # epoll refuses some character devices (``/dev/null``): they never
+                    # block, so read them like a regular file.
+                    self._pollable = False
+                    os.set_blocking(self._fd, True)
+                    continue
                 if self._fd < 0:
                     return
                 try:
