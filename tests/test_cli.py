@@ -8,20 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_main as run_cli
 
-from gpuwatch.cli.main import main
 from gpuwatch.testing import SysRoot
 
 NV, NV_AUDIO = "0000:01:00.0", "0000:01:00.1"
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse exits for its own errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_probe_prints_action_and_result(host: SysRoot, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_main
 
 import gpuwatch
 from gpuwatch.cli.main import main
@@ -46,12 +47,7 @@ def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(hostops, "backend_factory", backend)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        try:
-            code = main([*argv, "--root", str(s.root)])
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return code, out, err
+        return run_main(capsys, *argv, "--root", str(s.root))
 
     return run, sim
 

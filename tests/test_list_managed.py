@@ -9,21 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 from cli_helpers import run_cli as run_cli_async
+from cli_helpers import run_main as run_cli
 
-from gpuwatch.cli.main import main
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
 
 NV, NV_AUDIO, IGPU = "0000:01:00.0", "0000:01:00.1", "0000:00:02.0"
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def xml_part(text: str) -> ET.Element:

@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_main as cli
 
 import gpuwatch
-from gpuwatch.cli.main import main
 from gpuwatch.core.kfd import format_gfx_target
 from gpuwatch.core.modes import group_mode
 from gpuwatch.core.pci import canonical_addr, is_pci_addr
@@ -31,13 +31,6 @@ from gpuwatch.testing.machines import (
 NV = "0000:01:00.0"
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def probe(root: SysRoot | Path, action: str, **kw: object) -> object:

@@ -12,22 +12,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_helpers import run_main as cli
 
 import gpuwatch
-from gpuwatch.cli.main import main
 from gpuwatch.settings import config_file_path, load_settings, root_in_force, tables_in_force
 from gpuwatch.testing.machines import bmc_server_host
 
 ASPEED_VGA = "0000:03:00.0"
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import run_main
 
 import gpuwatch
-from gpuwatch.cli.main import main
 from gpuwatch.errors import DeviceNotFound, GroupPoisoned, SwitchRefused
 from gpuwatch.hostfs.procfs import nvidia_holders, read_each
 from gpuwatch.switch import hostops
@@ -39,12 +39,7 @@ def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFi
     monkeypatch.setattr(hostops, "backend_factory", backend)
 
     def run(*argv: str) -> tuple[int, str, str]:
-        try:
-            code = main([*argv, "--root", str(s.root)])
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out, err = capsys.readouterr()
-        return code, out, err
+        return run_main(capsys, *argv, "--root", str(s.root))
 
     return run, kernel
 
