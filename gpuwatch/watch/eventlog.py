@@ -205,6 +205,61 @@ def _last_seq_of_file(path: str) -> int | None:
     return None
 
 
+def _first_line_after(f: IO[bytes], pos: int, end: int) -> tuple[int, int] | None:
+    """``(offset, seq)`` of the first decodable line that starts at or after ``pos``
+    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``."""
+    at = pos
+    buf = b""
+    if pos > 0:  # skip to the start of the next line
+        while True:
+            f.seek(at)
+            chunk = f.read(min(_CHUNK, end - at)) if at < end else b""
+            if not chunk:
+                return None
+            nl = chunk.find(b"\n")
+            if nl >= 0:
+                at += nl + 1
+                break
+            at += len(chunk)
+    while at < end:
+        f.seek(at)
+        while True:
+            chunk = f.read(min(_CHUNK, end - at - len(buf)))
+            buf += chunk
+            nl = buf.find(b"\n")
+            if nl >= 0 or not chunk:
+                break
+        if nl < 0:
+            return None  # a torn tail: no complete line here
+        decoded = _decode(buf[:nl])
+        if decoded is not None:
+            seq: int = decoded[0]["seq"]
+            return at, seq
+        at += nl + 1
+        buf = buf[nl + 1 :]
+    return None
+
+
+def _offset_after_seq(f: IO[bytes], since_seq: int) -> int:
+    """Where in ``f`` a reader of ``seq > since_seq`` may start, found by bisection.
+
+    Seqs grow down a log, so this reads O(log size) windows instead of the whole file.
+    The offset is a line start at or before the first wanted line: the reader's own
+    ``seq`` filter drops the few earlier lines it may still meet.
+    """
+    end = f.seek(0, os.SEEK_END)
+    start, lo, hi = 0, 0, end
+    while hi - lo > _CHUNK:
+        mid = (lo + hi) // 2
+        found = _first_line_after(f, mid, hi)
+        if found is None or found[1] > since_seq:
+            hi = mid
+        else:
+            start = found[0]
+            lo = found[0] + 1
+    return start
+
+
 def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
@@ -583,7 +638,34 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
+        if old_anchor is None and self._last_seq is not None:
+            self._skip_to(self._last_seq)
         return True
+
+    def _skip_to(self, since_seq: int) -> None:
+        """Start a replay at ``since_seq`` without reading what precedes it.
+
+        Whole rotated files whose last seq is at most ``since_seq`` are passed over (each
+        read backwards from its end, a window or two), then the first file that still
+        holds wanted events is entered by bisection: a replay from near the end of a
+        384 MiB log costs a few reads, not 384 MiB.
+        """
+        while self._pending:
+            src = self._pending[0]
+            last = None
+            for raw in _reverse_lines(src.file):
+                decoded = _decode(raw)
+                if decoded is not None:
+                    last = decoded[0]["seq"]
+                    break
+            if last is None or last > since_seq:
+                break
+            self._pending.popleft()
+            self._finish(src)
+        first = self._pending[0] if self._pending else self._live
+        if first is not None:
+            first.file.seek(_offset_after_seq(first.file, since_seq))
+            first.buf.clear()
 
     def _scan(self) -> tuple[_Source | None, list[_Source]]:
         """Open files newer than the anchor: (PATH's file or None, rotated ones newest first).
