@@ -16,7 +16,7 @@ import os
 import shlex
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
@@ -246,10 +246,8 @@ def run_fast(argv: Sequence[str]) -> int | None:
         method, params, root, explicit = "plan", plan[0], plan[2], plan[3]
     else:
         return None
-    if not os.path.isdir(root):
-        return None
-    path = socket_path(root, explicit)
-    if path is None or not os.path.exists(path):
+    path = daemon_socket(root, explicit)
+    if path is None:
         return None
     try:
         result = ask(path, method, params)
@@ -260,7 +258,7 @@ def run_fast(argv: Sequence[str]) -> int | None:
     except (OSError, ValueError):
         return None  # no answer, or an error reply: the full command decides what to do
     code = EXIT_OK
-    try:
+    with reader_may_leave():
         if probe is not None:
             print(compact({"action": probe[0], "result": result}))
         elif holders is not None:
@@ -268,11 +266,28 @@ def run_fast(argv: Sequence[str]) -> int | None:
         elif plan is not None:
             code = print_plan(result, plan[1], compact)
         sys.stdout.flush()
-    except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
     return code
 
 
-__all__ = ["compact", "parse_holders", "parse_plan", "parse_probe", "print_holders",
-           "print_plan", "render_plan", "run_fast", "socket_path"]
+def daemon_socket(root: str, explicit: str | None) -> str | None:
+    """The daemon's socket for ``root`` when one exists there; None sends the command the
+    full way (which also reports a root that is not a folder)."""
+    if not os.path.isdir(root):
+        return None
+    path = socket_path(root, explicit)
+    return path if path is not None and os.path.exists(path) else None
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """A reader that closes the pipe early (``| head``) is no error: print nothing more."""
+    try:
+        yield
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+
+
+__all__ = ["compact", "daemon_socket", "parse_holders", "parse_plan", "parse_probe",
+           "print_holders", "print_plan", "reader_may_leave", "render_plan", "run_fast",
+           "socket_path"]

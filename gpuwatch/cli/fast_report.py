@@ -10,7 +10,6 @@ command runs instead.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -19,7 +18,7 @@ from importlib import resources
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK
-from gpuwatch.cli.fast import _split, ask, compact, socket_path
+from gpuwatch.cli.fast import _split, ask, compact, daemon_socket, reader_may_leave
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.modes import group_mode, vfio_variant
@@ -214,10 +213,8 @@ def run_report(argv: list[str]) -> int | None:
         as_json, root, explicit = listing[0], listing[2], listing[3]
     else:
         return None
-    if not os.path.isdir(root):
-        return None
-    path = socket_path(root, explicit)
-    if path is None or not os.path.exists(path):
+    path = daemon_socket(root, explicit)
+    if path is None:
         return None
     try:
         remote = Remote(path, root)
@@ -231,12 +228,9 @@ def run_report(argv: list[str]) -> int | None:
                 gpus, bool(remote.vfio["iommu_enabled"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # no answer, an error reply or an unexpected one: the full command
-    try:
+    with reader_may_leave():
         print(text)
         sys.stdout.flush()
-    except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
     return EXIT_OK
 
 
