@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -43,6 +43,8 @@ class MalformedLine(CallerError, ValueError):
 
 
 _DECODE = json.JSONDecoder().decode
+#: The C scanner under it: ``(value, end)`` for the JSON value at an index, no Python frames.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def parse_jsonl_line(raw: bytes | str) -> UEvent:
@@ -93,24 +95,54 @@ class _LineSplitter:
             self._discarding = False
             self.lineno += 1
             chunk = chunk[cut + 1 :]
-        lines = (self._tail + chunk).split(b"\n")
-        self._tail = lines.pop()
+        data = self._tail + chunk if self._tail else chunk
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self._tail = data
+            complete = b""
+        else:
+            complete, self._tail = data[:cut], data[cut + 1 :]
         if len(self._tail) > MAX_LINE:
-            self._skip(self.lineno + len(lines) + 1, f"line longer than {MAX_LINE} bytes")
+            lines = complete.count(b"\n") + 1 if cut >= 0 else 0
+            self._skip(self.lineno + lines + 1, f"line longer than {MAX_LINE} bytes")
             self._tail = b""
             self._discarding = True
-        return self._parse(lines)
+        if cut < 0:
+            return []
+        try:
+            # One decode for the chunk: every line of it is then parsed from text.
+            return self._parse(complete.decode("utf-8").split("\n"))
+        except UnicodeDecodeError:
+            return self._parse(complete.split(b"\n"))  # the odd line is skipped, alone
 
     def finish(self) -> list[UEvent]:
         """At EOF: a last line without a newline still counts."""
         tail, self._tail = self._tail, b""
         return [] if self._discarding else self._parse([tail])
 
-    def _parse(self, lines: list[bytes]) -> list[UEvent]:
+    def _parse(self, lines: list[bytes] | list[str]) -> list[UEvent]:
         events: list[UEvent] = []
         append = events.append
+        scan, new, proxy = _SCAN, tuple.__new__, MappingProxyType
         for raw in lines:
             self.lineno += 1
+            # The common line, a compact object of strings, straight through the C scanner;
+            # anything else (spaces around it, numbers, garbage) through parse_jsonl_line.
+            if type(raw) is str and raw[:1] == "{":
+                try:
+                    obj, end = scan(raw, 0)
+                except (StopIteration, ValueError):
+                    end = -1
+                if end == len(raw) and type(obj) is dict:
+                    for value in obj.values():
+                        if type(value) is not str:
+                            break
+                    else:
+                        get = obj.get
+                        # UEvent(...) without the NamedTuple's Python-level __new__.
+                        append(new(UEvent, (get("ACTION", ""), get("DEVPATH", ""),
+                                            get("SUBSYSTEM", ""), proxy(obj))))
+                        continue
             try:
                 append(parse_jsonl_line(raw))
             except MalformedLine as exc:
