@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import CallerError
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
@@ -78,49 +79,23 @@ def parse_jsonl_line(raw: bytes | str) -> UEvent:
 
 
 class _LineSplitter:
-    """Turns chunks into events; keeps the incomplete last line for the next chunk."""
+    """Turns chunks into events through the shared framer (which keeps the incomplete
+    last line for the next chunk and drops an over-long one without holding it)."""
 
     def __init__(self, origin: str) -> None:
         self._origin = origin
-        self._tail = b""
-        self._discarding = False
+        self._framer = LineFramer(MAX_LINE)
         self.lineno = 0
         self.skipped = 0
 
     def feed(self, chunk: bytes) -> list[UEvent]:
-        if self._discarding:
-            cut = chunk.find(b"\n")
-            if cut < 0:
-                return []
-            self._discarding = False
-            self.lineno += 1
-            chunk = chunk[cut + 1 :]
-        data = self._tail + chunk if self._tail else chunk
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            self._tail = data
-            complete = b""
-        else:
-            complete, self._tail = data[:cut], data[cut + 1 :]
-        if len(self._tail) > MAX_LINE:
-            lines = complete.count(b"\n") + 1 if cut >= 0 else 0
-            self._skip(self.lineno + lines + 1, f"line longer than {MAX_LINE} bytes")
-            self._tail = b""
-            self._discarding = True
-        if cut < 0:
-            return []
-        try:
-            # One decode for the chunk: every line of it is then parsed from text.
-            return self._parse(complete.decode("utf-8").split("\n"))
-        except UnicodeDecodeError:
-            return self._parse(complete.split(b"\n"))  # the odd line is skipped, alone
+        return self._parse(self._framer.feed(chunk))
 
     def finish(self) -> list[UEvent]:
         """At EOF: a last line without a newline still counts."""
-        tail, self._tail = self._tail, b""
-        return [] if self._discarding else self._parse([tail])
+        return self._parse(self._framer.finish())
 
-    def _parse(self, lines: list[bytes] | list[str]) -> list[UEvent]:
+    def _parse(self, lines: list[bytes]) -> list[UEvent]:
         events: list[UEvent] = []
         append = events.append
         scan, new, proxy = _SCAN, tuple.__new__, MappingProxyType
@@ -128,12 +103,13 @@ class _LineSplitter:
             self.lineno += 1
             # The common line, a compact object of strings, straight through the C scanner;
             # anything else (spaces around it, numbers, garbage) through parse_jsonl_line.
-            if type(raw) is str and raw[:1] == "{":
+            if raw[:1] == b"{":
                 try:
-                    obj, end = scan(raw, 0)
-                except (StopIteration, ValueError):
-                    end = -1
-                if end == len(raw) and type(obj) is dict:
+                    text = raw.decode("utf-8")
+                    obj, end = scan(text, 0)
+                except (StopIteration, ValueError):  # UnicodeDecodeError is a ValueError
+                    text, end = "", -1
+                if end == len(text) and type(obj) is dict:
                     for value in obj.values():
                         if type(value) is not str:
                             break
@@ -146,7 +122,9 @@ class _LineSplitter:
             try:
                 append(parse_jsonl_line(raw))
             except MalformedLine as exc:
-                if raw.strip():  # blank lines are just spacing
+                if raw is TOO_LONG:
+                    self._skip(self.lineno, f"line longer than {MAX_LINE} bytes")
+                elif raw.strip():  # blank lines are just spacing
                     self._skip(self.lineno, str(exc))
         return events
 
