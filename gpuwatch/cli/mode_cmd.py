@@ -8,7 +8,6 @@ are shared by the other switch commands: plan, recover, holders.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -132,17 +131,6 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
             print(f"  {m.addr}  {m.driver or '(no driver)'}")
     for note in result.notes:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
-
-
-def switch_backend(root: str) -> Backend:
-    """The host ops of a switch command. Tests set ``GPUWATCH_TESTING_SIMKERNEL`` to run a
-    real ``gpuwatch`` process against a saved simulated kernel (`gpuwatch.testing.simkernel`)."""
-    saved = os.environ.get("GPUWATCH_TESTING_SIMKERNEL")
-    if saved:
-        from gpuwatch.testing.simkernel import load_backend
-
-        return load_backend(saved, root)
-    return make_backend(root)
 
 
 class _Signalled(BaseException):
@@ -315,7 +303,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
             members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
             duration_ms=0.0, changed=False, notes=[]), args.json)
         return EXIT_OK
-    backend = switch_backend(args.root)
+    backend = make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "
                             "modules)")

@@ -52,13 +52,13 @@ if TYPE_CHECKING:
     from gpuwatch.host import Host
     from gpuwatch.switch.engine import SwitchEngine
 
-__all__ = ["DEFAULT_TOOLS", "SIMKERNEL_ENV", "SimKernel", "load_backend", "save_for_subprocess",
-           "simulated_switch"]
+__all__ = ["DEFAULT_TOOLS", "SIMKERNEL_ENV", "SimKernel", "install_saved_backend", "load_backend",
+           "save_for_subprocess", "simulated_switch"]
 
 #: Tests only: the path of a simulated kernel saved by `save_for_subprocess`. A switch command
-#: (``gpuwatch mode``) run with it set switches that saved fixture instead of a host, so a
-#: test can drive a real ``python -m gpuwatch`` process (signals and all). Never set it
-#: elsewhere: the command then acts on the fixture, not on the machine.
+#: of ``python -m gpuwatch`` (``mode``, ``recover``…) run with it set switches that saved
+#: fixture instead of a host, so a test can drive a real process (signals and all). Never set
+#: it elsewhere: the command then acts on the fixture, not on the machine.
 SIMKERNEL_ENV = "GPUWATCH_TESTING_SIMKERNEL"
 
 DEFAULT_TOOLS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "systemctl"})
@@ -461,6 +461,14 @@ def save_for_subprocess(sim: SimKernel, path: str | os.PathLike[str], *, euid: i
         raise ValueError("save the simulated kernel before any watcher uses it")
     with open(path, "wb") as fh:
         pickle.dump({"sim": sim, "euid": euid, "root": os.path.realpath(sim.root)}, fh)
+
+
+def install_saved_backend(path: str) -> None:
+    """Make every switch command of this process use the kernel saved at ``path`` (what
+    ``python -m gpuwatch`` does when `SIMKERNEL_ENV` is set)."""
+    from gpuwatch.switch import hostops
+
+    hostops.backend_factory = lambda root: load_backend(path, root)
 
 
 def load_backend(path: str, root: str) -> Backend:
