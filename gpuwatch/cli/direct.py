@@ -74,7 +74,7 @@ def run_direct(argv: Sequence[str]) -> int | None:
         text = compact({"action": action, "result": result})
     except KeyboardInterrupt:
         return 130
-    except Exception:  # noqa: BLE001 - whatever it is, the full command reports it its way
+    except Exception:  # whatever it is, the full command reports it in its words
         return None
     with reader_may_leave():
         print(text)
