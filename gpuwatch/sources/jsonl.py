@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +44,8 @@ class MalformedLine(CallerError, ValueError):
 
 
 _DECODE = json.JSONDecoder().decode
+#: The C scanner under it: ``(value, end)`` for the JSON value at an index, no Python frames.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def parse_jsonl_line(raw: bytes | str) -> UEvent:
@@ -96,8 +98,27 @@ class _LineSplitter:
     def _parse(self, lines: list[bytes]) -> list[UEvent]:
         events: list[UEvent] = []
         append = events.append
+        scan, new, proxy = _SCAN, tuple.__new__, MappingProxyType
         for raw in lines:
             self.lineno += 1
+            # The common line, a compact object of strings, straight through the C scanner;
+            # anything else (spaces around it, numbers, garbage) through parse_jsonl_line.
+            if raw[:1] == b"{":
+                try:
+                    text = raw.decode("utf-8")
+                    obj, end = scan(text, 0)
+                except (StopIteration, ValueError):  # UnicodeDecodeError is a ValueError
+                    text, end = "", -1
+                if end == len(text) and type(obj) is dict:
+                    for value in obj.values():
+                        if type(value) is not str:
+                            break
+                    else:
+                        get = obj.get
+                        # UEvent(...) without the NamedTuple's Python-level __new__.
+                        append(new(UEvent, (get("ACTION", ""), get("DEVPATH", ""),
+                                            get("SUBSYSTEM", ""), proxy(obj))))
+                        continue
             try:
                 append(parse_jsonl_line(raw))
             except MalformedLine as exc:
