@@ -32,6 +32,7 @@ import anyio.lowlevel
 
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError
+from gpuwatch.watch.handover import Handover
 
 __all__ = [
     "EventLog",
@@ -559,7 +560,9 @@ class _Follower:
         types: Collection[str] | None,
     ) -> None:
         self._path = os.fspath(path)
-        self._last_seq = since_seq
+        self._since_seq = since_seq
+        # The duplicate guard: a scan that raced a rotation may open a file twice.
+        self._handover = Handover(since_seq)
         self._types = None if types is None else frozenset(types)
         self._pending: deque[_Source] = deque()
         self._live: _Source | None = None
@@ -582,11 +585,8 @@ class _Follower:
             if decoded is None:
                 continue
             event, text = decoded
-            seq: int = event["seq"]
-            # Also the duplicate guard: a scan that raced a rotation may open a file twice.
-            if self._last_seq is not None and seq <= self._last_seq:
+            if not self._handover.fresh(event["seq"]):
                 continue
-            self._last_seq = seq
             if self._types is not None and event["type"] not in self._types:
                 continue
             out.append(EventRecord(event, text))
@@ -690,12 +690,11 @@ class _Follower:
             n = complete.count(b"\n")
             first = _head_seq(complete)
             last = _head_seq(complete[complete.rfind(b"\n", 0, cut - 1) + 1 :])
-            prev = self._last_seq
             if (first is not None and last is not None and last - first + 1 == n
-                    and (prev is None or first > prev)
+                    and first > self._handover.last_seq
                     and complete.count(b"\n" + _SEQ_HEAD) == n - 1
                     and complete.count(b"}\n") == n):
-                self._last_seq = last
+                self._handover.last_seq = last
                 return RawChunk(first, last, complete)
         return self._decoded(complete.split(b"\n")[:-1], wants)
 
@@ -703,23 +702,23 @@ class _Follower:
                  ) -> RawChunk | None:
         """`RawChunk` of the lines that are events after the last seq (decoding each)."""
         kept: list[bytes] = []
-        start, prev = None, self._last_seq
+        start: int | None = None
+        last = 0
         for raw in lines:
             decoded = _decode(raw)
             if decoded is None:
                 continue
             event = decoded[0]
             seq: int = event["seq"]
-            if prev is not None and seq <= prev:
+            if not self._handover.fresh(seq):
                 continue  # the duplicate guard of `_feed`
-            prev = seq
+            last = seq
             start = seq if start is None else start
             if wants is None or wants(event["type"], event.get("addr")):
                 kept.append(raw + b"\n")
-        if start is None or prev is None:
+        if start is None:
             return None
-        self._last_seq = prev
-        return RawChunk(start, prev, b"".join(kept))
+        return RawChunk(start, last, b"".join(kept))
 
     # -- rotation
 
@@ -750,8 +749,8 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
-        if old_anchor is None and self._last_seq is not None:
-            self._skip_to(self._last_seq)
+        if old_anchor is None and self._since_seq is not None:
+            self._skip_to(self._since_seq)
         return True
 
     def _skip_to(self, since_seq: int) -> None:

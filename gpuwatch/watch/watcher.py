@@ -42,7 +42,8 @@ from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
-from gpuwatch.watch.subscription import Subscription, first_is_next
+from gpuwatch.watch.handover import first_is_next
+from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
 
