@@ -231,6 +231,25 @@ def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
     assert seqs(read_events(path)) == [1, 2]
 
 
+def test_follower_skips_an_over_long_line_without_holding_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line over the follower's cap is no event of ours: skipped, and the events on
+    either side of it still arrive (also when it is still being written)."""
+    monkeypatch.setattr(eventlog, "MAX_EVENT_LINE", 1000)
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n" + line(2, pad="p" * 5000) + "\n" + line(3) + "\n")
+    assert seqs(read_events(path)) == [1, 3]
+    with path.open("a") as f:
+        f.write(line(4, pad="q" * 300_000)[:200_000])  # torn, and already too long
+    stop = iter([False, False, False, True]).__next__
+    got = list(follow_events(path, poll_interval=0.01, stop=stop))
+    with path.open("a") as f:
+        f.write("q" * 100 + "\n" + line(5) + "\n")
+    assert seqs(got) == [1, 3]
+    assert seqs(read_events(path)) == [1, 3, 5]
+
+
 @pytest.mark.parametrize("since", [0, 1, 4_999, 5_000, 5_001, 19_990, 29_999, 30_000, 31_000])
 def test_replay_since_seq_bisects_instead_of_reading_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, since: int

@@ -4,6 +4,7 @@ slow readers, many clients, reconnecting with ``since_seq``, and the CLI asking 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -858,3 +859,38 @@ def test_ask_daemon_falls_back_only_when_that_is_safe(
         assert outcome == ("answer" if answer is not None else "fallback")
         assert answer is None or answer.value == "nvidia"
     thread.join(5)
+
+
+def test_client_refuses_a_reply_longer_than_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile or broken daemon streaming one endless line: the client gives up at its cap
+    (holding no more than that) with a one-line error instead of reading forever; the lines
+    before it are still read."""
+    from gpuwatch.service import client as client_mod
+
+    monkeypatch.setattr(client_mod, "_MAX_REPLY", 4096)
+    with short_socket_dir() as where:
+        path = os.path.join(where, "fake.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(b'{"id":1,"result":"first"}\n' + b'{"id":2,"result":"')
+                with contextlib.suppress(OSError):
+                    for _ in range(64):
+                        conn.sendall(b"z" * 1024)
+                    conn.recv(1)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            with Client(path, timeout=10) as c:
+                assert c.call("probe", {"action": "x"}) == "first"
+                with pytest.raises(client_mod.DaemonUnavailable, match="longer than 4096"):
+                    c.call("probe", {"action": "y"})
+        finally:
+            listener.close()
+            thread.join(10)

@@ -158,6 +158,31 @@ async def test_malformed_lines_are_skipped_and_the_rest_delivered(
     assert any(f"{path}:13:" in m for m in skipped)
 
 
+async def test_over_long_line_is_skipped_without_holding_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line over the cap (a binary file, a lost newline) is dropped with its line number,
+    whether it arrives whole in one chunk or across many; its neighbours still count."""
+    from gpuwatch.sources import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE", 300)
+    good = [props(i) for i in range(3)]
+    path = tmp_path / "ev.jsonl"
+    path.write_text(json.dumps(good[0]) + "\n" + "x" * 2000 + "\n" + json.dumps(good[1])
+                    + "\n" + '{"ACTION": "' + "y" * 400 + '"}\n' + json.dumps(good[2]))
+    caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
+    for chunk_size in (64, 1 << 20):
+        caplog.clear()
+        src = JsonlFileSource(path, chunk_size=chunk_size)
+        try:
+            assert flat(await collect(src)) == good
+        finally:
+            src.close()
+        skipped = [r.getMessage() for r in caplog.records
+                   if "longer than 300 bytes" in r.getMessage()]
+        assert [m.split(": ")[0] for m in skipped] == [f"{path}:2", f"{path}:4"]
+
+
 async def test_round_trip_uevent_to_json_through_the_source(tmp_path: Path) -> None:
     events = [
         UEvent.from_properties(props(1, "add")),

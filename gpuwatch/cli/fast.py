@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
+from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.pci import canonical_addr
 
 #: The daemon's socket unless ``$GPUWATCH_SOCKET`` or ``--socket`` names another.
@@ -213,21 +214,16 @@ def ask(path: str, method: str, params: dict[str, Any]) -> Any:
         sock.settimeout(TIMEOUT)
         sock.connect(path)
         sock.sendall(request)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
+        framer = LineFramer(MAX_REPLY)
+        lines: list[bytes] = []
+        while not lines:
             chunk = sock.recv(1 << 16)
             if not chunk:
                 raise ConnectionError("the daemon closed the connection")
-            newline = chunk.find(b"\n")
-            if newline >= 0:
-                chunks.append(chunk[:newline])
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_REPLY:
-                raise ValueError("reply too long")
-    reply = json.loads(b"".join(chunks))
+            lines = framer.feed(chunk)
+    if lines[0] is TOO_LONG:
+        raise ValueError("reply too long")
+    reply = json.loads(lines[0])
     if not isinstance(reply, dict) or reply.get("id") != 1 or "result" not in reply:
         raise ValueError("not a result")
     return reply["result"]

@@ -26,13 +26,13 @@ from gpuwatch.core.events import (
     DeviceChanged,
     DeviceError,
     DeviceRemoved,
-    DriverChanged,
     GpuWedged,
     IommuGroupChanged,
     NodeAdded,
     NodeRemoved,
     ProbeChanged,
     VgpuChanged,
+    driver_changed,
 )
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
@@ -70,6 +70,7 @@ from gpuwatch.core.results import (
     Vgpu,
 )
 from gpuwatch.core.tables import Tables
+from gpuwatch.core.trusted import evolve
 
 #: Cached answers whose changes are published as ``probe-changed`` events.
 WATCHED_PROBES = (
@@ -81,6 +82,8 @@ WATCHED_PROBES = (
     "detect-host-devices",
 )
 
+#: The fields a ``device-changed`` names, in the order it names them.
+_DEVICE_FIELDS = ("vfio_dev", "vfio_cdev", "sriov", "physfn", "health")
 _VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
 #: A VFIO device cdev (``vfio-dev/vfioN`` of a function) and the iommufd node.
 _VFIO_CDEV_RE = re.compile(r"^/dev/vfio/devices/vfio[0-9]+$")
@@ -235,22 +238,31 @@ class HostState:
         else:
             self.boot_vga.discard(seen.addr)
         cdev = self._cdev_path(seen)
-        # Field by field before building anything: the label follows from the class, so this
-        # is `old == new` without constructing `new` or running pydantic's __eq__.
         if (
             old is not None
-            and old.driver == seen.driver
-            and old.iommu_group == seen.iommu_group
             and old.vendor_id == seen.vendor_id
             and old.device_id == seen.device_id
             and old.class_ == seen.klass
-            and old.vfio_dev == seen.vfio_dev
-            and old.vfio_cdev == cdev
-            and old.physfn == seen.physfn
-            and _same_sriov(old.sriov, seen.sriov)
-            and _same_vgpu(old.vgpu, seen.vgpu)
         ):
+            # The same card. Field by field before building anything: the label follows from
+            # the class, so this is `old == new` without constructing `new`.
+            if not (
+                old.driver == seen.driver
+                and old.iommu_group == seen.iommu_group
+                and old.vfio_dev == seen.vfio_dev
+                and old.vfio_cdev == cdev
+                and old.physfn == seen.physfn
+                and _same_sriov(old.sriov, seen.sriov)
+                and _same_vgpu(old.vgpu, seen.vgpu)
+            ):
+                self._pci_update(old, seen, cdev, events)
             return
+        if old is not None:
+            # Another card in the same slot: report it as the swap it is.
+            self._pci_gone(seen.addr, events)
+            self.devpaths[seen.addr] = seen.devpath
+            if seen.boot_vga:
+                self.boot_vga.add(seen.addr)
         new = PciFunction(
             addr=seen.addr,
             vendor_id=seen.vendor_id,
@@ -264,46 +276,49 @@ class HostState:
             sriov=_sriov(seen.sriov),
             physfn=seen.physfn,
             vgpu=_vgpu(seen.vgpu),
-            # A bind to another driver is a fresh start: it clears a failed or wedged state.
-            health=(
-                old.health
-                if old is not None and (old.driver == seen.driver or not seen.driver)
-                else "ok"
-            ),
         )
-        if old is not None and (
-            old.vendor_id != new.vendor_id
-            or old.device_id != new.device_id
-            or old.class_ != new.class_
-        ):
-            # Another card in the same slot: report it as the swap it is.
-            self._pci_gone(seen.addr, events)
-            old = None
-            self.devpaths[seen.addr] = seen.devpath
-            if seen.boot_vga:
-                self.boot_vga.add(seen.addr)
-            if new.health != "ok":
-                new = new.model_copy(update={"health": "ok"})
         self._set_cdev(seen.addr, seen.vfio_cdev)
+        self._store_function(None, new)
+        events.append(DeviceAdded(addr=new.addr, device=new))
+
+    def _pci_update(self, old: PciFunction, seen: PciSeen, cdev: str,
+                    events: list[BaseModel]) -> None:
+        """The same card with something it can change changed (a bind or unbind above all):
+        the new record is the old one with just those fields replaced (`evolve`, no
+        validation: a storm does this per uevent), and the events name exactly them. The
+        same record and events as building it anew would give (a test compares the two)."""
+        update: dict[str, Any] = {}
+        if old.driver != seen.driver:
+            update["driver"] = seen.driver
+            if seen.driver and old.health != "ok":
+                # A bind to another driver is a fresh start: it clears a failed or wedged state.
+                update["health"] = "ok"
+        if old.iommu_group != seen.iommu_group:
+            update["iommu_group"] = seen.iommu_group
+        if old.vfio_dev != seen.vfio_dev:
+            update["vfio_dev"] = seen.vfio_dev
+        if old.vfio_cdev != cdev:
+            update["vfio_cdev"] = cdev
+        if not _same_sriov(old.sriov, seen.sriov):
+            update["sriov"] = _sriov(seen.sriov)
+        if old.physfn != seen.physfn:
+            update["physfn"] = seen.physfn
+        if not _same_vgpu(old.vgpu, seen.vgpu):
+            update["vgpu"] = _vgpu(seen.vgpu)
+        new = evolve(old, update)
+        addr = seen.addr
+        self._set_cdev(addr, seen.vfio_cdev)
         self._store_function(old, new)
-        if old is None:
-            events.append(DeviceAdded(addr=new.addr, device=new))
-            return
-        if old.driver != new.driver:
-            events.append(DriverChanged(addr=new.addr, old=old.driver, new=new.driver))
-        if old.iommu_group != new.iommu_group:
-            events.append(
-                IommuGroupChanged(addr=new.addr, old=old.iommu_group, new=new.iommu_group)
-            )
-        changed = [
-            name
-            for name in ("vfio_dev", "vfio_cdev", "sriov", "physfn", "health")
-            if getattr(old, name) != getattr(new, name)
-        ]
+        if "driver" in update:
+            events.append(driver_changed(addr, old.driver, seen.driver))
+        if "iommu_group" in update:
+            events.append(IommuGroupChanged(addr=addr, old=old.iommu_group,
+                                            new=seen.iommu_group))
+        changed = [name for name in _DEVICE_FIELDS if name in update]
         if changed:
-            events.append(DeviceChanged(addr=new.addr, changed=changed, device=new))
-        if old.vgpu != new.vgpu:
-            events.append(VgpuChanged(addr=new.addr, vgpu=new.vgpu))
+            events.append(DeviceChanged(addr=addr, changed=changed, device=new))
+        if "vgpu" in update:
+            events.append(VgpuChanged(addr=addr, vgpu=new.vgpu))
 
     def _cdev_path(self, seen: PciSeen) -> str:
         """The cdev the model reports: sysfs names it and the node exists under the root."""

@@ -6,6 +6,7 @@ does not grow with the host) and `scan` the full one (initial model, resync, rec
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -13,6 +14,7 @@ import shutil
 import stat as stat_mod
 
 from gpuwatch.core.kfd import parse_gfx_target_version
+from gpuwatch.core.modes import is_vfio_driver, variant_keys
 from gpuwatch.core.observations import (
     CdiSeen,
     DrmGone,
@@ -40,6 +42,8 @@ _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 _VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
 _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
+_NO_VFIO_DEV = ("", "")
+_NO_LINKS = ("", -1)
 
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
@@ -92,6 +96,8 @@ class HostPaths:
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
         self.identity: dict[str, tuple[int, int, str, str, str, bool, str, bool]] = {}
+        #: Function directory → (driver, IOMMU group) as last read, for the same shortcut.
+        self.links: dict[str, tuple[str, int]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -121,6 +127,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
             seen = _read_function_dir(candidate, addr, devpath)
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
+                    paths.links[candidate] = (seen.driver, seen.iommu_group)
                     paths.identity[candidate] = (
                         st.st_dev,
                         st.st_ino,
@@ -142,11 +149,19 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
     return seen
 
 
-def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | PciGone:
+def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str = "bind",
+                        variants: frozenset[str] = frozenset()) -> PciSeen | PciGone:
     """`read_function` for a bind/unbind: when the directory is the very inode fully read
     before, its ids are known (see `HostPaths.identity`) and only what a bind can change is
-    read (driver, IOMMU group, vfio-dev, vGPU files). Anything else falls back to the full
-    read."""
+    read: the driver link, and what a VFIO driver brings with it (`_vfio_capable`). Anything
+    else falls back to the full read.
+
+    The IOMMU group is the kernel's from the moment the device is added until it is removed,
+    so it is re-read only where a bind or unbind can make or drop one: a function that had
+    none yet (an IOMMU probed late, or no-IOMMU VFIO about to make one) and a VFIO driver
+    coming or going (no-IOMMU VFIO drops its group on unbind). A VFIO device exists only
+    under a VFIO-capable driver, so only then is ``vfio-dev`` listed.
+    """
     candidate = paths.sys + devpath
     known = paths.identity.get(candidate)
     if known is not None:
@@ -155,25 +170,45 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str) -> PciSeen | 
         except (OSError, ValueError):
             st = None
         if st is not None and st.st_ino == known[1] and st.st_dev == known[0]:
-            driver = link_name(candidate + "/driver")
-            vfio_dev, vfio_cdev = read_vfio_dev(candidate)
+            link = candidate + "/driver"
+            if action == "unbind" and not os.access(link, os.F_OK, follow_symlinks=False):
+                driver = ""  # what an unbind leaves: no failed readlink (an exception) to pay
+            else:
+                driver = link_name(link)
+            vfio = bool(driver) and _vfio_capable(driver, variants)
+            last_driver, group = paths.links.get(candidate, _NO_LINKS)
+            if group < 0 or vfio or (last_driver and _vfio_capable(last_driver, variants)):
+                group = parse_group(link_name(candidate + "/iommu_group"))
+            paths.links[candidate] = (driver, group)
+            vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
             return PciSeen(
-                addr=addr,
-                devpath=devpath,
-                vendor_id=known[2],
-                device_id=known[3],
-                klass=known[4],
-                driver=driver,
-                iommu_group=parse_group(link_name(candidate + "/iommu_group")),
-                vfio_dev=vfio_dev,
-                vfio_cdev=vfio_cdev,
+                addr,
+                devpath,
+                known[2],
+                known[3],
+                known[4],
+                driver,
+                group,
+                vfio_dev,
+                vfio_cdev,
                 # A physical function is one for the directory's life; its VFs come and go.
-                sriov=read_sriov(candidate) if known[5] else None,
-                physfn=known[6],
-                vgpu=read_vgpu(candidate) if driver == "nvidia" else None,
-                boot_vga=known[7],
+                read_sriov(candidate) if known[5] else None,
+                known[6],
+                read_vgpu(candidate) if driver == "nvidia" else None,
+                known[7],
             )
     return read_function(paths, addr, devpath)
+
+
+_variant_keys = functools.lru_cache(maxsize=16)(variant_keys)
+
+
+@functools.lru_cache(maxsize=256)
+def _vfio_capable(driver: str, variants: frozenset[str]) -> bool:
+    """Whether ``driver`` may register a VFIO device (``vfio-dev``) on its function, or a
+    no-IOMMU group: vfio-pci and its variants (`is_vfio_driver`), any driver named for VFIO,
+    and nvidia (its vGPU VFs get one once a vGPU type is chosen)."""
+    return "vfio" in driver or driver == "nvidia" or is_vfio_driver(driver, variants)
 
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
@@ -279,6 +314,7 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
 def scan_functions(paths: HostPaths) -> list[PciSeen]:
     """Every PCI function listed in ``sys/bus/pci/devices``; non-address entries ignored."""
     found: list[PciSeen] = []
+    paths.links.clear()
     paths.identity.clear()  # a full scan is the fresh truth: no older read may outlive it
     for name in sorted(list_dir(paths.bus_pci)):
         if not is_pci_addr(name):
@@ -468,7 +504,8 @@ def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
         if addr is name or is_pci_addr(addr):  # checked once, not twice, per event
             if event.action in _DRIVER_ACTIONS and event.devpath:
-                seen = read_function_known(paths, addr, event.devpath)
+                seen = read_function_known(paths, addr, event.devpath, event.action,
+                                           _variant_keys(tables.vfio_variant_drivers))
             else:
                 seen = read_function(paths, addr, event.devpath)
             out.append(seen)

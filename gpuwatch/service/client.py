@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import EllipsisType, TracebackType
 from typing import Any, ClassVar, Self
@@ -19,6 +20,7 @@ from typing import Any, ClassVar, Self
 import anyio
 import anyio.abc
 
+from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.errors import (
     SERVICE,
     Blame,
@@ -59,6 +61,14 @@ class DaemonUnavailable(HostError, ConnectionError):
     """Nothing answers at the socket, or the connection broke."""
 
     code = SERVICE
+
+
+def _take(lines: deque[bytes]) -> bytes:
+    """The next reply line; one over `_MAX_REPLY` ends the connection's usefulness."""
+    line = lines.popleft()
+    if line is TOO_LONG:
+        raise DaemonUnavailable(f"reply longer than {_MAX_REPLY} bytes")
+    return line
 
 
 def error_from_reply(error: Any) -> DaemonError:
@@ -134,7 +144,8 @@ class Client:
             self._sock.close()
             raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
                                     f"{exc.strerror or exc}") from None
-        self._buf = bytearray()
+        self._framer = LineFramer(_MAX_REPLY)
+        self._lines: deque[bytes] = deque()
         self._next_id = 0
         self._subscribed = False
 
@@ -142,13 +153,8 @@ class Client:
 
     def _readline(self, timeout: float | None) -> bytes:
         while True:
-            cut = self._buf.find(b"\n")
-            if cut >= 0:
-                line = bytes(self._buf[:cut])
-                del self._buf[: cut + 1]
-                return line
-            if len(self._buf) > _MAX_REPLY:
-                raise DaemonUnavailable("reply too long")
+            if self._lines:
+                return _take(self._lines)
             self._sock.settimeout(timeout)
             try:
                 chunk = self._sock.recv(1 << 16)
@@ -158,7 +164,7 @@ class Client:
                 raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
             if not chunk:
                 raise DaemonUnavailable(f"the daemon at {self.path} closed the connection")
-            self._buf += chunk
+            self._lines.extend(self._framer.feed(chunk))
 
     def call(self, method: str, params: Mapping[str, Any] | None = None,
              *, timeout: float | EllipsisType | None = ...) -> Any:
@@ -260,7 +266,8 @@ class AsyncClient:
         self._stream = stream
         self.path = path
         self.timeout = timeout
-        self._buf = bytearray()
+        self._framer = LineFramer(_MAX_REPLY)
+        self._lines: deque[bytes] = deque()
         self._next_id = 0
         self._subscribed = False
         self._lock = anyio.Lock()
@@ -278,19 +285,14 @@ class AsyncClient:
 
     async def _readline(self) -> bytes:
         while True:
-            cut = self._buf.find(b"\n")
-            if cut >= 0:
-                line = bytes(self._buf[:cut])
-                del self._buf[: cut + 1]
-                return line
-            if len(self._buf) > _MAX_REPLY:
-                raise DaemonUnavailable("reply too long")
+            if self._lines:
+                return _take(self._lines)
             try:
                 chunk = await self._stream.receive(1 << 16)
             except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                 raise DaemonUnavailable(
                     f"the daemon at {self.path} closed the connection") from None
-            self._buf += chunk
+            self._lines.extend(self._framer.feed(chunk))
 
     async def call(self, method: str, params: Mapping[str, Any] | None = None, *,
                    timeout: float | EllipsisType | None = ...) -> Any:

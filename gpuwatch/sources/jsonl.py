@@ -13,13 +13,14 @@ import json
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import CallerError
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
@@ -43,6 +44,8 @@ class MalformedLine(CallerError, ValueError):
 
 
 _DECODE = json.JSONDecoder().decode
+#: The C scanner under it: ``(value, end)`` for the JSON value at an index, no Python frames.
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def parse_jsonl_line(raw: bytes | str) -> UEvent:
@@ -76,45 +79,52 @@ def parse_jsonl_line(raw: bytes | str) -> UEvent:
 
 
 class _LineSplitter:
-    """Turns chunks into events; keeps the incomplete last line for the next chunk."""
+    """Turns chunks into events through the shared framer (which keeps the incomplete
+    last line for the next chunk and drops an over-long one without holding it)."""
 
     def __init__(self, origin: str) -> None:
         self._origin = origin
-        self._tail = b""
-        self._discarding = False
+        self._framer = LineFramer(MAX_LINE)
         self.lineno = 0
         self.skipped = 0
 
     def feed(self, chunk: bytes) -> list[UEvent]:
-        if self._discarding:
-            cut = chunk.find(b"\n")
-            if cut < 0:
-                return []
-            self._discarding = False
-            self.lineno += 1
-            chunk = chunk[cut + 1 :]
-        lines = (self._tail + chunk).split(b"\n")
-        self._tail = lines.pop()
-        if len(self._tail) > MAX_LINE:
-            self._skip(self.lineno + len(lines) + 1, f"line longer than {MAX_LINE} bytes")
-            self._tail = b""
-            self._discarding = True
-        return self._parse(lines)
+        return self._parse(self._framer.feed(chunk))
 
     def finish(self) -> list[UEvent]:
         """At EOF: a last line without a newline still counts."""
-        tail, self._tail = self._tail, b""
-        return [] if self._discarding else self._parse([tail])
+        return self._parse(self._framer.finish())
 
     def _parse(self, lines: list[bytes]) -> list[UEvent]:
         events: list[UEvent] = []
         append = events.append
+        scan, new, proxy = _SCAN, tuple.__new__, MappingProxyType
         for raw in lines:
             self.lineno += 1
+            # The common line, a compact object of strings, straight through the C scanner;
+            # anything else (spaces around it, numbers, garbage) through parse_jsonl_line.
+            if raw[:1] == b"{":
+                try:
+                    text = raw.decode("utf-8")
+                    obj, end = scan(text, 0)
+                except (StopIteration, ValueError):  # UnicodeDecodeError is a ValueError
+                    text, end = "", -1
+                if end == len(text) and type(obj) is dict:
+                    for value in obj.values():
+                        if type(value) is not str:
+                            break
+                    else:
+                        get = obj.get
+                        # UEvent(...) without the NamedTuple's Python-level __new__.
+                        append(new(UEvent, (get("ACTION", ""), get("DEVPATH", ""),
+                                            get("SUBSYSTEM", ""), proxy(obj))))
+                        continue
             try:
                 append(parse_jsonl_line(raw))
             except MalformedLine as exc:
-                if raw.strip():  # blank lines are just spacing
+                if raw is TOO_LONG:
+                    self._skip(self.lineno, f"line longer than {MAX_LINE} bytes")
+                elif raw.strip():  # blank lines are just spacing
                     self._skip(self.lineno, str(exc))
         return events
 

@@ -30,6 +30,7 @@ from typing import IO, Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError
 
 __all__ = [
@@ -58,6 +59,9 @@ _CHUNK = 64 * 1024
 # A rotation renames one file at a time, so a directory scan can meet one hole (the name
 # just vacated); two consecutive missing names mean the end of the rotated set.
 _MAX_GAP = 2
+#: A follower holds at most this much of one unfinished line; a longer line is no event
+#: gpuwatch wrote (events are a few hundred bytes) and is skipped like any garbage line.
+MAX_EVENT_LINE = 16 << 20
 # A scan that raced a completed rotation is redone; after this many tries the seq guard
 # alone keeps the output duplicate-free.
 _SCAN_ATTEMPTS = 5
@@ -492,14 +496,14 @@ class EventLog:
 
 
 class _Source:
-    """One open log file being consumed, with the bytes of its unfinished last line."""
+    """One open log file being consumed; its framer holds the unfinished last line."""
 
-    __slots__ = ("buf", "consumed", "file", "ident")
+    __slots__ = ("consumed", "file", "framer", "ident")
 
     def __init__(self, file: IO[bytes], ident: _Ident) -> None:
         self.file = file
         self.ident = ident
-        self.buf = bytearray()
+        self.framer = LineFramer(MAX_EVENT_LINE)
         self.consumed = False
 
 
@@ -544,14 +548,8 @@ class _Follower:
     # -- reading
 
     def _feed(self, src: _Source, data: bytes, out: list[EventRecord]) -> None:
-        src.buf += data
-        end = src.buf.rfind(b"\n")
-        if end < 0:
-            return
-        complete = bytes(src.buf[:end])
-        del src.buf[: end + 1]
-        for raw in complete.split(b"\n"):
-            decoded = _decode(raw)
+        for raw in src.framer.feed(data):
+            decoded = _decode(raw)  # None for TOO_LONG, as for any line that is no event
             if decoded is None:
                 continue
             event, text = decoded
@@ -566,7 +564,7 @@ class _Follower:
 
     def _finish(self, src: _Source) -> None:
         """A pending file read to its end: any torn tail is permanent, drop it."""
-        src.buf.clear()
+        src.framer.reset()
         src.consumed = True
         if src is not self._anchor:
             src.file.close()
@@ -620,7 +618,7 @@ class _Follower:
             if ident == live.ident:
                 if os.fstat(live.file.fileno()).st_size < live.file.tell():
                     live.file.seek(0)  # truncated in place (copytruncate): start over
-                    live.buf.clear()
+                    live.framer.reset()
                     return True
                 return False
             # PATH names another file or none: the writer closed this one before renaming
@@ -665,7 +663,7 @@ class _Follower:
         first = self._pending[0] if self._pending else self._live
         if first is not None:
             first.file.seek(_offset_after_seq(first.file, since_seq))
-            first.buf.clear()
+            first.framer.reset()
 
     def _scan(self) -> tuple[_Source | None, list[_Source]]:
         """Open files newer than the anchor: (PATH's file or None, rotated ones newest first).

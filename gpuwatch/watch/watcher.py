@@ -27,6 +27,7 @@ from gpuwatch.core.events import (
     Ready,
     Resync,
     Stopped,
+    event_json,
     format_event_time,
     stamp,
 )
@@ -230,7 +231,7 @@ class Watcher:
         self._seq += len(events)
         lines: Sequence[str] = ()
         if self._log is not None or self.batch_listeners:  # serialised once, for everyone
-            lines = [event.model_dump_json() for event in events]
+            lines = [event_json(event) for event in events]
         degraded_now = self._log is not None and self._write_log(events, lines)
         for batch_listener in tuple(self.batch_listeners):
             batch_listener(events, lines)
