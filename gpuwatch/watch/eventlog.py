@@ -32,6 +32,7 @@ import anyio.lowlevel
 
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError
+from gpuwatch.watch.handover import Handover
 
 __all__ = [
     "EventLog",
@@ -540,7 +541,9 @@ class _Follower:
         types: Collection[str] | None,
     ) -> None:
         self._path = os.fspath(path)
-        self._last_seq = since_seq
+        self._since_seq = since_seq
+        # The duplicate guard: a scan that raced a rotation may open a file twice.
+        self._handover = Handover(since_seq)
         self._types = None if types is None else frozenset(types)
         self._pending: deque[_Source] = deque()
         self._live: _Source | None = None
@@ -562,11 +565,8 @@ class _Follower:
             if decoded is None:
                 continue
             event, text = decoded
-            seq: int = event["seq"]
-            # Also the duplicate guard: a scan that raced a rotation may open a file twice.
-            if self._last_seq is not None and seq <= self._last_seq:
+            if not self._handover.fresh(event["seq"]):
                 continue
-            self._last_seq = seq
             if self._types is not None and event["type"] not in self._types:
                 continue
             out.append(EventRecord(event, text))
@@ -645,8 +645,8 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
-        if old_anchor is None and self._last_seq is not None:
-            self._skip_to(self._last_seq)
+        if old_anchor is None and self._since_seq is not None:
+            self._skip_to(self._since_seq)
         return True
 
     def _skip_to(self, since_seq: int) -> None:

@@ -42,7 +42,8 @@ from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
-from gpuwatch.watch.subscription import Subscription, first_is_next
+from gpuwatch.watch.handover import first_is_next
+from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
 
@@ -310,8 +311,8 @@ class Watcher:
         """Publish ``ready`` and start applying uevents (queued in the source meanwhile).
         `open_watcher` does it before its body unless ``announce=False``: a daemon first
         binds its listeners, so ``ready`` is never a promise it cannot keep."""
-        if self._announced.is_set():
-            return
+        if self._announced.is_set() or self._stopped:
+            return  # a stop that came first (a signal during start-up) ends the run unannounced
         self.publish([Ready(devices=len(self.model.state.functions), source=self.source.name)])
         self._announced.set()
 
