@@ -6,92 +6,39 @@ The state is pure; this facade adds the root it was read from and the two live p
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from gpuwatch.core.modes import Mode, current_mode, group_in_mode, on_vfio, parse_mode
-from gpuwatch.core.observations import NodeStat
-from gpuwatch.core.pci import canonical_addr, parse_addr
-from gpuwatch.core.plan import (
-    SwitchPlan,
-    example_card,
-    find_card,
-    parse_vfio_driver,
-    plan_switch,
-    step_json,
+from gpuwatch.core.modes import Mode, current_mode, group_in_mode, parse_mode
+from gpuwatch.core.pci import canonical_addr
+from gpuwatch.core.probes import (
+    ACTIONS,
+    WATCHED_PROBES,
+    check_params,
+    group_access,
+    may_read_write,
+    no_such_function,
+    vfio_backend_fields,
 )
 from gpuwatch.core.results import PciFunction, VfioBackend
-from gpuwatch.core.state import IOMMU_NODE, WATCHED_PROBES, HostState
+from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
-from gpuwatch.errors import DeviceNotFound, GroupPoisoned, SwitchRefused, UsageError
+from gpuwatch.errors import GroupPoisoned, SwitchRefused
 from gpuwatch.hostfs import procfs
-from gpuwatch.hostfs.facts import card_holders, gather_facts_now
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
-from gpuwatch.hostfs.wedge import wedge_detected
 from gpuwatch.settings import (
     proc_read_timeout_in_force,
     root_in_force,
     tables_in_force,
 )
 
-#: Every probe action, with the parameters it requires.
-ACTIONS: dict[str, tuple[str, ...]] = {
-    "detect-vfio": (),
-    "detect-gpu": (),
-    "detect-amd-gpu": (),
-    "amd-gfx-version": (),
-    "amd-gfx-target": (),
-    "detect-host-devices": (),
-    "memlock": (),
-    "vfio-group-accessible": ("group",),
-    "nvidia-holders": (),
-    "display-driver": ("addr",),
-    "current-mode": ("addr",),
-    "group-in-mode": ("addr", "mode"),
-    "vfio-backend": ("addr",),
-    "wedge-detected": (),
-    "plan": ("mode",),  # and --addr or --vendor
-}
+if TYPE_CHECKING:
+    from gpuwatch.core.plan import SwitchPlan
 
-
-def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
-    """What open(O_RDWR) would decide, from the node's owner and mode (root always may)."""
-    if uid == 0:
-        return True
-    if stat.uid == uid:
-        bits = stat.mode >> 6
-    elif stat.gid in gids:
-        bits = stat.mode >> 3
-    else:
-        bits = stat.mode
-    return bits & 0o6 == 0o6
-
-
-def check_params(
-    action: str, group: int | None, addr: str | None, mode: str | None, vendor: str | None = None
-) -> str | None:
-    """Validate a probe request; return the normalised address. Raises `UsageError`."""
-    needs = ACTIONS.get(action)
-    if needs is None:
-        raise UsageError(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
-    for name, value in (("group", group), ("addr", addr), ("mode", mode)):
-        if name in needs and value is None:
-            raise UsageError(f"action {action!r} needs --{name}")
-    if mode is not None:
-        parse_mode(mode)
-    if action == "plan" and addr is None and vendor is None:
-        raise UsageError("action 'plan' needs --addr or --vendor")
-    if vendor is not None:
-        from gpuwatch.core.plan import parse_vendor
-
-        parse_vendor(vendor)
-    if addr is None:
-        return None
-    return parse_addr(addr)
+# The switch planner and the facts it reads (anyio, modules.alias, holders) are imported
+# where a plan or a holders report is made: a probe, `status` or `list` never needs them.
 
 
 class HostModel:
@@ -121,9 +68,13 @@ class HostModel:
                 self.state.vfio_variants,
             ),
             "vfio-backend": lambda g, a, m: self.vfio_backend(a),
-            "wedge-detected": lambda g, a, m: wedge_detected(
-                self.paths.root, deadline=self.proc_deadline),
+            "wedge-detected": lambda g, a, m: self._wedge_detected(),
         }
+
+    def _wedge_detected(self) -> Any:
+        from gpuwatch.hostfs.wedge import wedge_detected
+
+        return wedge_detected(self.paths.root, deadline=self.proc_deadline)
 
     @property
     def root(self) -> str:
@@ -170,7 +121,7 @@ class HostModel:
         norm = canonical_addr(addr or "")
         fn = self.state.functions.get(norm or "")
         if fn is None:
-            raise DeviceNotFound(f"no PCI function {addr} on this host")
+            raise no_such_function(addr)
         return fn
 
     def vfio_group_accessible(self, group: int | None) -> bool:
@@ -183,35 +134,15 @@ class HostModel:
     def _prepare_access(self) -> None:
         """Whether this process may open each ``/dev/vfio/N``, for every group at once: done
         when a vfio node appears, goes or changes mode, so the probe is a dict lookup."""
-        prefix = "/dev/vfio/"
-        uid, gids = self._uid, self._gids
-        self._access = {
-            int(path[len(prefix) :]): may_read_write(stat, uid, gids)
-            for path, stat in self.state.nodes.items()
-            if path.startswith(prefix) and path[len(prefix) :].isdigit()
-        }
+        self._access = group_access(self.state.nodes, self._uid, self._gids)
         self._access_version = self.state.vfio_nodes_version
 
     def vfio_backend(self, addr: str | None) -> VfioBackend:
         """How to open the function through VFIO: its cdev with iommufd when both exist, else
         its group node, else nothing (a function not on VFIO has neither to offer)."""
-        fn = self.function(addr)
-        nodes = self.state.nodes
-        group_node = f"/dev/vfio/{fn.iommu_group}" if fn.iommu_group >= 0 else ""
-        if group_node not in nodes:
-            group_node = ""
-        vfio = on_vfio(fn, self.state.vfio_variants)
-        iommufd = IOMMU_NODE in nodes
-        recommended: Literal["iommufd", "group", "none"]
-        if vfio and fn.vfio_cdev and iommufd:
-            recommended = "iommufd"
-        elif vfio and group_node:
-            recommended = "group"
-        else:
-            recommended = "none"
-        return VfioBackend(addr=fn.addr, driver=fn.driver, on_vfio=vfio, group_node=group_node,
-                           cdev_node=fn.vfio_cdev, iommufd=iommufd,
-                           recommended=recommended)
+        fields = vfio_backend_fields(self.function(addr), self.state.nodes,
+                                     self.state.vfio_variants)
+        return VfioBackend(**fields)
 
     def functions(self) -> list[PciFunction]:
         return [self.state.functions[a] for a in sorted(self.state.functions)]
@@ -228,6 +159,8 @@ class HostModel:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
         it reads holders and modules). No such card is `DeviceNotFound`, a refusal
         `SwitchRefused` (`GroupPoisoned` for a poisoned group)."""
+        from gpuwatch.core.plan import step_json
+
         plan = plan_for_host(self, mode, addr=addr, vendor=vendor, vfio_driver=vfio_driver)
         if plan.refusal is not None:
             cls = GroupPoisoned if plan.refusal.poisoned else SwitchRefused
@@ -244,6 +177,12 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     a plan is never invented. ``example`` plans for the documented example card instead
     (the plan says ``example``), whatever the host holds. Reads files (holders, modules),
     writes nothing, needs no privilege."""
+    import dataclasses
+    import shutil
+
+    from gpuwatch.core.plan import example_card, find_card, parse_vfio_driver, plan_switch
+    from gpuwatch.hostfs.facts import gather_facts_now
+
     paths, state = model.paths, model.state
     vfio_driver = parse_vfio_driver(vfio_driver, mode, state.vfio_variants)
     if example:
@@ -262,6 +201,9 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
 def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | None = None,
                    euid: int | None = None) -> dict[str, Any]:
     """Who holds the card's nodes (``/dev/nvidia*``, its DRI and sound nodes, /dev/vfio/N)."""
+    from gpuwatch.core.plan import find_card
+    from gpuwatch.hostfs.facts import card_holders
+
     paths, state = model.paths, model.state
     card, members = find_card(state, addr=addr, vendor=vendor)
     complete = (os.geteuid() if euid is None else euid) == 0
@@ -313,6 +255,7 @@ __all__ = [
     "HostModel",
     "check_params",
     "holders_report",
+    "may_read_write",
     "plan_for_host",
     "probe",
     "scan",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gpuwatch.core.tables import TABLE_KEYS
+from gpuwatch.core.tabledata import TABLE_KEYS
 from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
 
 if TYPE_CHECKING:

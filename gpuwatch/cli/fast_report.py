@@ -150,8 +150,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "class_label": gpu["class_label"],
             "driver": gpu["driver"], "iommu_group": group,
-            "mode": group_mode(members),  # type: ignore[arg-type]
-            "vfio_variant": vfio_variant(members),  # type: ignore[arg-type]
+            "mode": group_mode(members),
+            "vfio_variant": vfio_variant(members),
             "vfio_node": f"/dev/vfio/{group}" if group >= 0 else "",
             "vfio_accessible": remote.accessible(group),
             "members": [{"addr": m["addr"], "class_label": m["class_label"],

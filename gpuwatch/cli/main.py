@@ -112,8 +112,8 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
 
 def main(argv: Sequence[str] | None = None) -> int:
     # A probe (holders, plan, status, list) the daemon answers takes the stdlib-only path: no
-    # parser of every subcommand, no pydantic (gpuwatch.cli.fast, gpuwatch.cli.fast_report);
-    # anything it does not answer comes back here.
+    # parser of every subcommand, no pydantic (gpuwatch.cli.fast, gpuwatch.cli.fast_report),
+    # and so does a probe answered from one direct scan; anything else comes back here.
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] in (["status"], ["list"]):
         from gpuwatch.cli.fast_report import run_report
@@ -123,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpuwatch.cli.fast import run_fast
 
         fast = run_fast(words)
+        if fast is None and words[:1] == ["probe"]:
+            # No daemon answered: one scan with the stdlib (gpuwatch.cli.direct), not pydantic.
+            from gpuwatch.cli.direct import run_direct
+
+            fast = run_direct(words)
     if fast is not None:
         return fast
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -12,12 +12,22 @@ modprobe compares module names.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from gpuwatch.errors import UsageError
 
-if TYPE_CHECKING:
-    from gpuwatch.core.results import PciFunction  # types only: no pydantic at import
+
+class FunctionLike(Protocol):
+    """What these rules read of a function: a `gpuwatch.core.results.PciFunction`, or the
+    plain record of a cold direct probe (`gpuwatch.core.probes.FreshFunction`)."""
+
+    @property
+    def driver(self) -> str: ...
+    @property
+    def class_(self) -> str: ...
+    @property
+    def vfio_dev(self) -> str: ...
+
 
 Mode = Literal["vfio", "nvidia"]
 MODES: tuple[Mode, ...] = ("vfio", "nvidia")
@@ -54,11 +64,11 @@ def is_vfio_driver(name: str, variants: frozenset[str] = _NO_VARIANTS) -> bool:
     return key == "vfio_pci" or key.endswith("_vfio_pci") or (bool(key) and key in variants)
 
 
-def on_vfio(function: PciFunction, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+def on_vfio(function: FunctionLike, variants: frozenset[str] = _NO_VARIANTS) -> bool:
     return bool(function.vfio_dev) or is_vfio_driver(function.driver, variants)
 
 
-def vfio_variant(members: Iterable[PciFunction],
+def vfio_variant(members: Iterable[FunctionLike],
                  variants: frozenset[str] = _NO_VARIANTS) -> str:
     """The vfio-pci variant a group's functions are bound to (``""`` when none is)."""
     for fn in members:
@@ -67,7 +77,7 @@ def vfio_variant(members: Iterable[PciFunction],
     return ""
 
 
-def target_driver(function: PciFunction, mode: Mode) -> str:
+def target_driver(function: FunctionLike, mode: Mode) -> str:
     """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
     snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
     (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
@@ -80,7 +90,7 @@ def target_driver(function: PciFunction, mode: Mode) -> str:
     return VFIO_DRIVER
 
 
-def in_mode(function: PciFunction, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
     """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio."""
     target = target_driver(function, mode)
     if target == VFIO_DRIVER:
@@ -88,17 +98,17 @@ def in_mode(function: PciFunction, mode: Mode, variants: frozenset[str] = _NO_VA
     return same_driver(function.driver, target)
 
 
-def group_in_mode(members: Iterable[PciFunction], mode: Mode,
+def group_in_mode(members: Iterable[FunctionLike], mode: Mode,
                   variants: frozenset[str] = _NO_VARIANTS) -> bool:
     return all(in_mode(fn, mode, variants) for fn in members)
 
 
-def current_mode(function: PciFunction) -> str:
+def current_mode(function: FunctionLike) -> str:
     """The probe contract's two-valued answer: anything but nvidia counts as vfio."""
     return "nvidia" if function.driver == "nvidia" else "vfio"
 
 
-def group_mode(members: Iterable[PciFunction], variants: frozenset[str] = _NO_VARIANTS) -> str:
+def group_mode(members: Iterable[FunctionLike], variants: frozenset[str] = _NO_VARIANTS) -> str:
     """The operator's view of a group: ``vfio``, ``nvidia``, ``unbound`` (no function has a
     driver: nothing is mixed, it is simply free), ``host driver`` or ``mixed`` (functions on
     drivers of different modes)."""

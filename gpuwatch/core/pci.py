@@ -14,6 +14,8 @@ PCI_ADDR_RE = re.compile(PCI_ADDR_PATTERN)
 #: Accepted from users (upper-case hex, a zero-padded domain); normalised by `canonical_addr`.
 _PCI_ADDR_LOOSE_RE = re.compile(r"([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
 DRIVER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+#: A PCI vendor id as users write it: ``0x10de``, ``10DE``.
+VENDOR_RE = re.compile(r"^(?:0x)?([0-9a-fA-F]{4})$")
 
 
 def is_pci_addr(name: str) -> bool:
@@ -44,6 +46,14 @@ def parse_addr(text: str) -> str:
     if addr is None:
         raise UsageError(f"{text!r} is not a PCI address ({ADDR_FORMAT})")
     return addr
+
+
+def parse_vendor(text: str) -> str:
+    """``0x10DE``, ``10de`` → ``0x10de``; anything else is a `UsageError`."""
+    m = VENDOR_RE.fullmatch(text)
+    if m is None:
+        raise UsageError(f"{text!r} is not a PCI vendor id (0x10de)")
+    return "0x" + m.group(1).lower()
 
 
 def pci_domain_of(addr: str) -> str:

@@ -32,9 +32,11 @@ from gpuwatch.core.pci import (
     ADDR_FORMAT,
     DRIVER_NAME_RE,
     PCI_ADDR_RE,
+    VENDOR_RE,
     canonical_addr,
     is_gpu_class,
     parse_addr,
+    parse_vendor,
 )
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
@@ -56,7 +58,6 @@ NVIDIA_DRIVER = "nvidia"
 #: The value that clears ``driver_override`` (an empty write never reaches the kernel).
 CLEAR_OVERRIDE = "\n"
 
-_VENDOR_RE = re.compile(r"^(?:0x)?([0-9a-fA-F]{4})$")
 _MODULE_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 OnError = Literal["fail", "refuse", "warn"]
@@ -291,20 +292,12 @@ def parse_vfio_driver(name: str | None, mode: Mode,
     return name
 
 
-def parse_vendor(text: str) -> str:
-    """``0x10DE``, ``10de`` → ``0x10de``; anything else is a `UsageError`."""
-    m = _VENDOR_RE.fullmatch(text)
-    if m is None:
-        raise UsageError(f"{text!r} is not a PCI vendor id (0x10de)")
-    return "0x" + m.group(1).lower()
-
-
 def parse_target(text: str) -> tuple[str | None, str | None]:
     """A switch target, a PCI address or a vendor id: ``(addr, None)`` or ``(None, vendor)``."""
     addr = canonical_addr(text)
     if addr is not None:
         return addr, None
-    if _VENDOR_RE.fullmatch(text):
+    if VENDOR_RE.fullmatch(text):
         return None, parse_vendor(text)
     raise UsageError(f"{text!r} is neither a PCI address ({ADDR_FORMAT}) nor a vendor id "
                      "(0x10de)")

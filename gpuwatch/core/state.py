@@ -13,9 +13,6 @@ change that concerns them.
 from __future__ import annotations
 
 import bisect
-import fnmatch
-import functools
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -60,6 +57,20 @@ from gpuwatch.core.observations import (
     VgpusSeen,
 )
 from gpuwatch.core.pci import is_gpu_class
+from gpuwatch.core.probes import (
+    IOMMU_NODE,
+    RENDER_PREFIX,
+    VFIO_CDEV_RE,
+    VFIO_NODE_RE,
+    WATCHED_PROBES,
+    choose_render_node,
+    compiled_patterns,
+    drm_vendor,
+    is_amd_card,
+    is_watched_node,
+    nvidia_usable,
+    ordered_devices,
+)
 from gpuwatch.core.results import (
     DetectVfioResult,
     GpuInfo,
@@ -72,23 +83,8 @@ from gpuwatch.core.results import (
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.trusted import evolve
 
-#: Cached answers whose changes are published as ``probe-changed`` events.
-WATCHED_PROBES = (
-    "detect-gpu",
-    "detect-amd-gpu",
-    "amd-gfx-version",
-    "amd-gfx-target",
-    "detect-vfio",
-    "detect-host-devices",
-)
-
 #: The fields a ``device-changed`` names, in the order it names them.
 _DEVICE_FIELDS = ("vfio_dev", "vfio_cdev", "sriov", "physfn", "health")
-_VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
-#: A VFIO device cdev (``vfio-dev/vfioN`` of a function) and the iommufd node.
-_VFIO_CDEV_RE = re.compile(r"^/dev/vfio/devices/vfio[0-9]+$")
-IOMMU_NODE = "/dev/iommu"
-_RENDER_PREFIX = "/dev/dri/renderD"
 #: ``ERROR_EVENT`` values of a PCI error-recovery uevent and the health each leaves.
 ERROR_HEALTH: dict[str, Health] = {
     "BEGIN_RECOVERY": "recovering",
@@ -104,7 +100,7 @@ class HostState:
         self.tables = tables
         self._gpu_vendor_ids = frozenset(tables.gpu_vendors)
         self._patterns = tables.device_patterns
-        self._pattern_res = _compiled_patterns(self._patterns)
+        self._pattern_res = compiled_patterns(self._patterns)
         #: ``vfio_variant_drivers`` in comparison spelling (see `gpuwatch.core.modes`).
         self.vfio_variants = variant_keys(tables.vfio_variant_drivers)
         self.functions: dict[str, PciFunction] = {}
@@ -191,16 +187,17 @@ class HostState:
         return self.apply(obs)
 
     def _apply_one(self, obs: Observation, events: list[BaseModel]) -> None:
-        if isinstance(obs, PciSeen):
-            self._pci_seen(obs, events)
+        kind = type(obs)  # the two of every bind first, by identity
+        if kind is PciSeen:
+            self._pci_seen(cast(PciSeen, obs), events)
+        elif kind is PciRebound:
+            self._set_health(cast(PciRebound, obs).addr, "ok", events, announce=True)
         elif isinstance(obs, PciGone):
             self._pci_gone(obs.addr, events)
         elif isinstance(obs, PciErrorSeen):
             self._pci_error(obs, events)
         elif isinstance(obs, DrmWedgeSeen):
             self._drm_wedge(obs, events)
-        elif isinstance(obs, PciRebound):
-            self._set_health(obs.addr, "ok", events, announce=True)
         elif isinstance(obs, VgpusSeen):
             for addr, vgpu in obs.vgpus:
                 self._vgpu_seen(addr, vgpu, events)
@@ -237,7 +234,7 @@ class HostState:
             self.boot_vga.add(seen.addr)
         else:
             self.boot_vga.discard(seen.addr)
-        cdev = self._cdev_path(seen)
+        cdev = seen.vfio_cdev if seen.vfio_cdev and seen.vfio_cdev in self.nodes else ""
         if (
             old is not None
             and old.vendor_id == seen.vendor_id
@@ -299,18 +296,26 @@ class HostState:
             update["vfio_dev"] = seen.vfio_dev
         if old.vfio_cdev != cdev:
             update["vfio_cdev"] = cdev
-        if not _same_sriov(old.sriov, seen.sriov):
+        if (old.sriov is not None or seen.sriov is not None) and not _same_sriov(old.sriov,
+                                                                                 seen.sriov):
             update["sriov"] = _sriov(seen.sriov)
         if old.physfn != seen.physfn:
             update["physfn"] = seen.physfn
-        if not _same_vgpu(old.vgpu, seen.vgpu):
+        if (old.vgpu is not None or seen.vgpu is not None) and not _same_vgpu(old.vgpu,
+                                                                              seen.vgpu):
             update["vgpu"] = _vgpu(seen.vgpu)
         new = evolve(old, update)
         addr = seen.addr
-        self._set_cdev(addr, seen.vfio_cdev)
-        self._store_function(old, new)
+        if self._cdev_of.get(addr, "") != seen.vfio_cdev:
+            self._set_cdev(addr, seen.vfio_cdev)
+        if "iommu_group" in update:
+            self._store_function(old, new)
+        else:
+            self._store_same_group(new)
         if "driver" in update:
             events.append(driver_changed(addr, old.driver, seen.driver))
+            if len(update) == 1:
+                return  # a plain bind or unbind
         if "iommu_group" in update:
             events.append(IommuGroupChanged(addr=addr, old=old.iommu_group,
                                             new=seen.iommu_group))
@@ -320,9 +325,39 @@ class HostState:
         if "vgpu" in update:
             events.append(VgpuChanged(addr=addr, vgpu=new.vgpu))
 
-    def _cdev_path(self, seen: PciSeen) -> str:
-        """The cdev the model reports: sysfs names it and the node exists under the root."""
-        return seen.vfio_cdev if seen.vfio_cdev and seen.vfio_cdev in self.nodes else ""
+    def _store_same_group(self, new: PciFunction) -> None:
+        """`_store_function` for the same card in the same IOMMU group (a bind or unbind):
+        no group membership or GPU list to change, only the answers that embed it."""
+        addr = new.addr
+        functions = self.functions
+        functions[addr] = new
+        if addr in self.wedge_recovery and new.health != "wedged":
+            del self.wedge_recovery[addr]
+        vfio_stale = is_gpu = is_gpu_class(new.class_)
+        gpu_info = self._gpu_info
+        if is_gpu:
+            on_nvidia = new.driver == "nvidia"
+            if on_nvidia != (addr in self._nvidia_gpus):
+                if on_nvidia:
+                    self._nvidia_gpus.add(addr)
+                else:
+                    self._nvidia_gpus.discard(addr)
+                self._stale.update(("detect-gpu", "detect-host-devices"))
+            gpu_info.pop(addr, None)
+            self._gpu_dirty.add(addr)
+        if new.iommu_group >= 0:
+            for member in self.groups.get(new.iommu_group, ()):
+                if member in gpu_info:
+                    del gpu_info[member]
+                    self._gpu_dirty.add(member)
+                    vfio_stale = True
+                elif not vfio_stale and member in functions:
+                    vfio_stale = is_gpu_class(functions[member].class_)
+        if vfio_stale:
+            self._stale.add("detect-vfio")
+        if addr in self._drm_by_addr:
+            for name in self._drm_by_addr[addr]:
+                self._classify_card(name)
 
     def _set_cdev(self, addr: str, cdev: str) -> None:
         old = self._cdev_of.get(addr, "")
@@ -500,12 +535,7 @@ class HostState:
 
     def _classify_card(self, name: str) -> None:
         """Keep the set of cards driven by amdgpu current, so detect-amd-gpu is O(1)."""
-        node = self.drm.get(name)
-        is_amd = False
-        if node is not None and name.startswith("card") and name[4:].isdigit():
-            fn = self.functions.get(node.device_addr) if node.device_addr else None
-            driver = fn.driver if fn is not None else node.device_driver
-            is_amd = driver == "amdgpu"
+        is_amd = is_amd_card(name, self.drm.get(name), self.functions)
         if is_amd != (name in self._amd_cards):
             if is_amd:
                 self._amd_cards.add(name)
@@ -529,7 +559,7 @@ class HostState:
         old = self.nodes.get(path)
         if old == stat:
             return
-        is_vfio = _VFIO_NODE_RE.match(path) is not None
+        is_vfio = VFIO_NODE_RE.match(path) is not None
         if is_vfio:
             self.vfio_nodes_version += 1
         if stat is None:
@@ -543,7 +573,7 @@ class HostState:
         if path == IOMMU_NODE:
             self._stale.add("detect-vfio")
             return
-        if _VFIO_CDEV_RE.match(path):
+        if VFIO_CDEV_RE.match(path):
             owner = self._cdev_owner.get(path)
             fn = self.functions.get(owner) if owner else None
             if fn is not None:
@@ -551,16 +581,14 @@ class HostState:
             return
         if not is_vfio:
             self._devices = None
-            if path.startswith(_RENDER_PREFIX):
+            if path.startswith(RENDER_PREFIX):
                 self._render_node = None
             self._stale.add("detect-host-devices")
 
     def is_watched_node(self, path: str) -> bool:
         """A device path gpuwatch reports: one matching ``device_patterns``, a vfio group, a
         VFIO device cdev or ``/dev/iommu``."""
-        if _VFIO_NODE_RE.match(path) or path == IOMMU_NODE or _VFIO_CDEV_RE.match(path):
-            return True
-        return any(r.match(path) for r in self._pattern_res)
+        return is_watched_node(path, self._pattern_res)
 
     # ------------------------------------------------------------------ answers
 
@@ -675,12 +703,7 @@ class HostState:
     def nvidia_usable(self) -> bool:
         """detect-gpu: the nvidia module is loaded, CDI is reachable, and at least one
         display function is bound to nvidia: an NVIDIA GPU containers can use now."""
-        cdi = self.cdi
-        return (
-            "nvidia" in self.modules
-            and (cdi.etc_spec or cdi.var_spec or cdi.ctk_on_path)
-            and bool(self._nvidia_gpus)
-        )
+        return nvidia_usable(self.modules, self.cdi, bool(self._nvidia_gpus))
 
     def answer(self, action: str) -> Any:
         """The cached answer of a watched probe: the same object until it changes."""
@@ -689,31 +712,20 @@ class HostState:
     def devices(self) -> tuple[str, ...]:
         """Present device paths in pattern order, sorted within a pattern."""
         if self._devices is None:
-            present = [p for p in self.nodes if not _VFIO_NODE_RE.match(p)]
-            ordered: list[str] = []
-            taken: set[str] = set()
-            for pattern in self._pattern_res:
-                hits = sorted(p for p in present if p not in taken and pattern.match(p))
-                ordered.extend(hits)
-                taken.update(hits)
-            self._devices = tuple(ordered)
+            self._devices = ordered_devices(self.nodes, self._pattern_res)
         return self._devices
 
     def render_node(self) -> str:
         """The first render node whose device is a known GPU vendor, else the first one."""
         if self._render_node is None:
-            renders = [p for p in self.devices() if p.startswith(_RENDER_PREFIX)]
-            choice = renders[0] if renders else ""
-            for path in renders:
-                node = self.drm.get(path.rsplit("/", 1)[1])
-                if node is None:
-                    continue
-                fn = self.functions.get(node.device_addr) if node.device_addr else None
-                vendor = fn.vendor_id if fn is not None else node.device_vendor
-                if vendor in self._gpu_vendor_ids:
-                    choice = path
-                    break
-            self._render_node = choice
+            drm, functions = self.drm, self.functions
+
+            def vendor_of(name: str) -> str | None:
+                node = drm.get(name)
+                return None if node is None else drm_vendor(node, functions)
+
+            self._render_node = choose_render_node(self.devices(), vendor_of,
+                                                   self._gpu_vendor_ids)
         return self._render_node
 
     def group_members(self, addr: str) -> tuple[PciFunction, ...]:
@@ -771,13 +783,6 @@ def _fields_delta(
             before[name] = old_fields.get(name)
             after[name] = value
     return (before, after) if after else None
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
-    """fnmatch.fnmatchcase, translated once per table: matching was a tenth of building a
-    small host's model, and translating again per model would cost as much."""
-    return tuple(re.compile(fnmatch.translate(p)) for p in patterns)
 
 
 class _Missing:

@@ -12,20 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
-              "host_console_drivers")
+from gpuwatch.core.tabledata import TABLE_KEYS, hex_keyed
+from gpuwatch.core.tabledata import class_label as _class_label
+
 _DRIVER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def _hex_key(key: object) -> str:
-    # YAML turns an unquoted 0x10de into the int 4318; give the user the key they meant.
-    if isinstance(key, bool):
-        raise ValueError(f"{key!r} is not a hex id")
-    if isinstance(key, int):
-        return f"0x{key:04x}"
-    if isinstance(key, str):
-        return key.strip().lower()
-    raise ValueError(f"{key!r} is not a hex id")
 
 
 class Tables(BaseModel):
@@ -62,10 +52,10 @@ class Tables(BaseModel):
     def _normalise_hex_keys(cls, value: Any) -> Any:
         if not isinstance(value, Mapping):
             return value
-        return {_hex_key(k): v for k, v in value.items()}
+        return hex_keyed(value)
 
     def class_label(self, klass: str) -> str:
-        return self.pci_class_labels.get(klass, klass)
+        return _class_label(self.pci_class_labels, klass)
 
 
 __all__ = ["TABLE_KEYS", "Tables"]

@@ -34,7 +34,7 @@ from gpuwatch.core.observations import (
     VgpusSeen,
 )
 from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
-from gpuwatch.core.tables import Tables
+from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_bytes, read_text
 
@@ -44,6 +44,7 @@ _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
 _NO_VFIO_DEV = ("", "")
 _NO_LINKS = ("", -1)
+_tuple_new = tuple.__new__
 
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
@@ -181,7 +182,8 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 group = parse_group(link_name(candidate + "/iommu_group"))
             paths.links[candidate] = (driver, group)
             vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
-            return PciSeen(
+            # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
+            return _tuple_new(PciSeen, (
                 addr,
                 devpath,
                 known[2],
@@ -196,7 +198,7 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 known[6],
                 read_vgpu(candidate) if driver == "nvidia" else None,
                 known[7],
-            )
+            ))
     return read_function(paths, addr, devpath)
 
 
@@ -437,7 +439,7 @@ def node_stat(paths: HostPaths, host_path: str) -> NodeStat | None:
     return NodeStat(mode=stat_mod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
 
 
-def scan_nodes(paths: HostPaths, tables: Tables) -> NodesSeen:
+def scan_nodes(paths: HostPaths, tables: TablesView) -> NodesSeen:
     """Every device path matching a pattern, plus the VFIO nodes: ``/dev/vfio/<N>`` groups,
     ``/dev/vfio/devices/vfio<N>`` device cdevs and ``/dev/iommu``."""
     found: dict[str, NodeStat] = {}
@@ -476,7 +478,7 @@ def read_cdi(paths: HostPaths) -> CdiSeen:
 # --------------------------------------------------------------------------- whole host, one event
 
 
-def scan(paths: HostPaths, tables: Tables) -> Snapshot:
+def scan(paths: HostPaths, tables: TablesView) -> Snapshot:
     return Snapshot(
         functions=tuple(scan_functions(paths)),
         drm=tuple(scan_drm(paths)),
@@ -488,7 +490,7 @@ def scan(paths: HostPaths, tables: Tables) -> Snapshot:
     )
 
 
-def observe(paths: HostPaths, tables: Tables, event: UEvent) -> list[Observation]:
+def observe(paths: HostPaths, tables: TablesView, event: UEvent) -> list[Observation]:
     """What one uevent says to look at, read now. Sysfs is the truth; the action is a hint
     (for bind/unbind, a hint that only the driver link can have changed: `read_function_known`).
 

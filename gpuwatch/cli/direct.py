@@ -1,0 +1,85 @@
+"""The stdlib-only path of ``gpuwatch probe`` when no daemon answers: one scan, no pydantic.
+
+A cold direct probe spent more time importing pydantic and the model's records than
+reading the host. Here the same scan (`gpuwatch.hostfs.scan`) feeds `FreshHost`, which
+answers from the snapshot with the model's own rules (`gpuwatch.core.probes`) as plain JSON
+values, printed as the full command prints them. Only what it can answer exactly as the full
+command would is handled: a plain command line, a valid request, a model-answered action,
+the embedded tables (no config file, no ``$GPUWATCH_PROC_READ_TIMEOUT`` to validate), no
+daemon to ask. Anything else returns None and the full command runs, so every error message
+and exit code stays its own; tests compare the bytes over many fixture hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwatch.cli.common import EXIT_OK, fail
+from gpuwatch.cli.fast import _OPTIONS, _split, compact, daemon_socket, reader_may_leave
+from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, check_params
+from gpuwatch.core.tabledata import table_data
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.hostfs.scan import HostPaths, scan
+from gpuwatch.settings import (
+    BY_KEY,
+    config_file_path,
+    embedded_tables_raw,
+    root_in_force,
+)
+
+_FLAGS = frozenset({"--no-daemon", "--fresh"})
+
+
+def parse_direct(argv: Sequence[str]) -> tuple[str, dict[str, Any], str] | None:
+    """``(action, params, root)`` of a plain ``probe`` command line this path answers, with
+    ``params`` checked as the full command checks them; None for anything else."""
+    if len(argv) < 2 or argv[0] != "probe":
+        return None
+    split = _split(argv[1:], _OPTIONS, _FLAGS)
+    if split is None or len(split[0]) != 1 or split[0][0] not in FRESH_ACTIONS:
+        return None
+    (action,), values = split
+    try:
+        group = int(values["--group"]) if "--group" in values else None
+        addr = check_params(action, group, values.get("--addr"), values.get("--mode"))
+    except (ValueError, GpuwatchError):
+        return None  # the full command says why, in its words
+    if config_file_path(None) is not None or BY_KEY["proc_read_timeout"].env in os.environ:
+        return None  # a config file's tables, or a setting the full command validates
+    root = values["--root"] if "--root" in values else root_in_force(None)
+    if not os.path.isdir(root):
+        return None
+    if not _FLAGS & values.keys() and daemon_socket(root, values.get("--socket")) is not None:
+        return None  # a daemon that did not answer the fast way: the full command asks it
+    return action, {"group": group, "addr": addr, "mode": values.get("--mode")}, root
+
+
+def run_direct(argv: Sequence[str]) -> int | None:
+    """Answer ``gpuwatch probe ACTION`` from one scan with the stdlib; None: not here."""
+    try:
+        parsed = parse_direct(argv)
+        if parsed is None:
+            return None
+        action, params, root = parsed
+        tables = table_data(embedded_tables_raw())
+        host = FreshHost(scan(HostPaths(root), tables), tables, os.geteuid(),
+                         frozenset((os.getegid(), *os.getgroups())))
+        try:
+            result = host.answer(action, **params)
+        except GpuwatchError as exc:  # no such function: the full command's line and code
+            return fail(str(exc), exc.exit_status)
+        text = compact({"action": action, "result": result})
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # whatever it is, the full command reports it in its words
+        return None
+    with reader_may_leave():
+        print(text)
+        sys.stdout.flush()
+    return EXIT_OK
+
+
+__all__ = ["parse_direct", "run_direct"]

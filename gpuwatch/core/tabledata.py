@@ -1,0 +1,76 @@
+"""The lookup tables as plain data: their keys and the one spelling of a hex key.
+
+Stdlib only, so a cold direct probe can use the embedded tables without pydantic; the
+validated, frozen form is `gpuwatch.core.tables.Tables`, built on these same rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
+              "host_console_drivers")
+
+
+def hex_key(key: object) -> str:
+    """YAML turns an unquoted 0x10de into the int 4318; give the user the key they meant."""
+    if isinstance(key, bool):
+        raise ValueError(f"{key!r} is not a hex id")
+    if isinstance(key, int):
+        return f"0x{key:04x}"
+    if isinstance(key, str):
+        return key.strip().lower()
+    raise ValueError(f"{key!r} is not a hex id")
+
+
+def hex_keyed(value: Mapping[Any, Any]) -> dict[str, Any]:
+    """A table keyed by PCI ids, every key in `hex_key` spelling."""
+    return {hex_key(k): v for k, v in value.items()}
+
+
+def class_label(labels: Mapping[str, str], klass: str) -> str:
+    """A PCI class prefix's label, the prefix itself when the table has none."""
+    return labels.get(klass, klass)
+
+
+class TablesView(Protocol):
+    """What readers and rules take of the tables: `gpuwatch.core.tables.Tables` (validated,
+    from any config) or `TableData` (the embedded ones as they ship)."""
+
+    @property
+    def device_patterns(self) -> tuple[str, ...]: ...
+    @property
+    def gpu_vendors(self) -> Mapping[str, str]: ...
+    @property
+    def pci_class_labels(self) -> Mapping[str, str]: ...
+    @property
+    def vfio_variant_drivers(self) -> tuple[str, ...]: ...
+    @property
+    def host_console_drivers(self) -> tuple[str, ...]: ...
+
+
+class TableData(NamedTuple):
+    """The tables as `Tables` holds them, built without validation: for the embedded ones,
+    which a test holds valid and equal to the validated form."""
+
+    device_patterns: tuple[str, ...]
+    gpu_vendors: Mapping[str, str]
+    pci_class_labels: Mapping[str, str]
+    vfio_variant_drivers: tuple[str, ...] = ()
+    host_console_drivers: tuple[str, ...] = ()
+
+
+def table_data(raw: Mapping[str, Any]) -> TableData:
+    """``raw`` (the embedded tables' JSON) spelled as `Tables` spells it."""
+    return TableData(
+        device_patterns=tuple(raw["device_patterns"]),
+        gpu_vendors=hex_keyed(raw["gpu_vendors"]),
+        pci_class_labels=hex_keyed(raw["pci_class_labels"]),
+        vfio_variant_drivers=tuple(raw.get("vfio_variant_drivers", ())),
+        host_console_drivers=tuple(raw.get("host_console_drivers", ())),
+    )
+
+
+__all__ = ["TABLE_KEYS", "TableData", "TablesView", "class_label", "hex_key", "hex_keyed",
+           "table_data"]
