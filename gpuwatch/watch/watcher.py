@@ -360,11 +360,13 @@ class Watcher:
         """
         last: dict[tuple[str, str, str], UEvent] = {}
         full: set[tuple[str, str, str]] = set()
+        pop = last.pop
         for event in batch:
-            key = (event.subsystem, event.devpath, event.properties.get("DEVNAME", ""))
-            if event.action not in _DRIVER_ACTIONS:
+            action, devpath, subsystem, props = event
+            key = (subsystem, devpath, props.get("DEVNAME", ""))
+            if action not in _DRIVER_ACTIONS:
                 full.add(key)
-            last.pop(key, None)  # re-insert: dict order is then the order of last mention
+            pop(key, None)  # re-insert: dict order is then the order of last mention
             last[key] = event
         return [
             event._replace(action="change")
