@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpuwatch
 from gpuwatch.core.events import (
     DeviceChanged,
     DriverChanged,
@@ -412,3 +413,28 @@ def test_a_line_break_inside_a_line_is_refused(tmp_path: Path) -> None:
     finally:
         log.close()
     assert (tmp_path / "log.jsonl").read_bytes() == b""
+
+
+def test_the_prepared_answers_equal_validated_ones(tmp_path: Path) -> None:
+    """The GPU entries and answers the model builds without validation are the records
+    validation builds from the same values: equal, and dumped to the same bytes."""
+    from gpuwatch.core.results import DetectVfioResult, HostDevicesResult
+    from gpuwatch.testing import synthetic_host
+
+    host = synthetic_host(tmp_path / "host", 64)
+    model = gpuwatch.scan(host.root)
+    state = model.state
+    vfio = state.answer("detect-vfio")
+    assert vfio.gpus
+    for info in vfio.gpus:
+        fn = state.functions[info.addr]
+        validated = GpuInfo(**fn.__dict__, group_members=state.group_members(info.addr))
+        assert info == validated and repr(info) == repr(validated)
+        assert info.model_dump_json() == validated.model_dump_json()
+        assert info.__pydantic_fields_set__ == validated.__pydantic_fields_set__
+    for answer, cls in ((vfio, DetectVfioResult),
+                        (state.answer("detect-host-devices"), HostDevicesResult)):
+        validated = cls.model_validate(answer.__dict__)
+        assert answer == validated and answer.model_dump_json() == validated.model_dump_json()
+    for cls in (DetectVfioResult, HostDevicesResult):
+        assert trusted_ok(cls)

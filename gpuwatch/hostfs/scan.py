@@ -181,7 +181,12 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
             if group < 0 or vfio or (last_driver and _vfio_capable(last_driver, variants)):
                 group = parse_group(link_name(candidate + "/iommu_group"))
             paths.links[candidate] = (driver, group)
-            vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
+            vfio_dev, vfio_cdev = (
+                read_vfio_dev(candidate)
+                # Asked first: a missing directory costs a listdir an exception, not so here.
+                if vfio and os.access(candidate + "/vfio-dev", os.F_OK)
+                else _NO_VFIO_DEV
+            )
             # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
             return _tuple_new(PciSeen, (
                 addr,
