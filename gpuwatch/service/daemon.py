@@ -47,7 +47,6 @@ class Services:
     server: SocketServer | None = None
     metrics: Metrics | None = None
     nfd: NfdFeatureFile | None = None
-    metrics_address: tuple[str, int] | None = None
 
 
 @asynccontextmanager
@@ -66,7 +65,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 metrics.attach(watcher.watcher)
                 services.metrics = metrics
                 try:
-                    services.metrics_address = metrics.serve(settings.metrics)
+                    metrics.serve(settings.metrics)
                 except OSError as exc:
                     raise ServiceSetupError(
                         f"--metrics {settings.metrics}: {exc.strerror or exc}") from None
@@ -93,6 +92,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                     max_per_uid=settings.socket_max_per_uid,
                     root_reserve=settings.socket_root_reserve,
                     stall_timeout=settings.socket_stall_timeout,
+                    outbox_limit=settings.socket_max_output_bytes,
                 )
                 services.server = server
                 await tg.start(server.serve, name="gpuwatch-socket")
