@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -130,6 +133,19 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
 
 
+class _Signalled(BaseException):
+    """SIGINT or SIGTERM while no switch runs (before it began, or in the instant after it
+    ended): exit 128 + the signal's number, no switch left half-done."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _before_switch(signum: int, _frame: FrameType | None) -> None:
+    raise _Signalled(signum)
+
+
 class Interrupted(SwitchFailed):
     """SIGINT or SIGTERM came during the switch: it ended with ``switch-failed``
     (``"error": "interrupted"``), never with ``switch-started`` alone."""
@@ -147,8 +163,9 @@ async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str
                 raise group.exceptions[0] from None
             raise
     if not result:
-        raise Interrupted("interrupted by a signal; the switch ended as switch-failed "
-                          "(interrupted): check `gpuwatch mode` before retrying")
+        raise Interrupted("interrupted by a signal: a switch under way ended as switch-failed "
+                          "(interrupted), its group put back as it was where that was safe "
+                          "(the event's `restored`); check `gpuwatch mode` before retrying")
     return result[0]
 
 
@@ -226,6 +243,28 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
 
 
 def run(args: argparse.Namespace) -> int:
+    """SIGINT/SIGTERM before the switch begins end the command with 128 + the signal's
+    number, nothing written; once its watcher runs, the switch ends as switch-failed
+    ("interrupted", the group put back), exit 1, or completes (`run_in_watcher`)."""
+    previous = ({s: signal.signal(s, _before_switch) for s in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
+
+    def switch_over() -> None:  # the switch ended: a signal now has its usual effect
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    try:
+        return _run(args, switch_over)
+    except _Signalled as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"gpuwatch: {name}: stopped; no switch was under way", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
     addr, vendor = target_of(args)
     mode = parse_mode(args.mode) if args.mode is not None else None
     vfio_driver = vfio_driver_of(args, mode)
@@ -268,7 +307,10 @@ def run(args: argparse.Namespace) -> int:
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "
                             "modules)")
-    result = run_switch(args, backend, "switch", addr or vendor or NVIDIA_VENDOR, mode)
+    try:
+        result = run_switch(args, backend, "switch", addr or vendor or NVIDIA_VENDOR, mode)
+    finally:
+        switch_over()
     if isinstance(result, int):
         return result
     print_result(result, args.json)

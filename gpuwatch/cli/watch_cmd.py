@@ -112,11 +112,20 @@ def settings_from_args(args: argparse.Namespace) -> WatchSettings:
 
 
 class _Terminated(BaseException):
-    """SIGTERM before the event loop's own handler is installed (settings, log, imports)."""
+    """SIGTERM or SIGINT before the event loop's own handler is installed (settings, log,
+    imports)."""
+
+
+#: Signals `_terminate` saw. Raising from a signal handler is not enough on its own: an
+#: exception raised inside a weakref callback or ``__del__`` (an import lock's, say) is
+#: printed and dropped by Python, and the signal would be lost. `watch` looks here first.
+_caught: list[str] = []
 
 
 def _terminate(signum: int, _frame: Any) -> None:
-    raise _Terminated(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _caught.append(name)
+    raise _Terminated(name)
 
 
 async def watch(settings: WatchSettings, log: EventLog | None = None,
@@ -137,12 +146,14 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
 
             async def stop_on_signal() -> None:
                 nonlocal reason
-                async for signum in signals:
-                    reason = f"signal {signal.Signals(signum).name}"
-                    if current:
-                        current[0].stop(reason)  # subscribers hear it before the socket goes
-                    tg.cancel_scope.cancel()
-                    return
+                if not _caught:  # else a signal came before this receiver, and was dropped
+                    async for signum in signals:
+                        _caught.append(signal.Signals(signum).name)
+                        break
+                reason = f"signal {_caught[0]}"
+                if current:
+                    current[0].stop(reason)  # subscribers hear it before the socket goes
+                tg.cancel_scope.cancel()
 
             tg.start_soon(stop_on_signal)
             async with open_host(
@@ -204,7 +215,8 @@ def _stopped_early(log: EventLog | None, progress: dict[str, bool], exc: BaseExc
 
 
 def run(args: argparse.Namespace) -> int:
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    _caught.clear()
+    previous = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM)}
     log: EventLog | None = None
     progress: dict[str, bool] = {}
     try:
@@ -240,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             return fail(str(exc), EXIT_USAGE)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if log is not None:
             log.close()
     return EXIT_OK

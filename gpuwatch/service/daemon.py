@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 
 from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.service.notify import Notifier
@@ -95,7 +96,9 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 )
                 services.server = server
                 await tg.start(server.serve, name="gpuwatch-socket")
-            # Every listener is bound: only now is `ready` a promise the daemon can keep.
+            # Every listener is bound: only now is `ready` a promise the daemon can keep. A
+            # stop that came while they were binding (a signal) wins: nothing is announced.
+            await anyio.lowlevel.checkpoint()
             watcher.watcher.announce_ready()
             services.notifier.ready(_status(watcher, settings))
             tg.start_soon(services.notifier.run_watchdog, name="gpuwatch-watchdog")

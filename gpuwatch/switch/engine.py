@@ -35,7 +35,13 @@ from pydantic import BaseModel, ConfigDict
 
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import format_event_time
-from gpuwatch.core.modes import Mode, group_in_mode, group_mode, is_vfio_driver, same_driver
+from gpuwatch.core.modes import (
+    Mode,
+    group_in_mode,
+    group_mode,
+    is_vfio_driver,
+    same_driver,
+)
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
     CommandStep,
@@ -93,6 +99,8 @@ DEFAULT_STEP_TIMEOUT = 30.0
 DEFAULT_SCAN_TIMEOUT = 10.0
 #: Re-read the tree this long after the last step if the events have not confirmed yet.
 DEFAULT_TREE_CHECK_AFTER = 5.0
+#: How long an interrupted switch may take to put its group back before it gives up.
+DEFAULT_ROLLBACK_TIMEOUT = 30.0
 _LOCK_DIR = "run/gpuwatch"
 _PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "resync")
 
@@ -166,6 +174,7 @@ class SwitchEngine:
         self.step_timeout = step_timeout
         self.scan_timeout = scan_timeout
         self.tree_check_after = tree_check_after
+        self.rollback_timeout = DEFAULT_ROLLBACK_TIMEOUT
         self._busy: set[int | str] = set()
         self._exclusive: int | str | None = None
         for group, entry in self.poison.load().items():
@@ -350,11 +359,14 @@ class SwitchEngine:
         done: list[CommandStep] = []  # the service and module steps that ran and succeeded
         pending: list[BaseModel] = []
         token: contextvars.Token[list[BaseModel] | None] | None = _DEFERRED.set(pending)
+        in_flight: list[Step] = []  # the step under way: a write that has not returned
         try:
             async with self._subscribe(_PROGRESS_EVENTS) as sub:
                 for step in plan.steps:
-                    if await self._step(plan, facts, step, deadline, notes) and isinstance(
-                            step, CommandStep):
+                    in_flight[:] = [step]
+                    ok = await self._step(plan, facts, step, deadline, notes)
+                    in_flight.clear()
+                    if ok and isinstance(step, CommandStep):
                         done.append(step)
                 await self._verify(plan, sub, deadline, notes)
         except (SwitchRefused, SwitchFailed) as exc:
@@ -379,12 +391,21 @@ class SwitchEngine:
         except BaseException as exc:
             # Cancelled (SIGINT/SIGTERM, a caller's timeout): `switch-started` must not be
             # left without an end. Failures and refusals published their own already.
+            # Before saying so, the group goes back to the mode it was in (shielded, bounded):
+            # an interrupted switch never leaves a half-switched group behind.
             if not isinstance(exc, Exception):
                 if token is not None:
                     _DEFERRED.reset(token)
                     token = None
+                undone: list[str] = []
+                with anyio.CancelScope(shield=True), anyio.move_on_after(
+                        self.rollback_timeout) as bound:
+                    await self._roll_back(plan, facts, done, in_flight, undone)
+                if bound.cancelled_caught:
+                    undone.append(f"(the roll-back ran out of its {self.rollback_timeout:g}s)")
                 self._publish([ev.SwitchFailed(addr=plan.addr, group=group, to_mode=to_mode,
-                                               error="interrupted", wedged=False)])
+                                               error="interrupted", wedged=False,
+                                               restored=undone)])
             raise
         finally:
             if token is not None:
@@ -395,6 +416,84 @@ class SwitchEngine:
             addr=result.addr, group=group, from_mode=result.from_mode, to_mode=to_mode,
             members=result.members, duration_ms=result.duration_ms)])
         return result
+
+    async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
+                         in_flight: Sequence[Step], restored: list[str]) -> None:
+        """An interrupted switch: bring the group back to the mode it was in (a switch back,
+        planned from the tree as it is now, with a fresh holder scan), then start again what
+        the switch stopped. ``restored`` says what was done, step by step.
+
+        Not when the interrupted step was an unbind and a task is (or may be) stuck in the
+        driver's remove: touching that device only adds a second stuck task (the wedge rule)."""
+        unbind = next((s for s in in_flight if isinstance(s, WriteStep)
+                       and s.path.endswith("/unbind")), None)
+        if unbind is not None:
+            deadline = self.model.proc_deadline
+            try:
+                wedge = await call_bounded(lambda: scan_wedge(self.root, deadline=deadline),
+                                           deadline + 1, "the wedge scan")
+                stuck = wedge.wedged or not wedge.complete
+            except StepTimedOut:
+                stuck = True
+            if stuck:
+                restored.append(f"nothing: interrupted during `{unbind.describe()}`, and a "
+                                "task may be stuck in the kernel (gpuwatch probe "
+                                "wedge-detected)")
+                return
+        # A group that was neither wholly (a half-done earlier switch) is left as it is now.
+        back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
+        if back is not None:
+            await self._drivers_back(plan, back, restored)
+        restored.extend(await self._restore(plan, facts, done))
+
+    async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str]) -> None:
+        addrs = [m.addr for m in plan.members]
+        paths, state = self.model.paths, self.model.state
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+            members = state.group_members(plan.addr)
+            known = model_facts(state, members)
+            euid, proc_deadline = self.euid(), self.model.proc_deadline
+            facts = await call_bounded(
+                lambda: gather_facts(paths, members, back, known, euid=euid,
+                                     which=self.ops.which, deadline=proc_deadline),
+                min(self.scan_timeout, proc_deadline + 1), "the holder scan")
+            undo = plan_switch(members, back, facts, force=True, recovering=True)
+        except (StepTimedOut, UnsafeName, DeviceNotFound, OSError) as exc:
+            restored.append(f"group {plan.group} not put back: {exc}")
+            return
+        if undo.refusal is not None:
+            restored.append(f"group {plan.group} not put back: {undo.refusal.reason}")
+            return
+        for step in undo.steps:
+            try:
+                match step:
+                    case WriteStep(path=path, value=value):
+                        await self.ops.write(path, value, self.step_timeout)
+                    case CommandStep(argv=argv):
+                        result = await self.ops.run(argv, self.step_timeout)
+                        if not result.ok and step.on_error != "warn":
+                            restored.append(f"{step.describe()} (failed: {result.message()})")
+                            return
+                    case MakeDirStep(path=path):
+                        await self.ops.makedirs(path)
+            except (StepTimedOut, HostStepError, UnsafeStep, OSError) as exc:
+                restored.append(f"{step.describe()} (failed: {exc})")
+                return
+            restored.append(step.describe())
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return
+        targets = dict(undo.targets)
+        if not self._reached(targets):
+            restored.append(f"group {plan.group} not back in mode {back}: "
+                            + self._drivers_text(targets))
 
     async def _restore(self, plan: SwitchPlan, facts: HostFacts,
                        done: Sequence[CommandStep]) -> list[str]:

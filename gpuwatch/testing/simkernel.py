@@ -17,8 +17,11 @@ the real seam makes, so a test can assert that something was never written.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import os
+import pickle
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -31,19 +34,32 @@ from pydantic import BaseModel
 from gpuwatch.core.modes import is_vfio_driver
 from gpuwatch.core.plan import module_of
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.errors import HostStepError, StepTimedOut
+from gpuwatch.errors import ConfigError, HostStepError, StepTimedOut
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr
 from gpuwatch.hostfs.scan import HostPaths, read_function
 from gpuwatch.sources import EventSource, SourceOverflow
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.switch.hostops import CommandResult, check_command, check_dir, check_write
+from gpuwatch.switch.hostops import (
+    Backend,
+    CommandResult,
+    check_command,
+    check_dir,
+    check_write,
+)
 from gpuwatch.testing.sysroot import SysRoot
 
 if TYPE_CHECKING:
     from gpuwatch.host import Host
     from gpuwatch.switch.engine import SwitchEngine
 
-__all__ = ["DEFAULT_TOOLS", "SimKernel", "simulated_switch"]
+__all__ = ["DEFAULT_TOOLS", "SIMKERNEL_ENV", "SimKernel", "install_saved_backend", "load_backend",
+           "save_for_subprocess", "simulated_switch"]
+
+#: Tests only: the path of a simulated kernel saved by `save_for_subprocess`. A switch command
+#: of ``python -m gpuwatch`` (``mode``, ``recover``…) run with it set switches that saved
+#: fixture instead of a host, so a test can drive a real process (signals and all). Never set
+#: it elsewhere: the command then acts on the fixture, not on the machine.
+SIMKERNEL_ENV = "GPUWATCH_TESTING_SIMKERNEL"
 
 DEFAULT_TOOLS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "systemctl"})
 
@@ -93,6 +109,9 @@ class SimKernel:
         #: Whether the simulated kernel has the VFIO device cdev (``vfio-dev/vfioN/dev``).
         self.vfio_cdev = True
         self._next_vfio_dev = 0
+        #: Seconds each write and command takes (a slow host: lets a test interrupt a switch
+        #: part-way).
+        self.step_delay = 0.0
 
     @property
     def source(self) -> MemorySource:
@@ -167,7 +186,7 @@ class SimKernel:
     async def write(self, path: str, value: str, timeout: float) -> None:
         check_write(path, value)
         self.record.append(("write", path, value))
-        await anyio.lowlevel.checkpoint()
+        await anyio.sleep(self.step_delay)
         if m := _OVERRIDE_RE.fullmatch(path):
             addr = m.group(1)
             self._require(addr, path)
@@ -204,7 +223,7 @@ class SimKernel:
     async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
         check_command(argv)
         self.record.append(("command", *argv))
-        await anyio.lowlevel.checkpoint()
+        await anyio.sleep(self.step_delay)
         name, args = argv[0], list(argv[1:])
         if name not in self.tools:
             return CommandResult(127, "", f"{name}: command not found")
@@ -433,6 +452,43 @@ class SimKernel:
                 devpath = real[len(os.path.realpath(self.paths.sys)):]
                 self.sys.remove_drm(name)
                 self.source.push(self.sys.uevent_props("remove", devpath))
+
+
+def save_for_subprocess(sim: SimKernel, path: str | os.PathLike[str], *, euid: int = 0) -> None:
+    """Save ``sim`` (its fixture's bookkeeping included) for a ``gpuwatch`` subprocess run
+    with ``GPUWATCH_TESTING_SIMKERNEL=path`` (`SIMKERNEL_ENV`); ``euid`` is who it runs as."""
+    if sim._source is not None:
+        raise ValueError("save the simulated kernel before any watcher uses it")
+    with open(path, "wb") as fh:
+        pickle.dump({"sim": sim, "euid": euid, "root": os.path.realpath(sim.root)}, fh)
+
+
+def install_saved_backend(path: str) -> None:
+    """Make every switch command of this process use the kernel saved at ``path`` (what
+    ``python -m gpuwatch`` does when `SIMKERNEL_ENV` is set)."""
+    from gpuwatch.switch import hostops
+
+    hostops.backend_factory = lambda root: load_backend(path, root)
+
+
+def load_backend(path: str, root: str) -> Backend:
+    """The switch backend of a test subprocess: the kernel `save_for_subprocess` left at
+    ``path``, for the same ``root`` only. What the run changes is saved back at exit, so the
+    next command finds the fixture's bookkeeping in step with its tree."""
+    with open(path, "rb") as fh:
+        saved = pickle.load(fh)  # a file the test itself wrote (test-only variable)
+    sim: SimKernel = saved["sim"]
+    if saved["root"] != os.path.realpath(root):
+        raise ConfigError(f"{SIMKERNEL_ENV}: {path} simulates {saved['root']}, not {root}")
+    euid: int = saved["euid"]
+
+    def save_back() -> None:
+        sim._source = None  # a live queue is no state: the next run makes its own
+        with contextlib.suppress(OSError), open(path, "wb") as fh:
+            pickle.dump({**saved, "sim": sim}, fh)
+
+    atexit.register(save_back)
+    return Backend(sim, sim.new_source(), lambda: euid)
 
 
 class _SimSource:

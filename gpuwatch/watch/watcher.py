@@ -310,8 +310,8 @@ class Watcher:
         """Publish ``ready`` and start applying uevents (queued in the source meanwhile).
         `open_watcher` does it before its body unless ``announce=False``: a daemon first
         binds its listeners, so ``ready`` is never a promise it cannot keep."""
-        if self._announced.is_set():
-            return
+        if self._announced.is_set() or self._stopped:
+            return  # a stop that came first (a signal during start-up) ends the run unannounced
         self.publish([Ready(devices=len(self.model.state.functions), source=self.source.name)])
         self._announced.set()
 

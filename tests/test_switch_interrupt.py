@@ -1,0 +1,180 @@
+"""`gpuwatch mode` interrupted by SIGTERM or SIGINT, as a real process on a fixture root.
+
+The child is ``python -m gpuwatch mode vfio --root FIXTURE --log LOG`` with the simulated
+kernel (saved by the test, loaded through the test-only ``GPUWATCH_TESTING_SIMKERNEL``), each
+step slowed down so that the signal can land before the switch, between its steps, or while
+it waits for the kernel's bind events. Whatever the moment, the log and the tree must show:
+every ``switch-started`` ended by ``switch-failed`` ("interrupted") or ``switch-completed``,
+and the group wholly in one mode, the one it started from after an interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_helpers import env, gpuwatch_cmd
+
+import gpuwatch
+from gpuwatch.testing import SysRoot
+from gpuwatch.testing.simkernel import SIMKERNEL_ENV, SimKernel, save_for_subprocess
+from gpuwatch.watch.eventlog import read_events
+
+NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
+BEFORE = {NV: "nvidia", AUDIO: "snd_hda_intel"}
+AFTER = {NV: "vfio-pci", AUDIO: "vfio-pci"}
+
+
+def driver(host: SysRoot, addr: str) -> str:
+    link = host.root / "sys/bus/pci/devices" / addr / "driver"
+    return os.path.basename(os.readlink(link)) if os.path.islink(link) else ""
+
+
+def drivers(host: SysRoot) -> dict[str, str]:
+    """The group's drivers as a fresh scan of the tree sees them."""
+    model = gpuwatch.scan(host.root)
+    return {f.addr: f.driver for f in model.functions() if f.addr in (NV, AUDIO)}
+
+
+# When to send the signal: a condition on the log and the tree, polled every few ms.
+Moment = Callable[[SysRoot, Path], bool]
+
+
+def watcher_up(host: SysRoot, log: Path) -> bool:
+    """The command's own watcher has opened its log: before (or at) the switch's start."""
+    return Path(f"{log}.lock").exists()
+
+
+def nvidia_unloaded(host: SysRoot, log: Path) -> bool:
+    """Mid-switch: the card has left nvidia (module unloaded) and is not on vfio-pci yet."""
+    return driver(host, NV) == "" and watcher_up(host, log)
+
+
+def half_bound(host: SysRoot, log: Path) -> bool:
+    """Mid-switch: the display function is on vfio-pci, its audio function is not."""
+    return driver(host, NV) == "vfio-pci" and driver(host, AUDIO) != "vfio-pci"
+
+
+def waiting_for_events(host: SysRoot, log: Path) -> bool:
+    """Every step done, bind events lost: the switch waits for the model to see the binds."""
+    return driver(host, NV) == "vfio-pci" and driver(host, AUDIO) == "vfio-pci"
+
+
+MOMENTS: dict[str, tuple[Moment, dict[str, Any]]] = {
+    "watcher-up": (watcher_up, {}),
+    "nvidia-unloaded": (nvidia_unloaded, {}),
+    "half-bound": (half_bound, {}),
+    "waiting-for-events": (waiting_for_events, {"lose_bind_events": True}),
+}
+
+
+def run_interrupted(host: SysRoot, tmp_path: Path, moment: Moment, sig: int,
+                    **knobs: Any) -> tuple[int, str, str, list[dict[str, Any]]]:
+    sim = SimKernel(host)
+    sim.step_delay = 0.25
+    for name, value in knobs.items():
+        setattr(sim, name, value)
+    saved = tmp_path / "simkernel.pickle"
+    save_for_subprocess(sim, saved)
+    log = tmp_path / "events.jsonl"
+    proc = subprocess.Popen(
+        gpuwatch_cmd("mode", "vfio", "--addr", NV, "--root", str(host.root), "--log", str(log),
+                     "--timeout", "60", "--json"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env(), SIMKERNEL_ENV: str(saved)})
+    try:
+        deadline = time.monotonic() + 60
+        while not moment(host, log):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the moment never came"
+            time.sleep(0.002)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err, list(read_events(log)) if log.exists() else []
+
+
+def check_every_start_ends(events: list[dict[str, Any]]) -> str | None:
+    """The outcome of the one switch in the log (None: none started), after checking that
+    its `switch-started` has exactly one end, after it."""
+    kinds = [e["type"] for e in events]
+    starts = [i for i, k in enumerate(kinds) if k == "switch-started"]
+    ends = [i for i, k in enumerate(kinds) if k in ("switch-completed", "switch-failed")]
+    assert len(starts) <= 1 and len(ends) == len(starts), kinds
+    if not starts:
+        return None
+    assert starts[0] < ends[0], kinds
+    end = events[ends[0]]
+    if end["type"] == "switch-failed":
+        assert (end["error"], end["wedged"], end["addr"]) == ("interrupted", False, NV), end
+        return "interrupted"
+    return "completed"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_an_interrupted_switch_ends_and_leaves_the_group_whole(
+    host: SysRoot, tmp_path: Path, moment: str, sig: int
+) -> None:
+    when, knobs = MOMENTS[moment]
+    code, out, err, events = run_interrupted(host, tmp_path, when, sig, **knobs)
+    assert "Traceback" not in err, err
+    assert not events or events[0]["type"] == "ready"  # the signal may beat the first scan
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    outcome = check_every_start_ends(events)
+    now = drivers(host)
+    if outcome == "completed":  # the signal came after the switch had finished
+        assert code == 0 and json.loads(out)["to_mode"] == "vfio", (code, err)
+        assert now == AFTER
+    else:
+        # Interrupted (exit 1, one line naming the interruption after the signal's own), or
+        # stopped before the switch began (exit 128 + the signal): the group as it was.
+        assert code in (1, 128 + sig), (code, err)
+        assert now == BEFORE, (now, events[-3:])
+        assert err.splitlines()[-1].startswith("gpuwatch: "), err
+        if outcome == "interrupted":
+            assert code == 1 and "interrupted" in err
+        if moment != "watcher-up":  # past the first step: the switch had begun
+            assert outcome == "interrupted", [e["type"] for e in events]
+            failed = next(e for e in events if e["type"] == "switch-failed")
+            # What the switch changed was put back, step by step: nvidia loaded again,
+            # the card bound to it again.
+            assert "run modprobe nvidia" in failed["restored"], failed
+            assert any("drivers_probe" in step for step in failed["restored"]), failed
+    # The model the log tells of ends where the tree is: the last driver seen per function.
+    seen = dict(BEFORE)
+    for e in events:
+        if e["type"] == "driver-changed" and e["addr"] in seen:
+            seen[e["addr"]] = e["new"]
+    if moment != "waiting-for-events":  # there the bind events were lost on purpose
+        assert seen == now, (seen, now)
+
+
+@pytest.mark.timeout(120)
+def test_after_an_interruption_the_same_switch_runs_to_completion(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """Nothing is left behind that blocks a retry: no lock, no poison, a whole group."""
+    code, _, _, events = run_interrupted(host, tmp_path, half_bound, signal.SIGTERM)
+    assert code == 1 and check_every_start_ends(events) == "interrupted"
+    log = tmp_path / "events.jsonl"
+    proc = subprocess.run(
+        gpuwatch_cmd("mode", "vfio", "--addr", NV, "--root", str(host.root), "--log", str(log),
+                     "--timeout", "60", "--json"),
+        capture_output=True, text=True, timeout=90,
+        env={**env(), SIMKERNEL_ENV: str(tmp_path / "simkernel.pickle")})
+    assert proc.returncode == 0, proc.stderr
+    assert drivers(host) == AFTER
+    kinds = [e["type"] for e in read_events(log)]
+    assert kinds.count("switch-started") == 2 and kinds[-1] == "switch-completed", kinds
