@@ -143,11 +143,13 @@ class SubscriberLagged(CallerError):
 
     code = SUBSCRIBER_LAGGED
 
-    def __init__(self, missed: int) -> None:
-        super().__init__(
-            f"subscriber lagged: {missed} event(s) missed; resubscribe and read snapshot()"
-        )
+    def __init__(self, missed: int, first_missed_seq: int | None = None) -> None:
+        resume = ("resubscribe and read snapshot()" if first_missed_seq is None else
+                  f"resubscribe with since_seq={max(0, first_missed_seq - 1)}")
+        super().__init__(f"subscriber lagged: {missed} event(s) missed; {resume}")
         self.missed = missed
+        #: The first seq not received (a socket subscriber's ``lagged`` line says so).
+        self.first_missed_seq = first_missed_seq
 
 
 # --- the host

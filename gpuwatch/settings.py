@@ -126,6 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket_max_per_uid", "int", 16, minimum=1),
     Setting("socket_root_reserve", "int", 64, minimum=0),
     Setting("socket_stall_timeout", "float", 30.0, minimum=0.001),
+    Setting("socket_max_output_bytes", "int", 4 << 20, minimum=4096),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
     Setting("nfd_expiry", "float", 3600.0, minimum=0),
@@ -240,6 +241,7 @@ class WatchSettings:
     socket_max_per_uid: int = 16
     socket_root_reserve: int = 64
     socket_stall_timeout: float = 30.0
+    socket_max_output_bytes: int = 4 << 20
     metrics: str | None = None
     nfd_features: str | None = None
     nfd_expiry: float = 3600.0

@@ -153,12 +153,11 @@ async def test_each_socket_subscriber_gets_one_append_per_batch(
     host: SysRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     appends: Counter[int] = Counter()
-    real = Connection.enqueue
+    real = Connection.deliver
 
-    def counting(self: Connection, data: bytes) -> bool:
-        if self.sub is not None:
-            appends[id(self)] += 1
-        return real(self, data)
+    def counting(self: Connection, data: bytes, first_seq: int, count: int) -> None:
+        appends[id(self)] += 1
+        real(self, data, first_seq, count)
 
     with short_socket_dir() as sockdir:
         path = f"{sockdir}/gw.sock"
@@ -175,7 +174,7 @@ async def test_each_socket_subscriber_gets_one_append_per_batch(
                     while b"\n" not in buf:
                         buf += await stream.receive()
                 clients.append([stream, buf.partition(b"\n")[2]])
-            monkeypatch.setattr(Connection, "enqueue", counting)
+            monkeypatch.setattr(Connection, "deliver", counting)
             before = served.watcher.seq
             for addr in (NIC, IGPU, NV):
                 host.unbind(addr)

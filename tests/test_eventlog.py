@@ -523,10 +523,19 @@ class LineReader:
     def seqs(self, n: int) -> list[int]:
         return [json.loads(self._lines.get(timeout=5))["seq"] for _ in range(n)]
 
+    def raw(self, n: int) -> list[str]:
+        return [self._lines.get(timeout=10) for _ in range(n)]
 
-def _spawn_follow(path: Path) -> subprocess.Popen[str]:
+    def raw_left(self) -> list[str]:
+        left = []
+        while not self._lines.empty():
+            left.append(self._lines.get_nowait())
+        return left
+
+
+def _spawn_follow(path: Path, *extra: str) -> subprocess.Popen[str]:
     code = ("import sys; from gpuwatch.cli.events_cmd import main; "
-            f"sys.exit(main([{str(path)!r}, '--follow']))")
+            f"sys.exit(main([{str(path)!r}, '--follow', *{list(extra)!r}]))")
     return subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -584,3 +593,46 @@ def test_write_lines_rejects_a_batch_with_a_line_break_before_writing(tmp_path: 
     with EventLog(path) as log, pytest.raises(ValueError):
         log.write_lines(['{"seq":1}', '{"seq":2}\n{"seq":3}'])
     assert path.read_bytes() == b""
+
+
+def test_cli_follow_hands_over_from_the_log_to_new_events_exactly(tmp_path: Path) -> None:
+    """``events --follow --since-seq N`` on a log another process writes: what the log held
+    after N, then what is appended while it runs (across rotations, while the writer races
+    the follower's scans), each seq once, in order, and every line exactly as stored."""
+    path = tmp_path / "ev.jsonl"
+    stored = {seq: line(seq, "ready" if seq % 3 else "stopped", pad="p" * (seq % 7))
+              for seq in range(1, 241)}
+    with EventLog(path, max_bytes=600, keep=1000) as log:
+        for seq in range(1, 41):
+            log.write_line(stored[seq])
+        proc = _spawn_follow(path, "--since-seq", "25", "--type", "ready")
+        lines = LineReader(proc)
+        try:
+            done = threading.Event()
+
+            def write_rest() -> None:
+                for seq in range(41, 241):
+                    log.write_line(stored[seq])
+                    if seq % 20 == 0:
+                        time.sleep(0.01)  # let the follower meet rotations mid-scan
+                done.set()
+
+            writer = threading.Thread(target=write_rest)
+            writer.start()
+            want = [stored[s] + "\n" for s in range(26, 241) if s % 3]
+            got = lines.raw(len(want))
+            writer.join(10)
+            assert done.is_set()
+            assert got == want
+            assert len(log_files(path)) > 10  # it really crossed rotations
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=10)
+            assert proc.returncode == 0
+            lines.close()
+            assert lines.raw_left() == []  # nothing after the last event, no repeat
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stderr is not None
+            proc.stderr.close()

@@ -8,6 +8,11 @@ exactly what the general path gives: the same records, the same events, the same
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,8 +46,12 @@ from gpuwatch.core.results import GpuInfo, PciFunction, Sriov, Vgpu
 from gpuwatch.core.state import HostState
 from gpuwatch.core.trusted import build, evolve, trusted_ok
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.hostfs import scan as scan_mod
+from gpuwatch.hostfs.scan import HostPaths, read_function, read_function_known
 from gpuwatch.settings import default_tables
 from gpuwatch.sources.jsonl import _LineSplitter, parse_jsonl_line
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import EventLog
 
 TABLES = default_tables()
 ADDR = "0000:01:00.0"
@@ -272,3 +281,134 @@ def test_build_takes_the_given_dict() -> None:
     fields = {"seq": 0, "time": "", "type": "driver-changed", "addr": ADDR, "old": "a", "new": "b"}
     event = build(DriverChanged, fields, {"addr", "old", "new"})
     assert event == DriverChanged(addr=ADDR, old="a", new="b")
+
+
+# --------------------------------------------------------------------------- the bind/unbind read
+
+
+@pytest.fixture
+def tmpfs_root() -> Iterator[Path]:
+    """The shortcut needs inode numbers that name one directory for good (tmpfs)."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="gpuwatch-fast-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+F = "0000:05:00.0"
+
+
+def _steps(kind: str) -> list[tuple[str, Callable[[SysRoot], None]]]:
+    """What a kernel does to a function's directory around a bind or unbind, by driver kind."""
+    def bind(driver: str, group: int | None = None,
+             vfio: bool = False) -> Callable[[SysRoot], None]:
+        def step(s: SysRoot) -> None:
+            if group is not None:
+                s.set_iommu_group(F, group)  # no-IOMMU VFIO makes its own group on bind
+            s.bind(F, driver)
+            if vfio:
+                s.add_vfio_dev(F, 4)
+        return step
+
+    def unbind(drop_group: bool = False) -> Callable[[SysRoot], None]:
+        def step(s: SysRoot) -> None:
+            s.unbind(F)
+            if drop_group:
+                s.set_iommu_group(F, None)
+        return step
+
+    def late_group_then_bind(s: SysRoot) -> None:
+        s.set_iommu_group(F, 9)  # an IOMMU probed after the device (no uevent of its own)
+        s.bind(F, "igb")
+
+    return {
+        "plain": [("unbind", unbind()), ("bind", bind("igb")), ("unbind", unbind()),
+                  ("bind", bind("ixgbe"))],
+        "vfio": [("unbind", unbind()), ("bind", bind("vfio-pci", vfio=True)),
+                 ("unbind", unbind()), ("bind", bind("mlx5_vfio_pci", vfio=True)),
+                 ("unbind", unbind()), ("bind", bind("igb"))],
+        "noiommu": [("bind", bind("vfio-pci", group=17, vfio=True)),
+                    ("unbind", unbind(drop_group=True)), ("bind", bind("igb")),
+                    ("unbind", unbind()), ("bind", bind("vfio-pci", group=18, vfio=True))],
+        "late-iommu": [("unbind", unbind()), ("bind", late_group_then_bind)],
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["plain", "vfio", "noiommu", "late-iommu"])
+def test_a_bind_or_unbind_read_equals_a_full_read(tmpfs_root: Path, kind: str) -> None:
+    """Whatever a bind or unbind changes in the tree, the shortcut reads what a full read
+    reads: the driver, and where a VFIO driver comes or goes its device and group."""
+    host = SysRoot(tmpfs_root / "host")
+    group = None if kind in ("noiommu", "late-iommu") else 3
+    devpath = host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000",
+                                driver=None if kind == "noiommu" else "igb", iommu_group=group)
+    paths = HostPaths(host.root)
+    assert paths.stable_inodes()
+    read_function(paths, F, devpath)  # the full read the shortcut builds on
+    for action, step in _steps(kind):
+        step(host)
+        fast = read_function_known(paths, F, devpath, action)
+        assert fast == read_function(HostPaths(host.root), F, devpath), (kind, action)
+
+
+def test_an_unbind_lists_no_vfio_dev(tmpfs_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host = SysRoot(tmpfs_root / "host")
+    devpath = host.add_function(F, klass="0x020000", driver="vfio-pci", iommu_group=3)
+    host.add_vfio_dev(F, 1)
+    paths = HostPaths(host.root)
+    assert read_function(paths, F, devpath).vfio_dev == "vfio1"  # type: ignore[union-attr]
+    host.unbind(F)
+    listed: list[str] = []
+    monkeypatch.setattr(scan_mod, "list_dir", lambda p: listed.append(p) or [])
+    seen = read_function_known(paths, F, devpath, "unbind")
+    assert isinstance(seen, PciSeen) and (seen.driver, seen.vfio_dev) == ("", "")
+    assert listed == []
+
+
+# --------------------------------------------------------------------------- the log's one write
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.text(st.characters(blacklist_characters="\n",
+                                              blacklist_categories=("Cs",)), max_size=30),
+                         max_size=6), max_size=6),
+       st.integers(1, 120))
+def test_a_batch_is_written_and_rotated_as_line_by_line(batches: list[list[str]],
+                                                        max_bytes: int) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        path = os.path.join(work, "log.jsonl")
+        log = EventLog(path, max_bytes=max_bytes, keep=1000)
+        expected: list[list[bytes]] = [[]]
+        size = 0
+        try:
+            for batch in batches:
+                log.write_lines(batch)
+                for line in batch:  # the rule: rotate before a line that would not fit
+                    data = (line + "\n").encode()
+                    if size > 0 and size + len(data) > max_bytes:
+                        expected.append([])
+                        size = 0
+                    expected[-1].append(data)
+                    size += len(data)
+        finally:
+            log.close()
+        # Oldest first: log.jsonl.N … log.jsonl.1, then log.jsonl (the lock file aside).
+        files = sorted((n for n in os.listdir(work) if not n.endswith(".lock")),
+                       key=lambda n: -int(n.rsplit(".", 1)[1]) if n[-1].isdigit() else 0)
+        got = [Path(work, n).read_bytes() for n in files]
+        assert [g for g in got if g] == [b"".join(e) for e in expected if e]
+
+
+def test_a_line_break_inside_a_line_is_refused(tmp_path: Path) -> None:
+    log = EventLog(str(tmp_path / "log.jsonl"))
+    try:
+        with pytest.raises(ValueError):
+            log.write_lines(['{"a":1}', '{"b":\n2}'])
+        log.write_lines([])
+    finally:
+        log.close()
+    assert (tmp_path / "log.jsonl").read_bytes() == b""

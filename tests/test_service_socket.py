@@ -48,6 +48,7 @@ from gpuwatch.service.peers import PeerCred
 from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
 from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
+from gpuwatch.switch.engine import SwitchResult
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import EventLog
 
@@ -574,6 +575,12 @@ def test_stale_socket_is_replaced_and_a_file_is_not(sockdir: str) -> None:
 # --------------------------------------------------------------------------- switch-side methods
 
 
+def _switched(addr: str, mode: str) -> SwitchResult:
+    """What `Host.switch`/`recover` return (the switch-completed record)."""
+    return SwitchResult(addr=addr, group=13, from_mode="nvidia", to_mode=mode,
+                        members=[], duration_ms=1.0, changed=True)
+
+
 class FakeSwitchWatcher:
     """Stands in for a watcher whose switch takes a while or fails in a given way."""
 
@@ -590,13 +597,13 @@ class FakeSwitchWatcher:
         self.finished += 1
         if self.error is not None:
             raise self.error
-        return {"type": "switch-completed", "addr": target, "to_mode": mode}
+        return _switched(target, mode)
 
     async def plan(self, target: str, mode: str) -> Any:
         return {"addr": target, "to_mode": mode, "steps": [], "refused": None}
 
     async def recover(self, target: str, *, timeout: float = 90) -> Any:
-        return {"addr": target, "to_mode": "vfio"}
+        return _switched(target, "vfio")
 
     async def holders(self, target: str) -> Any:
         return {"addr": target, "holders": []}
@@ -625,7 +632,8 @@ async def test_switch_delegates_and_maps_each_error(
     params = P.Params("switch", {"addr": NV, "mode": "vfio", "timeout": 5, "tolerant": True})
     if code is None:
         result = await default_ops()["switch"](fake, params, ROOT)  # type: ignore[arg-type]
-        assert result["to_mode"] == "vfio"
+        assert result == _switched(NV, "vfio").as_result()  # the reply shape, not the event
+        assert "seq" not in result and result["changed"] is True
     else:
         with pytest.raises(P.RpcError) as info:
             await default_ops()["switch"](fake, params, ROOT)  # type: ignore[arg-type]
@@ -704,10 +712,7 @@ async def test_a_switch_is_finished_when_its_client_leaves(
         assert fake.finished == 1  # shielded: not cut off half way
         c = await Raw.connect(served.path)
         reply = await c.request("switch", {"addr": NV, "mode": "vfio"}, rid=2)
-        assert reply == {
-            "id": 2,
-            "result": {"type": "switch-completed", "addr": NV, "to_mode": "vfio"},
-        }
+        assert reply == {"id": 2, "result": _switched(NV, "vfio").as_result()}
         await c.aclose()
 
 

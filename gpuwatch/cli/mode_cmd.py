@@ -119,7 +119,7 @@ def target_of(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 def print_result(result: SwitchResult, as_json: bool) -> None:
     if as_json:
-        print(dumps(result))
+        print(dumps(result.as_result()))
     else:
         where = f"{result.addr} (IOMMU group {result.group})"
         if result.changed:

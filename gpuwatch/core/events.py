@@ -12,14 +12,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
+    model_serializer,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from gpuwatch.core.results import Health, Holding, PciFunction, Vgpu
 from gpuwatch.core.trusted import build
@@ -207,6 +211,20 @@ class SwitchStarted(_Event):
     members: list[str]
 
 
+#: Serialisation context asking a `SwitchCompleted` for its result view (`as_result`).
+_RESULT_VIEW: Final = {"view": "switch-result"}
+_EVENT_ONLY: Final = ("seq", "time", "type")
+_RESULT_ONLY: Final = ("changed", "notes")
+
+
+# What a switch did: one record that is both the ``switch-completed`` event and the result
+# ``Host.switch``/``recover`` return (``SwitchResult`` is this class). One field order serves
+# both views, so neither reorders: the event's JSON (what the log, sockets and subscribers
+# get; the default) leaves out ``changed`` and ``notes``, the result's (`as_result`: the
+# socket's ``switch`` reply, ``gpuwatch mode --json``) leaves out ``seq``, ``time`` and
+# ``type``. A published switch returns the very record its subscribers got, stamped; one
+# that changed nothing (already in mode, no such card) is never published. (A comment,
+# not a docstring: the event schema carries docstrings, and this one is not about events.)
 class SwitchCompleted(_Event):
     type: Literal["switch-completed"] = "switch-completed"
     addr: str
@@ -215,6 +233,22 @@ class SwitchCompleted(_Event):
     to_mode: str
     members: list[SwitchMember]
     duration_ms: float
+    # Result only: a logged event reads back as a switch that changed the group.
+    changed: SkipJsonSchema[bool] = True
+    notes: SkipJsonSchema[list[str]] = []
+
+    @model_serializer(mode="wrap")
+    def _view(self, handler: SerializerFunctionWrapHandler,
+              info: SerializationInfo) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in _EVENT_ONLY if info.context == _RESULT_VIEW else _RESULT_ONLY:
+            data.pop(name, None)
+        return data
+
+    def as_result(self) -> dict[str, Any]:
+        """The result view as plain JSON values: ``addr``, ``group``, ``from_mode``,
+        ``to_mode``, ``members``, ``duration_ms``, ``changed``, ``notes`` (docs/socket.md)."""
+        return self.model_dump(mode="json", by_alias=True, context=_RESULT_VIEW)
 
 
 class SwitchRefused(_Event):

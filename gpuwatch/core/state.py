@@ -187,16 +187,17 @@ class HostState:
         return self.apply(obs)
 
     def _apply_one(self, obs: Observation, events: list[BaseModel]) -> None:
-        if isinstance(obs, PciSeen):
-            self._pci_seen(obs, events)
+        kind = type(obs)  # the two of every bind first, by identity
+        if kind is PciSeen:
+            self._pci_seen(cast(PciSeen, obs), events)
+        elif kind is PciRebound:
+            self._set_health(cast(PciRebound, obs).addr, "ok", events, announce=True)
         elif isinstance(obs, PciGone):
             self._pci_gone(obs.addr, events)
         elif isinstance(obs, PciErrorSeen):
             self._pci_error(obs, events)
         elif isinstance(obs, DrmWedgeSeen):
             self._drm_wedge(obs, events)
-        elif isinstance(obs, PciRebound):
-            self._set_health(obs.addr, "ok", events, announce=True)
         elif isinstance(obs, VgpusSeen):
             for addr, vgpu in obs.vgpus:
                 self._vgpu_seen(addr, vgpu, events)
@@ -233,7 +234,7 @@ class HostState:
             self.boot_vga.add(seen.addr)
         else:
             self.boot_vga.discard(seen.addr)
-        cdev = self._cdev_path(seen)
+        cdev = seen.vfio_cdev if seen.vfio_cdev and seen.vfio_cdev in self.nodes else ""
         if (
             old is not None
             and old.vendor_id == seen.vendor_id
@@ -295,18 +296,26 @@ class HostState:
             update["vfio_dev"] = seen.vfio_dev
         if old.vfio_cdev != cdev:
             update["vfio_cdev"] = cdev
-        if not _same_sriov(old.sriov, seen.sriov):
+        if (old.sriov is not None or seen.sriov is not None) and not _same_sriov(old.sriov,
+                                                                                 seen.sriov):
             update["sriov"] = _sriov(seen.sriov)
         if old.physfn != seen.physfn:
             update["physfn"] = seen.physfn
-        if not _same_vgpu(old.vgpu, seen.vgpu):
+        if (old.vgpu is not None or seen.vgpu is not None) and not _same_vgpu(old.vgpu,
+                                                                              seen.vgpu):
             update["vgpu"] = _vgpu(seen.vgpu)
         new = evolve(old, update)
         addr = seen.addr
-        self._set_cdev(addr, seen.vfio_cdev)
-        self._store_function(old, new)
+        if self._cdev_of.get(addr, "") != seen.vfio_cdev:
+            self._set_cdev(addr, seen.vfio_cdev)
+        if "iommu_group" in update:
+            self._store_function(old, new)
+        else:
+            self._store_same_group(new)
         if "driver" in update:
             events.append(driver_changed(addr, old.driver, seen.driver))
+            if len(update) == 1:
+                return  # a plain bind or unbind
         if "iommu_group" in update:
             events.append(IommuGroupChanged(addr=addr, old=old.iommu_group,
                                             new=seen.iommu_group))
@@ -316,9 +325,39 @@ class HostState:
         if "vgpu" in update:
             events.append(VgpuChanged(addr=addr, vgpu=new.vgpu))
 
-    def _cdev_path(self, seen: PciSeen) -> str:
-        """The cdev the model reports: sysfs names it and the node exists under the root."""
-        return seen.vfio_cdev if seen.vfio_cdev and seen.vfio_cdev in self.nodes else ""
+    def _store_same_group(self, new: PciFunction) -> None:
+        """`_store_function` for the same card in the same IOMMU group (a bind or unbind):
+        no group membership or GPU list to change, only the answers that embed it."""
+        addr = new.addr
+        functions = self.functions
+        functions[addr] = new
+        if addr in self.wedge_recovery and new.health != "wedged":
+            del self.wedge_recovery[addr]
+        vfio_stale = is_gpu = is_gpu_class(new.class_)
+        gpu_info = self._gpu_info
+        if is_gpu:
+            on_nvidia = new.driver == "nvidia"
+            if on_nvidia != (addr in self._nvidia_gpus):
+                if on_nvidia:
+                    self._nvidia_gpus.add(addr)
+                else:
+                    self._nvidia_gpus.discard(addr)
+                self._stale.update(("detect-gpu", "detect-host-devices"))
+            gpu_info.pop(addr, None)
+            self._gpu_dirty.add(addr)
+        if new.iommu_group >= 0:
+            for member in self.groups.get(new.iommu_group, ()):
+                if member in gpu_info:
+                    del gpu_info[member]
+                    self._gpu_dirty.add(member)
+                    vfio_stale = True
+                elif not vfio_stale and member in functions:
+                    vfio_stale = is_gpu_class(functions[member].class_)
+        if vfio_stale:
+            self._stale.add("detect-vfio")
+        if addr in self._drm_by_addr:
+            for name in self._drm_by_addr[addr]:
+                self._classify_card(name)
 
     def _set_cdev(self, addr: str, cdev: str) -> None:
         old = self._cdev_of.get(addr, "")

@@ -26,6 +26,8 @@ def uevent_facts(event: UEvent) -> list[Observation]:
     props = event.properties
     subsystem = event.subsystem
     if subsystem == "pci":
+        if event.action not in FRESH_ACTIONS and "ERROR_EVENT" not in props:
+            return []  # most of them (a change, an unbind): nothing to take
         name = event.devpath.rsplit("/", 1)[-1]
         addr = name if is_pci_addr(name) else props.get("PCI_SLOT_NAME", "")
         if not is_pci_addr(addr):

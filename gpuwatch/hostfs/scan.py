@@ -45,6 +45,7 @@ _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
 _NO_VFIO_DEV = ("", "")
 _NO_LINKS = ("", -1)
+_tuple_new = tuple.__new__
 
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
@@ -182,7 +183,8 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 group = parse_group(link_name(candidate + "/iommu_group"))
             paths.links[candidate] = (driver, group)
             vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
-            return PciSeen(
+            # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
+            return _tuple_new(PciSeen, (
                 addr,
                 devpath,
                 known[2],
@@ -197,7 +199,7 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 known[6],
                 read_vgpu(candidate) if driver == "nvidia" else None,
                 known[7],
-            )
+            ))
     return read_function(paths, addr, devpath)
 
 

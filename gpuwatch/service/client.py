@@ -21,7 +21,14 @@ import anyio
 import anyio.abc
 
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
-from gpuwatch.errors import SERVICE, Blame, DeviceNotFound, HostError, UsageError
+from gpuwatch.errors import (
+    SERVICE,
+    Blame,
+    DeviceNotFound,
+    HostError,
+    SubscriberLagged,
+    UsageError,
+)
 from gpuwatch.service import protocol as P
 
 DEFAULT_TIMEOUT = 30.0
@@ -95,6 +102,20 @@ def _decode(line: bytes, path: str) -> Any:
         return P.loads(line, max_depth=REPLY_MAX_DEPTH)
     except ValueError:
         raise DaemonUnavailable(f"{path} does not speak the gpuwatch protocol") from None
+
+
+def _event(obj: Any) -> dict[str, Any] | None:
+    """An event line's dict; the daemon's ``lagged`` notice (it is about to close a
+    subscriber that fell behind) raised as `SubscriberLagged`; None for anything else."""
+    if not isinstance(obj, dict) or "type" not in obj:
+        return None
+    if "seq" in obj:
+        return obj
+    if obj["type"] == "lagged":
+        missed, first = obj.get("missed"), obj.get("first_missed_seq")
+        raise SubscriberLagged(missed if isinstance(missed, int) else 0,
+                               first if isinstance(first, int) else None)
+    return None
 
 
 def default_socket_path() -> str:
@@ -207,9 +228,11 @@ class Client:
         return result
 
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """The events after `subscribe`; `SubscriberLagged` when the daemon dropped this
+        subscriber for reading too slowly (resubscribe with its ``since_seq``)."""
         while True:
-            event = _decode(self._readline(timeout), self.path)
-            if isinstance(event, dict) and "seq" in event and "type" in event:
+            event = _event(_decode(self._readline(timeout), self.path))
+            if event is not None:
                 yield event
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
@@ -320,9 +343,10 @@ class AsyncClient:
         return result
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """As `Client.events`."""
         while True:
-            event = _decode(await self._readline(), self.path)
-            if isinstance(event, dict) and "seq" in event and "type" in event:
+            event = _event(_decode(await self._readline(), self.path))
+            if event is not None:
                 yield event
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,

@@ -93,6 +93,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                     max_per_uid=settings.socket_max_per_uid,
                     root_reserve=settings.socket_root_reserve,
                     stall_timeout=settings.socket_stall_timeout,
+                    outbox_limit=settings.socket_max_output_bytes,
                 )
                 services.server = server
                 await tg.start(server.serve, name="gpuwatch-socket")

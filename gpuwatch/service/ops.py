@@ -116,7 +116,8 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     if vfio_driver is not None:
         kwargs["vfio_driver"] = vfio_driver
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
-    return await _guarded(lambda: host.switch(target, mode, **kwargs))
+    result = await _guarded(lambda: host.switch(target, mode, **kwargs))
+    return result.as_result()
 
 
 async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
@@ -125,7 +126,8 @@ async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
     params.done()
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     target = addr if addr is not None else vendor or DEFAULT_VENDOR
-    return await _guarded(lambda: host.recover(target, **kwargs))
+    result = await _guarded(lambda: host.recover(target, **kwargs))
+    return result.as_result()
 
 
 async def op_plan(host: Host, params: P.Params, peer: PeerCred) -> Any:

@@ -1,37 +1,46 @@
 """The socket server: a running `Watcher` served to any language over a Unix stream socket.
 
-Newline-delimited JSON (docs/socket.md). Each connection has a reader (requests, answered in
-order) and a writer draining a bounded outbox. Nothing the server does for a client ever
-waits on that client: event fan-out is a synchronous watcher listener that only appends to
-outboxes, and a client whose outbox overflows (it stopped reading) is disconnected, so a slow
-or hostile client cannot hold up the watcher or anyone else.
+Newline-delimited JSON (docs/socket.md). Requests on one connection are answered in order;
+those the model answers from memory (probes, snapshot, subscribe) are answered the moment
+their line is read. Nothing the server does for a client ever waits on that client: event
+fan-out is a synchronous watcher listener that only writes without blocking, and a client
+whose unread output passes its limit is cut off (a subscriber with a ``lagged`` line first),
+so a slow or hostile client cannot hold up the watcher or anyone else.
 
-Sockets are raw non-blocking ones awaited with ``wait_readable``/``wait_writable``: the
-outbox is then exactly the bytes the kernel has not taken yet, with no transport buffer
-hidden in between, which is what makes the overflow rule exact.
+On asyncio (the daemon) each connection is an ``asyncio.Protocol``: the loop reads the
+socket and the reply is written from the same callback, with no task and no epoll
+re-registration per request. On another anyio backend a reader and a writer task serve a
+raw non-blocking socket. Either way the output buffer is exactly the bytes the kernel has
+not taken yet, which is what makes the output limit exact. Peers are authorised from
+SO_PEERCRED at accept, before a byte of theirs is read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import functools
+import json
 import logging
 import os
 import resource
 import select
 import socket
 import stat
+import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+import sniffio
 from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
 from gpuwatch.core.events import EVENT_TYPES
+from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
@@ -64,6 +73,19 @@ _RECV = 64 * 1024
 _HUP_POLL = 1.0
 # A client that sent EOF gets this long to read its last replies.
 _FLUSH_AFTER_EOF = 60.0
+#: Bytes of every subscriber's output limit kept free for its `lagged` line.
+_LAG_RESERVE = 512
+# A lagged subscriber gets this long to take its `lagged` line before it is closed.
+_LAG_GRACE = _FLUSH_BEFORE_CLOSE
+#: During a burst, events are held for at most this many seconds, to go to each subscriber
+#: in one write when the burst pauses; an event after a quiet spell goes out at once.
+FLUSH_WINDOW = 0.005
+# Event bytes held for coalescing before a flush is forced, window or not.
+_PENDING_CAP = 256 << 10
+# Requests of one connection answered in a row before the loop serves everyone else.
+_LINES_PER_TURN = 64
+# Probe actions that read /proc live: answered in a worker thread, not from memory.
+_LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
 
 class SocketInUse(HostError):
     """Another process answers at the socket path (a second daemon); we do not steal it."""
@@ -176,36 +198,185 @@ class _Batch:
         return self._whole
 
 
-class Connection:
-    """One client: its peer, its bounded outbox and (once subscribed) its event filter."""
+def lagged_line(missed: int, first_missed_seq: int, outbox_limit: int) -> bytes:
+    """The notice a subscriber gets instead of events it was too slow to take (docs/socket.md,
+    Flow control): how many it lost, where the loss starts and how to resume gaplessly."""
+    return json.dumps({
+        "type": "lagged", "missed": missed, "first_missed_seq": first_missed_seq,
+        "resume_since_seq": max(0, first_missed_seq - 1), "outbox_limit": outbox_limit,
+    }, separators=(",", ":")).encode() + b"\n"
 
-    def __init__(self, server: SocketServer, sock: socket.socket, peer: PeerCred) -> None:
+
+class Connection:
+    """One client: its peer, its bounded output and (once subscribed) its event filter.
+
+    The rules live here; a subclass only moves bytes (`buffered`, `_write`, `_shut`).
+    Output is never awaited: a reply or an event either fits what the client has left
+    unread or the client is cut off.
+    """
+
+    def __init__(self, server: SocketServer, peer: PeerCred) -> None:
         self.server = server
-        self.sock = sock
         self.peer = peer
-        self.outbox: deque[bytes] = deque()
-        self.pending = 0  # bytes in the outbox the kernel has not taken yet
-        self.closed = False
-        self.overflowed = False
-        self.scope = anyio.CancelScope()
-        self._wake = anyio.Event()
-        self._progress = anyio.Event()
+        self.closed = False  # no more output is taken: the connection is being closed
         self.sub: _Subscription | None = None
         self.replaying = False
         self.held: list[tuple[int, Any, Any, bytes]] = []
         self.held_bytes = 0
         self.held_seq = 0  # the newest seq seen while holding, wanted or not
-        self.last_seq = 0
+        self.last_seq = 0  # the newest seq handled for this subscriber (sent or filtered out)
+
+    # -- moving bytes (per transport)
+
+    def buffered(self) -> int:
+        """Bytes accepted for this client that the kernel has not taken yet."""
+        raise NotImplementedError
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _shut(self, grace: float) -> None:
+        """Stop reading; close once the output is written, or after ``grace`` seconds
+        (at once, dropping what is unsent, when ``grace`` is 0)."""
+        raise NotImplementedError
+
+    async def _drained(self) -> None:
+        """Return once at most half the output limit is unread (or the client is gone)."""
+        raise NotImplementedError
 
     # -- output
 
-    def enqueue(self, data: bytes) -> bool:
-        """Queue without waiting. Over the limit: the client stopped reading, drop it."""
+    def close(self) -> None:
+        """Drop the client now (callable from a listener)."""
+        self.closed = True
+        self.held.clear()
+        self._shut(0)
+
+    def reply(self, data: bytes) -> None:
+        """Queue a reply. Events published before it go first, so a subscriber never reads
+        a reply that is newer than the events it has."""
         if self.closed:
-            return False
-        if self.pending and self.pending + len(data) > self.server.outbox_limit:
-            self.overflow()
-            return False
+            return
+        if self.sub is not None and self.server._pending:
+            self.server._catch_up(self)
+            if self.closed:
+                return
+        buffered = self.buffered()
+        if buffered and buffered + len(data) > self._limit():
+            if self.sub is not None:
+                self.lag(self.last_seq + 1, 0)
+                return
+            _log.warning("disconnecting %s: %d bytes of replies unread (client stopped "
+                         "reading)", self.peer.describe(), buffered)
+            self.close()
+            return
+        self._write(data)
+
+    def deliver(self, data: bytes, first_seq: int, count: int) -> None:
+        """Queue ``count`` events starting at ``first_seq``; a subscriber that has left
+        too much unread gets the `lagged` notice instead, and is closed."""
+        if self.closed:
+            return
+        buffered = self.buffered()
+        if buffered and buffered + len(data) > self._limit():
+            self.lag(first_seq, count)
+            return
+        self._write(data)
+
+    def _limit(self) -> int:
+        # A subscriber's events leave room for its `lagged` line: the bound holds with it.
+        limit = self.server.outbox_limit
+        return limit - _LAG_RESERVE if self.sub is not None else limit
+
+    def lag(self, first_missed_seq: int, missed: int) -> None:
+        """The subscriber stopped reading (or reads too slowly): tell it what it missed
+        and from where to resume, then close (best effort: it may not read even that)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.held.clear()
+        self.server._lag_drop(self)
+        _log.warning("disconnecting %s: %d bytes unread (subscriber stopped reading); "
+                     "%d event(s) from seq %d dropped", self.peer.describe(),
+                     self.buffered() + self.held_bytes, missed, first_missed_seq)
+        self._write(lagged_line(missed, first_missed_seq, self.server.outbox_limit))
+        self._shut(_LAG_GRACE)
+
+    async def paced(self, data: bytes, first_seq: int) -> None:
+        """Queue, waiting first while half the limit is unread (history replay): a long
+        replay is fed at the client's pace instead of overflowing it."""
+        while not self.closed and self.buffered() > self.server.outbox_limit // 2:
+            await self._drained()
+        self.deliver(data, first_seq, 1)
+
+    # -- subscription
+
+    def offer_batch(self, batch: _Batch) -> None:
+        """A published batch (listener context: never waits): one write for it."""
+        if self.closed or self.sub is None:
+            return
+        seqs = batch.seqs
+        if not seqs:
+            return
+        if self.replaying or seqs[0] <= self.last_seq:
+            for i, seq in enumerate(seqs):  # the rare paths: one event at a time
+                self.offer(seq, batch.types[i], batch.addrs[i], functools.partial(batch.line, i))
+            return
+        self.last_seq = seqs[-1]
+        sub = self.sub
+        if sub.types is None and sub.addrs is None:
+            self.deliver(batch.whole(), seqs[0], len(seqs))
+            return
+        wanted = [i for i in range(len(seqs)) if sub.wants(batch.types[i], batch.addrs[i])]
+        if wanted:
+            self.deliver(b"".join(batch.line(i) for i in wanted), seqs[wanted[0]], len(wanted))
+
+    def offer(self, seq: int, etype: Any, addr: Any, line: Callable[[], bytes]) -> None:
+        """A live event (listener context: never waits)."""
+        if self.closed or self.sub is None:
+            return
+        if self.replaying:
+            # Held until the log replay is done; only what the filter wants takes memory.
+            self.held_seq = max(self.held_seq, seq)
+            if self.sub.wants(etype, addr):
+                data = line()
+                self.held.append((seq, etype, addr, data))
+                self.held_bytes += len(data)
+                if self.held_bytes > self.server.outbox_limit - _LAG_RESERVE:
+                    self.lag(self.last_seq + 1, len(self.held))
+            return
+        if seq <= self.last_seq:
+            return  # already sent from the log
+        self.last_seq = seq
+        if self.sub.wants(etype, addr):
+            self.deliver(line(), seq, 1)
+
+
+class _StreamConnection(Connection):
+    """A connection on a raw non-blocking socket, awaited with anyio (any backend).
+
+    The outbox is exactly the bytes the kernel has not taken yet, with no transport buffer
+    hidden in between, which is what makes the output limit exact.
+    """
+
+    def __init__(self, server: SocketServer, sock: socket.socket, peer: PeerCred) -> None:
+        super().__init__(server, peer)
+        self.sock = sock
+        self.outbox: deque[bytes] = deque()
+        self.pending = 0  # bytes in the outbox the kernel has not taken yet
+        self.gone = False  # output dropped: nothing more is written
+        self.scope = anyio.CancelScope()  # the whole connection
+        self.reading = anyio.CancelScope()  # the reader (and a replay it runs)
+        self.grace = _FLUSH_BEFORE_CLOSE
+        self._wake = anyio.Event()
+        self._progress = anyio.Event()
+
+    def buffered(self) -> int:
+        return self.pending
+
+    def _write(self, data: bytes) -> None:
+        if self.gone:
+            return
         if not self.outbox:
             # Nothing queued: hand it to the kernel now (non-blocking). A reply or a batch
             # that fits the socket buffer then costs no wake-up of the writer task.
@@ -215,42 +386,29 @@ class Connection:
                 sent = 0
             except OSError:  # EPIPE, ECONNRESET: the client left
                 self.close()
-                return False
+                return
             if sent == len(data):
                 self._progress.set()
-                return True
+                return
             data = data[sent:]
         self.outbox.append(data)
         self.pending += len(data)
         self._wake.set()
-        return True
 
-    def overflow(self) -> None:
-        if self.closed:
-            return
-        self.overflowed = True
-        if self.sub is not None:
-            self.server._lag_drop(self)
-        _log.warning("disconnecting %s: %d bytes unread (client stopped reading)",
-                     self.peer.describe(), self.pending + self.held_bytes)
-        self.close()
-
-    def close(self) -> None:
-        """Stop at once (callable from a listener): both tasks are cancelled, the socket
-        closed by the handler."""
+    def _shut(self, grace: float) -> None:
         self.closed = True
-        self.outbox.clear()
-        self.pending = 0
-        self.held.clear()
-        self.scope.cancel()
+        if grace <= 0:
+            self.gone = True
+            self.outbox.clear()
+            self.pending = 0
+            self.scope.cancel()
+        else:
+            self.grace = min(self.grace, grace)
+            self.reading.cancel()
 
-    async def paced(self, data: bytes) -> None:
-        """Queue, waiting first while half the limit is unread (history replay): a long
-        replay is fed at the client's pace instead of overflowing it."""
-        while not self.closed and self.pending > self.server.outbox_limit // 2:
-            self._progress = anyio.Event()
-            await self._progress.wait()
-        self.enqueue(data)
+    async def _drained(self) -> None:
+        self._progress = anyio.Event()
+        await self._progress.wait()
 
     async def writer(self) -> None:
         sock = self.sock
@@ -276,51 +434,206 @@ class Connection:
             await self._wake.wait()
 
     async def flushed(self) -> None:
-        while self.outbox and not self.closed:
+        while self.outbox and not self.gone:
             self._progress = anyio.Event()
             await self._progress.wait()
 
-    # -- subscription
 
-    def offer_batch(self, batch: _Batch) -> None:
-        """A published batch (listener context: never waits): one outbox entry for it."""
-        if self.closed or self.sub is None:
-            return
-        seqs = batch.seqs
-        if not seqs:
-            return
-        if self.replaying or seqs[0] <= self.last_seq:
-            for i, seq in enumerate(seqs):  # the rare paths: one event at a time
-                self.offer(seq, batch.types[i], batch.addrs[i], functools.partial(batch.line, i))
-            return
-        self.last_seq = seqs[-1]
-        sub = self.sub
-        if sub.types is None and sub.addrs is None:
-            self.enqueue(batch.whole())
-            return
-        wanted = [i for i in range(len(seqs)) if sub.wants(batch.types[i], batch.addrs[i])]
-        if wanted:
-            self.enqueue(b"".join(batch.line(i) for i in wanted))
+class _ProtocolConnection(Connection, asyncio.Protocol):
+    """A connection served by asyncio's transport (the daemon's backend): the loop reads
+    the socket, the lines are cut and answered from the model in the same callback, and
+    the reply is written before it returns. No task, no epoll re-registration and no extra
+    loop turn per request; only what cannot be answered from memory (a replay, a switch,
+    a /proc read) runs as a task, and the connection reads nothing more until it is done.
 
-    def offer(self, seq: int, etype: Any, addr: Any, line: Callable[[], bytes]) -> None:
-        """A live event (listener context: never waits)."""
-        if self.closed or self.sub is None:
+    The transport's buffer is the outbox: what the kernel has not taken yet, as exact as a
+    raw socket's.
+    """
+
+    def __init__(self, server: SocketServer, peer: PeerCred,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(server, peer)
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.framer = LineFramer(server.max_line)
+        self.todo: deque[bytes] = deque()  # complete lines not answered yet
+        self.busy = False  # a request runs as a task (or a turn is yielded): later lines wait
+        self.eof = False
+        self.gone = False
+        self.scope: anyio.CancelScope | None = None  # the running task's
+        self._stall: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the close deadline, the hang-up poll
+        self._poller: select.poll | None = None
+        self._drain: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol
+
+    def itself(self) -> _ProtocolConnection:
+        """The protocol factory for this connection's transport."""
+        return self
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        # Above half the limit a history replay waits (`paced`) until a quarter is left.
+        limit = self.server.outbox_limit
+        transport.set_write_buffer_limits(high=limit // 2, low=limit // 4)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
             return
-        if self.replaying:
-            # Held until the log replay is done; only what the filter wants takes memory.
-            self.held_seq = max(self.held_seq, seq)
-            if self.sub.wants(etype, addr):
-                data = line()
-                self.held.append((seq, etype, addr, data))
-                self.held_bytes += len(data)
-                if self.held_bytes > self.server.outbox_limit:
-                    self.overflow()
+        lines = self.framer.feed(data)
+        if lines:
+            self.todo.extend(lines)
+            self._stop_stall_timer()  # the partial line that was timed is complete
+        if self.framer.pending and self._stall is None:
+            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+        if not self.busy:
+            self._serve()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._stop_stall_timer()
+        self.todo.extend(self.framer.finish())  # a last request without its newline
+        if not self.busy:
+            self._serve()
+        return True  # keep the write side open for the replies
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = self.gone = True
+        self.held.clear()
+        self.todo.clear()
+        self._stop_stall_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.scope is not None:
+            self.scope.cancel()  # a switch shields itself and runs to its end
+        self._wake_drain()
+        self.server._forget(self)
+
+    def pause_writing(self) -> None:
+        self._drain = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._wake_drain()
+
+    # -- moving bytes
+
+    def buffered(self) -> int:
+        transport = self.transport
+        return 0 if transport is None or self.gone else transport.get_write_buffer_size()
+
+    def _write(self, data: bytes) -> None:
+        if not self.gone and self.transport is not None:
+            self.transport.write(data)
+
+    def _shut(self, grace: float) -> None:
+        self.closed = True
+        self.todo.clear()
+        self._stop_stall_timer()
+        transport = self.transport
+        if transport is None or self.gone:
             return
-        if seq <= self.last_seq:
-            return  # already sent from the log
-        self.last_seq = seq
-        if self.sub.wants(etype, addr):
-            self.enqueue(line())
+        if grace <= 0:
+            self.gone = True
+            transport.abort()
+            return
+        transport.close()  # stops reading; closes once the buffer is written
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(grace, transport.abort)
+
+    async def _drained(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            await self._drain
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- requests
+
+    def _serve(self) -> None:
+        """Answer the complete lines in order; an answer that needs a task pauses the rest
+        (and reading) until it is done. A client's burst of lines gets `_LINES_PER_TURN`
+        answers, then the loop serves everyone else once."""
+        transport = self.transport
+        assert transport is not None
+        server = self.server
+        budget = _LINES_PER_TURN
+        todo = self.todo
+        while todo and not self.closed:
+            if not budget:
+                self._pause()
+                self.loop.call_soon(self._resume)
+                return
+            budget -= 1
+            line = todo.popleft()
+            if line is TOO_LONG:
+                server._too_long(self)
+                self._shut(_FLUSH_BEFORE_CLOSE)
+                return
+            later = server._answer(self, line)
+            if later is not None:
+                self._pause()
+                server._spawn(self._run, later)
+                return
+        if self.eof and not self.closed:
+            if self.sub is None:
+                self._shut(_FLUSH_AFTER_EOF)  # its replies are out (or get a minute)
+            elif self._poller is None:
+                self._poller = select.poll()
+                self._poller.register(transport.get_extra_info("socket").fileno(),
+                                      select.POLLHUP | select.POLLERR)
+                self._check_hangup()
+
+    def _pause(self) -> None:
+        self.busy = True
+        if self.transport is not None and not self.eof:
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        self.busy = False
+        if self.closed or self.transport is None:
+            return
+        if not self.eof:
+            self.transport.resume_reading()
+        self._serve()
+
+    async def _run(self, later: Callable[[], Awaitable[None]]) -> None:
+        try:
+            with anyio.CancelScope() as self.scope:
+                if not self.closed:
+                    await later()
+        finally:
+            self.scope = None
+            self._resume()
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.closed:
+            return
+        if self.busy:  # our own slow answer kept the line waiting, not the client
+            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+            return
+        self.server._refuse_line(self, P.REQUEST_TIMEOUT, f"request line incomplete after "
+                                                          f"{self.server.stall_timeout:g} seconds")
+        self._shut(_FLUSH_BEFORE_CLOSE)
+
+    def _stop_stall_timer(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _check_hangup(self) -> None:
+        """A subscriber that sent EOF may still read: stream on until it hangs up."""
+        self._timer = None
+        if self.closed or self._poller is None:
+            return
+        if self._poller.poll(0):
+            self.close()
+            return
+        self._timer = self.loop.call_later(_HUP_POLL, self._check_hangup)
 
 
 # --------------------------------------------------------------------------- server
@@ -346,6 +659,7 @@ class SocketServer:
         max_line: int = P.MAX_LINE,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         ops: dict[str, OpHandler] | None = None,
+        flush_window: float = FLUSH_WINDOW,
     ) -> None:
         self.watcher = watcher
         self.path = os.fspath(path)
@@ -353,18 +667,30 @@ class SocketServer:
                                    owner_uid=os.geteuid())
         self.log_path = log_path if log_path not in (None, "-") else None
         self.metrics = metrics
-        self.outbox_limit = outbox_limit
+        self.outbox_limit = max(outbox_limit, 4 * _LAG_RESERVE)
         self.max_clients = max_clients
         self.max_per_uid = max_per_uid
         self.root_reserve = min(root_reserve, max_clients)
         self.max_line = max_line
         self.stall_timeout = stall_timeout
+        self.flush_window = flush_window
         self._per_uid: dict[int, int] = {}
         self._unprivileged = 0
         self.ops = ops if ops is not None else default_ops()
         self.connections: set[Connection] = set()
         self._subscribers: list[Connection] = []
         self._ident: tuple[int, int] | None = None
+        self._to_spawn: deque[tuple[Callable[..., Coroutine[Any, Any, Any]],
+                                    tuple[Any, ...]]] = deque()
+        self._spawn_wake: anyio.Event | None = None  # made in `serve`: it needs the loop
+        # Coalescing (`_on_batch`): batches published since the last flush, and when that was.
+        self._pending: list[_Batch] = []
+        self._pending_bytes = 0
+        self._last_flush = 0.0
+        self._flush_due = False
+        self._held_since = 0.0
+        self._published = 0  # batches seen: the flusher's sign that a burst goes on
+        self._flush_wake: anyio.Event | None = None
         self.lag_drops = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -377,13 +703,23 @@ class SocketServer:
         st = os.stat(self.path)
         self._ident = (st.st_dev, st.st_ino)
         self.watcher.batch_listeners.append(self._on_batch)
+        loop = _asyncio_loop()
+        self._spawn_wake = anyio.Event()
+        self._flush_wake = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._flusher)
+                tg.start_soon(self._spawner, tg)
                 task_status.started()
-                await self._accept_loop(lsock, tg)
+                await self._accept_loop(lsock, tg, loop)
         finally:
             if self._on_batch in self.watcher.batch_listeners:
                 self.watcher.batch_listeners.remove(self._on_batch)
+            with contextlib.suppress(Exception):
+                self._flush()  # the last events (`stopped`) to whoever can take them now
+            for conn in tuple(self.connections):
+                if isinstance(conn, _ProtocolConnection):
+                    conn.close()
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(lsock)
             lsock.close()
@@ -398,7 +734,24 @@ class SocketServer:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-    async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
+        """Start a task from a protocol callback (no task context there, so no task group
+        call): the spawner task starts it in the server's task group."""
+        self._to_spawn.append((fn, args))
+        assert self._spawn_wake is not None
+        self._spawn_wake.set()
+
+    async def _spawner(self, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            assert self._spawn_wake is not None
+            await self._spawn_wake.wait()
+            self._spawn_wake = anyio.Event()
+            while self._to_spawn:
+                fn, args = self._to_spawn.popleft()
+                tg.start_soon(fn, *args)
+
+    async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup,
+                           loop: asyncio.AbstractEventLoop | None) -> None:
         while True:
             await anyio.wait_readable(lsock)
             while True:
@@ -415,7 +768,20 @@ class SocketServer:
                         continue
                     raise
                 csock.setblocking(False)
-                tg.start_soon(self._handle, csock)
+                peer = self._authorise(csock)
+                if peer is None:
+                    continue
+                if loop is None:
+                    tg.start_soon(self._handle, csock, peer)
+                    continue
+                conn = _ProtocolConnection(self, peer, loop)
+                self._register(conn)
+                try:
+                    await loop.connect_accepted_socket(conn.itself, csock)
+                except (OSError, RuntimeError) as exc:  # it left before we got to it
+                    _log.debug("client %s left at accept: %s", peer.describe(), exc)
+                    csock.close()
+                    self._forget(conn)
 
     # ------------------------------------------------------------------ one client
 
@@ -442,6 +808,26 @@ class SocketServer:
                                         "clients")
         return None
 
+    def _authorise(self, sock: socket.socket) -> PeerCred | None:
+        """The peer of a just-accepted socket if it may have a connection; otherwise it gets
+        one error line and is closed, before a byte of it is read."""
+        try:
+            peer = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return None
+        refusal = self._admit(peer)
+        if refusal is None:
+            return peer
+        code, message = refusal
+        _log.warning("refusing %s: %s", peer.describe(), message)
+        self._count("?", code)
+        with contextlib.suppress(OSError):
+            sock.send(P.encode_error(None, code, message))
+            sock.shutdown(socket.SHUT_WR)
+        sock.close()
+        return None
+
     def _track(self, peer: PeerCred, delta: int) -> None:
         if self.policy.privileged(peer):
             return
@@ -452,51 +838,49 @@ class SocketServer:
             self._per_uid.pop(peer.uid, None)
         self._unprivileged += delta
 
-    async def _handle(self, sock: socket.socket) -> None:
-        try:
-            peer = peer_credentials(sock)
-        except OSError:
-            sock.close()
-            return
-        refusal = self._admit(peer)
-        if refusal is not None:
-            code, message = refusal
-            _log.warning("refusing %s: %s", peer.describe(), message)
-            self._count("?", code)
-            with contextlib.suppress(OSError):
-                sock.send(P.encode_error(None, code, message))
-                sock.shutdown(socket.SHUT_WR)
-            sock.close()
-            return
-        conn = Connection(self, sock, peer)
+    def _register(self, conn: Connection) -> None:
         self.connections.add(conn)
-        self._track(peer, +1)
+        self._track(conn.peer, +1)
         if self.metrics is not None:
             self.metrics.clients.set(len(self.connections))
+
+    def _forget(self, conn: Connection) -> None:
+        if conn not in self.connections:
+            return
+        conn.closed = True
+        self.connections.discard(conn)
+        self._track(conn.peer, -1)
+        if conn in self._subscribers:
+            self._subscribers.remove(conn)
+        if self.metrics is not None:
+            self.metrics.clients.set(len(self.connections))
+
+    async def _handle(self, sock: socket.socket, peer: PeerCred) -> None:
+        """A connection on another backend than asyncio: a reader and a writer task."""
+        conn = _StreamConnection(self, sock, peer)
+        self._register(conn)
         try:
             with conn.scope:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(conn.writer)
-                    ended_by_peer = await self._reader(conn)
+                    ended_by_peer = False
+                    with conn.reading:
+                        ended_by_peer = await self._reader(conn)
                     with anyio.move_on_after(_FLUSH_AFTER_EOF if ended_by_peer
-                                             else _FLUSH_BEFORE_CLOSE):
+                                             else conn.grace):
                         await conn.flushed()
-                    if ended_by_peer and conn.sub is not None:
+                    if ended_by_peer and conn.sub is not None and not conn.closed:
                         await self._await_hangup(conn)
+                        with anyio.move_on_after(conn.grace):
+                            await conn.flushed()
                     tg.cancel_scope.cancel()
         finally:
-            conn.closed = True
-            self.connections.discard(conn)
-            self._track(peer, -1)
-            if conn in self._subscribers:
-                self._subscribers.remove(conn)
-            if self.metrics is not None:
-                self.metrics.clients.set(len(self.connections))
+            self._forget(conn)
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(sock)
             sock.close()
 
-    async def _await_hangup(self, conn: Connection) -> None:
+    async def _await_hangup(self, conn: _StreamConnection) -> None:
         """A subscriber that sent EOF may still read: stream on until it hangs up."""
         poller = select.poll()
         poller.register(conn.sock, select.POLLHUP | select.POLLERR)
@@ -505,7 +889,7 @@ class SocketServer:
                 return
             await anyio.sleep(_HUP_POLL)
 
-    async def _reader(self, conn: Connection) -> bool:
+    async def _reader(self, conn: _StreamConnection) -> bool:
         """Read lines; each complete line is one request, answered in order.
 
         True when the peer ended (EOF); False when the connection is being closed for
@@ -513,10 +897,10 @@ class SocketServer:
         ``stall_timeout`` seconds. At most ``max_line`` bytes of a request are ever held.
         """
         sock = conn.sock
-        buf = bytearray()
-        deadline = 0.0  # when the partial line in buf must be complete
+        framer = LineFramer(self.max_line)
+        deadline = 0.0  # when the partial line held must be complete
         while not conn.closed:
-            if buf:
+            if framer.pending:
                 with anyio.move_on_after(deadline - anyio.current_time()) as waited:
                     await anyio.wait_readable(sock)
                 if waited.cancelled_caught:
@@ -533,83 +917,107 @@ class SocketServer:
             except OSError:
                 conn.close()
                 return True
-            if not chunk:
-                if buf:
-                    await self._line(conn, bytes(buf))  # a last request without newline
-                return True
-            start = 0
-            while True:
-                cut = chunk.find(b"\n", start)
-                if cut < 0:
-                    break
-                if len(buf) + cut - start > self.max_line:
+            had_partial = framer.pending
+            lines = framer.feed(chunk) if chunk else framer.finish()
+            for i, line in enumerate(lines):
+                if line is TOO_LONG:
                     self._too_long(conn)
                     return False
-                line = bytes(buf) + chunk[start:cut] if buf else chunk[start:cut]
-                if start:
+                if i:
                     # One busy client must not starve the rest: yield between the lines of
                     # one chunk (the first one already waited for its chunk to arrive).
                     await anyio.lowlevel.checkpoint()
-                start = cut + 1
-                buf.clear()
-                await self._line(conn, line)
+                later = self._answer(conn, line)
+                if later is not None:
+                    await later()
                 if conn.closed:
                     return True
-            if len(buf) + len(chunk) - start > self.max_line:
-                self._too_long(conn)
-                return False
-            if start < len(chunk):
-                if not buf:
-                    deadline = anyio.current_time() + self.stall_timeout
-                buf += chunk[start:]
+            if not chunk:
+                return True
+            if framer.pending and (lines or not had_partial):
+                deadline = anyio.current_time() + self.stall_timeout
         return True
 
     def _refuse_line(self, conn: Connection, code: str, message: str) -> None:
         """One error line; the connection is then flushed (briefly) and closed."""
         _log.warning("closing %s: %s", conn.peer.describe(), message)
-        conn.enqueue(P.encode_error(None, code, message))
+        conn.reply(P.encode_error(None, code, message))
         self._count("?", code)
 
     def _too_long(self, conn: Connection) -> None:
         self._refuse_line(conn, P.REQUEST_TOO_LARGE,
                           f"request line longer than {self.max_line} bytes")
 
-    async def _line(self, conn: Connection, line: bytes) -> None:
-        if not line.strip():
-            return  # blank lines are spacing (a shell's trailing newline)
+    # ------------------------------------------------------------------ requests
+
+    def _answer(self, conn: Connection, line: bytes) -> Callable[[], Awaitable[None]] | None:
+        """Answer one request line now, from memory, when it can be; otherwise return what
+        to await for the answer (a replay, a switch, a /proc read), in order."""
+        if not line or line.isspace():
+            return None  # blank lines are spacing (a shell's trailing newline)
         try:
             req = P.parse_request(line)
         except P.RequestError as exc:
-            conn.enqueue(P.encode_error(exc.rid, exc.code, exc.message))
+            conn.reply(P.encode_error(exc.rid, exc.code, exc.message))
             self._count("?", exc.code)
-            return
-        if not self.policy.allows(req.method, conn.peer):
-            message = self.policy.refusal(req.method, conn.peer)
-            _log.warning("refused %s for %s", req.method, conn.peer.describe())
-            conn.enqueue(P.encode_error(req.id, P.PERMISSION_DENIED, message))
-            self._count(req.method, P.PERMISSION_DENIED)
-            return
+            return None
+        method = req.method
+        if not self.policy.allows(method, conn.peer):
+            message = self.policy.refusal(method, conn.peer)
+            _log.warning("refused %s for %s", method, conn.peer.describe())
+            conn.reply(P.encode_error(req.id, P.PERMISSION_DENIED, message))
+            self._count(method, P.PERMISSION_DENIED)
+            return None
         try:
-            if req.method == "subscribe":
-                await self._subscribe(conn, req)
-                self._count(req.method, "ok")
-                return
+            if method == "probe":
+                action = req.params.get("action")
+                if isinstance(action, str) and action in _LIVE_ACTIONS:
+                    return functools.partial(self._answer_later, conn, req)
+                result = self._probe_now(conn, P.Params(method, req.params))
+            elif method == "snapshot":
+                P.Params(method, req.params).done()
+                result = self.watcher.snapshot()
+            elif method == "subscribe":
+                replay = self._subscribe(conn, req)
+                self._count(method, "ok")
+                return replay
+            else:
+                return functools.partial(self._answer_later, conn, req)
+        except P.RpcError as exc:
+            conn.reply(P.encode_error(req.id, exc.code, exc.message))
+            self._count(method, exc.code)
+            return None
+        except Exception as exc:
+            self._internal(conn, req, exc)
+            return None
+        self._send_result(conn, req, result)
+        return None
+
+    async def _answer_later(self, conn: Connection, req: P.Request) -> None:
+        try:
             result = await self._call(conn, req)
         except P.RpcError as exc:
-            conn.enqueue(P.encode_error(req.id, exc.code, exc.message))
+            conn.reply(P.encode_error(req.id, exc.code, exc.message))
             self._count(req.method, exc.code)
             return
         except Exception as exc:
-            _log.exception("%s failed for %s", req.method, conn.peer.describe())
-            conn.enqueue(P.encode_error(req.id, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
-            self._count(req.method, P.INTERNAL)
+            self._internal(conn, req, exc)
             return
+        self._send_result(conn, req, result)
+
+    def _send_result(self, conn: Connection, req: P.Request, result: Any) -> None:
         try:
             data = P.encode_result(req.id, result)
         except Exception as exc:  # an op returned something JSON cannot carry
             data = P.encode_error(req.id, P.INTERNAL, f"unserialisable result: {exc}")
-        conn.enqueue(data)
+        conn.reply(data)
         self._count(req.method, "ok")
+
+    def _internal(self, conn: Connection, req: P.Request, exc: Exception) -> None:
+        _log.error("%s failed for %s", req.method, conn.peer.describe(),
+                   exc_info=(type(exc), exc, exc.__traceback__))
+        conn.reply(P.encode_error(req.id, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        self._count(req.method, P.INTERNAL)
 
     def _count(self, method: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -620,10 +1028,18 @@ class SocketServer:
     async def _call(self, conn: Connection, req: P.Request) -> Any:
         params = P.Params(req.method, req.params)
         if req.method == "probe":
-            return await self._probe(conn, params)
-        if req.method == "snapshot":
-            params.done()
-            return self.watcher.snapshot()
+            action, group, addr, mode, vendor = self._probe_params(params)
+            if action in ("nvidia-holders", "wedge-detected"):
+                model = self.watcher.model
+                return await host_ops.bounded(lambda: model.probe(action), action)
+            if action == "plan":
+                try:
+                    return await host_ops.plan_probe(self.watcher, mode, addr, vendor)
+                except P.RpcError:
+                    raise
+                except Exception as exc:
+                    raise host_ops.error_for(exc) from None
+            return self._probe_answer(conn, action, group, addr, mode, vendor)
         handler = self.ops.get(req.method)
         if handler is None:
             raise P.RpcError(P.UNAVAILABLE, f"{req.method} is not available in this daemon")
@@ -633,7 +1049,8 @@ class SocketServer:
                 return await handler(self.watcher, params, conn.peer)
         return await handler(self.watcher, params, conn.peer)
 
-    async def _probe(self, conn: Connection, params: P.Params) -> Any:
+    def _probe_params(self, params: P.Params) -> tuple[str, int | None, str | None,
+                                                       str | None, str | None]:
         action = params.req_str("action")
         group = params.opt_int("group")
         addr = params.opt_str("addr")
@@ -642,8 +1059,19 @@ class SocketServer:
         params.done()
         try:
             check_params(action, group, addr, mode, vendor)
-            if self.metrics is not None:  # after the check: labels only for real actions
-                self.metrics.probe_calls.labels(action=action).inc()
+        except Exception as exc:
+            raise host_ops.error_for(exc) from None
+        if self.metrics is not None:  # after the check: labels only for real actions
+            self.metrics.probe_calls.labels(action=action).inc()
+        return action, group, addr, mode, vendor
+
+    def _probe_now(self, conn: Connection, params: P.Params) -> Any:
+        return self._probe_answer(conn, *self._probe_params(params))
+
+    def _probe_answer(self, conn: Connection, action: str, group: int | None,
+                      addr: str | None, mode: str | None, vendor: str | None) -> Any:
+        """A probe answered from memory (every action but the live ones)."""
+        try:
             # The contract answers for the asking process: answer for the peer, not for us.
             if action == "vfio-group-accessible":
                 assert group is not None
@@ -656,12 +1084,6 @@ class SocketServer:
                     raise P.RpcError(P.UNAVAILABLE, f"cannot read the memlock limit of pid "
                                                     f"{conn.peer.pid}")
                 return limit
-            # Live answers read /proc: off the event loop, bounded.
-            if action in ("nvidia-holders", "wedge-detected"):
-                model = self.watcher.model
-                return await host_ops.bounded(lambda: model.probe(action), action)
-            if action == "plan":
-                return await host_ops.plan_probe(self.watcher, mode, addr, vendor)
             if vendor is not None:
                 return self.watcher.model.probe(action, group=group, addr=addr, mode=mode,
                                                 vendor=vendor)
@@ -671,7 +1093,10 @@ class SocketServer:
         except Exception as exc:
             raise host_ops.error_for(exc) from None
 
-    async def _subscribe(self, conn: Connection, req: P.Request) -> None:
+    def _subscribe(self, conn: Connection,
+                   req: P.Request) -> Callable[[], Awaitable[None]] | None:
+        """Register the subscription and reply; the log replay (``since_seq``), if any, is
+        returned to be awaited: it is paced to the client."""
         params = P.Params(req.method, req.params)
         types = params.opt_str_list("types")
         addrs = params.opt_str_list("addrs")
@@ -701,18 +1126,28 @@ class SocketServer:
             conn.replaying = True
             conn.last_seq = since_seq
             raw = self._history(since_seq)
-            first = next(raw, None)
+            try:
+                first = next(raw, None)
+            except BaseException:
+                conn.replaying = False
+                raise
             complete = first_is_next(None if first is None else first[0], since_seq)
             history = _chain(first, raw) if first is not None else raw
         elif since_seq is not None and since_seq > now:
             complete = False  # a seq from another log: what the client missed is unknown
         self._subscribers.append(conn)
-        conn.enqueue(P.encode_result(req.id, {"seq": now, "complete": complete}))
+        conn.reply(P.encode_result(req.id, {"seq": now, "complete": complete}))
         if history is None:
-            return
-        # The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
-        # log's lines after since_seq, then what was held live, each seq once.
-        handover = Handover(since_seq if since_seq is not None else now)
+            return None
+        assert raw is not None and since_seq is not None
+        return functools.partial(self._replay, conn, sub, since_seq, history, raw)
+
+    async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int,
+                      history: Iterator[tuple[int, Any, Any, bytes]],
+                      raw: Iterator[tuple[int, Any, Any, bytes]]) -> None:
+        """The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
+        log's lines after since_seq, then what was held live, each seq once."""
+        handover = Handover(since_seq)
         try:
             count = 0
             for seq, etype, addr, data in history:
@@ -722,14 +1157,16 @@ class SocketServer:
                     continue
                 conn.last_seq = seq
                 if sub.wants(etype, addr):
-                    await conn.paced(data)
+                    await conn.paced(data, seq)
                 count += 1
                 if count % 256 == 0:
                     await anyio.lowlevel.checkpoint()
             for seq, _etype, _addr, data in conn.held:
+                if conn.closed:
+                    return
                 if handover.fresh(seq):
                     conn.last_seq = seq
-                    await conn.paced(data)
+                    await conn.paced(data, seq)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
         finally:
             close = getattr(raw, "close", None)
@@ -749,19 +1186,84 @@ class SocketServer:
     # ------------------------------------------------------------------ fan-out
 
     def _on_batch(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
-        """Watcher batch listener: the lines the watcher serialised, one outbox append (one
-        ``send``) per subscriber per batch, never waiting. Never raises either: an exception
-        here would stop the watcher's publishing."""
+        """Watcher batch listener: never waits and never raises (an exception here would
+        stop the watcher's publishing).
+
+        A batch after a quiet spell (no flush within ``flush_window``) goes out at once.
+        Batches that follow it closely are held while the publisher keeps publishing (the
+        pump still has slices to apply) and flushed together as soon as it pauses for a
+        turn of the loop, or ``flush_window`` after the first one was held, or once
+        `_PENDING_CAP` bytes wait: each client takes a burst in a few large writes instead
+        of one per 64-event slice.
+        """
         if not self._subscribers:
             return
         try:
-            self._fan_out(events, lines)
+            batch = _Batch(events, lines)
+            self._pending.append(batch)
+            self._pending_bytes += sum(map(len, batch._lines))
+            self._published += 1
+            if self._flush_due and self._pending_bytes < _PENDING_CAP:
+                return
+            now = time.monotonic()
+            if (self._pending_bytes >= _PENDING_CAP or self._flush_wake is None
+                    or now - self._last_flush >= self.flush_window):
+                self._flush()
+            else:
+                self._flush_due = True
+                self._held_since = now
+                self._flush_wake.set()
         except Exception:
             _log.exception("socket fan-out of %d event(s) failed", len(events))
+            self._pending = []
+            self._pending_bytes = 0
 
-    def _fan_out(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
-        batch = _Batch(events, lines)
+    async def _flusher(self) -> None:
+        """Flushes what `_on_batch` held back: once a turn of the loop passes with nothing
+        new published, or at the end of the window."""
+        while True:
+            assert self._flush_wake is not None
+            await self._flush_wake.wait()
+            self._flush_wake = anyio.Event()
+            seen = -1
+            while (self._flush_due and seen != self._published
+                   and time.monotonic() - self._held_since < self.flush_window):
+                seen = self._published
+                await anyio.lowlevel.checkpoint()
+            self._flush_due = False
+            try:
+                self._flush()
+            except Exception:
+                _log.exception("socket fan-out failed")
+
+    def _flush(self) -> None:
+        """Every held batch to every subscriber: one write per client, the bytes joined once
+        for all subscribers without a filter."""
+        batches = self._pending
+        self._last_flush = time.monotonic()
+        if not batches:
+            return
+        self._pending = []
+        self._pending_bytes = 0
+        first = batches[0].seqs[0]
+        last = batches[-1].seqs[-1]
+        shared: bytes | None = None
         for conn in tuple(self._subscribers):
+            sub = conn.sub
+            if (sub is not None and sub.types is None and sub.addrs is None
+                    and not conn.replaying and conn.last_seq < first):
+                if shared is None:
+                    shared = (batches[0].whole() if len(batches) == 1
+                              else b"".join(b.whole() for b in batches))
+                conn.last_seq = last
+                conn.deliver(shared, first, sum(len(b.seqs) for b in batches))
+            else:
+                for batch in batches:
+                    conn.offer_batch(batch)
+
+    def _catch_up(self, conn: Connection) -> None:
+        """The held batches to one subscriber now (before a reply to it)."""
+        for batch in self._pending:
             conn.offer_batch(batch)
 
     def _lag_drop(self, conn: Connection) -> None:
@@ -770,6 +1272,16 @@ class SocketServer:
             self.metrics.lag_drops.inc()
         if conn in self._subscribers:
             self._subscribers.remove(conn)
+
+
+def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop when anyio runs on asyncio (the daemon), else None."""
+    try:
+        if sniffio.current_async_library() != "asyncio":
+            return None
+        return asyncio.get_running_loop()
+    except (sniffio.AsyncLibraryNotFoundError, RuntimeError):
+        return None
 
 
 def _raise_fd_limit(wanted: int) -> None:
@@ -791,9 +1303,11 @@ def _chain(first: tuple[int, Any, Any, bytes],
 __all__ = [
     "DEFAULT_MAX_CLIENTS",
     "DEFAULT_OUTBOX_LIMIT",
+    "FLUSH_WINDOW",
     "Connection",
     "SocketInUse",
     "SocketServer",
     "SocketSetupError",
     "bind_socket",
+    "lagged_line",
 ]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, assert_never
 
 import anyio
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import format_event_time
@@ -105,19 +105,10 @@ _LOCK_DIR = "run/gpuwatch"
 _PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "resync")
 
 
-class SwitchResult(BaseModel):
-    """What a switch did. ``changed`` is False for a no-op (already in mode, or no card)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    addr: str
-    group: int
-    from_mode: str
-    to_mode: str
-    members: list[ev.SwitchMember]
-    duration_ms: float
-    changed: bool
-    notes: list[str] = []
+#: What a switch did: the ``switch-completed`` event record itself (one record, two JSON
+#: views; see `gpuwatch.core.events.SwitchCompleted`). ``changed`` is False for a no-op
+#: (already in mode, or no card), which is never published.
+SwitchResult = ev.SwitchCompleted
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,9 +403,7 @@ class SwitchEngine:
                 _DEFERRED.reset(token)
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
-        self._publish([ev.SwitchCompleted(
-            addr=result.addr, group=group, from_mode=result.from_mode, to_mode=to_mode,
-            members=result.members, duration_ms=result.duration_ms)])
+        self._publish([result])  # the caller gets the record its subscribers got
         return result
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],

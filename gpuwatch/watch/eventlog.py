@@ -32,6 +32,7 @@ import anyio.lowlevel
 
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError
+from gpuwatch.watch.handover import Handover
 
 __all__ = [
     "EventLog",
@@ -398,9 +399,9 @@ class EventLog:
         event is still flushed as it is published; a rotation falls between two lines, never
         inside one.
         """
-        for line in lines:
-            if "\n" in line:
-                raise ValueError("an event line must not contain a line break")
+        text = "\n".join(lines)
+        if lines and text.count("\n") != len(lines) - 1:  # one scan in C, not one per line
+            raise ValueError("an event line must not contain a line break")
         if self._stdout:
             with self._lock:
                 if self._closed:
@@ -413,7 +414,7 @@ class EventLog:
             if self._closed:
                 raise EventLogClosedError(f"event log {self._path} is closed")
             try:
-                self._append(lines)
+                self._append(lines, text)
             except OSError as exc:
                 # Anything may be on disk up to the failure, even half a line: look at the
                 # tail before the next write. The caller decides what to retry and when.
@@ -422,10 +423,19 @@ class EventLog:
                 raise EventLogWriteError(exc.errno, self.error) from None
             self.error = None
 
-    def _append(self, lines: Sequence[str]) -> None:
+    def _append(self, lines: Sequence[str], text: str) -> None:
+        """``text`` is ``lines`` joined by newlines."""
         if self._fd is None:
             self._open()  # resuming after a failure (or a failed rotation's reopen)
         self._end_torn_line()
+        if not lines:
+            return
+        limit = self._max_bytes
+        if limit is None or self._size + 4 * len(text) + 1 <= limit:
+            # The batch fits before the next rotation (UTF-8 takes at most 4 bytes a
+            # character): one encode and one write.
+            self._write_all((text + "\n").encode("utf-8"))
+            return
         pending: list[bytes] = []
         pending_size = 0
         for line in lines:
@@ -531,7 +541,9 @@ class _Follower:
         types: Collection[str] | None,
     ) -> None:
         self._path = os.fspath(path)
-        self._last_seq = since_seq
+        self._since_seq = since_seq
+        # The duplicate guard: a scan that raced a rotation may open a file twice.
+        self._handover = Handover(since_seq)
         self._types = None if types is None else frozenset(types)
         self._pending: deque[_Source] = deque()
         self._live: _Source | None = None
@@ -553,11 +565,8 @@ class _Follower:
             if decoded is None:
                 continue
             event, text = decoded
-            seq: int = event["seq"]
-            # Also the duplicate guard: a scan that raced a rotation may open a file twice.
-            if self._last_seq is not None and seq <= self._last_seq:
+            if not self._handover.fresh(event["seq"]):
                 continue
-            self._last_seq = seq
             if self._types is not None and event["type"] not in self._types:
                 continue
             out.append(EventRecord(event, text))
@@ -636,8 +645,8 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
-        if old_anchor is None and self._last_seq is not None:
-            self._skip_to(self._last_seq)
+        if old_anchor is None and self._since_seq is not None:
+            self._skip_to(self._since_seq)
         return True
 
     def _skip_to(self, since_seq: int) -> None:

@@ -7,7 +7,8 @@ A lagged reader is not silently skipped: it drains what it already has, then get
 A subscription may start in the past (``since_seq``): it is registered for live events
 first, then reads the event log from ``since_seq`` up to the seq the watcher had reached at
 that moment, so the hand-over from log to live has no gap and no duplicate (`Handover`).
-The socket server relays the log's bytes with the same hand-over.
+The socket server relays the log's bytes with the same hand-over (`gpuwatch.watch.handover`,
+re-exported here).
 """
 
 from __future__ import annotations
@@ -23,34 +24,12 @@ from pydantic import BaseModel
 from gpuwatch.core.events import parse_event
 from gpuwatch.errors import SubscriberLagged
 from gpuwatch.watch.eventlog import EventRecord
+from gpuwatch.watch.handover import Handover, first_is_next
+
+__all__ = ["Handover", "Subscription", "first_is_next", "matches"]
 
 #: Log records read per trip to a worker thread while replaying.
 REPLAY_CHUNK = 256
-
-
-class Handover:
-    """The seam between a log replay and live events: each seq is delivered once, in order.
-
-    ``last_seq`` starts at the subscriber's ``since_seq``; `fresh` accepts a seq only if it
-    is newer than every one delivered, whichever side (log or live) it came from.
-    """
-
-    __slots__ = ("last_seq",)
-
-    def __init__(self, since_seq: int) -> None:
-        self.last_seq = since_seq
-
-    def fresh(self, seq: int) -> bool:
-        if seq <= self.last_seq:
-            return False
-        self.last_seq = seq
-        return True
-
-
-def first_is_next(first_seq: int | None, since_seq: int) -> bool:
-    """Whether a replay starting at ``first_seq`` covers everything after ``since_seq``
-    (False when the log rotated those events away, or has none)."""
-    return first_seq == since_seq + 1
 
 
 class Subscription:

@@ -42,7 +42,8 @@ from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
-from gpuwatch.watch.subscription import Subscription, first_is_next
+from gpuwatch.watch.handover import first_is_next
+from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
 
@@ -359,11 +360,13 @@ class Watcher:
         """
         last: dict[tuple[str, str, str], UEvent] = {}
         full: set[tuple[str, str, str]] = set()
+        pop = last.pop
         for event in batch:
-            key = (event.subsystem, event.devpath, event.properties.get("DEVNAME", ""))
-            if event.action not in _DRIVER_ACTIONS:
+            action, devpath, subsystem, props = event
+            key = (subsystem, devpath, props.get("DEVNAME", ""))
+            if action not in _DRIVER_ACTIONS:
                 full.add(key)
-            last.pop(key, None)  # re-insert: dict order is then the order of last mention
+            pop(key, None)  # re-insert: dict order is then the order of last mention
             last[key] = event
         return [
             event._replace(action="change")
