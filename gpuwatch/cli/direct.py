@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK, fail
 from gpuwatch.cli.fast import _OPTIONS, _split, compact, daemon_socket, reader_may_leave
-from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, check_params
+from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, FunctionGone, check_params
 from gpuwatch.core.tabledata import table_data
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.scan import (
@@ -82,6 +82,8 @@ def run_direct(argv: Sequence[str]) -> int | None:
                          lambda o: read_listed(paths, o.addr, o.devpath))
         try:
             result = host.answer(action, **params)
+        except FunctionGone:
+            return None  # the host changed under the outline: the full command scans anew
         except GpuwatchError as exc:  # no such function: the full command's line and code
             return fail(str(exc), exc.exit_status)
         text = compact({"action": action, "result": result})

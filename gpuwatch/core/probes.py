@@ -270,7 +270,7 @@ class FunctionOutline(NamedTuple):
 FullRead = Callable[[FunctionOutline], "PciSeen | None"]
 
 
-class FunctionGone(LookupError):
+class FunctionGone(DeviceNotFound):
     """A function outlined a moment ago could not be read in full: the host is changing
     under the probe (the caller starts again the long way)."""
 
