@@ -94,15 +94,6 @@ class Daemon:
         events = self.events()
         return events[-1]["seq"] if events else 0
 
-    def wait_event(self, pred: Any, timeout: float = 15) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            for e in self.events():
-                if pred(e):
-                    return e
-            assert time.monotonic() < deadline, "event did not come"
-            time.sleep(0.02)
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:

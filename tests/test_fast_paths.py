@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpuwatch
 from gpuwatch.core.events import (
     DeviceChanged,
     DriverChanged,
@@ -335,17 +336,26 @@ def _steps(kind: str) -> list[tuple[str, Callable[[SysRoot], None]]]:
                     ("unbind", unbind(drop_group=True)), ("bind", bind("igb")),
                     ("unbind", unbind()), ("bind", bind("vfio-pci", group=18, vfio=True))],
         "late-iommu": [("unbind", unbind()), ("bind", late_group_then_bind)],
+        "noiommu-bound": [("unbind", unbind(drop_group=True)), ("bind", bind("igb")),
+                          ("unbind", unbind()),
+                          ("bind", bind("vfio-pci", group=19, vfio=True)),
+                          ("unbind", unbind(drop_group=True))],
+        "iommu-vfio": [("unbind", unbind()), ("bind", bind("vfio-pci", vfio=True)),
+                       ("unbind", unbind()), ("bind", bind("vfio-pci", vfio=True))],
     }[kind]
 
 
-@pytest.mark.parametrize("kind", ["plain", "vfio", "noiommu", "late-iommu"])
+@pytest.mark.parametrize("kind", ["plain", "vfio", "noiommu", "late-iommu", "noiommu-bound",
+                                  "iommu-vfio"])
 def test_a_bind_or_unbind_read_equals_a_full_read(tmpfs_root: Path, kind: str) -> None:
     """Whatever a bind or unbind changes in the tree, the shortcut reads what a full read
     reads: the driver, and where a VFIO driver comes or goes its device and group."""
     host = SysRoot(tmpfs_root / "host")
-    group = None if kind in ("noiommu", "late-iommu") else 3
+    group = {"noiommu": None, "late-iommu": None, "noiommu-bound": 17}.get(kind, 3)
+    driver = {"noiommu": None, "noiommu-bound": "vfio-pci", "iommu-vfio": "vfio-pci"}.get(
+        kind, "igb")
     devpath = host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000",
-                                driver=None if kind == "noiommu" else "igb", iommu_group=group)
+                                driver=driver, iommu_group=group)
     paths = HostPaths(host.root)
     assert paths.stable_inodes()
     read_function(paths, F, devpath)  # the full read the shortcut builds on
@@ -412,3 +422,52 @@ def test_a_line_break_inside_a_line_is_refused(tmp_path: Path) -> None:
     finally:
         log.close()
     assert (tmp_path / "log.jsonl").read_bytes() == b""
+
+
+def test_the_prepared_answers_equal_validated_ones(tmp_path: Path) -> None:
+    """The GPU entries and answers the model builds without validation are the records
+    validation builds from the same values: equal, and dumped to the same bytes."""
+    from gpuwatch.core.results import DetectVfioResult, HostDevicesResult
+    from gpuwatch.testing import synthetic_host
+
+    host = synthetic_host(tmp_path / "host", 64)
+    model = gpuwatch.scan(host.root)
+    state = model.state
+    vfio = state.answer("detect-vfio")
+    assert vfio.gpus
+    for info in vfio.gpus:
+        fn = state.functions[info.addr]
+        validated = GpuInfo(**fn.__dict__, group_members=state.group_members(info.addr))
+        assert info == validated and repr(info) == repr(validated)
+        assert info.model_dump_json() == validated.model_dump_json()
+        assert info.__pydantic_fields_set__ == validated.__pydantic_fields_set__
+    for answer, cls in ((vfio, DetectVfioResult),
+                        (state.answer("detect-host-devices"), HostDevicesResult)):
+        validated = cls.model_validate(answer.__dict__)
+        assert answer == validated and answer.model_dump_json() == validated.model_dump_json()
+    for cls in (DetectVfioResult, HostDevicesResult):
+        assert trusted_ok(cls)
+
+
+def test_a_scan_remembers_identities_so_the_first_bind_reads_only_its_links(
+    tmpfs_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host = SysRoot(tmpfs_root / "host")
+    devpath = host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000",
+                                driver="igb", iommu_group=3)
+    paths = HostPaths(host.root)
+    scan_mod.scan_functions(paths)
+    full: list[str] = []
+    real = scan_mod._read_function_dir
+    monkeypatch.setattr(scan_mod, "_read_function_dir",
+                        lambda d, a, p: full.append(a) or real(d, a, p))
+    host.unbind(F)
+    assert read_function_known(paths, F, devpath, "unbind") == \
+        read_function(HostPaths(host.root), F, devpath)
+    assert full == [F]  # only the reference read above, none by the shortcut
+    # A card swapped in after the scan is read in full and seen as what it is.
+    host.remove_function(F)
+    host.add_function(F, vendor="0x15b3", device="0x1017", klass="0x020000", driver="mlx5_core",
+                      iommu_group=3)
+    seen = read_function_known(paths, F, devpath, "bind")
+    assert isinstance(seen, PciSeen) and (seen.vendor_id, seen.driver) == ("0x15b3", "mlx5_core")

@@ -32,7 +32,7 @@ from gpuwatch.testing.machines import (
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
 
 Run = Callable[..., tuple[int, str, str]]
-ASPEED_VGA, A100 = "0000:03:00.0", "0000:41:00.0"
+ASPEED_VGA = "0000:03:00.0"
 
 
 def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch,

@@ -70,10 +70,10 @@ class DrmWedgeSeen:
     task: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class PciRebound:
+class PciRebound(NamedTuple):
     """A ``bind`` or ``add`` uevent named the function: a fresh start clears its bad health,
-    even when the batch folded the unbind and bind (or remove and add) into one read."""
+    even when the batch folded the unbind and bind (or remove and add) into one read. A
+    NamedTuple, like `PciSeen`: one is built per bind."""
 
     addr: str
 

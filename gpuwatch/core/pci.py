@@ -56,11 +56,6 @@ def parse_vendor(text: str) -> str:
     return "0x" + m.group(1).lower()
 
 
-def pci_domain_of(addr: str) -> str:
-    """``10000:01:00.0`` → ``10000``: the domain as the kernel spells it."""
-    return addr.rsplit(":", 2)[0]
-
-
 def is_driver_name(name: str) -> bool:
     return DRIVER_NAME_RE.fullmatch(name) is not None and name not in (".", "..")
 

@@ -16,6 +16,7 @@ _SUBSYSTEM_KEY = b"\0SUBSYSTEM="
 
 
 _NO_PROPERTIES: Mapping[str, str] = MappingProxyType({})
+_tuple_new = tuple.__new__
 
 
 class UEvent(NamedTuple):
@@ -93,4 +94,6 @@ def parse_kernel_uevent(data: bytes) -> UEvent | None:
             props[key] = value
     action = props.setdefault("ACTION", action)
     devpath = props.setdefault("DEVPATH", devpath)
-    return UEvent(action, devpath, props.get("SUBSYSTEM", ""), MappingProxyType(props))
+    # UEvent(...) without the NamedTuple's Python-level __new__: one per kernel message.
+    return _tuple_new(UEvent, (action, devpath, props.get("SUBSYSTEM", ""),
+                               MappingProxyType(props)))

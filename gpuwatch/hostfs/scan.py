@@ -43,7 +43,7 @@ _VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
 _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
 _NO_VFIO_DEV = ("", "")
-_NO_LINKS = ("", -1)
+_NO_LINKS = (-1, False)
 _tuple_new = tuple.__new__
 
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
@@ -97,8 +97,9 @@ class HostPaths:
         #: directory: they cannot change while that directory (that inode) lives. So a
         #: bind/unbind re-reads only what it can change (see `read_function_known`).
         self.identity: dict[str, tuple[int, int, str, str, str, bool, str, bool]] = {}
-        #: Function directory → (driver, IOMMU group) as last read, for the same shortcut.
-        self.links: dict[str, tuple[str, int]] = {}
+        #: Function directory → (IOMMU group as last read, whether a bind or unbind may still
+        #: change it), for the same shortcut.
+        self.links: dict[str, tuple[int, bool]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -128,17 +129,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
             seen = _read_function_dir(candidate, addr, devpath)
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
-                    paths.links[candidate] = (seen.driver, seen.iommu_group)
-                    paths.identity[candidate] = (
-                        st.st_dev,
-                        st.st_ino,
-                        seen.vendor_id,
-                        seen.device_id,
-                        seen.klass,
-                        seen.sriov is not None,
-                        seen.physfn,
-                        seen.boot_vga,
-                    )
+                    _remember(paths, candidate, st, seen)
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
     directory = os.path.join(paths.bus_pci, addr)
@@ -150,6 +141,25 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
     return seen
 
 
+def _remember(paths: HostPaths, directory: str, st: os.stat_result, seen: PciSeen) -> None:
+    """What a later bind/unbind of this directory needs (`read_function_known`): its identity
+    from a stat taken *before* the full read ``seen``, so that a directory replaced after the
+    stat can only fail the next comparison, never pair a new inode with old ids."""
+    # A group seen under a bound driver may be no-IOMMU VFIO's, which goes with the driver:
+    # the next bind/unbind looks again (once; from then on it knows where the group came from).
+    paths.links[directory] = (seen.iommu_group, seen.iommu_group >= 0 and bool(seen.driver))
+    paths.identity[directory] = (
+        st.st_dev,
+        st.st_ino,
+        seen.vendor_id,
+        seen.device_id,
+        seen.klass,
+        seen.sriov is not None,
+        seen.physfn,
+        seen.boot_vga,
+    )
+
+
 def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str = "bind",
                         variants: frozenset[str] = frozenset()) -> PciSeen | PciGone:
     """`read_function` for a bind/unbind: when the directory is the very inode fully read
@@ -159,9 +169,9 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
 
     The IOMMU group is the kernel's from the moment the device is added until it is removed,
     so it is re-read only where a bind or unbind can make or drop one: a function that had
-    none yet (an IOMMU probed late, or no-IOMMU VFIO about to make one) and a VFIO driver
-    coming or going (no-IOMMU VFIO drops its group on unbind). A VFIO device exists only
-    under a VFIO-capable driver, so only then is ``vfio-dev`` listed.
+    none yet (an IOMMU probed late, or no-IOMMU VFIO about to make one) and one whose group
+    came with a VFIO driver (no-IOMMU VFIO drops its group on unbind). A VFIO device exists
+    only under a VFIO-capable driver, so only then is ``vfio-dev`` listed.
     """
     candidate = paths.sys + devpath
     known = paths.identity.get(candidate)
@@ -177,11 +187,21 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
             else:
                 driver = link_name(link)
             vfio = bool(driver) and _vfio_capable(driver, variants)
-            last_driver, group = paths.links.get(candidate, _NO_LINKS)
-            if group < 0 or vfio or (last_driver and _vfio_capable(last_driver, variants)):
-                group = parse_group(link_name(candidate + "/iommu_group"))
-            paths.links[candidate] = (driver, group)
-            vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
+            group, may_go = paths.links.get(candidate, _NO_LINKS)
+            if group < 0 or may_go:
+                seen_group = parse_group(link_name(candidate + "/iommu_group"))
+                # A group that appears under a VFIO driver may be no-IOMMU VFIO's, and go
+                # with it; one that appears otherwise, or outlives the VFIO driver, is the
+                # IOMMU's, fixed for the directory's life.
+                may_go = seen_group >= 0 and vfio
+                group = seen_group
+                paths.links[candidate] = (group, may_go)
+            vfio_dev, vfio_cdev = (
+                read_vfio_dev(candidate)
+                # Asked first: a missing directory costs a listdir an exception, not so here.
+                if vfio and os.access(candidate + "/vfio-dev", os.F_OK)
+                else _NO_VFIO_DEV
+            )
             # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
             return _tuple_new(PciSeen, (
                 addr,
@@ -318,6 +338,10 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
     found: list[PciSeen] = []
     paths.links.clear()
     paths.identity.clear()  # a full scan is the fresh truth: no older read may outlive it
+    # Where inode numbers name one directory for good, each directory's identity is taken
+    # (one stat, before its reads) so that the first bind/unbind after a scan already reads
+    # only its driver link instead of the whole function again.
+    stable = paths.stable_inodes()
     for name in sorted(list_dir(paths.bus_pci)):
         if not is_pci_addr(name):
             continue
@@ -325,7 +349,18 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
         devpath = _devpath_of_bus_entry(paths, name)
         # Read through the resolved directory, not the bus symlink: on sysfs every read
         # through the link pays its resolution again (11 µs against 8 per attribute).
-        seen = _read_function_dir(paths.sys + devpath, name, devpath)
+        directory = paths.sys + devpath
+        st: os.stat_result | None = None
+        if stable:
+            try:
+                st = os.stat(directory)
+            except (OSError, ValueError):
+                st = None
+        seen = _read_function_dir(directory, name, devpath)
+        if st is not None and stat_mod.S_ISDIR(st.st_mode) and (
+            seen.vendor_id or seen.device_id or seen.klass
+        ):
+            _remember(paths, directory, st, seen)
         if not (seen.vendor_id or seen.device_id or seen.klass):
             # Nothing there: a root whose components are links themselves (the resolution is
             # lexical), or a dangling link. Checked only now, not with a stat up front.

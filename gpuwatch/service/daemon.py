@@ -47,7 +47,6 @@ class Services:
     server: SocketServer | None = None
     metrics: Metrics | None = None
     nfd: NfdFeatureFile | None = None
-    metrics_address: tuple[str, int] | None = None
 
 
 @asynccontextmanager
@@ -66,7 +65,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 metrics.attach(watcher.watcher)
                 services.metrics = metrics
                 try:
-                    services.metrics_address = metrics.serve(settings.metrics)
+                    metrics.serve(settings.metrics)
                 except OSError as exc:
                     raise ServiceSetupError(
                         f"--metrics {settings.metrics}: {exc.strerror or exc}") from None

@@ -47,7 +47,7 @@ from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
-from gpuwatch.watch.eventlog import read_records
+from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
 
 if TYPE_CHECKING:
@@ -1136,19 +1136,19 @@ class SocketServer:
         conn.sub = sub
         conn.last_seq = now
         complete = True
-        history: Iterator[tuple[int, Any, Any, bytes]] | None = None
-        raw: Iterator[tuple[int, Any, Any, bytes]] | None = None
+        history: Iterator[RawChunk] | None = None
+        raw: Iterator[RawChunk] | None = None
         if since_seq is not None and since_seq < now:
             # Live events are held from here on; the log covers (since_seq, now] and more.
             conn.replaying = True
             conn.last_seq = since_seq
-            raw = self._history(since_seq)
+            raw = self._history(since_seq, sub)
             try:
                 first = next(raw, None)
             except BaseException:
                 conn.replaying = False
                 raise
-            complete = first_is_next(None if first is None else first[0], since_seq)
+            complete = first_is_next(None if first is None else first.first, since_seq)
             history = _chain(first, raw) if first is not None else raw
         elif since_seq is not None and since_seq > now:
             complete = False  # a seq from another log: what the client missed is unknown
@@ -1160,24 +1160,21 @@ class SocketServer:
         return functools.partial(self._replay, conn, sub, since_seq, history, raw)
 
     async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int,
-                      history: Iterator[tuple[int, Any, Any, bytes]],
-                      raw: Iterator[tuple[int, Any, Any, bytes]]) -> None:
+                      history: Iterator[RawChunk], raw: Iterator[RawChunk]) -> None:
         """The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
         log's lines after since_seq, then what was held live, each seq once."""
         handover = Handover(since_seq)
         try:
-            count = 0
-            for seq, etype, addr, data in history:
+            # One chunk (one read of at most 16 KiB, sent as stored) per trip round the loop:
+            # a replay of a huge log never holds up other clients' requests.
+            for chunk in history:
                 if conn.closed:
                     return
-                if not handover.fresh(seq):
-                    continue
-                conn.last_seq = seq
-                if sub.wants(etype, addr):
-                    await conn.paced(data, seq)
-                count += 1
-                if count % 256 == 0:
-                    await anyio.lowlevel.checkpoint()
+                if handover.fresh(chunk.last):
+                    conn.last_seq = chunk.last
+                    if chunk.data:
+                        await conn.paced(chunk.data, chunk.first)
+                await anyio.lowlevel.checkpoint()
             for seq, _etype, _addr, data in conn.held:
                 if conn.closed:
                     return
@@ -1193,12 +1190,11 @@ class SocketServer:
             conn.held_bytes = 0
             conn.replaying = False
 
-    def _history(self, since_seq: int) -> Iterator[tuple[int, Any, Any, bytes]]:
+    def _history(self, since_seq: int, sub: _Subscription) -> Iterator[RawChunk]:
         if self.log_path is None:
             return iter(())
-        return ((r.event["seq"], r.event.get("type"), r.event.get("addr"),
-                 r.line.encode("utf-8") + b"\n")
-                for r in read_records(self.log_path, since_seq=since_seq))
+        wants = None if sub.types is None and sub.addrs is None else sub.wants
+        return read_chunks(self.log_path, since_seq=since_seq, wants=wants)
 
     # ------------------------------------------------------------------ fan-out
 
@@ -1311,8 +1307,7 @@ def _raise_fd_limit(wanted: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def _chain(first: tuple[int, Any, Any, bytes],
-           rest: Iterator[tuple[int, Any, Any, bytes]]) -> Iterator[tuple[int, Any, Any, bytes]]:
+def _chain(first: RawChunk, rest: Iterator[RawChunk]) -> Iterator[RawChunk]:
     yield first
     yield from rest
 
