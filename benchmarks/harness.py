@@ -96,6 +96,9 @@ class Settings:
     ratio_cli_reps: int = 15
     ratio_trips: int = 500
     ratio_fanout_events: int = 2048
+    ratio_replay_mib: int = 384  # benchmarks/replay.py: the log one client replays (0: skip)
+    ratio_replay_probes: int = 1000  # probe round trips per phase and round (3 rounds)
+    ratio_replay_rounds: int = 3
 
     def scan_reps_for(self, n: int) -> int:
         return self.scan_reps.get(n, 25 if n <= 1024 else 11)
@@ -108,6 +111,9 @@ QUICK = Settings(
     ratio_cli_reps=3,
     ratio_trips=100,
     ratio_fanout_events=512,
+    ratio_replay_mib=96,
+    ratio_replay_probes=500,
+    ratio_replay_rounds=2,
     scan_reps={64: 7, 1024: 5, 4096: 3},
     probe_rounds=5,
     cached_batches=3,

@@ -39,6 +39,7 @@ from benchmarks.harness import (
     toggle,
     vfio_group,
 )
+from benchmarks.replay import measure_replay
 from gpuwatch.core.uevent_facts import uevent_facts
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.sources.kernel import NETLINK_KOBJECT_UEVENT, KernelSource
@@ -508,6 +509,9 @@ def run_ratios(s: Settings, small: SysRoot, big: SysRoot, storm_host: SysRoot,
     out["backlog"] = measure_backlog(storm_host, 10_000, 3)
     progress("ratios: in-process subscriber during a burst")
     out["burst"] = measure_burst(big)
+    progress(f"ratios: probe p99 while a client replays a {s.ratio_replay_mib} MiB log ÷ idle")
+    out["replay"] = (measure_replay(s.ratio_replay_mib, s.ratio_replay_probes,
+                                    s.ratio_replay_rounds) if s.ratio_replay_mib else None)
     progress("ratios: storm ÷ minimal stdlib reader")
     out["storm_vs_reader"] = measure_storm_vs_reader(storm_host, s.storm_events,
                                                      max(1, s.storm_runs // 2))
@@ -549,6 +553,17 @@ def format_ratio_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("probe behind a backlog of 10,000 uevents",
                  f"answered after {b['answered_ms']} ms (backlog done after {b['backlog_ms']} ms)",
                  "≤ 50 ms, before the backlog"))
+    p = r["replay"]
+    rows.append((f"probe p99 during a {p['log_mib'] if p else '…'} MiB log replay ÷ idle p99",
+                 "n/a" if p is None else
+                 f"{p['ratio']:.2f}x ({p['slow_reader_p99_us']:,.0f} / "
+                 f"{p['idle_p99_us']:,.0f} µs, a reader taking 64 KiB every 2 ms)", "≤ 2x"))
+    rows.append(("the same, a reader flat out ÷ a CPU-burning process (no replay)",
+                 "n/a" if p is None else
+                 f"{p['fast_vs_busy']:.2f}x ({p['fast_reader_p99_us']:,.0f} / "
+                 f"{p['busy_p99_us']:,.0f} µs; {p['fast_ratio']:.1f}x idle)", "≤ 2x"))
+    rows.append(("replay stops after its client hangs up",
+                 "n/a" if p is None else f"{p['stop_after_hangup_s'] * 1e3:,.0f} ms", "≤ 1 s"))
     u = r["burst"]
     rows.append(("in-process subscriber, burst of one change per function (N=4096)",
                  f"{u['lag_notices']} lag notices, {u['events']:,} events read", "no lag notice"))

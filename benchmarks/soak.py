@@ -8,8 +8,10 @@ the daemon reads the tree per uevent, so a flip becomes a ``driver-changed`` eve
 at the end, and printed as one JSON object:
 
 - the log's seqs (over every rotated file) are gapless from ``ready`` to ``stopped``;
-- every subscriber saw every event from its subscription on, or was dropped for lagging
-  (``gpuwatch_subscriber_lag_drops_total``) — never a silent gap;
+- every subscriber saw every event from its subscription on, or got a ``lagged`` notice
+  (``{"type": "lagged", "missed": N, "first_missed_seq": S, …}``, docs/socket.md) that
+  accounts for where its events stop: counted per subscriber, events seen plus lagged
+  notices, and any gap without a notice fails the run;
 - the daemon's RSS after warm-up (10 % of the uevents) grew by at most 5 %.
 
 Standard library plus gpuwatch's own test tree builder; nothing here is timed against a
@@ -39,6 +41,7 @@ from gpuwatch.testing import example_gpu_host
 from gpuwatch.watch.eventlog import read_events
 
 SEQ = re.compile(rb'"seq":(\d+)')
+LAGGED = re.compile(rb'"type":\s*"lagged"')
 FLIP = "0000:01:00.1"  # the NVIDIA HDMI audio function: snd_hda_intel <-> vfio-pci
 
 
@@ -50,17 +53,62 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+class Tally:
+    """One subscriber's account, in stream order: events seen, gaps in their seqs, and the
+    ``lagged`` notices (a notice must name the very next seq as the first one missed)."""
+
+    def __init__(self, first_seq: int) -> None:
+        self.first = self.last = first_seq
+        self.seen = 0
+        self.gaps = 0
+        self.notices: list[tuple[int, int]] = []  # (missed, first_missed_seq)
+        self.bad_notices = 0
+
+    def feed(self, data: bytes) -> None:
+        """Whole lines only (the reader keeps a partial line for the next read)."""
+        pos = 0
+        while (found := LAGGED.search(data, pos)) is not None:
+            at = found.start()
+            begin = data.rfind(b"\n", 0, at) + 1
+            end = data.find(b"\n", at)
+            end = len(data) if end < 0 else end
+            self._events(data, pos, begin)
+            notice = json.loads(data[begin:end])
+            missed, first = int(notice["missed"]), int(notice["first_missed_seq"])
+            self.notices.append((missed, first))
+            if first != self.last + 1 or missed < 1:
+                self.bad_notices += 1
+            pos = end + 1
+        self._events(data, pos, len(data))
+
+    def _events(self, data: bytes, pos: int, end: int) -> None:
+        for m in SEQ.finditer(data, pos, end):  # one "seq" per event line (a notice has none)
+            seq = int(m.group(1))
+            self.seen += 1
+            if seq != self.last + 1:
+                self.gaps += 1
+            self.last = seq
+
+    def verdict(self, last_seq: int) -> str:
+        """``complete``: every event to the end; ``lagged``: gapless up to a notice that
+        says where the loss starts; ``silent``: events missing and nothing said."""
+        if self.gaps or self.bad_notices:
+            return "silent"
+        if self.notices:
+            return "lagged"
+        return "complete" if self.last >= last_seq - 1 else "silent"
+
+
 class Subscribers(threading.Thread):
-    """``count`` subscribed connections read in one thread: per connection, the seqs seen
-    must be consecutive (events of every type are asked for)."""
+    """``count`` subscribed connections read in one thread, each with its `Tally` (events
+    of every type are asked for)."""
 
     def __init__(self, path: str, count: int) -> None:
         super().__init__(daemon=True)
         self.socks: list[socket.socket] = []
-        self.first: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-        self.gaps: dict[int, int] = {}
+        self.tallies: dict[int, Tally] = {}
         self.closed: set[int] = set()
+        self.partial: dict[int, bytes] = {}  # each connection's unfinished last line
         self.bytes = 0
         self.stop = threading.Event()
         for i in range(count):
@@ -71,24 +119,23 @@ class Subscribers(threading.Thread):
             while b"\n" not in reply:
                 reply += s.recv(4096)
             head, _, rest = reply.partition(b"\n")
-            self.first[i] = json.loads(head)["result"]["seq"]
-            self.last[i] = self.first[i]
-            self.gaps[i] = 0
+            self.tallies[i] = Tally(json.loads(head)["result"]["seq"])
             s.setblocking(False)
             self.socks.append(s)
-            self._feed(i, rest)
+            cut = rest.rfind(b"\n") + 1
+            self.partial[i] = rest[cut:]
+            self._feed(i, rest[:cut])
+
+    def last_seen(self, i: int) -> int:
+        return self.tallies[i].last
 
     def _feed(self, i: int, data: bytes) -> None:
         self.bytes += len(data)
-        for m in SEQ.finditer(data):  # one "seq" per event line; a line split across reads
-            seq = int(m.group(1))     # is rare and costs one false gap at most: re-checked
-            if seq != self.last[i] + 1:
-                self.gaps[i] += 1
-            self.last[i] = seq
+        self.tallies[i].feed(data)
 
     def run(self) -> None:
         sel = selectors.DefaultSelector()
-        partial: dict[int, bytes] = {}
+        partial = self.partial
         for i, s in enumerate(self.socks):
             sel.register(s, selectors.EVENT_READ, i)
         while not self.stop.is_set() and len(self.closed) < len(self.socks):
@@ -143,16 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rss_warm = 0
     rss_samples = []
-    seen = subs.last[0]
+    seen = subs.last_seen(0)
     for k in range(args.uevents):
         if k % args.flip_every == 0:
             # Loosely in step: the previous flip has been seen (by subscriber 0) before the
             # next, so each flip is one event instead of many collapsing into the last.
             writer.flush()
             wait_until = time.monotonic() + 2
-            while k and subs.last[0] <= seen and time.monotonic() < wait_until:
+            while k and subs.last_seen(0) <= seen and time.monotonic() < wait_until:
                 time.sleep(0.0002)
-            seen = subs.last[0]
+            seen = subs.last_seen(0)
             host.bind(FLIP, drivers[(k // args.flip_every) % 2])
             line = {**props, "ACTION": "bind", "SEQNUM": str(k + 1)}
         else:
@@ -178,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [e["seq"] for e in events]
     gapless = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     last = seqs[-1]
-    complete = [i for i in subs.last if subs.last[i] >= last - 1 and subs.gaps[i] == 0]
+    verdicts = {i: t.verdict(last) for i, t in subs.tallies.items()}
+    complete = [i for i, v in verdicts.items() if v == "complete"]
+    lagged = [i for i, v in verdicts.items() if v == "lagged"]
+    silent = [i for i, v in verdicts.items() if v == "silent"]
     result: dict[str, Any] = {
         "uevents": args.uevents,
         "events": len(events),
@@ -189,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         "log_gapless": gapless,
         "last_type": events[-1]["type"],
         "subscribers_complete": len(complete),
-        "subscriber_gaps": sum(subs.gaps.values()),
+        "subscribers_lagged": len(lagged),  # gapless up to a `lagged` notice
+        "subscribers_silent_loss": len(silent),  # must be 0
+        "subscriber_events_seen": sum(t.seen for t in subs.tallies.values()),
+        "lagged_notices": sum(len(t.notices) for t in subs.tallies.values()),
+        "missed_with_notice": sum(m for t in subs.tallies.values() for m, _ in t.notices),
+        "subscriber_gaps": sum(t.gaps for t in subs.tallies.values()),
         "subscriber_bytes": subs.bytes,
         "rss_warm_kib": rss_warm,
         "rss_max_kib": max(rss_samples or [rss_warm]),
@@ -203,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = (gapless and daemon_rc == 0 and result["rss_growth_pct"] <= 5
-          and len(complete) == args.subscribers)
+    ok = (gapless and daemon_rc == 0 and result["rss_growth_pct"] <= 5 and not silent
+          and len(complete) + len(lagged) == args.subscribers)
     return 0 if ok else 1
 
 

@@ -58,6 +58,9 @@ TINY = Settings(
     ratio_cli_reps=1,
     ratio_trips=5,
     ratio_fanout_events=64,
+    ratio_replay_mib=2,
+    ratio_replay_probes=20,
+    ratio_replay_rounds=1,
 )
 
 
@@ -94,7 +97,8 @@ def test_run_writes_every_figure_under_the_issues_keys(
 
     ratios = r["ratios"]
     assert set(ratios) == {"probe_vs_empty_call", "gpu_toggle_log_on", "kernel_vs_floor",
-                           "cli_and_socket", "fanout", "backlog", "burst", "storm_vs_reader"}
+                           "cli_and_socket", "fanout", "backlog", "burst", "storm_vs_reader",
+                           "replay"}
     assert list(ratios["probe_vs_empty_call"]) == list(PROBE_ACTIONS)
     assert all(is_number(v) for v in ratios["probe_vs_empty_call"].values())
     for key in ("gpu_toggle_log_on", "fanout", "storm_vs_reader"):
@@ -104,12 +108,17 @@ def test_run_writes_every_figure_under_the_issues_keys(
     cli = ratios["cli_and_socket"]
     assert all(is_number(cli[k]) for k in ("cli_daemon_ratio", "cli_direct_ratio",
                                            "request_ratio"))
+    replay = ratios["replay"]
+    assert replay["log_mib"] == 2 and replay["log_files"] > 1 and replay["replay_complete"]
+    assert all(is_number(replay[k]) for k in ("idle_p99_us", "busy_p99_us", "fast_reader_p99_us",
+                                              "slow_reader_p99_us", "ratio", "fast_vs_busy",
+                                              "stop_after_hangup_s"))
     backlog = ratios["backlog"]
     assert backlog["answered_ms"] > 0 and backlog["backlog_ms"] > 0
 
     table = capsys.readouterr().out
     assert "storm lost" in table and "0 of 500" in table
-    assert "100 socket subscribers" in table
+    assert "100 socket subscribers" in table and "MiB log replay" in table
     assert format_table(r).count("\n") > 20
 
 
@@ -211,3 +220,34 @@ def test_the_soak_runs_small_and_holds_its_invariants(tmp_path: Path) -> None:
     assert result["log_gapless"] and result["log_files"] > 1
     assert result["subscribers_complete"] == 4 and result["subscriber_gaps"] == 0
     assert result["events"] >= 600 and result["last_type"] == "stopped"
+    assert result["subscribers_silent_loss"] == 0
+    assert result["subscriber_events_seen"] >= 4 * 600
+
+
+def test_the_soak_tallies_events_and_lagged_notices_per_subscriber() -> None:
+    """Every event, or a `lagged` notice naming where the loss starts; anything else fails."""
+    from benchmarks.soak import Tally
+
+    def events(*seqs: int) -> bytes:
+        return b"".join(b'{"seq":%d,"time":"t","type":"probe-changed"}\n' % s for s in seqs)
+
+    def notice(missed: int, first: int) -> bytes:
+        return json.dumps({"type": "lagged", "missed": missed, "first_missed_seq": first,
+                           "resume_since_seq": first - 1}).encode() + b"\n"
+
+    whole = Tally(10)
+    whole.feed(events(11, 12, 13))
+    whole.feed(events(14, 15))
+    assert (whole.verdict(15), whole.seen, whole.notices) == ("complete", 5, [])
+    told = Tally(10)
+    told.feed(events(11, 12) + notice(8, 13))
+    assert (told.verdict(20), told.seen, told.notices) == ("lagged", 2, [(8, 13)])
+    gap = Tally(10)
+    gap.feed(events(11, 13, 14))
+    assert gap.verdict(14) == "silent"  # 12 never came, and nothing said so
+    cut_short = Tally(10)
+    cut_short.feed(events(11))
+    assert cut_short.verdict(20) == "silent"
+    wrong = Tally(10)
+    wrong.feed(events(11) + notice(3, 15))  # 12…14 missing, the notice says from 15
+    assert wrong.verdict(20) == "silent"

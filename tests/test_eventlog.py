@@ -4,6 +4,7 @@ torn line, follow across rotation, and the ``gpuwatch events`` command."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuwatch.cli import events_cmd
 from gpuwatch.core.events import format_event_time
@@ -593,6 +596,101 @@ def test_write_lines_rejects_a_batch_with_a_line_break_before_writing(tmp_path: 
     with EventLog(path) as log, pytest.raises(ValueError):
         log.write_lines(['{"seq":1}', '{"seq":2}\n{"seq":3}'])
     assert path.read_bytes() == b""
+
+
+# --------------------------------------------------------------------------- replay in raw chunks
+
+# A stored line as the log may hold it: an event, an event out of order or repeated (a
+# restart after a torn write), garbage, a blank line, a torn line sealed by the next writer.
+stored_st = st.one_of(
+    st.tuples(st.just("event"), st.integers(1, 400), st.sampled_from(["ready", "resync"]),
+              st.sampled_from([None, "0000:01:00.0", "0000:02:00.0"])),
+    st.tuples(st.just("garbage"), st.sampled_from(
+        [b"not json", b"", b'{"seq":7,"time":"x"', b'{"seq":"8","type":"ready"}', b"[1,2]",
+         b'{"seq":9,"type":"ready"} trailing', b"\xff\xfe", b'{"seq": 10, "type": "ready"}'])),
+)
+
+
+def stored_bytes(item: tuple[Any, ...], counter: list[int]) -> bytes:
+    if item[0] == "garbage":
+        return bytes(item[1])
+    _, jump, etype, addr = item
+    counter[0] = counter[0] + 1 if jump > 40 else max(1, counter[0] - jump % 5)
+    extra = {} if addr is None else {"addr": addr}
+    return line(counter[0], etype, **extra).encode()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(stored_st, max_size=60), st.integers(0, 3), st.integers(0, 30),
+       st.sampled_from([None, "types", "addrs"]))
+def test_chunked_replay_sends_exactly_what_read_records_reads(
+    tmp_path_factory: pytest.TempPathFactory, items: list[tuple[Any, ...]], files: int,
+    since: int, filtered: str | None
+) -> None:
+    """`read_chunks` (the socket replay) relays byte for byte the lines `read_records` decodes,
+    whatever the log holds, and its seq ranges cover every event read, in order."""
+    path = tmp_path_factory.mktemp("log") / "events.jsonl"
+    counter = [0]
+    blobs = [stored_bytes(item, counter) for item in items]
+    per_file = max(1, len(blobs) // (files + 1))
+    for index in range(files, -1, -1):  # PATH.files … PATH.1, PATH
+        part = blobs[(files - index) * per_file:] if index == 0 else \
+            blobs[(files - index) * per_file:(files - index + 1) * per_file]
+        Path(eventlog.rotated_path(path, index)).write_bytes(b"".join(b + b"\n" for b in part))
+    since_seq = since or None
+    wanted_types = {"resync"} if filtered == "types" else None
+    wanted_addrs = {"0000:01:00.0"} if filtered == "addrs" else None
+
+    def wants(etype: str, addr: Any) -> bool:
+        return ((wanted_types is None or etype in wanted_types)
+                and (wanted_addrs is None or addr in wanted_addrs))
+
+    expected = [r for r in read_records(path, since_seq=since_seq)]
+    chunks = list(eventlog.read_chunks(path, since_seq=since_seq,
+                                       wants=None if filtered is None else wants))
+    kept = [r for r in expected if wants(r.event["type"], r.event.get("addr"))]
+    assert b"".join(c.data for c in chunks) == b"".join(
+        r.line.encode() + b"\n" for r in kept)
+    bounds = [(c.first, c.last) for c in chunks]
+    assert all(a <= b for a, b in bounds)
+    assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(bounds))
+    if expected:
+        assert bounds[0][0] == expected[0].event["seq"]
+        assert bounds[-1][1] == expected[-1].event["seq"]
+    else:
+        assert chunks == []
+
+
+def test_chunked_replay_is_one_bounded_read_per_chunk(tmp_path: Path) -> None:
+    """Each chunk is one read of at most 16 KiB (plus the line the previous read ended in),
+    passed on undecoded, split only at lines."""
+    path = tmp_path / "events.jsonl"
+    with EventLog(path, max_bytes=200_000, keep=20) as log:
+        write_events(log, 1, 6000)
+    chunks = list(eventlog.read_chunks(path))
+    assert len(chunks) > 5 and all(len(c.data) <= 16 * 1024 + len(line(6000)) for c in chunks)
+    assert all(c.data.endswith(b"}\n") for c in chunks)
+    assert [c.first for c in chunks[1:]] == [c.last + 1 for c in chunks[:-1]]
+    assert (chunks[0].first, chunks[-1].last) == (1, 6000)
+    later = list(eventlog.read_chunks(path, since_seq=5990))
+    assert b"".join(c.data for c in later).count(b"\n") == 10 and later[0].first == 5991
+
+
+def test_chunked_replay_skips_an_over_long_line(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(eventlog, "MAX_EVENT_LINE", 1024)
+    path = tmp_path / "events.jsonl"
+    long = line(2, "ready", pad="x" * 200_000)
+    path.write_text(line(1) + "\n" + long + "\n" + line(3) + "\n")
+    chunks = list(eventlog.read_chunks(path))
+    assert b"".join(c.data for c in chunks) == (line(1) + "\n" + line(3) + "\n").encode()
+    # Long but allowed: kept whole, and the lines after it are read as before.
+    monkeypatch.setattr(eventlog, "MAX_EVENT_LINE", 1 << 20)
+    lines = [line(1), line(2, "ready", pad="y" * 100_000), *(line(s) for s in range(3, 2000))]
+    path.write_text("".join(f"{text}\n" for text in lines))
+    chunks = list(eventlog.read_chunks(path))
+    assert b"".join(c.data for c in chunks).decode().splitlines() == lines
+    assert max(len(c.data) for c in chunks) < 200_000
 
 
 def test_cli_follow_hands_over_from_the_log_to_new_events_exactly(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
-from gpuwatch.watch.eventlog import read_records
+from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ _LAG_RESERVE = 512
 _LAG_GRACE = _FLUSH_BEFORE_CLOSE
 #: During a burst, events are held for at most this many seconds, to go to each subscriber
 #: in one write when the burst pauses; an event after a quiet spell goes out at once.
-FLUSH_WINDOW = 0.005
+FLUSH_WINDOW = 0.01
 # Event bytes held for coalescing before a flush is forced, window or not.
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
@@ -172,19 +172,34 @@ class _Subscription:
 
 class _Batch:
     """One published batch as the socket sends it: each line encoded once, when first
-    wanted, and the whole batch joined once for every subscriber without a filter."""
+    wanted, and the whole batch joined once for every subscriber without a filter. Event
+    types and addresses are looked up only if a filtered subscriber asks."""
 
-    __slots__ = ("_encoded", "_lines", "_whole", "addrs", "seqs", "types")
+    __slots__ = ("_addrs", "_encoded", "_events", "_lines", "_types", "_whole", "seqs", "size")
 
     def __init__(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
-        self.seqs = [int(getattr(e, "seq", 0)) for e in events]
-        self.types = [getattr(e, "type", None) for e in events]
-        self.addrs = [getattr(e, "addr", None) for e in events]
+        self._events = events
+        self.seqs = [e.__dict__.get("seq", 0) for e in events]
         self._lines = lines if len(lines) == len(events) else [
             e.model_dump_json() for e in events
         ]
+        self.size = sum(map(len, self._lines))
         self._encoded: list[bytes | None] = [None] * len(events)
         self._whole: bytes | None = None
+        self._types: list[Any] | None = None
+        self._addrs: list[Any] | None = None
+
+    @property
+    def types(self) -> list[Any]:
+        if self._types is None:
+            self._types = [e.__dict__.get("type") for e in self._events]
+        return self._types
+
+    @property
+    def addrs(self) -> list[Any]:
+        if self._addrs is None:
+            self._addrs = [e.__dict__.get("addr") for e in self._events]
+        return self._addrs
 
     def line(self, index: int) -> bytes:
         data = self._encoded[index]
@@ -319,15 +334,17 @@ class Connection:
         if not seqs:
             return
         if self.replaying or seqs[0] <= self.last_seq:
+            types, addrs = batch.types, batch.addrs
             for i, seq in enumerate(seqs):  # the rare paths: one event at a time
-                self.offer(seq, batch.types[i], batch.addrs[i], functools.partial(batch.line, i))
+                self.offer(seq, types[i], addrs[i], functools.partial(batch.line, i))
             return
         self.last_seq = seqs[-1]
         sub = self.sub
         if sub.types is None and sub.addrs is None:
             self.deliver(batch.whole(), seqs[0], len(seqs))
             return
-        wanted = [i for i in range(len(seqs)) if sub.wants(batch.types[i], batch.addrs[i])]
+        types, addrs = batch.types, batch.addrs
+        wanted = [i for i in range(len(seqs)) if sub.wants(types[i], addrs[i])]
         if wanted:
             self.deliver(b"".join(batch.line(i) for i in wanted), seqs[wanted[0]], len(wanted))
 
@@ -1119,19 +1136,19 @@ class SocketServer:
         conn.sub = sub
         conn.last_seq = now
         complete = True
-        history: Iterator[tuple[int, Any, Any, bytes]] | None = None
-        raw: Iterator[tuple[int, Any, Any, bytes]] | None = None
+        history: Iterator[RawChunk] | None = None
+        raw: Iterator[RawChunk] | None = None
         if since_seq is not None and since_seq < now:
             # Live events are held from here on; the log covers (since_seq, now] and more.
             conn.replaying = True
             conn.last_seq = since_seq
-            raw = self._history(since_seq)
+            raw = self._history(since_seq, sub)
             try:
                 first = next(raw, None)
             except BaseException:
                 conn.replaying = False
                 raise
-            complete = first_is_next(None if first is None else first[0], since_seq)
+            complete = first_is_next(None if first is None else first.first, since_seq)
             history = _chain(first, raw) if first is not None else raw
         elif since_seq is not None and since_seq > now:
             complete = False  # a seq from another log: what the client missed is unknown
@@ -1143,24 +1160,21 @@ class SocketServer:
         return functools.partial(self._replay, conn, sub, since_seq, history, raw)
 
     async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int,
-                      history: Iterator[tuple[int, Any, Any, bytes]],
-                      raw: Iterator[tuple[int, Any, Any, bytes]]) -> None:
+                      history: Iterator[RawChunk], raw: Iterator[RawChunk]) -> None:
         """The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
         log's lines after since_seq, then what was held live, each seq once."""
         handover = Handover(since_seq)
         try:
-            count = 0
-            for seq, etype, addr, data in history:
+            # One chunk (one read of at most 16 KiB, sent as stored) per trip round the loop:
+            # a replay of a huge log never holds up other clients' requests.
+            for chunk in history:
                 if conn.closed:
                     return
-                if not handover.fresh(seq):
-                    continue
-                conn.last_seq = seq
-                if sub.wants(etype, addr):
-                    await conn.paced(data, seq)
-                count += 1
-                if count % 256 == 0:
-                    await anyio.lowlevel.checkpoint()
+                if handover.fresh(chunk.last):
+                    conn.last_seq = chunk.last
+                    if chunk.data:
+                        await conn.paced(chunk.data, chunk.first)
+                await anyio.lowlevel.checkpoint()
             for seq, _etype, _addr, data in conn.held:
                 if conn.closed:
                     return
@@ -1176,12 +1190,11 @@ class SocketServer:
             conn.held_bytes = 0
             conn.replaying = False
 
-    def _history(self, since_seq: int) -> Iterator[tuple[int, Any, Any, bytes]]:
+    def _history(self, since_seq: int, sub: _Subscription) -> Iterator[RawChunk]:
         if self.log_path is None:
             return iter(())
-        return ((r.event["seq"], r.event.get("type"), r.event.get("addr"),
-                 r.line.encode("utf-8") + b"\n")
-                for r in read_records(self.log_path, since_seq=since_seq))
+        wants = None if sub.types is None and sub.addrs is None else sub.wants
+        return read_chunks(self.log_path, since_seq=since_seq, wants=wants)
 
     # ------------------------------------------------------------------ fan-out
 
@@ -1201,7 +1214,7 @@ class SocketServer:
         try:
             batch = _Batch(events, lines)
             self._pending.append(batch)
-            self._pending_bytes += sum(map(len, batch._lines))
+            self._pending_bytes += batch.size
             self._published += 1
             if self._flush_due and self._pending_bytes < _PENDING_CAP:
                 return
@@ -1294,8 +1307,7 @@ def _raise_fd_limit(wanted: int) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def _chain(first: tuple[int, Any, Any, bytes],
-           rest: Iterator[tuple[int, Any, Any, bytes]]) -> Iterator[tuple[int, Any, Any, bytes]]:
+def _chain(first: RawChunk, rest: Iterator[RawChunk]) -> Iterator[RawChunk]:
     yield first
     yield from rest
 

@@ -41,11 +41,13 @@ __all__ = [
     "EventLogUnavailable",
     "EventLogWriteError",
     "EventRecord",
+    "RawChunk",
     "afollow_events",
     "afollow_records",
     "follow_events",
     "follow_records",
     "last_seq_in",
+    "read_chunks",
     "read_events",
     "read_records",
     "rotated_path",
@@ -57,6 +59,9 @@ _log = logging.getLogger(__name__)
 # holding the event loop for a whole backlog, and bounds memory per batch.
 _POLL_BUDGET = 256 * 1024
 _CHUNK = 64 * 1024
+# One slice of a socket replay (`read_chunks`): ~40 µs of work, so a request that arrives
+# meanwhile waits no longer than that for its turn of the event loop.
+_REPLAY_CHUNK = 16 * 1024
 # A rotation renames one file at a time, so a directory scan can meet one hole (the name
 # just vacated); two consecutive missing names mean the end of the rotated set.
 _MAX_GAP = 2
@@ -140,6 +145,16 @@ def _take_lock(path: str) -> int:
     return fd
 
 
+class RawChunk(NamedTuple):
+    """A run of stored lines for a replay, byte for byte: the events with seq ``first`` …
+    ``last`` were read (all after the previous chunk's), ``data`` holds the lines of those
+    wanted, each ending in ``\n`` (maybe none)."""
+
+    first: int
+    last: int
+    data: bytes
+
+
 class EventRecord(NamedTuple):
     """One event as decoded, plus its line exactly as stored (for byte-exact relaying)."""
 
@@ -172,6 +187,18 @@ def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
     if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(obj.get("type"), str):
         return None
     return obj, text
+
+
+_SEQ_HEAD = b'{"seq":'
+
+
+def _head_seq(line: bytes) -> int | None:
+    """The seq a stored line starts with (the writer puts it first), without decoding it."""
+    if not line.startswith(_SEQ_HEAD):
+        return None
+    end = line.find(b",", 7, 29)
+    digits = line[7:end] if end > 0 else b""
+    return int(digits) if digits.isdigit() else None
 
 
 def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
@@ -508,12 +535,13 @@ class EventLog:
 class _Source:
     """One open log file being consumed; its framer holds the unfinished last line."""
 
-    __slots__ = ("consumed", "file", "framer", "ident")
+    __slots__ = ("carry", "consumed", "file", "framer", "ident")
 
     def __init__(self, file: IO[bytes], ident: _Ident) -> None:
         self.file = file
         self.ident = ident
         self.framer = LineFramer(MAX_EVENT_LINE)
+        self.carry = b""  # read_chunk's unfinished last line (its framer is for the rest)
         self.consumed = False
 
 
@@ -548,6 +576,7 @@ class _Follower:
         self._pending: deque[_Source] = deque()
         self._live: _Source | None = None
         self._anchor: _Source | None = None
+        self._scanned = False  # read_chunk: the one directory scan of a replay is done
 
     def close(self) -> None:
         sources = [*self._pending, self._live, self._anchor]
@@ -574,6 +603,7 @@ class _Follower:
     def _finish(self, src: _Source) -> None:
         """A pending file read to its end: any torn tail is permanent, drop it."""
         src.framer.reset()
+        src.carry = b""
         src.consumed = True
         if src is not self._anchor:
             src.file.close()
@@ -615,6 +645,89 @@ class _Follower:
             if not self._refresh():
                 return out, progressed
             progressed = True
+
+    def read_chunk(self, wants: Callable[[str, Any], bool] | None = None) -> RawChunk | None:
+        """One read (at most ``_REPLAY_CHUNK`` bytes) of the files the first scan found, as a
+        `RawChunk`; None at their end. For a replay that must not hold the loop: each call
+        is one bounded slice of work, and the lines go out as stored.
+
+        A run of whole lines whose seqs follow one another, each line a ``{"seq":…}`` object
+        (what the writer writes), is passed on as it is: checked by counting bytes in C,
+        never split or decoded. Anything else, and every line when ``wants(type, addr)``
+        filters, is decoded line by line as `read_records` does."""
+        if not self._scanned:
+            self._scanned = True
+            self._refresh()
+        while True:
+            if self._pending:
+                src = self._pending[0]
+                data = src.file.read(_REPLAY_CHUNK)
+                if not data:
+                    self._pending.popleft()
+                    self._finish(src)
+                    continue
+            elif self._live is not None:
+                src = self._live
+                data = src.file.read(_REPLAY_CHUNK)
+                if not data:
+                    return None
+            else:
+                return None
+            chunk = self._next_chunk(src, data, wants)
+            if chunk is not None:
+                return chunk
+
+    def _next_chunk(self, src: _Source, data: bytes,
+                    wants: Callable[[str, Any], bool] | None) -> RawChunk | None:
+        if src.framer.pending or src.framer.skipping:  # inside a long line: the framer's
+            lines = src.framer.feed(data)
+            if not src.framer.skipping:  # it ended: what follows takes the fast path again
+                tail = src.framer.finish()
+                src.carry = tail[0] if tail else b""
+            return self._decoded(lines, wants)
+        buf = src.carry + data if src.carry else data
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            if len(buf) > _REPLAY_CHUNK:  # a long line: the framer holds its pieces (linear
+                src.carry = b""             # copying) and drops it past MAX_EVENT_LINE
+                return self._decoded(src.framer.feed(buf), wants)
+            src.carry = buf
+            return None
+        src.carry = buf[cut:]
+        complete = buf[:cut] if cut < len(buf) else buf
+        if wants is None:
+            n = complete.count(b"\n")
+            first = _head_seq(complete)
+            last = _head_seq(complete[complete.rfind(b"\n", 0, cut - 1) + 1 :])
+            if (first is not None and last is not None and last - first + 1 == n
+                    and first > self._handover.last_seq
+                    and complete.count(b"\n" + _SEQ_HEAD) == n - 1
+                    and complete.count(b"}\n") == n):
+                self._handover.last_seq = last
+                return RawChunk(first, last, complete)
+        return self._decoded(complete.split(b"\n")[:-1], wants)
+
+    def _decoded(self, lines: list[bytes], wants: Callable[[str, Any], bool] | None
+                 ) -> RawChunk | None:
+        """`RawChunk` of the lines that are events after the last seq (decoding each)."""
+        kept: list[bytes] = []
+        start: int | None = None
+        last = 0
+        for raw in lines:
+            decoded = _decode(raw)
+            if decoded is None:
+                continue
+            event = decoded[0]
+            seq: int = event["seq"]
+            if not self._handover.fresh(seq):
+                continue  # the duplicate guard of `_feed`
+            last = seq
+            start = seq if start is None else start
+            if wants is None or wants(event["type"], event.get("addr")):
+                kept.append(raw + b"\n")
+        if start is None:
+            return None
+        return RawChunk(start, last, b"".join(kept))
 
     # -- rotation
 
@@ -673,6 +786,7 @@ class _Follower:
         if first is not None:
             first.file.seek(_offset_after_seq(first.file, since_seq))
             first.framer.reset()
+            first.carry = b""
 
     def _scan(self) -> tuple[_Source | None, list[_Source]]:
         """Open files newer than the anchor: (PATH's file or None, rotated ones newest first).
@@ -739,6 +853,24 @@ def read_records(
             yield from batch
             if not more:
                 return
+    finally:
+        follower.close()
+
+
+def read_chunks(
+    path: str | os.PathLike[str],
+    *,
+    since_seq: int | None = None,
+    wants: Callable[[str, Any], bool] | None = None,
+) -> Iterator[RawChunk]:
+    """The log after ``since_seq`` as `RawChunk` runs of stored lines (a replay to a socket):
+    each ``next`` is one read of at most 16 KiB, so a caller on an event loop can yield
+    between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
+    each chunk still covers what was read. Close the iterator to release the files."""
+    follower = _Follower(path, since_seq, None)
+    try:
+        while (chunk := follower.read_chunk(wants)) is not None:
+            yield chunk
     finally:
         follower.close()
 
