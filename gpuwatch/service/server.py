@@ -79,7 +79,7 @@ _LAG_RESERVE = 512
 _LAG_GRACE = _FLUSH_BEFORE_CLOSE
 #: During a burst, events are held for at most this many seconds, to go to each subscriber
 #: in one write when the burst pauses; an event after a quiet spell goes out at once.
-FLUSH_WINDOW = 0.005
+FLUSH_WINDOW = 0.01
 # Event bytes held for coalescing before a flush is forced, window or not.
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
@@ -172,19 +172,34 @@ class _Subscription:
 
 class _Batch:
     """One published batch as the socket sends it: each line encoded once, when first
-    wanted, and the whole batch joined once for every subscriber without a filter."""
+    wanted, and the whole batch joined once for every subscriber without a filter. Event
+    types and addresses are looked up only if a filtered subscriber asks."""
 
-    __slots__ = ("_encoded", "_lines", "_whole", "addrs", "seqs", "types")
+    __slots__ = ("_addrs", "_encoded", "_events", "_lines", "_types", "_whole", "seqs", "size")
 
     def __init__(self, events: Sequence[BaseModel], lines: Sequence[str]) -> None:
-        self.seqs = [int(getattr(e, "seq", 0)) for e in events]
-        self.types = [getattr(e, "type", None) for e in events]
-        self.addrs = [getattr(e, "addr", None) for e in events]
+        self._events = events
+        self.seqs = [e.__dict__.get("seq", 0) for e in events]
         self._lines = lines if len(lines) == len(events) else [
             e.model_dump_json() for e in events
         ]
+        self.size = sum(map(len, self._lines))
         self._encoded: list[bytes | None] = [None] * len(events)
         self._whole: bytes | None = None
+        self._types: list[Any] | None = None
+        self._addrs: list[Any] | None = None
+
+    @property
+    def types(self) -> list[Any]:
+        if self._types is None:
+            self._types = [e.__dict__.get("type") for e in self._events]
+        return self._types
+
+    @property
+    def addrs(self) -> list[Any]:
+        if self._addrs is None:
+            self._addrs = [e.__dict__.get("addr") for e in self._events]
+        return self._addrs
 
     def line(self, index: int) -> bytes:
         data = self._encoded[index]
@@ -319,15 +334,17 @@ class Connection:
         if not seqs:
             return
         if self.replaying or seqs[0] <= self.last_seq:
+            types, addrs = batch.types, batch.addrs
             for i, seq in enumerate(seqs):  # the rare paths: one event at a time
-                self.offer(seq, batch.types[i], batch.addrs[i], functools.partial(batch.line, i))
+                self.offer(seq, types[i], addrs[i], functools.partial(batch.line, i))
             return
         self.last_seq = seqs[-1]
         sub = self.sub
         if sub.types is None and sub.addrs is None:
             self.deliver(batch.whole(), seqs[0], len(seqs))
             return
-        wanted = [i for i in range(len(seqs)) if sub.wants(batch.types[i], batch.addrs[i])]
+        types, addrs = batch.types, batch.addrs
+        wanted = [i for i in range(len(seqs)) if sub.wants(types[i], addrs[i])]
         if wanted:
             self.deliver(b"".join(batch.line(i) for i in wanted), seqs[wanted[0]], len(wanted))
 
@@ -1197,7 +1214,7 @@ class SocketServer:
         try:
             batch = _Batch(events, lines)
             self._pending.append(batch)
-            self._pending_bytes += sum(map(len, batch._lines))
+            self._pending_bytes += batch.size
             self._published += 1
             if self._flush_due and self._pending_bytes < _PENDING_CAP:
                 return
