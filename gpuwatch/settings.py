@@ -15,8 +15,6 @@ first use only: ``import gpuwatch`` and ``gpuwatch --help`` stay lean.
 
 from __future__ import annotations
 
-import grp
-import ipaddress
 import math
 import os
 import re
@@ -90,6 +88,8 @@ def parse_listen_address(text: str) -> tuple[str, int]:
         raise InvalidListenAddress(f"{text!r} is not HOST:PORT, :PORT or PORT (port 0-65535)")
     if host:
         try:
+            import ipaddress  # here: a direct probe never parses an address
+
             ipaddress.ip_address(host)
         except ValueError:
             if not _HOSTNAME_RE.fullmatch(host):
@@ -415,6 +415,8 @@ def resolve_group(name: str | int) -> int:
     text = name.strip()
     if text.isdigit():
         return int(text)
+    import grp  # here: only the daemon resolves groups
+
     try:
         return grp.getgrnam(text).gr_gid
     except KeyError:
@@ -423,6 +425,8 @@ def resolve_group(name: str | int) -> int:
 
 def default_socket_gid() -> int | None:
     """The ``gpuwatch`` group when the host has one, else None (root only)."""
+    import grp
+
     try:
         return grp.getgrnam(DEFAULT_SOCKET_GROUP).gr_gid
     except KeyError:

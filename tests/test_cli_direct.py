@@ -16,9 +16,25 @@ import pytest
 from gpuwatch.cli import direct
 from gpuwatch.cli.direct import parse_direct, run_direct
 from gpuwatch.cli.main import main
-from gpuwatch.core.probes import ACTIONS, FRESH_ACTIONS, FUNCTION_KEYS, vfio_backend_fields
+from gpuwatch.core.observations import PciSeen
+from gpuwatch.core.probes import (
+    ACTIONS,
+    FRESH_ACTIONS,
+    FUNCTION_KEYS,
+    FreshHost,
+    FunctionOutline,
+    vfio_backend_fields,
+)
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.tabledata import table_data
+from gpuwatch.hostfs.scan import (
+    HostPaths,
+    function_entries,
+    outline_function,
+    read_listed,
+    scan,
+    scan_host,
+)
 from gpuwatch.settings import default_tables, embedded_tables_raw
 from gpuwatch.testing import SysRoot, example_gpu_host, synthetic_host
 from gpuwatch.testing.machines import (
@@ -266,3 +282,46 @@ def test_a_closed_pipe_is_no_error(tmp_path: Path) -> None:
         f"{sys.executable} -m gpuwatch probe detect-vfio --no-daemon --root {s.root} | head -c1",
         shell=True, capture_output=True, env=env, timeout=60, text=True)
     assert done.stdout == "{" and done.stderr == ""
+
+
+@pytest.mark.parametrize("machine", ["workstation-in-use", "grace-hopper-captured", "sriov-vgpu",
+                                     "odd-bytes", "synthetic-96"])
+def test_outlined_functions_read_in_full_answer_as_the_whole_scan(
+    machine: str, tmp_path: Path
+) -> None:
+    """`FreshHost` on outlines completed on demand gives what it gives on the full scan, and
+    reads in full only the functions its answers show."""
+    s = MACHINES[machine](tmp_path / "host")
+    paths = HostPaths(str(s.root))
+    tables = table_data(embedded_tables_raw())
+    whole = FreshHost(scan(paths, tables), tables, 1000, frozenset({1000}))
+    outlines = [o for name, devpath in function_entries(paths)
+                if (o := outline_function(paths, name, devpath)) is not None]
+    full_reads: list[str] = []
+
+    def read(o: FunctionOutline) -> PciSeen | None:
+        full_reads.append(o.addr)
+        return read_listed(paths, o.addr, o.devpath)
+
+    lazy = FreshHost(scan_host(paths, tables, ()), tables, 1000, frozenset({1000}), outlines,
+                     read)
+    assert lazy.answer("detect-vfio") == whole.answer("detect-vfio")
+    shown = {m["addr"] for gpu in whole.answer("detect-vfio")["gpus"]
+             for m in gpu["group_members"]}
+    assert set(full_reads) <= shown  # nothing read in full that the answer does not show
+    for action in sorted(FRESH_ACTIONS):
+        for addr in sorted(s.functions)[:8]:
+            params = {"addr": addr, "group": 13, "mode": "vfio"}
+            assert lazy.answer(action, **params) == whole.answer(action, **params), action
+
+
+def test_a_function_gone_between_outline_and_read_sends_it_the_full_way(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = example_gpu_host(tmp_path / "host")
+    monkeypatch.setattr(direct, "read_listed", lambda paths, name, devpath: None)
+    assert run_direct(["probe", "detect-vfio", "--root", str(s.root), "--no-daemon"]) is None
+    assert capsys.readouterr() == ("", "")
+    code, out, _ = run_main(capsys, ["probe", "detect-vfio", "--root", str(s.root),
+                                     "--no-daemon"])
+    assert code == 0 and NV in out  # the full command's own scan

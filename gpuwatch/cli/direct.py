@@ -1,9 +1,11 @@
 """The stdlib-only path of ``gpuwatch probe`` when no daemon answers: one scan, no pydantic.
 
 A cold direct probe spent more time importing pydantic and the model's records than
-reading the host. Here the same scan (`gpuwatch.hostfs.scan`) feeds `FreshHost`, which
-answers from the snapshot with the model's own rules (`gpuwatch.core.probes`) as plain JSON
-values, printed as the full command prints them. Only what it can answer exactly as the full
+reading the host. Here the scan's own reads (`gpuwatch.hostfs.scan`) feed `FreshHost`, which
+answers with the model's own rules (`gpuwatch.core.probes`) as plain JSON values, printed as
+the full command prints them. Every function is outlined (class, IOMMU group, cdev: four
+syscalls) and read in full only when the answer shows it (a GPU and its group for
+``detect-vfio``), as the scan would have read it. Only what it can answer exactly as the full
 command would is handled: a plain command line, a valid request, a model-answered action,
 the embedded tables (no config file, no ``$GPUWATCH_PROC_READ_TIMEOUT`` to validate), no
 daemon to ask. Anything else returns None and the full command runs, so every error message
@@ -19,10 +21,16 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK, fail
 from gpuwatch.cli.fast import _OPTIONS, _split, compact, daemon_socket, reader_may_leave
-from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, check_params
+from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, FunctionGone, check_params
 from gpuwatch.core.tabledata import table_data
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.scan import HostPaths, scan
+from gpuwatch.hostfs.scan import (
+    HostPaths,
+    function_entries,
+    outline_function,
+    read_listed,
+    scan_host,
+)
 from gpuwatch.settings import (
     BY_KEY,
     config_file_path,
@@ -65,10 +73,17 @@ def run_direct(argv: Sequence[str]) -> int | None:
             return None
         action, params, root = parsed
         tables = table_data(embedded_tables_raw())
-        host = FreshHost(scan(HostPaths(root), tables), tables, os.geteuid(),
-                         frozenset((os.getegid(), *os.getgroups())))
+        paths = HostPaths(root)
+        # Every function outlined (class, group, cdev), in full only those the answer shows.
+        outlines = [o for name, devpath in function_entries(paths)
+                    if (o := outline_function(paths, name, devpath)) is not None]
+        host = FreshHost(scan_host(paths, tables, ()), tables, os.geteuid(),
+                         frozenset((os.getegid(), *os.getgroups())), outlines,
+                         lambda o: read_listed(paths, o.addr, o.devpath))
         try:
             result = host.answer(action, **params)
+        except FunctionGone:
+            return None  # the host changed under the outline: the full command scans anew
         except GpuwatchError as exc:  # no such function: the full command's line and code
             return fail(str(exc), exc.exit_status)
         text = compact({"action": action, "result": result})

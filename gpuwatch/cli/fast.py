@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
-import socket
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -144,6 +142,8 @@ def describe_step(step: dict[str, Any]) -> str:
     if step["kind"] == "write":
         return f"write {step['value']!r} to {step['path']}"
     if step["kind"] == "command":
+        import shlex
+
         return "run " + shlex.join(step["argv"])
     return f"mkdir -p {step['path']}"
 
@@ -210,6 +210,8 @@ def socket_path(root: str, explicit: str | None) -> str | None:
 def ask(path: str, method: str, params: dict[str, Any]) -> Any:
     """The ``result`` of one request; raises OSError/ValueError on anything else."""
     request = compact({"id": 1, "method": method, "params": params}).encode() + b"\n"
+    import socket  # here: without a daemon to ask, a command never needs it
+
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(TIMEOUT)
         sock.connect(path)

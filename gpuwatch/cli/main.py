@@ -11,7 +11,6 @@ import contextlib
 import importlib
 import os
 import sys
-import traceback
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -153,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except Exception as exc:
         if os.environ.get("GPUWATCH_DEBUG"):
+            import traceback
+
             traceback.print_exc()
         return fail(
             f"internal error: {type(exc).__name__}: {exc} (GPUWATCH_DEBUG=1 shows more)",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple, Protocol
 
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
@@ -27,7 +27,7 @@ from gpuwatch.core.modes import (
     parse_mode,
     variant_keys,
 )
-from gpuwatch.core.observations import CdiSeen, DrmSeen, NodeStat, Snapshot
+from gpuwatch.core.observations import CdiSeen, DrmSeen, NodeStat, PciSeen, Snapshot
 from gpuwatch.core.pci import is_gpu_class, parse_addr, parse_vendor
 from gpuwatch.core.tabledata import TablesView, class_label
 from gpuwatch.errors import DeviceNotFound, UsageError
@@ -254,55 +254,121 @@ def function_json(fn: FreshFunction) -> dict[str, Any]:
     return dict(zip(FUNCTION_KEYS, fn, strict=True))
 
 
+class FunctionOutline(NamedTuple):
+    """What a direct probe reads of every function: enough to place it (its class says
+    whether it is a GPU, its group who its group members are, its cdev who reports which
+    node). Its full `PciSeen` is read only when an answer reports the function."""
+
+    addr: str
+    devpath: str
+    klass: str
+    iommu_group: int
+    vfio_cdev: str
+
+
+#: Reads one outlined function in full, as the scan would (None: it went away meanwhile).
+FullRead = Callable[[FunctionOutline], "PciSeen | None"]
+
+
+class FunctionGone(DeviceNotFound):
+    """A function outlined a moment ago could not be read in full: the host is changing
+    under the probe (the caller starts again the long way)."""
+
+
+class _Functions(Mapping[str, FreshFunction]):
+    """The host's functions by address, each made a `FreshFunction` when first looked up."""
+
+    def __init__(self, host: FreshHost) -> None:
+        self._host = host
+
+    def __getitem__(self, addr: str) -> FreshFunction:
+        return self._host.record(addr)
+
+    def __contains__(self, addr: object) -> bool:
+        return addr in self._host.outlines
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._host.outlines)
+
+    def __len__(self) -> int:
+        return len(self._host.outlines)
+
+
 class FreshHost:
     """The answers of one full scan, as `HostState` built from the same snapshot gives them
-    (JSON values instead of records)."""
+    (JSON values instead of records).
 
-    def __init__(self, snapshot: Snapshot, tables: TablesView, uid: int,
-                 gids: frozenset[int]) -> None:
+    ``functions``: the scan's functions, each a full `PciSeen` or a `FunctionOutline` that
+    ``read`` completes when an answer reports it (its fields, its group's); by default the
+    snapshot's own.
+    """
+
+    def __init__(self, snapshot: Snapshot, tables: TablesView, uid: int, gids: frozenset[int],
+                 functions: Iterable[PciSeen | FunctionOutline] | None = None,
+                 read: FullRead | None = None) -> None:
         self.snapshot = snapshot
         self.uid, self.gids = uid, gids
         self.gpu_vendors: Collection[str] = tables.gpu_vendors
+        self.labels = tables.pci_class_labels
         self.pattern_res = compiled_patterns(tuple(tables.device_patterns))
         self.variants = variant_keys(tables.vfio_variant_drivers)
         self.nodes = {p: st for p, st in snapshot.nodes.nodes
                       if is_watched_node(p, self.pattern_res)}
-        labels = tables.pci_class_labels
+        self._read = read
+        self.outlines: dict[str, PciSeen | FunctionOutline] = {}
         # A cdev is reported once its node exists, by the function that names it last.
-        cdev_owner = {seen.vfio_cdev: seen.addr for seen in snapshot.functions if seen.vfio_cdev}
-        self.functions: dict[str, FreshFunction] = {}
+        self._cdev_owner: dict[str, str] = {}
         self.groups: dict[int, list[str]] = {}
-        for seen in snapshot.functions:
-            cdev = seen.vfio_cdev
-            if not (cdev and cdev in self.nodes and VFIO_CDEV_RE.match(cdev)
-                    and cdev_owner[cdev] == seen.addr):
-                cdev = ""
-            self.functions[seen.addr] = FreshFunction(
-                seen.addr, seen.vendor_id, seen.device_id, seen.klass,
-                class_label(labels, seen.klass) if seen.klass else "", seen.driver,
-                seen.iommu_group, seen.vfio_dev, cdev,
-                None if seen.sriov is None else {"totalvfs": seen.sriov.totalvfs,
-                                                 "numvfs": len(seen.sriov.vfs),
-                                                 "vfs": seen.sriov.vfs},
-                seen.physfn,
-                None if seen.vgpu is None else {"type": seen.vgpu.type,
-                                                "creatable": seen.vgpu.creatable},
-                "ok",  # health comes from uevents; a fresh scan has seen none
-            )
+        for seen in snapshot.functions if functions is None else functions:
+            self.outlines[seen.addr] = seen
+            if seen.vfio_cdev:
+                self._cdev_owner[seen.vfio_cdev] = seen.addr
             if seen.iommu_group >= 0:
                 self.groups.setdefault(seen.iommu_group, []).append(seen.addr)
+        self.gpu_addrs = sorted(a for a, o in self.outlines.items() if is_gpu_class(o.klass))
+        self._records: dict[str, FreshFunction] = {}
+        self.functions: Mapping[str, FreshFunction] = _Functions(self)
         self.drm = {node.name: node for node in snapshot.drm}
 
-    def function(self, addr: str | None) -> FreshFunction:
-        fn = self.functions.get(addr or "")
-        if fn is None:
-            raise no_such_function(addr)
+    def record(self, addr: str) -> FreshFunction:
+        """The function at ``addr`` (`KeyError` when the scan saw none), read in full now if
+        it was only outlined."""
+        fn = self._records.get(addr)
+        if fn is not None:
+            return fn
+        seen = self.outlines[addr]
+        if isinstance(seen, FunctionOutline):
+            full = self._read(seen) if self._read is not None else None
+            if full is None:
+                raise FunctionGone(addr)
+            seen = full
+        cdev = seen.vfio_cdev
+        if not (cdev and cdev in self.nodes and VFIO_CDEV_RE.match(cdev)
+                and self._cdev_owner.get(cdev) == addr):
+            cdev = ""
+        fn = self._records[addr] = FreshFunction(
+            seen.addr, seen.vendor_id, seen.device_id, seen.klass,
+            class_label(self.labels, seen.klass) if seen.klass else "", seen.driver,
+            seen.iommu_group, seen.vfio_dev, cdev,
+            None if seen.sriov is None else {"totalvfs": seen.sriov.totalvfs,
+                                             "numvfs": len(seen.sriov.vfs),
+                                             "vfs": seen.sriov.vfs},
+            seen.physfn,
+            None if seen.vgpu is None else {"type": seen.vgpu.type,
+                                            "creatable": seen.vgpu.creatable},
+            "ok",  # health comes from uevents; a fresh scan has seen none
+        )
         return fn
+
+    def function(self, addr: str | None) -> FreshFunction:
+        if (addr or "") not in self.outlines:
+            raise no_such_function(addr)
+        return self.record(addr or "")
 
     def group_members(self, fn: FreshFunction) -> list[FreshFunction]:
         if fn.iommu_group < 0:
             return [fn]
-        return [self.functions[a] for a in sorted(self.groups.get(fn.iommu_group, (fn.addr,)))]
+        return [self.record(a) for a in sorted(self.groups.get(fn.iommu_group, (fn.addr,)))]
 
     def answer(self, action: str, *, group: int | None = None, addr: str | None = None,
                mode: str | None = None) -> Any:
@@ -336,19 +402,17 @@ class FreshHost:
 
     def detect_vfio(self) -> dict[str, Any]:
         gpus = []
-        for addr in sorted(self.functions):
-            fn = self.functions[addr]
-            if is_gpu_class(fn.class_):
-                info = function_json(fn)
-                info["group_members"] = [function_json(m) for m in self.group_members(fn)]
-                gpus.append(info)
+        for addr in self.gpu_addrs:
+            fn = self.record(addr)
+            info = function_json(fn)
+            info["group_members"] = [function_json(m) for m in self.group_members(fn)]
+            gpus.append(info)
         iommu = self.snapshot.iommu
         return {"iommu_enabled": iommu.enabled, "iommu_kind": iommu.kind,
                 "iommufd": IOMMU_NODE in self.nodes, "gpus": gpus}
 
     def detect_gpu(self) -> bool:
-        nvidia_gpu = any(fn.driver == "nvidia" and is_gpu_class(fn.class_)
-                         for fn in self.functions.values())
+        nvidia_gpu = any(self.record(a).driver == "nvidia" for a in self.gpu_addrs)
         return nvidia_usable(self.snapshot.modules, self.snapshot.cdi, nvidia_gpu)
 
     def detect_amd_gpu(self) -> bool:
@@ -381,6 +445,9 @@ __all__ = [
     "WATCHED_PROBES",
     "FreshFunction",
     "FreshHost",
+    "FullRead",
+    "FunctionGone",
+    "FunctionOutline",
     "FunctionView",
     "check_params",
     "choose_render_node",

@@ -34,6 +34,7 @@ from gpuwatch.core.observations import (
     VgpusSeen,
 )
 from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
+from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_bytes, read_text
@@ -342,11 +343,7 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
     # (one stat, before its reads) so that the first bind/unbind after a scan already reads
     # only its driver link instead of the whole function again.
     stable = paths.stable_inodes()
-    for name in sorted(list_dir(paths.bus_pci)):
-        if not is_pci_addr(name):
-            continue
-        entry = paths.bus_pci + "/" + name
-        devpath = _devpath_of_bus_entry(paths, name)
+    for name, devpath in function_entries(paths):
         # Read through the resolved directory, not the bus symlink: on sysfs every read
         # through the link pays its resolution again (11 µs against 8 per attribute).
         directory = paths.sys + devpath
@@ -357,18 +354,55 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
             except (OSError, ValueError):
                 st = None
         seen = _read_function_dir(directory, name, devpath)
-        if st is not None and stat_mod.S_ISDIR(st.st_mode) and (
-            seen.vendor_id or seen.device_id or seen.klass
-        ):
-            _remember(paths, directory, st, seen)
-        if not (seen.vendor_id or seen.device_id or seen.klass):
-            # Nothing there: a root whose components are links themselves (the resolution is
-            # lexical), or a dangling link. Checked only now, not with a stat up front.
-            seen = _read_function_dir(entry, name, devpath)
-            if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
-                continue  # dangling link: the function went away under us
-        found.append(seen)
+        if seen.vendor_id or seen.device_id or seen.klass:
+            if st is not None and stat_mod.S_ISDIR(st.st_mode):
+                _remember(paths, directory, st, seen)
+            found.append(seen)
+            continue
+        listed = read_bus_entry(paths, name, devpath)
+        if listed is not None:
+            found.append(listed)
     return found
+
+
+def function_entries(paths: HostPaths) -> list[tuple[str, str]]:
+    """``(address, devpath)`` of every function ``sys/bus/pci/devices`` lists, in address
+    order; non-address entries ignored."""
+    return [(name, _devpath_of_bus_entry(paths, name))
+            for name in sorted(list_dir(paths.bus_pci)) if is_pci_addr(name)]
+
+
+def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
+    """One function the bus lists, read as a scan reads it; None when its entry dangles."""
+    seen = _read_function_dir(paths.sys + devpath, name, devpath)
+    if seen.vendor_id or seen.device_id or seen.klass:
+        return seen
+    return read_bus_entry(paths, name, devpath)
+
+
+def read_bus_entry(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
+    """A listed function whose resolved directory held nothing: a root whose components are
+    links themselves (the resolution is lexical), or a dangling link (None). Checked only
+    then, not with a stat up front."""
+    entry = paths.bus_pci + "/" + name
+    seen = _read_function_dir(entry, name, devpath)
+    if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
+        return None  # dangling link: the function went away under us
+    return seen
+
+
+def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutline | PciSeen | None:
+    """What `read_listed` would read of the function's class, IOMMU group and VFIO cdev, in
+    four syscalls of its eleven or more: all a direct probe needs of a function whose full
+    record it does not report. Without a class, the full read (which decides whether the
+    function is there at all)."""
+    directory = paths.sys + devpath
+    klass = class_prefix(read_attr(directory + "/class"))
+    if not klass:
+        return read_listed(paths, name, devpath)
+    return FunctionOutline(name, devpath, klass,
+                           parse_group(link_name(directory + "/iommu_group")),
+                           read_vfio_dev(directory)[1])
 
 
 # --------------------------------------------------------------------------- DRM
@@ -514,8 +548,13 @@ def read_cdi(paths: HostPaths) -> CdiSeen:
 
 
 def scan(paths: HostPaths, tables: TablesView) -> Snapshot:
+    return scan_host(paths, tables, tuple(scan_functions(paths)))
+
+
+def scan_host(paths: HostPaths, tables: TablesView, functions: tuple[PciSeen, ...]) -> Snapshot:
+    """The whole host read now but for the PCI functions, which are ``functions``."""
     return Snapshot(
-        functions=tuple(scan_functions(paths)),
+        functions=functions,
         drm=tuple(scan_drm(paths)),
         modules=read_modules(paths),
         kfd=read_kfd(paths),
