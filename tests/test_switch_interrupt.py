@@ -178,3 +178,38 @@ def test_after_an_interruption_the_same_switch_runs_to_completion(
     assert drivers(host) == AFTER
     kinds = [e["type"] for e in read_events(log)]
     assert kinds.count("switch-started") == 2 and kinds[-1] == "switch-completed", kinds
+
+
+@pytest.mark.parametrize("spoil", ["world-writable", "symlink", "fifo"])
+def test_the_testing_hook_refuses_a_file_it_cannot_trust(
+        host: SysRoot, tmp_path: Path, spoil: str) -> None:
+    """The test-only variable unpickles nothing that another user could have planted or edited:
+    a shared-writable file, a symlink or a FIFO is one config error line and exit 2, no switch."""
+    saved = tmp_path / "simkernel.pickle"
+    save_for_subprocess(SimKernel(host), saved)
+    assert saved.stat().st_mode & 0o777 == 0o600
+    if spoil == "world-writable":
+        saved.chmod(0o666)
+        target = saved
+    elif spoil == "symlink":
+        target = tmp_path / "link.pickle"
+        target.symlink_to(saved)
+    else:
+        target = tmp_path / "fifo.pickle"
+        os.mkfifo(target)
+    proc = subprocess.run(
+        gpuwatch_cmd("mode", "vfio", "--addr", NV, "--root", str(host.root), "--timeout", "5"),
+        capture_output=True, text=True, timeout=60,
+        env={**env(), SIMKERNEL_ENV: str(target)})
+    assert proc.returncode == 2, proc.stderr
+    assert SIMKERNEL_ENV in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+    assert drivers(host) == BEFORE  # nothing was switched
+
+
+def test_the_simulated_kernel_is_never_saved_for_the_real_root() -> None:
+    sim = SimKernel.__new__(SimKernel)
+    sim.root = "/"
+    sim._source = None
+    with pytest.raises(ValueError, match="fixture root"):
+        save_for_subprocess(sim, "/nonexistent/never-written")

@@ -23,9 +23,10 @@ import errno
 import os
 import pickle
 import re
+import stat
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -459,7 +460,11 @@ def save_for_subprocess(sim: SimKernel, path: str | os.PathLike[str], *, euid: i
     with ``GPUWATCH_TESTING_SIMKERNEL=path`` (`SIMKERNEL_ENV`); ``euid`` is who it runs as."""
     if sim._source is not None:
         raise ValueError("save the simulated kernel before any watcher uses it")
-    with open(path, "wb") as fh:
+    if os.path.realpath(sim.root) == "/":
+        raise ValueError("the simulated kernel runs over a fixture root, never the real one")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as fh:
         pickle.dump({"sim": sim, "euid": euid, "root": os.path.realpath(sim.root)}, fh)
 
 
@@ -471,12 +476,28 @@ def install_saved_backend(path: str) -> None:
     hostops.backend_factory = lambda root: load_backend(path, root)
 
 
+def _load_own_file(path: str) -> dict[str, Any]:
+    """Unpickle only a regular file this user owns and nobody else may write, and never for
+    the real root: a stray or planted variable must not run code or simulate over /sys."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"{SIMKERNEL_ENV}: cannot open {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ConfigError(f"{SIMKERNEL_ENV}: {path} is not a private regular file of this user")
+        saved: dict[str, Any] = pickle.load(fh)  # a file the test itself wrote (test-only)
+    if saved.get("root") in (None, "/"):
+        raise ConfigError(f"{SIMKERNEL_ENV}: {path} does not name a fixture root")
+    return saved
+
+
 def load_backend(path: str, root: str) -> Backend:
     """The switch backend of a test subprocess: the kernel `save_for_subprocess` left at
     ``path``, for the same ``root`` only. What the run changes is saved back at exit, so the
     next command finds the fixture's bookkeeping in step with its tree."""
-    with open(path, "rb") as fh:
-        saved = pickle.load(fh)  # a file the test itself wrote (test-only variable)
+    saved = _load_own_file(path)
     sim: SimKernel = saved["sim"]
     if saved["root"] != os.path.realpath(root):
         raise ConfigError(f"{SIMKERNEL_ENV}: {path} simulates {saved['root']}, not {root}")
