@@ -181,8 +181,11 @@ async def open_host(
             watcher.model, ops, publish=watcher.publish, subscribe=subscribe,
             refresh=watcher.refresh, geteuid=geteuid, poison_path=poison_path,
             step_timeout=step_timeout, scan_timeout=scan_timeout,
-            tree_check_after=tree_check_after,
+            tree_check_after=tree_check_after, on_idle=watcher.finish_stop,
         )
+        # A stop while a switch is under way (SIGTERM to a daemon mid-switch) writes
+        # ``stopped`` after the switch's end, so ``stopped`` stays the log's last record.
+        watcher.stop_waits_for = lambda: engine.busy
         yield Host(watcher, engine)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_helpers import env, gpuwatch_cmd
+from daemon_helpers import P, connect, env, gpuwatch_cmd
 
 import gpuwatch
 from gpuwatch.testing import SysRoot
@@ -213,3 +213,53 @@ def test_the_simulated_kernel_is_never_saved_for_the_real_root() -> None:
     sim._source = None
     with pytest.raises(ValueError, match="fixture root"):
         save_for_subprocess(sim, "/nonexistent/never-written")
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_stopped_mid_switch_logs_the_switch_end_before_stopped(
+        host: SysRoot, tmp_path: Path) -> None:
+    """SIGTERM to ``watch --socket`` while a socket client's switch is half way: the switch
+    ends (completed, or put back with ``switch-failed``) and ``stopped`` is still the last
+    record of the run, so a reader that stops at ``stopped`` misses nothing."""
+    sim = SimKernel(host)
+    sim.step_delay = 0.25
+    saved = tmp_path / "simkernel.pickle"
+    save_for_subprocess(sim, saved)
+    log, sock, fifo = tmp_path / "events.jsonl", str(tmp_path / "gw.sock"), tmp_path / "ue"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}",
+                     "--log", str(log), "--reconcile-interval", "0", "--socket", sock),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**env(), SIMKERNEL_ENV: str(saved)})
+    writer = open(fifo, "w")  # noqa: SIM115 - the daemon's source stays open until the end
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["type"] == "ready" for e in read_events(log)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.02)
+        client = connect(sock, timeout=60)
+        client.sendall(P.encode_request(1, "switch", {"addr": NV, "mode": "vfio"}))
+        while not half_bound(host, log):
+            assert proc.poll() is None and time.monotonic() < deadline, "no half-bound moment"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        client.close()
+    finally:
+        writer.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    events = list(read_events(log))
+    types = [e["type"] for e in events]
+    assert types[-1] == "stopped", types
+    assert types.count("stopped") == 1
+    outcome = check_every_start_ends(events)
+    # A socket switch runs to its end (docs/socket.md), or is put back: either way its end is
+    # logged before `stopped`, and the group is wholly in one mode.
+    assert outcome in ("completed", "interrupted"), outcome
+    end = "switch-completed" if outcome == "completed" else "switch-failed"
+    assert types.index(end) < types.index("stopped")
+    assert drivers(host) == (AFTER if outcome == "completed" else BEFORE)

@@ -149,8 +149,11 @@ class SwitchEngine:
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
         scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
         tree_check_after: float = DEFAULT_TREE_CHECK_AFTER,
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
+        #: Called when the last switch under way has ended (the host's ``stopped`` waits).
+        self.on_idle = on_idle
         self._publish = publish
         self._subscribe = subscribe
         self._refresh = refresh
@@ -170,6 +173,11 @@ class SwitchEngine:
         self._exclusive: int | str | None = None
         for group, entry in self.poison.load().items():
             self.model.poisoned[group] = entry.error
+
+    @property
+    def busy(self) -> bool:
+        """A switch is under way (claimed and not yet ended, its roll-back included)."""
+        return bool(self._busy)
 
     @property
     def root(self) -> str:
@@ -304,6 +312,8 @@ class SwitchEngine:
             self._busy.discard(key)
             if self._exclusive == key:
                 self._exclusive = None
+            if not self._busy and self.on_idle is not None:
+                self.on_idle()
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
                       deadline: float, *, force: bool = False, recovering: bool = False,

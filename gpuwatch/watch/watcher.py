@@ -96,6 +96,10 @@ class Watcher:
         self._lock = anyio.Lock()
         self._closed = False
         self._stopped = False
+        self._stop_reason: str | None = None
+        #: Set by the composition (`gpuwatch.host`): "is work under way that `stopped` must
+        #: follow?" (an interrupted switch putting its group back).
+        self.stop_waits_for: Callable[[], bool] | None = None
         self.source_ended = anyio.Event()
         self.resyncs = 0
         #: Observers called with every stamped event (metrics, NFD).
@@ -317,9 +321,23 @@ class Watcher:
         self._announced.set()
 
     def stop(self, reason: str) -> None:
-        """Publish the ``stopped`` record (once): the last line of this run's log."""
-        if not self._stopped:
-            self._stopped = True
+        """Publish the ``stopped`` record (once): the last line of this run's log.
+
+        While `stop_waits_for` says work is under way (a switch winding down after the same
+        signal), the record waits for `finish_stop`, so the switch's own end comes before it.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.stop_waits_for is not None and self.stop_waits_for():
+            self._stop_reason = reason
+            return
+        self.publish([Stopped(reason=reason)])
+
+    def finish_stop(self) -> None:
+        """Publish a ``stopped`` record that `stop` held back (once; nothing if none was)."""
+        reason, self._stop_reason = self._stop_reason, None
+        if reason is not None and not self._closed:
             self.publish([Stopped(reason=reason)])
 
     async def _pump(self) -> None:
@@ -490,6 +508,7 @@ async def open_watcher(
                     yield watcher
                 finally:
                     tg.cancel_scope.cancel()
+                    watcher.finish_stop()  # held back for a switch that never ended: now
                     watcher._close()
         except BaseExceptionGroup as group:
             # The caller's own exception should reach them as itself, not wrapped by our tasks.
