@@ -14,6 +14,10 @@ at the end, and printed as one JSON object:
   notices, and any gap without a notice fails the run;
 - the daemon's RSS after warm-up (10 % of the uevents) grew by at most 5 %.
 
+``--stall K`` makes the last K subscribers read nothing for ``--stall-seconds`` (with a small
+``--max-output-bytes`` they overflow): they must come out ``lagged``, with a notice, never
+with a silent gap.
+
 Standard library plus gpuwatch's own test tree builder; nothing here is timed against a
 baseline: the figures go to docs/performance.md.
 """
@@ -103,8 +107,12 @@ class Subscribers(threading.Thread):
     """``count`` subscribed connections read in one thread, each with its `Tally` (events
     of every type are asked for)."""
 
-    def __init__(self, path: str, count: int) -> None:
+    def __init__(self, path: str, count: int, stall: int = 0, stall_s: float = 0.0) -> None:
         super().__init__(daemon=True)
+        #: The last ``stall`` connections read nothing for ``stall_s`` seconds (a client that
+        #: stops reading for a while: it must get a `lagged` notice, not a silent gap).
+        self.stalled = set(range(count - stall, count))
+        self.resume_at = time.monotonic() + stall_s
         self.socks: list[socket.socket] = []
         self.tallies: dict[int, Tally] = {}
         self.closed: set[int] = set()
@@ -137,9 +145,17 @@ class Subscribers(threading.Thread):
         sel = selectors.DefaultSelector()
         partial = self.partial
         for i, s in enumerate(self.socks):
-            sel.register(s, selectors.EVENT_READ, i)
+            if i not in self.stalled:
+                sel.register(s, selectors.EVENT_READ, i)
         while not self.stop.is_set() and len(self.closed) < len(self.socks):
-            for key, _ in sel.select(0.2):
+            wait = 0.2
+            if self.stalled:
+                wait = min(wait, max(0.0, self.resume_at - time.monotonic()))
+                if wait == 0.0:
+                    for i in self.stalled:
+                        sel.register(self.socks[i], selectors.EVENT_READ, i)
+                    self.stalled = set()
+            for key, _ in sel.select(wait):
                 i = key.data
                 try:
                     data = key.fileobj.recv(1 << 20)  # type: ignore[union-attr]
@@ -163,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subscribers", type=int, default=50)
     ap.add_argument("--flip-every", type=int, default=10)
     ap.add_argument("--log-max-bytes", type=int, default=8 << 20)
+    ap.add_argument("--max-output-bytes", type=int, default=None,
+                    help="the daemon's --socket-max-output-bytes (default: its own)")
+    ap.add_argument("--stall", type=int, default=0, metavar="K",
+                    help="K subscribers (never the first) read nothing for --stall-seconds")
+    ap.add_argument("--stall-seconds", type=float, default=2.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -174,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
          f"file:{fifo}", "--log", str(log), "--log-max-bytes", str(args.log_max_bytes),
-         "--log-keep", "10000", "--reconcile-interval", "0", "--socket", sock],
+         "--log-keep", "10000", "--reconcile-interval", "0", "--socket", sock,
+         *([] if args.max_output_bytes is None
+           else ["--socket-max-output-bytes", str(args.max_output_bytes)])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     writer = open(fifo, "w", buffering=1 << 20)  # noqa: SIM115 - closed below
     deadline = time.monotonic() + 60
@@ -182,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         assert time.monotonic() < deadline and daemon.poll() is None, "daemon did not start"
         time.sleep(0.05)
     time.sleep(0.3)
-    subs = Subscribers(sock, args.subscribers)
+    if not 0 <= args.stall < args.subscribers:
+        ap.error("--stall must be less than --subscribers (the first one paces the writer)")
+    subs = Subscribers(sock, args.subscribers, args.stall, args.stall_seconds)
     subs.start()
 
     props = host.uevent_props("change", FLIP)
@@ -211,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             rss_warm = rss_kib(daemon.pid)
         if k % 100_000 == 0 and k:
             rss_samples.append(rss_kib(daemon.pid))
+    while args.stall and time.monotonic() < subs.resume_at + 1:
+        time.sleep(0.05)  # a stalled reader reads again before the daemon stops
     writer.close()  # EOF: the daemon finishes the file, writes `stopped` and exits 0
     daemon_rc = daemon.wait(timeout=3600)
     elapsed = time.monotonic() - started

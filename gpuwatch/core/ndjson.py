@@ -65,29 +65,29 @@ class LineFramer:
             self._discarding = False
             data = data[cut + 1 :]
         cap = self.max_line
-        if self._parts:
+        parts = self._parts
+        if parts:
             if b"\n" not in data:
                 self._held += len(data)
                 if self._held > cap:
                     self._drop()
                     return [TOO_LONG]
-                self._parts.append(data)
+                parts.append(data)
                 return []
-            self._parts.append(data)
-            data = b"".join(self._parts)
+            parts.append(data)
+            data = b"".join(parts)
+            self._parts = parts = []  # hold no piece past its join
+            self._held = 0
         lines = data.split(b"\n")
         tail = lines.pop()
         if len(data) > cap and lines and max(map(len, lines)) > cap:
             lines = [TOO_LONG if len(line) > cap else line for line in lines]
         if len(tail) > cap:
             lines.append(TOO_LONG)
-            self._drop()
+            self._discarding = True
         elif tail:
-            self._parts = [tail]
+            parts.append(tail)
             self._held = len(tail)
-        elif self._parts:
-            self._parts = []
-            self._held = 0
         return lines
 
     def finish(self) -> list[bytes]:
