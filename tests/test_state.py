@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwatch.core.events import (
@@ -243,7 +243,9 @@ seen_st = st.builds(
 op_st = st.one_of(seen_st, st.builds(PciGone, st.sampled_from(ADDRS)))
 
 
-@settings(max_examples=150, deadline=None)
+# No deadline and no too-slow health check: on two shared cores under five test suites, the
+# time to generate or run an example says nothing about convergence (it made this flaky).
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op_st, max_size=25), st.lists(st.integers(1, 6), max_size=5))
 def test_any_event_sequence_converges_to_a_fresh_build(
     ops: list[PciSeen | PciGone], cuts: list[int]

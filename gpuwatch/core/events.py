@@ -340,8 +340,9 @@ def event_json(event: BaseModel) -> str:
         global _LAST_TIME
         fields = event.__dict__
         seq, time = fields["seq"], fields["time"]
-        if time is _LAST_TIME[0]:  # a batch shares one stamp: checked once
-            time = _LAST_TIME[1]
+        last = _LAST_TIME  # one read: the pair stays a pair whoever swaps it meanwhile
+        if time is last[0]:  # a batch shares one stamp: checked once
+            time = last[1]
         else:
             quoted = f'"{time}"' if _PLAIN_RE.fullmatch(time) is not None else ""
             _LAST_TIME = (time, quoted)
