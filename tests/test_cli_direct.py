@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.cli import direct
+from gpuwatch.cli import direct, fast_report
 from gpuwatch.cli.direct import parse_direct, run_direct
 from gpuwatch.cli.main import main
 from gpuwatch.core.observations import PciSeen
@@ -193,17 +193,21 @@ def test_it_answers_without_pydantic_and_says_the_same(tmp_path: Path) -> None:
            "builtins.print = spy\nsys.exit(main(sys.argv[1:]))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
     env["PYTHONPATH"] = str(REPO)
-    for line in (["probe", "detect-vfio"], ["probe", "detect-host-devices"],
-                 ["probe", "vfio-backend", "--addr", NV], ["probe", "detect-gpu", "--fresh"],
+    for line in (["probe", "detect-vfio", "--no-daemon"],
+                 ["probe", "detect-host-devices", "--no-daemon"],
+                 ["probe", "vfio-backend", "--addr", NV, "--no-daemon"],
+                 ["probe", "detect-gpu", "--fresh"],
                  ["probe", "vfio-group-accessible", "--group=14"],
-                 ["probe", "current-mode", "--addr", "0000:0a:00.0"]):  # no such function
-        argv = [*line, "--root", str(s.root), "--no-daemon"]
+                 ["probe", "current-mode", "--addr", "0000:0a:00.0"],  # no such function
+                 ["status"], ["list", "--json"]):
+        argv = [*line, "--root", str(s.root)]
         done = subprocess.run([sys.executable, "-c", spy, *argv], capture_output=True,
                               env=env, timeout=60, text=True)
         assert done.stderr.startswith("HEAVY=\n"), (argv, done.stderr)
-        args = [sys.executable, "-c", "import sys\nfrom gpuwatch.cli import direct\n"
-                "direct.run_direct = lambda argv: None\nfrom gpuwatch.cli.main import main\n"
-                "sys.exit(main(sys.argv[1:]))", *argv]
+        args = [sys.executable, "-c", "import sys\nfrom gpuwatch.cli import direct, fast_report\n"
+                "direct.run_direct = lambda argv: None\n"
+                "fast_report.run_report = lambda argv: None\n"
+                "from gpuwatch.cli.main import main\nsys.exit(main(sys.argv[1:]))", *argv]
         full = subprocess.run(args, capture_output=True, env=env, timeout=60, text=True)
         assert (done.returncode, done.stdout) == (full.returncode, full.stdout), argv
         assert done.stderr.removeprefix("HEAVY=\n") == full.stderr, argv
@@ -325,3 +329,26 @@ def test_a_function_gone_between_outline_and_read_sends_it_the_full_way(
     code, out, _ = run_main(capsys, ["probe", "detect-vfio", "--root", str(s.root),
                                      "--no-daemon"])
     assert code == 0 and NV in out  # the full command's own scan
+
+
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+def test_status_and_list_without_a_daemon_are_the_full_commands_bytes(
+    machine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``status`` and ``list`` on a root no daemon watches: built from the direct scan's
+    answers with the stdlib (`Local`), and byte for byte what the full command prints."""
+    monkeypatch.delenv("GPUWATCH_CONFIG", raising=False)
+    monkeypatch.delenv("GPUWATCH_PROC_READ_TIMEOUT", raising=False)
+    monkeypatch.delenv("GPUWATCH_ROOT", raising=False)
+    s = MACHINES[machine](tmp_path / "host")
+    root = ["--root", str(s.root)]
+    for line in (["status"], ["status", "--json"], ["list"], ["list", "--json"],
+                 ["list", "--managed", "no", "--json"], ["list", "--managed", "no"]):
+        argv = [*line, *root]
+        with monkeypatch.context() as m:
+            m.setattr(fast_report, "run_report", lambda argv: None)
+            full = run_main(capsys, argv)
+        assert fast_report.run_report(argv) == 0, argv  # answered here
+        here = capsys.readouterr()
+        assert (0, here.out, here.err) == full, argv

@@ -3,8 +3,8 @@
 A cold direct probe spent more time importing pydantic and the model's records than
 reading the host. Here the scan's own reads (`gpuwatch.hostfs.scan`) feed `FreshHost`, which
 answers with the model's own rules (`gpuwatch.core.probes`) as plain JSON values, printed as
-the full command prints them. Every function is outlined (class, IOMMU group, cdev: four
-syscalls) and read in full only when the answer shows it (a GPU and its group for
+the full command prints them. Every function is outlined (class, IOMMU group, cdev: three
+reads) and read in full only when the answer shows it (a GPU and its group for
 ``detect-vfio``), as the scan would have read it. Only what it can answer exactly as the full
 command would is handled: a plain command line, a valid request, a model-answered action,
 the embedded tables (no config file, no ``$GPUWATCH_PROC_READ_TIMEOUT`` to validate), no
@@ -55,7 +55,7 @@ def parse_direct(argv: Sequence[str]) -> tuple[str, dict[str, Any], str] | None:
         addr = check_params(action, group, values.get("--addr"), values.get("--mode"))
     except (ValueError, GpuwatchError):
         return None  # the full command says why, in its words
-    if config_file_path(None) is not None or BY_KEY["proc_read_timeout"].env in os.environ:
+    if not direct_settings_plain():
         return None  # a config file's tables, or a setting the full command validates
     root = values["--root"] if "--root" in values else root_in_force(None)
     if not os.path.isdir(root):
@@ -65,6 +65,24 @@ def parse_direct(argv: Sequence[str]) -> tuple[str, dict[str, Any], str] | None:
     return action, {"group": group, "addr": addr, "mode": values.get("--mode")}, root
 
 
+def direct_settings_plain() -> bool:
+    """No config file in force and no ``$GPUWATCH_PROC_READ_TIMEOUT`` to validate: a scan
+    with the embedded tables is what the full command would make."""
+    return config_file_path(None) is None and BY_KEY["proc_read_timeout"].env not in os.environ
+
+
+def fresh_host(root: str) -> FreshHost:
+    """`FreshHost` on ``root`` read now with the embedded tables: every function outlined
+    (class, group, cdev), in full only those the answers show."""
+    tables = table_data(embedded_tables_raw())
+    paths = HostPaths(root)
+    outlines = [o for name, devpath in function_entries(paths)
+                if (o := outline_function(paths, name, devpath)) is not None]
+    return FreshHost(scan_host(paths, tables, ()), tables, os.geteuid(),
+                     frozenset((os.getegid(), *os.getgroups())), outlines,
+                     lambda o: read_listed(paths, o.addr, o.devpath))
+
+
 def run_direct(argv: Sequence[str]) -> int | None:
     """Answer ``gpuwatch probe ACTION`` from one scan with the stdlib; None: not here."""
     try:
@@ -72,14 +90,7 @@ def run_direct(argv: Sequence[str]) -> int | None:
         if parsed is None:
             return None
         action, params, root = parsed
-        tables = table_data(embedded_tables_raw())
-        paths = HostPaths(root)
-        # Every function outlined (class, group, cdev), in full only those the answer shows.
-        outlines = [o for name, devpath in function_entries(paths)
-                    if (o := outline_function(paths, name, devpath)) is not None]
-        host = FreshHost(scan_host(paths, tables, ()), tables, os.geteuid(),
-                         frozenset((os.getegid(), *os.getgroups())), outlines,
-                         lambda o: read_listed(paths, o.addr, o.devpath))
+        host = fresh_host(root)
         try:
             result = host.answer(action, **params)
         except FunctionGone:
@@ -97,4 +108,4 @@ def run_direct(argv: Sequence[str]) -> int | None:
     return EXIT_OK
 
 
-__all__ = ["parse_direct", "run_direct"]
+__all__ = ["direct_settings_plain", "fresh_host", "parse_direct", "run_direct"]

@@ -1,4 +1,5 @@
-"""The stdlib-only path of ``gpuwatch status`` and ``gpuwatch list`` when a daemon answers.
+"""The stdlib-only path of ``gpuwatch status`` and ``gpuwatch list``: from the daemon when one
+answers, else from one direct scan (`Local`, the answers of `gpuwatch.cli.direct`).
 
 The full commands build their reports on the daemon's ``detect-vfio`` answer with pydantic
 models; here the same reports are built as plain dicts, in the models' field order, and
@@ -33,6 +34,7 @@ from gpuwatch.core.reporttext import (
     render_status,
     vf_ready,
 )
+from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.files import read_attr
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
@@ -99,14 +101,16 @@ def parse_list(argv: list[str]) -> tuple[bool, str, str, str | None] | None:
 class Remote:
     """What the reports read of the daemon's model, through stdlib requests."""
 
-    def __init__(self, path: str, root: str) -> None:
+    def __init__(self, path: str, root: str, vfio: Any = None) -> None:
         self.path, self.root = path, root
         self.tables = embedded_tables()
-        vfio = ask(path, "probe", {"action": "detect-vfio"})
+        if vfio is None:
+            vfio = ask(path, "probe", {"action": "detect-vfio"})
         if not isinstance(vfio, dict) or not isinstance(vfio.get("gpus"), list):
             raise ValueError("not a detect-vfio answer")
         self.vfio: dict[str, Any] = vfio
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
+        self._boot_vga: set[str] | None = None
 
     def members(self, gpu: dict[str, Any]) -> list[Fn]:
         return [Fn(m) for m in gpu["group_members"]]
@@ -120,13 +124,35 @@ class Remote:
         return group >= 0 and bool(ask(self.path, "probe",
                                        {"action": "vfio-group-accessible", "group": group}))
 
+    def nvidia_usable(self) -> bool:
+        return bool(ask(self.path, "probe", {"action": "detect-gpu"}))
+
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         addrs = [g["addr"] for g in self.gpus]
-        bus = os.path.join(self.root, "sys/bus/pci/devices")
-        boot_vga = {a for a in addrs if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
+        if self._boot_vga is None:  # once per report, not once per GPU
+            bus = os.path.join(self.root, "sys/bus/pci/devices")
+            self._boot_vga = {a for a in addrs
+                              if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
-                                    boot_vga=boot_vga, host_displays=addrs)
+                                    boot_vga=self._boot_vga, host_displays=addrs)
+
+
+class Local(Remote):
+    """The same reports on one direct scan, for a root no daemon answers for: the answers
+    of `FreshHost` (`gpuwatch.cli.direct`), no pydantic."""
+
+    def __init__(self, root: str) -> None:
+        from gpuwatch.cli.direct import fresh_host  # the scan's modules: only without a daemon
+
+        self.host = fresh_host(root)
+        super().__init__("", root, self.host.detect_vfio())
+
+    def accessible(self, group: int) -> bool:
+        return group >= 0 and bool(self.host.answer("vfio-group-accessible", group=group))
+
+    def nvidia_usable(self) -> bool:
+        return self.host.detect_gpu()
 
 
 def _memlock() -> dict[str, Any]:
@@ -166,7 +192,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
         "iommu": {"enabled": vfio["iommu_enabled"], "kind": vfio["iommu_kind"],
                   "hint": iommu_hint(vfio["iommu_enabled"], vfio["iommu_kind"])},
         "vfio_pci_loaded": os.path.isdir(os.path.join(remote.root, "sys/module", "vfio_pci")),
-        "nvidia_usable": bool(ask(remote.path, "probe", {"action": "detect-gpu"})),
+        "nvidia_usable": remote.nvidia_usable(),
         "memlock": _memlock(),
         "gpus": gpus,
         "unhealthy": [
@@ -215,9 +241,12 @@ def run_report(argv: list[str]) -> int | None:
         return None
     path = daemon_socket(root, explicit)
     if path is None:
-        return None
+        from gpuwatch.cli.direct import direct_settings_plain
+
+        if not (os.path.isdir(root) and direct_settings_plain()):
+            return None
     try:
-        remote = Remote(path, root)
+        remote = Remote(path, root) if path is not None else Local(root)
         if status is not None:
             report = status_report(remote)
             text = compact(report) if as_json else render_status(report)
@@ -226,7 +255,7 @@ def run_report(argv: list[str]) -> int | None:
             gpus = list_report(remote, listing[1])
             text = compact(gpus) if as_json else render_list(
                 gpus, bool(remote.vfio["iommu_enabled"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, GpuwatchError):
         return None  # no answer, an error reply or an unexpected one: the full command
     with reader_may_leave():
         print(text)
@@ -234,5 +263,5 @@ def run_report(argv: list[str]) -> int | None:
     return EXIT_OK
 
 
-__all__ = ["Remote", "embedded_tables", "list_report", "parse_list", "parse_status",
+__all__ = ["Local", "Remote", "embedded_tables", "list_report", "parse_list", "parse_status",
            "run_report", "status_report"]

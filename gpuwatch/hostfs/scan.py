@@ -393,7 +393,7 @@ def read_bus_entry(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
 
 def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutline | PciSeen | None:
     """What `read_listed` would read of the function's class, IOMMU group and VFIO cdev, in
-    four syscalls of its eleven or more: all a direct probe needs of a function whose full
+    three reads of its eight or more: all a direct probe needs of a function whose full
     record it does not report. Without a class, the full read (which decides whether the
     function is there at all)."""
     directory = paths.sys + devpath
