@@ -302,10 +302,18 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
                 without, bare = times["without"], times["bare"]
                 request = json.dumps({"id": 1, "method": "probe",
                                       "params": {"action": "detect-gpu"}}).encode() + b"\n"
-                ours, theirs = [], []
-                for _ in range(5):
-                    ours.append(_round_trips(sock, request, trips))
-                    theirs.append(_round_trips(mini, request, trips))
+                # Pairs taken back to back, which goes first alternating, and the median of
+                # the pairs' ratios: on two shared cores a minute's drift (which core each
+                # process lands on) moves both members of a pair together.
+                ours, theirs, pairs = [], [], []
+                for i in range(9):
+                    first, second = (sock, mini) if i % 2 == 0 else (mini, sock)
+                    a = _round_trips(first, request, trips)
+                    b = _round_trips(second, request, trips)
+                    o, t = (a, b) if first == sock else (b, a)
+                    ours.append(o)
+                    theirs.append(t)
+                    pairs.append(o / t)
             finally:
                 server.terminate()
                 server.wait()
@@ -319,7 +327,8 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
         "import_json_socket_s": round(median(import_base), 3),
         "bare_s": round(median(bare), 3),
         "request_us": round(median(ours), 1),
-        "request_ratio": round(median(ours) / median(theirs), 2),
+        "request_baseline_us": round(median(theirs), 1),
+        "request_ratio": round(median(pairs), 2),
     }
 
 
@@ -545,7 +554,8 @@ def format_ratio_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
                  f"{c['cli_direct_ratio']:.2f}x ({c['cli_direct_s'] * 1e3:,.0f} / "
                  f"{c['bare_s'] * 1e3:,.0f} ms)", "≤ 5x"))
     rows.append(("one socket request ÷ minimal asyncio NDJSON server",
-                 f"{c['request_ratio']:.2f}x ({c['request_us']:,.0f} µs round trip)", "≤ 1.5x"))
+                 f"{c['request_ratio']:.2f}x ({c['request_us']:,.0f} / "
+                 f"{c['request_baseline_us']:,.0f} µs round trip)", "≤ 1.5x"))
     f = r["fanout"]
     rows.append(("per event (server CPU), 100 socket subscribers ÷ 1",
                  f"{f['ratio']:.2f}x ({f['hundred_us']} / {f['one_us']} µs)", "≤ 1.5x"))
@@ -558,10 +568,11 @@ def format_ratio_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
                  "n/a" if p is None else
                  f"{p['ratio']:.2f}x ({p['slow_reader_p99_us']:,.0f} / "
                  f"{p['idle_p99_us']:,.0f} µs, a reader taking 64 KiB every 2 ms)", "≤ 2x"))
-    rows.append(("the same, a reader flat out ÷ a CPU-burning process (no replay)",
+    rows.append(("the same, a reader flat out ÷ idle p99",
                  "n/a" if p is None else
-                 f"{p['fast_vs_busy']:.2f}x ({p['fast_reader_p99_us']:,.0f} / "
-                 f"{p['busy_p99_us']:,.0f} µs; {p['fast_ratio']:.1f}x idle)", "≤ 2x"))
+                 f"{p['fast_ratio']:.2f}x ({p['fast_reader_p99_us']:,.0f} / "
+                 f"{p['idle_p99_us']:,.0f} µs; a CPU-burning process alone: "
+                 f"{p['busy_p99_us']:,.0f} µs)", "≤ 2x"))
     rows.append(("replay stops after its client hangs up",
                  "n/a" if p is None else f"{p['stop_after_hangup_s'] * 1e3:,.0f} ms", "≤ 1 s"))
     u = r["burst"]

@@ -21,8 +21,10 @@ that building it takes seconds. Then, interleaved:
   of the rotated files it was reading (``/proc/<pid>/fd``): the replay has stopped.
 
 Targets (issue 11): probe p99 during a replay ≤ 2x idle p99 (``ratio``: the slow reader, a
-client that reads as it processes; ``fast_vs_busy``: the fast reader against the busy
-baseline); the replay stops ≤ 1 s after its client goes away. Phases alternate over
+client that reads as it processes; ``fast_ratio``: the fast reader), and the replay stops
+≤ 1 s after its client goes away. ``fast_vs_busy`` is context, not a target: on a quiet
+machine a busy CPU can answer faster than an idle one (no wake-up from a deep idle state),
+so the busy p99 may sit below the idle one. Phases alternate over
 ``--rounds``; p99s are over all their samples. Standard library plus gpuwatch's own test
 tree builder.
 """
@@ -311,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = (result["ratio"] <= 2 and result["fast_vs_busy"] <= 2
+    ok = (result["ratio"] <= 2 and result["fast_ratio"] <= 2
           and result["stop_after_hangup_s"] <= 1)
     return 0 if ok else 1
 

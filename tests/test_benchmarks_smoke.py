@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_run_writes_every_figure_under_the_issues_keys(
     assert replay["log_mib"] == 2 and replay["log_files"] > 1 and replay["replay_complete"]
     assert all(is_number(replay[k]) for k in ("idle_p99_us", "busy_p99_us", "fast_reader_p99_us",
                                               "slow_reader_p99_us", "ratio", "fast_vs_busy",
-                                              "stop_after_hangup_s"))
+                                              "fast_ratio", "stop_after_hangup_s"))
     backlog = ratios["backlog"]
     assert backlog["answered_ms"] > 0 and backlog["backlog_ms"] > 0
 
@@ -268,3 +269,22 @@ def test_the_soak_tallies_events_and_lagged_notices_per_subscriber() -> None:
     wrong = Tally(10)
     wrong.feed(events(11) + notice(3, 15))  # 12…14 missing, the notice says from 15
     assert wrong.verdict(20) == "silent"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None,
+                    reason="mounting a tmpfs needs root and mount(8)")
+def test_fs_type_follows_a_mount_made_after_it_was_asked(tmp_path: Path) -> None:
+    """The answer is remembered per (path, device): a filesystem mounted over the path later
+    is seen at once, and so is its unmounting."""
+    where = tmp_path / "mnt"
+    where.mkdir()
+    before = fs_type(str(where))
+    if before in ("", "tmpfs"):
+        pytest.skip(f"the tmp dir's filesystem ({before or 'unknown'}) cannot show a change")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gwtest", str(where)], check=True,
+                   timeout=30)
+    try:
+        assert fs_type(str(where)) == "tmpfs"
+    finally:
+        subprocess.run(["umount", str(where)], check=True, timeout=30)
+    assert fs_type(str(where)) == before

@@ -61,7 +61,7 @@ _POLL_BUDGET = 256 * 1024
 _CHUNK = 64 * 1024
 # One slice of a socket replay (`read_chunks`): ~40 µs of work, so a request that arrives
 # meanwhile waits no longer than that for its turn of the event loop.
-_REPLAY_CHUNK = 16 * 1024
+_REPLAY_CHUNK = 8 * 1024
 # A rotation renames one file at a time, so a directory scan can meet one hole (the name
 # just vacated); two consecutive missing names mean the end of the rotated set.
 _MAX_GAP = 2
@@ -864,7 +864,7 @@ def read_chunks(
     wants: Callable[[str, Any], bool] | None = None,
 ) -> Iterator[RawChunk]:
     """The log after ``since_seq`` as `RawChunk` runs of stored lines (a replay to a socket):
-    each ``next`` is one read of at most 16 KiB, so a caller on an event loop can yield
+    each ``next`` is one read of at most 8 KiB, so a caller on an event loop can yield
     between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
     each chunk still covers what was read. Close the iterator to release the files."""
     follower = _Follower(path, since_seq, None)
