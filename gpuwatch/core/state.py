@@ -348,19 +348,8 @@ class HostState:
                 self._stale.update(("detect-gpu", "detect-host-devices"))
             gpu_info.pop(addr, None)
             self._gpu_dirty.add(addr)
-        if new.iommu_group >= 0:
-            for member in self.groups.get(new.iommu_group, ()):
-                if member in gpu_info:
-                    del gpu_info[member]
-                    self._gpu_dirty.add(member)
-                    vfio_stale = True
-                elif not vfio_stale and member in functions:
-                    vfio_stale = is_gpu_class(functions[member].class_)
-        if vfio_stale:
-            self._stale.add("detect-vfio")
-        if addr in self._drm_by_addr:
-            for name in self._drm_by_addr[addr]:
-                self._classify_card(name)
+        self._invalidate_around(addr, (new.iommu_group,) if new.iommu_group >= 0 else (),
+                                vfio_stale)
 
     def _set_cdev(self, addr: str, cdev: str) -> None:
         old = self._cdev_of.get(addr, "")
@@ -492,9 +481,15 @@ class HostState:
         self._gpu_info.pop(addr, None)
         if is_gpu:
             self._gpu_dirty.add(addr)
-        gpu_info = self._gpu_info
+        self._invalidate_around(addr, touched_groups, vfio_stale)
+
+    def _invalidate_around(self, addr: str, touched_groups: Iterable[int],
+                           vfio_stale: bool) -> None:
+        """After ``addr``'s record changed: the GPU entries of its group(s) (they list their
+        members), ``detect-vfio`` when a GPU is among them, and its DRM cards' classes."""
+        gpu_info, functions = self._gpu_info, self.functions
         for group in touched_groups:
-            for member in groups.get(group, ()):
+            for member in self.groups.get(group, ()):
                 if member in gpu_info:
                     del gpu_info[member]
                     self._gpu_dirty.add(member)
