@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
-import sniffio
 from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
@@ -1288,12 +1287,11 @@ class SocketServer:
 
 
 def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The running asyncio loop when anyio runs on asyncio (the daemon), else None."""
+    """The running asyncio loop when anyio runs on asyncio (the daemon), else None (another
+    backend runs no asyncio loop in this thread). No sniffio: anyio no longer brings it."""
     try:
-        if sniffio.current_async_library() != "asyncio":
-            return None
         return asyncio.get_running_loop()
-    except (sniffio.AsyncLibraryNotFoundError, RuntimeError):
+    except RuntimeError:
         return None
 
 
