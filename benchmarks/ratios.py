@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -271,6 +272,37 @@ def _round_trips(path: str, request: bytes, count: int) -> float:
     return median(times)
 
 
+def _server_pid(path: str) -> int:
+    """The pid of the process listening on a unix socket (its SO_PEERCRED)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
+
+
+@contextlib.contextmanager
+def _same_placement(paths: list[str]) -> Iterator[None]:
+    """Both servers on one CPU and this client on another, for the round trips: where the
+    scheduler happens to put each process (with its client or across) otherwise decides a
+    round trip's cost more than the server's own work does, and differs between the two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        yield
+        return
+    pids = [_server_pid(p) for p in paths]
+    saved = [(pid, os.sched_getaffinity(pid)) for pid in (0, *pids)]
+    try:
+        for pid in pids:
+            os.sched_setaffinity(pid, {cpus[0]})
+        os.sched_setaffinity(0, {cpus[1]})
+        yield
+    finally:
+        for pid, mask in saved:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(pid, mask)
+
+
 def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]:
     """Cold ``gpuwatch probe`` with and without a daemon, and ``gpuwatch status`` with one,
     against bare interpreter starts, and one socket round trip against a minimal asyncio
@@ -306,14 +338,15 @@ def measure_cli_and_socket(root: str, reps: int, trips: int) -> dict[str, float]
                 # the pairs' ratios: on two shared cores a minute's drift (which core each
                 # process lands on) moves both members of a pair together.
                 ours, theirs, pairs = [], [], []
-                for i in range(9):
-                    first, second = (sock, mini) if i % 2 == 0 else (mini, sock)
-                    a = _round_trips(first, request, trips)
-                    b = _round_trips(second, request, trips)
-                    o, t = (a, b) if first == sock else (b, a)
-                    ours.append(o)
-                    theirs.append(t)
-                    pairs.append(o / t)
+                with _same_placement([sock, mini]):
+                    for i in range(9):
+                        first, second = (sock, mini) if i % 2 == 0 else (mini, sock)
+                        a = _round_trips(first, request, trips)
+                        b = _round_trips(second, request, trips)
+                        o, t = (a, b) if first == sock else (b, a)
+                        ours.append(o)
+                        theirs.append(t)
+                        pairs.append(o / t)
             finally:
                 server.terminate()
                 server.wait()

@@ -203,3 +203,69 @@ def test_the_default_socket_only_for_the_host_root(
     assert socket_path(str(tmp_path), "/x.sock") == "/x.sock"
     monkeypatch.setenv("GPUWATCH_SOCKET", "/elsewhere.sock")
     assert socket_path("/", None) == "/elsewhere.sock"
+
+
+class _CountingServer:
+    """A stdlib NDJSON server on a unix socket that counts connections and answers each
+    request line with ``id * 10`` (or a wrong id when told to), in order."""
+
+    def __init__(self, path: str, *, wrong_id: bool = False) -> None:
+        import json
+        import socket
+        import threading
+
+        self.accepts = 0
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen()
+        self.listener.settimeout(10)
+
+        def serve() -> None:
+            try:
+                while True:
+                    conn, _ = self.listener.accept()
+                    self.accepts += 1
+                    with conn:
+                        buf = b""
+                        while chunk := conn.recv(65536):
+                            buf += chunk
+                            *lines, buf = buf.split(b"\n")
+                            for line in lines:
+                                rid = json.loads(line)["id"]
+                                reply = {"id": rid + 1 if wrong_id else rid, "result": rid * 10}
+                                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError:
+                return
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_ask_many_pipelines_every_request_on_one_connection() -> None:
+    from gpuwatch.cli.fast import ask, ask_many
+
+    with short_socket_dir() as folder:
+        server = _CountingServer(os.path.join(folder, "s.sock"))
+        try:
+            calls = [("probe", {"action": "vfio-group-accessible", "group": g}) for g in range(50)]
+            assert ask_many(os.path.join(folder, "s.sock"), calls) == [i * 10 for i in range(1, 51)]
+            assert server.accepts == 1
+            assert ask(os.path.join(folder, "s.sock"), "probe", {"action": "detect-gpu"}) == 10
+            assert server.accepts == 2
+        finally:
+            server.close()
+
+
+def test_ask_many_refuses_replies_out_of_order() -> None:
+    from gpuwatch.cli.fast import ask_many
+
+    with short_socket_dir() as folder:
+        server = _CountingServer(os.path.join(folder, "s.sock"), wrong_id=True)
+        try:
+            with pytest.raises(ValueError, match="not a result"):
+                ask_many(os.path.join(folder, "s.sock"), [("probe", {}), ("probe", {})])
+        finally:
+            server.close()

@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK
-from gpuwatch.cli.fast import _split, ask, compact, daemon_socket, reader_may_leave
+from gpuwatch.cli.fast import _split, ask, ask_many, compact, daemon_socket, reader_may_leave
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.modes import group_mode, vfio_variant
@@ -111,6 +111,7 @@ class Remote:
         self.vfio: dict[str, Any] = vfio
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
         self._boot_vga: set[str] | None = None
+        self._accessible: dict[int, bool] | None = None
 
     def members(self, gpu: dict[str, Any]) -> list[Fn]:
         return [Fn(m) for m in gpu["group_members"]]
@@ -121,8 +122,18 @@ class Remote:
         return vendor
 
     def accessible(self, group: int) -> bool:
-        return group >= 0 and bool(ask(self.path, "probe",
-                                       {"action": "vfio-group-accessible", "group": group}))
+        if group < 0:
+            return False
+        if self._accessible is None:  # every GPU's group in one pipelined exchange
+            groups = sorted({g["iommu_group"] for g in self.gpus if g["iommu_group"] >= 0}
+                            | {group})
+            answers = ask_many(self.path, [
+                ("probe", {"action": "vfio-group-accessible", "group": g}) for g in groups])
+            self._accessible = {g: bool(a) for g, a in zip(groups, answers, strict=True)}
+        if group not in self._accessible:
+            self._accessible[group] = bool(ask(
+                self.path, "probe", {"action": "vfio-group-accessible", "group": group}))
+        return self._accessible[group]
 
     def nvidia_usable(self) -> bool:
         return bool(ask(self.path, "probe", {"action": "detect-gpu"}))
