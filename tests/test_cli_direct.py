@@ -135,12 +135,7 @@ def run_full(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
     """The full command (argparse, the model, pydantic), the fast paths switched off."""
     with monkeypatch.context() as m:
         m.setattr(direct, "run_direct", lambda argv: None)
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+        return run_main(capsys, argv)
 
 
 def run_here(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int | None, str, str]:

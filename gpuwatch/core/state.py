@@ -339,13 +339,7 @@ class HostState:
         vfio_stale = is_gpu = is_gpu_class(new.class_)
         gpu_info = self._gpu_info
         if is_gpu:
-            on_nvidia = new.driver == "nvidia"
-            if on_nvidia != (addr in self._nvidia_gpus):
-                if on_nvidia:
-                    self._nvidia_gpus.add(addr)
-                else:
-                    self._nvidia_gpus.discard(addr)
-                self._stale.update(("detect-gpu", "detect-host-devices"))
+            self._track_nvidia(addr, new.driver == "nvidia")
             gpu_info.pop(addr, None)
             self._gpu_dirty.add(addr)
         self._invalidate_around(addr, (new.iommu_group,) if new.iommu_group >= 0 else (),
@@ -471,17 +465,20 @@ class HostState:
             self._gpu_addrs.insert(index, addr)
             self._gpu_infos.insert(index, None)
         vfio_stale = was_gpu or is_gpu
-        on_nvidia = is_gpu and new is not None and new.driver == "nvidia"
+        self._track_nvidia(addr, is_gpu and new is not None and new.driver == "nvidia")
+        self._gpu_info.pop(addr, None)
+        if is_gpu:
+            self._gpu_dirty.add(addr)
+        self._invalidate_around(addr, touched_groups, vfio_stale)
+
+    def _track_nvidia(self, addr: str, on_nvidia: bool) -> None:
+        """Keep the set of GPUs bound to nvidia; detect-gpu (and what embeds it) depends on it."""
         if on_nvidia != (addr in self._nvidia_gpus):
             if on_nvidia:
                 self._nvidia_gpus.add(addr)
             else:
                 self._nvidia_gpus.discard(addr)
             self._stale.update(("detect-gpu", "detect-host-devices"))
-        self._gpu_info.pop(addr, None)
-        if is_gpu:
-            self._gpu_dirty.add(addr)
-        self._invalidate_around(addr, touched_groups, vfio_stale)
 
     def _invalidate_around(self, addr: str, touched_groups: Iterable[int],
                            vfio_stale: bool) -> None:
