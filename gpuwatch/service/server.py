@@ -1164,7 +1164,7 @@ class SocketServer:
         log's lines after since_seq, then what was held live, each seq once."""
         handover = Handover(since_seq)
         try:
-            # One chunk (one read of at most 16 KiB, sent as stored) per trip round the loop:
+            # One chunk (one read of at most 8 KiB, sent as stored) per trip round the loop:
             # a replay of a huge log never holds up other clients' requests.
             for chunk in history:
                 if conn.closed:
