@@ -4,7 +4,8 @@ ratios taken side by side mean anything).
 
 Baselines: an empty method call; a raw ``NETLINK_KOBJECT_UEVENT`` socket that only receives
 and splits; a bare interpreter start; a minimal asyncio NDJSON server; a minimal stdlib storm
-reader (``storm_reader.py``: parse each uevent, read the driver link, log one line).
+reader (``storm_reader.py``: parse each uevent, read the driver link, log one line; by
+default a write per chunk, with ``--per-line`` a write per line).
 """
 
 from __future__ import annotations
@@ -517,19 +518,23 @@ def measure_burst(host: SysRoot) -> dict[str, int]:
 
 
 def measure_storm_vs_reader(host: SysRoot, events: int, runs: int) -> dict[str, float]:
-    """The storm through gpuwatch (file: FIFO source, log on) ÷ the same storm through the
-    minimal stdlib reader, interleaved run by run."""
+    """The storm through gpuwatch (file: FIFO source, log on) ÷ the same storm through each
+    stdlib reader (one write per chunk; one line-buffered write per line), interleaved."""
     from benchmarks.harness import run_storm
 
-    ours, theirs = [], []
+    ours, batched, per_line = [], [], []
     lost = 0
+    reader = [sys.executable, str(STORM_READER)]
     for _ in range(runs):
         r = run_storm(host, events)
         ours.append(r.rate)
         lost += r.events - r.produced
-        theirs.append(run_storm(host, events, reader=[sys.executable, str(STORM_READER)]).rate)
-    return {"ours_per_s": round(median(ours)), "reader_per_s": round(median(theirs)),
-            "ratio": round(median(ours) / median(theirs), 2), "lost": lost}
+        batched.append(run_storm(host, events, reader=reader).rate)
+        per_line.append(run_storm(host, events, reader=[*reader, "--per-line"]).rate)
+    return {"ours_per_s": round(median(ours)), "reader_per_s": round(median(batched)),
+            "ratio": round(median(ours) / median(batched), 2),
+            "per_line_reader_per_s": round(median(per_line)),
+            "per_line_ratio": round(median(ours) / median(per_line), 2), "lost": lost}
 
 
 def run_ratios(s: Settings, small: SysRoot, big: SysRoot, storm_host: SysRoot,
@@ -573,9 +578,12 @@ def format_ratio_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
                  "n/a" if k is None else
                  f"{k['ratio']:.2f}x ({k['ours_us']} / {k['floor_us']} µs per event)", "≤ 2x"))
     st = r["storm_vs_reader"]
-    rows.append(("storm, N=1024, log on ÷ minimal stdlib reader",
+    rows.append(("storm, N=1024, log on ÷ minimal stdlib reader (a write per chunk)",
                  f"{st['ratio']:.2f}x ({st['ours_per_s']:,} / {st['reader_per_s']:,}/s, "
                  f"{st['lost']} lost)", "≥ 0.7x, 0 lost"))
+    rows.append(("  the same ÷ a stdlib reader writing each line as it goes",
+                 f"{st['per_line_ratio']:.2f}x ({st['ours_per_s']:,} / "
+                 f"{st['per_line_reader_per_s']:,}/s)", "≥ 0.7x"))
     c = r["cli_and_socket"]
     rows.append(("`gpuwatch probe` cold, daemon up ÷ python -c 'import json, socket'",
                  f"{c['cli_daemon_ratio']:.2f}x ({c['cli_daemon_s'] * 1e3:,.0f} / "

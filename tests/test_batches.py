@@ -10,16 +10,17 @@ import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import gpuwatch.hostfs.scan as scan_mod
 import gpuwatch.watch.watcher as watcher_mod
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.scan import observe
+from gpuwatch.hostfs.scan import observe_batch
 from gpuwatch.service import protocol as P
 from gpuwatch.service.server import Connection
 from gpuwatch.service.testing import served_watcher, short_socket_dir
@@ -40,16 +41,28 @@ async def test_a_device_named_a_hundred_times_is_read_once_and_converges(
     host: SysRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: Counter[str] = Counter()
+    touched: Counter[str] = Counter()  # syscalls on each function's directory
 
-    def counting(paths: Any, tables: Any, event: UEvent) -> Any:
-        reads[event.devpath] += 1
-        return observe(paths, tables, event)
+    def counting(paths: Any, tables: Any, batch: Sequence[UEvent], devpaths: Any) -> Any:
+        for event in batch:
+            reads[event.devpath] += 1
+        return observe_batch(paths, tables, batch, devpaths)
 
-    monkeypatch.setattr(watcher_mod, "observe", counting)
+    def counted(real: Any) -> Any:
+        def call(path: str, *args: Any, **kwargs: Any) -> Any:
+            touched[str(path)] += 1
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(watcher_mod, "observe_batch", counting)
+    monkeypatch.setattr(scan_mod, "link_name", counted(scan_mod.link_name))
+    monkeypatch.setattr(os, "access", counted(os.access))
+    monkeypatch.setattr(os, "stat", counted(os.stat))
     source = MemorySource()
     async with open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w:
         async with w.subscribe(types={"driver-changed"}) as sub:
             host.unbind(NIC)
+            touched.clear()  # the initial scan read everything
             for i in range(100):  # a flapping link: unbind/bind words, the tree ends unbound
                 source.push(host.uevent_props("unbind" if i % 2 else "bind", NIC))
             source.push(host.uevent_props("change", IGPU))
@@ -62,6 +75,9 @@ async def test_a_device_named_a_hundred_times_is_read_once_and_converges(
         assert w.probe("display-driver", addr=NIC) == ""
     nic_devpath = host.uevent_props("change", NIC)["DEVPATH"]
     assert reads[nic_devpath] == 1
+    # The plain NIC's unbind (the last word) costs at most its driver link: no identity stat.
+    nic_dir = str(host.device_dir(NIC))
+    assert sum(n for path, n in touched.items() if path.startswith(nic_dir)) <= 2
     assert reads[host.uevent_props("change", IGPU)["DEVPATH"]] == 1
 
 

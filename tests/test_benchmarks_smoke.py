@@ -105,6 +105,8 @@ def test_run_writes_every_figure_under_the_issues_keys(
     for key in ("gpu_toggle_log_on", "fanout", "storm_vs_reader"):
         assert is_number(ratios[key]["ratio"]), ratios[key]
     assert ratios["storm_vs_reader"]["lost"] == 0
+    assert is_number(ratios["storm_vs_reader"]["per_line_ratio"])
+    assert ratios["storm_vs_reader"]["per_line_reader_per_s"] > 0  # its lines were all counted
     assert ratios["burst"] == {"events": 48, "lag_notices": 0}
     cli = ratios["cli_and_socket"]
     assert all(is_number(cli[k]) for k in ("cli_daemon_ratio", "cli_direct_ratio",

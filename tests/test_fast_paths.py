@@ -146,6 +146,41 @@ def test_other_events_go_to_pydantic() -> None:
     assert [event_json(e) for e in events] == [e.model_dump_json() for e in events]
 
 
+def _gpu(addr: str, driver: str, label: str) -> GpuInfo:
+    fn = PciFunction(addr=addr, vendor_id="0x10de", device_id="0x2204", class_="0x0300",
+                     class_label=label, driver=driver, iommu_group=3)
+    return GpuInfo(**fn.model_dump(), group_members=(fn,))
+
+
+gpu_st = st.builds(_gpu, st.sampled_from(["0000:01:00.0", "0000:02:00.0"]),
+                   st.sampled_from(["", "nvidia", "vfio-pci"]),
+                   st.sampled_from(["VGA", 'a"b\\c', "ünï", "\x7f"]))
+side_st = st.one_of(
+    st.just({}),
+    st.builds(lambda gpus: {"gpus": gpus}, st.lists(gpu_st, max_size=3)),
+    st.builds(lambda gpus: {"gpus": gpus, "iommu_enabled": True}, st.lists(gpu_st, max_size=2)),
+    st.builds(lambda gpus: {"gpus": tuple(gpus)}, st.lists(gpu_st, max_size=2)),
+    st.just({"gpus": ["not a gpu"]}),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["detect-vfio", "detect-gpu"]), side_st, side_st, st.integers(1, 2**40),
+       st.sampled_from(["2026-12-03T07:00:00.123456Z", 'odd"time']), st.booleans())
+def test_a_probe_changed_line_equals_pydantics_bytes(
+    action: str, old: dict[str, Any], new: dict[str, Any], seq: int, time: str, again: bool
+) -> None:
+    """The detect-vfio line assembled from each GPU entry's JSON made once is pydantic's
+    line, the first time and from the cache (the entries of one are the next one's old)."""
+    event = ProbeChanged(action=action, old=old, new=new)
+    stamp([event], seq, time)
+    assert event_json(event) == event.model_dump_json()
+    if again:
+        repeat = ProbeChanged(action=action, old=new, new=old)
+        stamp([repeat], seq + 1, time)
+        assert event_json(repeat) == repeat.model_dump_json()
+
+
 # --------------------------------------------------------------------------- the function update
 
 
@@ -471,3 +506,166 @@ def test_a_scan_remembers_identities_so_the_first_bind_reads_only_its_links(
                       iommu_group=3)
     seen = read_function_known(paths, F, devpath, "bind")
     assert isinstance(seen, PciSeen) and (seen.vendor_id, seen.driver) == ("0x15b3", "mlx5_core")
+
+
+# --------------------------------------------------------------------------- the plain lane
+
+
+def _through_lane(paths: HostPaths, state: HostState, events: list[UEvent]) -> list[Any]:
+    observations = scan_mod.observe_batch(paths, TABLES, events, state.devpaths)
+    return [e for e in state.apply(observations) if not isinstance(e, ProbeChanged)]
+
+
+def _fresh_state(root: Path) -> tuple[HostPaths, HostState]:
+    paths = HostPaths(root)
+    return paths, HostState(TABLES, scan_mod.scan(paths, TABLES))
+
+
+@pytest.mark.parametrize("where", ["tmp", "tmpfs"])
+@pytest.mark.parametrize("kind", ["plain", "vfio", "noiommu", "late-iommu", "noiommu-bound",
+                                  "iommu-vfio"])
+def test_a_bind_or_unbind_through_the_lane_leaves_the_model_a_fresh_scan_builds(
+    tmp_path: Path, tmpfs_root: Path, kind: str, where: str
+) -> None:
+    """Each step through `observe_batch` (the lane where the function is plain, the full way
+    where not) leaves the model equal to one built from a fresh scan, on a filesystem that
+    reuses inode numbers (no identity shortcut there) and on tmpfs."""
+    parent = tmp_path if where == "tmp" else tmpfs_root
+    host = SysRoot(parent / "host")
+    group = {"noiommu": None, "late-iommu": None, "noiommu-bound": 17}.get(kind, 3)
+    driver = {"noiommu": None, "noiommu-bound": "vfio-pci", "iommu-vfio": "vfio-pci"}.get(
+        kind, "igb")
+    host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000",
+                      driver=driver, iommu_group=group)
+    paths, state = _fresh_state(host.root)
+    for action, step in _steps(kind):
+        step(host)
+        before = state.functions[F]
+        got = _through_lane(paths, state, [UEvent.from_properties(host.uevent_props(action, F))])
+        state.apply(scan_mod.scan_nodes(paths, TABLES))  # what the vfio-dev uevents bring
+        _, fresh = _fresh_state(host.root)
+        assert state.functions == fresh.functions, (kind, action)
+        assert state.groups == fresh.groups, (kind, action)
+        if before.driver != state.functions[F].driver:
+            assert got[0] == DriverChanged(addr=F, old=before.driver,
+                                           new=state.functions[F].driver)
+
+
+def test_a_plain_bind_reads_only_the_driver_link(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    host = SysRoot(tmp_path / "host")
+    host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000", driver="igb",
+                      iommu_group=3)
+    paths, state = _fresh_state(host.root)
+    assert str(host.device_dir(F)) in paths.plain
+    calls: list[str] = []
+    for name in ("stat", "lstat", "access", "readlink", "listdir", "open", "scandir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda p, *a, _r=real, _n=name, **k:
+                            calls.append(f"{_n} {p}") or _r(p, *a, **k))
+    host.unbind(F)
+    unbind = UEvent.from_properties(host.uevent_props("unbind", F))
+    calls.clear()
+    assert [e.type for e in _through_lane(paths, state, [unbind])] == ["driver-changed"]
+    assert calls == [f"access {host.device_dir(F)}/driver"]
+    host.bind(F, "ixgbe")
+    bind = UEvent.from_properties(host.uevent_props("bind", F))
+    calls.clear()
+    assert [(e.old, e.new) for e in _through_lane(paths, state, [bind])] == [("", "ixgbe")]
+    assert calls == [f"readlink {host.device_dir(F)}/driver"]
+
+
+@pytest.mark.parametrize("props", [
+    {"PCI_ID": "15B3:1017"},  # another card's ids: a swap the uevent names
+    {"PCI_CLASS": "10802"},  # another class
+    {"PCI_ID": None},  # no ids at all (a hand-written line): nothing to vouch with
+])
+def test_a_uevent_that_does_not_vouch_for_the_card_is_read_in_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, props: dict[str, str | None]
+) -> None:
+    host = SysRoot(tmp_path / "host")
+    host.add_function(F, vendor="0x8086", device="0x1533", klass="0x020000", driver="igb",
+                      iommu_group=3)
+    paths, state = _fresh_state(host.root)
+    full: list[str] = []
+    real = scan_mod._read_function_dir
+    monkeypatch.setattr(scan_mod, "_read_function_dir",
+                        lambda d, a, p: full.append(a) or real(d, a, p))
+    host.unbind(F)
+    raw = host.uevent_props("unbind", F)
+    for key, value in props.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    _through_lane(paths, state, [UEvent.from_properties(raw)])
+    assert full == [F]
+    assert state.functions[F].driver == ""
+
+
+def test_a_run_of_plain_functions_is_one_observation_in_order(tmp_path: Path) -> None:
+    host = SysRoot(tmp_path / "host")
+    addrs = [f"0000:0{i}:00.0" for i in range(5, 9)]
+    for n, addr in enumerate(addrs):
+        host.add_function(addr, vendor="0x8086", device="0x1533", klass="0x020000",
+                          driver="igb", iommu_group=n + 3)
+    pf = "0000:09:00.0"
+    host.add_function(pf, vendor="0x15b3", device="0x1017", klass="0x020000",
+                      driver="mlx5_core", iommu_group=20)
+    host.enable_sriov(pf, 4)
+    paths, state = _fresh_state(host.root)
+    assert str(host.device_dir(pf)) not in paths.plain  # SR-IOV: not plain
+    order = [addrs[2], addrs[0], pf, addrs[3]]
+    for addr in order:
+        host.unbind(addr)
+    events = [UEvent.from_properties(host.uevent_props("unbind", a)) for a in order]
+    observations = scan_mod.observe_batch(paths, TABLES, events, state.devpaths)
+    assert [type(o).__name__ for o in observations] == ["DriversSeen", "PciSeen", "DriversSeen"]
+    got = [e.addr for e in state.apply(observations) if e.type == "driver-changed"]
+    assert got == order
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.sampled_from(["0x0300", "0x0200"]),
+       st.sampled_from(["ok", "failed", "recovering"]), st.booleans(),
+       st.sampled_from(["", "igb", "snd_hda_intel", "nvidia-not"]))
+def test_a_drivers_seen_entry_gives_what_its_full_observation_gives(
+    data: st.DataObject, klass: str, health: str, cdev_node: bool, driver: str
+) -> None:
+    """`DriversSeen` stands for the full read of a function bound to a driver that brings no
+    VFIO device or vGPU: the same records, events and answers, whatever state it left."""
+    from gpuwatch.core.observations import DriversSeen
+
+    before = data.draw(seen_st(klass))
+    lane, full = _state(before, health, cdev_node), _state(before, health, cdev_node)
+    seen = before._replace(driver=driver, vfio_dev="", vfio_cdev="", vgpu=None)
+    got = lane.apply(DriversSeen(((ADDR, driver),)))
+    expected = full.apply(seen)
+    assert lane.functions == full.functions
+    assert lane.functions[ADDR].model_dump_json() == full.functions[ADDR].model_dump_json()
+    assert [e.model_dump() for e in got] == [e.model_dump() for e in expected]
+    for action in ("detect-vfio", "detect-host-devices", "detect-gpu"):
+        assert lane.answer(action) == full.answer(action)
+
+
+uevent_st = st.builds(
+    lambda action, sub, name, extra: UEvent.from_properties({
+        "ACTION": action, "SUBSYSTEM": sub,
+        "DEVPATH": f"/devices/pci0000:00/0000:00:01.0/{name}", **extra}),
+    st.sampled_from(["bind", "unbind", "add", "remove", "change", "move"]),
+    st.sampled_from(["pci", "drm", "vfio-dev", ""]),
+    st.sampled_from(["0000:01:00.0", "0000:01:00.0/drm/card1", "card0", "garbage", ""]),
+    st.dictionaries(st.sampled_from(["ERROR_EVENT", "DEVICE_ONLINE", "WEDGED", "PID", "TASK",
+                                     "PCI_SLOT_NAME"]),
+                    st.sampled_from(["", "1", "0", "BEGIN_RECOVERY", "rebind,bus-reset",
+                                     "0000:02:00.0", "x" * 70]), max_size=4),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(uevent_st, max_size=12))
+def test_batch_facts_are_every_uevents_facts_in_order(batch: list[UEvent]) -> None:
+    from gpuwatch.core.uevent_facts import batch_facts, uevent_facts
+
+    expected = [fact for event in batch for fact in uevent_facts(event)]
+    assert batch_facts(batch) == expected

@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
-from gpuwatch.core.results import Health, Holding, PciFunction, Vgpu
+from gpuwatch.core.results import GpuInfo, Health, Holding, PciFunction, Vgpu
 from gpuwatch.core.trusted import build
 from gpuwatch.errors import InternalError
 
@@ -330,6 +330,11 @@ def _quoted(text: str) -> str | None:
     return quoted
 
 
+#: A driver-changed line after its stamp, per (addr, old, new): a storm toggles the same
+#: few hundred functions between the same two drivers.
+_DRIVER_TAILS: dict[tuple[str, str, str], str] = {}
+
+
 def event_json(event: BaseModel) -> str:
     """The event's JSON line (no newline): ``event.model_dump_json()``, byte for byte.
 
@@ -347,11 +352,63 @@ def event_json(event: BaseModel) -> str:
             quoted = f'"{time}"' if _PLAIN_RE.fullmatch(time) is not None else ""
             _LAST_TIME = (time, quoted)
             time = quoted
-        addr, old, new = _quoted(fields["addr"]), _quoted(fields["old"]), _quoted(fields["new"])
-        if type(seq) is int and time and addr and old and new:
-            return (f'{{"seq":{seq},"time":{time},"type":"driver-changed","addr":{addr},'
-                    f'"old":{old},"new":{new}}}')
+        key = (fields["addr"], fields["old"], fields["new"])
+        tail = _DRIVER_TAILS.get(key)
+        if tail is None:
+            addr, old, new = _quoted(key[0]), _quoted(key[1]), _quoted(key[2])
+            if addr and old and new:
+                if len(_DRIVER_TAILS) >= _QUOTED_MAX:
+                    _DRIVER_TAILS.clear()
+                tail = _DRIVER_TAILS[key] = (f',"type":"driver-changed","addr":{addr},'
+                                             f'"old":{old},"new":{new}}}')
+        if tail is not None and type(seq) is int and time:
+            return f'{{"seq":{seq},"time":{time}{tail}'
+    elif type(event) is ProbeChanged:
+        line = _gpus_changed_json(event.__dict__)
+        if line is not None:
+            return line
     return event.model_dump_json()
+
+
+#: id(GpuInfo) → (the record, its JSON): a record is immutable, and a GPU entry published as a
+#: probe-changed's ``new`` is the next one's ``old``. The record is held so its id stays its.
+_GPU_JSON: dict[int, tuple[BaseModel, str]] = {}
+_GPU_JSON_MAX = 4096
+
+
+def _gpu_json(gpu: BaseModel) -> str:
+    cached = _GPU_JSON.get(id(gpu))
+    if cached is not None and cached[0] is gpu:
+        return cached[1]
+    if len(_GPU_JSON) >= _GPU_JSON_MAX:
+        _GPU_JSON.clear()
+    text = gpu.model_dump_json()
+    _GPU_JSON[id(gpu)] = (gpu, text)
+    return text
+
+
+def _gpus_changed_json(fields: dict[str, Any]) -> str | None:
+    """A ``detect-vfio`` probe-changed whose sides hold only GPU entries, with each entry's JSON
+    made once (pydantic's bytes: the whole line is what ``model_dump_json`` gives, a test
+    holds it to that); None for anything else."""
+    old, new, time, seq = fields["old"], fields["new"], fields["time"], fields["seq"]
+    if not (fields["action"] == "detect-vfio" and type(old) is dict and type(new) is dict
+            and type(seq) is int and _PLAIN_RE.fullmatch(time) is not None):
+        return None
+    sides = []
+    for side in (old, new):
+        if not side:
+            sides.append("{}")
+            continue
+        gpus = side.get("gpus")
+        if len(side) != 1 or type(gpus) is not list:
+            return None
+        for gpu in gpus:
+            if type(gpu) is not GpuInfo:
+                return None
+        sides.append('{"gpus":[' + ",".join(map(_gpu_json, gpus)) + "]}")
+    return (f'{{"seq":{seq},"time":"{time}","type":"probe-changed","action":"detect-vfio",'
+            f'"old":{sides[0]},"new":{sides[1]}}}')
 
 
 def parse_event(data: str | bytes | dict[str, Any]) -> Event:

@@ -50,6 +50,15 @@ class PciSeen(NamedTuple):
     boot_vga: bool = False
 
 
+class DriversSeen(NamedTuple):
+    """Functions a bind or unbind left as they were but for the driver link, each with the
+    driver it names now, in the order read: no VFIO device and no vGPU was found with it. The
+    edge vouches for the rest: the same card (its uevent's ids), its IOMMU's fixed group, no
+    SR-IOV. One record for a run of them: a storm is mostly these."""
+
+    entries: tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class PciErrorSeen:
     """A PCI error-recovery ``change`` uevent (``ERROR_EVENT=…``, ``DEVICE_ONLINE=0|1``)."""
@@ -163,6 +172,7 @@ class IommuSeen:
 
 Observation = (
     PciSeen
+    | DriversSeen
     | PciGone
     | PciErrorSeen
     | DrmWedgeSeen
@@ -181,6 +191,7 @@ Observation = (
 #: The record types of `Observation`, for runtime checks.
 OBSERVATION_TYPES = (
     PciSeen,
+    DriversSeen,
     PciGone,
     PciErrorSeen,
     DrmWedgeSeen,

@@ -37,6 +37,7 @@ from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.observations import (
     OBSERVATION_TYPES,
     CdiSeen,
+    DriversSeen,
     DrmGone,
     DrmSeen,
     DrmWedgeSeen,
@@ -84,6 +85,8 @@ from gpuwatch.core.tables import Tables
 from gpuwatch.core.trusted import build, evolve
 
 _GPU_FIELDS = frozenset(GpuInfo.model_fields)
+_new = object.__new__
+_set = object.__setattr__
 _VFIO_FIELDS = frozenset(DetectVfioResult.model_fields)
 _HOST_DEVICES_FIELDS = frozenset(HostDevicesResult.model_fields)
 #: The fields a ``device-changed`` names, in the order it names them.
@@ -190,8 +193,10 @@ class HostState:
         return self.apply(obs)
 
     def _apply_one(self, obs: Observation, events: list[BaseModel]) -> None:
-        kind = type(obs)  # the two of every bind first, by identity
-        if kind is PciSeen:
+        kind = type(obs)  # the three of every bind first, by identity
+        if kind is DriversSeen:
+            self._drivers_seen(cast(DriversSeen, obs).entries, events)
+        elif kind is PciSeen:
             self._pci_seen(cast(PciSeen, obs), events)
         elif kind is PciRebound:
             self._set_health(cast(PciRebound, obs).addr, "ok", events, announce=True)
@@ -280,6 +285,70 @@ class HostState:
         self._set_cdev(seen.addr, seen.vfio_cdev)
         self._store_function(None, new)
         events.append(DeviceAdded(addr=new.addr, device=new))
+
+    def _drivers_seen(self, entries: Iterable[tuple[str, str]],
+                      events: list[BaseModel]) -> None:
+        """A run of plain binds and unbinds (see `DriversSeen`): each function is its old record
+        with the driver replaced, and one ``driver-changed``. Anything more to it (a VFIO
+        device or cdev to let go of, a bad health a bind clears, a vGPU, a wedge) goes through
+        `_pci_seen` as the full observation it stands for, so the outcome is the same.
+
+        `_store_same_group` and `evolve` inlined: a storm is this loop."""
+        functions, cdev_of, wedged = self.functions, self._cdev_of, self.wedge_recovery
+        groups, gpu_info, gpu_dirty = self.groups, self._gpu_info, self._gpu_dirty
+        append = events.append
+        vfio_stale = False
+        for addr, driver in entries:
+            old = functions.get(addr)
+            if old is None:
+                continue  # the edge reads only functions the model holds: nothing to change
+            fields = old.__dict__
+            if (fields["vfio_dev"] or fields["vfio_cdev"] or fields["vgpu"] is not None
+                    or fields["sriov"] is not None or fields["physfn"] or addr in cdev_of
+                    or addr in wedged or (driver and fields["health"] != "ok")):
+                self._pci_seen(self._seen_with_driver(old, driver), events)
+                continue
+            was = fields["driver"]
+            if was == driver:
+                continue
+            fields = fields.copy()
+            fields["driver"] = driver
+            new = _new(PciFunction)
+            _set(new, "__dict__", fields)
+            fields_set = old.__pydantic_fields_set__
+            _set(new, "__pydantic_fields_set__",
+                 fields_set if "driver" in fields_set else fields_set | {"driver"})
+            _set(new, "__pydantic_extra__", None)
+            _set(new, "__pydantic_private__", None)
+            functions[addr] = new
+            if fields["class_"].startswith("0x03"):  # a GPU (`is_gpu_class`)
+                self._track_nvidia(addr, driver == "nvidia")
+                gpu_info.pop(addr, None)
+                gpu_dirty.add(addr)
+                vfio_stale = True
+            # The GPU entries of its group list it with its driver (`_invalidate_around`).
+            for member in groups.get(fields["iommu_group"], ()):
+                if member in gpu_info:
+                    del gpu_info[member]
+                    gpu_dirty.add(member)
+                    vfio_stale = True
+                elif not vfio_stale and member in functions:
+                    vfio_stale = functions[member].class_.startswith("0x03")
+            if addr in self._drm_by_addr:
+                for name in self._drm_by_addr[addr]:
+                    self._classify_card(name)
+            append(driver_changed(addr, was, driver))
+        if vfio_stale:
+            self._stale.add("detect-vfio")
+
+    def _seen_with_driver(self, old: PciFunction, driver: str) -> PciSeen:
+        """What a full read of ``old``'s directory would give with ``driver`` bound and no
+        VFIO device or vGPU found (see `DriversSeen`)."""
+        sriov = (SriovSeen(old.sriov.totalvfs, tuple(old.sriov.vfs))
+                 if old.sriov is not None else None)
+        return PciSeen(old.addr, self.devpaths.get(old.addr, ""), old.vendor_id, old.device_id,
+                       old.class_, driver, old.iommu_group, "", "", sriov, old.physfn, None,
+                       old.addr in self.boot_vga)
 
     def _pci_update(self, old: PciFunction, seen: PciSeen, cdev: str,
                     events: list[BaseModel]) -> None:

@@ -8,6 +8,7 @@ several times still reports every recovery step and wedge.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from gpuwatch.core.observations import DrmWedgeSeen, Observation, PciErrorSeen, PciRebound
 from gpuwatch.core.pci import is_pci_addr
@@ -46,6 +47,31 @@ def uevent_facts(event: UEvent) -> list[Observation]:
             parent = parts[1] if parts[2] == "drm" and is_pci_addr(parts[1]) else ""
             return [wedge(parts[3], parent, event)]
     return []
+
+
+_tuple_new = tuple.__new__
+
+
+def batch_facts(batch: Iterable[UEvent]) -> list[Observation]:
+    """`uevent_facts` of every uevent of a batch, in order. The common ones cost a test or
+    two: an unbind or a change says nothing here, and a plain bind one `PciRebound`."""
+    out: list[Observation] = []
+    append = out.append
+    for event in batch:
+        action, devpath, subsystem, props = event
+        if subsystem == "pci":
+            if action == "bind" and "ERROR_EVENT" not in props:
+                name = devpath[devpath.rfind("/") + 1:]
+                if is_pci_addr(name):
+                    # PciRebound(name) without the NamedTuple's Python-level __new__.
+                    append(_tuple_new(PciRebound, (name,)))
+                    continue
+            elif action != "add" and "ERROR_EVENT" not in props:
+                continue
+            out.extend(uevent_facts(event))
+        elif subsystem == "drm" and "WEDGED" in props:
+            out.extend(uevent_facts(event))
+    return out
 
 
 def online(text: str) -> bool | None:

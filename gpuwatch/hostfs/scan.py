@@ -12,11 +12,14 @@ import os
 import re
 import shutil
 import stat as stat_mod
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from gpuwatch.core.kfd import parse_gfx_target_version
 from gpuwatch.core.modes import is_vfio_driver, variant_keys
 from gpuwatch.core.observations import (
     CdiSeen,
+    DriversSeen,
     DrmGone,
     DrmSeen,
     IommuSeen,
@@ -120,6 +123,9 @@ class HostPaths:
         #: Function directory → (IOMMU group as last read, whether a bind or unbind may still
         #: change it), for the same shortcut.
         self.links: dict[str, tuple[int, bool]] = {}
+        #: Function directory → what its last full read found, for the functions whose bind
+        #: or unbind changes nothing but the driver (see `observe_batch`).
+        self.plain: dict[str, PlainFunction] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -150,6 +156,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
                     _remember(paths, candidate, st, seen)
+                _remember_plain(paths, candidate, seen)
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
     directory = os.path.join(paths.bus_pci, addr)
@@ -178,6 +185,105 @@ def _remember(paths: HostPaths, directory: str, st: os.stat_result, seen: PciSee
         seen.physfn,
         seen.boot_vga,
     )
+
+
+class PlainFunction(NamedTuple):
+    """A function whose bind or unbind can change only its driver and what that driver brings
+    (a VFIO device, a vGPU): no SR-IOV on either side of it, and an IOMMU group that is the
+    IOMMU's, fixed for the directory's life. Kept from its last full read, with the ids its
+    uevents carry as the kernel spells them (``PCI_ID`` ``%04X:%04X``, ``PCI_CLASS`` ``%04X``
+    less the programming interface)."""
+
+    pci_id: str
+    pci_class: str
+    seen: PciSeen
+
+
+def _remember_plain(paths: HostPaths, directory: str, seen: PciSeen) -> None:
+    """Record (or forget) ``seen`` as a `PlainFunction`. A group present under no driver, or
+    under one that brings no VFIO, is the IOMMU's (no-IOMMU VFIO's group comes and goes with
+    a VFIO driver); one seen only under a VFIO driver qualifies at its first unbind."""
+    ids = plain_ids(seen) if (
+        seen.sriov is None and not seen.physfn and seen.iommu_group >= 0
+        and (not seen.driver or not _vfio_capable(seen.driver, frozenset()))
+    ) else None
+    if ids is None:
+        paths.plain.pop(directory, None)
+    else:
+        paths.plain[directory] = PlainFunction(ids[0], ids[1], seen)
+
+
+def plain_ids(seen: PciSeen) -> tuple[str, str] | None:
+    """(``PCI_ID``, ``PCI_CLASS`` less its last byte) as a PCI uevent spells them, from the
+    ids read; None if they do not parse."""
+    try:
+        vendor, device = int(seen.vendor_id, 16), int(seen.device_id, 16)
+        klass = int(seen.klass, 16)
+    except ValueError:
+        return None
+    return f"{vendor:04X}:{device:04X}", f"{klass << 8:04X}"[:-2]
+
+
+def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
+                  devpaths: Mapping[str, str]) -> list[Observation]:
+    """`observe` for each (already collapsed) uevent, in order, except that a bind or unbind
+    of a `PlainFunction` reads its driver link and nothing else (but what a VFIO-capable
+    driver may bring: a VFIO device, a vGPU), and a run of those that found nothing more
+    becomes one `DriversSeen`. ``devpaths`` is the model's address → DEVPATH.
+
+    The uevent vouches for the card: it must name the model's DEVPATH for the address and
+    carry the ``PCI_ID`` and ``PCI_CLASS`` of the last full read (a new card in the slot sends
+    other ids, or an ``add`` first, which reads it in full); anything else goes to `observe`.
+    """
+    out: list[Observation] = []
+    run: list[tuple[str, str]] = []
+    plain, sysdir = paths.plain, paths.sys
+    variants = _variant_keys(tables.vfio_variant_drivers)
+    access, F_OK = os.access, os.F_OK
+    for event in reads:
+        action, devpath, subsystem, props = event
+        if subsystem == "pci" and (action == "unbind" or action == "bind"):
+            directory = sysdir + devpath
+            known = plain.get(directory)
+            if (
+                known is not None
+                and props.get("PCI_ID") == known.pci_id
+                and props.get("PCI_CLASS", "")[:-2] == known.pci_class
+                and devpaths.get(known.seen.addr) == devpath
+            ):
+                link = directory + "/driver"
+                if action == "unbind" and not access(link, F_OK, follow_symlinks=False):
+                    driver = ""  # what an unbind leaves: no failed readlink (an exception)
+                else:
+                    driver = link_name(link)
+                if not driver or not _vfio_capable(driver, variants):
+                    run.append((known.seen.addr, driver))
+                    continue
+                # A driver that may bring a VFIO device or a vGPU: look for them.
+                vfio_dev, vfio_cdev = (
+                    read_vfio_dev(directory) if access(directory + "/vfio-dev", F_OK)
+                    else _NO_VFIO_DEV
+                )
+                vgpu = read_vgpu(directory) if driver == "nvidia" else None
+                if not vfio_dev and vgpu is None:
+                    run.append((known.seen.addr, driver))  # it brought none (yet)
+                    continue
+                if run:
+                    out.append(DriversSeen(tuple(run)))
+                    run = []
+                seen = known.seen
+                # seen._replace(...) without its Python-level map over every field.
+                out.append(_tuple_new(PciSeen, (
+                    seen.addr, devpath, seen.vendor_id, seen.device_id, seen.klass, driver,
+                    seen.iommu_group, vfio_dev, vfio_cdev, None, "", vgpu, seen.boot_vga)))
+                continue
+        if run:
+            out.append(DriversSeen(tuple(run)))
+            run = []
+        out.extend(observe(paths, tables, event))
+    if run:
+        out.append(DriversSeen(tuple(run)))
+    return out
 
 
 def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str = "bind",
@@ -223,7 +329,7 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 else _NO_VFIO_DEV
             )
             # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
-            return _tuple_new(PciSeen, (
+            seen: PciSeen = _tuple_new(PciSeen, (
                 addr,
                 devpath,
                 known[2],
@@ -239,6 +345,10 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 read_vgpu(candidate) if driver == "nvidia" else None,
                 known[7],
             ))
+            if not driver and candidate not in paths.plain:
+                # Unbound and its group still there: the IOMMU's (see `_remember_plain`).
+                _remember_plain(paths, candidate, seen)
+            return seen
     return read_function(paths, addr, devpath)
 
 
@@ -358,6 +468,7 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
     found: list[PciSeen] = []
     paths.links.clear()
     paths.identity.clear()  # a full scan is the fresh truth: no older read may outlive it
+    paths.plain.clear()
     # Where inode numbers name one directory for good, each directory's identity is taken
     # (one stat, before its reads) so that the first bind/unbind after a scan already reads
     # only its driver link instead of the whole function again.
@@ -376,6 +487,7 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
         if seen.vendor_id or seen.device_id or seen.klass:
             if st is not None and stat_mod.S_ISDIR(st.st_mode):
                 _remember(paths, directory, st, seen)
+            _remember_plain(paths, directory, seen)
             found.append(seen)
             continue
         listed = read_bus_entry(paths, name, devpath)

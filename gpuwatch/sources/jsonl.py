@@ -175,8 +175,21 @@ class JsonlFileSource:
         """Yield the events of each chunk read, until EOF (or ``close``)."""
         self.start()
         splitter = _LineSplitter(self.path)
+        # Once a writer has sent data, a read is tried before waiting: in a storm the next
+        # chunk is usually there already, and a wait costs a poller round of its own. (Not
+        # before: a FIFO that no writer has opened yet reads as EOF.)
+        flowing = False
         while self._fd >= 0:
-            if self._pollable:
+            if self._pollable and flowing:
+                await anyio.lowlevel.checkpoint()  # let other tasks run between chunks
+                if self._fd < 0:
+                    return
+                try:
+                    chunk = os.read(self._fd, self._chunk_size)
+                except BlockingIOError:
+                    flowing = False
+                    continue
+            elif self._pollable:
                 try:
                     await anyio.wait_readable(self._fd)
                 except anyio.ClosedResourceError:
@@ -193,6 +206,7 @@ class JsonlFileSource:
                     chunk = os.read(self._fd, self._chunk_size)
                 except BlockingIOError:
                     continue
+                flowing = bool(chunk)
             else:
                 await anyio.lowlevel.checkpoint()  # let other tasks run between chunks
                 if self._fd < 0:

@@ -35,9 +35,9 @@ from gpuwatch.core.observations import Observation
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.core.uevent_facts import uevent_facts
+from gpuwatch.core.uevent_facts import batch_facts
 from gpuwatch.errors import UsageError
-from gpuwatch.hostfs.scan import HostPaths, observe, read_cdi, read_vgpus, scan
+from gpuwatch.hostfs.scan import HostPaths, observe_batch, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
@@ -361,8 +361,7 @@ class Watcher:
                             # What only the uevents say (error recovery, wedges, fresh binds):
                             # every one, in the kernel's order, after the reads that brought
                             # their functions into the model.
-                            for event in batch:
-                                observations.extend(uevent_facts(event))
+                            observations.extend(batch_facts(batch))
                         self.apply(observations)
         finally:
             self.source_ended.set()
@@ -394,11 +393,7 @@ class Watcher:
 
     def _observe(self, reads: Sequence[UEvent]) -> list[Observation]:
         """Read the tree for each (already collapsed) uevent."""
-        observations: list[Observation] = []
-        paths, tables = self.paths, self.tables
-        for event in reads:
-            observations.extend(observe(paths, tables, event))
-        return observations
+        return observe_batch(self.paths, self.tables, reads, self.model.state.devpaths)
 
     async def _poll_cdi(self) -> None:
         # CDI specs are plain files: no uevent announces them, so look twice a second.
