@@ -165,7 +165,12 @@ class HostState:
             (observations,) if isinstance(observations, OBSERVATION_TYPES) else observations
         )
         events: list[BaseModel] = []
+        functions = self.functions
         for obs in batch:
+            if type(obs) is PciRebound:  # one per bind: nothing to do unless health is bad
+                fn = functions.get(cast(PciRebound, obs).addr)
+                if fn is None or fn.health == "ok":
+                    continue
             self._apply_one(obs, events)
         events.extend(self._refresh_answers())
         return events
@@ -541,13 +546,17 @@ class HostState:
         self._invalidate_around(addr, touched_groups, vfio_stale)
 
     def _track_nvidia(self, addr: str, on_nvidia: bool) -> None:
-        """Keep the set of GPUs bound to nvidia; detect-gpu (and what embeds it) depends on it."""
-        if on_nvidia != (addr in self._nvidia_gpus):
+        """Keep the set of GPUs bound to nvidia. detect-gpu (and detect-host-devices, which
+        embeds it) asks only whether it is empty: stale only when that flips."""
+        gpus = self._nvidia_gpus
+        if on_nvidia != (addr in gpus):
+            was_empty = not gpus
             if on_nvidia:
-                self._nvidia_gpus.add(addr)
+                gpus.add(addr)
             else:
-                self._nvidia_gpus.discard(addr)
-            self._stale.update(("detect-gpu", "detect-host-devices"))
+                gpus.discard(addr)
+            if was_empty != (not gpus):
+                self._stale.update(("detect-gpu", "detect-host-devices"))
 
     def _invalidate_around(self, addr: str, touched_groups: Iterable[int],
                            vfio_stale: bool) -> None:
