@@ -168,7 +168,7 @@ class HostState:
         functions = self.functions
         for obs in batch:
             if type(obs) is PciRebound:  # one per bind: nothing to do unless health is bad
-                fn = functions.get(cast(PciRebound, obs).addr)
+                fn = functions.get(obs.addr)
                 if fn is None or fn.health == "ok":
                     continue
             self._apply_one(obs, events)
