@@ -91,6 +91,36 @@ async def test_real_kernel_uevent_drives_the_model(tmp_path: Path) -> None:
         assert w.probe("display-driver", addr=addr) == ""
 
 
+async def test_a_real_bind_and_unbind_take_the_plain_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's own spelling of ``PCI_ID`` and ``PCI_CLASS`` in a real uevent vouches for
+    the card: a bind or unbind of a plain function (an IOMMU group, no SR-IOV) is read through
+    its driver link alone, with no full read of the function."""
+    from gpuwatch.hostfs import scan as scan_mod
+
+    addr, devpath = real_device()
+    dev_dir = mirror(tmp_path, addr, devpath, "virtio-pci")
+    group = tmp_path / "sys/kernel/iommu_groups/7"
+    (group / "devices").mkdir(parents=True)
+    os.symlink(os.path.relpath(group, dev_dir), dev_dir / "iommu_group")
+    full: list[str] = []
+    real = scan_mod._read_function_dir
+    monkeypatch.setattr(scan_mod, "_read_function_dir",
+                        lambda d, a, p: full.append(a) or real(d, a, p))
+    async with open_watcher(tmp_path, "kernel", reconcile_interval=0, cdi_poll_interval=0) as w:
+        assert full == [addr]  # the initial scan
+        async with w.subscribe(addrs=[addr], types=["driver-changed"]) as sub:
+            for word, driver, was in (("unbind", "", "virtio-pci"),
+                                      ("bind", "virtio-pci", "")):
+                set_driver(tmp_path, devpath, driver)
+                kick(addr, word)
+                with anyio.fail_after(10):
+                    event = await sub.receive()
+                assert (event.old, event.new) == (was, driver)
+    assert full == [addr]  # nothing read in full since
+
+
 async def test_real_overflow_is_survived_and_resynced(tmp_path: Path) -> None:
     addr, devpath = real_device()
     mirror(tmp_path, addr, devpath, "virtio-pci")
