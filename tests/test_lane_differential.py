@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuwatch.core.events import event_json, stamp
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.pci import is_gpu_class
 from gpuwatch.core.probes import WATCHED_PROBES, is_amd_card, nvidia_usable
@@ -345,6 +346,7 @@ def run_history(root: Path, steps: list[tuple[tuple[Any, ...], str]], where: str
     lane = HostState(TABLES, scan_mod.scan(lane_paths, TABLES))
     general = HostState(TABLES, scan_mod.scan(general_paths, TABLES))
     held: Uevents = []
+    seq = 1
     for (name, *args), fate in steps:
         uevents = STEPS[name](*args)(host)
         if fate == "lose" and name == "replace" and not lose_swaps:
@@ -360,6 +362,11 @@ def run_history(root: Path, steps: list[tuple[tuple[Any, ...], str]], where: str
         expected = _general(general_paths, general, batch)
         assert _dumped(got) == _dumped(expected)
         _same(lane, general)
+        # The lines the log and sockets get: the cached ones are pydantic's bytes.
+        stamp(got, seq, "2026-12-03T07:00:00.123456Z")
+        seq += len(got)
+        for event in got:
+            assert event_json(event) == event.model_dump_json()
 
 
 @settings(max_examples=int(os.environ.get("GPUWATCH_LANE_EXAMPLES", "100")), deadline=None,
