@@ -233,7 +233,8 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
 
     The uevent vouches for the card: it must name the model's DEVPATH for the address and
     carry the ``PCI_ID`` and ``PCI_CLASS`` of the last full read (a new card in the slot sends
-    other ids, or an ``add`` first, which reads it in full); anything else goes to `observe`.
+    other ids, or an ``add`` first, which reads it in full), and no ``DEVNAME`` (a node
+    `observe` would look at); anything else goes to `observe`.
     """
     out: list[Observation] = []
     run: list[tuple[str, str]] = []
@@ -245,11 +246,18 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
         if subsystem == "pci" and (action == "unbind" or action == "bind"):
             directory = sysdir + devpath
             known = plain.get(directory)
+            if (known is not None and variants and known.seen.driver
+                    and _vfio_capable(known.seen.driver, variants)):
+                # Read under a vfio-pci variant only the tables name (`_remember_plain` knows
+                # no tables): its group may be no-IOMMU VFIO's, gone with the driver.
+                del plain[directory]
+                known = None
             if (
                 known is not None
                 and props.get("PCI_ID") == known.pci_id
                 and props.get("PCI_CLASS", "")[:-2] == known.pci_class
                 and devpaths.get(known.seen.addr) == devpath
+                and "DEVNAME" not in props  # (a hand-written line's) node: `observe` reads it
             ):
                 link = directory + "/driver"
                 if action == "unbind" and not access(link, F_OK, follow_symlinks=False):
