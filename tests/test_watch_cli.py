@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import read_events
@@ -122,3 +125,36 @@ def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None
         assert proc.returncode == 2, (source, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
         assert "Traceback" not in proc.stderr
+
+
+def test_the_daemon_freezes_its_start_up_heap_before_ready_and_thaws_at_exit(
+    host: SysRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What start-up built is out of the collector's sight while the daemon serves (a storm's
+    full collections would walk it all again), and given back when it stops."""
+    import gc
+
+    from cli_helpers import run_main
+
+    log = tmp_path / "events.jsonl"
+    uevents = tmp_path / "uevents.jsonl"
+    uevents.write_text(json.dumps(host.uevent_props("change", "0000:02:00.0")) + "\n")
+    calls: list[tuple[str, str]] = []
+
+    def recording(name: str, real: Any) -> Any:
+        def call() -> None:
+            calls.append((name, log.read_text() if log.exists() else ""))
+            real()
+        return call
+
+    monkeypatch.setattr(gc, "freeze", recording("freeze", gc.freeze))
+    monkeypatch.setattr(gc, "unfreeze", recording("unfreeze", gc.unfreeze))
+    code, _, err = run_main(capsys, "watch", "--root", str(host.root), "--source",
+                            f"file:{uevents}", "--log", str(log), "--reconcile-interval", "0")
+    assert code == 0, err
+    assert [name for name, _ in calls] == ["freeze", "unfreeze"]
+    assert '"ready"' not in calls[0][1]  # frozen before `ready` was written
+    assert '"ready"' in calls[1][1]
+    assert gc.get_freeze_count() == 0
+    assert [e["type"] for e in read_events(log)] == ["ready", "stopped"]
