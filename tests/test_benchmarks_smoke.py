@@ -224,7 +224,9 @@ def test_the_soak_runs_small_and_holds_its_invariants(tmp_path: Path) -> None:
     assert result["subscribers_complete"] == 4 and result["subscriber_gaps"] == 0
     assert result["events"] >= 600 and result["last_type"] == "stopped"
     assert result["subscribers_silent_loss"] == 0
-    assert result["subscriber_events_seen"] >= 4 * 600
+    # Each saw every event after its subscription (all but `ready`, and `stopped` may race
+    # its hang-up); flips the writer could not keep apart under load are fewer events for all.
+    assert result["subscriber_events_seen"] >= 4 * (result["events"] - 2)
 
 
 @pytest.mark.timeout(120)
