@@ -428,7 +428,8 @@ def read_sriov(directory: str) -> SriovSeen | None:
             if vf:
                 vfs.append((int(m.group(1)), vf))
     return SriovSeen(
-        totalvfs=int(total) if total.isascii() and total.isdigit() else 0,
+        # (int() refuses over 4300 digits: a number that long is garbage like any other)
+        totalvfs=int(total) if total.isascii() and total.isdigit() and len(total) <= 9 else 0,
         vfs=tuple(vf for _, vf in sorted(vfs)),
     )
 
