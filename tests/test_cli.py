@@ -108,6 +108,34 @@ def test_malformed_config_exits_2(
     assert len(err.strip().splitlines()) == 1
 
 
+def test_an_error_naming_odd_bytes_stays_one_line(
+    host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The refusal names the vendor file as read: its newline and terminal escape are escaped.
+    host.set_attr(NV, "vendor", b"0x10\nde\x1b[2J\n")
+    code, _, err = run_cli(capsys, "plan", "nvidia", "--addr", NV, "--root", str(host.root))
+    assert code == 1
+    assert len(err.splitlines()) == 1 and "\x1b" not in err
+    assert "(vendor 0x10\\nde\\x1b[2J)" in err
+    code, _, err = run_cli(capsys, "events", str(host.root / "no\nlog"))
+    assert code == 1
+    assert err == f"gpuwatch: events: no event log at {host.root}/no\\nlog\n"
+
+
+def test_overlong_numbers_in_the_files_a_plan_reads_are_garbage(
+    host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # int() refuses more than 4300 digits: such a refcnt or minor is unreadable, not a crash.
+    (host.root / "sys/module/nvidia/refcnt").write_text("9" * 5000 + "\n")
+    info = host.root / "proc/driver/nvidia/gpus" / NV / "information"
+    info.parent.mkdir(parents=True)
+    info.write_text(f"Model: \t RTX\nDevice Minor: \t {'7' * 5000}\n")
+    code, out, err = run_cli(capsys, "plan", "vfio", "--addr", NV, "--root", str(host.root),
+                             "--json")
+    assert (code, err) == (0, ""), err
+    assert json.loads(out)["addr"] == NV
+
+
 def test_status_text_and_json(host: SysRoot, capsys: pytest.CaptureFixture[str]) -> None:
     host.add_vfio_group(13)
     code, out, _ = run_cli(capsys, "status", "--root", str(host.root))

@@ -474,6 +474,15 @@ def test_hostile_tree_never_fails_a_probe(host: SysRoot) -> None:
     assert model.probe("detect-host-devices").render_node == "/dev/dri/renderD128"
 
 
+def test_an_overlong_number_in_an_attribute_is_garbage(host: SysRoot) -> None:
+    # int() refuses a string of more than 4300 digits: the file is garbage, not a failed scan.
+    host.set_attr(NV, "sriov_totalvfs", "9" * 5000 + "\n")
+    model = gpuwatch.scan(host.root)
+    fn = next(f for f in model.functions() if f.addr == NV)
+    assert fn.sriov is not None and fn.sriov.totalvfs == 0
+    assert fn.driver == "nvidia"
+
+
 def test_function_vanishing_mid_read_is_a_removal(host: SysRoot) -> None:
     from gpuwatch.core.observations import PciGone
     from gpuwatch.hostfs.scan import HostPaths, read_function

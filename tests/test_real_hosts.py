@@ -281,3 +281,40 @@ def test_mixed_is_for_drivers_of_different_modes(host: SysRoot) -> None:
 def test_usage_error_names_the_accepted_form() -> None:
     with pytest.raises(UsageError, match="4 to 8"):
         gpuwatch.scan("/nonexistent-root").probe("display-driver", addr="1:2:3")
+
+
+# ------------------------------------------------------------ IOMMU asked for, off in firmware
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "kind"),
+    [
+        # The kernel reads intel_iommu= as a comma list (on, off, igfx_off, sm_on, …): these
+        # are the spellings passthrough guides and the kernel's own idxd docs give.
+        ("BOOT_IMAGE=/vmlinuz-6.8.0 root=UUID=6e28 ro quiet intel_iommu=on,igfx_off iommu=pt",
+         "intel"),
+        ("BOOT_IMAGE=/vmlinuz-6.8.0 ro intel_iommu=on,sm_on iommu=pt", "intel"),
+        ("ro intel_iommu=sm_on,on", "intel"),
+        ("ro amd_iommu=on,force_isolation iommu=pt", "amd"),
+        # Asked for and then taken back: the last word counts, as the kernel parses it.
+        ("ro intel_iommu=on intel_iommu=off", ""),
+        ("ro intel_iommu=on,off", ""),
+        ("ro intel_iommu=igfx_off", ""),
+    ],
+)
+def test_iommu_asked_for_in_a_comma_list_but_off_in_firmware(tmp_path: Path, cmdline: str,
+                                                             kind: str) -> None:
+    """VT-d/AMD-Vi off in the firmware: no IOMMU unit in sys/class/iommu, no group. The
+    command line still says which IOMMU was asked for, and so what `status` must advise."""
+    s = SysRoot(tmp_path / "h")
+    s.add_bridge("0000:00:01.0", iommu_group=None)
+    s.add_function(NV, parent="0000:00:01.0", device="0x2204", driver="nvidia", iommu_group=None)
+    s.set_cmdline(cmdline)
+    vfio = probe(s, "detect-vfio")
+    assert (vfio["iommu_enabled"], vfio["iommu_kind"]) == (False, kind)  # type: ignore[index]
+    model = gpuwatch.scan(s.root)
+    hint = build_status(model, model.probe("memlock")).iommu.hint
+    if kind == "intel":
+        assert "enable VT-d in the firmware" in hint and "add intel_iommu" not in hint
+    elif kind == "":
+        assert "to the kernel command line" in hint

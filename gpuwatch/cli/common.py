@@ -88,5 +88,14 @@ __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE"]
 
 
 def fail(message: str, code: int) -> int:
-    print(f"gpuwatch: {message}", file=sys.stderr)
+    print(f"gpuwatch: {one_line(message)}", file=sys.stderr)
     return code
+
+
+def one_line(text: str) -> str:
+    """``text`` with each character that is not printable (a newline, a terminal escape)
+    written as its escape: an error naming what a hostile file or argument holds stays one
+    line, and says nothing to the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

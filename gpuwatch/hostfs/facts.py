@@ -46,7 +46,7 @@ from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
 
 T = TypeVar("T")
 
-_MINOR_RE = re.compile(r"^Device Minor:\s*([0-9]+)\s*$", re.MULTILINE)
+_MINOR_RE = re.compile(r"^Device Minor:\s*([0-9]{1,9})\s*$", re.MULTILINE)
 _SND_CARD_RE = re.compile(r"^card([0-9]+)$")
 _SND_NODE_RE = re.compile(r"^(?:controlC|hwC|pcmC|midiC|comprC)([0-9]+)(?:D|$)")
 _PERSISTENCED_COMM = "nvidia-persist"  # comm is cut at 15 bytes: "nvidia-persiste"
@@ -155,7 +155,8 @@ def dri_nodes(state: HostState, addrs: Iterable[str]) -> dict[str, tuple[str, ..
 
 
 def _int(text: str) -> int:
-    return int(text) if text.isascii() and text.isdigit() else 0
+    """A small decimal count; 0 for anything else (int() refuses over 4300 digits)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
 
 
 @dataclass(frozen=True, slots=True)

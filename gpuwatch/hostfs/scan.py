@@ -428,7 +428,8 @@ def read_sriov(directory: str) -> SriovSeen | None:
             if vf:
                 vfs.append((int(m.group(1)), vf))
     return SriovSeen(
-        totalvfs=int(total) if total.isascii() and total.isdigit() else 0,
+        # (int() refuses over 4300 digits: a number that long is garbage like any other)
+        totalvfs=int(total) if total.isascii() and total.isdigit() and len(total) <= 9 else 0,
         vfs=tuple(vf for _, vf in sorted(vfs)),
     )
 
@@ -628,12 +629,24 @@ def iommu_kind(units: list[str], cmdline: str) -> str:
             return "amd"
         if "smmu" in unit:
             return "arm"
-    tokens = cmdline.split()
-    if "intel_iommu=on" in tokens:
+    if _asked_on(cmdline, "intel_iommu="):
         return "intel"
-    if "amd_iommu=on" in tokens:
+    if _asked_on(cmdline, "amd_iommu="):
         return "amd"
     return ""
+
+
+def _asked_on(cmdline: str, param: str) -> bool:
+    """Whether the command line turns ``param`` on. The kernel reads its value as a comma
+    list (``intel_iommu=on,igfx_off``, ``intel_iommu=on,sm_on``) and each ``on`` or ``off``,
+    in order and over repeats of the parameter, overrides the one before."""
+    on = False
+    for token in cmdline.split():
+        if token.startswith(param):
+            for option in token[len(param):].split(","):
+                if option in ("on", "off"):
+                    on = option == "on"
+    return on
 
 
 # --------------------------------------------------------------------------- /dev and CDI
