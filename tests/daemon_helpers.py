@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -39,7 +40,8 @@ class Daemon:
 
     def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
                  source: str = "fifo", log: Path | None = None,
-                 ready_by_socket: bool = False) -> None:
+                 ready_by_socket: bool = False, nofile: tuple[int, int] | None = None,
+                 ) -> None:
         self.root, self.workdir, self.sock = root, workdir, sock
         self.log = log if log is not None else workdir / "events.jsonl"
         #: Ready when the socket answers (a daemon on a full disk logs no `ready`).
@@ -50,6 +52,8 @@ class Daemon:
         self.proc: subprocess.Popen[str] | None = None
         self._fifo: IO[str] | None = None
         self.stderr = ""
+        #: RLIMIT_NOFILE (soft, hard) the daemon starts with (None: inherited).
+        self.nofile = nofile
 
     def start(self, timeout: float = 30) -> Daemon:
         spec = self.source
@@ -63,7 +67,7 @@ class Daemon:
                          str(self.log), "--reconcile-interval", "0", "--socket", self.sock,
                          *self.args),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
-            cwd=REPO)
+            cwd=REPO, preexec_fn=self._limits if self.nofile is not None else None)
         if self.source == "fifo":
             self._fifo = open(self.fifo, "w")  # noqa: SIM115 - closed in stop()
         deadline = time.monotonic() + timeout
@@ -75,6 +79,15 @@ class Daemon:
             assert time.monotonic() < deadline, "daemon not ready in time"
             time.sleep(0.02)
         return self
+
+    def _limits(self) -> None:  # in the child, before exec
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
+
+    def fds(self) -> int:
+        """File descriptors the daemon holds now."""
+        assert self.proc is not None
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def _answers(self) -> bool:
         try:

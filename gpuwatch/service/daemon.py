@@ -91,7 +91,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                     max_line=settings.socket_max_request_bytes,
                     max_clients=settings.socket_max_clients,
                     max_per_uid=settings.socket_max_per_uid,
-                    root_reserve=settings.socket_root_reserve,
+                    root_reserve=settings.socket_root_reserve, log_keep=settings.log_keep,
                     stall_timeout=settings.socket_stall_timeout,
                     outbox_limit=settings.socket_max_output_bytes,
                 )

@@ -83,6 +83,9 @@ FLUSH_WINDOW = 0.01
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
 _LINES_PER_TURN = 64
+# Descriptors kept for the daemon's own use (log, sources, sysfs reads, /proc scans)
+# beyond one per client and the log files of the replays that run at once.
+_FD_HEADROOM = 256
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
 
@@ -318,9 +321,19 @@ class Connection:
 
     async def paced(self, data: bytes, first_seq: int) -> None:
         """Queue, waiting first while half the limit is unread (history replay): a long
-        replay is fed at the client's pace instead of overflowing it."""
-        while not self.closed and self.buffered() > self.server.outbox_limit // 2:
-            await self._drained()
+        replay is fed at the client's pace instead of overflowing it. The wait is bounded:
+        a client that leaves half its limit unread for ``stall_timeout`` seconds gets the
+        `lagged` notice and is closed, so the log files the replay holds are let go."""
+        half = self.server.outbox_limit // 2
+        if not self.closed and self.buffered() > half:
+            deadline = anyio.current_time() + self.server.stall_timeout
+            while not self.closed and self.buffered() > half:
+                left = deadline - anyio.current_time()
+                if left <= 0:
+                    self.lag(first_seq, data.count(b"\n"))
+                    return
+                with anyio.move_on_after(left):
+                    await self._drained()
         self.deliver(data, first_seq, 1)
 
     # -- subscription
@@ -676,6 +689,7 @@ class SocketServer:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
         ops: dict[str, OpHandler] | None = None,
         flush_window: float = FLUSH_WINDOW,
+        log_keep: int = 5,
     ) -> None:
         self.watcher = watcher
         self.path = os.fspath(path)
@@ -690,6 +704,13 @@ class SocketServer:
         self.max_line = max_line
         self.stall_timeout = stall_timeout
         self.flush_window = flush_window
+        #: Descriptors one history replay may hold: every file of the log, and one more
+        #: for a rotation while it opens them.
+        self.fds_per_replay = log_keep + 2
+        #: Replays that may hold their log files at once (set by `serve` from the
+        #: RLIMIT_NOFILE it got); a replay beyond them is refused with `unavailable`.
+        self.replay_slots = max_clients
+        self._replays: set[Connection] = set()
         self._per_uid: dict[int, int] = {}
         self._unprivileged = 0
         self.ops = ops if ops is not None else default_ops()
@@ -713,7 +734,7 @@ class SocketServer:
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report started, accept until cancelled; the socket file is removed at the end."""
-        _raise_fd_limit(self.max_clients + 256)
+        self.replay_slots = self._fd_budget()
         lsock = bind_socket(self.path, self.policy.read_gid if self.policy.read_gid is not None
                             else (0 if os.geteuid() == 0 else None))
         st = os.stat(self.path)
@@ -740,6 +761,24 @@ class SocketServer:
                 anyio.notify_closing(lsock)
             lsock.close()
             self._unlink()
+
+    def _fd_budget(self) -> int:
+        """Lift RLIMIT_NOFILE to fit every client, each replaying the log at once, and
+        return how many replays fit what the hard limit allowed."""
+        if self.log_path is None:
+            _raise_fd_limit(self.max_clients + _FD_HEADROOM)
+            return self.max_clients
+        _raise_fd_limit(self.max_clients * (1 + self.fds_per_replay) + _FD_HEADROOM)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_clients
+        spare = soft - self.max_clients - _FD_HEADROOM
+        slots = max(0, min(self.max_clients, spare // self.fds_per_replay))
+        if slots < self.max_clients:
+            _log.warning("RLIMIT_NOFILE %d leaves room for %d history replays at once (of "
+                         "%d clients); raise LimitNOFILE= for more", soft, slots,
+                         self.max_clients)
+        return slots
 
     def _unlink(self) -> None:
         try:
@@ -865,6 +904,7 @@ class SocketServer:
             return
         conn.closed = True
         self.connections.discard(conn)
+        self._replays.discard(conn)
         self._track(conn.peer, -1)
         if conn in self._subscribers:
             self._subscribers.remove(conn)
@@ -1132,6 +1172,11 @@ class SocketServer:
         sub = _Subscription(frozenset(types) if types is not None else None,
                             frozenset(a.lower() for a in addrs) if addrs is not None else None)
         now = self.watcher.seq
+        replay = since_seq is not None and since_seq < now and self.log_path is not None
+        if replay and len(self._replays) >= self.replay_slots:
+            raise P.RpcError(P.UNAVAILABLE, f"subscribe: {self.replay_slots} history replays "
+                                            "run already (the daemon's open-file limit); "
+                                            "retry, or subscribe without 'since_seq'")
         conn.sub = sub
         conn.last_seq = now
         complete = True
@@ -1144,9 +1189,18 @@ class SocketServer:
             raw = self._history(since_seq, sub)
             try:
                 first = next(raw, None)
-            except BaseException:
+            except BaseException as exc:
                 conn.replaying = False
+                conn.sub = None  # not subscribed: the client may ask again
+                conn.held.clear()
+                conn.held_bytes = 0
+                if isinstance(exc, OSError):
+                    _log.warning("cannot replay the log to %s: %s", conn.peer.describe(), exc)
+                    raise P.RpcError(P.UNAVAILABLE, f"subscribe: cannot read the event log: "
+                                                    f"{exc.strerror or exc}") from None
                 raise
+            if replay:
+                self._replays.add(conn)
             complete = first_is_next(None if first is None else first.first, since_seq)
             history = _chain(first, raw) if first is not None else raw
         elif since_seq is not None and since_seq > now:
@@ -1181,7 +1235,11 @@ class SocketServer:
                     conn.last_seq = seq
                     await conn.paced(data, seq)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
+        except OSError as exc:  # a log file failed under the replay: resume from here
+            _log.warning("replay of the log to %s failed: %s", conn.peer.describe(), exc)
+            conn.lag(conn.last_seq + 1, 0)
         finally:
+            self._replays.discard(conn)
             close = getattr(raw, "close", None)
             if close is not None:
                 close()  # release the log files now, not at garbage collection

@@ -1,0 +1,165 @@
+"""History replays (`subscribe` with ``since_seq``) against hostile clients, on a real daemon
+process and its real socket: a replaying client that reads nothing must not hold the log's
+files (and its task) for ever, replays together must not take the file descriptors every
+other client and the watcher need, and a log the daemon cannot read is an error reply, not
+an internal error that leaves the connection half subscribed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_helpers import Daemon, Lines, connect, probe
+
+from gpuwatch.service import protocol as P
+from gpuwatch.service.testing import short_socket_dir
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import read_events
+
+NV = "0000:01:00.0"
+KEEP = 20  # --log-keep: a replay from the start holds KEEP + 1 files open
+PER_FILE = 150  # lines of ~130 bytes: the whole log is far more than a socket buffer
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+def write_history(work: Path) -> int:
+    """A rotated log as an earlier run left it; returns its last seq."""
+    seq = 0
+    for index in range(KEEP, -1, -1):
+        name = work / ("events.jsonl" if index == 0 else f"events.jsonl.{index}")
+        lines = []
+        for _ in range(PER_FILE):
+            seq += 1
+            lines.append(json.dumps({
+                "seq": seq, "time": "2026-01-01T00:00:00.000000Z", "type": "driver-changed",
+                "addr": NV, "old": "nvidia", "new": "vfio-pci"}, separators=(",", ":")))
+        name.write_text("\n".join(lines) + "\n")
+    return seq
+
+
+def stalled_replay(path: str) -> socket.socket:
+    """A client that asks for the whole history and then reads nothing."""
+    s = connect(path)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(P.encode_request(1, "subscribe", {"since_seq": 0}))
+    return s
+
+
+def read_all(s: socket.socket, timeout: float = 30) -> list[dict[str, object]]:
+    s.settimeout(timeout)
+    buf = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(1 << 20):
+            buf += chunk
+    return [P.loads(line) for line in buf.split(b"\n") if line]
+
+
+def check_exit(d: Daemon) -> None:
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
+    seqs = [e["seq"] for e in read_events(d.log)]
+    assert seqs == list(range(1, len(seqs) + 1))  # the log lost nothing
+
+
+@pytest.mark.timeout(120)
+def test_a_replay_the_client_never_reads_is_lagged_and_lets_go_of_the_log(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A replay waits for its reader, but not for ever: after --socket-stall-timeout with
+    its output unread it gets the `lagged` line (where to resume) and is closed, and the
+    log files it held are released, with no live event needed to push it out."""
+    last = write_history(tmp_path)
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-stall-timeout", "1",
+               "--socket-max-output-bytes", "4096", "--log-max-bytes", str(64 << 20),
+               "--log-keep", str(KEEP))
+    with d:
+        idle = d.fds()
+        stalled = [stalled_replay(d.sock) for _ in range(5)]
+        time.sleep(3)  # well past the stall timeout, reading nothing
+        assert probe(d.sock)["result"] is True
+        for s in stalled:
+            lines = read_all(s)  # ends: the daemon closed it (a hang is the bug)
+            s.close()
+            reply, *events, notice = lines
+            assert reply == {"id": 1, "result": {"seq": reply["result"]["seq"],  # type: ignore[index]
+                                                 "complete": True}}
+            seqs = [e["seq"] for e in events]
+            assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) < last
+            assert notice["type"] == "lagged", notice
+            assert notice["first_missed_seq"] == len(seqs) + 1
+            assert notice["resume_since_seq"] == len(seqs)
+        deadline = time.monotonic() + 20
+        while d.fds() > idle:  # every log file the replays opened is closed again
+            assert time.monotonic() < deadline, f"{d.fds()} fds held, {idle} when idle"
+            time.sleep(0.05)
+        # Resuming where the notice said is gapless.
+        with connect(d.sock) as again:
+            lines_again = Lines(again)
+            lines_again.request("subscribe", {"since_seq": 100})
+            assert lines_again.line()["seq"] == 101
+    check_exit(d)
+
+
+@pytest.mark.timeout(120)
+def test_replays_together_cannot_take_the_file_descriptors_everyone_needs(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """Each replay holds the log's files while it waits for its reader. With a hard
+    RLIMIT_NOFILE too low for every client to replay at once, the replays beyond what the
+    limit leaves room for are refused (`unavailable`) instead of taking the descriptors
+    that accepting clients, the log and the watcher's sysfs reads need."""
+    write_history(tmp_path)
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-clients", "60",
+               "--socket-max-output-bytes", "4096", "--log-max-bytes", str(64 << 20),
+               "--log-keep", str(KEEP),
+               nofile=(340, 340))
+    with d:
+        stalled = [stalled_replay(d.sock) for _ in range(58)]
+        try:
+            codes = []
+            for s in stalled:
+                reply = Lines(s).line()
+                codes.append("ok" if "result" in reply else reply["error"]["code"])
+            assert set(codes) <= {"ok", P.UNAVAILABLE}, codes
+            assert codes.count("ok") >= 1  # some room is left for replays
+            assert d.fds() < 340
+            # Everyone else is still served: a new client is accepted and answered.
+            reply = probe(d.sock, "current-mode", addr=NV)
+            assert reply == {"id": 1, "result": "nvidia"}
+            # A refused replay left nothing behind: the same connection may subscribe live.
+            refused = stalled[codes.index(P.UNAVAILABLE)]
+            assert Lines(refused).request("subscribe", rid=2)["result"]["complete"] is True
+        finally:
+            for s in stalled:
+                s.close()
+    check_exit(d)
+
+
+@pytest.mark.timeout(60)
+def test_an_unreadable_log_is_an_error_reply_and_the_connection_is_not_half_subscribed(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    write_history(tmp_path)
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20),
+               "--log-keep", str(KEEP))
+    with d, connect(d.sock) as s:
+        (tmp_path / "events.jsonl.2").unlink()
+        (tmp_path / "events.jsonl.2").mkdir()  # opening it fails (EISDIR), even for root
+        lines = Lines(s)
+        reply = lines.request("subscribe", {"since_seq": 0})
+        assert reply["error"]["code"] == P.UNAVAILABLE, reply
+        # Not subscribed: it may subscribe again (live only).
+        assert lines.request("subscribe", rid=2)["result"]["complete"] is True
+        assert probe(d.sock)["result"] is True
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
