@@ -24,6 +24,7 @@ from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
     bmc_server_host,
     instinct_host,
+    mi300x_cpx_host,
     vm_guest_host,
     vmd_host,
 )
@@ -318,3 +319,45 @@ def test_iommu_asked_for_in_a_comma_list_but_off_in_firmware(tmp_path: Path, cmd
         assert "enable VT-d in the firmware" in hint and "add intel_iommu" not in hint
     elif kind == "":
         assert "to the kernel command line" in hint
+
+
+# ------------------------------------------------------------ MI300X in CPX partition mode
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_mi300x_cpx_node(tmp_path: Path, captured: bool) -> None:
+    """The KFD topology of a real 8-GPU MI300X node in CPX mode: two CPU nodes, 64 GPU nodes,
+    render minors 128…191, seven of every eight on amdgpu's partition platform devices."""
+    s = mi300x_cpx_host(tmp_path / "h")
+    if captured:
+        s.capture()
+        assert not (s.root / "sys/class/drm/renderD129").is_symlink()
+    assert probe(s, "detect-amd-gpu") is True
+    assert (probe(s, "amd-gfx-version"), probe(s, "amd-gfx-target")) == ("9.4.0", "gfx942")
+    hd = probe(s, "detect-host-devices")
+    assert hd == {  # type: ignore[comparison-overlap]
+        "gpu": False, "amd_gpu": True, "amd_gfx_version": "9.4.0", "amd_gfx_target": "gfx942",
+        "devices": [f"/dev/dri/renderD{n}" for n in range(128, 192)] + ["/dev/kfd"],
+        "render_node": "/dev/dri/renderD128",
+    }
+    model = gpuwatch.scan(s.root)
+    drm = model.state.drm
+    assert (drm["renderD136"].device_addr, drm["renderD136"].device_driver) == (
+        "0000:27:00.0", "amdgpu")
+    assert (drm["renderD137"].device_addr, drm["renderD137"].device_vendor) == ("", "")
+    fn = model.function("0000:27:00.0")
+    assert (fn.class_, fn.class_label, fn.driver, fn.iommu_group) == (
+        "0x1200", "0x1200", "amdgpu", 1)
+    # The contract's GPUs are the display classes (0x03…): a processing accelerator is not one.
+    assert probe(s, "detect-vfio")["gpus"] == []  # type: ignore[index]
+
+
+def test_mi300x_render_node_skips_partition_devices(tmp_path: Path) -> None:
+    """With the first GPU's own render node gone, its partition's (no vendor) is passed over
+    for the next GPU's."""
+    s = mi300x_cpx_host(tmp_path / "h", partitions=2)
+    assert probe(s, "detect-host-devices")["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+    s.remove_drm("renderD128")
+    hd = probe(s, "detect-host-devices")
+    assert hd["devices"][:2] == ["/dev/dri/renderD129", "/dev/dri/renderD130"]  # type: ignore[index]
+    assert hd["render_node"] == "/dev/dri/renderD130"  # type: ignore[index]

@@ -150,10 +150,80 @@ def single_gpu_desktop(root: str | os.PathLike[str], *, boot_vga: bool = True) -
     return s
 
 
+#: PCI buses of the eight MI300X of an 8-GPU node, from a real KFD topology capture
+#: (``location_id`` ``bus << 8 | devfn``: 0x0500, 0x2700, 0x4700, …).
+MI300X_BUSES = (0x05, 0x27, 0x47, 0x65, 0x85, 0xa7, 0xc7, 0xe5)
+#: ``Processing accelerators`` (0x1200): the class an MI300X reports, as ``lspci -nn`` shows
+#: it (``Processing accelerators [1200]: … Aqua Vanjaram [Instinct MI300X] [1002:74a1]``).
+ACCELERATOR_CLASS = "0x120000"
+
+
+def mi300x_cpx_host(root: str | os.PathLike[str], *, partitions: int = 8) -> SysRoot:
+    """An 8-GPU MI300X node (``0x1002:0x74a1``, class 0x1200, on amdgpu, each alone in its IOMMU
+    group behind its own root port), dual-socket, in the CPX compute partition mode: as a real
+    KFD topology of such a node reads, nodes 0 and 1 are the CPUs (``gfx_target_version 0``)
+    and every GPU shows ``partitions`` nodes (2…65: node 10 after node 9), all
+    ``gfx_target_version 90402``, ``location_id`` the GPU's bus and the partition's number,
+    ``drm_render_minor`` 128… one each.
+
+    Only the first partition's DRM nodes (``card<8i>``, ``renderD<128+8i>``) are the PCI
+    function's; amdgpu registers the others on platform devices of its own,
+    ``/sys/devices/platform/amdgpu_xcp.<N>``, which have no ``vendor`` and no driver."""
+    s = SysRoot(root)
+    s.add_kfd_node(0, 0, cpu_cores_count=96)
+    s.add_kfd_node(1, 0, cpu_cores_count=96, cpu_core_id_base=96)
+    node, xcp = 2, 0
+    for i, bus in enumerate(MI300X_BUSES):
+        port, addr = f"0000:{bus - 1:02x}:00.0", f"0000:{bus:02x}:00.0"
+        s.add_bridge(port, domain_root=f"pci0000:{bus - 5:02x}", iommu_group=40 + i)
+        s.add_function(addr, parent=port, vendor=AMD, device="0x74a1", klass=ACCELERATOR_CLASS,
+                       driver="amdgpu", iommu_group=i, subsystem_vendor=AMD,
+                       subsystem_device="0x74a1")
+        first = partitions * i
+        s.add_drm(f"card{first}", addr)
+        s.add_drm(f"renderD{128 + first}", addr)
+        for p in range(partitions):
+            s.add_kfd_node(node, 90402, vendor_id=int(AMD, 16), device_id=0x74A1,
+                           location_id=bus << 8 | p, domain=0, drm_render_minor=128 + first + p,
+                           num_xcc=1)
+            node += 1
+            if p:
+                _add_xcp_drm(s, xcp, (f"card{first + p}", f"renderD{128 + first + p}"))
+                xcp += 1
+    s.add_dev_node("/dev/kfd")
+    s.add_module("amdgpu")
+    s.add_module("amdxcp")
+    s.add_iommu_unit("ivhd0")
+    s.add_iommu_unit("ivhd1")
+    return s
+
+
+def _add_xcp_drm(s: SysRoot, index: int, names: tuple[str, ...]) -> None:
+    """DRM minors on amdgpu's partition platform device ``amdgpu_xcp.<index>``, laid out as
+    the kernel lays out a platform device's: ``device`` leads to it, no vendor, no driver."""
+    platform = f"sys/devices/platform/amdgpu_xcp.{index}"
+    base = s.root / platform
+    base.mkdir(parents=True)
+    (base / "uevent").write_text("MODALIAS=platform:amdgpu_xcp\n")
+    (base / "modalias").write_text("platform:amdgpu_xcp\n")
+    for name in names:
+        minor = int(name.removeprefix("card").removeprefix("renderD"))
+        node = base / "drm" / name
+        node.mkdir(parents=True)
+        (node / "dev").write_text(f"226:{minor}\n")
+        (node / "uevent").write_text(
+            f"MAJOR=226\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor\n")
+        os.symlink(f"../../../amdgpu_xcp.{index}", node / "device")
+        os.symlink(f"../../devices/platform/amdgpu_xcp.{index}/drm/{name}",
+                   s.root / "sys/class/drm" / name)
+        s.add_dev_node(f"/dev/dri/{name}")
+
+
 __all__ = [
     "bmc_server_host",
     "hpe_ilo_host",
     "instinct_host",
+    "mi300x_cpx_host",
     "single_gpu_desktop",
     "vm_guest_host",
     "vmd_host",
