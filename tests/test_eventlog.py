@@ -234,6 +234,14 @@ def test_malformed_lines_are_skipped(tmp_path: Path) -> None:
     assert seqs(read_events(path)) == [1, 2]
 
 
+def test_a_line_nested_deeper_than_the_parser_recurses_is_skipped(tmp_path: Path) -> None:
+    # json.loads raises RecursionError, not ValueError, for such a line.
+    path = tmp_path / "ev.jsonl"
+    deep = '{"seq":5,"type":"ready","x":' + "[" * 100_000 + "]" * 100_000 + "}"
+    path.write_text(line(1) + "\n" + deep + "\n" + line(2) + "\n")
+    assert seqs(read_events(path)) == [1, 2]
+
+
 def test_follower_skips_an_over_long_line_without_holding_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

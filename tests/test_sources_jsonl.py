@@ -117,6 +117,14 @@ async def test_dev_null_ends_without_batches() -> None:
         src.close()
 
 
+def test_a_line_nested_deeper_than_the_parser_recurses_is_malformed() -> None:
+    from gpuwatch.sources.jsonl import MalformedLine, parse_jsonl_line
+
+    deep = '{"ACTION": "add", "X": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with pytest.raises(MalformedLine, match="not JSON"):
+        parse_jsonl_line(deep.encode())
+
+
 async def test_malformed_lines_are_skipped_and_the_rest_delivered(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,6 +4,7 @@ none ever blocks a scan, the loop or the daemon's start."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -90,6 +91,34 @@ def test_a_daemon_over_a_planted_tree_starts_and_answers(
     with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:
         assert probe(d.sock, "current-mode", addr="0000:02:00.0")["result"] == "vfio"
         assert "result" in probe(d.sock, "detect-vfio")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_planted_poison_file_reads_as_no_poison(host: SysRoot, kind: str) -> None:
+    from gpuwatch.switch.poison import DEFAULT_POISON_FILE, PoisonStore
+
+    path = host.root / DEFAULT_POISON_FILE
+    path.parent.mkdir(parents=True)
+    plant(path, kind)
+    assert PoisonStore(str(host.root)).load() == {}  # returns: nothing waits on a writer
+    proc = subprocess.run(gpuwatch_cmd("mode", "--root", str(host.root), "--addr", NV),
+                          capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "poisoned" not in proc.stdout
+
+
+def test_garbage_in_the_poison_file_is_ignored(host: SysRoot) -> None:
+    from gpuwatch.switch.poison import DEFAULT_POISON_FILE, PoisonStore
+
+    store = PoisonStore(str(host.root))
+    path = host.root / DEFAULT_POISON_FILE
+    path.parent.mkdir(parents=True)
+    entry = {"addr": NV, "to_mode": "vfio", "error": "wedged", "time": ""}
+    groups = {"--13": entry, "-": entry, "9" * 5000: entry, "\u0663": entry, "13": entry}
+    path.write_text(json.dumps({"boot_id": store.boot_id(), "groups": groups}))
+    assert list(store.load()) == [13]
+    path.write_text("[" * 100_000 + "]" * 100_000)  # deeper than the JSON parser recurses
+    assert store.load() == {}
 
 
 # --------------------------------------------------------------------------- config

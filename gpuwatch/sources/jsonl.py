@@ -54,7 +54,7 @@ def parse_jsonl_line(raw: bytes | str) -> UEvent:
     try:
         # One shared decoder on text: json.loads would sniff the encoding of every line.
         obj: Any = _DECODE(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; deep
         raise MalformedLine(f"not JSON: {exc}") from exc
     if type(obj) is not dict:
         raise MalformedLine(f"not a JSON object but {type(obj).__name__}")

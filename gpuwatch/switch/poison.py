@@ -12,15 +12,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuwatch.hostfs.files import read_attr
+from gpuwatch.hostfs.files import read_attr, read_bytes
 
 #: Default location, under the host root (tests keep it inside their tmp root).
 DEFAULT_POISON_FILE = "var/lib/gpuwatch/poison.json"
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
+#: The file holds a few entries; one longer than this is not ours.
+POISON_MAX_BYTES = 1 << 20
+#: A group number as `_store` writes it (anything else in the file is ignored).
+_GROUP_KEY_RE = re.compile(r"-?[0-9]{1,9}", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +48,10 @@ class PoisonStore:
         return read_attr(os.path.join(self.root, BOOT_ID_FILE))
 
     def _read(self) -> dict[str, Any]:
+        # read_bytes: a FIFO or device planted here is refused at once, never waited on.
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
+            data = json.loads(read_bytes(self.path, POISON_MAX_BYTES))
+        except (OSError, ValueError, RecursionError):
             return {}
         return data if isinstance(data, dict) else {}
 
@@ -60,7 +65,8 @@ class PoisonStore:
         if not isinstance(groups, dict):
             return out
         for key, raw in groups.items():
-            if not (isinstance(key, str) and key.lstrip("-").isdigit() and isinstance(raw, dict)):
+            if not (isinstance(key, str) and _GROUP_KEY_RE.fullmatch(key)
+                    and isinstance(raw, dict)):
                 continue
             out[int(key)] = PoisonEntry(
                 addr=str(raw.get("addr", "")), to_mode=str(raw.get("to_mode", "")),

@@ -179,7 +179,7 @@ def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
     try:
         text = raw.decode("utf-8")
         obj = json.loads(text)
-    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError; too deep
         return None
     if not isinstance(obj, dict):
         return None
