@@ -199,6 +199,26 @@ async def test_a_real_kernel_user_still_refuses(tmp_path: Path) -> None:
     assert sim.record == []  # refused by the plan: persistenced was not even stopped
 
 
+async def test_a_card_with_virtual_functions_enabled_is_refused_until_they_are_off(
+        tmp_path: Path) -> None:
+    """Unbinding a physical function's driver disables SR-IOV: its VFs would vanish under
+    whatever uses them. Refused, nothing run; once they are off, the same switch goes."""
+    s = single_gpu_desktop(tmp_path / "h", boot_vga=False)
+    s.enable_sriov(NV, 16, offset=4)  # VFs from 01:00.4, clear of the audio function
+    vfs = s.add_vfs(NV, 2, driver="nvidia", first_group=40)
+    sim = SimKernel(s)
+    async with simulated_switch(s, sim=sim) as (_w, _sim, engine, _ev):
+        with pytest.raises(SwitchRefused, match=f"{NV} has 2 SR-IOV virtual function"):
+            await engine.switch(NV, "vfio", timeout=20)
+    assert sim.record == []
+    assert vfs[0] in (s.root / f"sys/bus/pci/devices/{NV}/virtfn0").resolve().name
+    for vf in vfs:
+        s.remove_function(vf)  # what writing 0 to sriov_numvfs makes the kernel do
+    async with simulated_switch(s, sim=sim) as (_w, _sim, engine, _ev):
+        result = await engine.switch(NV, "vfio", timeout=20)
+    assert result.changed
+
+
 # --------------------------------------------------------------------------- host left as found
 
 

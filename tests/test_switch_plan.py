@@ -16,7 +16,7 @@ from gpuwatch.core.plan import (
     parse_target,
     plan_switch,
 )
-from gpuwatch.core.results import Holding, PciFunction
+from gpuwatch.core.results import Holding, PciFunction, Sriov
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
 from gpuwatch.hostfs.scan import HostPaths, scan
@@ -226,3 +226,38 @@ def test_the_example_card_is_the_documented_one() -> None:
     members, facts = example_card("nvidia")
     back = plan_switch(members, "nvidia", facts, example=True)
     assert back.to_mode == "nvidia" and back.steps
+
+
+def _with_vfs(f: PciFunction, vfs: tuple[str, ...]) -> PciFunction:
+    return f.model_copy(update={"sriov": Sriov(totalvfs=16, numvfs=len(vfs), vfs=vfs)})
+
+
+@pytest.mark.parametrize(("mode", "display", "audio"),
+                         [("vfio", "nvidia", "snd_hda_intel"), ("nvidia", "vfio-pci", "vfio-pci")])
+def test_a_physical_function_with_virtual_functions_enabled_is_refused(
+        mode: str, display: str, audio: str) -> None:
+    """Its driver's unbind would take the VFs away from whatever uses them."""
+    gpu, snd = card(display, audio)
+    vfs = tuple(f"0000:01:00.{n}" for n in range(4, 10))
+    plan = plan_switch((_with_vfs(gpu, vfs), snd), mode, single_gpu())  # type: ignore[arg-type]
+    assert plan.refusal is not None and plan.steps == ()
+    assert plan.refusal.reason == (
+        f"{NV} has 6 SR-IOV virtual function(s) enabled (0000:01:00.4, 0000:01:00.5, "
+        "0000:01:00.6, 0000:01:00.7, … (6 in all)): rebinding it would remove them under "
+        "whatever uses them; disable them first (write 0 to "
+        f"/sys/bus/pci/devices/{NV}/sriov_numvfs, or stop what created them), then switch")
+
+
+def test_sriov_capable_but_without_virtual_functions_switches() -> None:
+    gpu, snd = card("nvidia", "snd_hda_intel")
+    plan = plan_switch((_with_vfs(gpu, ()), snd), "vfio", single_gpu())
+    assert plan.refusal is None and plan.steps
+
+
+def test_a_physical_function_already_on_its_target_keeps_its_virtual_functions() -> None:
+    """Only a function the switch would rebind is asked to give up its VFs."""
+    gpu, snd = card("vfio-pci", "snd_hda_intel")
+    plan = plan_switch((_with_vfs(gpu, ("0000:01:00.4",)), snd), "vfio", single_gpu())
+    assert plan.refusal is None
+    assert [s for s in keys(plan.steps) if NV in " ".join(s)] == []
+    assert any(AUDIO in " ".join(s) for s in keys(plan.steps))

@@ -472,6 +472,20 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts) -> str | 
     return None
 
 
+def virtual_functions_reason(fn: PciFunction) -> str:
+    """Why a physical function with SR-IOV virtual functions enabled is not rebound: its
+    driver's unbind disables SR-IOV, and the VFs vanish under the VMs or containers that use
+    them. Turning them off is the operator's call, not a side effect of a switch."""
+    assert fn.sriov is not None
+    vfs = fn.sriov.vfs
+    named = ", ".join(vfs[:4]) + (f", … ({len(vfs)} in all)" if len(vfs) > 4 else "")
+    named = f" ({named})" if vfs else ""
+    return (f"{fn.addr} has {fn.sriov.numvfs} SR-IOV virtual function(s) enabled{named}: "
+            f"rebinding it would remove them under whatever uses them; disable them first "
+            f"(write 0 to /sys/bus/pci/devices/{fn.addr}/sriov_numvfs, or stop what "
+            "created them), then switch")
+
+
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                 example: bool = False, force: bool = False,
                 recovering: bool = False) -> SwitchPlan:
@@ -516,6 +530,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     if bridges:
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "
                       "bridge stays on its host driver, so this group cannot be switched whole")
+    with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
+                and not satisfied(f.driver, f, chosen[f.addr], facts)]
+    if with_vfs:
+        return refuse(virtual_functions_reason(with_vfs[0]))
     if mode == "vfio" and group < 0:
         return refuse(f"{display.addr} has no IOMMU group: vfio-pci needs the IOMMU "
                       "(intel_iommu=on or amd_iommu=on, and VT-d/AMD-Vi in the firmware)")
