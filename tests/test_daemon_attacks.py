@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,6 +94,33 @@ def test_request_size_limit_is_configurable(host: SysRoot, tmp_path: Path, sockd
         assert reply["error"]["code"] == P.REQUEST_TOO_LARGE and "2048" in reply["error"][
             "message"]
         assert lines.eof()
+
+
+def test_a_flood_of_bad_clients_is_a_bounded_number_of_journal_lines(
+        host: SysRoot, tmp_path: Path, sockdir: str) -> None:
+    """Each client closed for a too-long line is a warning, up to a burst and then about one
+    a second; the daemon says how many it held back. (Unbounded, a peer opening connections
+    by the thousand floods the journal, or blocks the daemon on a full stderr pipe.)"""
+
+    def offend(path: str) -> None:
+        with connect(path) as s:
+            s.sendall(b" " * 2049 + b"\n")
+            assert Lines(s).line()["error"]["code"] == P.REQUEST_TOO_LARGE
+
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-request-bytes",
+                "2048") as d:
+        started = time.monotonic()
+        for _ in range(300):
+            offend(d.sock)
+        time.sleep(1.1)  # a token comes back: the next warning carries the count
+        offend(d.sock)
+        elapsed = time.monotonic() - started
+        assert probe(d.sock)["result"] is True
+    closing = [ln for ln in d.stderr.splitlines() if "closing" in ln and "longer than" in ln]
+    assert 20 <= len(closing) <= 20 + int(elapsed) + 1, d.stderr
+    held = [int(m.group(1)) for m in re.finditer(r"(\d+) more warning\(s\) about clients "
+                                                 r"held back", d.stderr)]
+    assert sum(held) == 301 - len(closing), d.stderr
 
 
 def test_a_stalled_partial_line_is_closed_and_idle_clients_are_not(daemon: Daemon) -> None:

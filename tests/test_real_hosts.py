@@ -25,6 +25,7 @@ from gpuwatch.testing.machines import (
     bmc_server_host,
     instinct_host,
     mi300x_cpx_host,
+    turing_desktop_host,
     vm_guest_host,
     vmd_host,
 )
@@ -361,3 +362,42 @@ def test_mi300x_render_node_skips_partition_devices(tmp_path: Path) -> None:
     hd = probe(s, "detect-host-devices")
     assert hd["devices"][:2] == ["/dev/dri/renderD129", "/dev/dri/renderD130"]  # type: ignore[index]
     assert hd["render_node"] == "/dev/dri/renderD130"  # type: ignore[index]
+
+
+# ------------------------------------------------------------ root port in the GPU group
+
+
+def test_turing_desktop_root_port_shares_the_group(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The common consumer layout: the CPU root port without ACS in the card's group, and a
+    Turing card's four functions (VGA, audio, USB-C, UCSI)."""
+    s = turing_desktop_host(tmp_path / "h")
+    gpus = {g["addr"]: g for g in probe(s, "detect-vfio")["gpus"]}  # type: ignore[index]
+    assert list(gpus) == ["0000:00:02.0", "0000:01:00.0"]
+    members = [(m["addr"], m["class_label"], m["driver"]) for m in gpus[NV]["group_members"]]
+    assert members == [("0000:00:01.0", "PCI bridge", "pcieport"),
+                       (NV, "VGA controller", "nvidia"),
+                       ("0000:01:00.1", "Audio device", "snd_hda_intel"),
+                       ("0000:01:00.2", "USB controller", "xhci_hcd"),
+                       ("0000:01:00.3", "0x0c80", "nvidia-gpu")]
+    assert probe(s, "detect-gpu") is True
+    hd = probe(s, "detect-host-devices")
+    assert hd["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]  # the iGPU: first
+    model = gpuwatch.scan(s.root)
+    listed = {g.addr: g for g in passthrough_gpus(model)}
+    # The bridge stays with the host: a block for each of the card's four functions only.
+    assert [f.addr for f in listed[NV].functions] == [NV, "0000:01:00.1", "0000:01:00.2",
+                                                      "0000:01:00.3"]
+    # The iGPU has boot_vga 1 but is not the only display function: not kept.
+    assert listed["0000:00:02.0"].kept_for_host is False
+    code, out, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", NV,
+                       "--root", str(s.root))
+    assert code == 1 and "PCI bridge 0000:00:01.0" in out + err
+
+
+def test_turing_desktop_captured_answers_like_the_host(tmp_path: Path) -> None:
+    live = turing_desktop_host(tmp_path / "live")
+    captured = turing_desktop_host(tmp_path / "captured")
+    captured.capture()
+    for action in ("detect-vfio", "detect-gpu", "detect-host-devices"):
+        assert probe(captured, action) == probe(live, action), action

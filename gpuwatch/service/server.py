@@ -44,6 +44,7 @@ from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
+from gpuwatch.service.lograte import RateLimitedLog
 from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
 from gpuwatch.watch.eventlog import RawChunk, read_chunks
@@ -283,8 +284,9 @@ class Connection:
             if self.sub is not None:
                 self.lag(self.last_seq + 1, 0)
                 return
-            _log.warning("disconnecting %s: %d bytes of replies unread (client stopped "
-                         "reading)", self.peer.describe(), buffered)
+            self.server.client_log.warning(
+                "disconnecting %s: %d bytes of replies unread (client stopped reading)",
+                self.peer.describe(), buffered)
             self.close()
             return
         self._write(data)
@@ -313,9 +315,10 @@ class Connection:
         self.closed = True
         self.held.clear()
         self.server._lag_drop(self)
-        _log.warning("disconnecting %s: %d bytes unread (subscriber stopped reading); "
-                     "%d event(s) from seq %d dropped", self.peer.describe(),
-                     self.buffered() + self.held_bytes, missed, first_missed_seq)
+        self.server.client_log.warning(
+            "disconnecting %s: %d bytes unread (subscriber stopped reading); %d event(s) "
+            "from seq %d dropped", self.peer.describe(), self.buffered() + self.held_bytes,
+            missed, first_missed_seq)
         self._write(lagged_line(missed, first_missed_seq, self.server.outbox_limit))
         self._shut(_LAG_GRACE)
 
@@ -712,6 +715,8 @@ class SocketServer:
         self.replay_slots = max_clients
         self._replays: set[Connection] = set()
         self._per_uid: dict[int, int] = {}
+        #: What clients cause in the journal (refusals, closes), bounded: `RateLimitedLog`.
+        self.client_log = RateLimitedLog(_log)
         self._unprivileged = 0
         self.ops = ops if ops is not None else default_ops()
         self.connections: set[Connection] = set()
@@ -816,7 +821,7 @@ class SocketServer:
                     break
                 except OSError as exc:
                     if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        _log.warning("cannot accept a client: %s", exc.strerror)
+                        self.client_log.warning("cannot accept a client: %s", exc.strerror)
                         await anyio.sleep(0.1)
                         break
                     if exc.errno in (errno.ECONNABORTED, errno.EINTR):
@@ -875,7 +880,7 @@ class SocketServer:
         if refusal is None:
             return peer
         code, message = refusal
-        _log.warning("refusing %s: %s", peer.describe(), message)
+        self.client_log.warning("refusing %s: %s", peer.describe(), message)
         self._count("?", code)
         with contextlib.suppress(OSError):
             sock.send(P.encode_error(None, code, message))
@@ -996,7 +1001,7 @@ class SocketServer:
 
     def _refuse_line(self, conn: Connection, code: str, message: str) -> None:
         """One error line; the connection is then flushed (briefly) and closed."""
-        _log.warning("closing %s: %s", conn.peer.describe(), message)
+        self.client_log.warning("closing %s: %s", conn.peer.describe(), message)
         conn.reply(P.encode_error(None, code, message))
         self._count("?", code)
 
@@ -1020,7 +1025,7 @@ class SocketServer:
         method = req.method
         if not self.policy.allows(method, conn.peer):
             message = self.policy.refusal(method, conn.peer)
-            _log.warning("refused %s for %s", method, conn.peer.describe())
+            self.client_log.warning("refused %s for %s", method, conn.peer.describe())
             conn.reply(P.encode_error(req.id, P.PERMISSION_DENIED, message))
             self._count(method, P.PERMISSION_DENIED)
             return None
@@ -1195,7 +1200,8 @@ class SocketServer:
                 conn.held.clear()
                 conn.held_bytes = 0
                 if isinstance(exc, OSError):
-                    _log.warning("cannot replay the log to %s: %s", conn.peer.describe(), exc)
+                    self.client_log.warning("cannot replay the log to %s: %s",
+                                            conn.peer.describe(), exc)
                     raise P.RpcError(P.UNAVAILABLE, f"subscribe: cannot read the event log: "
                                                     f"{exc.strerror or exc}") from None
                 raise
@@ -1236,7 +1242,8 @@ class SocketServer:
                     await conn.paced(data, seq)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
         except OSError as exc:  # a log file failed under the replay: resume from here
-            _log.warning("replay of the log to %s failed: %s", conn.peer.describe(), exc)
+            self.client_log.warning("replay of the log to %s failed: %s",
+                                    conn.peer.describe(), exc)
             conn.lag(conn.last_seq + 1, 0)
         finally:
             self._replays.discard(conn)

@@ -150,6 +150,45 @@ def single_gpu_desktop(root: str | os.PathLike[str], *, boot_vga: bool = True) -
     return s
 
 
+def turing_desktop_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A consumer Intel desktop (Coffee Lake) with an RTX 2080 in the CPU's x16 slot, as such
+    a host lays out: the CPU root port 0000:00:01.0 has no ACS, so it shares IOMMU group 1 with
+    the four functions of the card, VGA (``nvidia``), HDMI audio (``snd_hda_intel``), the
+    VirtualLink USB-C controller (``xhci_hcd``) and its UCSI controller (serial bus class
+    0x0c80, ``nvidia-gpu``); the iGPU (``i915``, boot_vga 1) alone in group 0."""
+    s = SysRoot(root)
+    s.add_function("0000:00:02.0", vendor=INTEL, device="0x3e92", klass="0x030000",
+                   driver="i915", iommu_group=0, subsystem_vendor="0x1043")
+    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:00:02.0")
+    s.add_drm("renderD128", "0000:00:02.0")
+    s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0x1901")
+    card = (("0000:01:00.0", "0x1e87", "0x030000", "nvidia"),
+            ("0000:01:00.1", "0x10f8", "0x040300", "snd_hda_intel"),
+            ("0000:01:00.2", "0x1ad8", "0x0c0330", "xhci_hcd"),
+            ("0000:01:00.3", "0x1ad9", "0x0c8000", "nvidia-gpu"))
+    for addr, device, klass, driver in card:
+        s.add_function(addr, parent="0000:00:01.0", vendor=NVIDIA, device=device, klass=klass,
+                       driver=driver, iommu_group=1, subsystem_vendor="0x1043",
+                       subsystem_device="0x8668")
+    s.add_drm("card1", "0000:01:00.0")
+    s.add_drm("renderD129", "0000:01:00.0")
+    s.add_bridge("0000:00:1c.0", iommu_group=5, vendor=INTEL, device="0xa338")
+    s.add_function("0000:02:00.0", parent="0000:00:1c.0", vendor="0x144d", device="0xa808",
+                   klass="0x010802", driver="nvme", iommu_group=6)
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "i915",
+                 "snd_hda_intel", "i2c_nvidia_gpu"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_cdi_spec("etc")
+    s.add_iommu_unit("dmar0")
+    s.add_iommu_unit("dmar1")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-45-generic root=UUID=1c2e ro quiet splash "
+                  "intel_iommu=on iommu=pt")
+    return s
+
+
 #: PCI buses of the eight MI300X of an 8-GPU node, from a real KFD topology capture
 #: (``location_id`` ``bus << 8 | devfn``: 0x0500, 0x2700, 0x4700, …).
 MI300X_BUSES = (0x05, 0x27, 0x47, 0x65, 0x85, 0xa7, 0xc7, 0xe5)
@@ -225,6 +264,7 @@ __all__ = [
     "instinct_host",
     "mi300x_cpx_host",
     "single_gpu_desktop",
+    "turing_desktop_host",
     "vm_guest_host",
     "vmd_host",
 ]
