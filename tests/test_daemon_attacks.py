@@ -162,7 +162,10 @@ for uid in uids:
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             if partial == "1":
-                s.send(b'{"id": 1, "meth')
+                try:
+                    s.send(b'{"id": 1, "meth')
+                except BrokenPipeError:
+                    pass  # refused at accept and closed already: its line is still to read
             socks.append(s)
         refused = {}
         waiting = list(socks)
@@ -243,11 +246,13 @@ def test_a_thousand_hanging_peers_leave_roots_probe_answered(
             refused = sum(sum(r["refused"].values()) for r in reports)  # type: ignore[attr-defined]
             assert refused == 1000 - (1024 - 64)
             started = time.monotonic()
-            with connect(d.sock, timeout=5) as s:
+            with connect(d.sock, timeout=15) as s:
                 reply = Lines(s).request("probe", {"action": "current-mode", "addr": NV})
             elapsed = time.monotonic() - started
             assert reply == {"id": 1, "result": "nvidia"}
-            assert elapsed < 1.0, f"root's probe took {elapsed:.2f}s under the flood"
+            # Not a speed test (the machine may be loaded): held up behind the hanging peers,
+            # root would wait for their 30 s stall timeout.
+            assert elapsed < 10.0, f"root's probe took {elapsed:.2f}s under the flood"
         finally:
             release(proc)
         # Once they let go, every slot is free again.
