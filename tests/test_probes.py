@@ -205,6 +205,21 @@ def test_garbage_kfd_properties_give_empty(empty_host: SysRoot) -> None:
     assert answer(empty_host, "amd-gfx-version") == ""
 
 
+@pytest.mark.parametrize(
+    "value",
+    ["11_00_00", "+110000", "\u0661\u0661\u0660\u0660\u0660\u0660", "99999999999999999999",
+     "9" * 5000],
+)
+def test_a_kfd_version_the_kernel_cannot_write_is_garbage(empty_host: SysRoot, value: str) -> None:
+    # The kernel writes a u32 in ASCII decimal; int() would take these too (or refuse with a
+    # ValueError past 4300 digits): each is no version, not gfx1100 or a 20-digit major.
+    empty_host.add_kfd_node(1, 100306)
+    props = empty_host.root / "sys/devices/virtual/kfd/kfd/topology/nodes/1/properties"
+    props.write_text(f"cpu_cores_count 0\ngfx_target_version {value}\n")
+    assert answer(empty_host, "amd-gfx-version") == ""
+    assert answer(empty_host, "amd-gfx-target") == ""
+
+
 def test_host_devices_gfx_only_with_amd_gpu(empty_host: SysRoot) -> None:
     empty_host.add_kfd_node(1, 110000)
     assert answer(empty_host, "detect-host-devices")["amd_gfx_version"] == ""  # type: ignore[index]

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+#: ``gfx_target_version`` is a u32 in the kernel.
+_U32_MAX = 0xFFFFFFFF
+
 
 def parse_gfx_target_version(properties: str) -> int:
-    """The ``gfx_target_version`` of a KFD node's properties; 0 when absent or garbage."""
+    """The ``gfx_target_version`` of a KFD node's properties; 0 when absent or garbage.
+
+    The kernel writes a u32 in ASCII decimal: anything else (``11_00_00``, ``+110000``,
+    other scripts' digits, which int() would all take) is garbage."""
     for line in properties.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0] == "gfx_target_version":
-            try:
-                return max(int(parts[1]), 0)
-            except ValueError:
-                return 0
+            value = parts[1]
+            if value.isascii() and value.isdigit() and len(value) <= 10:
+                number = int(value)
+                return number if number <= _U32_MAX else 0
+            return 0
     return 0
 
 
