@@ -122,6 +122,40 @@ def test_an_error_naming_odd_bytes_stays_one_line(
     assert err == f"gpuwatch: events: no event log at {host.root}/no\\nlog\n"
 
 
+ESCAPES = "\x1b]0;owned\x07\x1b[2J"  # set the terminal's title, clear the screen
+
+
+def test_a_process_name_cannot_write_to_the_terminal(
+    host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Any local user names its own process (prctl PR_SET_NAME): `holders` prints it escaped.
+    host.add_process(4242, "vm" + ESCAPES, fds={3: "/dev/nvidia0"})
+    code, out, _ = run_cli(capsys, "holders", "--addr", NV, "--root", str(host.root))
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "4242\tvm\\x1b]0;owned\\x07\\x1b[2J\t/dev/nvidia0" in out.splitlines()
+    code, out, _ = run_cli(capsys, "holders", "--addr", NV, "--root", str(host.root), "--json")
+    assert [h["comm"] for h in json.loads(out)["holders"]] == ["vm" + ESCAPES]  # as it is
+
+
+def test_a_driver_name_from_a_hostile_tree_cannot_write_to_the_terminal(
+    host: SysRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "nv" + ESCAPES
+    (host.root / "sys/bus/pci/drivers" / name).mkdir()
+    link = host.device_dir(NV) / "driver"
+    link.unlink()
+    link.symlink_to(f"../../../bus/pci/drivers/{name}")
+    for command in (["status"], ["list", "--managed", "no"], ["mode", "--addr", NV]):
+        code, out, err = run_cli(capsys, *command, "--root", str(host.root))
+        assert code == 0, err
+        assert "\x1b" not in out and "\x07" not in out, command
+        if command[0] != "list":  # (list's blocks name no driver)
+            assert "nv\\x1b]0;owned\\x07\\x1b[2J" in out, command
+    code, out, _ = run_cli(capsys, "probe", "display-driver", "--addr", NV, "--root",
+                           str(host.root))
+    assert json.loads(out)["result"] == name  # JSON carries the name itself, escaped as JSON
+
+
 def test_overlong_numbers_in_the_files_a_plan_reads_are_garbage(
     host: SysRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:

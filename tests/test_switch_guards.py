@@ -324,6 +324,10 @@ def test_holders_plan_and_mode_return_within_the_deadline(
                                   "unreadable": True} in plan["refused"]["holders"]
         else:
             assert code == 1 and "stuck-job (pid 5150)" in one_line(err)
+    code, out, _ = run("holders", "--no-daemon")  # the text form names it too
+    assert code == 0
+    assert "5150\tstuck-job\t(its open files could not be read: it may hold one)" in (
+        out.splitlines())
     assert sim.record == []  # refused rather than guessed: nothing written
 
 

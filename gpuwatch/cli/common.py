@@ -11,6 +11,7 @@ from typing import NoReturn
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
 # request was fine but the host said no (not found, not root, refused, failed), 2 the
 # request was wrong (bad flag, bad address, bad config).
+from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
 
@@ -96,6 +97,4 @@ def one_line(text: str) -> str:
     """``text`` with each character that is not printable (a newline, a terminal escape)
     written as its escape: an error naming what a hostile file or argument holds stays one
     line, and says nothing to the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return terminal_safe(text, keep="")

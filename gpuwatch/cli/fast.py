@@ -20,6 +20,7 @@ from typing import Any
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.pci import canonical_addr
+from gpuwatch.core.text import terminal_safe
 
 #: The daemon's socket unless ``$GPUWATCH_SOCKET`` or ``--socket`` names another.
 DEFAULT_SOCKET_PATH = "/run/gpuwatch/gpuwatch.sock"
@@ -167,7 +168,7 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 def print_plan(plan: dict[str, Any], as_json: bool, dumps: Callable[[Any], str]) -> int:
     """``gpuwatch plan``'s output and exit code, for the full command and this path alike."""
-    print(dumps(plan) if as_json else render_plan(plan))
+    print(dumps(plan) if as_json else terminal_safe(render_plan(plan)))
     for note in plan["notes"]:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
     if plan["refused"] is not None:
@@ -184,7 +185,10 @@ def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], 
         if not holders:
             print(f"no process holds a node of {report['addr']} (IOMMU group {report['group']})")
         for h in holders:
-            print(f"{h['pid']}\t{h['comm']}\t{h['node']}")
+            node = h.get("node") or ("(its open files could not be read: it may hold one)"
+                                     if h.get("unreadable") else "")
+            # Each field escaped alone: a tab in a name cannot shift the columns either.
+            print("\t".join(terminal_safe(str(v), keep="") for v in (h["pid"], h["comm"], node)))
     if report["note"]:
         print(f"gpuwatch: note: {report['note']}", file=sys.stderr)
 

@@ -41,6 +41,7 @@ from gpuwatch.core.plan import (
     unhealthy_reason,
 )
 from gpuwatch.core.results import PciFunction
+from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchFailed, SwitchRefused
 from gpuwatch.host import open_host
 from gpuwatch.jsonout import dumps
@@ -128,7 +129,7 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
         elif result.addr:
             print(f"{where}: already {result.to_mode}, nothing to do")
         for m in result.members:
-            print(f"  {m.addr}  {m.driver or '(no driver)'}")
+            print(terminal_safe(f"  {m.addr}  {m.driver or '(no driver)'}"))
     for note in result.notes:
         print(f"gpuwatch: note: {note}", file=sys.stderr)
 
@@ -235,11 +236,11 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
         return
     print(f"{card.addr} (IOMMU group {card.iommu_group}): {mode}")
     for m in members:
-        print(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}")
+        print(terminal_safe(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}"))
     if poisoned is not None:
-        print(f"  poisoned until reboot or `gpuwatch recover`: {poisoned.error}")
+        print(terminal_safe(f"  poisoned until reboot or `gpuwatch recover`: {poisoned.error}"))
     if kept:
-        print(f"  kept for the host: {kept}")
+        print(terminal_safe(f"  kept for the host: {kept}"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.modes import on_vfio
+from gpuwatch.core.text import terminal_safe
 
 if TYPE_CHECKING:
     from gpuwatch.core.results import PciFunction
@@ -106,7 +107,7 @@ def render_status(report: dict[str, Any]) -> str:
         for bad in report["unhealthy"]:
             lines.append(f"  {bad['addr']}  {bad['class_label']}  {bad['health']}")
             lines.append(f"          -> {bad['advice']}")
-    return "\n".join(lines)
+    return terminal_safe("\n".join(lines))
 
 
 # --------------------------------------------------------------------------- list
@@ -190,7 +191,7 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
             f"{gpu['iommu_group']}: pass every function below together -->"
         )
         blocks.extend(f["hostdev_xml"] for f in gpu["functions"] if f["hostdev_xml"] is not None)
-    return "\n".join(blocks)
+    return terminal_safe("\n".join(blocks))
 
 
 __all__ = ["BRIDGE_CLASS", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
