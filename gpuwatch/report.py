@@ -212,7 +212,10 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
                 iommu_group=gpu.iommu_group,
                 managed=managed,
                 physfn=gpu.physfn,
-                note="" if kept else managed_note(managed, gpu.addr, gpu.vendor_id),
+                note="" if kept else managed_note(
+                    managed, gpu.addr, gpu.vendor_id,
+                    [(m.addr, m.sriov.numvfs) for m in members
+                     if m.sriov is not None and m.sriov.numvfs > 0]),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[

@@ -73,6 +73,19 @@ def test_list_text_marks_vfs(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "function='0x4'" in out
 
 
+@pytest.mark.parametrize("vfs", [0, 2])
+def test_list_warns_that_detaching_a_pf_takes_its_vfs(tmp_path: Path, vfs: int) -> None:
+    """libvirt's managed='yes' detaches the PF from its driver, which disables SR-IOV: the
+    note says so wherever VFs are enabled (and only there)."""
+    sriov_gpu_host(tmp_path, vfs=vfs)
+    offered = {g.addr: g for g in passthrough_gpus(gpuwatch.scan(tmp_path))}
+    warning = (f"; {SRIOV_PF} has 2 SR-IOV virtual function(s) enabled: taking its driver away "
+               "removes them under whatever uses them (`gpuwatch mode` refuses to), so disable "
+               "them first")
+    assert offered[SRIOV_PF].note.endswith(warning) == bool(vfs)
+    assert "virtual function" not in offered[SRIOV_PF].note or vfs
+
+
 def metric(registry: Any, name: str) -> dict[tuple[str, str], float]:
     text = generate_latest(registry).decode()
     out: dict[tuple[str, str], float] = {}

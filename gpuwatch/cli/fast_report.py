@@ -224,15 +224,19 @@ def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
         if gpu.get("physfn") and not vf_ready(Fn(gpu)):  # type: ignore[arg-type]
             continue
         kept = remote.kept_for_host(gpu)
+        members = [m for m in gpu["group_members"] if m["class"] != BRIDGE_CLASS]
+        with_vfs = [(m["addr"], m["sriov"]["numvfs"]) for m in members
+                    if m.get("sriov") and m["sriov"]["numvfs"] > 0]
         out.append({
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "iommu_group": gpu["iommu_group"],
             "managed": managed, "physfn": gpu.get("physfn", ""),
-            "note": "" if kept else managed_note(managed, gpu["addr"], gpu["vendor_id"]),
+            "note": "" if kept else managed_note(managed, gpu["addr"], gpu["vendor_id"],
+                                                 with_vfs),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}
-                          for m in gpu["group_members"] if m["class"] != BRIDGE_CLASS],
+                          for m in members],
             "kept_for_host": bool(kept), "reason": kept,
         })
     return out

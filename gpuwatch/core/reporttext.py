@@ -4,6 +4,7 @@ stdlib-only CLI path, so both print the same bytes. No pydantic here, by design.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.modes import on_vfio
@@ -134,10 +135,18 @@ _BACK_TO_HOST = {
 }
 
 
-def managed_note(managed: str, addr: str, vendor_id: str) -> str:
-    """What the blocks' managed attribute means for who detaches the group."""
-    return MANAGED_NOTES[managed].format(
+def managed_note(managed: str, addr: str, vendor_id: str,
+                 with_vfs: Iterable[tuple[str, int]] = ()) -> str:
+    """What the blocks' managed attribute means for who detaches the group; and, for each
+    member that is an SR-IOV physical function with virtual functions enabled (address,
+    count), that detaching it takes them away (`gpuwatch mode` refuses it)."""
+    note = MANAGED_NOTES[managed].format(
         addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
+    for pf, numvfs in with_vfs:
+        note += (f"; {pf} has {numvfs} SR-IOV virtual function(s) enabled: taking its driver "
+                 "away removes them under whatever uses them (`gpuwatch mode` refuses to), "
+                 "so disable them first")
+    return note
 
 
 def hostdev_xml(addr: str, managed: str = "yes") -> str:
