@@ -40,7 +40,7 @@ from gpuwatch.core.plan import (
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
-from gpuwatch.hostfs.files import list_dir, read_attr, read_bytes, read_text
+from gpuwatch.hostfs.files import list_dir, read_attr, read_bytes, read_text, small_count
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
 from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
 
@@ -152,11 +152,6 @@ def dri_nodes(state: HostState, addrs: Iterable[str]) -> dict[str, tuple[str, ..
         if node.device_addr in wanted:
             out.setdefault(node.device_addr, []).append(f"/dev/dri/{name}")
     return {a: tuple(sorted(v)) for a, v in out.items()}
-
-
-def _int(text: str) -> int:
-    """A small decimal count; 0 for anything else (int() refuses over 4300 digits)."""
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +286,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
     return HostFacts(
         root=paths.root,
         modules=read_modules(paths),
-        nvidia_refcnt=_int(read_attr(os.path.join(nvidia_dir, "refcnt"))),
+        nvidia_refcnt=small_count(read_attr(os.path.join(nvidia_dir, "refcnt"))),
         nvidia_module_holders=tuple(sorted(list_dir(os.path.join(nvidia_dir, "holders")))),
         other_nvidia=known.other_nvidia,
         nvidia_minor=nvidia_minor(paths.root, display),

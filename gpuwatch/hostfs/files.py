@@ -82,6 +82,12 @@ def read_text(path: str) -> str | None:
     return data.decode("utf-8", "replace").strip()
 
 
+def small_count(text: str) -> int:
+    """A count or id as sysfs writes one (ASCII decimal); 0 for anything else, a number too
+    long for any count included (int() refuses over 4300 digits, and would take ``1_0``)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else 0
+
+
 def read_attr(path: str) -> str:
     """Like `read_text`, with ``""`` for unreadable."""
     text = read_text(path)

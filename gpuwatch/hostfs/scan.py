@@ -40,7 +40,14 @@ from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_gro
 from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.files import link_name, list_dir, read_attr, read_bytes, read_text
+from gpuwatch.hostfs.files import (
+    link_name,
+    list_dir,
+    read_attr,
+    read_bytes,
+    read_text,
+    small_count,
+)
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 _VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
@@ -428,8 +435,7 @@ def read_sriov(directory: str) -> SriovSeen | None:
             if vf:
                 vfs.append((int(m.group(1)), vf))
     return SriovSeen(
-        # (int() refuses over 4300 digits: a number that long is garbage like any other)
-        totalvfs=int(total) if total.isascii() and total.isdigit() and len(total) <= 9 else 0,
+        totalvfs=small_count(total),
         vfs=tuple(vf for _, vf in sorted(vfs)),
     )
 
@@ -448,7 +454,7 @@ def read_vgpu(directory: str) -> VgpuSeen | None:
             ids.append(int(m.group(1)))
     token = current.split(None, 1)[0] if current.split() else ""
     return VgpuSeen(
-        type=int(token) if token.isascii() and token.isdigit() and len(token) <= 9 else 0,
+        type=small_count(token),
         creatable=tuple(dict.fromkeys(ids)),
     )
 
