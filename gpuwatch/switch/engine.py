@@ -39,8 +39,6 @@ from gpuwatch.core.modes import (
     Mode,
     group_in_mode,
     group_mode,
-    is_vfio_driver,
-    same_driver,
 )
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
@@ -59,7 +57,9 @@ from gpuwatch.core.plan import (
     parse_target,
     parse_vfio_driver,
     plan_switch,
+    satisfied,
     switch_guard,
+    target_of,
     unbind_scope,
     unhealthy_reason,
 )
@@ -102,6 +102,8 @@ DEFAULT_TREE_CHECK_AFTER = 5.0
 #: How long an interrupted switch may take to put its group back before it gives up.
 DEFAULT_ROLLBACK_TIMEOUT = 30.0
 _LOCK_DIR = "run/gpuwatch"
+#: Held shared by every switch, alone by one that unloads the nvidia module.
+_HOST_LOCK = "switch.lock"
 _PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "resync")
 
 
@@ -232,7 +234,16 @@ class SwitchEngine:
             raise SwitchRefused(f"{scan.describe()}; not touching the device")
         result = await self._switch(card, members, "vfio", timeout, recovering=True)
         group = card.iommu_group
-        cleared = self.poison.clear(group) if group >= 0 else False
+        try:
+            cleared = self.poison.clear(group) if group >= 0 else False
+        except OSError as exc:
+            # The group is on vfio-pci, but the record still says poisoned: a restarted
+            # watcher (and every `gpuwatch mode`) would refuse it. Keep refusing it here too,
+            # and say so, rather than report a recovery that did not stick.
+            raise SwitchFailed(
+                f"IOMMU group {group} is on vfio-pci again, but its poison record in "
+                f"{self.poison.path} could not be cleared ({exc.strerror or exc}): it stays "
+                "refused until `gpuwatch recover` can clear it, or the next boot") from None
         was = self.model.poisoned.pop(group, None) is not None
         notes = [*result.notes]
         if cleared or was:
@@ -303,9 +314,13 @@ class SwitchEngine:
         try:
             fd = self._flock(key)
             try:
-                return await self._locked(card.addr, key, to_mode, started, deadline,
-                                          force=force or recovering, recovering=recovering,
-                                          vfio_driver=vfio_driver)
+                host_fd = self._host_flock()
+                try:
+                    return await self._locked(card.addr, key, to_mode, started, deadline,
+                                              host_fd, force=force or recovering,
+                                              recovering=recovering, vfio_driver=vfio_driver)
+                finally:
+                    os.close(host_fd)
             finally:
                 os.close(fd)
         finally:
@@ -316,42 +331,27 @@ class SwitchEngine:
                 self.on_idle()
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
-                      deadline: float, *, force: bool = False, recovering: bool = False,
+                      deadline: float, host_fd: int, *, force: bool = False,
+                      recovering: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
-        state = self.model.state
-        members = state.group_members(addr)
-        known = model_facts(state, members)
-        group = members[0].iommu_group
-        proc_deadline, euid = self.model.proc_deadline, self.euid()
-        try:
-            facts = await call_bounded(
-                lambda: gather_facts(self.model.paths, members, to_mode, known,
-                                     euid=euid, which=self.ops.which,
-                                     vfio_driver=vfio_driver, deadline=proc_deadline),
-                max(0.1, min(self.scan_timeout, proc_deadline + 1,
-                           deadline - time.monotonic())),
-                "the holder scan")
-        except StepTimedOut as exc:
-            reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
-            self._refused(addr, group, to_mode, reason, ())
-            raise SwitchRefused(reason) from None
-        try:
-            plan = plan_switch(members, to_mode, facts, force=force, recovering=recovering)
-        except UnsafeName as exc:
-            self._refused(addr, group, to_mode, str(exc), ())
-            raise
-        if plan.refusal is not None:
-            self._refused(plan.addr, group, to_mode, plan.refusal.reason, plan.refusal.holders)
-            raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
-        if not plan.steps:
-            return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
-                                notes=list(plan.notes))
+        facts, plan = await self._decide(addr, to_mode, deadline, force=force,
+                                         recovering=recovering, vfio_driver=vfio_driver)
         if plan.unloads_nvidia:
             others = sorted(str(k) for k in self._busy if k != key)
             if others:
                 raise GroupBusy(f"unloading the nvidia module needs the host to itself, and "
                                 f"group {', '.join(others)} is being switched: retry after it")
             self._exclusive = key
+            self._host_exclusive(host_fd)
+            # The facts were read while other switches could still run (and end): one may
+            # have put a card on nvidia since. Decide again with the host to ourselves, or the
+            # unload would take that card off its driver.
+            facts, plan = await self._decide(addr, to_mode, deadline, force=force,
+                                             recovering=recovering, vfio_driver=vfio_driver)
+        group = plan.group
+        if not plan.steps:
+            return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
+                                notes=list(plan.notes))
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
             members=[a for a, _ in plan.targets])])
@@ -369,7 +369,7 @@ class SwitchEngine:
                     in_flight.clear()
                     if ok and isinstance(step, CommandStep):
                         done.append(step)
-                await self._verify(plan, sub, deadline, notes)
+                await self._verify(plan, facts, sub, deadline, notes)
         except (SwitchRefused, SwitchFailed) as exc:
             if token is not None:
                 _DEFERRED.reset(token)
@@ -377,17 +377,25 @@ class SwitchEngine:
             # Leave the host as found: a refused or failed switch starts again what it stopped
             # and loads again what it unloaded. Not after a wedge: touching a device a task is
             # stuck on only adds another stuck task (reboot, or `gpuwatch recover`).
-            restored = [] if isinstance(exc, SwitchWedged) else await self._restore(
-                plan, facts, done)
+            wedged = isinstance(exc, SwitchWedged)
+            commands = [] if wedged else await self._restore(plan, facts, done)
+            # The drivers are not put back (only an interrupted switch does that): say which
+            # functions are left on another driver, so nobody reads "restored" as "as found".
+            left = "" if wedged else await self._left_changed(plan)
+            restored = [*commands, left] if left else commands
             for event in pending:
                 self._publish([event.model_copy(update={"restored": restored})
                                if restored else event])
             if restored:
                 exc.restored = tuple(restored)
-                exc.args = (f"{exc}; restored what the switch had changed: "
-                            f"{', '.join(restored)}",)
+                text = str(exc)
+                if commands:
+                    text += f"; restored what the switch had changed: {', '.join(commands)}"
+                if left:
+                    text += f"; {left}"
+                exc.args = (text,)
                 if isinstance(exc, SwitchRefused):
-                    exc.reason = str(exc)
+                    exc.reason = text
             raise
         except BaseException as exc:
             # Cancelled (SIGINT/SIGTERM, a caller's timeout): `switch-started` must not be
@@ -415,6 +423,39 @@ class SwitchEngine:
                               notes=notes)
         self._publish([result])  # the caller gets the record its subscribers got
         return result
+
+    async def _decide(self, addr: str, to_mode: Mode, deadline: float, *, force: bool,
+                      recovering: bool, vfio_driver: str | None) -> tuple[HostFacts, SwitchPlan]:
+        """Read the host facts off the event loop and plan from them; a refusal is published
+        and raised here."""
+        state = self.model.state
+        if addr not in state.functions:
+            raise DeviceNotFound(f"{addr} is gone from this host: nothing to switch")
+        members = state.group_members(addr)
+        known = model_facts(state, members)
+        group = members[0].iommu_group
+        proc_deadline, euid = self.model.proc_deadline, self.euid()
+        try:
+            facts = await call_bounded(
+                lambda: gather_facts(self.model.paths, members, to_mode, known,
+                                     euid=euid, which=self.ops.which,
+                                     vfio_driver=vfio_driver, deadline=proc_deadline),
+                max(0.1, min(self.scan_timeout, proc_deadline + 1,
+                           deadline - time.monotonic())),
+                "the holder scan")
+        except StepTimedOut as exc:
+            reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
+            self._refused(addr, group, to_mode, reason, ())
+            raise SwitchRefused(reason) from None
+        try:
+            plan = plan_switch(members, to_mode, facts, force=force, recovering=recovering)
+        except UnsafeName as exc:
+            self._refused(addr, group, to_mode, str(exc), ())
+            raise
+        if plan.refusal is not None:
+            self._refused(plan.addr, group, to_mode, plan.refusal.reason, plan.refusal.holders)
+            raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
+        return facts, plan
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
                          in_flight: Sequence[Step], restored: list[str]) -> None:
@@ -490,9 +531,37 @@ class SwitchEngine:
             restored.append(f"group {plan.group}: {exc}")
             return
         targets = dict(undo.targets)
-        if not self._reached(targets):
+        if not self._reached(undo, facts):
             restored.append(f"group {plan.group} not back in mode {back}: "
                             + self._drivers_text(targets))
+
+    async def _left_changed(self, plan: SwitchPlan) -> str:
+        """After a failed or refused switch has restored its services and modules: ``""``
+        when every function of the group is on the driver it had before, else the group's
+        drivers now, as the tree shows them (folded into the model too)."""
+        addrs = [m.addr for m in plan.members]
+        paths = self.model.paths
+        try:
+            seen = await call_bounded(lambda: [read_function(paths, a) for a in addrs],
+                                      self.scan_timeout, "re-reading the tree")
+        except StepTimedOut as exc:
+            return f"group {plan.group} may not be as it was: {exc}"
+        await self._refresh(seen)
+        functions = self.model.state.functions
+        parts: list[str] = []
+        changed = False
+        for before in plan.members:
+            was = before.driver or "no driver"
+            fn = functions.get(before.addr)
+            if fn is None:
+                parts.append(f"{before.addr} gone (was {was})")
+            elif fn.driver != before.driver:
+                parts.append(f"{before.addr} on {fn.driver or 'no driver'} (was {was})")
+            else:
+                parts.append(f"{before.addr} on {was}")
+                continue
+            changed = True
+        return f"group {plan.group} is not as it was: {', '.join(parts)}" if changed else ""
 
     async def _restore(self, plan: SwitchPlan, facts: HostFacts,
                        done: Sequence[CommandStep]) -> list[str]:
@@ -600,18 +669,18 @@ class SwitchEngine:
             raise SwitchRefused(reason, holders)
         self._fail(plan, what)
 
-    async def _verify(self, plan: SwitchPlan, sub: EventStream, deadline: float,
-                      notes: list[str]) -> None:
+    async def _verify(self, plan: SwitchPlan, facts: HostFacts, sub: EventStream,
+                      deadline: float, notes: list[str]) -> None:
         """Wait for the model to see every function on its target; re-read the tree when the
         events are slow (they may have been lost) and once more before giving up."""
         targets = dict(plan.targets)
         check_at = min(deadline, time.monotonic() + self.tree_check_after)
         events_open = True
-        while not self._reached(targets):
+        while not self._reached(plan, facts):
             now = time.monotonic()
             if now >= check_at:
                 await self._reread(plan, deadline)
-                if self._reached(targets):
+                if self._reached(plan, facts):
                     notes.append("bind events were lost: completion read from the tree")
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
                     return
@@ -643,13 +712,15 @@ class SwitchEngine:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _reached(self, targets: dict[str, str]) -> bool:
+    def _reached(self, plan: SwitchPlan, facts: HostFacts) -> bool:
+        """The model sees every function of the plan where it should be, by the plan's own
+        rule (`satisfied`): another VFIO driver counts for a VFIO target, except for one asked
+        for by name (``--vfio-driver``), where the model still showing the old variant means
+        its uevents have not been read yet, not that the switch is done."""
         functions = self.model.state.functions
-        variants = self.model.state.vfio_variants
-        return all((fn := functions.get(a)) is not None and (
-            same_driver(fn.driver, d)
-            or (is_vfio_driver(d, variants) and is_vfio_driver(fn.driver, variants)))
-            for a, d in targets.items())
+        return all((fn := functions.get(a)) is not None
+                   and satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)
+                   for a, _ in plan.targets)
 
     def _drivers_text(self, targets: dict[str, str]) -> str:
         functions = self.model.state.functions
@@ -732,6 +803,28 @@ class SwitchEngine:
             os.close(fd)
             raise GroupBusy(f"IOMMU group {key} is being switched by another process") from None
         return fd
+
+    def _host_flock(self) -> int:
+        """The host-wide lock, shared by every switch under way in any process; a switch
+        that unloads the nvidia module takes it alone (`_host_exclusive`)."""
+        fd = os.open(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK),
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GroupBusy("another process is unloading the nvidia module: retry after "
+                            "it") from None
+        return fd
+
+    def _host_exclusive(self, fd: int) -> None:
+        """Unloading nvidia takes every card off it: no other switch may run, here or in
+        another process (a CLI `gpuwatch mode` beside the daemon)."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise GroupBusy("unloading the nvidia module needs the host to itself, and "
+                            "another process is switching a group: retry after it") from None
 
 
 async def ensure_cdi(root: str, ops: HostOps, *, euid: int,

@@ -1,0 +1,243 @@
+"""The switch tells the truth about how it ended: `switch-completed` only once the model saw
+every function on its target, a failure that says what it left changed, a recover that does
+not claim a poison it could not clear, and the nvidia module never unloaded under another
+switch (in this process or another one).
+
+Every test runs against a fixture root with the simulated kernel.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from pydantic import BaseModel
+
+from gpuwatch.errors import GroupBusy, SwitchFailed, SwitchWedged
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.switch import engine as engine_module
+from gpuwatch.switch.poison import PoisonStore
+from gpuwatch.testing import SysRoot
+from gpuwatch.testing.modern import GH_ADDR, grace_hopper_host
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+
+NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
+NV2, AUDIO2 = "0000:03:00.0", "0000:03:00.1"
+
+
+def of_type(events: list[BaseModel], kind: str) -> list[Any]:
+    return [e for e in events if getattr(e, "type", None) == kind]
+
+
+def tree_driver(sim: SimKernel, addr: str) -> str:
+    return sim._driver(addr)
+
+
+def add_second_card(host: SysRoot, driver: str = "nvidia", audio: str = "snd_hda_intel") -> None:
+    """Another NVIDIA card in its own group (15), with both cards' /dev/nvidiaN minors."""
+    host.add_bridge("0000:00:03.0", iommu_group=3)
+    host.add_function(NV2, parent="0000:00:03.0", device="0x2684", driver=driver, iommu_group=15)
+    host.add_function(AUDIO2, parent="0000:00:03.0", device="0x22ba", klass="0x040300",
+                      driver=audio, iommu_group=15)
+    host.add_dev_node("/dev/nvidia1")
+    for addr, minor in ((NV, 0), (NV2, 1)):
+        folder = host.root / "proc/driver/nvidia/gpus" / addr
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "information").write_text(f"Model: \t\t NVIDIA GeForce RTX\n"
+                                             f"Device Minor: \t {minor}\nBus Type: \t PCIe\n")
+
+
+# --------------------------------------------------------------------------- completion
+
+
+async def test_an_explicit_vfio_driver_completes_only_once_it_is_seen_bound(
+        tmp_path: Path) -> None:
+    """`--vfio-driver vfio-pci` from nvgrace_gpu_vfio_pci: the model still showing the variant
+    (its uevents not read yet) is not the target reached. Every uevent is lost here, so only
+    the tree check can confirm, and the record must show the driver the function is on."""
+    host = grace_hopper_host(tmp_path)
+    nowhere = MemorySource()
+    async with simulated_switch(host, tree_check_after=0.2) as (w, sim, _e, events):
+        sim.source = nowhere  # the watcher hears nothing from now on
+        try:
+            result = await w.switch(GH_ADDR, "vfio", timeout=10, vfio_driver="vfio-pci")
+        finally:
+            nowhere.close()
+        assert tree_driver(sim, GH_ADDR) == "vfio-pci"
+        assert [(m.addr, m.driver) for m in result.members] == [(GH_ADDR, "vfio-pci")]
+        assert any("lost" in n for n in result.notes)
+    assert of_type(events, "switch-completed")[0].members[0].driver == "vfio-pci"
+
+
+# --------------------------------------------------------------------------- failures
+
+
+class DeafProbe(SimKernel):
+    """drivers_probe reports success and binds nothing (a driver whose probe fails)."""
+
+    def _probe(self, addr: str) -> None:
+        return None
+
+
+async def test_a_failed_switch_says_which_functions_it_left_changed(host: SysRoot) -> None:
+    """To vfio, no function binds: reloading nvidia brings the display back, but the audio
+    function stays unbound. The error and the event's `restored` say so, instead of reading
+    as if the host were back as found."""
+    sim = DeafProbe(host)
+    async with simulated_switch(host, sim=sim, tree_check_after=0.2) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="did not reach") as info:
+            await w.switch(NV, "vfio", timeout=1.5)
+        assert not isinstance(info.value, SwitchWedged)
+        assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["nvidia", ""]
+    text = str(info.value)
+    assert f"{AUDIO} on no driver (was snd_hda_intel)" in text.rpartition("restored")[2]
+    assert f"{NV} on nvidia" in text.rpartition("restored")[2]
+    failed = of_type(events, "switch-failed")[0]
+    assert failed.restored[:1] == ["modprobe nvidia"]
+    assert any(f"{AUDIO} on no driver (was snd_hda_intel)" in r for r in failed.restored)
+    assert tuple(failed.restored) == info.value.restored
+
+
+async def test_a_function_removed_mid_switch_is_reported_gone(host: SysRoot) -> None:
+    class HotRemoval(SimKernel):
+        async def write(self, path: str, value: str, timeout: float) -> None:
+            if path == "/sys/bus/pci/drivers/snd_hda_intel/unbind":
+                devpath = self.sys.devpath(value)
+                self.sys.remove_function(value)  # surprise removal, right before the unbind
+                self.source.push(self.sys.uevent_props("remove", devpath))
+            await super().write(path, value, timeout)
+
+    sim = HotRemoval(host)
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="No such device") as info:
+            await w.switch(NV, "vfio", timeout=5)
+    left = str(info.value).rpartition("restored")[2]
+    assert f"{NV} on vfio-pci (was nvidia)" in left and f"{AUDIO} gone" in left
+    assert any(f"{AUDIO} gone" in r for r in of_type(events, "switch-failed")[0].restored)
+
+
+async def test_a_failure_that_changed_no_driver_adds_nothing(host: SysRoot) -> None:
+    sim = SimKernel(host)
+    sim.fail_modules.add("vfio_pci")
+    host.remove_module("vfio_pci")
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="not found") as info:
+            await w.switch(NV, "vfio", timeout=5)
+        assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["nvidia", "snd_hda_intel"]
+    assert "was " not in str(info.value)
+    assert not any("was " in r for r in of_type(events, "switch-failed")[0].restored)
+
+
+# --------------------------------------------------------------------------- recover
+
+
+async def test_recover_that_cannot_clear_the_poison_record_says_so(
+        host: SysRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    add_second_card(host)
+    sim = SimKernel(host)
+    sim.wedge_unbind.add("nvidia")
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, _ev):
+        with pytest.raises(SwitchWedged):
+            await w.switch(NV, "vfio", timeout=0.5)
+        sim.wedge_unbind.clear()
+        sim.release_stuck()
+
+        def read_only(self: PoisonStore, entries: object) -> None:
+            raise OSError(errno.EROFS, "Read-only file system", self.path)
+
+        monkeypatch.setattr(PoisonStore, "_store", read_only)
+        with pytest.raises(SwitchFailed, match=r"poison.*Read-only file system"):
+            await w.recover(NV, timeout=5)
+        assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["vfio-pci", "vfio-pci"]
+        assert 13 in w.model.poisoned  # as the record still says: refused until cleared
+        monkeypatch.undo()
+        done = await w.recover(NV, timeout=5)  # the file system is back: the retry clears it
+        assert any("poison of group 13 cleared" in n for n in done.notes)
+        assert 13 not in w.model.poisoned
+    assert PoisonStore(str(host.root)).load() == {}
+
+
+# --------------------------------------------------------------------------- the nvidia module
+
+
+def hold_host_lock(root: Path, how: int) -> int:
+    folder = root / "run/gpuwatch"
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / "switch.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, how)
+    return fd
+
+
+async def test_unloading_nvidia_waits_for_a_switch_of_another_process(host: SysRoot) -> None:
+    """Another process switching any group holds the host lock shared: a switch here that
+    would unload the nvidia module is busy, nothing run."""
+    fd = hold_host_lock(host.root, fcntl.LOCK_SH)
+    try:
+        async with simulated_switch(host) as (w, sim, _e, events):
+            with pytest.raises(GroupBusy, match="nvidia module"):
+                await w.switch(NV, "vfio", timeout=5)
+            assert sim.record == []
+            assert not of_type(events, "switch-started")
+    finally:
+        os.close(fd)
+
+
+async def test_no_switch_runs_while_another_process_unloads_nvidia(host: SysRoot) -> None:
+    fd = hold_host_lock(host.root, fcntl.LOCK_EX)
+    try:
+        async with simulated_switch(host) as (w, sim, _e, _ev):
+            with pytest.raises(GroupBusy, match="another process"):
+                await w.switch(NV, "vfio", timeout=5)
+            assert sim.record == []
+    finally:
+        os.close(fd)
+    async with simulated_switch(host) as (w, sim, _e, _ev):  # lock released: it runs
+        assert (await w.switch(NV, "vfio", timeout=5)).changed
+
+
+@pytest.mark.timeout(60)
+async def test_the_unload_decision_is_taken_again_with_the_host_to_itself(
+        host: SysRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 13 (nvidia) to vfio reads its facts while group 15 (vfio) is not on nvidia yet:
+    no other GPU on nvidia, so unload. Group 15's switch to nvidia completes meanwhile. The
+    unload must be decided again once the switch has the host to itself: group 15 is on
+    nvidia now, so the card is unbound alone and group 15 keeps its driver."""
+    add_second_card(host, driver="vfio-pci", audio="vfio-pci")
+    host.add_vfio_group(15)
+    real = engine_module.gather_facts
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def stale_facts(*args: Any, **kwargs: Any) -> Any:
+        facts = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            gate.wait(20)  # read before group 15 moved; handed over after it did
+        return facts
+
+    monkeypatch.setattr(engine_module, "gather_facts", stale_facts)
+    async with simulated_switch(host, scan_timeout=30) as (w, sim, _e, _ev):
+        w.model.proc_deadline = 25.0
+        outcome: dict[str, Any] = {}
+
+        async def card13() -> None:
+            outcome["13"] = await w.switch(NV, "vfio", timeout=40)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(card13)
+            with anyio.fail_after(20):
+                while not calls:  # group 13's facts are read (and held back)
+                    await anyio.sleep(0.01)
+            # Group 15 goes to nvidia while group 13's first facts are being read.
+            outcome["15"] = await w.switch(NV2, "nvidia", timeout=20)
+            gate.set()
+        assert outcome["15"].changed and outcome["13"].changed
+        assert ("command", "modprobe", "-r", "nvidia") not in sim.record
+        assert [tree_driver(sim, a) for a in (NV2, AUDIO2)] == ["nvidia", "snd_hda_intel"]
+        assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["vfio-pci", "vfio-pci"]
