@@ -279,3 +279,14 @@ async def test_a_roll_back_that_gets_stuck_poisons_the_group(host: SysRoot, how:
             await w.switch(NV, "nvidia", timeout=5)
         assert sim.record == before and len(sim.stuck) == 1
     assert 13 in PoisonStore(str(host.root)).load()  # a restarted watcher refuses it too
+
+
+async def test_a_lock_folder_that_cannot_be_made_is_one_clear_failure(host: SysRoot) -> None:
+    """`<root>/run` not writable (here: a file where the folder belongs, as on a read-only
+    host root): the switch fails with what and why, nothing written, not an internal error."""
+    (host.root / "run").write_text("not a folder\n")
+    async with simulated_switch(host) as (w, sim, _e, events):
+        with pytest.raises(SwitchFailed, match=r"switch lock .*run/gpuwatch.*nothing was written"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert sim.record == [] and not of_type(events, "switch-started")
+        assert not w.engine.busy

@@ -824,9 +824,11 @@ class SwitchEngine:
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
         folder = os.path.join(self.root, _LOCK_DIR)
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, f"switch-{key}.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise self._no_lock(folder, exc) from None
+        fd = self._open_lock(os.path.join(folder, f"switch-{key}.lock"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -834,11 +836,22 @@ class SwitchEngine:
             raise GroupBusy(f"IOMMU group {key} is being switched by another process") from None
         return fd
 
+    def _open_lock(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise self._no_lock(path, exc) from None
+
+    @staticmethod
+    def _no_lock(path: str, exc: OSError) -> SwitchFailed:
+        """A read-only or full host root: one line saying so, before anything is written."""
+        return SwitchFailed(f"cannot take the switch lock {path}: {exc.strerror or exc}; "
+                            "nothing was written")
+
     def _host_flock(self) -> int:
         """The host-wide lock, shared by every switch under way in any process; a switch
         that unloads the nvidia module takes it alone (`_host_exclusive`)."""
-        fd = os.open(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = self._open_lock(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
