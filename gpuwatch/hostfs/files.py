@@ -63,9 +63,10 @@ def read_bytes(path: str, cap: int = ATTR_CAP) -> bytes:
 def read_text(path: str) -> str | None:
     """A small attribute file's text, stripped; None when it cannot be read for any reason.
 
-    ENOENT/ENODEV (device gone), EACCES, EIO, odd bytes (replaced) and a special file
-    planted where the attribute should be are all normal on a live host (or a hostile
-    tree) and must not stop, or block, a scan.
+    ENOENT/ENODEV (device gone), EACCES, EIO, odd bytes (replaced), trailing NUL padding
+    (dropped: GNU tar's, in a captured tree) and a special file planted where the attribute
+    should be are all normal on a live host (or a hostile tree) and must not stop, or
+    block, a scan.
     """
     # os.open/os.read, not open(): no buffered file object per attribute, which is a third of
     # the cost of a scan. One read suffices: sysfs hands out an attribute in a single read.
@@ -79,7 +80,9 @@ def read_text(path: str) -> str | None:
         return None
     finally:
         os.close(fd)
-    return data.decode("utf-8", "replace").strip()
+    # rstrip(b"\0"): a tree captured with GNU tar holds every attribute padded with NULs to
+    # the 4096 bytes sysfs reports as its size; no sysfs text attribute ends in a NUL.
+    return data.rstrip(b"\0").decode("utf-8", "replace").strip()
 
 
 def small_count(text: str) -> int:

@@ -258,13 +258,215 @@ def _add_xcp_drm(s: SysRoot, index: int, names: tuple[str, ...]) -> None:
         s.add_dev_node(f"/dev/dri/{name}")
 
 
+#: NVIDIA HGX H100 parts, as ``lspci -nnk`` shows them on such a board: the SXM5 GPU (3D
+#: controller), the third-generation NVSwitch (``Bridge [0680]``, driver ``nvidia-nvswitch``)
+#: and the Broadcom PEX89xxx switch each GPU sits behind.
+H100_SXM, NVSWITCH, BROADCOM, PEX89000 = "0x2330", "0x22a3", "0x1000", "0xc030"
+#: ``Bridge: other`` (0x0680): the class NVSwitches report.
+OTHER_BRIDGE_CLASS = "0x068000"
+
+
+def hgx_h100_host(root: str | os.PathLike[str], *, gpus: int = 8, acs: bool = True) -> SysRoot:
+    """An 8-GPU HGX H100 node: each SXM5 GPU (``0x10de:0x2330``, 3D controller, ``nvidia``)
+    behind a downstream port of a Broadcom PEX89xxx switch, beside a ConnectX-7 NIC
+    (``mlx5_core``); four NVSwitches (``0x10de:0x22a3``, class 0x0680, bound to
+    ``nvidia-nvswitch``, the PCI driver nvidia.ko registers for them) on their own ports; the
+    BMC's ASPEED VGA (``ast``, boot_vga 1). With ``acs`` every endpoint and port is alone in
+    its IOMMU group; without it a switch's downstream ports share the GPU's group."""
+    s = SysRoot(root)
+    s.add_bridge("0000:02:00.0", domain_root="pci0000:00", iommu_group=1, vendor=ASPEED,
+                 device="0x1150")
+    s.add_function("0000:03:00.0", parent="0000:02:00.0", vendor=ASPEED, device="0x2000",
+                   klass="0x030000", driver="ast", iommu_group=1, subsystem_vendor=ASPEED)
+    s.set_attr("0000:03:00.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:03:00.0", dev_node=True)
+    group = 10
+    for i in range(gpus):
+        bus = 0x18 + 0x20 * i
+        root_port, up, down_gpu, down_nic = (f"0000:{bus - 2:02x}:01.0", f"0000:{bus - 1:02x}:00.0",
+                                             f"0000:{bus:02x}:00.0", f"0000:{bus:02x}:01.0")
+        s.add_bridge(root_port, domain_root=f"pci0000:{bus - 2:02x}", iommu_group=group)
+        s.add_bridge(up, parent=root_port, vendor=BROADCOM, device=PEX89000,
+                     iommu_group=group + 1)
+        gpu_group = group + 2
+        s.add_bridge(down_gpu, parent=up, vendor=BROADCOM, device=PEX89000,
+                     iommu_group=group + 2 if not acs else group + 3)
+        s.add_bridge(down_nic, parent=up, vendor=BROADCOM, device=PEX89000,
+                     iommu_group=group + 4)
+        s.add_function(f"0000:{bus + 1:02x}:00.0", parent=down_gpu, vendor=NVIDIA,
+                       device=H100_SXM, klass="0x030200", driver="nvidia",
+                       iommu_group=gpu_group, subsystem_device="0x16c1")
+        s.add_function(f"0000:{bus + 2:02x}:00.0", parent=down_nic, vendor="0x15b3",
+                       device="0x1021", klass="0x020700", driver="mlx5_core",
+                       iommu_group=group + 5, subsystem_vendor="0x15b3")
+        s.add_dev_node(f"/dev/nvidia{i}")
+        group += 6
+    for j in range(4):
+        port, addr = f"0000:{0xe0 + 2 * j:02x}:00.0", f"0000:{0xe1 + 2 * j:02x}:00.0"
+        s.add_bridge(port, domain_root=f"pci0000:{0xe0 + 2 * j:02x}", iommu_group=group)
+        s.add_function(addr, parent=port, vendor=NVIDIA, device=NVSWITCH,
+                       klass=OTHER_BRIDGE_CLASS, driver="nvidia-nvswitch",
+                       iommu_group=group + 1, subsystem_device="0x1796")
+        s.add_dev_node(f"/dev/nvidia-nvswitch{j}")
+        group += 2
+    s.add_dev_node("/dev/nvidia-nvswitchctl")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_module("nvidia", refcnt=3, holders=("nvidia_modeset", "nvidia_uvm", "nvidia_peermem"))
+    for name in ("nvidia_modeset", "nvidia_uvm", "nvidia_peermem", "mlx5_core", "ast"):
+        s.add_module(name)
+    s.add_cdi_spec("var")
+    s.add_iommu_unit("dmar0")
+    s.add_iommu_unit("dmar1")
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz-5.15.0-119-generic root=UUID=9b1f ro intel_iommu=on "
+                  "iommu=pt pci=realloc=off")
+    return s
+
+
+def hybrid_laptop_host(root: str | os.PathLike[str], *, dgpu_class: str = "0x030200"
+                       ) -> SysRoot:
+    """An Optimus laptop: the Intel iGPU (``i915``, boot_vga 1, card0/renderD128) drives the
+    panel; the NVIDIA dGPU (an RTX 3050 Mobile, ``0x10de:0x25a2``, a 3D controller with no
+    audio function and no ``boot_vga`` file, on ``nvidia``: card1/renderD129) sits behind the
+    CPU's PEG port in its own group. IOMMU on by the distribution kernel's default (no
+    ``intel_iommu=`` on the command line)."""
+    s = SysRoot(root)
+    s.add_function("0000:00:02.0", vendor=INTEL, device="0x46a6", klass="0x030000",
+                   driver="i915", iommu_group=0, subsystem_vendor="0x17aa")
+    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:00:02.0")
+    s.add_drm("renderD128", "0000:00:02.0")
+    s.add_bridge("0000:00:06.0", iommu_group=3, vendor=INTEL, device="0x464d")
+    s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0x460d")
+    s.add_function("0000:01:00.0", parent="0000:00:01.0", vendor=NVIDIA, device="0x25a2",
+                   klass=dgpu_class, driver="nvidia", iommu_group=12,
+                   subsystem_vendor="0x17aa", subsystem_device="0x3a4c")
+    s.add_drm("card1", "0000:01:00.0")
+    s.add_drm("renderD129", "0000:01:00.0")
+    s.add_function("0000:02:00.0", parent="0000:00:06.0", vendor="0x144d", device="0xa80a",
+                   klass="0x010802", driver="nvme", iommu_group=13)
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "i915", "nvme"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_iommu_unit("dmar0")
+    s.add_iommu_unit("dmar1")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-49-generic root=UUID=4c1d ro quiet splash")
+    return s
+
+
+FLEX_170, FLEX_PF = "0x56c0", "0000:4d:00.0"
+
+
+def intel_flex_sriov_host(root: str | os.PathLike[str], *, vfs: int = 4,
+                          driver: str = "i915", vf_driver: str | None = "vfio-pci") -> SysRoot:
+    """A server with an Intel Data Center GPU Flex 170 (``0x8086:0x56c0``, Display controller
+    0x0380) on ``i915`` (or ``xe``), SR-IOV on (``sriov_totalvfs`` 31): ``vfs`` VFs at function
+    1 on (offset 1, stride 1, same device id and class), each in its own IOMMU group, bound to
+    ``vf_driver``. Only the PF has DRM nodes; an ASPEED BMC is the console."""
+    s = SysRoot(root)
+    s.add_bridge("0000:02:00.0", iommu_group=1, vendor=ASPEED, device="0x1150")
+    s.add_function("0000:03:00.0", parent="0000:02:00.0", vendor=ASPEED, device="0x2000",
+                   klass="0x030000", driver="ast", iommu_group=1, subsystem_vendor=ASPEED)
+    s.set_attr("0000:03:00.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:03:00.0", dev_node=True)
+    s.add_bridge("0000:4a:01.0", domain_root="pci0000:4a", iommu_group=30)
+    s.add_bridge("0000:4b:00.0", parent="0000:4a:01.0", vendor=INTEL, device="0x4fa0",
+                 iommu_group=31)
+    s.add_bridge("0000:4c:01.0", parent="0000:4b:00.0", vendor=INTEL, device="0x4fa4",
+                 iommu_group=32)
+    s.add_function(FLEX_PF, parent="0000:4c:01.0", vendor=INTEL, device=FLEX_170,
+                   klass="0x038000", driver=driver, iommu_group=33, subsystem_vendor=INTEL,
+                   subsystem_device="0x4905")
+    s.enable_sriov(FLEX_PF, 31, offset=1)
+    s.add_drm("card1", FLEX_PF)
+    s.add_drm("renderD128", FLEX_PF)
+    s.add_vfs(FLEX_PF, vfs, driver=vf_driver, first_group=34)
+    if vf_driver and "vfio" in vf_driver:
+        for i in range(vfs):
+            s.add_vfio_group(34 + i)
+        s.add_module("vfio_pci")
+    s.add_module(driver)
+    s.add_module("ast")
+    s.add_iommu_unit("dmar0")
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz-6.5.0-35-generic ro intel_iommu=on iommu=pt "
+                  "i915.max_vfs=31 i915.enable_guc=3")
+    return s
+
+
+def amd_apu_dgpu_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A Ryzen 9 7950X desktop: the Raphael iGPU (``0x1002:0x164e``, amdgpu, gfx 100306) and a
+    Radeon RX 7900 XTX (``0x1002:0x744c``, amdgpu, gfx 110000, boot_vga 1: the firmware's
+    primary display), each with its HDMI audio in its group. amdgpu probes the dGPU first
+    (lower bus): card0/renderD128 and KFD node 1 are the dGPU's, card1/renderD129 and node
+    2 the iGPU's; node 0 is the CPU."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:01.1", iommu_group=2, vendor=AMD, device="0x14db")
+    s.add_bridge("0000:01:00.0", parent="0000:00:01.1", vendor=AMD, device="0x1478",
+                 iommu_group=3)
+    s.add_bridge("0000:02:00.0", parent="0000:01:00.0", vendor=AMD, device="0x1479",
+                 iommu_group=4)
+    s.add_function("0000:03:00.0", parent="0000:02:00.0", vendor=AMD, device="0x744c",
+                   driver="amdgpu", iommu_group=5, subsystem_vendor="0x1da2")
+    s.set_attr("0000:03:00.0", "boot_vga", "1\n")
+    s.add_function("0000:03:00.1", parent="0000:02:00.0", vendor=AMD, device="0xab30",
+                   klass="0x040300", driver="snd_hda_intel", iommu_group=5)
+    s.add_bridge("0000:00:08.1", iommu_group=13, vendor=AMD, device="0x14dd")
+    s.add_function("0000:12:00.0", parent="0000:00:08.1", vendor=AMD, device="0x164e",
+                   driver="amdgpu", iommu_group=14, subsystem_vendor="0x1458")
+    s.add_function("0000:12:00.1", parent="0000:00:08.1", vendor=AMD, device="0x1640",
+                   klass="0x040300", driver="snd_hda_intel", iommu_group=15)
+    s.add_function("0000:12:00.2", parent="0000:00:08.1", vendor=AMD, device="0x1649",
+                   klass="0x108000", driver="ccp", iommu_group=16)
+    for i, addr in enumerate(("0000:03:00.0", "0000:12:00.0")):
+        s.add_drm(f"card{i}", addr)
+        s.add_drm(f"renderD{128 + i}", addr)
+    s.add_kfd_node(0, 0, cpu_cores_count=32)
+    s.add_kfd_node(1, 110000, vendor_id=0x1002, device_id=0x744C, location_id=0x300,
+                   drm_render_minor=128)
+    s.add_kfd_node(2, 100306, vendor_id=0x1002, device_id=0x164E, location_id=0x1200,
+                   drm_render_minor=129)
+    s.add_dev_node("/dev/kfd")
+    for name in ("amdgpu", "snd_hda_intel", "ccp"):
+        s.add_module(name)
+    s.add_iommu_unit("ivhd0")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-linux root=UUID=77aa rw amd_iommu=on iommu=pt")
+    return s
+
+
+def vfio_noiommu_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A host without an IOMMU (none in firmware, or a VM guest without a vIOMMU) that loaded
+    vfio with ``enable_unsafe_noiommu_mode=1`` and bound its NVIDIA T4 to vfio-pci: VFIO made
+    the function a group of its own (0, named ``vfio-noiommu``) and its node is
+    ``/dev/vfio/noiommu-0``, not ``/dev/vfio/0``. No IOMMU unit, no other group."""
+    s = SysRoot(root)
+    s.add_function("0000:00:01.0", vendor="0x1234", device="0x1111", klass="0x030000",
+                   driver="bochs-drm", subsystem_vendor="0x1af4")
+    s.set_attr("0000:00:01.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:00:01.0")
+    s.add_function("0000:00:05.0", vendor=NVIDIA, device="0x1eb8", klass="0x030200",
+                   driver="vfio-pci", iommu_group=0)
+    (s.root / "sys/kernel/iommu_groups/0/name").write_text("vfio-noiommu\n")
+    s.add_dev_node("/dev/vfio/vfio")
+    s.add_dev_node("/dev/vfio/noiommu-0")
+    for name in ("vfio", "vfio_pci", "vfio_pci_core"):
+        s.add_module(name)
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0 ro console=ttyS0 "
+                  "vfio.enable_unsafe_noiommu_mode=1")
+    return s
+
+
 __all__ = [
+    "amd_apu_dgpu_host",
     "bmc_server_host",
+    "hgx_h100_host",
     "hpe_ilo_host",
+    "hybrid_laptop_host",
     "instinct_host",
+    "intel_flex_sriov_host",
     "mi300x_cpx_host",
     "single_gpu_desktop",
     "turing_desktop_host",
+    "vfio_noiommu_host",
     "vm_guest_host",
     "vmd_host",
 ]

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1148,6 +1149,24 @@ class SysRoot:
                                else ()):
                 if os.path.islink(self._abs(f"{base}/{name}")):
                     self.flatten_link(f"{base}/{name}", nested=nested)
+
+    def pad_like_tar(self, size: int = 4096) -> None:
+        """What GNU tar leaves of sysfs attributes: it archives the ``size`` bytes ``stat``
+        reports for every attribute (4096), gets a shorter read, and pads the rest with NUL
+        bytes ("File shrank by N bytes; padding with zeros"). Every regular file under
+        ``sys/`` shorter than ``size`` is padded so. Call it last, after `capture` for a
+        ``tar -h`` (links followed) capture."""
+        for dirpath, _dirs, files in os.walk(self._abs("sys")):
+            for name in files:
+                path = f"{dirpath}/{name}"
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_size >= size:
+                    continue
+                os.chmod(path, 0o600)
+                with open(path, "r+b") as f:
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\0" * (size - st.st_size))
+                os.chmod(path, stat.S_IMODE(st.st_mode))
 
     # ----------------------------------------------------------------- uevents
 
