@@ -19,7 +19,7 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from gpuwatch.errors import GroupBusy, SwitchFailed, SwitchWedged
+from gpuwatch.errors import GroupBusy, GroupPoisoned, SwitchFailed, SwitchWedged
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch import engine as engine_module
 from gpuwatch.switch.poison import PoisonStore
@@ -241,3 +241,52 @@ async def test_the_unload_decision_is_taken_again_with_the_host_to_itself(
         assert ("command", "modprobe", "-r", "nvidia") not in sim.record
         assert [tree_driver(sim, a) for a in (NV2, AUDIO2)] == ["nvidia", "snd_hda_intel"]
         assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["vfio-pci", "vfio-pci"]
+
+
+# --------------------------------------------------------------------------- a stuck roll-back
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["step-timeout", "roll-back-bound"])
+async def test_a_roll_back_that_gets_stuck_poisons_the_group(host: SysRoot, how: str) -> None:
+    """Interrupted once the display is on vfio-pci: the roll-back unbinds it from vfio-pci,
+    and that write hangs (its own step timeout, or still hanging when the roll-back's bound
+    runs out). A task is stuck on the device: the group is poisoned as after any wedge,
+    nothing more is run (no module load on top), and the next switch is refused instead of
+    adding a second stuck task."""
+    sim = SimKernel(host)
+    sim.step_delay = 0.05
+    step_timeout = 0.5 if how == "step-timeout" else 20.0
+    async with simulated_switch(host, sim=sim, step_timeout=step_timeout) as (w, _s, engine,
+                                                                             events):
+        engine.rollback_timeout = 30.0 if how == "step-timeout" else 1.0
+        with anyio.fail_after(40):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: w.switch(NV, "vfio", timeout=30))
+                while tree_driver(sim, NV) != "vfio-pci":
+                    await anyio.sleep(0.005)
+                sim.wedge_unbind.add("vfio-pci")
+                tg.cancel_scope.cancel()
+        assert len(sim.stuck) == 1
+        hung = sim.record.index(("write", "/sys/bus/pci/drivers/vfio-pci/unbind", NV))
+        assert sim.record[hung + 1:] == []  # nothing after the stuck write
+        assert 13 in w.model.poisoned
+        failed = of_type(events, "switch-failed")[-1]
+        assert (failed.error, failed.wedged) == ("interrupted", True)
+        assert "poisoned" in failed.restored[-1]
+        before = list(sim.record)
+        with pytest.raises(GroupPoisoned):
+            await w.switch(NV, "nvidia", timeout=5)
+        assert sim.record == before and len(sim.stuck) == 1
+    assert 13 in PoisonStore(str(host.root)).load()  # a restarted watcher refuses it too
+
+
+async def test_a_lock_folder_that_cannot_be_made_is_one_clear_failure(host: SysRoot) -> None:
+    """`<root>/run` not writable (here: a file where the folder belongs, as on a read-only
+    host root): the switch fails with what and why, nothing written, not an internal error."""
+    (host.root / "run").write_text("not a folder\n")
+    async with simulated_switch(host) as (w, sim, _e, events):
+        with pytest.raises(SwitchFailed, match=r"switch lock .*run/gpuwatch.*nothing was written"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert sim.record == [] and not of_type(events, "switch-started")
+        assert not w.engine.busy

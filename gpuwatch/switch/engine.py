@@ -407,13 +407,21 @@ class SwitchEngine:
                     _DEFERRED.reset(token)
                     token = None
                 undone: list[str] = []
+                rolling: list[Step] = []  # the roll-back's step under way
+                wedged = False
                 with anyio.CancelScope(shield=True), anyio.move_on_after(
                         self.rollback_timeout) as bound:
-                    await self._roll_back(plan, facts, done, in_flight, undone)
+                    wedged = await self._roll_back(plan, facts, done, in_flight, undone,
+                                                   rolling)
                 if bound.cancelled_caught:
                     undone.append(f"(the roll-back ran out of its {self.rollback_timeout:g}s)")
+                    if rolling:  # cut off in the middle of a kernel write: it may be stuck
+                        undone.append(self._poison(plan, (
+                            f"{rolling[0].describe()} had not returned when the roll-back ran "
+                            "out of time: the device may be wedged")))
+                        wedged = True
                 self._publish([ev.SwitchFailed(addr=plan.addr, group=group, to_mode=to_mode,
-                                               error="interrupted", wedged=False,
+                                               error="interrupted", wedged=wedged,
                                                restored=undone)])
             raise
         finally:
@@ -458,10 +466,12 @@ class SwitchEngine:
         return facts, plan
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
-                         in_flight: Sequence[Step], restored: list[str]) -> None:
+                         in_flight: Sequence[Step], restored: list[str],
+                         rolling: list[Step]) -> bool:
         """An interrupted switch: bring the group back to the mode it was in (a switch back,
         planned from the tree as it is now, with a fresh holder scan), then start again what
-        the switch stopped. ``restored`` says what was done, step by step.
+        the switch stopped. ``restored`` says what was done, step by step; ``rolling`` holds
+        the step under way. True when a step of the roll-back wedged (the group poisoned).
 
         Not when the interrupted step was an unbind and a task is (or may be) stuck in the
         driver's remove: touching that device only adds a second stuck task (the wedge rule)."""
@@ -479,14 +489,16 @@ class SwitchEngine:
                 restored.append(f"nothing: interrupted during `{unbind.describe()}`, and a "
                                 "task may be stuck in the kernel (gpuwatch probe "
                                 "wedge-detected)")
-                return
+                return False
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
-        if back is not None:
-            await self._drivers_back(plan, back, restored)
+        if back is not None and await self._drivers_back(plan, back, restored, rolling):
+            return True  # a wedge: nothing more is touched
         restored.extend(await self._restore(plan, facts, done))
+        return False
 
-    async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str]) -> None:
+    async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],
+                            rolling: list[Step]) -> bool:
         addrs = [m.addr for m in plan.members]
         paths, state = self.model.paths, self.model.state
         try:
@@ -503,11 +515,12 @@ class SwitchEngine:
             undo = plan_switch(members, back, facts, force=True, recovering=True)
         except (StepTimedOut, UnsafeName, DeviceNotFound, OSError) as exc:
             restored.append(f"group {plan.group} not put back: {exc}")
-            return
+            return False
         if undo.refusal is not None:
             restored.append(f"group {plan.group} not put back: {undo.refusal.reason}")
-            return
+            return False
         for step in undo.steps:
+            rolling[:] = [step]
             try:
                 match step:
                     case WriteStep(path=path, value=value):
@@ -515,13 +528,23 @@ class SwitchEngine:
                     case CommandStep(argv=argv):
                         result = await self.ops.run(argv, self.step_timeout)
                         if not result.ok and step.on_error != "warn":
+                            rolling.clear()
                             restored.append(f"{step.describe()} (failed: {result.message()})")
-                            return
+                            return False
                     case MakeDirStep(path=path):
                         await self.ops.makedirs(path)
-            except (StepTimedOut, HostStepError, UnsafeStep, OSError) as exc:
+            except StepTimedOut as exc:
+                # Stuck in the kernel, as any step that does not return: the wedge rule.
+                rolling.clear()
+                restored.append(self._poison(plan, (
+                    f"{step.describe()} did not return within {exc.timeout:.3g}s: the device "
+                    "is wedged")))
+                return True
+            except (HostStepError, UnsafeStep, OSError) as exc:
+                rolling.clear()
                 restored.append(f"{step.describe()} (failed: {exc})")
-                return
+                return False
+            rolling.clear()  # not on cancellation: a step cut off by the bound may be stuck
             restored.append(step.describe())
         try:
             await self._refresh(await call_bounded(
@@ -529,11 +552,12 @@ class SwitchEngine:
                 "re-reading the tree"))
         except StepTimedOut as exc:
             restored.append(f"group {plan.group}: {exc}")
-            return
+            return False
         targets = dict(undo.targets)
         if not self._reached(undo, facts):
             restored.append(f"group {plan.group} not back in mode {back}: "
                             + self._drivers_text(targets))
+        return False
 
     async def _left_changed(self, plan: SwitchPlan) -> str:
         """After a failed or refused switch has restored its services and modules: ``""``
@@ -762,9 +786,8 @@ class SwitchEngine:
                                    to_mode=plan.to_mode, error=error, wedged=False))
         raise SwitchFailed(error)
 
-    def _wedge(self, plan: SwitchPlan, step: Step, exc: StepTimedOut) -> None:
-        error = (f"{step.describe()} did not return within {exc.timeout:.3g}s: the device "
-                 "is wedged")
+    def _poison(self, plan: SwitchPlan, error: str) -> str:
+        """Mark the group poisoned, in the model and in the file of this boot; say so."""
         try:
             self.poison.add(plan.group, PoisonEntry(addr=plan.addr, to_mode=plan.to_mode,
                                                     error=error, time=format_event_time()))
@@ -772,6 +795,13 @@ class SwitchEngine:
             _log.warning("cannot record the poison of group %s in %s: %s", plan.group,
                          self.poison.path, err)
         self.model.poisoned[plan.group] = error
+        return (f"{error}; IOMMU group {plan.group} is poisoned until the next boot (or "
+                "`gpuwatch recover` once no task is stuck)")
+
+    def _wedge(self, plan: SwitchPlan, step: Step, exc: StepTimedOut) -> None:
+        error = (f"{step.describe()} did not return within {exc.timeout:.3g}s: the device "
+                 "is wedged")
+        self._poison(plan, error)
         self._emit(ev.SwitchFailed(addr=plan.addr, group=plan.group,
                                    to_mode=plan.to_mode, error=error, wedged=True))
         raise SwitchWedged(f"{error}; IOMMU group {plan.group} is poisoned until the next boot "
@@ -794,9 +824,11 @@ class SwitchEngine:
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
         folder = os.path.join(self.root, _LOCK_DIR)
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, f"switch-{key}.lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise self._no_lock(folder, exc) from None
+        fd = self._open_lock(os.path.join(folder, f"switch-{key}.lock"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -804,11 +836,22 @@ class SwitchEngine:
             raise GroupBusy(f"IOMMU group {key} is being switched by another process") from None
         return fd
 
+    def _open_lock(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise self._no_lock(path, exc) from None
+
+    @staticmethod
+    def _no_lock(path: str, exc: OSError) -> SwitchFailed:
+        """A read-only or full host root: one line saying so, before anything is written."""
+        return SwitchFailed(f"cannot take the switch lock {path}: {exc.strerror or exc}; "
+                            "nothing was written")
+
     def _host_flock(self) -> int:
         """The host-wide lock, shared by every switch under way in any process; a switch
         that unloads the nvidia module takes it alone (`_host_exclusive`)."""
-        fd = os.open(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK),
-                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = self._open_lock(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
