@@ -19,7 +19,13 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from gpuwatch.errors import GroupBusy, GroupPoisoned, SwitchFailed, SwitchWedged
+from gpuwatch.errors import (
+    GroupBusy,
+    GroupPoisoned,
+    StepTimedOut,
+    SwitchFailed,
+    SwitchWedged,
+)
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch import engine as engine_module
 from gpuwatch.switch.poison import PoisonStore
@@ -290,3 +296,32 @@ async def test_a_lock_folder_that_cannot_be_made_is_one_clear_failure(host: SysR
             await w.switch(NV, "vfio", timeout=5)
         assert sim.record == [] and not of_type(events, "switch-started")
         assert not w.engine.busy
+
+
+async def test_a_module_load_that_hangs_while_restoring_poisons_the_group(host: SysRoot) -> None:
+    """The switch to vfio fails (vfio_pci cannot load) after nvidia was unloaded; loading
+    nvidia again hangs in the kernel (its probe stuck on the card). That is a wedge like any
+    step that does not return: the group is poisoned, no further module is loaded on top,
+    and the error and the event say so."""
+
+    class StuckLoad(SimKernel):
+        async def run(self, argv: Any, timeout: float) -> Any:
+            if list(argv) == ["modprobe", "nvidia"]:
+                self.record.append(("command", *argv))
+                await anyio.sleep(timeout)
+                raise StepTimedOut("command modprobe nvidia", timeout)
+            return await super().run(argv, timeout)
+
+    sim = StuckLoad(host)
+    sim.fail_modules.add("vfio_pci")
+    host.remove_module("vfio_pci")
+    async with simulated_switch(host, sim=sim, step_timeout=0.5) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="not found") as info:
+            await w.switch(NV, "vfio", timeout=5)
+        assert sim.record[-1] == ("command", "modprobe", "nvidia")  # nothing after it
+        assert 13 in w.model.poisoned
+        with pytest.raises(GroupPoisoned):
+            await w.switch(NV, "nvidia", timeout=5)
+    assert "poisoned" in str(info.value)
+    failed = of_type(events, "switch-failed")[0]
+    assert failed.wedged is True and "poisoned" in failed.restored[-1]
