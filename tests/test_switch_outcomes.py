@@ -24,6 +24,7 @@ from gpuwatch.errors import (
     GroupPoisoned,
     StepTimedOut,
     SwitchFailed,
+    SwitchRefused,
     SwitchWedged,
 )
 from gpuwatch.sources.memory import MemorySource
@@ -325,3 +326,64 @@ async def test_a_module_load_that_hangs_while_restoring_poisons_the_group(host: 
     assert "poisoned" in str(info.value)
     failed = of_type(events, "switch-failed")[0]
     assert failed.wedged is True and "poisoned" in failed.restored[-1]
+
+
+# --------------------------------------------------------------------------- two GPUs, one group
+
+GPU_A, GPU_B, GPU_C = "0000:02:00.0", "0000:03:00.0", "0000:41:00.0"
+
+
+def two_gpus_behind_a_switch(root: Path, *, minor_b: bool = True) -> SysRoot:
+    """Two NVIDIA GPUs behind a PCIe switch without ACS share IOMMU group 13; a third card in
+    group 41 stays on nvidia, so the module stays and each GPU is unbound alone."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:01.0", iommu_group=2)
+    s.add_bridge("0000:01:00.0", parent="0000:00:01.0", iommu_group=12)
+    for addr in (GPU_A, GPU_B):
+        s.add_function(addr, parent="0000:01:00.0", device="0x2204", driver="nvidia",
+                       iommu_group=13)
+    s.add_bridge("0000:40:01.0", iommu_group=40)
+    s.add_function(GPU_C, parent="0000:40:01.0", device="0x2204", driver="nvidia",
+                   iommu_group=41)
+    for minor, addr in enumerate((GPU_A, GPU_B, GPU_C)):
+        s.add_dev_node(f"/dev/nvidia{minor}")
+        if addr == GPU_B and not minor_b:
+            continue
+        folder = s.root / "proc/driver/nvidia/gpus" / addr
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "information").write_text(f"Model: \t\t NVIDIA GeForce RTX\n"
+                                             f"Device Minor: \t {minor}\nBus Type: \t PCIe\n")
+    s.add_dev_node("/dev/nvidiactl")
+    for name in ("nvidia", "vfio", "vfio_pci"):
+        s.add_module(name)
+    s.add_iommu_unit("dmar0")
+    return s
+
+
+async def test_a_client_of_the_second_gpu_of_the_group_refuses(tmp_path: Path) -> None:
+    """Its unbind from nvidia would wait for that client for ever (a wedge): the holders of
+    every GPU of the group count, not only those of the display function named."""
+    host = two_gpus_behind_a_switch(tmp_path)
+    host.add_process(4242, "cuda-job", fds={3: "/dev/nvidia1", 4: "/dev/nvidiactl"})
+    async with simulated_switch(host, step_timeout=2) as (w, sim, _e, events):
+        plan = await w.plan(GPU_A, "vfio")
+        assert plan["refused"] is not None
+        assert [(h["pid"], h["node"]) for h in plan["refused"]["holders"]] == [
+            (4242, "/dev/nvidia1")]
+        with pytest.raises(SwitchRefused, match=r"cuda-job \(pid 4242\) holds /dev/nvidia1"):
+            await w.switch(GPU_A, "vfio", timeout=5)
+        assert sim.record == [] and sim.stuck == [] and w.model.poisoned == {}
+        host.remove_process(4242)
+        done = await w.switch(GPU_A, "vfio", timeout=5)
+        assert [m.driver for m in done.members] == ["vfio-pci", "vfio-pci"]
+        assert ("write", "/sys/bus/pci/drivers/nvidia/unbind", GPU_B) in sim.record
+        assert tree_driver(sim, GPU_C) == "nvidia"
+    assert not of_type(events, "switch-failed")
+
+
+async def test_a_second_gpu_of_the_group_without_its_minor_refuses(tmp_path: Path) -> None:
+    host = two_gpus_behind_a_switch(tmp_path, minor_b=False)
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match=rf"{GPU_B}'s /dev/nvidiaN is unknown"):
+            await w.switch(GPU_A, "vfio", timeout=5)
+        assert sim.record == []
