@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "Tables": "gpuwatch.core.tables",
     "UsageError": "gpuwatch.errors",
     "Watcher": "gpuwatch.watch.watcher",
+    "WatcherClosed": "gpuwatch.watch.watcher",
     "load_tables": "gpuwatch.settings",
     "open_host": "gpuwatch.host",
     "open_watcher": "gpuwatch.host",
@@ -82,6 +83,7 @@ __all__ = [
     "Tables",
     "UsageError",
     "Watcher",
+    "WatcherClosed",
     "load_tables",
     "open_host",
     "open_watcher",
@@ -132,4 +134,4 @@ if TYPE_CHECKING:
     from gpuwatch.model import ACTIONS, HostModel, probe, scan
     from gpuwatch.service.client import AsyncClient, Client, DaemonError
     from gpuwatch.settings import load_tables
-    from gpuwatch.watch.watcher import HostSnapshot, Watcher
+    from gpuwatch.watch.watcher import HostSnapshot, Watcher, WatcherClosed

@@ -26,6 +26,7 @@ from gpuwatch.watch import watcher as _watch
 from gpuwatch.watch.watcher import (
     HostSnapshot,
     Watcher,
+    entered_once,
 )
 
 if TYPE_CHECKING:
@@ -128,24 +129,29 @@ class Host:
         `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
         ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
         ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
+        self.watcher.check_thread()
         return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
                                         force=force, vfio_driver=vfio_driver)
 
     async def plan(self, addr_or_vendor: str, mode: str, *, force: bool = False,
                    vfio_driver: str | None = None) -> dict[str, Any]:
         """The plan a switch would follow now, as JSON."""
+        self.watcher.check_thread()
         return await self.engine.plan(addr_or_vendor, mode, force=force, vfio_driver=vfio_driver)
 
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind a wedged group to vfio-pci and clear its poison (`RebootRequired` if stuck)."""
+        self.watcher.check_thread()
         return await self.engine.recover(addr_or_vendor, timeout=timeout)
 
     async def holders(self, addr_or_vendor: str) -> dict[str, Any]:
         """Who holds the card's nodes."""
+        self.watcher.check_thread()
         return await self.engine.holders(addr_or_vendor)
 
 
+@entered_once
 @asynccontextmanager
 async def open_host(
     root: str | os.PathLike[str] | None = None,

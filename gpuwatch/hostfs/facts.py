@@ -154,6 +154,11 @@ def dri_nodes(state: HostState, addrs: Iterable[str]) -> dict[str, tuple[str, ..
     return {a: tuple(sorted(v)) for a, v in out.items()}
 
 
+#: The PCI drivers nvidia.ko registers: unloading the module unbinds their devices too. On
+#: HGX/DGX boards the NVSwitches (class 0x0680) are bound to ``nvidia-nvswitch``.
+NVIDIA_MODULE_DRIVERS = frozenset(("nvidia", "nvidia-nvswitch"))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """The facts the model already knows: taken on the event loop, handed to the reader thread
@@ -172,7 +177,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
     addrs = {fn.addr for fn in members}
     return ModelFacts(
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
-                                  if fn.driver == "nvidia" and a not in addrs)),
+                                  if fn.driver in NVIDIA_MODULE_DRIVERS and a not in addrs)),
         dri_nodes=dri_nodes(state, addrs),
         vfio_variants=state.vfio_variants,
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},

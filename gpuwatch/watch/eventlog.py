@@ -31,7 +31,7 @@ import anyio
 import anyio.lowlevel
 
 from gpuwatch.core.ndjson import LineFramer
-from gpuwatch.errors import EVENT_LOG, HostError, InternalError
+from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.watch.handover import Handover
 
 __all__ = [
@@ -327,9 +327,9 @@ class EventLog:
         lock: bool = True,
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+            raise UsageError(f"max_bytes must be positive, got {max_bytes}")
         if keep < 0:
-            raise ValueError(f"keep must be >= 0, got {keep}")
+            raise UsageError(f"keep must be >= 0, got {keep}")
         self._stdout = os.fspath(path) == "-"
         self._path = os.fspath(path)
         self._max_bytes = None if self._stdout else max_bytes

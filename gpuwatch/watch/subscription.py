@@ -14,6 +14,7 @@ re-exported here).
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ import anyio
 from pydantic import BaseModel
 
 from gpuwatch.core.events import parse_event
-from gpuwatch.errors import SubscriberLagged
+from gpuwatch.errors import SubscriberLagged, UsageError
 from gpuwatch.watch.eventlog import EventRecord
 from gpuwatch.watch.handover import Handover, first_is_next
 
@@ -60,6 +61,8 @@ class Subscription:
         self._handover: Handover | None = None
         #: False when the log no longer holds every event after ``since_seq``.
         self.complete = True
+        #: The thread whose event loop feeds this queue: a reader elsewhere would race it.
+        self._thread = threading.get_ident()
 
     def start_replay(self, records: Iterator[EventRecord], since_seq: int, until_seq: int,
                      complete: bool) -> None:
@@ -139,6 +142,9 @@ class Subscription:
 
     async def receive(self) -> Any:
         taken = self._taken
+        if not taken and threading.get_ident() != self._thread:
+            raise UsageError("this subscription belongs to the event loop of the thread that "
+                             "opened its watcher: read it there")
         if self._replay is not None and not taken:
             while self._replay is not None and not taken:
                 taken.extend(await anyio.to_thread.run_sync(self._read_replay))

@@ -9,19 +9,23 @@ scan can never overwrite a newer event.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
 from gpuwatch.core.events import (
+    EVENT_TYPES,
     LogDegraded,
     LogGap,
     Ready,
@@ -32,11 +36,12 @@ from gpuwatch.core.events import (
     stamp,
 )
 from gpuwatch.core.observations import Observation
+from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.core.uevent_facts import batch_facts
-from gpuwatch.errors import UsageError
+from gpuwatch.errors import CallerError, UsageError
 from gpuwatch.hostfs.scan import HostPaths, observe_batch, read_cdi, read_vgpus, scan
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
@@ -58,6 +63,73 @@ _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 #: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
 LOG_RETRY_FIRST = 1.0
 LOG_RETRY_MAX = 60.0
+#: The reasons a `resync` event may give.
+RESYNC_REASONS = ("overflow", "reconcile")
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class WatcherClosed(CallerError, anyio.EndOfStream):
+    """The watcher closed (its context was left) before the awaited event came.
+
+    Also an ``anyio.EndOfStream``, which is what `Watcher.wait_for` raised before it had
+    a name of its own.
+    """
+
+
+class _EnteredOnce(AbstractAsyncContextManager[_T]):
+    """An async context manager that says, in words, that it can be entered only once
+    (a spent ``asynccontextmanager`` otherwise fails with an unrelated AttributeError)."""
+
+    __slots__ = ("_cm", "_entered", "_what")
+
+    def __init__(self, cm: AbstractAsyncContextManager[_T], what: str) -> None:
+        self._cm = cm
+        self._what = what
+        self._entered = False
+
+    async def __aenter__(self) -> _T:
+        if self._entered:
+            raise UsageError(f"{self._what}(...) can be entered once: call {self._what}(...) "
+                             "again for another")
+        self._entered = True
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+        return await self._cm.__aexit__(exc_type, exc, tb)
+
+
+def entered_once(
+    fn: Callable[_P, AbstractAsyncContextManager[_T]],
+) -> Callable[_P, AbstractAsyncContextManager[_T]]:
+    """Make each context manager ``fn`` returns refuse a second ``async with`` clearly."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> AbstractAsyncContextManager[_T]:
+        return _EnteredOnce(fn(*args, **kwargs), fn.__name__)
+
+    return wrapper
+
+
+def event_filters(types: Iterable[str] | None, addrs: Iterable[str] | None,
+                  ) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+    """The ``types``/``addrs`` of a subscription, checked the way the socket checks them:
+    an unknown type is an error (it would match nothing, silently), and an address is
+    spelled the way events spell it (``0000:0a:00.0`` for ``00000000:0A:00.0``)."""
+    for name, value in (("types", types), ("addrs", addrs)):
+        if isinstance(value, str | bytes):
+            raise UsageError(f"{name} is a collection of names, not one string: "
+                             f"{name}={{{value!r}}}")
+    type_set = frozenset(types) if types is not None else None
+    if type_set is not None:
+        unknown = sorted(map(str, type_set - EVENT_TYPES))
+        if unknown:
+            raise UsageError(f"unknown event type {unknown[0]!r} "
+                             f"(known: {', '.join(sorted(EVENT_TYPES))})")
+    addr_set = frozenset(parse_addr(a) for a in addrs) if addrs is not None else None
+    return type_set, addr_set
 
 
 class HostSnapshot(BaseModel):
@@ -95,6 +167,8 @@ class Watcher:
         self._seq = (log.last_seq or 0) if log is not None else 0
         self._lock = anyio.Lock()
         self._closed = False
+        #: The thread whose event loop runs this watcher: its awaitables belong there.
+        self._thread = threading.get_ident()
         self._stopped = False
         self._stop_reason: str | None = None
         #: Set by the composition (`gpuwatch.host`): "is work under way that `stopped` must
@@ -147,8 +221,9 @@ class Watcher:
         group: int | None = None,
         addr: str | None = None,
         mode: str | None = None,
+        vendor: str | None = None,
     ) -> Any:
-        return self.model.probe(action, group=group, addr=addr, mode=mode)
+        return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
     def snapshot(self) -> HostSnapshot:
         state = self.model.state
@@ -160,8 +235,18 @@ class Watcher:
             probes={a: state.answer(a) for a in state._answers},
         )
 
+    def check_thread(self) -> None:
+        """Refuse a call from another thread's event loop: the watcher's locks, streams and
+        tasks belong to the loop that opened it (on trio such a call would kill the pump;
+        on asyncio it races it)."""
+        if threading.get_ident() != self._thread:
+            raise UsageError(
+                "this watcher belongs to the event loop of the thread that opened it: call "
+                "it there (from a worker thread of that loop, through anyio.from_thread.run)")
+
     # ------------------------------------------------------------------ subscribing
 
+    @entered_once
     @asynccontextmanager
     async def subscribe(
         self,
@@ -175,12 +260,14 @@ class Watcher:
         it (no gap, no duplicate at the hand-over; ``complete`` says whether the log still
         held them all). A reader that falls ``buffer`` behind gets `SubscriberLagged`
         instead of slowing anyone else down."""
+        self.check_thread()
         if since_seq is not None and since_seq < 0:
             raise UsageError(f"since_seq must be >= 0, not {since_seq}")
+        if buffer is not None and buffer < 1:
+            raise UsageError(f"buffer must be >= 1, not {buffer}")
+        type_set, addr_set = event_filters(types, addrs)
         sub = Subscription(
-            frozenset(types) if types is not None else None,
-            frozenset(a.lower() for a in addrs) if addrs is not None else None,
-            buffer or self._subscriber_buffer,
+            type_set, addr_set, self._subscriber_buffer if buffer is None else buffer
         )
         if self._closed:
             sub.close()
@@ -218,13 +305,14 @@ class Watcher:
         *,
         types: Iterable[str] | None = None,
     ) -> Any:
-        """The first future event ``predicate`` accepts; `TimeoutError` after ``timeout``."""
+        """The first future event ``predicate`` accepts; `TimeoutError` after ``timeout``,
+        `WatcherClosed` when the watcher closes first."""
         with anyio.fail_after(timeout):
             async with self.subscribe(types=types) as sub:
                 async for event in sub:
                     if predicate(event):
                         return event
-        raise anyio.EndOfStream("the watcher closed before the event came")
+        raise WatcherClosed("the watcher closed before the event came")
 
     # ------------------------------------------------------------------ publishing
 
@@ -293,12 +381,17 @@ class Watcher:
     async def refresh(self, observations: Sequence[Observation]) -> None:
         """`apply` under the pump's lock: for observations read outside the pump (the switch
         re-reading the tree), so they cannot interleave with a batch or a rescan."""
+        self.check_thread()
         async with self._lock:
             self.apply(observations)
 
     async def resync(self, reason: str) -> int:
         """Rescan everything (in a thread), diff against the model, publish the drift and a
         ``resync`` event. Returns how many change events the diff produced."""
+        self.check_thread()
+        if reason not in RESYNC_REASONS:
+            raise UsageError(f"resync reason must be one of {', '.join(RESYNC_REASONS)}, "
+                             f"not {reason!r}")
         async with self._lock:
             snapshot = await anyio.to_thread.run_sync(scan, self.paths, self.tables)
             events = self.model.state.apply_snapshot(snapshot)
@@ -408,6 +501,7 @@ class Watcher:
     async def poll_vgpus(self) -> int:
         """Re-read the vGPU files of the functions that have them (no uevent announces a new
         ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
+        self.check_thread()
         addrs = self.model.state.vgpu_addrs()
         if not addrs:
             return 0
@@ -442,6 +536,7 @@ class Watcher:
         self._subscribers.clear()
 
 
+@entered_once
 @asynccontextmanager
 async def open_watcher(
     root: str | os.PathLike[str] | None = None,
@@ -464,19 +559,23 @@ async def open_watcher(
     an event afterwards rather than being lost between the two. With ``announce=False`` the
     body runs before ``ready``: it calls `Watcher.announce_ready` when it is ready to serve.
     """
-    tables = tables_in_force(config)
-    root = root_in_force(root, config)
-    src = (
-        source
-        if not isinstance(source, str)
-        else open_source(source, root, receive_buffer=receive_buffer)
-    )
-    event_log = (
-        log
-        if isinstance(log, EventLog) or log is None
-        else EventLog(log, max_bytes=log_max_bytes, keep=log_keep)
-    )
+    # A source object handed in is the watcher's from here: closed on every way out, a
+    # refused setting included, as it is when the body ends.
+    src: EventSource | None = None if isinstance(source, str) else source
+    event_log: EventLog | None = None
     try:
+        if subscriber_buffer < 1:
+            raise UsageError(f"subscriber_buffer must be >= 1, not {subscriber_buffer}")
+        tables = tables_in_force(config)
+        root = root_in_force(root, config)
+        if src is None:
+            assert isinstance(source, str)
+            src = open_source(source, root, receive_buffer=receive_buffer)
+        event_log = (
+            log
+            if isinstance(log, EventLog) or log is None
+            else EventLog(log, max_bytes=log_max_bytes, keep=log_keep)
+        )
         src.start()
         for warning in src.warnings:
             _log.warning("%s", warning)
@@ -508,12 +607,34 @@ async def open_watcher(
         except BaseExceptionGroup as group:
             # The caller's own exception should reach them as itself, not wrapped by our tasks.
             if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
+                reraise_alone(group.exceptions[0])
             raise
     finally:
-        src.close()
+        if src is not None:
+            src.close()
         if event_log is not None and not isinstance(log, EventLog):
             event_log.close()
 
 
-__all__ = ["HostSnapshot", "Watcher", "open_watcher"]
+def reraise_alone(exc: BaseException) -> None:
+    """Raise ``exc`` unwrapped from the group being handled, keeping its own ``__cause__``
+    and ``__context__`` (``raise exc from None`` would erase a ``raise … from`` of the
+    caller's, and a bare ``raise exc`` would chain the group that held it)."""
+    cause, context, suppress = exc.__cause__, exc.__context__, exc.__suppress_context__
+    try:
+        raise exc
+    finally:
+        exc.__cause__, exc.__context__ = cause, context
+        exc.__suppress_context__ = suppress
+
+
+__all__ = [
+    "RESYNC_REASONS",
+    "HostSnapshot",
+    "Watcher",
+    "WatcherClosed",
+    "entered_once",
+    "event_filters",
+    "open_watcher",
+    "reraise_alone",
+]

@@ -1,0 +1,315 @@
+"""The embedding API as an orchestrator uses it: both anyio backends, cancellation, threads,
+bad arguments and exceptions reaching the caller as themselves."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Awaitable, Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import gpuwatch
+from gpuwatch.core.events import DriverChanged
+from gpuwatch.host import Host
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.simkernel import simulated_switch
+
+NV, NIC = "0000:01:00.0", "0000:02:00.0"
+
+
+def _trio_usable() -> bool:
+    """anyio's trio backend needs a recent trio (abandon_on_cancel, 0.32+)."""
+    try:
+        major, minor = (int(p) for p in version("trio").split(".")[:2])
+    except Exception:
+        return False
+    return (major, minor) >= (0, 32)
+
+
+BACKENDS = [
+    "asyncio",
+    pytest.param("trio", marks=pytest.mark.skipif(not _trio_usable(),
+                                                  reason="trio >= 0.32 is not installed")),
+]
+
+
+def open_quiet(root: str | os.PathLike[str], source: Any = None,
+               **options: Any) -> Any:
+    return gpuwatch.open_watcher(root, source if source is not None else MemorySource(),
+                                 reconcile_interval=0, cdi_poll_interval=0,
+                                 vgpu_poll_interval=0, **options)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def run_in_thread(fn: Callable[[], Awaitable[Any]], backend: str) -> dict[str, Any]:
+    """Run ``fn`` in a new thread with its own event loop; its result or exception."""
+    box: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            box["result"] = anyio.run(fn, backend=backend)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the other thread's call hung"
+    return box
+
+
+# --------------------------------------------------------------------------- both backends
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_documented_embedding_works_on_both_backends(host: SysRoot, backend: str) -> None:
+    async def main() -> list[Any]:
+        source = MemorySource()
+        async with open_quiet(host.root, source) as w:
+            assert w.probe("detect-vfio").iommu_enabled
+            async with w.subscribe(types={"driver-changed"}, addrs={NIC}) as events:
+                host.unbind(NIC)
+                source.push(host.uevent_props("unbind", NIC))
+                with anyio.fail_after(5):
+                    first = await events.__anext__()
+
+            async def later() -> None:
+                await anyio.sleep(0.01)
+                host.bind(NIC, "igb")
+                source.push(host.uevent_props("bind", NIC))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(later)
+                second = await w.wait_for(lambda e: isinstance(e, DriverChanged), timeout=5)
+            return [(first.old, first.new), (second.old, second.new), w.snapshot().seq]
+
+    assert anyio.run(main, backend=backend) == [("igb", ""), ("", "igb"), 3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_switch_runs_on_both_backends(tmp_path: Path, backend: str) -> None:
+    host = example_gpu_host(tmp_path / "host")
+
+    async def main() -> list[str]:
+        async with simulated_switch(host) as (h, _sim, _engine, _events):
+            with anyio.fail_after(30):
+                await h.switch(NV, "vfio")
+            return [h.probe("display-driver", addr=a) for a in (NV, "0000:01:00.1")]
+
+    assert anyio.run(main, backend=backend) == ["vfio-pci", "vfio-pci"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelling_at_start_up_and_in_use_leaves_nothing_behind(host: SysRoot,
+                                                                 backend: str) -> None:
+    async def main() -> None:
+        before = open_fds()
+        for delay in (0, 0.001, 0.01, 0.05):
+            with anyio.move_on_after(delay):
+                async with (
+                    open_quiet(host.root, "kernel", log=host.root / "events.jsonl") as w,
+                    w.subscribe(since_seq=0) as sub,
+                ):
+                    async for _event in sub:
+                        pass
+        assert open_fds() == before
+        # The log's one-writer lock went with the cancelled watchers.
+        async with open_quiet(host.root, log=host.root / "events.jsonl") as w:
+            assert w.seq > 0
+
+    anyio.run(main, backend=backend)
+
+
+# --------------------------------------------------------------------------- exceptions
+
+
+class BodyError(Exception):
+    pass
+
+
+async def test_an_exception_in_the_body_reaches_the_caller_with_its_cause(host: SysRoot) -> None:
+    original = KeyError("the real reason")
+    with pytest.raises(BodyError) as info:
+        async with open_quiet(host.root):
+            try:
+                raise original
+            except KeyError as exc:
+                raise BodyError("wrapped") from exc
+    assert info.value.__cause__ is original
+    assert not isinstance(info.value, BaseExceptionGroup)
+
+
+async def test_an_exception_group_raised_in_the_body_stays_a_group(host: SysRoot) -> None:
+    with pytest.raises(ExceptionGroup) as info:
+        async with open_quiet(host.root):
+            raise ExceptionGroup("the caller's own", [BodyError("inner")])
+    assert info.value.message == "the caller's own"
+
+
+async def test_wait_for_on_a_closing_watcher_raises_a_gpuwatch_error(host: SysRoot) -> None:
+    errors: list[BaseException] = []
+
+    async def waiter(w: Host, task_status: anyio.abc.TaskStatus[None]) -> None:
+        task_status.started()
+        try:
+            await w.wait_for(lambda e: False)
+        except Exception as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg, open_quiet(host.root) as w:
+            await tg.start(waiter, w)
+            await anyio.sleep(0.01)
+    with anyio.fail_after(5):
+        with pytest.raises(gpuwatch.WatcherClosed):
+            await w.wait_for(lambda e: True)
+    assert len(errors) == 1 and isinstance(errors[0], gpuwatch.WatcherClosed)
+    assert isinstance(errors[0], gpuwatch.GpuwatchError)
+    assert isinstance(errors[0], anyio.EndOfStream)  # what it raised before: still caught
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+async def test_subscribe_rejects_unknown_event_types_like_the_socket(host: SysRoot) -> None:
+    async with open_quiet(host.root) as w:
+        with pytest.raises(gpuwatch.UsageError, match="driver-change'"):
+            async with w.subscribe(types={"driver-change"}):
+                pass
+        with pytest.raises(gpuwatch.UsageError, match="types"):
+            async with w.subscribe(types="driver-changed"):  # a bare name is not a set
+                pass
+        with pytest.raises(gpuwatch.UsageError, match="addrs"):
+            async with w.subscribe(addrs=NIC):
+                pass
+        with pytest.raises(gpuwatch.UsageError, match="not a PCI address"):
+            async with w.subscribe(addrs=["01:00.0"]):
+                pass
+        assert w.watcher._subscribers == []
+
+
+async def test_wait_for_rejects_an_unknown_type_before_waiting(host: SysRoot) -> None:
+    async with open_quiet(host.root) as w:
+        with pytest.raises(gpuwatch.UsageError), anyio.fail_after(5):
+            await w.wait_for(lambda e: True, types={"no-such-type"})
+
+
+async def test_subscribe_addrs_are_spelled_like_every_other_addr(host: SysRoot) -> None:
+    source = MemorySource()
+    async with (
+        open_quiet(host.root, source) as w,
+        w.subscribe(addrs={"00000000:02:00.0"}) as padded,
+        w.subscribe(addrs={NIC.upper()}) as upper,
+    ):
+        host.unbind(NIC)
+        source.push(host.uevent_props("unbind", NIC))
+        with anyio.fail_after(5):
+            assert (await padded.__anext__()).addr == NIC
+            assert (await upper.__anext__()).addr == NIC
+
+
+@pytest.mark.parametrize("buffer", [0, -1])
+async def test_a_buffer_below_one_is_a_usage_error(host: SysRoot, buffer: int) -> None:
+    async with open_quiet(host.root) as w:
+        with pytest.raises(gpuwatch.UsageError, match="buffer"):
+            async with w.subscribe(buffer=buffer):
+                pass
+    with pytest.raises(gpuwatch.UsageError, match="subscriber_buffer"):
+        async with open_quiet(host.root, subscriber_buffer=buffer):
+            pass
+
+
+async def test_resync_with_an_unknown_reason_is_a_usage_error(host: SysRoot) -> None:
+    async with open_quiet(host.root) as w:
+        with pytest.raises(gpuwatch.UsageError, match="reason"):
+            await w.resync("because")
+        assert await w.resync("reconcile") == 0
+
+
+async def test_a_bad_log_size_is_a_usage_error(host: SysRoot) -> None:
+    with pytest.raises(gpuwatch.UsageError, match="max_bytes"):
+        async with open_quiet(host.root, log=host.root / "events.jsonl", log_max_bytes=0):
+            pass
+    with pytest.raises(gpuwatch.UsageError, match="keep"):
+        async with open_quiet(host.root, log=host.root / "events.jsonl", log_keep=-1):
+            pass
+
+
+async def test_the_watcher_probe_takes_a_vendor_like_the_host(host: SysRoot) -> None:
+    async with open_quiet(host.root) as w:
+        assert isinstance(w, Host)
+        assert w.watcher.probe("plan", mode="vfio", vendor="0x10de") == \
+            w.probe("plan", mode="vfio", vendor="0x10de")
+
+
+async def test_entering_a_context_twice_says_so(host: SysRoot) -> None:
+    opened = open_quiet(host.root)
+    async with opened as w:
+        subscribing = w.subscribe()
+        async with subscribing:
+            pass
+        with pytest.raises(gpuwatch.UsageError, match="once"):
+            async with subscribing:
+                pass
+        with pytest.raises(gpuwatch.UsageError, match="once"):
+            async with opened:
+                pass
+    with pytest.raises(gpuwatch.UsageError, match="once"):
+        async with opened:
+            pass
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_watcher_used_from_another_threads_loop_is_a_clear_error(host: SysRoot,
+                                                                  backend: str) -> None:
+    async def main() -> None:
+        source = MemorySource()
+        async with open_quiet(host.root, source) as w:
+            async def subscribe_there() -> None:
+                async with w.subscribe():
+                    pass
+
+            async def wait_there() -> Any:
+                return await w.wait_for(lambda e: True, timeout=5)
+
+            async def resync_there() -> int:
+                return await w.resync("reconcile")
+
+            async def switch_there() -> Any:
+                return await w.switch(NV, "vfio")
+
+            async with w.subscribe() as sub:
+                for call in (subscribe_there, wait_there, resync_there, switch_there):
+                    box = await anyio.to_thread.run_sync(run_in_thread, call, backend)
+                    assert isinstance(box.get("error"), gpuwatch.UsageError), (call, box)
+                    assert "thread" in str(box["error"])
+                # The watcher still runs, and its own subscribers still hear events.
+                host.unbind(NIC)
+                source.push(host.uevent_props("unbind", NIC))
+                with anyio.fail_after(5):
+                    event = await sub.__anext__()
+                assert (event.type, event.addr) == ("driver-changed", NIC)
+
+                async def read_there() -> Any:
+                    return await sub.__anext__()
+
+                box = await anyio.to_thread.run_sync(run_in_thread, read_there, backend)
+                assert isinstance(box.get("error"), gpuwatch.UsageError), box
+            # From a worker thread the loop started, anyio's own bridge is the way in.
+            answer = await anyio.to_thread.run_sync(
+                lambda: anyio.from_thread.run(w.resync, "reconcile"))
+            assert answer == 0
+
+    anyio.run(main, backend=backend)
