@@ -77,3 +77,110 @@ def test_tar_capture_answers_like_the_host(tmp_path: Path, kind: str,
     data = vendor.read_bytes()
     assert len(data) == 4096 and data.endswith(b"\0\0") and data.rstrip(b"\0").endswith(b"\n")
     assert answers(captured.root, capsys) == answers(live.root, capsys)
+
+
+# ------------------------------------------------------------ the kinds themselves
+
+
+def _nvidia_information(s: SysRoot, addr: str, minor: int) -> None:
+    """``proc/driver/nvidia/gpus/<addr>/information``, as the driver writes it per GPU."""
+    d = s.root / "proc/driver/nvidia/gpus" / addr
+    d.mkdir(parents=True)
+    (d / "information").write_text(f"Model: \t\t NVIDIA H100 80GB HBM3\nDevice Minor: \t {minor}\n")
+
+
+def test_hgx_nvswitches_are_no_gpus_and_keep_the_module(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """NVSwitches (class 0x0680, on nvidia-nvswitch, a PCI driver of nvidia.ko) are no GPUs;
+    switching the last GPU on nvidia to vfio only unbinds it: unloading nvidia would take
+    the NVSwitches from their driver too."""
+    s = hgx_h100_host(tmp_path / "h", gpus=1)
+    _nvidia_information(s, "0000:19:00.0", 0)
+    gpus = probe_gpus(s)
+    assert list(gpus) == ["0000:03:00.0", "0000:19:00.0"]  # the BMC's VGA and the H100
+    assert gpus["0000:19:00.0"]["class_label"] == "3D controller"
+    assert probe_value(s, "detect-gpu") is True
+    code, out, err = cli(capsys, "plan", "vfio", "--addr", "0000:19:00.0", "--json",
+                         "--no-daemon", "--root", str(s.root))
+    assert (code, err) == (0, "")
+    steps = json.loads(out)["steps"]
+    argvs = [st["argv"] for st in steps if st["kind"] == "command"]
+    assert not any(a[:2] == ["modprobe", "-r"] for a in argvs), argvs
+    writes = [(st["path"], st["value"]) for st in steps if st["kind"] == "write"]
+    assert writes[0] == ("/sys/bus/pci/drivers/nvidia/unbind", "0000:19:00.0")
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    listed = {g["addr"]: g for g in json.loads(out)}
+    assert listed["0000:03:00.0"]["kept_for_host"] is True
+    assert listed["0000:19:00.0"]["kept_for_host"] is False
+
+
+def probe_value(s: SysRoot, action: str, **kw: object) -> object:
+    return jsonable(gpuwatch.scan(s.root).probe(action, **kw))  # type: ignore[arg-type]
+
+
+def probe_gpus(s: SysRoot) -> dict[str, dict[str, object]]:
+    return {g["addr"]: g for g in probe_value(s, "detect-vfio")["gpus"]}  # type: ignore[index]
+
+
+def test_optimus_laptop(tmp_path: Path) -> None:
+    """iGPU on the panel, dGPU a 3D controller with no boot_vga and no audio: two render
+    nodes, the first GPU vendor's wins; neither group is the host's (two display functions)."""
+    s = hybrid_laptop_host(tmp_path / "h")
+    gpus = probe_gpus(s)
+    assert [(a, g["class"], g["driver"]) for a, g in gpus.items()] == [
+        ("0000:00:02.0", "0x0300", "i915"), ("0000:01:00.0", "0x0302", "nvidia")]
+    assert not (s.device_dir("0000:01:00.0") / "boot_vga").exists()
+    hd = probe_value(s, "detect-host-devices")
+    assert hd["devices"] == ["/dev/dri/renderD128", "/dev/dri/renderD129"]  # type: ignore[index]
+    assert hd["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+    assert probe_value(s, "detect-gpu") is False  # no CDI spec, no nvidia-ctk
+    s.add_cdi_spec("etc")
+    assert probe_value(s, "detect-gpu") is True
+    model = gpuwatch.scan(s.root)
+    assert model.kept_for_host("0000:00:02.0") == "" and model.kept_for_host("0000:01:00.0") == ""
+    vfio = model.probe("detect-vfio")
+    assert (vfio.iommu_enabled, vfio.iommu_kind) == (True, "intel")  # on by default, no cmdline
+
+
+def test_intel_flex_vfs_are_gpus_of_their_own(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    s = intel_flex_sriov_host(tmp_path / "h", vfs=2)
+    gpus = probe_gpus(s)
+    pf = gpus["0000:4d:00.0"]
+    assert (pf["class_label"], pf["driver"], pf["sriov"]) == (
+        "Display controller", "i915",
+        {"totalvfs": 31, "numvfs": 2, "vfs": ["0000:4d:00.1", "0000:4d:00.2"]})
+    assert [(g["physfn"], g["iommu_group"], g["driver"]) for a, g in gpus.items()
+            if a in ("0000:4d:00.1", "0000:4d:00.2")] == [
+        ("0000:4d:00.0", 34, "vfio-pci"), ("0000:4d:00.0", 35, "vfio-pci")]
+    assert probe_value(s, "vfio-group-accessible", group=34) is True
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    listed = {g["addr"]: g for g in json.loads(out)}
+    assert listed["0000:4d:00.1"]["physfn"] == "0000:4d:00.0"
+    assert "2 SR-IOV virtual function(s) enabled" in listed["0000:4d:00.0"]["note"]
+    code, _, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", "0000:4d:00.0",
+                       "--root", str(s.root))
+    assert code == 1 and "virtual function" in err
+
+
+def test_apu_beside_a_dgpu(tmp_path: Path) -> None:
+    """Two amdgpu cards: the KFD node of the first one probed (the dGPU) names the target."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    assert probe_value(s, "detect-amd-gpu") is True
+    assert (probe_value(s, "amd-gfx-version"), probe_value(s, "amd-gfx-target")) == (
+        "11.0.0", "gfx1100")
+    model = gpuwatch.scan(s.root)
+    assert [(g.addr, g.iommu_group) for g in model.probe("detect-vfio").gpus] == [
+        ("0000:03:00.0", 5), ("0000:12:00.0", 14)]
+    assert model.state.drm["renderD129"].device_addr == "0000:12:00.0"
+
+
+def test_vfio_noiommu_group_has_no_group_node(tmp_path: Path) -> None:
+    """No-IOMMU VFIO names its node /dev/vfio/noiommu-N: /dev/vfio/N is absent, so neither
+    the group probe nor vfio-backend offers a node a VMM could open."""
+    s = vfio_noiommu_host(tmp_path / "h")
+    assert probe_value(s, "vfio-group-accessible", group=0) is False
+    backend = probe_value(s, "vfio-backend", addr="0000:00:05.0")
+    assert backend == {  # type: ignore[comparison-overlap]
+        "addr": "0000:00:05.0", "driver": "vfio-pci", "on_vfio": True, "group_node": "",
+        "cdev_node": "", "iommufd": False, "recommended": "none"}
