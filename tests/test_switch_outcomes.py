@@ -19,7 +19,14 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from gpuwatch.errors import GroupBusy, GroupPoisoned, SwitchFailed, SwitchWedged
+from gpuwatch.errors import (
+    GroupBusy,
+    GroupPoisoned,
+    StepTimedOut,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
+)
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch import engine as engine_module
 from gpuwatch.switch.poison import PoisonStore
@@ -290,3 +297,93 @@ async def test_a_lock_folder_that_cannot_be_made_is_one_clear_failure(host: SysR
             await w.switch(NV, "vfio", timeout=5)
         assert sim.record == [] and not of_type(events, "switch-started")
         assert not w.engine.busy
+
+
+async def test_a_module_load_that_hangs_while_restoring_poisons_the_group(host: SysRoot) -> None:
+    """The switch to vfio fails (vfio_pci cannot load) after nvidia was unloaded; loading
+    nvidia again hangs in the kernel (its probe stuck on the card). That is a wedge like any
+    step that does not return: the group is poisoned, no further module is loaded on top,
+    and the error and the event say so."""
+
+    class StuckLoad(SimKernel):
+        async def run(self, argv: Any, timeout: float) -> Any:
+            if list(argv) == ["modprobe", "nvidia"]:
+                self.record.append(("command", *argv))
+                await anyio.sleep(timeout)
+                raise StepTimedOut("command modprobe nvidia", timeout)
+            return await super().run(argv, timeout)
+
+    sim = StuckLoad(host)
+    sim.fail_modules.add("vfio_pci")
+    host.remove_module("vfio_pci")
+    async with simulated_switch(host, sim=sim, step_timeout=0.5) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="not found") as info:
+            await w.switch(NV, "vfio", timeout=5)
+        assert sim.record[-1] == ("command", "modprobe", "nvidia")  # nothing after it
+        assert 13 in w.model.poisoned
+        with pytest.raises(GroupPoisoned):
+            await w.switch(NV, "nvidia", timeout=5)
+    assert "poisoned" in str(info.value)
+    failed = of_type(events, "switch-failed")[0]
+    assert failed.wedged is True and "poisoned" in failed.restored[-1]
+
+
+# --------------------------------------------------------------------------- two GPUs, one group
+
+GPU_A, GPU_B, GPU_C = "0000:02:00.0", "0000:03:00.0", "0000:41:00.0"
+
+
+def two_gpus_behind_a_switch(root: Path, *, minor_b: bool = True) -> SysRoot:
+    """Two NVIDIA GPUs behind a PCIe switch without ACS share IOMMU group 13; a third card in
+    group 41 stays on nvidia, so the module stays and each GPU is unbound alone."""
+    s = SysRoot(root)
+    s.add_bridge("0000:00:01.0", iommu_group=2)
+    s.add_bridge("0000:01:00.0", parent="0000:00:01.0", iommu_group=12)
+    for addr in (GPU_A, GPU_B):
+        s.add_function(addr, parent="0000:01:00.0", device="0x2204", driver="nvidia",
+                       iommu_group=13)
+    s.add_bridge("0000:40:01.0", iommu_group=40)
+    s.add_function(GPU_C, parent="0000:40:01.0", device="0x2204", driver="nvidia",
+                   iommu_group=41)
+    for minor, addr in enumerate((GPU_A, GPU_B, GPU_C)):
+        s.add_dev_node(f"/dev/nvidia{minor}")
+        if addr == GPU_B and not minor_b:
+            continue
+        folder = s.root / "proc/driver/nvidia/gpus" / addr
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "information").write_text(f"Model: \t\t NVIDIA GeForce RTX\n"
+                                             f"Device Minor: \t {minor}\nBus Type: \t PCIe\n")
+    s.add_dev_node("/dev/nvidiactl")
+    for name in ("nvidia", "vfio", "vfio_pci"):
+        s.add_module(name)
+    s.add_iommu_unit("dmar0")
+    return s
+
+
+async def test_a_client_of_the_second_gpu_of_the_group_refuses(tmp_path: Path) -> None:
+    """Its unbind from nvidia would wait for that client for ever (a wedge): the holders of
+    every GPU of the group count, not only those of the display function named."""
+    host = two_gpus_behind_a_switch(tmp_path)
+    host.add_process(4242, "cuda-job", fds={3: "/dev/nvidia1", 4: "/dev/nvidiactl"})
+    async with simulated_switch(host, step_timeout=2) as (w, sim, _e, events):
+        plan = await w.plan(GPU_A, "vfio")
+        assert plan["refused"] is not None
+        assert [(h["pid"], h["node"]) for h in plan["refused"]["holders"]] == [
+            (4242, "/dev/nvidia1")]
+        with pytest.raises(SwitchRefused, match=r"cuda-job \(pid 4242\) holds /dev/nvidia1"):
+            await w.switch(GPU_A, "vfio", timeout=5)
+        assert sim.record == [] and sim.stuck == [] and w.model.poisoned == {}
+        host.remove_process(4242)
+        done = await w.switch(GPU_A, "vfio", timeout=5)
+        assert [m.driver for m in done.members] == ["vfio-pci", "vfio-pci"]
+        assert ("write", "/sys/bus/pci/drivers/nvidia/unbind", GPU_B) in sim.record
+        assert tree_driver(sim, GPU_C) == "nvidia"
+    assert not of_type(events, "switch-failed")
+
+
+async def test_a_second_gpu_of_the_group_without_its_minor_refuses(tmp_path: Path) -> None:
+    host = two_gpus_behind_a_switch(tmp_path, minor_b=False)
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match=rf"{GPU_B}'s /dev/nvidiaN is unknown"):
+            await w.switch(GPU_A, "vfio", timeout=5)
+        assert sim.record == []

@@ -79,7 +79,8 @@ def test_to_vfio_loads_vfio_pci_when_missing_and_stops_persistenced_first() -> N
 
 
 def test_to_vfio_on_a_multi_gpu_host_unbinds_this_card_alone() -> None:
-    facts = single_gpu(other_nvidia=("0000:03:00.0",), nvidia_minor=0, persistenced=True)
+    facts = single_gpu(other_nvidia=("0000:03:00.0",), nvidia_minors={NV: 0},
+                       persistenced=True)
     plan = plan_switch(card("nvidia", "snd_hda_intel"), "vfio", facts)
     ks = keys(plan.steps)
     assert not plan.unloads_nvidia

@@ -191,8 +191,10 @@ class HostFacts:
     nvidia_module_holders: tuple[str, ...] = ()
     #: Functions outside the group bound to nvidia: when any, the module must stay.
     other_nvidia: tuple[str, ...] = ()
-    #: This card's ``/dev/nvidiaN`` minor (``proc/driver/nvidia/gpus/<addr>/information``).
-    nvidia_minor: int | None = None
+    #: The ``/dev/nvidiaN`` minor of each function of the group on nvidia
+    #: (``proc/driver/nvidia/gpus/<addr>/information``): a group may hold several GPUs (behind
+    #: a PCIe switch without ACS), and each one's clients block its own unbind.
+    nvidia_minors: Mapping[str, int] = field(default_factory=dict)
     #: ``/dev/dri/cardN``, ``renderDN`` per function, and ``/dev/snd/*`` per audio function.
     dri_nodes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     snd_nodes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -361,21 +363,22 @@ def example_card(to_mode: Mode) -> tuple[tuple[PciFunction, ...], HostFacts]:
 # --------------------------------------------------------------------------- holder scopes
 
 
-def nvidia_scope(facts: HostFacts) -> NodeScope:
-    """Single-GPU host: every ``/dev/nvidia*``. Otherwise only this card's ``/dev/nvidiaN``
-    (the others' clients are not ours to count); nothing when the minor is unknown."""
+def nvidia_scope(facts: HostFacts, addr: str | None = None) -> NodeScope:
+    """Single-GPU host: every ``/dev/nvidia*``. Otherwise only the ``/dev/nvidiaN`` of the
+    group's own GPUs (``addr``'s alone when given; the other cards' clients are not ours to
+    count); nothing for a GPU whose minor is unknown (the plan refuses to unbind it)."""
     if not facts.other_nvidia:
         return NodeScope(prefixes=("/dev/nvidia",))
-    if facts.nvidia_minor is None:
-        return NodeScope()
-    return NodeScope(exact=frozenset({f"/dev/nvidia{facts.nvidia_minor}"}))
+    minors = facts.nvidia_minors
+    chosen = minors.values() if addr is None else [minors[addr]] if addr in minors else []
+    return NodeScope(exact=frozenset(f"/dev/nvidia{m}" for m in chosen))
 
 
 def unbind_scope(fn: PciFunction, facts: HostFacts) -> NodeScope:
     """The nodes whose open files make unbinding ``fn`` from its driver block in the kernel."""
     scope = NodeScope(exact=frozenset(facts.dri_nodes.get(fn.addr, ())))
     if fn.driver == NVIDIA_DRIVER:
-        scope = scope | nvidia_scope(facts)
+        scope = scope | nvidia_scope(facts, fn.addr)
     if (is_vfio_driver(fn.driver, facts.vfio_variants) or fn.vfio_dev) and fn.iommu_group >= 0:
         # A VM holds the group node, or the function's own cdev (iommufd).
         scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{fn.iommu_group}"}))
@@ -569,10 +572,12 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                 steps.append(CommandStep(("modprobe", "-r", "nvidia"), "refuse"))
             unloads = True
         else:
-            if facts.nvidia_minor is None:
+            unknown = next((fn.addr for fn in on_nvidia if fn.addr not in facts.nvidia_minors),
+                           None)
+            if unknown is not None:
                 return refuse(f"other GPUs stay on nvidia ({', '.join(facts.other_nvidia)}) and "
-                              f"this card's /dev/nvidiaN is unknown (no proc/driver/nvidia/gpus/"
-                              f"{display.addr}/information): its holders cannot be told apart")
+                              f"{unknown}'s /dev/nvidiaN is unknown (no proc/driver/nvidia/"
+                              f"gpus/{unknown}/information): its holders cannot be told apart")
             for fn in on_nvidia:
                 steps.append(WriteStep(unbind_path(NVIDIA_DRIVER), fn.addr))
             if facts.persistenced:

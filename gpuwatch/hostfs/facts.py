@@ -285,8 +285,7 @@ def gather_facts(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, k
 def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, known: ModelFacts,
                 *, euid: int, which: Callable[[str], str | None],
                 vfio_driver: str | None = None) -> HostFacts:
-    """Everything but /proc: modules, refcnt, the card's minor and nodes, CDI."""
-    display = next((fn.addr for fn in fns if fn.class_.startswith("0x03")), fns[0].addr)
+    """Everything but /proc: modules, refcnt, the GPUs' minors and nodes, CDI."""
     nvidia_dir = os.path.join(paths.module, "nvidia")
     return HostFacts(
         root=paths.root,
@@ -294,7 +293,8 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         nvidia_refcnt=small_count(read_attr(os.path.join(nvidia_dir, "refcnt"))),
         nvidia_module_holders=tuple(sorted(list_dir(os.path.join(nvidia_dir, "holders")))),
         other_nvidia=known.other_nvidia,
-        nvidia_minor=nvidia_minor(paths.root, display),
+        nvidia_minors={fn.addr: minor for fn in fns if fn.driver == "nvidia"
+                       and (minor := nvidia_minor(paths.root, fn.addr)) is not None},
         dri_nodes=known.dri_nodes,
         snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
         cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),

@@ -378,14 +378,16 @@ class SwitchEngine:
             # and loads again what it unloaded. Not after a wedge: touching a device a task is
             # stuck on only adds another stuck task (reboot, or `gpuwatch recover`).
             wedged = isinstance(exc, SwitchWedged)
-            commands = [] if wedged else await self._restore(plan, facts, done)
+            commands, stuck = ([], False) if wedged else await self._restore(plan, facts, done)
             # The drivers are not put back (only an interrupted switch does that): say which
             # functions are left on another driver, so nobody reads "restored" as "as found".
-            left = "" if wedged else await self._left_changed(plan)
+            left = "" if wedged or stuck else await self._left_changed(plan)
             restored = [*commands, left] if left else commands
             for event in pending:
-                self._publish([event.model_copy(update={"restored": restored})
-                               if restored else event])
+                update: dict[str, Any] = {"restored": restored}
+                if stuck and isinstance(event, ev.SwitchFailed):
+                    update["wedged"] = True
+                self._publish([event.model_copy(update=update) if restored else event])
             if restored:
                 exc.restored = tuple(restored)
                 text = str(exc)
@@ -494,8 +496,9 @@ class SwitchEngine:
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
         if back is not None and await self._drivers_back(plan, back, restored, rolling):
             return True  # a wedge: nothing more is touched
-        restored.extend(await self._restore(plan, facts, done))
-        return False
+        commands, stuck = await self._restore(plan, facts, done)
+        restored.extend(commands)
+        return stuck
 
     async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],
                             rolling: list[Step]) -> bool:
@@ -588,9 +591,10 @@ class SwitchEngine:
         return f"group {plan.group} is not as it was: {', '.join(parts)}" if changed else ""
 
     async def _restore(self, plan: SwitchPlan, facts: HostFacts,
-                       done: Sequence[CommandStep]) -> list[str]:
+                       done: Sequence[CommandStep]) -> tuple[list[str], bool]:
         """Start again the services the switch stopped and load again the modules it
-        removed (those that are gone now), newest first; return what was run."""
+        removed (those that are gone now), newest first; return what was run, and True when
+        one of them did not return (a wedge: the group is poisoned, nothing more is run)."""
         stopped = [s.argv[2] for s in done if s.argv[:2] == ("systemctl", "stop")]
         restarted = {s.argv[2] for s in done if s.argv[:2] == ("systemctl", "start")}
         removal = [name for s in done if s.argv[:2] == ("modprobe", "-r") for name in s.argv[2:]]
@@ -612,13 +616,20 @@ class SwitchEngine:
             what = " ".join(argv)
             try:
                 result = await self.ops.run(argv, self.step_timeout)
-            except (StepTimedOut, HostStepError, UnsafeStep, OSError) as exc:
+            except StepTimedOut as exc:
+                # A module load stuck in its probe of the card, like any step that does not
+                # return: the wedge rule, and nothing more loaded on top of it.
+                restored.append(self._poison(plan, f"`{what}` did not return within "
+                                                   f"{exc.timeout:.3g}s: the device is wedged"))
+                _log.info("switch of group %s: restored %s", plan.group, ", ".join(restored))
+                return restored, True
+            except (HostStepError, UnsafeStep, OSError) as exc:
                 restored.append(f"{what} (failed: {exc})")
                 continue
             restored.append(what if result.ok else f"{what} (failed: {result.message()})")
         if restored:
             _log.info("switch of group %s: restored %s", plan.group, ", ".join(restored))
-        return restored
+        return restored, False
 
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
                     notes: list[str]) -> bool:
