@@ -228,6 +228,15 @@ async def test_a_buffer_below_one_is_a_usage_error(host: SysRoot, buffer: int) -
             pass
 
 
+async def test_a_root_that_is_not_a_directory_is_a_usage_error(tmp_path: Path) -> None:
+    source = MemorySource()
+    with pytest.raises(gpuwatch.UsageError, match="not a directory"):
+        async with open_quiet(tmp_path / "no-such-root", source):
+            pass
+    with pytest.raises(anyio.ClosedResourceError):
+        source.push({"ACTION": "change", "DEVPATH": "/devices/x", "SUBSYSTEM": "pci"})
+
+
 async def test_resync_with_an_unknown_reason_is_a_usage_error(host: SysRoot) -> None:
     async with open_quiet(host.root) as w:
         with pytest.raises(gpuwatch.UsageError, match="reason"):

@@ -263,10 +263,23 @@ async def test_subscribe_rejects_bad_filters(host: SysRoot, sockdir: str, tmp_pa
             ({"types": "driver-changed"}, "a list of strings"),
             ({"since_seq": -1}, ">= 0"),
             ({"since_seq": 1.5}, "an integer"),
+            ({"addrs": ["01:00.0"]}, "not a PCI address"),
         ):
             reply = await c.request("subscribe", params)
             assert reply["error"]["code"] == P.INVALID_PARAMS and text in reply["error"]["message"]
         await c.aclose()
+
+
+async def test_subscribe_addrs_are_read_like_every_addr(host: SysRoot, sockdir: str,
+                                                        tmp_path: Path) -> None:
+    async with daemon(host, sockdir, tmp_path) as served:
+        padded = await Raw.connect(served.path)
+        reply = await padded.request("subscribe", {"addrs": ["00000000:02:00.0"]})
+        assert reply["result"]["seq"] == 1
+        await toggle(served, host, NIC, "igb")
+        got = await padded.line()
+        assert (got["type"], got["addr"]) == ("driver-changed", NIC)
+        await padded.aclose()
 
 
 async def test_reconnect_with_since_seq_misses_nothing_and_repeats_nothing(

@@ -40,6 +40,7 @@ from pydantic import BaseModel
 
 from gpuwatch.core.events import EVENT_TYPES
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
+from gpuwatch.core.pci import ADDR_FORMAT, canonical_addr
 from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
@@ -1174,8 +1175,17 @@ class SocketServer:
                                                    f"{', '.join(sorted(EVENT_TYPES))})")
         if since_seq is not None and since_seq < 0:
             raise P.RpcError(P.INVALID_PARAMS, "subscribe: 'since_seq' must be >= 0")
+        wanted: set[str] | None = None
+        if addrs is not None:  # spelled as events spell them, like every other addr
+            wanted = set()
+            for text in addrs:
+                addr = canonical_addr(text)
+                if addr is None:
+                    raise P.RpcError(P.INVALID_PARAMS, f"subscribe: {text!r} is not a PCI "
+                                                       f"address ({ADDR_FORMAT})")
+                wanted.add(addr)
         sub = _Subscription(frozenset(types) if types is not None else None,
-                            frozenset(a.lower() for a in addrs) if addrs is not None else None)
+                            frozenset(wanted) if wanted is not None else None)
         now = self.watcher.seq
         replay = since_seq is not None and since_seq < now and self.log_path is not None
         if replay and len(self._replays) >= self.replay_slots:

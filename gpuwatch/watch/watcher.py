@@ -568,6 +568,8 @@ async def open_watcher(
             raise UsageError(f"subscriber_buffer must be >= 1, not {subscriber_buffer}")
         tables = tables_in_force(config)
         root = root_in_force(root, config)
+        if not os.path.isdir(root):  # a typo would otherwise watch an empty host, silently
+            raise UsageError(f"root {root!r} is not a directory")
         if src is None:
             assert isinstance(source, str)
             src = open_source(source, root, receive_buffer=receive_buffer)
