@@ -184,3 +184,18 @@ def test_vfio_noiommu_group_has_no_group_node(tmp_path: Path) -> None:
     assert backend == {  # type: ignore[comparison-overlap]
         "addr": "0000:00:05.0", "driver": "vfio-pci", "on_vfio": True, "group_node": "",
         "cdev_node": "", "iommufd": False, "recommended": "none"}
+
+
+def test_tar_capture_of_a_64k_page_kernel(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """sysfs reports PAGE_SIZE as every attribute's size: 65536 on the 64K-page kernels of
+    Grace-Hopper nodes, so tar pads each attribute to 64 KiB."""
+    live = grace_hopper_host(tmp_path / "live", bound=False)
+    captured = grace_hopper_host(tmp_path / "captured", bound=False)
+    captured.capture()
+    captured.pad_like_tar(65536)
+    assert (captured.root / "sys/bus/pci/devices/0009:01:00.0/class").stat().st_size == 65536
+    assert answers(captured.root, capsys) == answers(live.root, capsys)
+    fn = gpuwatch.scan(captured.root).function("0009:01:00.0")
+    assert (fn.vendor_id, fn.class_, fn.driver, fn.iommu_group) == ("0x10de", "0x0302",
+                                                                     "nvidia", 19)

@@ -387,3 +387,49 @@ async def test_a_second_gpu_of_the_group_without_its_minor_refuses(tmp_path: Pat
         with pytest.raises(SwitchRefused, match=rf"{GPU_B}'s /dev/nvidiaN is unknown"):
             await w.switch(GPU_A, "vfio", timeout=5)
         assert sim.record == []
+
+
+# ---------------------------------------------------------------- cancelled while restoring
+
+
+@pytest.mark.timeout(60)
+async def test_a_signal_while_a_failed_switch_restores_still_ends_the_switch(
+        host: SysRoot) -> None:
+    """The switch to vfio fails (vfio_pci cannot load) after unloading nvidia, and the caller
+    is cancelled (SIGTERM) while nvidia is being loaded again. The restoring still runs to
+    its end and `switch-failed` is still published: never a `switch-started` left alone, nor
+    a host left without the modules the switch removed."""
+
+    class SlowLoad(SimKernel):
+        async def run(self, argv: Any, timeout: float) -> Any:
+            if list(argv) == ["modprobe", "nvidia"]:
+                self.loading = True
+                await anyio.sleep(0.5)
+            return await super().run(argv, timeout)
+
+    sim = SlowLoad(host)
+    sim.loading = False  # type: ignore[attr-defined]
+    sim.fail_modules.add("vfio_pci")
+    host.remove_module("vfio_pci")
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        failures: list[SwitchFailed] = []
+
+        async def switch() -> None:
+            try:
+                await w.switch(NV, "vfio", timeout=10)
+            except SwitchFailed as exc:  # what happened: it failed, then the signal came
+                failures.append(exc)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(switch)
+                while not sim.loading:  # type: ignore[attr-defined]
+                    await anyio.sleep(0.005)
+                tg.cancel_scope.cancel()
+        assert [tree_driver(sim, a) for a in (NV, AUDIO)] == ["nvidia", "snd_hda_intel"]
+        assert ("command", "modprobe", "nvidia_drm") in sim.record
+        assert not w.engine.busy
+        assert len(failures) == 1 and "restored what the switch had changed" in str(failures[0])
+    kinds = [e.type for e in events if getattr(e, "type", "").startswith("switch-")]  # type: ignore[attr-defined]
+    assert kinds == ["switch-started", "switch-failed"]
+    assert of_type(events, "switch-failed")[0].restored[0] == "modprobe nvidia"

@@ -378,10 +378,22 @@ class SwitchEngine:
             # and loads again what it unloaded. Not after a wedge: touching a device a task is
             # stuck on only adds another stuck task (reboot, or `gpuwatch recover`).
             wedged = isinstance(exc, SwitchWedged)
-            commands, stuck = ([], False) if wedged else await self._restore(plan, facts, done)
-            # The drivers are not put back (only an interrupted switch does that): say which
-            # functions are left on another driver, so nobody reads "restored" as "as found".
-            left = "" if wedged or stuck else await self._left_changed(plan)
+            commands: list[str] = []
+            stuck = False
+            left = ""
+            # Shielded and bounded like an interrupted switch's roll-back: a signal arriving
+            # now must not leave the modules unloaded, nor `switch-started` without its end.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(
+                    self.rollback_timeout) as bound:
+                if not wedged:
+                    commands, stuck = await self._restore(plan, facts, done)
+                # The drivers are not put back (only an interrupted switch does that): say
+                # which functions are left on another driver, so nobody reads "restored" as
+                # "as found".
+                if not (wedged or stuck):
+                    left = await self._left_changed(plan)
+            if bound.cancelled_caught:
+                commands.append(f"(restoring ran out of its {self.rollback_timeout:g}s)")
             restored = [*commands, left] if left else commands
             for event in pending:
                 update: dict[str, Any] = {"restored": restored}
