@@ -199,3 +199,30 @@ def test_tar_capture_of_a_64k_page_kernel(tmp_path: Path,
     fn = gpuwatch.scan(captured.root).function("0009:01:00.0")
     assert (fn.vendor_id, fn.class_, fn.driver, fn.iommu_group) == ("0x10de", "0x0302",
                                                                      "nvidia", 19)
+
+
+def _absolute_links(root: Path) -> int:
+    """Respell every link under ``sys/`` that leads inside the tree as an absolute one
+    (``/sys/devices/…``), as some copy tools leave a tree; returns how many."""
+    count = 0
+    for link in sorted(p for p in (root / "sys").rglob("*") if p.is_symlink()):
+        target = (link.parent / link.readlink()).resolve()
+        if target.is_relative_to(root):
+            link.unlink()
+            link.symlink_to("/" + str(target.relative_to(root)))
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("kind", ["example", "apu", "flex", "grace-hopper"])
+def test_absolute_links_lead_inside_the_root(tmp_path: Path, kind: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A tree whose links are spelled absolute (``/sys/devices/pci0000:00/…``) is read as
+    a chroot would read it: each link leads under the root, never into the sysfs of the
+    host running gpuwatch (whose devices have the same addresses)."""
+    live = MACHINES[kind](tmp_path / "live")
+    copied = MACHINES[kind](tmp_path / "copied")
+    assert _absolute_links(copied.root) > 10
+    entry = copied.root / "sys/bus/pci/devices" / live.functions[-1]
+    assert str(entry.readlink()).startswith("/sys/devices/")
+    assert answers(copied.root, capsys) == answers(live.root, capsys)

@@ -40,7 +40,14 @@ from gpuwatch.core.plan import (
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
-from gpuwatch.hostfs.files import list_dir, read_attr, read_bytes, read_text, small_count
+from gpuwatch.hostfs.files import (
+    in_root,
+    list_dir,
+    read_attr,
+    read_bytes,
+    read_text,
+    small_count,
+)
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
 from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
 
@@ -137,7 +144,8 @@ def nvidia_minor(root: str, addr: str) -> int | None:
 
 def snd_nodes(paths: HostPaths, addr: str) -> tuple[str, ...]:
     """``/dev/snd/*`` of the sound card(s) the kernel registered under this function."""
-    cards = {m.group(1) for n in list_dir(os.path.join(paths.bus_pci, addr, "sound"))
+    entry = in_root(paths.root, os.path.join(paths.bus_pci, addr))
+    cards = {m.group(1) for n in list_dir(os.path.join(entry, "sound"))
              if (m := _SND_CARD_RE.fullmatch(n))}
     if not cards:
         return ()
@@ -253,7 +261,8 @@ def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *
             module = driver_key(vfio_driver)
             out[fn.addr] = VfioTarget(driver_name(paths, vfio_driver), module, "", exact=True)
             continue
-        modalias = read_attr(os.path.join(paths.bus_pci, fn.addr, "modalias"))
+        modalias = read_attr(os.path.join(in_root(paths.root, os.path.join(paths.bus_pci,
+                                                                          fn.addr)), "modalias"))
         best = best_vfio_alias(aliases, modalias)
         if best is not None and driver_key(best.module) != VFIO_PCI_MODULE:
             out[fn.addr] = VfioTarget(driver_name(paths, best.module), driver_key(best.module),

@@ -113,6 +113,19 @@ def link_name(path: str) -> str:
     return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
 
 
+def in_root(root: str, path: str) -> str:
+    """``path`` itself, or, when it is a link spelled absolute (``/sys/devices/…``), the place
+    under ``root`` it names: a copied tree may hold the kernel's relative links so, and as
+    in a chroot they lead inside the tree, never into the host running us."""
+    try:
+        target = os.readlink(path)
+    except (OSError, ValueError):
+        return path
+    if not target.startswith("/"):
+        return path
+    return os.path.join(root, os.path.normpath(target).lstrip("/"))
+
+
 def uevent_value(directory: str, key: str) -> str:
     """``KEY=value`` from a sysfs directory's ``uevent`` file; ``""`` when absent."""
     prefix = key + "="

@@ -41,6 +41,7 @@ from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import (
+    in_root,
     link_name,
     list_dir,
     read_attr,
@@ -115,7 +116,6 @@ class HostPaths:
         self.bus_pci = os.path.join(self.sys, "bus/pci/devices")
         self.class_drm = os.path.join(self.sys, "class/drm")
         self.module = os.path.join(self.sys, "module")
-        self.kfd_nodes = os.path.join(self.sys, "class/kfd/kfd/topology/nodes")
         self.iommu_groups = os.path.join(self.sys, "kernel/iommu_groups")
         self.class_iommu = os.path.join(self.sys, "class/iommu")
         self.dev = os.path.join(self.root, "dev")
@@ -166,7 +166,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                 _remember_plain(paths, candidate, seen)
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
-    directory = os.path.join(paths.bus_pci, addr)
+    directory = in_root(paths.root, os.path.join(paths.bus_pci, addr))
     if not os.path.isdir(directory):
         return PciGone(addr)
     seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr))
@@ -462,7 +462,8 @@ def read_vgpu(directory: str) -> VgpuSeen | None:
 def read_vgpus(paths: HostPaths, addrs: list[str] | tuple[str, ...]) -> VgpusSeen:
     """The vGPU files of ``addrs`` only: what the cheap poll re-reads (no uevent says when
     ``current_vgpu_type`` or ``creatable_vgpu_types`` change)."""
-    return VgpusSeen(tuple((a, read_vgpu(os.path.join(paths.bus_pci, a))) for a in addrs))
+    return VgpusSeen(tuple((a, read_vgpu(in_root(paths.root, os.path.join(paths.bus_pci, a))))
+                           for a in addrs))
 
 
 def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
@@ -472,7 +473,9 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
         target = os.readlink(entry)
     except OSError:
         return "/bus/pci/devices/" + addr
-    resolved = os.path.normpath(os.path.join(paths.bus_pci, target))
+    # An absolute spelling names a place under the root (`in_root`).
+    resolved = os.path.normpath(os.path.join(paths.bus_pci if target[:1] != "/" else paths.root,
+                                             target.lstrip("/")))
     if resolved.startswith(paths.sys + "/"):
         return resolved[len(paths.sys) :]
     return "/bus/pci/devices/" + addr
@@ -530,7 +533,7 @@ def read_bus_entry(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     """A listed function whose resolved directory held nothing: a root whose components are
     links themselves (the resolution is lexical), or a dangling link (None). Checked only
     then, not with a stat up front."""
-    entry = paths.bus_pci + "/" + name
+    entry = in_root(paths.root, paths.bus_pci + "/" + name)
     seen = _read_function_dir(entry, name, devpath)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
         return None  # dangling link: the function went away under us
@@ -560,20 +563,21 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         directory = paths.sys + devpath
     else:
         entry = os.path.join(paths.class_drm, name)
-        if os.path.isdir(entry):
-            directory = entry
+        rooted = in_root(paths.root, entry)
+        if os.path.isdir(rooted):
+            directory = rooted
             devpath = _class_devpath(paths, entry)
     if not directory:
         return DrmGone(name)
-    device = directory + "/device"
-    device_name = link_name(device)
+    device_name = link_name(directory + "/device")
+    device = in_root(paths.root, directory + "/device")
     vendor = read_attr(device + "/vendor") if device_name else ""
     driver = link_name(device + "/driver") if device_name else ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
-        entry = paths.bus_pci + "/" + addr
+        entry = in_root(paths.root, paths.bus_pci + "/" + addr)
         vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
     return DrmSeen(
         name=name,
@@ -589,7 +593,8 @@ def _class_devpath(paths: HostPaths, entry: str) -> str:
         target = os.readlink(entry)
     except OSError:
         return ""
-    resolved = os.path.normpath(os.path.join(os.path.dirname(entry), target))
+    resolved = os.path.normpath(os.path.join(
+        os.path.dirname(entry) if target[:1] != "/" else paths.root, target.lstrip("/")))
     return resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
 
 
@@ -608,9 +613,10 @@ def scan_drm(paths: HostPaths) -> list[DrmSeen]:
 
 def read_kfd(paths: HostPaths) -> KfdSeen:
     nodes: list[tuple[int, int]] = []
-    for name in list_dir(paths.kfd_nodes):
+    base = in_root(paths.root, paths.sys + "/class/kfd/kfd") + "/topology/nodes"
+    for name in list_dir(base):
         if name.isascii() and name.isdigit():
-            text = read_text(os.path.join(paths.kfd_nodes, name, "properties"))
+            text = read_text(os.path.join(base, name, "properties"))
             nodes.append((int(name), parse_gfx_target_version(text or "")))
     return KfdSeen(nodes=tuple(sorted(nodes)))
 
