@@ -433,3 +433,26 @@ async def test_a_signal_while_a_failed_switch_restores_still_ends_the_switch(
     kinds = [e.type for e in events if getattr(e, "type", "").startswith("switch-")]  # type: ignore[attr-defined]
     assert kinds == ["switch-started", "switch-failed"]
     assert of_type(events, "switch-failed")[0].restored[0] == "modprobe nvidia"
+
+
+async def test_an_unexpected_error_of_the_host_seam_still_ends_and_restores(
+        host: SysRoot) -> None:
+    """A `HostOps` (an embedder's own, or a bug) raising something the engine does not know
+    half-way: the switch still restores the modules it removed and ends with
+    `switch-failed`, the error named; never `switch-started` alone."""
+
+    class Broken(SimKernel):
+        async def write(self, path: str, value: str, timeout: float) -> None:
+            if path.endswith("/driver_override") and value == "vfio-pci":
+                raise RuntimeError("the seam broke")
+            await super().write(path, value, timeout)
+
+    sim = Broken(host)
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        with pytest.raises(SwitchFailed, match="RuntimeError: the seam broke"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert tree_driver(sim, NV) == "nvidia"  # nvidia loaded again, the card back on it
+        assert not w.engine.busy
+    kinds = [e.type for e in events if getattr(e, "type", "").startswith("switch-")]  # type: ignore[attr-defined]
+    assert kinds == ["switch-started", "switch-failed"]
+    assert of_type(events, "switch-failed")[0].restored[0] == "modprobe nvidia"

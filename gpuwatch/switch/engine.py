@@ -362,14 +362,22 @@ class SwitchEngine:
         token: contextvars.Token[list[BaseModel] | None] | None = _DEFERRED.set(pending)
         in_flight: list[Step] = []  # the step under way: a write that has not returned
         try:
-            async with self._subscribe(_PROGRESS_EVENTS) as sub:
-                for step in plan.steps:
-                    in_flight[:] = [step]
-                    ok = await self._step(plan, facts, step, deadline, notes)
-                    in_flight.clear()
-                    if ok and isinstance(step, CommandStep):
-                        done.append(step)
-                await self._verify(plan, facts, sub, deadline, notes)
+            try:
+                async with self._subscribe(_PROGRESS_EVENTS) as sub:
+                    for step in plan.steps:
+                        in_flight[:] = [step]
+                        ok = await self._step(plan, facts, step, deadline, notes)
+                        in_flight.clear()
+                        if ok and isinstance(step, CommandStep):
+                            done.append(step)
+                    await self._verify(plan, facts, sub, deadline, notes)
+            except (SwitchRefused, SwitchFailed):
+                raise
+            except Exception as exc:
+                # Not one of ours (an embedder's HostOps, a bug): still a failure of this
+                # switch, restored from and ended like any other, never `switch-started` alone.
+                _log.info("switch of group %s: unexpected error", group, exc_info=True)
+                self._fail(plan, f"{type(exc).__name__}: {exc}")
         except (SwitchRefused, SwitchFailed) as exc:
             if token is not None:
                 _DEFERRED.reset(token)
