@@ -424,6 +424,20 @@ def test_a_pci_line_with_a_devname_still_looks_at_its_node(shm: Path) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_line_spelling_the_bus_entry_leaves_the_devices_own_path(shm: Path) -> None:
+    """A hand-written line naming the function by its bus entry (``/bus/pci/devices/…``), then
+    the kernel's unbind and that line again in one batch: the lane vouched for the second
+    line by the path the first had left in the model, the general path read it, and the two
+    models kept different paths. Every spelling now leaves the path a scan records."""
+    root = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        run_history(root / "host", [(("odd", AUDIO, "bus"), "pump"),
+                                    (("unbind", AUDIO), "hold"),
+                                    (("odd", AUDIO, "bus"), "pump")], "tmpfs")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.xfail(strict=True, reason="the lane trusts the uevent's ids: a card of the same "
                    "ids re-added behind lost remove/add uevents keeps its old IOMMU group "
                    "(the general path's identity stat, or full read, noticed)")
@@ -437,3 +451,4 @@ def test_a_card_swapped_behind_lost_uevents_is_not_noticed(shm: Path) -> None:
                     lose_swaps=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+

@@ -743,11 +743,17 @@ def observe(paths: HostPaths, tables: TablesView, event: UEvent) -> list[Observa
     if subsystem == "pci":
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
         if addr is name or is_pci_addr(addr):  # checked once, not twice, per event
-            if event.action in _DRIVER_ACTIONS and event.devpath:
-                seen = read_function_known(paths, addr, event.devpath, event.action,
+            devpath = event.devpath
+            if not (addr is name and devpath.startswith("/devices/")
+                    and "//" not in devpath and "/." not in devpath):
+                # A hand-written spelling (the bus entry, `..`, another name): the model keeps
+                # the device's own path, the one a scan records, however a line spelled it.
+                devpath = _devpath_of_bus_entry(paths, addr)
+            if event.action in _DRIVER_ACTIONS:
+                seen = read_function_known(paths, addr, devpath, event.action,
                                            _variant_keys(tables.vfio_variant_drivers))
             else:
-                seen = read_function(paths, addr, event.devpath)
+                seen = read_function(paths, addr, devpath)
             out.append(seen)
             if isinstance(seen, PciSeen) and seen.physfn:
                 # A VF came, went or rebound: its PF's virtfnN links say so, no PF event does.
