@@ -129,7 +129,7 @@ class Host:
         `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
         ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
         ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
-        self.watcher.check_thread()
+        self.watcher.check_open()
         return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,
                                         force=force, vfio_driver=vfio_driver)
 
@@ -142,7 +142,7 @@ class Host:
     async def recover(self, addr_or_vendor: str, *,
                       timeout: float = DEFAULT_TIMEOUT) -> SwitchResult:
         """Rebind a wedged group to vfio-pci and clear its poison (`RebootRequired` if stuck)."""
-        self.watcher.check_thread()
+        self.watcher.check_open()
         return await self.engine.recover(addr_or_vendor, timeout=timeout)
 
     async def holders(self, addr_or_vendor: str) -> dict[str, Any]:

@@ -138,3 +138,28 @@ def test_the_shipped_json_tables_equal_the_embedded_yaml() -> None:
     tables = default_tables()
     assert shipped["gpu_vendors"] == dict(tables.gpu_vendors)
     assert tuple(shipped["host_console_drivers"]) == tables.host_console_drivers
+
+
+@pytest.mark.parametrize("boot_vga", [True, False])
+async def test_the_daemon_list_reads_boot_vga_inside_a_tree_with_absolute_links(
+    boot_vga: bool, tmp_path: Path, sockdir: str
+) -> None:
+    """A captured tree may spell its bus entries absolute (``/sys/devices/…``): the fast
+    report's own ``boot_vga`` read leads under the root, as the model's does, never to the
+    host running the test (one of the two cases differs from whatever that host holds)."""
+    from tests.test_real_hosts_capture import _absolute_links
+
+    live = tmp_path / "live"
+    single_gpu_desktop(live, boot_vga=boot_vga)
+    copied = tmp_path / "copied"
+    single_gpu_desktop(copied, boot_vga=boot_vga)
+    assert _absolute_links(copied) > 5
+    async with served_watcher(str(copied), f"{sockdir}/gw.sock") as served:
+        for argv in (["list", "--json"], ["status"]):
+            code, out, err = await anyio.to_thread.run_sync(
+                run_spied, [*argv, "--socket", served.path, "--root", str(copied)])
+            assert code == 0, err
+            assert "HEAVY=\n" in err  # the fast path answered
+            live_out, _ = await anyio.to_thread.run_sync(run_full_both,
+                                                         [*argv, "--root", str(live)])
+            assert out == live_out, argv

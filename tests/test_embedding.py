@@ -277,6 +277,17 @@ async def test_entering_a_context_twice_says_so(host: SysRoot) -> None:
             pass
 
 
+async def test_a_closed_host_refuses_to_switch_before_writing_anything(host: SysRoot) -> None:
+    async with simulated_switch(host) as (h, sim, _engine, _events):
+        pass
+    for attempt in (lambda: h.switch(NV, "vfio"), lambda: h.recover(NV),
+                    lambda: h.resync("reconcile")):
+        with pytest.raises(gpuwatch.WatcherClosed, match="closed"), anyio.fail_after(10):
+            await attempt()
+    assert sim.record == []  # not even the nvidia module unload
+    assert h.probe("display-driver", addr=NV) == "nvidia"
+
+
 # --------------------------------------------------------------------------- threads
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
+from gpuwatch.hostfs.files import resolve_in_root
 from gpuwatch.switch import hostops
 from gpuwatch.switch.hostops import (
     RealHostOps,
@@ -86,6 +87,66 @@ async def test_real_ops_write_under_the_root_only_what_is_allowed(tmp_path: Path
             await ops.write(path, value, 5.0)
     # ``remove`` is write-only (0200), so only its size says nothing was written to it.
     assert (host.device_dir("0000:01:00.0") / "remove").stat().st_size == 0
+
+
+#: An address no host here has, so that a write led astray could only fail, never land.
+_STRAY = "0000:7e:1f.7"
+
+
+@pytest.mark.parametrize("spelling", ["absolute", "climbing"])
+async def test_a_write_follows_the_trees_links_as_in_a_chroot(tmp_path: Path,
+                                                              spelling: str) -> None:
+    """A captured tree may spell the bus entry's link absolute (``/sys/devices/…``), or with
+    more ``..`` than it has levels: followed by the kernel, either leads out of the tree and
+    into the host's sysfs. The write must land in the tree's own device."""
+    host = SysRoot(tmp_path / "host")
+    host.add_function(_STRAY, driver="nvidia", iommu_group=13)
+    device = host.device_dir(_STRAY)
+    inside = "/" + str(device.relative_to(host.root))
+    assert not os.path.lexists(inside), "the host has this device: the test would not be safe"
+    entry = host.root / "sys/bus/pci/devices" / _STRAY
+    entry.unlink()
+    entry.symlink_to(inside if spelling == "absolute" else "../" * 40 + inside.lstrip("/"))
+    ops = RealHostOps(host.root)
+    await ops.write(f"/sys/bus/pci/devices/{_STRAY}/driver_override", "vfio-pci", 5.0)
+    assert (device / "driver_override").read_text() == "vfio-pci"
+
+
+async def test_a_write_through_a_link_loop_is_refused(tmp_path: Path) -> None:
+    host = SysRoot(tmp_path / "host")
+    host.add_function(_STRAY, driver="nvidia", iommu_group=13)
+    entry = host.root / "sys/bus/pci/devices" / _STRAY
+    entry.unlink()
+    entry.symlink_to(_STRAY)  # itself
+    with pytest.raises(UnsafeStep, match="refusing to write"):
+        await RealHostOps(host.root).write(
+            f"/sys/bus/pci/devices/{_STRAY}/driver_override", "vfio-pci", 5.0)
+
+
+def test_resolve_in_root_reads_links_as_a_chroot_would(tmp_path: Path) -> None:
+    (tmp_path / "a/b").mkdir(parents=True)
+    (tmp_path / "abs").symlink_to("/a/b")
+    (tmp_path / "a/up").symlink_to("../../../../a")
+    (tmp_path / "a/b/file").symlink_to("/elsewhere")
+    assert resolve_in_root(str(tmp_path), f"{tmp_path}/abs/x") == f"{tmp_path}/a/b/x"
+    assert resolve_in_root(str(tmp_path), f"{tmp_path}/a/up/b/x") == f"{tmp_path}/a/b/x"
+    assert resolve_in_root(str(tmp_path), f"{tmp_path}/abs/../../../y") == f"{tmp_path}/y"
+    # The last component is not followed: the write refuses a link there (O_NOFOLLOW).
+    assert resolve_in_root(str(tmp_path), f"{tmp_path}/a/b/file") == f"{tmp_path}/a/b/file"
+    with pytest.raises(ValueError):
+        resolve_in_root(str(tmp_path / "a"), f"{tmp_path}/abs")
+
+
+def test_resolve_in_root_at_slash_is_the_kernels_resolution() -> None:
+    """Read-only, on this machine's real sysfs: with root ``/`` it finds what the kernel finds."""
+    entries = sorted(os.listdir("/sys/bus/pci/devices")) if os.path.isdir(
+        "/sys/bus/pci/devices") else []
+    if not entries:
+        pytest.skip("no PCI devices in /sys here")
+    for addr in entries:
+        path = f"/sys/bus/pci/devices/{addr}/driver_override"
+        assert resolve_in_root("/", path) == os.path.join(
+            os.path.realpath(f"/sys/bus/pci/devices/{addr}"), "driver_override")
 
 
 async def test_real_ops_refuse_host_commands_on_a_fixture_root(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from gpuwatch.core.reporttext import (
     vf_ready,
 )
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.files import read_attr
+from gpuwatch.hostfs.files import in_root, read_attr
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
@@ -142,8 +142,9 @@ class Remote:
         addrs = [g["addr"] for g in self.gpus]
         if self._boot_vga is None:  # once per report, not once per GPU
             bus = os.path.join(self.root, "sys/bus/pci/devices")
-            self._boot_vga = {a for a in addrs
-                              if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
+            # in_root: a captured tree's bus entry spelled absolute leads under the root.
+            self._boot_vga = {a for a in addrs if read_attr(
+                os.path.join(in_root(self.root, os.path.join(bus, a)), "boot_vga")) == "1"}
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
                                     boot_vga=self._boot_vga, host_displays=addrs)

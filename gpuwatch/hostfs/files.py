@@ -126,6 +126,49 @@ def in_root(root: str, path: str) -> str:
     return os.path.join(root, os.path.normpath(target).lstrip("/"))
 
 
+def resolve_in_root(root: str, path: str, *, max_links: int = 40) -> str:
+    """The place ``path`` (a path under ``root``) names when every link on the way is read as
+    in a chroot at ``root``: an absolute target starts again at ``root``, ``..`` stops there.
+    The last component is left as it is (a write opens it with ``O_NOFOLLOW``).
+
+    What makes a write under ``--root`` stay in the tree: a captured tree may spell the
+    kernel's links absolute (``/sys/devices/…``), and followed by the kernel such a link
+    would lead a switch's ``driver_override`` write to the host running us. With ``root``
+    ``/`` this is the kernel's own resolution. Raises `OSError` (``ELOOP``) past
+    ``max_links`` links and `ValueError` for a ``path`` outside ``root``.
+    """
+    root = os.path.abspath(root)
+    prefix = root.rstrip("/") + "/"
+    if path != root and not path.startswith(prefix):
+        raise ValueError(f"{path!r} is not under {root!r}")
+    # Not normalised first: ``link/..`` is the parent of the link's target, not of the link.
+    rest = path[len(prefix):] if path != root else ""
+    pending = [part for part in reversed(rest.split("/")) if part not in ("", ".")]
+    resolved: list[str] = []
+    links = 0
+    while pending:
+        part = pending.pop()
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        if not pending:
+            resolved.append(part)
+            break
+        try:
+            target = os.readlink(os.path.join(root, *resolved, part))
+        except OSError:  # not a link, or absent: the name stands for itself
+            resolved.append(part)
+            continue
+        links += 1
+        if links > max_links:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        if target.startswith("/"):
+            resolved = []
+        pending.extend(p for p in reversed(target.split("/")) if p not in ("", "."))
+    return os.path.join(root, *resolved)
+
+
 def uevent_value(directory: str, key: str) -> str:
     """``KEY=value`` from a sysfs directory's ``uevent`` file; ``""`` when absent."""
     prefix = key + "="

@@ -27,6 +27,7 @@ import anyio.to_thread
 
 from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
 from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
+from gpuwatch.hostfs.files import resolve_in_root
 from gpuwatch.sources import EventSource
 
 _ADDR = PCI_ADDR_PATTERN
@@ -136,6 +137,24 @@ def under_root(root: str, host_path: str) -> str:
     if not host_path.startswith("/") or "/../" in host_path + "/" or "\0" in host_path:
         raise UnsafeStep(f"refusing path {host_path!r}")
     return os.path.join(os.path.abspath(root), host_path.lstrip("/"))
+
+
+def write_target(root: str, host_path: str) -> str:
+    """Where a write to ``host_path`` lands under ``root``, every link on the way read as in a
+    chroot (`resolve_in_root`), and checked to lie in the tree: a fixture or captured tree
+    whose links are spelled absolute (``/sys/devices/…``) must never lead a switch's write to
+    the sysfs of the host running it. The last component is opened with ``O_NOFOLLOW``."""
+    root = os.path.abspath(root)
+    try:
+        target = resolve_in_root(root, under_root(root, host_path))
+    except (OSError, ValueError) as exc:
+        raise UnsafeStep(f"refusing to write {host_path!r} under {root}: {exc}") from None
+    real_root = os.path.realpath(root)
+    real_parent = os.path.realpath(os.path.dirname(target))
+    if real_root != "/" and not (real_parent + "/").startswith(real_root.rstrip("/") + "/"):
+        raise UnsafeStep(f"refusing to write {host_path!r}: under {root} it leads to "
+                         f"{real_parent}, outside the tree")
+    return target
 
 
 # --------------------------------------------------------------------------- child processes
@@ -267,7 +286,7 @@ class RealHostOps:
 
     async def write(self, path: str, value: str, timeout: float) -> None:
         check_write(path, value)
-        target = under_root(self.root, path)
+        target = write_target(self.root, path)
         await anyio.to_thread.run_sync(write_in_child, target, value, timeout)
 
     async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
@@ -279,7 +298,7 @@ class RealHostOps:
 
     async def makedirs(self, path: str) -> None:
         check_dir(path)
-        os.makedirs(under_root(self.root, path), exist_ok=True)
+        os.makedirs(write_target(self.root, path), exist_ok=True)
 
     def which(self, name: str) -> str | None:
         return shutil.which(name)
@@ -325,4 +344,5 @@ __all__ = [
     "run_bounded",
     "under_root",
     "write_in_child",
+    "write_target",
 ]

@@ -235,6 +235,13 @@ class Watcher:
             probes={a: state.answer(a) for a in state._answers},
         )
 
+    def check_open(self) -> None:
+        """Refuse work that needs the live watcher once it has closed: a switch would write
+        to the host with nobody watching for the drivers it waits on."""
+        self.check_thread()
+        if self._closed:
+            raise WatcherClosed("this watcher is closed (its context was left): open another")
+
     def check_thread(self) -> None:
         """Refuse a call from another thread's event loop: the watcher's locks, streams and
         tasks belong to the loop that opened it (on trio such a call would kill the pump;
@@ -388,7 +395,7 @@ class Watcher:
     async def resync(self, reason: str) -> int:
         """Rescan everything (in a thread), diff against the model, publish the drift and a
         ``resync`` event. Returns how many change events the diff produced."""
-        self.check_thread()
+        self.check_open()
         if reason not in RESYNC_REASONS:
             raise UsageError(f"resync reason must be one of {', '.join(RESYNC_REASONS)}, "
                              f"not {reason!r}")
@@ -501,7 +508,7 @@ class Watcher:
     async def poll_vgpus(self) -> int:
         """Re-read the vGPU files of the functions that have them (no uevent announces a new
         ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
-        self.check_thread()
+        self.check_open()
         addrs = self.model.state.vgpu_addrs()
         if not addrs:
             return 0
