@@ -19,9 +19,11 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
+from gpuwatch.cli.main import main
 from gpuwatch.errors import (
     GroupBusy,
     GroupPoisoned,
+    NotPrivileged,
     StepTimedOut,
     SwitchFailed,
     SwitchRefused,
@@ -29,6 +31,8 @@ from gpuwatch.errors import (
 )
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch import engine as engine_module
+from gpuwatch.switch import hostops
+from gpuwatch.switch.hostops import Backend
 from gpuwatch.switch.poison import PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.modern import GH_ADDR, grace_hopper_host
@@ -456,3 +460,35 @@ async def test_an_unexpected_error_of_the_host_seam_still_ends_and_restores(
     kinds = [e.type for e in events if getattr(e, "type", "").startswith("switch-")]  # type: ignore[attr-defined]
     assert kinds == ["switch-started", "switch-failed"]
     assert of_type(events, "switch-failed")[0].restored[0] == "modprobe nvidia"
+
+
+# --------------------------------------------------------------------------- already there
+
+
+@pytest.mark.parametrize("named", ["nvgrace_gpu_vfio_pci", "nvgrace-gpu-vfio-pci"])
+async def test_vfio_driver_naming_the_driver_already_bound_needs_nothing(
+        tmp_path: Path, named: str) -> None:
+    """"Already in mode: no write, no privilege": with `--vfio-driver` naming the driver the
+    card is on, too. Naming another one still needs root."""
+    host = grace_hopper_host(tmp_path)
+    async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
+        result = await w.switch(GH_ADDR, "vfio", timeout=5, vfio_driver=named)
+        assert not result.changed and "already in mode vfio" in result.notes[0]
+        with pytest.raises(NotPrivileged):
+            await w.switch(GH_ADDR, "vfio", timeout=5, vfio_driver="vfio-pci")
+        assert sim.record == [] and not events
+
+
+def test_mode_with_the_bound_vfio_driver_needs_no_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    host = grace_hopper_host(tmp_path)
+    sim = SimKernel(host)
+    monkeypatch.setattr(hostops, "backend_factory",
+                        lambda root: Backend(sim, sim.new_source(), lambda: 1000))
+    code = main(["mode", "vfio", "--addr", GH_ADDR, "--vfio-driver", "nvgrace_gpu_vfio_pci",
+                 "--root", str(host.root)])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, ""), err
+    assert "already vfio" in out and sim.record == []
+

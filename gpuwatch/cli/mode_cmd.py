@@ -28,11 +28,12 @@ from gpuwatch.cli.common import (
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
-from gpuwatch.core.modes import MODES, Mode, driver_key, group_in_mode, group_mode, target_driver
+from gpuwatch.core.modes import MODES, Mode, driver_key, group_mode, target_driver
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
     HostFacts,
+    already_in_mode,
     find_card,
     parse_mode,
     parse_vendor,
@@ -297,7 +298,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
     unhealthy = unhealthy_reason(members, HostFacts(wedge_recovery=model.state.wedge_recovery))
     if unhealthy is not None:
         raise SwitchRefused(unhealthy)
-    if vfio_driver is None and group_in_mode(members, mode, variants):
+    if already_in_mode(members, mode, variants, vfio_driver):
         # No write, so no privilege needed: a claim can run this on every start.
         print_result(SwitchResult(
             addr=card.addr, group=card.iommu_group, from_mode=mode, to_mode=mode,

@@ -647,6 +647,18 @@ def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
     return None
 
 
+def already_in_mode(members: Iterable[PciFunction], mode: Mode,
+                    variants: frozenset[str] = frozenset(),
+                    vfio_driver: str | None = None) -> bool:
+    """Nothing to do, so nothing written and no privilege needed: the group is in ``mode``
+    and, when ``--vfio-driver`` names one, its display functions are on exactly that driver
+    (the one `vfio_targets` would give them)."""
+    fns = tuple(members)
+    return group_in_mode(fns, mode, variants) and (
+        vfio_driver is None or all(same_driver(fn.driver, vfio_driver)
+                                   for fn in fns if fn.class_.startswith("0x03")))
+
+
 def default_mode(members: Sequence[PciFunction]) -> Mode:
     """With no mode asked for, plan the way out of the current one."""
     return "vfio" if group_mode(members) == "nvidia" else "nvidia"
@@ -676,6 +688,7 @@ __all__ = [
     "SwitchPlan",
     "VfioTarget",
     "WriteStep",
+    "already_in_mode",
     "canonical_addr",
     "card_scope",
     "cdi_steps",

@@ -37,7 +37,6 @@ from gpuwatch.core import events as ev
 from gpuwatch.core.events import format_event_time
 from gpuwatch.core.modes import (
     Mode,
-    group_in_mode,
     group_mode,
 )
 from gpuwatch.core.observations import Observation
@@ -49,6 +48,7 @@ from gpuwatch.core.plan import (
     Step,
     SwitchPlan,
     WriteStep,
+    already_in_mode,
     cdi_steps,
     find_card,
     holders_reason,
@@ -304,8 +304,7 @@ class SwitchEngine:
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
-        if vfio_driver is None and group_in_mode(members, to_mode,
-                                                 self.model.state.vfio_variants):
+        if already_in_mode(members, to_mode, self.model.state.vfio_variants, vfio_driver):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
