@@ -24,7 +24,7 @@ from gpuwatch.core.probes import (
 from gpuwatch.core.results import PciFunction, VfioBackend
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
-from gpuwatch.errors import GroupPoisoned, SwitchRefused
+from gpuwatch.errors import GroupPoisoned, SwitchRefused, UsageError
 from gpuwatch.hostfs import procfs
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
@@ -95,8 +95,12 @@ class HostModel:
     ) -> Any:
         """Answer a probe action from memory. Raises `UsageError` or `DeviceNotFound`."""
         answers = self.state._answers
-        if action in answers:  # the hot path: the cached immutable answer itself
-            return answers[action]
+        try:
+            if action in answers:  # the hot path: the cached immutable answer itself
+                return answers[action]
+        except TypeError:  # an unhashable action (a try costs nothing until it raises)
+            check_params(action, group, addr, mode, vendor)
+            raise
         if (
             action == "vfio-group-accessible"
             and group.__class__ is int
@@ -111,10 +115,10 @@ class HostModel:
             return self.plan(parse_mode(mode), addr=addr, vendor=vendor)
         handler = self._handlers.get(action)
         if handler is None:
-            check_params(action, group, addr, mode)
+            check_params(action, group, addr, mode, vendor)
             raise AssertionError(action)  # pragma: no cover - every action has a handler
-        if ACTIONS[action]:
-            addr = check_params(action, group, addr, mode)
+        if ACTIONS[action] or vendor is not None:
+            addr = check_params(action, group, addr, mode, vendor)
         return handler(group, addr, mode)
 
     def function(self, addr: str | None) -> PciFunction:
@@ -228,7 +232,10 @@ def scan(
     ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
     so a direct probe answers with the tables the daemon uses."""
     tables = tables_in_force(config)
-    paths = HostPaths(root_in_force(root, config))
+    where = root_in_force(root, config)
+    if not os.path.isdir(where):  # a typo would otherwise read as an empty host, silently
+        raise UsageError(f"root {where!r} is not a directory")
+    paths = HostPaths(where)
     model = HostModel(paths, HostState(tables, scan_tree(paths, tables)))
     model.proc_deadline = proc_read_timeout_in_force(config)
     return model

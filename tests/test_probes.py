@@ -520,3 +520,36 @@ def test_stat_of_mode_is_permission_bits_only(host: SysRoot) -> None:
     assert node
     model = gpuwatch.scan(host.root)
     assert model.state.nodes["/dev/vfio/5"].mode == stat.S_IMODE(0o660)
+
+
+@pytest.mark.parametrize("params", [
+    {"group": "1"}, {"group": True}, {"group": 1.0}, {"addr": 5}, {"mode": 3},
+    {"vendor": b"nvidia"},
+])
+@pytest.mark.parametrize("action", ["vfio-group-accessible", "vfio-backend", "group-in-mode"])
+def test_library_params_of_the_wrong_type_are_usage_errors(
+        host: SysRoot, action: str, params: dict[str, object]) -> None:
+    """From Python a group "1" or an addr 5 reached the rules and failed there as a TypeError
+    (or a comparison of a str with an int); the socket's JSON is checked the same way. (A
+    cached answer, detect-vfio say, takes no parameters: its hot path looks at none.)"""
+    model = gpuwatch.scan(host.root)
+    with pytest.raises(gpuwatch.UsageError, match=r"must be an? (integer|string), not"):
+        model.probe(action, **params)  # type: ignore[arg-type]
+    with pytest.raises(gpuwatch.UsageError):
+        gpuwatch.probe(action, host.root, **params)  # type: ignore[arg-type]
+
+
+def test_an_action_that_is_not_a_string_is_a_usage_error(host: SysRoot) -> None:
+    with pytest.raises(gpuwatch.UsageError, match="unknown action"):
+        gpuwatch.scan(host.root).probe(["detect-vfio"])  # type: ignore[arg-type]
+
+
+def test_a_root_that_is_not_a_directory_is_a_usage_error(tmp_path: Path) -> None:
+    """A typo in the root read as an empty host, silently, where the CLI and the watcher
+    refuse it."""
+    (tmp_path / "file").write_text("")
+    for root in (tmp_path / "missing", tmp_path / "file"):
+        with pytest.raises(gpuwatch.UsageError, match="is not a directory"):
+            gpuwatch.scan(root)
+        with pytest.raises(gpuwatch.UsageError, match="is not a directory"):
+            gpuwatch.probe("detect-vfio", root)

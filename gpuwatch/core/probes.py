@@ -74,9 +74,16 @@ def check_params(
     action: str, group: int | None, addr: str | None, mode: str | None, vendor: str | None = None
 ) -> str | None:
     """Validate a probe request; return the normalised address. Raises `UsageError`."""
-    needs = ACTIONS.get(action)
+    needs = ACTIONS.get(action) if type(action) is str else None
     if needs is None:
         raise UsageError(f"unknown action {action!r} (one of: {', '.join(ACTIONS)})")
+    # A library caller's types, checked like the socket's JSON: a group "1" or an addr 5
+    # would otherwise fail deep inside as a TypeError. (A bool is an int, but no group.)
+    if group is not None and type(group) is not int:
+        raise UsageError(f"group must be an integer, not {type(group).__name__}")
+    for name, text in (("addr", addr), ("mode", mode), ("vendor", vendor)):
+        if text is not None and type(text) is not str:
+            raise UsageError(f"{name} must be a string, not {type(text).__name__}")
     for name, value in (("group", group), ("addr", addr), ("mode", mode)):
         if name in needs and value is None:
             raise UsageError(f"action {action!r} needs --{name}")
