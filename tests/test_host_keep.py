@@ -81,8 +81,8 @@ def test_rule_console_driver_and_only_boot_display() -> None:
                                 host_displays=[gpu.addr]) == ""
 
 
-def test_default_table_names_the_bmc_drivers() -> None:
-    drivers = gpuwatch.scan("/nonexistent-root").tables.host_console_drivers
+def test_default_table_names_the_bmc_drivers(tmp_path: Path) -> None:
+    drivers = gpuwatch.scan(tmp_path).tables.host_console_drivers
     assert {"ast", "mgag200", "hpilo", "hpwdt"} <= set(drivers)
 
 
