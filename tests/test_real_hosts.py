@@ -280,9 +280,9 @@ def test_mixed_is_for_drivers_of_different_modes(host: SysRoot) -> None:
     assert group_mode(gpuwatch.scan(host.root).state.group_members(NV)) == "mixed"
 
 
-def test_usage_error_names_the_accepted_form() -> None:
+def test_usage_error_names_the_accepted_form(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="4 to 8"):
-        gpuwatch.scan("/nonexistent-root").probe("display-driver", addr="1:2:3")
+        gpuwatch.scan(tmp_path).probe("display-driver", addr="1:2:3")
 
 
 # ------------------------------------------------------------ IOMMU asked for, off in firmware
