@@ -17,7 +17,6 @@ from typing import Any
 
 import anyio
 import pytest
-from pydantic import BaseModel
 
 from gpuwatch.cli.main import main
 from gpuwatch.errors import (
@@ -37,31 +36,11 @@ from gpuwatch.switch.poison import PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.modern import GH_ADDR, grace_hopper_host
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
-
-NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
-NV2, AUDIO2 = "0000:03:00.0", "0000:03:00.1"
-
-
-def of_type(events: list[BaseModel], kind: str) -> list[Any]:
-    return [e for e in events if getattr(e, "type", None) == kind]
+from tests.test_switch_engine import AUDIO, AUDIO2, NV, NV2, add_second_card, of_type
 
 
 def tree_driver(sim: SimKernel, addr: str) -> str:
     return sim._driver(addr)
-
-
-def add_second_card(host: SysRoot, driver: str = "nvidia", audio: str = "snd_hda_intel") -> None:
-    """Another NVIDIA card in its own group (15), with both cards' /dev/nvidiaN minors."""
-    host.add_bridge("0000:00:03.0", iommu_group=3)
-    host.add_function(NV2, parent="0000:00:03.0", device="0x2684", driver=driver, iommu_group=15)
-    host.add_function(AUDIO2, parent="0000:00:03.0", device="0x22ba", klass="0x040300",
-                      driver=audio, iommu_group=15)
-    host.add_dev_node("/dev/nvidia1")
-    for addr, minor in ((NV, 0), (NV2, 1)):
-        folder = host.root / "proc/driver/nvidia/gpus" / addr
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "information").write_text(f"Model: \t\t NVIDIA GeForce RTX\n"
-                                             f"Device Minor: \t {minor}\nBus Type: \t PCIe\n")
 
 
 # --------------------------------------------------------------------------- completion

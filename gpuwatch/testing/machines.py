@@ -150,6 +150,16 @@ def single_gpu_desktop(root: str | os.PathLike[str], *, boot_vga: bool = True) -
     return s
 
 
+def _add_console_igpu(s: SysRoot, device: str, *, subsystem_vendor: str) -> None:
+    """The Intel iGPU the firmware booted on, where every Intel client chipset puts it
+    (0000:00:02.0, ``i915``, boot_vga 1, card0/renderD128), alone in IOMMU group 0."""
+    s.add_function("0000:00:02.0", vendor=INTEL, device=device, klass="0x030000",
+                   driver="i915", iommu_group=0, subsystem_vendor=subsystem_vendor)
+    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:00:02.0")
+    s.add_drm("renderD128", "0000:00:02.0")
+
+
 def turing_desktop_host(root: str | os.PathLike[str]) -> SysRoot:
     """A consumer Intel desktop (Coffee Lake) with an RTX 2080 in the CPU's x16 slot, as such
     a host lays out: the CPU root port 0000:00:01.0 has no ACS, so it shares IOMMU group 1 with
@@ -157,11 +167,7 @@ def turing_desktop_host(root: str | os.PathLike[str]) -> SysRoot:
     VirtualLink USB-C controller (``xhci_hcd``) and its UCSI controller (serial bus class
     0x0c80, ``nvidia-gpu``); the iGPU (``i915``, boot_vga 1) alone in group 0."""
     s = SysRoot(root)
-    s.add_function("0000:00:02.0", vendor=INTEL, device="0x3e92", klass="0x030000",
-                   driver="i915", iommu_group=0, subsystem_vendor="0x1043")
-    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
-    s.add_drm("card0", "0000:00:02.0")
-    s.add_drm("renderD128", "0000:00:02.0")
+    _add_console_igpu(s, "0x3e92", subsystem_vendor="0x1043")
     s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0x1901")
     card = (("0000:01:00.0", "0x1e87", "0x030000", "nvidia"),
             ("0000:01:00.1", "0x10f8", "0x040300", "snd_hda_intel"),
@@ -330,11 +336,7 @@ def hybrid_laptop_host(root: str | os.PathLike[str], *, dgpu_class: str = "0x030
     CPU's PEG port in its own group. IOMMU on by the distribution kernel's default (no
     ``intel_iommu=`` on the command line)."""
     s = SysRoot(root)
-    s.add_function("0000:00:02.0", vendor=INTEL, device="0x46a6", klass="0x030000",
-                   driver="i915", iommu_group=0, subsystem_vendor="0x17aa")
-    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
-    s.add_drm("card0", "0000:00:02.0")
-    s.add_drm("renderD128", "0000:00:02.0")
+    _add_console_igpu(s, "0x46a6", subsystem_vendor="0x17aa")
     s.add_bridge("0000:00:06.0", iommu_group=3, vendor=INTEL, device="0x464d")
     s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0x460d")
     s.add_function("0000:01:00.0", parent="0000:00:01.0", vendor=NVIDIA, device="0x25a2",
