@@ -38,10 +38,8 @@ import anyio.lowlevel
 from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
-from gpuwatch.core.events import EVENT_TYPES
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
-from gpuwatch.core.pci import ADDR_FORMAT, canonical_addr
-from gpuwatch.errors import SERVICE, HostError
+from gpuwatch.errors import SERVICE, HostError, UsageError
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
@@ -50,6 +48,7 @@ from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
 from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
+from gpuwatch.watch.watcher import event_filters
 
 if TYPE_CHECKING:
     from gpuwatch.host import Host
@@ -1167,25 +1166,13 @@ class SocketServer:
         if conn.sub is not None:
             raise P.RpcError(P.ALREADY_SUBSCRIBED, "this connection is already subscribed; "
                                                    "open another one for another filter")
-        if types is not None:
-            unknown = sorted(set(types) - EVENT_TYPES)
-            if unknown:
-                raise P.RpcError(P.INVALID_PARAMS, f"subscribe: unknown event type "
-                                                   f"{unknown[0]!r} (known: "
-                                                   f"{', '.join(sorted(EVENT_TYPES))})")
+        try:  # checked as an in-process subscription checks them (addrs as events spell them)
+            type_set, addr_set = event_filters(types, addrs)
+        except UsageError as exc:
+            raise P.RpcError(P.INVALID_PARAMS, f"subscribe: {exc}") from None
         if since_seq is not None and since_seq < 0:
             raise P.RpcError(P.INVALID_PARAMS, "subscribe: 'since_seq' must be >= 0")
-        wanted: set[str] | None = None
-        if addrs is not None:  # spelled as events spell them, like every other addr
-            wanted = set()
-            for text in addrs:
-                addr = canonical_addr(text)
-                if addr is None:
-                    raise P.RpcError(P.INVALID_PARAMS, f"subscribe: {text!r} is not a PCI "
-                                                       f"address ({ADDR_FORMAT})")
-                wanted.add(addr)
-        sub = _Subscription(frozenset(types) if types is not None else None,
-                            frozenset(wanted) if wanted is not None else None)
+        sub = _Subscription(type_set, addr_set)
         now = self.watcher.seq
         replay = since_seq is not None and since_seq < now and self.log_path is not None
         if replay and len(self._replays) >= self.replay_slots:
