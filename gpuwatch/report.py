@@ -199,6 +199,7 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
     out: list[PassthroughGpu] = []
     variants: frozenset[str] = getattr(model.state, "vfio_variants", frozenset())
     noiommu = read_iommu_groups(model.root).noiommu
+    recovery = getattr(model.state, "wedge_recovery", {})
     for gpu in model.probe("detect-vfio").gpus:
         if gpu.iommu_group < 0 or gpu.iommu_group in noiommu:
             continue
@@ -218,7 +219,10 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
                 note="" if kept else managed_note(
                     managed, gpu.addr, gpu.vendor_id,
                     [(m.addr, m.sriov.numvfs) for m in members
-                     if m.sriov is not None and m.sriov.numvfs > 0]),
+                     if m.sriov is not None and m.sriov.numvfs > 0],
+                    [(m.addr, m.health, health_advice(m.health, m.addr, m.driver,
+                                                      recovery.get(m.addr, ())))
+                     for m in members if m.health != "ok"]),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[

@@ -1,7 +1,7 @@
 """A host in VFIO no-IOMMU mode (``vfio.enable_unsafe_noiommu_mode=1``): VFIO made an IOMMU
 group named ``vfio-noiommu`` for the card. detect-vfio's ``iommu_enabled`` keeps its rule
 (groups exist), but the operator reports tell the truth: no IOMMU, no passthrough offer, and
-the group's node is ``/dev/vfio/noiommu-N``."""
+the group's node is ``/dev/vfio/noiommu-N``, whose holders block vfio-pci's unbind too."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 import gpuwatch
+from gpuwatch.errors import SwitchRefused
 from gpuwatch.hostfs.noiommu import read_iommu_groups
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import vfio_noiommu_host
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
 from tests.cli_helpers import run_main
 
 T4 = "0000:00:05.0"
@@ -90,3 +92,22 @@ def test_an_odd_group_name_reads_as_a_real_group(tmp_path: Path, odd: str) -> No
         name.mkdir()
     groups = read_iommu_groups(str(s.root))
     assert (groups.noiommu, groups.real, groups.node(8)) == (frozenset(), True, "/dev/vfio/8")
+
+
+async def test_a_userspace_driver_on_the_noiommu_node_refuses_the_switch(
+        tmp_path: Path) -> None:
+    """DPDK holding /dev/vfio/noiommu-0: vfio-pci's remove would wait for it forever. The
+    plan refuses by name and nothing is written (the node is not /dev/vfio/0)."""
+    s = vfio_noiommu_host(tmp_path / "h")
+    s.add_module("nvidia")
+    sim = SimKernel(s)
+    sim.add_holder(5000, "dpdk-testpmd", "/dev/vfio/noiommu-0")
+    assert sim._unbind_blocked(T4, "vfio-pci") is True  # the hazard, modelled
+    async with simulated_switch(s, sim=sim) as (w, _s, _e, _ev):
+        plan = await w.plan(T4, "nvidia")
+        assert plan["refused"]["holders"] == [
+            {"pid": 5000, "comm": "dpdk-testpmd", "node": "/dev/vfio/noiommu-0"}]
+        with pytest.raises(SwitchRefused, match="dpdk-testpmd"):
+            await w.switch(T4, "nvidia", timeout=5)
+        assert w.probe("display-driver", addr=T4) == "vfio-pci"
+    assert sim.record == []

@@ -8,14 +8,17 @@ Every switch runs against a fixture root with the simulated kernel.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
+import anyio
 import pytest
 
 from gpuwatch.errors import SwitchFailed
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, stopped_services
+from gpuwatch.switch.hostops import CommandResult
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
-from tests.test_switch_engine import NV, add_second_card, drivers
+from tests.test_switch_engine import NV, add_second_card, drivers, of_type
 
 START = ("systemctl", "start", "nvidia-persistenced")
 STOP = ("systemctl", "stop", "nvidia-persistenced")
@@ -91,4 +94,37 @@ async def test_a_failed_switch_that_restarted_persistenced_forgets_it(host: SysR
         with pytest.raises(SwitchFailed, match="not found"):
             await w.switch(NV, "vfio", timeout=5)
     assert START in sim.commands and len(persistenced_pids(host)) == 1
+    assert stopped_services(str(host.root)) == frozenset()
+
+
+class SlowVfioLoad(SimKernel):
+    """``modprobe vfio_pci`` takes long: a cancel lands after nvidia was unloaded."""
+
+    reached = False
+
+    async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        if list(argv) == ["modprobe", "vfio_pci"]:
+            self.reached = True
+            await anyio.sleep(10)
+        return await super().run(argv, timeout)
+
+
+async def test_an_interrupted_switch_starts_persistenced_once(host: SysRoot) -> None:
+    """Interrupted after persistenced was stopped and nvidia unloaded: the roll-back's switch
+    back starts persistenced (the record says a switch stopped it), and the restoring that
+    follows does not start it a second time."""
+    host.remove_module("vfio_pci")
+    sim = SlowVfioLoad(host)
+    sim.start_persistenced(777)
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.switch, NV, "vfio")
+                while not sim.reached:
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        assert drivers(w, NV) == ["nvidia"]
+    restored = of_type(events, "switch-failed")[0].restored
+    assert sum("systemctl start nvidia-persistenced" in r for r in restored) == 1
+    assert sim.commands.count(START) == 1 and len(persistenced_pids(host)) == 1
     assert stopped_services(str(host.root)) == frozenset()

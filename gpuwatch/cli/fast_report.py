@@ -236,8 +236,11 @@ def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "iommu_group": gpu["iommu_group"],
             "managed": managed, "physfn": gpu.get("physfn", ""),
-            "note": "" if kept else managed_note(managed, gpu["addr"], gpu["vendor_id"],
-                                                 with_vfs),
+            "note": "" if kept else managed_note(
+                managed, gpu["addr"], gpu["vendor_id"], with_vfs,
+                [(m["addr"], m.get("health", "ok"),
+                  health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
+                 for m in members if m.get("health", "ok") != "ok"]),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}

@@ -392,8 +392,12 @@ def unbind_scope(fn: PciFunction, facts: HostFacts) -> NodeScope:
     if fn.driver == NVIDIA_DRIVER:
         scope = scope | nvidia_scope(facts, fn.addr)
     if (is_vfio_driver(fn.driver, facts.vfio_variants) or fn.vfio_dev) and fn.iommu_group >= 0:
-        # A VM holds the group node, or the function's own cdev (iommufd).
-        scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{fn.iommu_group}"}))
+        # A VM holds the group node, or the function's own cdev (iommufd); a userspace driver
+        # (DPDK) on a host without an IOMMU holds the no-IOMMU group's node, and vfio's remove
+        # waits for it just the same.
+        group = fn.iommu_group
+        scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{group}",
+                                                   f"/dev/vfio/noiommu-{group}"}))
     if fn.vfio_cdev:
         scope = scope | NodeScope(exact=frozenset({fn.vfio_cdev}))
     if fn.driver and (fn.driver == SND_DRIVER or fn.class_ == AUDIO_CLASS):

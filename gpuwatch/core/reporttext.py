@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
+from gpuwatch.core.health import UNSWITCHABLE
 from gpuwatch.core.modes import on_vfio
 from gpuwatch.core.text import terminal_safe
 
@@ -161,16 +162,25 @@ _BACK_TO_HOST = {
 
 
 def managed_note(managed: str, addr: str, vendor_id: str,
-                 with_vfs: Iterable[tuple[str, int]] = ()) -> str:
-    """What the blocks' managed attribute means for who detaches the group; and, for each
-    member that is an SR-IOV physical function with virtual functions enabled (address,
-    count), that detaching it takes them away (`gpuwatch mode` refuses it)."""
+                 with_vfs: Iterable[tuple[str, int]] = (),
+                 unhealthy: Iterable[tuple[str, str, str]] = ()) -> str:
+    """What the blocks' managed attribute means for who detaches the group; for each member
+    that is an SR-IOV physical function with virtual functions enabled (address, count), that
+    detaching it takes them away (`gpuwatch mode` refuses it); and for each member that is not
+    healthy (address, health, advice from `gpuwatch.core.health.health_advice`), that it
+    needs its recovery before a guest can use it (`gpuwatch mode` refuses a wedged or failed
+    one)."""
     note = MANAGED_NOTES[managed].format(
         addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
     for pf, numvfs in with_vfs:
         note += (f"; {pf} has {numvfs} SR-IOV virtual function(s) enabled: taking its driver "
                  "away removes them under whatever uses them (`gpuwatch mode` refuses to), "
                  "so disable them first")
+    for member, health, advice in unhealthy:
+        note += f"; {member} is not healthy ({advice})"
+        if health in UNSWITCHABLE:
+            note += (": recover it before a guest takes it (`gpuwatch mode` refuses to switch "
+                     "it until then)")
     return note
 
 

@@ -542,14 +542,16 @@ class SwitchEngine:
                 return False
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
-        if back is not None and await self._drivers_back(plan, back, restored, rolling):
+        started: list[str] = []  # services the switch back started (persistenced, recorded)
+        if back is not None and await self._drivers_back(plan, back, restored, rolling,
+                                                         started):
             return True  # a wedge: nothing more is touched
-        commands, stuck = await self._restore(plan, facts, done)
+        commands, stuck = await self._restore(plan, facts, done, started)
         restored.extend(commands)
         return stuck
 
     async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],
-                            rolling: list[Step]) -> bool:
+                            rolling: list[Step], started: list[str]) -> bool:
         addrs = [m.addr for m in plan.members]
         paths, state = self.model.paths, self.model.state
         try:
@@ -584,6 +586,8 @@ class SwitchEngine:
                             return False
                         if result.ok:
                             self._note_service(argv)
+                            if argv[:2] == ("systemctl", "start"):
+                                started.append(argv[2])
                     case MakeDirStep(path=path):
                         await self.ops.makedirs(path)
             except StepTimedOut as exc:
@@ -660,13 +664,14 @@ class SwitchEngine:
             changed = True
         return f"group {plan.group} is not as it was: {', '.join(parts)}" if changed else ""
 
-    async def _restore(self, plan: SwitchPlan, facts: HostFacts,
-                       done: Sequence[CommandStep]) -> tuple[list[str], bool]:
+    async def _restore(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
+                       started: Sequence[str] = ()) -> tuple[list[str], bool]:
         """Start again the services the switch stopped and load again the modules it
         removed (those that are gone now), newest first; return what was run, and True when
         one of them did not return (a wedge: the group is poisoned, nothing more is run)."""
         stopped = [s.argv[2] for s in done if s.argv[:2] == ("systemctl", "stop")]
         restarted = {s.argv[2] for s in done if s.argv[:2] == ("systemctl", "start")}
+        restarted.update(started)  # by a roll-back's switch back already
         removal = [name for s in done if s.argv[:2] == ("modprobe", "-r") for name in s.argv[2:]]
         # A `modprobe -r` that failed half-way removed some of its modules: look, don't guess.
         tried = [name for s in plan.steps if isinstance(s, CommandStep)

@@ -9,11 +9,12 @@ on unload); ``nvidia-modprobe``, ``nvidia-ctk`` and ``systemctl`` do what they d
 
 The hazards are modelled too, because the switch exists to avoid them: an unbind whose
 driver still has open files never returns (nvidia's remove, snd_hda_intel's, vfio-pci's or a
-variant's with a VM on the group node or the device cdev), and ``wedge_unbind`` makes a
-driver's unbind hang regardless. A hung write leaves a task in D state with the driver's
-remove path in its ``/proc/<pid>/stack`` (nvidia's for nvidia), as a real wedge does. Every
-write and command is recorded, in order, *after* the same allow-list checks
-the real seam makes, so a test can assert that something was never written.
+variant's with a VM on the group node or the device cdev, or a userspace driver on a
+no-IOMMU group's node), and ``wedge_unbind`` makes a driver's unbind hang regardless. A hung
+write leaves a task in D state with the driver's remove path in its ``/proc/<pid>/stack``
+(nvidia's for nvidia), as a real wedge does. Every write and command is recorded, in order,
+*after* the same allow-list checks the real seam makes, so a test can assert that something
+was never written.
 """
 
 from __future__ import annotations
@@ -370,7 +371,8 @@ class SimKernel:
         if is_vfio_driver(driver):
             # vfio-pci-core's remove (variants share it) waits for the VM to let go, whether
             # it opened the group node or the device's cdev (iommufd).
-            names = [f"/dev/vfio/{self._group(addr)}"]
+            group = self._group(addr)
+            names = [f"/dev/vfio/{group}", f"/dev/vfio/noiommu-{group}"]
             names += [f"/dev/vfio/devices/{n}" for n in list_dir(
                 os.path.join(self.paths.bus_pci, addr, "vfio-dev")) if n.startswith("vfio")]
             return self._held(re.compile("^(" + "|".join(map(re.escape, names)) + ")$"))
