@@ -551,3 +551,52 @@ def test_a_dead_daemons_socket_is_replaced(host: SysRoot, tmp_path: Path, sockdi
     dead.close()
     with Daemon(host.root, tmp_path, path):
         assert probe(path)["result"] is True
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.6])
+def test_sighup_at_any_moment_leaves_the_daemon_serving(
+    host: SysRoot, tmp_path: Path, sockdir: str, delay: float
+) -> None:
+    """SIGHUP (a closed terminal, `kill -HUP` from habit) stops neither the daemon nor a
+    subscriber's stream: killed by it, the daemon would leave no `stopped` record and a
+    stale socket file. SIGTERM afterwards still ends the run cleanly."""
+    log = tmp_path / "events.jsonl"
+    fifo = tmp_path / "uevents"
+    os.mkfifo(fifo)
+    path = f"{sockdir}/gw.sock"
+    proc = subprocess.Popen(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}", "--log",
+                     str(log), "--socket", path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    writer = os.open(fifo, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{log}.lock"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        time.sleep(delay)
+        for _ in range(3):
+            proc.send_signal(signal.SIGHUP)
+        while not any(e["type"] == "ready" for e in read_events(log)):
+            assert time.monotonic() < deadline and proc.poll() is None, "daemon gone"
+            time.sleep(0.02)
+        with connect(path) as sub:
+            lines = Lines(sub)
+            assert "result" in lines.request("subscribe", {"types": ["stopped"]})
+            proc.send_signal(signal.SIGHUP)
+            assert probe(path)["result"] is True
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            assert lines.line()["reason"] == "signal SIGTERM"  # the stream outlived SIGHUP
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    events = list(read_events(log))
+    assert [e["type"] for e in events].count("stopped") == 1
+    assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
+    assert not os.path.exists(path)
