@@ -7,6 +7,7 @@ speaks to it over its real unix socket, the way an attacker on the host would.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
@@ -15,6 +16,7 @@ import resource
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -149,6 +151,67 @@ def test_a_stalled_partial_line_is_closed_and_idle_clients_are_not(daemon: Daemo
             assert Lines(drip).line()["error"]["code"] == P.REQUEST_TIMEOUT
         # A connection holding no partial line is a client waiting, not an attacker.
         assert Lines(idle).request("probe", {"action": "detect-gpu"}) == {"id": 1, "result": True}
+
+
+def test_descriptors_and_credentials_sent_by_a_client_are_never_taken(daemon: Daemon) -> None:
+    """Ancillary data is the client's business: SCM_RIGHTS descriptors are dropped by the
+    kernel (the daemon never receives them, so a client cannot fill its descriptor table),
+    and forged SCM_CREDENTIALS change nothing (SO_PEERCRED decides)."""
+    before = daemon.fds()
+    request = P.encode_request(1, "probe", {"action": "current-mode", "addr": NV})
+    r, w = os.pipe()
+    try:
+        for _ in range(20):
+            with connect(daemon.sock) as s:
+                s.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", [r, w] * 100))])
+                assert Lines(s).line() == {"id": 1, "result": "nvidia"}
+        with connect(daemon.sock) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            forged = struct.pack("3i", os.getpid(), 70005, 70005)  # root may claim any uid
+            s.sendmsg([P.encode_request(2, "switch", {"mode": "vfio", "timeout": 10**400})],
+                      [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, forged)])
+            reply = Lines(s).line()  # answered as root, the connecting process
+            assert reply["id"] == 2 and reply["error"]["code"] == P.INVALID_PARAMS, reply
+    finally:
+        os.close(r)
+        os.close(w)
+    deadline = time.monotonic() + 10  # the daemon sees our last close when it sees it
+    while daemon.fds() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.fds() == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink-to-socket", "dangling-symlink", "fifo"])
+def test_a_path_planted_where_the_socket_goes_is_left_alone(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
+) -> None:
+    """Whatever sits at the socket path and is not a socket is someone's (an attacker's
+    symlink, say): the daemon does not follow, replace or remove it, and exits 2."""
+    path = Path(sockdir) / "gw.sock"
+    target = Path(sockdir) / "elsewhere.sock"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink-to-socket":
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(target))
+        listener.close()  # a stale socket behind the link: still not ours to take
+        path.symlink_to(target)
+    elif kind == "dangling-symlink":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    before = os.lstat(path)
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null", "--log",
+                     str(tmp_path / "events.jsonl"), "--socket", str(path)),
+        capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "not a socket" in proc.stderr, proc.stderr
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    if kind == "symlink-to-socket":
+        assert os.path.exists(target)
 
 
 # --------------------------------------------------------------------------- other users
