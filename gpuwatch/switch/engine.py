@@ -42,6 +42,7 @@ from gpuwatch.core.modes import (
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
     CLEAR_OVERRIDE,
+    PERSISTENCED_UNIT,
     CommandStep,
     HostFacts,
     MakeDirStep,
@@ -477,6 +478,10 @@ class SwitchEngine:
         finally:
             if token is not None:
                 _DEFERRED.reset(token)
+        if to_mode == "nvidia" and facts.persistenced:
+            # Someone started it while the card was away: the record of the switch that stopped
+            # it is spent (kept, it would restart the unit later against a deliberate stop).
+            self._note_service(("systemctl", "start", PERSISTENCED_UNIT))
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
         self._publish([result])  # the caller gets the record its subscribers got
