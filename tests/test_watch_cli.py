@@ -127,6 +127,28 @@ def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failing_stdout_log_degrades_and_a_closed_one_is_refused(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """The default log is stdout: a full disk behind it degrades the log as for a file
+    (the watch runs to its end), and a closed stdout is refused at once, in one line."""
+    src = tmp_path / "uevents.jsonl"
+    src.write_text("".join(json.dumps(host.uevent_props("change", addr)) + "\n"
+                           for addr in host.functions))
+    command = [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root),
+               "--source", f"file:{src}", "--reconcile-interval", "0"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "ENOSPC" in proc.stderr and "internal error" not in proc.stderr
+    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2
+    assert closed.stderr.count("\n") == 1 and "stdout is closed" in closed.stderr
+
+
 def test_the_daemon_freezes_its_start_up_heap_before_ready_and_thaws_at_exit(
     host: SysRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch

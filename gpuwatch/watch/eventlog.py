@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -224,16 +225,41 @@ def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
         yield buf[:-1]
 
 
-def _last_seq_of_file(path: str) -> int | None:
+def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
+    """``path`` opened for reading with its stat, or None when it is missing or is no
+    regular file. A FIFO, socket or device where a log file should be is never read: the
+    open would block until a writer came, and a read would take the bytes meant for the
+    FIFO's own reader (a watcher may be writing its events there)."""
     try:
-        with open(path, "rb") as f:
-            for raw in _reverse_lines(f):
-                decoded = _decode(raw)
-                if decoded is not None:
-                    seq: int = decoded[0]["seq"]
-                    return seq
-    except (FileNotFoundError, IsADirectoryError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a unix socket
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0), st
+
+
+def _last_seq_of_file(path: str) -> int | None:
+    opened = _open_log_file(path)
+    if opened is None:
+        return None
+    with opened[0] as f:
+        for raw in _reverse_lines(f):
+            decoded = _decode(raw)
+            if decoded is not None:
+                seq: int = decoded[0]["seq"]
+                return seq
     return None
 
 
@@ -318,6 +344,11 @@ class EventLog:
     """Appends event lines to PATH ('-' = stdout), flushed per event; rotates at max_bytes
     keeping `keep` old files PATH.1..PATH.K (PATH.1 newest).
 
+    A PATH that is no regular file (a FIFO with a reader, ``/dev/null``, a terminal) is a
+    stream, like stdout: written, never rotated (renaming a device node would replace it
+    with a plain file), never read back, and a FIFO is written without blocking (a reader
+    that stops reading degrades the log instead of freezing the watcher).
+
     Thread-safe: one lock orders writes and rotations, so lines never interleave.
     ``last_seq`` is read once at open; numbering after that is the caller's.
     """
@@ -343,7 +374,13 @@ class EventLog:
         #: Why the last write failed (None while writes succeed): a full disk, EIO, …
         self.error: str | None = None
         self._check_tail = True  # before the next write: end a torn last line
+        #: PATH is a FIFO or a device: no rotation, no read-back (see the class docstring).
+        self._stream = self._stdout
+        #: Whether the last byte written ended a line (what a stream's torn check uses).
+        self._tail_newline = True
         if self._stdout:
+            if sys.stdout is None:  # started with fd 1 closed: every event would fail
+                raise EventLogUnavailable("event log -: stdout is closed")
             return
         parent = os.path.dirname(self._path)
         try:
@@ -369,7 +406,7 @@ class EventLog:
             # A full or failing disk: serve anyway, the writes are retried (degraded start).
             self.error = _describe_os_error(exc)
             _log.warning("event log %s: %s; starting without it", self._path, self.error)
-        self._last_seq = last_seq_in(self._path)
+        self._last_seq = None if self._stream else last_seq_in(self._path)
 
     @property
     def path(self) -> str:
@@ -383,15 +420,28 @@ class EventLog:
     def _open(self) -> None:
         # O_NONBLOCK for the open only: a FIFO planted at PATH fails with ENXIO instead of
         # hanging the daemon until someone reads it.
+        # A FIFO stays non-blocking: a full pipe is a failed write (the log degrades and
+        # is retried), never a watcher stuck in write() while its reader sleeps.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(self._path, flags, 0o644)
-        os.set_blocking(fd, True)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._stream = not stat.S_ISREG(st.st_mode)
+        if not self._stream:
+            os.set_blocking(fd, True)
         self._fd = fd
-        self._size = os.fstat(fd).st_size
+        self._size = st.st_size
 
     def _end_torn_line(self) -> None:
         if self._check_tail:
-            if self._size > 0 and not self._ends_with_newline():
+            if self._stream:
+                torn = not self._tail_newline  # nothing to read back: what we wrote says
+            else:
+                torn = self._size > 0 and not self._ends_with_newline()
+            if torn:
                 # A writer died mid-line (or a write failed half way). End that line so the
                 # next event does not fuse with it; readers skip the damaged one.
                 self._write_all(b"\n")
@@ -407,11 +457,16 @@ class EventLog:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
-    def _write_all(self, data: bytes) -> None:
-        assert self._fd is not None
+    def _write_all(self, data: bytes, fd: int | None = None) -> None:
+        """Write ``data`` to the log's descriptor (or ``fd``), however short the writes."""
+        if fd is None:
+            assert self._fd is not None
+            fd = self._fd
         view = memoryview(data)
         while view:  # one write in practice; the loop only matters for a short write
-            written = os.write(self._fd, view)
+            written = os.write(fd, view)
+            if written:
+                self._tail_newline = view[written - 1] == 0x0A
             view = view[written:]
             self._size += written
 
@@ -433,9 +488,14 @@ class EventLog:
             with self._lock:
                 if self._closed:
                     raise EventLogClosedError("event log is closed")
-                out = sys.stdout
-                out.write("".join(line + "\n" for line in lines))
-                out.flush()
+                try:
+                    self._write_stdout("".join(line + "\n" for line in lines))
+                except BrokenPipeError:
+                    raise  # the reader left (`| head`): the command's end, not a failure
+                except OSError as exc:
+                    self.error = _describe_os_error(exc)
+                    raise EventLogWriteError(exc.errno, self.error) from None
+                self.error = None
             return
         with self._lock:
             if self._closed:
@@ -450,6 +510,28 @@ class EventLog:
                 raise EventLogWriteError(exc.errno, self.error) from None
             self.error = None
 
+    def _write_stdout(self, text: str) -> None:
+        """``text`` to stdout: straight to its descriptor when it has one, so a failed
+        write (a full disk) leaves nothing buffered to come out later, after newer lines."""
+        out = sys.stdout
+        if out is None:
+            raise OSError(errno.EBADF, "stdout is closed")
+        try:
+            fd = out.fileno()
+        except (OSError, ValueError):  # not a file (a test's capture, an embedder's stream)
+            out.write(text)
+            out.flush()
+            return
+        out.flush()
+        if self._check_tail and not self._tail_newline:
+            self._write_all(b"\n", fd)  # end the line a failed write left half done
+        self._check_tail = False
+        try:
+            self._write_all(text.encode("utf-8"), fd)
+        except OSError:
+            self._check_tail = True
+            raise
+
     def _append(self, lines: Sequence[str], text: str) -> None:
         """``text`` is ``lines`` joined by newlines."""
         if self._fd is None:
@@ -457,7 +539,7 @@ class EventLog:
         self._end_torn_line()
         if not lines:
             return
-        limit = self._max_bytes
+        limit = None if self._stream else self._max_bytes
         if limit is None or self._size + 4 * len(text) + 1 <= limit:
             # The batch fits before the next rotation (UTF-8 takes at most 4 bytes a
             # character): one encode and one write.
@@ -468,7 +550,7 @@ class EventLog:
         for line in lines:
             data = (line + "\n").encode("utf-8")
             size = self._size + pending_size
-            if self._max_bytes is not None and size > 0 and size + len(data) > self._max_bytes:
+            if size > 0 and size + len(data) > limit:
                 if pending:
                     self._write_all(b"".join(pending))
                     pending, pending_size = [], 0
@@ -816,13 +898,12 @@ class _Follower:
         while misses < _MAX_GAP:
             name = rotated_path(self._path, index)
             index += 1
-            try:
-                f = open(name, "rb", buffering=0)  # noqa: SIM115 - closed by the follower
-            except FileNotFoundError:
+            opened = _open_log_file(name)  # closed by the follower
+            if opened is None:  # missing, or a FIFO/device: nothing a writer rotates
                 misses += 1
                 continue
             misses = 0
-            st = os.fstat(f.fileno())
+            f, st = opened
             ident = (st.st_dev, st.st_ino)
             if ident == anchor:
                 f.close()
