@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import itertools
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -187,6 +189,47 @@ def test_last_seq_scans_back_across_large_files(tmp_path: Path) -> None:
     assert last_seq_in(path) == 2
 
 
+def test_a_crash_tail_of_nuls_is_passed_over_holding_one_line_at_most(tmp_path: Path) -> None:
+    """A crash can leave the end of an appended file as megabytes of NULs with no newline.
+    Finding the last seq (every watcher start) and replaying from a seq must pass over it
+    without gathering it: the search used to hold the whole tail, copying it once per read
+    (minutes for 64 MiB, memory for all of it)."""
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n" + line(2) + "\n")
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size + 12 * (1 << 20))  # a hole reads as NULs
+    tracemalloc.start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(eventlog, "MAX_EVENT_LINE", 1 << 20)
+            assert last_seq_in(path) == 2
+            with path.open("ab") as f:
+                f.write(("\n" + "\n".join(line(s) for s in range(3, 2000)) + "\n").encode())
+            assert last_seq_in(path) == 1999
+            assert seqs(read_events(path, since_seq=1)) == list(range(2, 2000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # one capped line and a read or two, never the 12 MiB
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"")),
+                          st.just(b"")), max_size=12),
+       st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), st.integers(1, 9))
+def test_reverse_lines_are_the_complete_lines_backwards(
+    lines: list[bytes], tail: bytes, chunk: int
+) -> None:
+    """Against the plain definition, with reads smaller than lines: every complete line of
+    at most MAX_EVENT_LINE bytes, last first; the torn tail and longer lines are left out."""
+    data = b"".join(item + b"\n" for item in lines) + tail
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eventlog, "_CHUNK", chunk)
+        patch.setattr(eventlog, "MAX_EVENT_LINE", 20)
+        got = list(eventlog._reverse_lines(io.BytesIO(data)))
+    assert got == [item for item in reversed(lines) if len(item) <= 20]
+
+
 def test_writer_rejects_newlines_and_use_after_close(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "ev.jsonl")
     with pytest.raises(ValueError, match="line break"):
@@ -268,13 +311,16 @@ def test_a_fifo_log_whose_reader_stalls_degrades_instead_of_blocking(tmp_path: P
 
 def test_readers_never_open_a_fifo_where_a_log_file_should_be(tmp_path: Path) -> None:
     """Opening a FIFO to read blocks until a writer comes, and reading one takes the bytes
-    meant for its own reader: readers (and the writer's look for the last seq) skip it."""
+    meant for its own reader: the writer's look for the last seq passes over it, and
+    readers refuse it at once, naming it."""
     path = tmp_path / "ev.jsonl"
     os.mkfifo(f"{path}.1")  # nobody writes it: an open for reading would wait forever
     log = EventLog(path)
-    assert log.last_seq is None
+    assert log.last_seq is None and log.replayable
     write_events(log, 1, 2)
-    assert seqs(read_events(path)) == [1, 2]
+    with pytest.raises(OSError, match="not a regular file") as refused:
+        list(read_events(path))
+    assert refused.value.filename == f"{path}.1"
     log.close()
 
     fifo = tmp_path / "live.fifo"
@@ -282,10 +328,35 @@ def test_readers_never_open_a_fifo_where_a_log_file_should_be(tmp_path: Path) ->
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
         log = EventLog(fifo)
+        assert not log.replayable
         log.write_line(line(1))
-        assert list(read_events(fifo)) == []  # the watcher's replay reads no log here
-        assert os.read(reader, 4096) == line(1).encode() + b"\n"  # and stole nothing
+        with pytest.raises(OSError, match="not a regular file"):
+            list(read_events(fifo))
+        assert os.read(reader, 4096) == line(1).encode() + b"\n"  # nothing was taken
         log.close()
+    finally:
+        os.close(reader)
+
+
+async def test_a_subscriber_asking_for_history_of_a_fifo_log_gets_live_events(
+    tmp_path: Path,
+) -> None:
+    """A FIFO log cannot be read back: a replay is incomplete, not an error or a hang."""
+    import anyio
+
+    from gpuwatch.sources.memory import MemorySource
+    from gpuwatch.watch.watcher import open_watcher
+
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with anyio.fail_after(30):
+            async with open_watcher(tmp_path, source=MemorySource(), log=fifo,
+                                    reconcile_interval=0) as w:
+                async with w.subscribe(since_seq=0) as sub:
+                    assert sub.complete is False
+        assert json.loads(drain(reader).split(b"\n")[0])["type"] == "ready"
     finally:
         os.close(reader)
 

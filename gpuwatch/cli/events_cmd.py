@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         if isinstance(exc, BrokenPipeError):
             raise  # the dispatcher's business: the reader left, exit quietly
-        return fail(f"events: {path}: {exc.strerror or exc}", EXIT_FAILURE)
+        return fail(f"events: {exc.filename or path}: {exc.strerror or exc}", EXIT_FAILURE)
 
 
 def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> int:

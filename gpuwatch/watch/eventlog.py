@@ -203,46 +203,58 @@ def _head_seq(line: bytes) -> int | None:
 
 
 def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
-    """Complete lines of ``f`` from last to first; a tail without newline is torn and skipped."""
+    """Complete lines of ``f`` from last to first; a tail without newline is torn and skipped.
+
+    Each byte is read once and at most `MAX_EVENT_LINE` bytes of one line are held: a line
+    longer than that is no event and is passed over (a crash can leave megabytes of NULs,
+    without a newline, at the end of a file that was being appended to).
+    """
     pos = f.seek(0, os.SEEK_END)
-    buf = b""
-    found_newline = False
+    line: list[bytes] = []  # the pieces of the line in hand, last piece first
+    held = 0
+    past_tail = False  # a newline was met: the bytes after the file's last one are behind us
+    skipping = False  # the line in hand outgrew MAX_EVENT_LINE: its bytes are dropped
     while pos > 0:
         step = min(_CHUNK, pos)
         pos -= step
         f.seek(pos)
-        buf = f.read(step) + buf
-        if not found_newline:
-            end = buf.rfind(b"\n")
-            if end < 0:
-                continue
-            buf = buf[: end + 1]
-            found_newline = True
-        parts = buf.split(b"\n")  # parts[-1] == b"", parts[0] may start mid-line
-        yield from reversed(parts[1:-1])
-        buf = parts[0] + b"\n"
-    if found_newline:
-        yield buf[:-1]
+        pieces = f.read(step).split(b"\n")
+        head = pieces.pop(0)  # what precedes this chunk's first newline (or all of it)
+        if pieces:  # the line in hand ends the last piece: it starts after a newline here
+            last = pieces.pop()
+            if past_tail and not skipping and held + len(last) <= MAX_EVENT_LINE:
+                line.append(last)
+                yield b"".join(reversed(line))
+            past_tail, skipping = True, False
+            yield from reversed(pieces)  # whole lines between this chunk's newlines
+            line, held = [], 0
+        if past_tail and not skipping:
+            held += len(head)
+            if held > MAX_EVENT_LINE:
+                line, held, skipping = [], 0, True
+            else:
+                line.append(head)
+    if past_tail and not skipping:
+        yield b"".join(reversed(line))
 
 
 def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
-    """``path`` opened for reading with its stat, or None when it is missing or is no
-    regular file. A FIFO, socket or device where a log file should be is never read: the
-    open would block until a writer came, and a read would take the bytes meant for the
-    FIFO's own reader (a watcher may be writing its events there)."""
+    """``path`` opened for reading with its stat; None when it does not exist.
+
+    Raises `OSError` (naming the file) for anything but a regular file. A FIFO, socket or
+    device is never read: opening a FIFO would wait until a writer came, and reading one
+    would take the bytes meant for its own reader (a watcher may be writing events there).
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # a unix socket
-            return None
-        raise
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return None
+            raise OSError(errno.EINVAL, "not a regular file", path)
         os.set_blocking(fd, True)
     except OSError:
         os.close(fd)
@@ -251,7 +263,10 @@ def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
 
 
 def _last_seq_of_file(path: str) -> int | None:
-    opened = _open_log_file(path)
+    try:
+        opened = _open_log_file(path)
+    except OSError:
+        return None  # a directory or a FIFO where a rotated file should be: no seq there
     if opened is None:
         return None
     with opened[0] as f:
@@ -265,36 +280,60 @@ def _last_seq_of_file(path: str) -> int | None:
 
 def _first_line_after(f: IO[bytes], pos: int, end: int) -> tuple[int, int] | None:
     """``(offset, seq)`` of the first decodable line that starts at or after ``pos``
-    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``."""
+    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``.
+    Holds at most `MAX_EVENT_LINE` bytes of a line: a longer one is passed over."""
     at = pos
-    buf = b""
     if pos > 0:  # skip to the start of the next line
-        while True:
-            f.seek(at)
-            chunk = f.read(min(_CHUNK, end - at)) if at < end else b""
-            if not chunk:
-                return None
-            nl = chunk.find(b"\n")
-            if nl >= 0:
-                at += nl + 1
-                break
-            at += len(chunk)
+        skipped = _skip_line(f, at, end)
+        if skipped is None:
+            return None
+        at = skipped
+    carry = b""  # bytes read past the end of the previous line
     while at < end:
-        f.seek(at)
-        while True:
-            chunk = f.read(min(_CHUNK, end - at - len(buf)))
-            buf += chunk
-            nl = buf.find(b"\n")
-            if nl >= 0 or not chunk:
+        parts = [carry] if carry else []
+        held = len(carry)
+        read_at = at + held
+        nl = carry.find(b"\n")
+        while nl < 0 and held <= MAX_EVENT_LINE and read_at < end:
+            f.seek(read_at)
+            chunk = f.read(min(_CHUNK, end - read_at))
+            if not chunk:
                 break
+            read_at += len(chunk)
+            found = chunk.find(b"\n")
+            nl = -1 if found < 0 else held + found
+            parts.append(chunk)
+            held += len(chunk)
         if nl < 0:
-            return None  # a torn tail: no complete line here
-        decoded = _decode(buf[:nl])
+            if held <= MAX_EVENT_LINE:
+                return None  # a torn tail: no complete line here
+            skipped = _skip_line(f, read_at, end)  # an over-long line: find its end
+            if skipped is None:
+                return None
+            at, carry = skipped, b""
+            continue
+        data = b"".join(parts)
+        decoded = _decode(data[:nl]) if nl <= MAX_EVENT_LINE else None
         if decoded is not None:
             seq: int = decoded[0]["seq"]
             return at, seq
         at += nl + 1
-        buf = buf[nl + 1 :]
+        carry = data[nl + 1 :]
+    return None
+
+
+def _skip_line(f: IO[bytes], at: int, end: int) -> int | None:
+    """The offset after the next newline at or after ``at`` (None: none before ``end``),
+    reading without holding."""
+    while at < end:
+        f.seek(at)
+        chunk = f.read(min(_CHUNK, end - at))
+        if not chunk:
+            return None
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(chunk)
     return None
 
 
@@ -345,9 +384,10 @@ class EventLog:
     keeping `keep` old files PATH.1..PATH.K (PATH.1 newest).
 
     A PATH that is no regular file (a FIFO with a reader, ``/dev/null``, a terminal) is a
-    stream, like stdout: written, never rotated (renaming a device node would replace it
-    with a plain file), never read back, and a FIFO is written without blocking (a reader
-    that stops reading degrades the log instead of freezing the watcher).
+    stream, like stdout (`replayable` is False): written, never rotated (renaming a device
+    node would replace it with a plain file), never read back, and a FIFO is written
+    without blocking (a reader that stops reading degrades the log instead of freezing the
+    watcher).
 
     Thread-safe: one lock orders writes and rotations, so lines never interleave.
     ``last_seq`` is read once at open; numbering after that is the caller's.
@@ -411,6 +451,12 @@ class EventLog:
     @property
     def path(self) -> str:
         return self._path
+
+    @property
+    def replayable(self) -> bool:
+        """Whether readers can replay this log from its files (stdout, a FIFO or a device
+        cannot be read back)."""
+        return not self._stream
 
     @property
     def last_seq(self) -> int | None:
@@ -898,8 +944,14 @@ class _Follower:
         while misses < _MAX_GAP:
             name = rotated_path(self._path, index)
             index += 1
-            opened = _open_log_file(name)  # closed by the follower
-            if opened is None:  # missing, or a FIFO/device: nothing a writer rotates
+            try:
+                opened = _open_log_file(name)  # closed by the follower
+            except OSError:
+                for src in [live, *rotated]:  # not the follower's yet: close them here
+                    if src is not None:
+                        src.file.close()
+                raise
+            if opened is None:
                 misses += 1
                 continue
             misses = 0

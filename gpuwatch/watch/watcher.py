@@ -293,11 +293,10 @@ class Watcher:
                 self._subscribers.remove(sub)
 
     async def _start_replay(self, sub: Subscription, since_seq: int, now: int) -> None:
-        path = self._log.path if self._log is not None else None
-        if path is None or path == "-":
-            sub.complete = False  # no log to replay from
+        if self._log is None or not self._log.replayable:
+            sub.complete = False  # no log to replay from (none, stdout, a FIFO, a device)
             return
-        records = read_records(path, since_seq=since_seq, types=sub.types)
+        records = read_records(self._log.path, since_seq=since_seq, types=sub.types)
         first = await anyio.to_thread.run_sync(next, records, None)
         if first is None:
             sub.complete = False
