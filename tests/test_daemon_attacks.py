@@ -7,12 +7,16 @@ speaks to it over its real unix socket, the way an attacker on the host would.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
 import re
+import resource
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -60,6 +64,11 @@ HOSTILE = [
     (b'{"id": "\\ud800", "method": "probe"}', P.BAD_REQUEST),
     (b"\xff\xfe{}", P.PARSE_ERROR),
     (b'{"id": 7, "method": "probe", "params": {"action": "detect-gpu", "x": [[[[1]]]]}}',
+     P.INVALID_PARAMS),
+    # Valid JSON, but no double holds it: a parameter error, not an internal one.
+    (b'{"id": 8, "method": "switch", "params": {"mode": "vfio", "timeout": 1' + b"0" * 400
+     + b"}}", P.INVALID_PARAMS),
+    (b'{"id": 9, "method": "recover", "params": {"timeout": 9' + b"9" * 4000 + b"}}",
      P.INVALID_PARAMS),
 ]
 
@@ -142,6 +151,67 @@ def test_a_stalled_partial_line_is_closed_and_idle_clients_are_not(daemon: Daemo
             assert Lines(drip).line()["error"]["code"] == P.REQUEST_TIMEOUT
         # A connection holding no partial line is a client waiting, not an attacker.
         assert Lines(idle).request("probe", {"action": "detect-gpu"}) == {"id": 1, "result": True}
+
+
+def test_descriptors_and_credentials_sent_by_a_client_are_never_taken(daemon: Daemon) -> None:
+    """Ancillary data is the client's business: SCM_RIGHTS descriptors are dropped by the
+    kernel (the daemon never receives them, so a client cannot fill its descriptor table),
+    and forged SCM_CREDENTIALS change nothing (SO_PEERCRED decides)."""
+    before = daemon.fds()
+    request = P.encode_request(1, "probe", {"action": "current-mode", "addr": NV})
+    r, w = os.pipe()
+    try:
+        for _ in range(20):
+            with connect(daemon.sock) as s:
+                s.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", [r, w] * 100))])
+                assert Lines(s).line() == {"id": 1, "result": "nvidia"}
+        with connect(daemon.sock) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            forged = struct.pack("3i", os.getpid(), 70005, 70005)  # root may claim any uid
+            s.sendmsg([P.encode_request(2, "switch", {"mode": "vfio", "timeout": 10**400})],
+                      [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, forged)])
+            reply = Lines(s).line()  # answered as root, the connecting process
+            assert reply["id"] == 2 and reply["error"]["code"] == P.INVALID_PARAMS, reply
+    finally:
+        os.close(r)
+        os.close(w)
+    deadline = time.monotonic() + 10  # the daemon sees our last close when it sees it
+    while daemon.fds() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.fds() == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink-to-socket", "dangling-symlink", "fifo"])
+def test_a_path_planted_where_the_socket_goes_is_left_alone(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
+) -> None:
+    """Whatever sits at the socket path and is not a socket is someone's (an attacker's
+    symlink, say): the daemon does not follow, replace or remove it, and exits 2."""
+    path = Path(sockdir) / "gw.sock"
+    target = Path(sockdir) / "elsewhere.sock"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink-to-socket":
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(target))
+        listener.close()  # a stale socket behind the link: still not ours to take
+        path.symlink_to(target)
+    elif kind == "dangling-symlink":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    before = os.lstat(path)
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null", "--log",
+                     str(tmp_path / "events.jsonl"), "--socket", str(path)),
+        capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "not a socket" in proc.stderr, proc.stderr
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    if kind == "symlink-to-socket":
+        assert os.path.exists(target)
 
 
 # --------------------------------------------------------------------------- other users
@@ -260,6 +330,30 @@ def test_a_thousand_hanging_peers_leave_roots_probe_answered(
 
 
 @needs_root
+def test_a_crowd_cannot_take_the_descriptors_root_needs_under_a_low_open_file_limit(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """With a hard RLIMIT_NOFILE below what --socket-max-clients needs, the daemon serves
+    fewer clients instead of running out of descriptors: other users' connections are
+    refused with `too-many-clients`, and root (and the watcher) still get theirs."""
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group", str(READERS),
+                nofile=(256, 256)) as d:
+        proc, reports = crowd(d.sock, list(range(73000, 73030)), 10)  # 300 connections
+        try:
+            refused = [r["refused"] for r in reports]
+            assert all(set(r) <= {P.TOO_MANY_CLIENTS} for r in refused), refused
+            assert sum(sum(r.values()) for r in refused) > 0  # type: ignore[attr-defined]
+            with connect(d.sock, timeout=15) as s:
+                reply = Lines(s).request("probe", {"action": "current-mode", "addr": NV})
+            assert reply == {"id": 1, "result": "nvidia"}
+            assert d.fds() < 256
+        finally:
+            release(proc)
+        assert probe(d.sock)["result"] is True
+    assert "leaves room for" in d.stderr and "Too many open files" not in d.stderr, d.stderr
+
+
+@needs_root
 def test_an_outsider_is_refused_at_accept_before_a_byte_is_parsed(
     host: SysRoot, tmp_path: Path, sockdir: str
 ) -> None:
@@ -269,6 +363,78 @@ def test_an_outsider_is_refused_at_accept_before_a_byte_is_parsed(
         release(proc)
         assert reports[0]["refused"] == {P.PERMISSION_DENIED: 1}  # unasked: nothing was sent
         assert probe(d.sock)["result"] is True
+
+
+# --------------------------------------------------------------------------- refused clients
+
+_REFUSED_CLIENT = r"""
+import json, os, sys
+import gpuwatch
+from gpuwatch.service import protocol as P
+P.loads(P.encode_request(0, "probe", {"action": "x"}))  # every lazy import, while we may
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+try:
+    with gpuwatch.Client(sys.argv[1]) as c:
+        c.probe("detect-gpu")
+    print(json.dumps({"code": None}))
+except gpuwatch.DaemonError as exc:
+    print(json.dumps({"code": exc.code, "message": exc.message}))
+except Exception as exc:
+    print(json.dumps({"code": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+@needs_root
+def test_a_client_refused_at_accept_raises_the_daemons_reason(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """The library raises the refusal the daemon sent (its code and message), not a bare
+    "connection closed": the line is `"id": null` because no request was read."""
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:  # root only
+        os.chmod(d.sock, 0o666)  # past the file mode: SO_PEERCRED decides
+        out = subprocess.run([sys.executable, "-c", _REFUSED_CLIENT, d.sock, "70004"],
+                             capture_output=True, text=True, env=env(), timeout=60)
+        got = json.loads(out.stdout or "{}")
+        assert got.get("code") == P.PERMISSION_DENIED, (out.stdout, out.stderr)
+        assert "uid 70004" in got["message"]
+
+
+def test_a_client_turned_away_for_want_of_a_slot_says_so(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """`too-many-clients` reaches the caller whether its request went out before the
+    refusal (the reply) or after it (the send fails: the refusal waits unread), from the
+    blocking and the async client; the CLI then answers by itself."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient, Client, DaemonError
+
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-clients", "1") as d, \
+            connect(d.sock) as held:
+        assert Lines(held).request("probe", {"action": "detect-gpu"})["result"] is True
+        with Client(d.sock) as c, pytest.raises(DaemonError) as sent_first:
+            c.probe("detect-gpu")
+        with Client(d.sock) as c:
+            # The daemon's refusal is in before the request goes out (then EPIPE on send).
+            ready, _, _ = select.select([c._sock], [], [], 30)
+            assert ready
+            with pytest.raises(DaemonError) as sent_after:
+                c.probe("detect-gpu")
+
+        async def async_probe() -> None:
+            async with await AsyncClient.connect(d.sock) as c:
+                await c.probe("detect-gpu")
+
+        with pytest.raises(DaemonError) as from_async:
+            anyio.run(async_probe)
+        for caught in (sent_first, sent_after, from_async):
+            assert caught.value.code == P.TOO_MANY_CLIENTS, caught.value
+            assert "at most 1" in caught.value.message
+        cli = subprocess.run(gpuwatch_cmd("probe", "current-mode", "--addr", NV, "--root",
+                                          str(host.root), "--socket", d.sock),
+                             capture_output=True, text=True, env=env(), timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout)["result"] == "nvidia"
 
 
 # --------------------------------------------------------------------------- the log
@@ -385,3 +551,115 @@ def test_a_signal_at_any_moment_exits_0_with_a_stopped_record(
     assert events[-1]["reason"] == f"signal {signal.Signals(sig).name}"
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert not os.path.exists(f"{sockdir}/gw.sock")
+
+
+# --------------------------------------------------------------------------- the socket path
+
+
+def fill_backlog(path: str, limit: int = 20_000) -> list[socket.socket]:
+    """Connections queued on ``path`` until its listen backlog is full (connect: EAGAIN)."""
+    queued: list[socket.socket] = []
+    while len(queued) < limit:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            return queued
+        queued.append(s)
+    raise AssertionError(f"{path}: backlog never filled")
+
+
+@pytest.mark.timeout(180)
+def test_a_live_daemon_with_a_full_backlog_keeps_its_socket(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A daemon too busy to accept (stopped here, to make it so) still owns its socket: a
+    second daemon's start must not take it for a dead one's and unlink it, which would
+    leave the first running and unreachable."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20_000), hard))
+    (tmp_path / "one").mkdir()
+    with Daemon(host.root, tmp_path / "one", f"{sockdir}/gw.sock") as d:
+        assert d.proc is not None
+        inode = os.stat(d.sock).st_ino
+        d.proc.send_signal(signal.SIGSTOP)
+        queued: list[socket.socket] = []
+        try:
+            queued = fill_backlog(d.sock)
+            second = subprocess.run(
+                gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null",
+                             "--log", str(tmp_path / "two.jsonl"), "--socket", d.sock),
+                capture_output=True, text=True, env=env(), timeout=60)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+            for s in queued:
+                s.close()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.count("\n") == 1 and d.sock in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+        assert os.stat(d.sock).st_ino == inode  # still the first daemon's socket
+        assert probe(d.sock)["result"] is True
+
+
+def test_a_dead_daemons_socket_is_replaced(host: SysRoot, tmp_path: Path, sockdir: str) -> None:
+    """The other side of the rule above: a socket nobody listens on is left by a daemon
+    that died (kill -9), and the next start takes its place."""
+    path = f"{sockdir}/gw.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.listen()
+    dead.close()
+    with Daemon(host.root, tmp_path, path):
+        assert probe(path)["result"] is True
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.6])
+def test_sighup_at_any_moment_leaves_the_daemon_serving(
+    host: SysRoot, tmp_path: Path, sockdir: str, delay: float
+) -> None:
+    """SIGHUP (a closed terminal, `kill -HUP` from habit) stops neither the daemon nor a
+    subscriber's stream: killed by it, the daemon would leave no `stopped` record and a
+    stale socket file. SIGTERM afterwards still ends the run cleanly."""
+    log = tmp_path / "events.jsonl"
+    fifo = tmp_path / "uevents"
+    os.mkfifo(fifo)
+    path = f"{sockdir}/gw.sock"
+    proc = subprocess.Popen(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}", "--log",
+                     str(log), "--socket", path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    writer = os.open(fifo, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"{log}.lock"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.005)
+        time.sleep(delay)
+        for _ in range(3):
+            proc.send_signal(signal.SIGHUP)
+        while not any(e["type"] == "ready" for e in read_events(log)):
+            assert time.monotonic() < deadline and proc.poll() is None, "daemon gone"
+            time.sleep(0.02)
+        with connect(path) as sub:
+            lines = Lines(sub)
+            assert "result" in lines.request("subscribe", {"types": ["stopped"]})
+            proc.send_signal(signal.SIGHUP)
+            assert probe(path)["result"] is True
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            assert lines.line()["reason"] == "signal SIGTERM"  # the stream outlived SIGHUP
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    events = list(read_events(log))
+    assert [e["type"] for e in events].count("stopped") == 1
+    assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
+    assert not os.path.exists(path)

@@ -64,9 +64,10 @@ class DaemonLost(HostError):
 def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
                mutating: bool = False) -> DaemonAnswer[T] | None:
     """``call(client)`` on the daemon, or None when the command should do the work itself:
-    no daemon, a refusal (not in the socket group), and, for reads, a broken connection or a
-    timeout. Other error replies are raised (`DaemonUsageError` is a `UsageError`,
-    `DaemonDeviceNotFound` a `DeviceNotFound`, the rest `GpuwatchError`s: exit 1).
+    no daemon, a refusal (not in the socket group, or no connection to spare), and, for
+    reads, a broken connection or a timeout. Other error replies are raised
+    (`DaemonUsageError` is a `UsageError`, `DaemonDeviceNotFound` a `DeviceNotFound`, the
+    rest `GpuwatchError`s: exit 1).
 
     ``mutating`` (switch, recover): once the request may have reached the daemon, a lost
     connection is `DaemonLost`, never a second attempt of our own.
@@ -75,7 +76,7 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
     if client is None:
         return None
     from gpuwatch.service.client import DaemonError, DaemonUnavailable
-    from gpuwatch.service.protocol import PERMISSION_DENIED, UNAVAILABLE
+    from gpuwatch.service.protocol import PERMISSION_DENIED, TOO_MANY_CLIENTS, UNAVAILABLE
 
     with client:
         try:
@@ -86,7 +87,7 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
                                  f"request ({exc}); see `gpuwatch status` and its log") from None
             return None
         except DaemonError as exc:
-            if exc.code in (PERMISSION_DENIED, UNAVAILABLE):  # the daemon cannot help
+            if exc.code in (PERMISSION_DENIED, TOO_MANY_CLIENTS, UNAVAILABLE):  # cannot help
                 return None
             raise
 

@@ -142,6 +142,15 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise _Terminated(name)
 
 
+def _hangup() -> None:
+    """SIGHUP (a closed terminal, a habit from daemons that reload) does not stop the
+    daemon, as it stops neither udevd nor journald: killed by it, the daemon would end with
+    no ``stopped`` record and leave its socket file behind. There is nothing to reload."""
+    logging.getLogger("gpuwatch").warning(
+        "SIGHUP ignored: settings are read at start (restart to change them); "
+        "SIGTERM or SIGINT stops the daemon")
+
+
 async def watch(settings: WatchSettings, log: EventLog | None = None,
                 progress: dict[str, bool] | None = None) -> None:
     """Run until SIGINT/SIGTERM or the end of a file source; the event in hand is finished first
@@ -155,13 +164,16 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
     current: list[Watcher] = []
     reason = "source ended"
     progress = {} if progress is None else progress
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with anyio.create_task_group() as tg:
 
             async def stop_on_signal() -> None:
                 nonlocal reason
                 if not _caught:  # else a signal came before this receiver, and was dropped
                     async for signum in signals:
+                        if signum == signal.SIGHUP:
+                            _hangup()
+                            continue
                         _caught.append(signal.Signals(signum).name)
                         break
                 reason = f"signal {_caught[0]}"
@@ -231,6 +243,7 @@ def _stopped_early(log: EventLog | None, progress: dict[str, bool], exc: BaseExc
 def run(args: argparse.Namespace) -> int:
     _caught.clear()
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until `watch`
     log: EventLog | None = None
     progress: dict[str, bool] = {}
     try:

@@ -34,6 +34,9 @@ from gpuwatch.service import protocol as P
 DEFAULT_TIMEOUT = 30.0
 #: Replies can be big (a snapshot of a large host); events are small.
 _MAX_REPLY = 256 << 20
+# How long a client whose request could not be sent looks for the daemon's refusal line
+# (already queued when the daemon refused at accept; this only bounds the look).
+_REFUSAL_WAIT = 1.0
 
 
 class DaemonError(HostError):
@@ -81,6 +84,19 @@ def error_from_reply(error: Any) -> DaemonError:
     if code == P.NOT_FOUND:
         return DaemonDeviceNotFound(code, message)
     return DaemonError(code, message)
+
+
+def refusal(reply: Any) -> DaemonError | None:
+    """The error of a reply line with ``"id": null``, else None.
+
+    The daemon answers ``null`` where it cannot name a request: a peer refused at accept
+    (``permission-denied``, ``too-many-clients``), a line too long, stalled or unreadable.
+    A client with one request in flight knows it is the answer to that request; skipping
+    it would turn the daemon's reason into a bare "connection closed".
+    """
+    if isinstance(reply, dict) and reply.get("id") is None and "error" in reply:
+        return error_from_reply(reply["error"])
+    return None
 
 
 def _params(**kwargs: Any) -> dict[str, Any]:
@@ -180,15 +196,35 @@ class Client:
         try:
             self._sock.sendall(P.encode_request(rid, method, params))
         except OSError as exc:
-            raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
+            # Refused at accept and closed before our request went out: the reason waits.
+            raise self._refused() or DaemonUnavailable(
+                f"connection to {self.path} broke: {exc}") from None
         wait = self.timeout if timeout is ... else timeout
         while True:
             reply = _decode(self._readline(wait), self.path)
+            error = refusal(reply)
+            if error is not None:
+                raise error
             if not isinstance(reply, dict) or reply.get("id") != rid:
-                continue  # an error for a line we never sent (cannot happen) or stray data
+                continue  # stray data
             if "error" in reply:
                 raise error_from_reply(reply["error"])
             return reply.get("result")
+
+    def _refused(self) -> DaemonError | None:
+        """The refusal the daemon left in our receive queue before it closed, if any."""
+        try:
+            self._sock.settimeout(0)
+            while chunk := self._sock.recv(1 << 16):
+                self._lines.extend(self._framer.feed(chunk))
+        except OSError:
+            pass  # nothing more (EAGAIN), or the reset that follows the refusal
+        for line in self._lines:
+            with contextlib.suppress(ValueError):
+                error = refusal(P.loads(line, max_depth=REPLY_MAX_DEPTH))
+                if error is not None:
+                    return error
+        return None
 
     def close(self) -> None:
         self._sock.close()
@@ -304,15 +340,33 @@ class AsyncClient:
             try:
                 await self._stream.send(P.encode_request(rid, method, params))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
+                # Refused at accept and closed before our request went out: the reason waits.
+                raise await self._refused() or DaemonUnavailable(
+                    f"connection to {self.path} broke: {exc}") from None
             with anyio.fail_after(self.timeout if timeout is ... else timeout):
                 while True:
                     reply = _decode(await self._readline(), self.path)
+                    error = refusal(reply)
+                    if error is not None:
+                        raise error
                     if isinstance(reply, dict) and reply.get("id") == rid:
                         break
             if "error" in reply:
                 raise error_from_reply(reply["error"])
             return reply.get("result")
+
+    async def _refused(self) -> DaemonError | None:
+        """As `Client._refused`: what is already queued is read, nothing is waited for."""
+        with anyio.move_on_after(_REFUSAL_WAIT):
+            with contextlib.suppress(Exception):
+                while True:
+                    self._lines.extend(self._framer.feed(await self._stream.receive(1 << 16)))
+        for line in self._lines:
+            with contextlib.suppress(ValueError):
+                error = refusal(P.loads(line, max_depth=REPLY_MAX_DEPTH))
+                if error is not None:
+                    return error
+        return None
 
     async def aclose(self) -> None:
         await self._stream.aclose()
@@ -416,5 +470,6 @@ __all__ = [
     "default_socket_path",
     "error_from_reply",
     "is_host_root",
+    "refusal",
     "try_daemon",
 ]

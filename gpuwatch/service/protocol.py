@@ -263,7 +263,10 @@ class Params:
         if isinstance(value, int | float) and not isinstance(value, bool):
             if value < 0:
                 raise self._bad(name, "a non-negative number", value)
-            return float(value)
+            try:  # an integer of 400 digits is valid JSON but no float
+                return float(value)
+            except OverflowError:
+                raise self._bad(name, "a number a double can hold", value) from None
         raise self._bad(name, "a number", value)
 
     def opt_bool(self, name: str) -> bool | None:

@@ -105,16 +105,27 @@ class SocketSetupError(HostError):
 # --------------------------------------------------------------------------- binding
 
 
-def _answers(path: str) -> bool:
+def _listener_gone(path: str) -> str | None:
+    """None when nothing listens at the socket ``path`` any more (the connect is refused:
+    a daemon that died left it); otherwise why it may still be live.
+
+    Only a refusal proves the socket stale. A connect that succeeds is a live daemon; one
+    that fails otherwise may be one too: a busy daemon whose listen backlog is full
+    (EAGAIN), a stopped one, or one we may not connect to (EACCES). Its socket is never
+    taken: the daemon would go on running, unreachable.
+    """
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
-    except OSError:
-        return False
+    except ConnectionRefusedError:
+        return None
+    except OSError as exc:
+        return f"cannot tell whether a daemon still serves {path} " \
+               f"({exc.strerror or exc}); not replacing it"
     finally:
         probe.close()
-    return True
+    return f"another gpuwatch daemon answers at {path}"
 
 
 def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int = 4096,
@@ -136,8 +147,9 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
     else:
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketSetupError(f"{path} exists and is not a socket; not replacing it")
-        if _answers(path):
-            raise SocketInUse(f"another gpuwatch daemon answers at {path}")
+        live = _listener_gone(path)
+        if live is not None:
+            raise SocketInUse(live)
         os.unlink(path)  # left behind by a daemon that died
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
@@ -769,13 +781,22 @@ class SocketServer:
 
     def _fd_budget(self) -> int:
         """Lift RLIMIT_NOFILE to fit every client, each replaying the log at once, and
-        return how many replays fit what the hard limit allowed."""
+        return how many replays fit what the hard limit allowed.
+
+        Where the limit cannot fit even one descriptor per client beside the daemon's own,
+        fewer clients are served (`_fit_clients`): else a crowd of other users would take
+        every descriptor, and root's connection, the log and the watcher's reads would all
+        fail with EMFILE.
+        """
         if self.log_path is None:
             _raise_fd_limit(self.max_clients + _FD_HEADROOM)
-            return self.max_clients
-        _raise_fd_limit(self.max_clients * (1 + self.fds_per_replay) + _FD_HEADROOM)
+        else:
+            _raise_fd_limit(self.max_clients * (1 + self.fds_per_replay) + _FD_HEADROOM)
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
+            return self.max_clients
+        self._fit_clients(soft)
+        if self.log_path is None:
             return self.max_clients
         spare = soft - self.max_clients - _FD_HEADROOM
         slots = max(0, min(self.max_clients, spare // self.fds_per_replay))
@@ -784,6 +805,19 @@ class SocketServer:
                          "%d clients); raise LimitNOFILE= for more", soft, slots,
                          self.max_clients)
         return slots
+
+    def _fit_clients(self, soft: int) -> None:
+        """Serve at most the clients ``soft`` descriptors leave room for, keeping root's
+        reserved share (at most half of them)."""
+        room = soft - _FD_HEADROOM if soft >= 2 * _FD_HEADROOM else soft // 2
+        if room >= self.max_clients:
+            return
+        wanted = self.max_clients
+        self.max_clients = max(1, room)
+        self.root_reserve = min(self.root_reserve, self.max_clients // 2)
+        _log.warning("RLIMIT_NOFILE %d leaves room for %d clients (of --socket-max-clients "
+                     "%d, %d of them reserved for root); raise LimitNOFILE= for more", soft,
+                     self.max_clients, wanted, self.root_reserve)
 
     def _unlink(self) -> None:
         try:
