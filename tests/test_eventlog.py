@@ -8,6 +8,7 @@ import errno
 import io
 import itertools
 import json
+import logging
 import os
 import queue
 import signal
@@ -230,6 +231,25 @@ def test_reverse_lines_are_the_complete_lines_backwards(
     assert got == [item for item in reversed(lines) if len(item) <= 20]
 
 
+def test_a_rotation_that_fails_is_retried_after_another_max_bytes_not_every_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PATH.1 that cannot be replaced (here a directory with a file in it): no event is lost,
+    and the rotation is not tried again (a reopen and a warning) before every write."""
+    path = tmp_path / "ev.jsonl"
+    (tmp_path / "ev.jsonl.1").mkdir()
+    (tmp_path / "ev.jsonl.1" / "keep").write_text("")
+    per_line = len(line(1)) + 1
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        log = EventLog(path, max_bytes=10 * per_line, keep=1)
+        write_events(log, 1, 100)
+        log.close()
+    stored = [json.loads(text) for text in path.read_text().splitlines()]
+    assert seqs(stored) == list(range(1, 101))
+    tries = [r for r in caplog.records if "rotation" in r.getMessage()]
+    assert 1 <= len(tries) <= 12  # one per max_bytes written (about 10 lines), not 90
+
+
 def test_writer_rejects_newlines_and_use_after_close(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "ev.jsonl")
     with pytest.raises(ValueError, match="line break"):
@@ -352,10 +372,10 @@ async def test_a_subscriber_asking_for_history_of_a_fifo_log_gets_live_events(
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
         with anyio.fail_after(30):
-            async with open_watcher(tmp_path, source=MemorySource(), log=fifo,
-                                    reconcile_interval=0) as w:
-                async with w.subscribe(since_seq=0) as sub:
-                    assert sub.complete is False
+            async with (open_watcher(tmp_path, source=MemorySource(), log=fifo,
+                                     reconcile_interval=0) as w,
+                        w.subscribe(since_seq=0) as sub):
+                assert sub.complete is False
         assert json.loads(drain(reader).split(b"\n")[0])["type"] == "ready"
     finally:
         os.close(reader)

@@ -404,6 +404,8 @@ class EventLog:
         self._stdout = os.fspath(path) == "-"
         self._path = os.fspath(path)
         self._max_bytes = None if self._stdout else max_bytes
+        #: The size PATH rotates at: max_bytes, or past a failed rotation, max_bytes more.
+        self._rotate_at = self._max_bytes
         self._keep = keep
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -585,7 +587,7 @@ class EventLog:
         self._end_torn_line()
         if not lines:
             return
-        limit = None if self._stream else self._max_bytes
+        limit = None if self._stream else self._rotate_at
         if limit is None or self._size + 4 * len(text) + 1 <= limit:
             # The batch fits before the next rotation (UTF-8 takes at most 4 bytes a
             # character): one encode and one write.
@@ -602,24 +604,31 @@ class EventLog:
                     pending, pending_size = [], 0
                 if self._size > 0:
                     self._rotate()
+                    assert self._rotate_at is not None
+                    limit = self._rotate_at
             pending.append(data)
             pending_size += len(data)
         if pending:
             self._write_all(b"".join(pending))
 
     def _rotate(self) -> None:
-        assert self._fd is not None
+        assert self._fd is not None and self._max_bytes is not None
         os.close(self._fd)
         self._fd = None
         self._check_tail = False  # the new file starts empty
+        failed = False
         try:
             self._shift_files()
         except OSError as exc:
-            # Losing events is worse than an oversized file: keep appending to PATH.
-            _log.warning("event log rotation of %s failed, continuing unrotated: %s",
-                         self._path, exc)
+            # Losing events is worse than an oversized file: keep appending to PATH, and try
+            # again after another max_bytes, not before every write (a warning and a reopen
+            # per event while, say, PATH.1 is a directory).
+            failed = True
+            _log.warning("event log rotation of %s failed, continuing unrotated until it "
+                         "grows by another %d bytes: %s", self._path, self._max_bytes, exc)
         finally:
             self._open()
+        self._rotate_at = self._size + self._max_bytes if failed else self._max_bytes
 
     def _shift_files(self) -> None:
         # Files beyond `keep` (left by a run with a larger keep) go first, so the set on

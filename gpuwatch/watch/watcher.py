@@ -518,12 +518,16 @@ class Watcher:
     async def _poll_vgpu(self) -> None:
         while True:
             await anyio.sleep(self._vgpu_poll_interval)
+            if self._closed:  # the sleep ended as the context was left: the cancel is next
+                return
             await self.poll_vgpus()
 
     async def _reconcile(self) -> None:
         await self._announced.wait()
         while True:
             await anyio.sleep(self._reconcile_interval)
+            if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
+                return
             await self.resync("reconcile")
 
     def _start_tasks(self, tg: TaskGroup) -> None:
