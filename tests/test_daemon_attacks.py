@@ -663,3 +663,55 @@ def test_sighup_at_any_moment_leaves_the_daemon_serving(
     assert [e["type"] for e in events].count("stopped") == 1
     assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
     assert not os.path.exists(path)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["another-users", "world-writable", "link-to-another-users",
+                                  "under-another-users"])
+def test_no_socket_in_a_directory_another_user_controls(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
+) -> None:
+    """Whoever may rename entries in the socket's directory (or one above it) could move the
+    daemon's socket aside and listen in its place: root's `gpuwatch mode` would then send
+    its switch to them. The daemon does not serve there (exit 2, nothing created)."""
+    attacker = 70006
+    base = Path(sockdir)
+    if kind == "another-users":
+        where = base / "run"
+        where.mkdir()
+        os.chown(where, attacker, attacker)
+    elif kind == "world-writable":
+        where = base / "run"
+        where.mkdir()
+        os.chmod(where, 0o777)  # no sticky bit: anyone may rename root's socket
+    elif kind == "link-to-another-users":
+        theirs = base / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, attacker, attacker)
+        where = base / "run"
+        where.symlink_to(theirs)
+    else:
+        theirs = base / "theirs"
+        theirs.mkdir()
+        (theirs / "sub").mkdir()  # root's own, but inside a directory they may rename
+        os.chown(theirs, attacker, attacker)
+        where = theirs / "sub"
+    path = where / "gw.sock"
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null", "--log",
+                     str(tmp_path / "events.jsonl"), "--socket", str(path)),
+        capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "another user" in proc.stderr, proc.stderr
+    assert not os.path.lexists(path)
+
+
+def test_a_sticky_shared_directory_like_tmp_is_fine(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """/tmp-like directories (world-writable, sticky) keep others from renaming our socket."""
+    shared = Path(sockdir) / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with Daemon(host.root, tmp_path, str(shared / "gw.sock")) as d:
+        assert probe(d.sock)["result"] is True
