@@ -214,6 +214,25 @@ def test_a_path_planted_where_the_socket_goes_is_left_alone(
         assert os.path.exists(target)
 
 
+def test_asking_wedge_detected_over_and_over_is_not_a_journal_line_each(
+        host: SysRoot, tmp_path: Path, sockdir: str) -> None:
+    """A D-state task whose stack cannot be read makes `wedge-detected` incomplete, which
+    is worth a warning, once: a client asking in a loop must not write one per answer."""
+    host.add_process(31339, "stuckio", state="D")
+    stack = host.root / "proc/31339/stack"
+    stack.unlink()
+    stack.mkdir()  # not a readable stack
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d, connect(d.sock) as s:
+        lines = Lines(s)
+        started = time.monotonic()
+        for i in range(200):
+            assert lines.request("probe", {"action": "wedge-detected"}, rid=i) == {
+                "id": i, "result": False}
+        elapsed = time.monotonic() - started
+    said = d.stderr.count("a wedge may go unseen")
+    assert 1 <= said <= 1 + int(elapsed // 60), d.stderr
+
+
 # --------------------------------------------------------------------------- other users
 
 _CROWD = r"""
