@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -282,3 +283,139 @@ def test_the_unit_and_config_ship_in_the_wheel() -> None:
     for name in ("data/gpuwatch.service", "data/config.yaml"):
         assert (REPO / "gpuwatch" / name).is_file()
         assert any(fnmatch.fnmatch(name, g) for g in globs), name
+
+
+# --------------------------------------------------------------------------- odd roots
+
+
+def test_a_fifo_where_a_file_goes_never_hangs(fixture_root: Path) -> None:
+    """Planning reads the unit, rules and config without blocking: a FIFO there used to
+    wait for a writer forever. At the unit (gpuwatch's own) it is replaced; at the config
+    (never overwritten, and the daemon would refuse it) the install stops before writing."""
+    system = fixture_root / "etc/systemd/system"
+    system.mkdir(parents=True)
+    os.mkfifo(system / "gpuwatch.service")
+    assert run("service", "uninstall", "--root", str(fixture_root)).returncode == 0
+    assert stat.S_ISFIFO((system / "gpuwatch.service").lstat().st_mode)  # not ours: kept
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert (system / "gpuwatch.service").read_text().startswith("# gpuwatch")
+
+    other = fixture_root.parent / "other"
+    (other / "etc/gpuwatch").mkdir(parents=True)
+    os.mkfifo(other / "etc/gpuwatch/config.yaml")
+    before = tree(other)
+    proc = run("service", "install", "--root", str(other))
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = [ln for ln in proc.stderr.splitlines() if "PYTHONPATH" not in ln]
+    assert len(lines) == 1 and "config.yaml is a FIFO" in lines[0]
+    assert tree(other) == before
+
+
+def test_a_dangling_config_link_is_never_replaced(fixture_root: Path) -> None:
+    config = fixture_root / "etc/gpuwatch/config.yaml"
+    config.parent.mkdir(parents=True)
+    config.symlink_to("/nonexistent/gpuwatch.yaml")
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1 and "a link to /nonexistent/gpuwatch.yaml" in proc.stderr
+    assert config.is_symlink() and not (fixture_root / "etc/systemd").exists()
+
+
+def test_a_masked_unit_is_refused_and_kept(fixture_root: Path) -> None:
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    unit.parent.mkdir(parents=True)
+    unit.symlink_to("/dev/null")  # what `systemctl mask gpuwatch` makes
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--now")
+    assert proc.returncode == 1 and "masked" in proc.stderr and "unmask" in proc.stderr
+    assert tree(fixture_root) == before
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0 and f"kept {unit} (masked" in proc.stdout
+    assert os.readlink(unit) == "/dev/null"
+
+
+def test_a_failed_install_is_rolled_back(fixture_root: Path) -> None:
+    """The rules cannot be written (rules.d is a file): the unit written just before is put
+    back as it was, the directories made for it go, and the group file is untouched."""
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text("# an older gpuwatch unit\n")
+    unit.chmod(0o600)
+    (fixture_root / "etc/udev").mkdir()
+    (fixture_root / "etc/udev/rules.d").write_text("not a directory\n")
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1
+    assert "cannot write" in proc.stderr and "Not a directory" in proc.stderr
+    assert f"rolled back {unit} (restored)" in proc.stdout
+    assert tree(fixture_root) == before
+    assert unit.stat().st_mode & 0o777 == 0o600
+    assert not (fixture_root / "etc/gpuwatch").exists()
+    assert not (fixture_root / "etc/cdi").exists()
+
+
+def test_a_link_out_of_the_root_is_never_followed(fixture_root: Path, tmp_path: Path) -> None:
+    """``etc/udev`` in a tree being built is an absolute link (to the builder's own
+    /etc/udev): install must not write the host's rules, uninstall must not remove them."""
+    outside = tmp_path / "outside"
+    (outside / "rules.d").mkdir(parents=True)
+    hosts_rules = outside / "rules.d/70-gpuwatch-vfio.rules"
+    hosts_rules.write_text(render_rules())
+    (fixture_root / "etc/udev").symlink_to(outside)
+    for verb in ("install", "uninstall"):
+        proc = run("service", verb, "--root", str(fixture_root))
+        assert proc.returncode == 1 and "leads outside" in proc.stderr, proc.stderr
+    assert [p.name for p in outside.rglob("*")] == ["rules.d", hosts_rules.name]
+    assert hosts_rules.read_text() == render_rules()
+    assert not (fixture_root / "etc/systemd").exists()
+
+
+def test_group_files_keep_their_mode_and_owner(fixture_root: Path) -> None:
+    gshadow = fixture_root / "etc/gshadow"
+    gshadow.write_text("root:*::\nkvm:!::\ngpuwatch:!::\n")  # left by an earlier groupdel
+    gshadow.chmod(0o640)
+    group = fixture_root / "etc/group"
+    group.chmod(0o644)
+    shadow_gid = 42 if os.geteuid() == 0 else os.getegid()  # Debian's "shadow"
+    os.chown(gshadow, -1, shadow_gid)
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert group.read_text().endswith("gpuwatch:x:997:\n")
+    assert gshadow.read_text() == "root:*::\nkvm:!::\ngpuwatch:!::\n"  # not a second line
+    assert (gshadow.stat().st_mode & 0o777, gshadow.stat().st_gid) == (0o640, shadow_gid)
+
+    fresh = fixture_root.parent / "fresh"
+    (fresh / "etc").mkdir(parents=True)
+    (fresh / "etc/group").write_text(GROUPS)
+    (fresh / "etc/gshadow").write_text("root:*::\n")
+    (fresh / "etc/gshadow").chmod(0o640)
+    os.chown(fresh / "etc/gshadow", -1, shadow_gid)
+    assert run("service", "install", "--root", str(fresh)).returncode == 0
+    st = (fresh / "etc/gshadow").stat()
+    assert (st.st_mode & 0o777, st.st_gid) == (0o640, shadow_gid)
+    assert (fresh / "etc/gshadow").read_text() == "root:*::\ngpuwatch:!::\n"
+
+
+def test_a_group_file_too_large_to_read_whole_is_never_rewritten(fixture_root: Path) -> None:
+    group = fixture_root / "etc/group"
+    big = GROUPS + "".join(f"g{i}:x:{20000 + i}:{'u' * 200}\n" for i in range(6000))
+    group.write_text(big)
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1 and "cannot add the group" in proc.stderr
+    assert group.read_text() == big
+
+
+def test_new_directories_are_0755_whatever_the_umask(fixture_root: Path) -> None:
+    """A hardened umask (077) must not make /etc/gpuwatch unreadable to the users whose
+    commands read the daemon's config too; /etc/cdi is made for the unit's ReadWritePaths."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*gpuwatch_cmd(), "service", "install", "--root", str(fixture_root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/", preexec_fn=lambda: os.umask(0o077))
+    assert proc.returncode == 0, proc.stderr
+    for folder in ("etc/gpuwatch", "etc/cdi", "etc/systemd", "etc/systemd/system",
+                   "etc/udev/rules.d"):
+        assert (fixture_root / folder).stat().st_mode & 0o777 == 0o755, folder
+    assert f"created {fixture_root}/etc/cdi/" in proc.stdout
+    again = run("service", "install", "--root", str(fixture_root))
+    assert again.returncode == 0 and "etc/cdi" not in again.stdout  # there now: left alone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import select
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -180,3 +182,143 @@ def test_listen_addresses(text: str, expected: tuple[str, int]) -> None:
 def test_bad_listen_addresses(text: str) -> None:
     with pytest.raises(InvalidListenAddress):
         parse_listen_address(text)
+
+
+# --------------------------------------------------------------------------- the HTTP edge
+# The endpoint listens on every address of a pod: each client is bounded, and every answer
+# that is not the metrics is one plain-text line.
+
+
+@pytest.fixture
+def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, int]]:
+    import gpuwatch.service.metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "HTTP_TIMEOUT", 60.0)
+    metrics = Metrics()
+    bound = metrics.serve("127.0.0.1:0")
+    try:
+        yield bound
+    finally:
+        metrics.close()
+
+
+def exchange(bound: tuple[str, int], request: bytes) -> tuple[str, bytes]:
+    """(status line, body) of one raw request."""
+    with socket.create_connection(bound, timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), body
+
+
+def test_a_client_that_never_finishes_its_request_is_cut_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A head sent a byte at a time gains nothing: the deadline is for the whole head."""
+    import gpuwatch.service.metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "HTTP_TIMEOUT", 1.0)
+    metrics = Metrics()
+    bound = metrics.serve("127.0.0.1:0")
+    try:
+        with socket.create_connection(bound, timeout=30) as slow:
+            slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            while True:  # keep trickling: each byte arrives before a per-read timeout would
+                try:
+                    slow.sendall(b"X")
+                except OSError:
+                    break
+                ready, _, _ = select.select([slow], [], [], 0.2)
+                if ready:
+                    break
+            answer = slow.recv(4096)
+        assert answer.startswith(b"HTTP/1.0 408 Request Timeout\r\n")
+        assert answer.endswith(b"\r\n\r\n408 Request Timeout\n")
+        with urllib.request.urlopen(f"http://{bound[0]}:{bound[1]}/metrics", timeout=30) as r:
+            assert r.status == 200  # the server itself goes on
+    finally:
+        metrics.close()
+
+
+def test_connections_at_once_are_bounded(endpoint: tuple[str, int]) -> None:
+    """Idle connections hold at most HTTP_MAX_CONNECTIONS threads; the rest are told so in
+    one line and closed; once the idle ones go, scrapes are served again."""
+    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS
+
+    extra = 6
+    idle = [socket.create_connection(endpoint, timeout=30)
+            for _ in range(HTTP_MAX_CONNECTIONS + extra)]
+    try:
+        answers: list[bytes] = []
+        pending = list(idle)
+        while len(answers) < extra:  # the held ones answer only after 60 s: these come first
+            ready, _, _ = select.select(pending, [], [], 30)
+            assert ready, f"only {len(answers)} of {extra} refused: connections are unbounded"
+            for s in ready:
+                answers.append(s.recv(4096))
+                pending.remove(s)
+        for answer in answers:
+            assert answer.startswith(b"HTTP/1.0 503 Service Unavailable")
+            assert answer.count(b"\n", answer.index(b"\r\n\r\n") + 4) == 1
+    finally:
+        for s in idle:
+            s.close()
+    for _ in range(100):  # the slots free as the server reads each EOF
+        status, body = exchange(endpoint, b"GET /metrics HTTP/1.0\r\n\r\n")
+        if status.startswith("HTTP/1.0 200"):
+            break
+    assert status.startswith("HTTP/1.0 200") and b"gpuwatch_pci_functions" in body
+
+
+def test_bad_requests_get_one_plain_line(endpoint: tuple[str, int]) -> None:
+    huge = b"GET /metrics HTTP/1.1\r\n" + b"X-Filler: " + b"a" * 8000 + b"\r\n" * 1 + (
+        b"X-More: " + b"b" * 9000 + b"\r\n\r\n")
+    status, body = exchange(endpoint, huge)
+    assert status == "HTTP/1.0 431 Request Header Fields Too Large"
+    assert body == b"431 Request Header Fields Too Large\n"
+    status, body = exchange(endpoint, b"DELETE /metrics HTTP/1.0\r\n\r\n")
+    assert status.startswith("HTTP/1.0 405") and body.count(b"\n") == 1
+    for garbage in (b"\x00\xff\r\n\r\n", b"GET /metrics HTTP/9.9\r\n\r\n",
+                    b"GET /metrics HTTP/1.0 extra words\r\n\r\n"):
+        with socket.create_connection(endpoint, timeout=30) as s:
+            s.sendall(garbage)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        body = data.partition(b"\r\n\r\n")[2] or data  # HTTP/0.9 errors have no head
+        assert body.count(b"\n") <= 1 and b"<" not in body, data
+
+
+def test_every_address_includes_ipv6(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`:PORT` is every address of the host or pod: an IPv6-only pod is scraped on ::."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    metrics = Metrics()
+    _, port = metrics.serve(":0")
+    try:
+        for host in ("127.0.0.1", "[::1]"):
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as r:
+                assert r.status == 200, host
+    finally:
+        metrics.close()
+
+
+async def test_hostile_vendor_names_parse_back_exactly(tmp_path: Any, sockdir: str) -> None:
+    vendor = 'x"y\\z{w},a=b'
+    tree = SysRoot(tmp_path)
+    tree.add_function("0000:01:00.0", vendor=vendor, device="0x1234", klass="0x030000",
+                      driver="vfio-pci", iommu_group=1)
+    metrics = Metrics()
+    async with served_watcher(tree.root, f"{sockdir}/gw.sock") as served:
+        metrics.attach(served.watcher)
+        bound = metrics.serve("127.0.0.1:0")
+        try:
+            s = await scrape(*bound)
+        finally:
+            metrics.close()
+    assert value(s, "gpuwatch_gpus", vendor=vendor, mode="vfio") == 1

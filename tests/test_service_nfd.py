@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from gpuwatch.hostfs.scan import read_cdi
 from gpuwatch.service.nfd import NfdFeatureFile, feature_labels, render, resolve_path
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.testing import SysRoot
+from gpuwatch.testing import SysRoot, machines
 from gpuwatch.watch.watcher import Watcher, open_watcher
 
 NV, NV_AUDIO, NIC = "0000:01:00.0", "0000:01:00.1", "0000:02:00.0"
@@ -230,3 +231,45 @@ async def test_an_unwritable_directory_backs_off_logs_once_and_counts(
         assert await nfd.update() is True
         assert nfd._backoff == 0 and (blocker / nfd_module.NFD_FILE_NAME).is_file()
         nfd.detach()
+
+
+# Kubernetes' rules for a label's name (after NFD's prefix) and value.
+LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+
+
+def hostile_vendors_host(root: Path) -> SysRoot:
+    """Display functions whose ``vendor`` files are garbled (a hostile or broken tree)."""
+    s = SysRoot(root)
+    for i, vendor in enumerate(("0x" + "a" * 70, "vfio", "Unhealthy", "é€", "-0x10de-")):
+        s.add_function(f"0000:0{i + 1}:00.0", vendor=vendor, device="0x1234",
+                       klass="0x030000", driver="vfio-pci", iommu_group=i + 1)
+    return s
+
+
+BUILDERS = {name: fn for name, fn in vars(machines).items()
+            if callable(fn) and not name.startswith("_") and name.endswith(("_host", "desktop"))}
+
+
+@pytest.mark.parametrize("kind", [*sorted(BUILDERS), "hostile_vendors_host"])
+async def test_labels_are_valid_kubernetes_labels_on_every_kind_of_host(
+    kind: str, tmp_path: Path
+) -> None:
+    build = BUILDERS.get(kind, hostile_vendors_host)
+    tree = build(tmp_path / "host")
+    nfd = NfdFeatureFile(tmp_path / "features.d/")
+    async with open_watcher(tree.root, MemorySource()) as w:
+        nfd.attach(w)
+        labels = nfd.labels()
+        gpus = len(w.probe("detect-vfio").gpus)
+    for name, value in labels.items():
+        assert LABEL_NAME.fullmatch(name), name
+        assert LABEL_VALUE.fullmatch(value), (name, value)
+    per_vendor = [int(v) for k, v in labels.items()
+                  if k.startswith("gpuwatch.gpu.") and k.count(".") == 3
+                  and k not in ("gpuwatch.gpu.vfio.count", "gpuwatch.gpu.unhealthy.count")]
+    assert sum(per_vendor) == int(labels["gpuwatch.gpu.count"]) == gpus
+    if kind == "hostile_vendors_host":  # no vendor lands on another label
+        assert labels["gpuwatch.gpu.vfio.count"] == "5"
+        assert labels["gpuwatch.gpu.vendor-vfio.count"] == "1"
+        assert labels["gpuwatch.gpu.vendor-unhealthy.count"] == "1"

@@ -70,3 +70,15 @@ def test_cli_notes_a_group_missing_here(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["udev-rules", "--group", "no-such-group-gw"]) == 0
     out, err = capsys.readouterr()
     assert out == render_rules("no-such-group-gw") and "does not exist" in err
+
+
+def udev_value(text: str) -> str:
+    """What udev makes of a GROUP= value: ``$$`` is a ``$``, a lone ``$`` starts a
+    substitution (``$kernel``, ``$env{…}``), which no group name may contain."""
+    assert re.fullmatch(r"([^$%]|\$\$|%%)*", text), f"{text!r} has a substitution"
+    return text.replace("$$", "$").replace("%%", "%")
+
+
+@pytest.mark.parametrize("name", ["kvm", "vm_users", "libvirt-qemu", "host$"])
+def test_the_rules_give_udev_the_exact_group_name(name: str) -> None:
+    assert [udev_value(group) for _, _, group, _ in rules(render_rules(name))] == [name, name]

@@ -12,16 +12,19 @@ host may change (the group goes into ``<root>/etc/group``, not through ``groupad
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
 from gpuwatch.errors import SERVICE, HostError
+from gpuwatch.hostfs.files import NotARegularFile, read_bytes
 from gpuwatch.service.udev_rules import DEFAULT_GROUP as VFIO_GROUP
 from gpuwatch.service.udev_rules import RULES_FILE, render_rules
 
@@ -29,6 +32,11 @@ UNIT_NAME = "gpuwatch.service"
 UNIT_FILE = "/etc/systemd/system/gpuwatch.service"
 UNIT_DROPINS = "/etc/systemd/system/gpuwatch.service.d"
 CONFIG_FILE = "/etc/gpuwatch/config.yaml"
+#: Where the unit's ``ReadWritePaths=-/etc/cdi`` lets the daemon write the NVIDIA CDI spec. The
+#: "-" skips a missing path, and under ``ProtectSystem=strict`` the daemon could not create it.
+CDI_DIR = "/etc/cdi"
+#: What ``systemctl mask`` puts where the unit goes.
+MASK_TARGET = "/dev/null"
 GROUP_FILE = "/etc/group"
 GSHADOW_FILE = "/etc/gshadow"
 SOCKET_GROUP = "gpuwatch"
@@ -38,6 +46,8 @@ KEPT_DIRS = ("/var/log/gpuwatch", "/var/lib/gpuwatch")
 TEMPLATE_EXEC = "/usr/bin/gpuwatch"
 #: groupadd --system picks the highest free gid at or below SYS_GID_MAX (login.defs).
 SYS_GID_MAX, SYS_GID_MIN = 999, 100
+#: Files read to plan: at most this much each (a unit, rules, config, /etc/group).
+READ_CAP = 1 << 20
 _HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
 _TMP_PREFIXES = ("/tmp/", "/var/tmp/")
 
@@ -107,6 +117,16 @@ class Write:
     content: str
     mode: int = 0o644
     why: str = ""
+    #: Replacing a file of the system's (/etc/group, /etc/gshadow): the new one gets the old
+    #: one's mode and owner (gshadow is root:shadow 0640 on Debian), not ours.
+    keep_attrs: bool = False
+
+
+@dataclass(frozen=True)
+class MakeDir:
+    path: str
+    mode: int = 0o755
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,7 +153,7 @@ class Skip:
     why: str
 
 
-Step = Write | Keep | Remove | Run | Skip
+Step = Write | MakeDir | Keep | Remove | Run | Skip
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,9 @@ class Facts:
     exec_argv: tuple[str, ...] = ()
     program_paths: tuple[str, ...] = ()  # where the program and its interpreter really live
     existing: dict[str, str | None] = field(default_factory=dict)  # host path -> text
+    #: Host paths where something other than a regular file or directory stands: what it is
+    #: ("a FIFO", "a link to /x, which does not exist", "masked (a link to /dev/null)").
+    odd: dict[str, str] = field(default_factory=dict)
     group_exists: bool = False
     group_file: str | None = None  # <root>/etc/group text (fixture roots only)
     gshadow_file: str | None = None
@@ -175,7 +198,20 @@ def _add_group_line(text: str, name: str) -> tuple[str, int]:
 
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     """Unit, udev rules, config (only when absent), group (only when missing), then, with
-    ``now``, the commands that make systemd and udev use them."""
+    ``now``, the commands that make systemd and udev use them.
+
+    Refused before anything is written: a masked unit (the admin's ``systemctl mask``), and a
+    config path holding something the daemon would refuse to read (a FIFO, a directory, a
+    dangling link): it is never overwritten, so the service could not start."""
+    root_hint = "" if facts.host else f" --root={facts.root}"
+    if facts.odd.get(UNIT_FILE, "").startswith("masked"):
+        raise InstallError(f"{under(facts.root, UNIT_FILE)} is {facts.odd[UNIT_FILE]}: run "
+                           f"`systemctl{root_hint} unmask {UNIT_NAME}` first if it should run")
+    if CONFIG_FILE in facts.odd:
+        raise InstallError(f"{under(facts.root, CONFIG_FILE)} is {facts.odd[CONFIG_FILE]}, "
+                           "not a config file the daemon can read, and it is never "
+                           "overwritten: remove it (or make it a regular file), then run this "
+                           "again")
     steps: list[Step] = [
         Write(UNIT_FILE, render_unit(facts.exec_argv, facts.program_paths),
               why="the systemd unit"),
@@ -186,6 +222,9 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
         steps.append(Write(CONFIG_FILE, shipped_config(), why="the daemon's settings"))
     else:
         steps.append(Keep(CONFIG_FILE, "exists; never overwritten"))
+    if facts.existing.get(CDI_DIR) is None and CDI_DIR not in facts.odd:
+        steps.append(MakeDir(CDI_DIR, why="for NVIDIA's CDI spec: the unit may write there "
+                                          "only if it exists"))
     if facts.group_exists:
         steps.append(Keep(f"group {SOCKET_GROUP}", "exists"))
     elif facts.host:
@@ -193,13 +232,15 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
                          why="the group that may read through the socket"))
     else:
         text, gid = _add_group_line(facts.group_file or "", SOCKET_GROUP)
-        steps.append(Write(GROUP_FILE, text, why=f"group {SOCKET_GROUP} added, gid {gid}"))
-        if facts.gshadow_file is not None:
-            shadow = facts.gshadow_file
+        steps.append(Write(GROUP_FILE, text, why=f"group {SOCKET_GROUP} added, gid {gid}",
+                           keep_attrs=True))
+        shadow = facts.gshadow_file
+        if shadow is not None and not any(line.split(":", 1)[0] == SOCKET_GROUP
+                                          for line in shadow.splitlines()):
             if shadow and not shadow.endswith("\n"):
                 shadow += "\n"
             steps.append(Write(GSHADOW_FILE, shadow + f"{SOCKET_GROUP}:!::\n", mode=0o640,
-                               why=f"group {SOCKET_GROUP}"))
+                               why=f"group {SOCKET_GROUP}", keep_attrs=True))
     if not now:
         return steps
     if not facts.host:
@@ -242,6 +283,8 @@ def plan_uninstall(facts: Facts) -> list[Step]:
             steps.extend(Remove(link, "enablement link") for link in facts.wants_links)
     if unit is not None:
         steps.append(Remove(UNIT_FILE, "the systemd unit"))
+    elif facts.odd.get(UNIT_FILE, "").startswith("masked"):
+        steps.append(Keep(UNIT_FILE, f"{facts.odd[UNIT_FILE]}: `systemctl unmask` removes it"))
     else:
         steps.append(Skip(UNIT_FILE, "not installed"))
     rules = facts.existing.get(RULES_FILE)
@@ -277,22 +320,58 @@ def under(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/")) if os.path.normpath(root) != "/" else path
 
 
-def _read(path: str) -> str | None:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def inspect_path(path: str) -> tuple[str | None, str | None]:
+    """``(text, odd)`` of what stands at ``path``: the text of a regular file (links
+    followed; ``""`` for a directory), else None and, unless nothing is there, what it is.
+
+    Opened without blocking and only when regular: a FIFO planted where the unit goes must
+    not hang the installer, and a device node's open runs its driver."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(1 << 20)
-    except IsADirectoryError:
-        return ""
-    except OSError:
-        return None
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        if target == MASK_TARGET:
+            return None, f"masked, a link to {MASK_TARGET}"
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None, f"a link to {target}, which does not exist"
+    if stat.S_ISDIR(st.st_mode):
+        return "", None
+    for test, what in _KINDS:
+        if test(st.st_mode):
+            return None, what
+    try:
+        data = read_bytes(path, READ_CAP)
+    except NotARegularFile:
+        return None, "not a regular file"
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            return None, f"larger than {READ_CAP} bytes"
+        return None, f"unreadable ({exc.strerror or exc})"
+    return data.decode("utf-8", errors="replace"), None
 
 
 def gather_facts(root: str, exec_argv: Sequence[str] = (),
                  program_paths: Sequence[str] = ()) -> Facts:
     host = os.path.normpath(root) == "/"
     existing: dict[str, str | None] = {}
-    for path in (UNIT_FILE, RULES_FILE, CONFIG_FILE, UNIT_DROPINS, *KEPT_DIRS):
-        existing[path] = _read(under(root, path))
+    odd: dict[str, str] = {}
+    paths = [UNIT_FILE, RULES_FILE, CONFIG_FILE, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]
+    if not host:
+        paths += [GROUP_FILE, GSHADOW_FILE]
+    for path in paths:
+        existing[path], what = inspect_path(under(root, path))
+        if what is not None:
+            odd[path] = what
     wants: list[str] = []
     sysdir = under(root, "/etc/systemd/system")
     try:
@@ -311,13 +390,17 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
         except KeyError:
             group_exists = False
     else:
-        group_file = _read(under(root, GROUP_FILE))
-        gshadow = _read(under(root, GSHADOW_FILE))
+        for path in (GROUP_FILE, GSHADOW_FILE):
+            # Rewritten whole when the group is added: a part of one must never be written.
+            if path in odd or existing[path] == "":
+                raise InstallError(f"{under(root, path)} is {odd.get(path, 'a directory')}: "
+                                   "cannot add the group to it")
+        group_file, gshadow = existing[GROUP_FILE], existing[GSHADOW_FILE]
         group_exists = any(line.split(":", 1)[0] == SOCKET_GROUP
                            for line in (group_file or "").splitlines())
     return Facts(
         root=root, exec_argv=tuple(exec_argv), program_paths=tuple(program_paths),
-        existing=existing, group_exists=group_exists,
+        existing=existing, odd=odd, group_exists=group_exists,
         group_file=group_file, gshadow_file=gshadow, wants_links=tuple(wants),
         have_systemctl=shutil.which("systemctl") is not None,
         systemd_running=os.path.isdir("/run/systemd/system"),
@@ -325,16 +408,85 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
     )
 
 
-def _write_atomic(path: str, content: str, mode: int) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+def check_inside(root: str, steps: Sequence[Step]) -> None:
+    """Every path a plan writes or removes stays inside ``root``: a link in a tree being
+    built (``etc/udev/rules.d -> /etc/udev/rules.d``) must not carry a write to the host."""
+    if os.path.normpath(root) == "/":
+        return
+    top = os.path.realpath(root)
+    for step in steps:
+        if isinstance(step, Write | MakeDir | Remove):
+            full = under(root, step.path)
+            parent = os.path.realpath(os.path.dirname(full))
+            if os.path.commonpath([top, parent]) != top:
+                raise InstallError(f"{os.path.dirname(full)} leads outside {root} (to "
+                                   f"{parent}): nothing was changed")
+
+
+@dataclass
+class _Undo:
+    """What one run changed, to put back when a later step fails before any command ran."""
+
+    files: list[tuple[str, bytes | str | None, os.stat_result | None]] = field(
+        default_factory=list)  # path, old content (bytes) / link target (str) / None, stat
+    dirs: list[str] = field(default_factory=list)
+
+    def save(self, path: str) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self.files.append((path, None, None))
+            return
+        if stat.S_ISLNK(st.st_mode):
+            self.files.append((path, os.readlink(path), st))
+        elif stat.S_ISREG(st.st_mode):
+            self.files.append((path, read_bytes(path, 64 * READ_CAP), st))
+        else:  # a FIFO where the unit goes: it is gone for good, like the file we wrote
+            self.files.append((path, None, None))
+
+    def makedirs(self, folder: str) -> None:
+        """``os.makedirs`` with each new directory 0755 whatever the umask, remembered."""
+        missing: list[str] = []
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for path in reversed(missing):
+            os.mkdir(path, 0o755)
+            os.chmod(path, 0o755)
+            self.dirs.append(path)
+
+    def undo(self, say: Callable[[str], None]) -> None:
+        for path, old, st in reversed(self.files):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if isinstance(old, str):
+                os.symlink(old, path)
+            elif old is not None and st is not None:
+                _write_atomic(path, old, stat.S_IMODE(st.st_mode), st)
+            say(f"rolled back {path}" + (" (removed)" if old is None else " (restored)"))
+        for folder in reversed(self.dirs):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def _write_atomic(path: str, content: str | bytes, mode: int,
+                  owner: os.stat_result | None = None) -> None:
+    """A new file renamed over ``path``, so a reader never sees half of it; ``owner``: take
+    that file's owner and group (a chown we may not do, as a user in a fixture, is skipped)."""
     tmp = f"{path}.gpuwatch-new"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # O_EXCL below: a FIFO or link planted at the name is never opened
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(content)
+        with os.fdopen(fd, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
             f.flush()
+            if owner is not None:
+                with contextlib.suppress(PermissionError):
+                    os.fchown(f.fileno(), owner.st_uid, owner.st_gid)
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -348,6 +500,9 @@ def describe(step: Step, root: str, *, dry_run: bool) -> str:
     if isinstance(step, Write):
         verb = "write" if dry_run else "wrote"
         line = f"{would}{verb} {under(root, step.path)}"
+    elif isinstance(step, MakeDir):
+        verb = "create" if dry_run else "created"
+        line = f"{would}{verb} {under(root, step.path)}/"
     elif isinstance(step, Remove):
         verb = "remove" if dry_run else "removed"
         line = f"{would}{verb} {under(root, step.path)}"
@@ -364,26 +519,51 @@ def describe(step: Step, root: str, *, dry_run: bool) -> str:
 
 def execute(steps: Sequence[Step], root: str, *, dry_run: bool,
             say: Callable[[str], None] = print) -> None:
-    """Carry the plan out in order, saying each step; the first failure stops it."""
+    """Carry the plan out in order, saying each step; the first failure stops it.
+
+    A failure before any command has run puts back every file and directory this run
+    wrote or removed, so a full disk or a read-only ``/etc`` never leaves half an install.
+    Once a command ran (groupadd, systemctl), what it did stays, and so do the files it
+    was given: run the same command again once the cause is fixed."""
+    check_inside(root, steps)
+    undo: _Undo | None = _Undo()
     for step in steps:
         if not dry_run:
-            if isinstance(step, Write):
-                try:
-                    _write_atomic(under(root, step.path), step.content, step.mode)
-                except OSError as exc:
-                    raise InstallError(f"cannot write {under(root, step.path)}: "
-                                       f"{exc.strerror or exc}") from None
-            elif isinstance(step, Remove):
-                try:
-                    os.unlink(under(root, step.path))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    raise InstallError(f"cannot remove {under(root, step.path)}: "
-                                       f"{exc.strerror or exc}") from None
-            elif isinstance(step, Run):
-                _run(step.argv)
+            try:
+                _carry_out(step, root, undo)
+            except InstallError:
+                if undo is not None and (undo.files or undo.dirs):
+                    undo.undo(say)
+                raise
+            if isinstance(step, Run):
+                undo = None
         say(describe(step, root, dry_run=dry_run))
+
+
+def _carry_out(step: Step, root: str, undo: _Undo | None) -> None:
+    journal = undo if undo is not None else _Undo()
+    path = under(root, getattr(step, "path", "/"))
+    try:
+        if isinstance(step, Write):
+            journal.makedirs(os.path.dirname(path))
+            owner = None
+            if step.keep_attrs:
+                with contextlib.suppress(OSError):
+                    owner = os.stat(path)
+            journal.save(path)
+            mode = stat.S_IMODE(owner.st_mode) if owner is not None else step.mode
+            _write_atomic(path, step.content, mode, owner)
+        elif isinstance(step, MakeDir):
+            journal.makedirs(path)
+        elif isinstance(step, Remove):
+            if os.path.lexists(path):
+                journal.save(path)
+                os.unlink(path)
+        elif isinstance(step, Run):
+            _run(step.argv)
+    except OSError as exc:
+        verb = {Write: "write", MakeDir: "create", Remove: "remove"}.get(type(step), "change")
+        raise InstallError(f"cannot {verb} {path}: {exc.strerror or exc}") from None
 
 
 def _run(argv: Sequence[str]) -> None:
@@ -406,15 +586,18 @@ __all__ = [
     "Facts",
     "InstallError",
     "Keep",
+    "MakeDir",
     "Remove",
     "Run",
     "Skip",
     "Step",
     "Write",
+    "check_inside",
     "check_program",
     "describe",
     "execute",
     "gather_facts",
+    "inspect_path",
     "plan_install",
     "plan_uninstall",
     "render_unit",

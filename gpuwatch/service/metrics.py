@@ -7,11 +7,18 @@ recomputed from the ``detect-vfio`` answer a ``probe-changed`` event carries, so
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import logging
+import socket
+import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,7 +26,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel
@@ -29,14 +36,152 @@ from gpuwatch.core.results import HEALTH_STATES
 from gpuwatch.settings import InvalidListenAddress, parse_listen_address
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from gpuwatch.watch.watcher import Watcher
 
 _log = logging.getLogger("gpuwatch.service")
 
 #: Buckets for a switch: unbind/bind takes tens of ms, a module reload seconds, the timeout 90 s.
 SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 120.0)
+
+
+#: The endpoint is open to the network (``:9464`` in a pod), so every client is bounded:
+#: connections served at once (more get a one-line 503 and are closed at once), ...
+HTTP_MAX_CONNECTIONS = 16
+#: ... seconds for a request's line and headers to arrive, and for a reply to be taken ...
+HTTP_TIMEOUT = 10.0
+#: ... and bytes of request line and headers (a scrape sends a few hundred).
+HTTP_MAX_HEAD_BYTES = 16384
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _HeadReader(io.RawIOBase):
+    """The connection's reads for one request, against a deadline for the whole head (a
+    client sending a byte every few seconds gains nothing) and a byte budget."""
+
+    def __init__(self, sock: socket.socket, timeout: float, budget: int) -> None:
+        super().__init__()
+        self._sock, self._budget = sock, budget
+        self._deadline = time.monotonic() + timeout
+        self._timeout = timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._budget <= 0:
+            raise _TooLarge
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise _TooSlow
+        self._sock.settimeout(left)
+        try:
+            n = self._sock.recv_into(memoryview(buffer)[: self._budget])
+        except TimeoutError:
+            raise _TooSlow from None
+        finally:
+            self._sock.settimeout(self._timeout)  # what writing the reply may take
+        self._budget -= n
+        return n
+
+
+def _answer(sock: socket.socket, status: str) -> None:
+    """A one-line plain-text answer, best effort: never waits for a client."""
+    body = f"{status}\n".encode()
+    head = (f"HTTP/1.0 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        sock.send(head + body)
+
+
+class _Handler(WSGIRequestHandler):
+    """prometheus_client's WSGI app behind bounded reads, one-line errors, and no
+    tracebacks on stderr for clients that go away or stall."""
+
+    timeout = HTTP_TIMEOUT
+    error_message_format = "%(code)d %(message)s\n"
+    error_content_type = "text/plain; charset=utf-8"
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_HeadReader(self.connection, HTTP_TIMEOUT,
+                                                   HTTP_MAX_HEAD_BYTES))
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except _TooSlow:
+            _answer(self.connection, "408 Request Timeout")
+        except _TooLarge:
+            _answer(self.connection, "431 Request Header Fields Too Large")
+        except OSError as exc:  # reset, or a reply the client did not take in time
+            _log.debug("metrics client %s: %s", self.client_address, exc)
+
+    def get_stderr(self) -> Any:
+        return io.StringIO()  # wsgiref's tracebacks of a dropped client: not the journal's
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged: one line per scrape would flood the journal."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `HTTP_MAX_CONNECTIONS` of them."""
+
+    daemon_threads = True
+    request_queue_size = 64  # a burst of scrapes waits in the kernel, not in SYN retries
+
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:  # "::" takes IPv4 too (dual stack)
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _answer(request, "503 Service Unavailable: too many connections")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _log.debug("metrics client %s failed", client_address, exc_info=True)
+
+
+def _bind(host: str, port: int) -> _Server:
+    """``""`` is every address: IPv6 and IPv4 on one dual-stack socket where the host has
+    IPv6 (an IPv6-only pod is scraped on its IPv6 address), else IPv4's ``0.0.0.0``."""
+    if host == "":
+        try:
+            return _Server(("::", port), socket.AF_INET6)
+        except OSError as exc:
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+        return _Server(("0.0.0.0", port), socket.AF_INET)
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return _Server((str(sockaddr[0]), port), family)
 
 
 class _ReadCounter:
@@ -103,7 +248,7 @@ class Metrics:
             "gpuwatch_log_write_failures", "Event log writes that failed (each retry counts)",
             lambda: self._watcher.log_write_failures if self._watcher is not None else 0))
         ProcessCollector(registry=r)
-        self._server: WSGIServer | None = None
+        self._server: _Server | None = None
 
     # ------------------------------------------------------------------ feeding
 
@@ -239,7 +384,12 @@ class Metrics:
     def serve(self, address: str) -> tuple[str, int]:
         """Serve ``/metrics`` over HTTP on a daemon thread; returns the bound (host, port)."""
         host, port = parse_listen_address(address)
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        if address.strip().rpartition(":")[0] == "":  # ":PORT" or "PORT": every address
+            host = ""
+        server = _bind(host, port)
+        server.set_app(make_wsgi_app(self.registry))
+        threading.Thread(target=server.serve_forever, name="gpuwatch-metrics",
+                         daemon=True).start()
         self._server = server
         bound = server.server_address
         _log.info("metrics on http://%s:%s/metrics", bound[0], bound[1])

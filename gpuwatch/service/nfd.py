@@ -43,11 +43,20 @@ LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gf
                           "amd-gfx-target"})
 
 _SLUG_RE = re.compile(r"[^a-z0-9]+")
+#: A label's name (after NFD's ``feature.node.kubernetes.io/``) is at most 63 characters:
+#: ``gpuwatch.gpu.`` + vendor + ``.count`` leaves this much for the vendor.
+_VENDOR_MAX = 63 - len("gpuwatch.gpu.") - len(".count")
+#: Vendor segments that would land on another label (``gpuwatch.gpu.vfio.count``).
+_TAKEN = frozenset({"vfio", "unhealthy"})
 
 
 def _slug(name: str) -> str:
-    """A vendor name as a label-name segment: ``NVIDIA`` → ``nvidia``, ``Red Hat`` → ``red-hat``."""
-    return _SLUG_RE.sub("-", name.lower()).strip("-") or "unknown"
+    """A vendor name as a label-name segment: ``NVIDIA`` → ``nvidia``, ``Red Hat`` → ``red-hat``.
+
+    Cut to fit Kubernetes' 63-character label names: a config's long vendor name or a
+    garbled ``vendor`` file must not make NFD drop the label (or the node update)."""
+    slug = _SLUG_RE.sub("-", name.lower()).strip("-")[:_VENDOR_MAX].rstrip("-") or "unknown"
+    return f"vendor-{slug}" if slug in _TAKEN else slug
 
 
 def _flag(value: bool) -> str:

@@ -30,8 +30,12 @@ def check_group(name: str) -> str:
 
 
 def render_rules(group: str = DEFAULT_GROUP, mode: str = "0660") -> str:
-    """The rules file text for ``group``. Pure: the CLI prints it, tests parse it."""
+    """The rules file text for ``group``. Pure: the CLI prints it, tests parse it.
+
+    udev substitutes ``$…`` and ``%…`` in a GROUP= value, so a name's ``$`` (allowed at
+    the end, as for Samba's machine accounts) is written ``$$``."""
     check_group(group)
+    value = group.replace("$", "$$")
     if not re.fullmatch(r"0?[0-7]{3}", mode):
         raise ValueError(f"{mode!r} is not an octal file mode")
     return f"""\
@@ -46,9 +50,9 @@ def render_rules(group: str = DEFAULT_GROUP, mode: str = "0660") -> str:
 # Also raise the VM user's memlock limit: vfio pins all guest memory.
 
 # IOMMU group nodes /dev/vfio/<N> (the legacy group/container interface).
-SUBSYSTEM=="vfio", KERNEL=="[0-9]*", GROUP="{group}", MODE="{mode}"
+SUBSYSTEM=="vfio", KERNEL=="[0-9]*", GROUP="{value}", MODE="{mode}"
 # Per-device cdev nodes /dev/vfio/devices/vfio<N> (iommufd, kernel 6.2+).
-SUBSYSTEM=="vfio-dev", KERNEL=="vfio[0-9]*", GROUP="{group}", MODE="{mode}"
+SUBSYSTEM=="vfio-dev", KERNEL=="vfio[0-9]*", GROUP="{value}", MODE="{mode}"
 """
 
 
