@@ -19,6 +19,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -621,6 +622,50 @@ def test_a_live_daemon_with_a_full_backlog_keeps_its_socket(
         assert "Traceback" not in second.stderr
         assert os.stat(d.sock).st_ino == inode  # still the first daemon's socket
         assert probe(d.sock)["result"] is True
+
+
+@pytest.mark.timeout(180)
+def test_a_client_waits_out_a_full_backlog_within_its_timeout(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A daemon too busy to accept for a moment (stopped here) has a full listen backlog. A
+    blocking connect waits for room; under a timeout a unix socket's connect fails at once
+    instead (EAGAIN), so the client retries within its timeout rather than giving up."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient, Client
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20_000), hard))
+    answers: list[object] = []
+
+    def sync_probe(path: str) -> object:
+        with Client(path, timeout=60) as c:
+            return c.probe("detect-gpu")
+
+    async def async_probe(path: str) -> object:
+        async with await AsyncClient.connect(path) as c:
+            return await c.probe("detect-gpu")
+
+    # Room for the backlog's dead connections: they are accepted before ours.
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-clients",
+                "8192") as d:
+        assert d.proc is not None
+        try:
+            for ask in (lambda: sync_probe(d.sock), lambda: anyio.run(async_probe, d.sock)):
+                d.proc.send_signal(signal.SIGSTOP)
+                for s in fill_backlog(d.sock):
+                    s.close()  # still queued: the daemon accepts them when it runs again
+                resume = threading.Timer(0.5, d.proc.send_signal, (signal.SIGCONT,))
+                resume.start()
+                try:
+                    answers.append(ask())
+                finally:
+                    resume.join()
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answers == [True, True]
 
 
 def test_a_dead_daemons_socket_is_replaced(host: SysRoot, tmp_path: Path, sockdir: str) -> None:
