@@ -53,7 +53,9 @@ class HostModel:
         self._access_version = -1
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
-        self.poisoned: dict[int, str] = {}
+        #: Why each poisoned group (or group-less card, by address) is refused: keyed by
+        #: `gpuwatch.core.plan.poison_key`.
+        self.poisoned: dict[int | str, str] = {}
         #: The budget of one /proc scan (``proc_read_timeout``, the daemon's setting).
         self.proc_deadline: float = procfs.DEFAULT_PROC_DEADLINE
         self._handlers: dict[str, Callable[[int | None, str | None, str | None], Any]] = {
@@ -184,7 +186,13 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     import dataclasses
     import shutil
 
-    from gpuwatch.core.plan import example_card, find_card, parse_vfio_driver, plan_switch
+    from gpuwatch.core.plan import (
+        example_card,
+        find_card,
+        parse_vfio_driver,
+        plan_switch,
+        poison_key,
+    )
     from gpuwatch.hostfs.facts import gather_facts_now
 
     paths, state = model.paths, model.state
@@ -197,7 +205,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
     facts = gather_facts_now(paths, state, members, mode,
                              euid=os.geteuid() if euid is None else euid,
                              which=which or shutil.which, vfio_driver=vfio_driver,
-                             poisoned=model.poisoned.get(card.iommu_group, ""),
+                             poisoned=model.poisoned.get(poison_key(card), ""),
                              deadline=model.proc_deadline)
     return plan_switch(members, mode, facts, force=force)
 

@@ -13,7 +13,7 @@ from gpuwatch.core.modes import group_mode, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASS,
     hostdev_xml,
-    iommu_hint,
+    iommu_status,
     managed_note,
     memlock_verdict,
     vf_ready,
@@ -21,6 +21,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
+from gpuwatch.hostfs.noiommu import read_iommu_groups
 from gpuwatch.model import HostModel
 
 
@@ -112,10 +113,12 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
     state = model.state
     variants: frozenset[str] = getattr(state, "vfio_variants", frozenset())
     vfio = model.probe("detect-vfio")
+    groups = read_iommu_groups(model.root)
     gpus: list[GpuReport] = []
     for gpu in vfio.gpus:
         members = state.group_members(gpu.addr)
         group = gpu.iommu_group
+        noiommu = group in groups.noiommu
         gpus.append(
             GpuReport(
                 addr=gpu.addr,
@@ -127,8 +130,9 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                 iommu_group=group,
                 mode=group_mode(members, variants),
                 vfio_variant=vfio_variant(members, variants),
-                vfio_node=f"/dev/vfio/{group}" if group >= 0 else "",
-                vfio_accessible=model.vfio_group_accessible(group),
+                # A VFIO no-IOMMU group's node is /dev/vfio/noiommu-N: no VM opens it.
+                vfio_node=groups.node(group),
+                vfio_accessible=not noiommu and model.vfio_group_accessible(group),
                 kept_for_host=bool(kept := model.kept_for_host(gpu.addr)),
                 reason=kept,
                 members=[
@@ -145,11 +149,8 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
             )
         )
     return StatusReport(
-        iommu=IommuReport(
-            enabled=vfio.iommu_enabled,
-            kind=vfio.iommu_kind,
-            hint=iommu_hint(vfio.iommu_enabled, vfio.iommu_kind),
-        ),
+        iommu=IommuReport(**iommu_status(vfio.iommu_enabled, vfio.iommu_kind,
+                                         groups.noiommu, groups.real)),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
         nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
@@ -193,11 +194,14 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
     """GPUs in an IOMMU group; every non-bridge function of the group must go to the guest.
 
     Bridges share groups with endpoints on some boards but stay with the host (pcieport).
+    A VFIO no-IOMMU group is no IOMMU group to a VM (no VMM opens one): not offered.
     """
     out: list[PassthroughGpu] = []
     variants: frozenset[str] = getattr(model.state, "vfio_variants", frozenset())
+    noiommu = read_iommu_groups(model.root).noiommu
+    recovery = getattr(model.state, "wedge_recovery", {})
     for gpu in model.probe("detect-vfio").gpus:
-        if gpu.iommu_group < 0:
+        if gpu.iommu_group < 0 or gpu.iommu_group in noiommu:
             continue
         if gpu.physfn and not vf_ready(gpu, variants):
             continue
@@ -215,7 +219,10 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
                 note="" if kept else managed_note(
                     managed, gpu.addr, gpu.vendor_id,
                     [(m.addr, m.sriov.numvfs) for m in members
-                     if m.sriov is not None and m.sriov.numvfs > 0]),
+                     if m.sriov is not None and m.sriov.numvfs > 0],
+                    [(m.addr, m.health, health_advice(m.health, m.addr, m.driver,
+                                                      recovery.get(m.addr, ())))
+                     for m in members if m.health != "ok"]),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[
@@ -230,6 +237,15 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
             )
         )
     return out
+
+
+def iommu_enabled(model: HostModel) -> bool:
+    """Whether an IOMMU isolates anything: `status`'s ``iommu.enabled`` (detect-vfio's answer,
+    except on a host whose only groups are VFIO no-IOMMU groups)."""
+    vfio = model.probe("detect-vfio")
+    groups = read_iommu_groups(model.root)
+    return bool(iommu_status(vfio.iommu_enabled, vfio.iommu_kind, groups.noiommu,
+                             groups.real)["enabled"])
 
 
 def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:

@@ -30,6 +30,7 @@ from gpuwatch.testing.machines import (
     bmc_server_host,
     hpe_ilo_host,
     single_gpu_desktop,
+    vfio_noiommu_host,
     vm_guest_host,
     vmd_host,
 )
@@ -46,6 +47,7 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "grace": grace_hopper_host,
     "sriov": lambda root: sriov_gpu_host(root, vfs=2),
     "vgpu": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True),
+    "noiommu": vfio_noiommu_host,
 }
 
 

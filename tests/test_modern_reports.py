@@ -165,3 +165,26 @@ def test_status_through_a_remote_model_uses_gpu_members(empty_host: SysRoot) -> 
 def test_gh_vfio_backend_in_status_json(tmp_path: Path) -> None:
     grace_hopper_host(tmp_path)
     assert gpuwatch.scan(tmp_path).probe("vfio-backend", addr=GH_ADDR).recommended == "iommufd"
+
+
+async def test_list_warns_that_an_unhealthy_gpu_needs_its_recovery(tmp_path: Path) -> None:
+    """A wedged GPU is still listed (libvirt's managed='yes' rebinds it, which is one of its
+    recoveries), but its note says it is not healthy and what to do, as status does; the
+    stdlib report path, on the same answer, writes the same note."""
+    from gpuwatch.cli.fast_report import Remote, list_report
+    from gpuwatch.jsonout import dumps
+
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", CARD1, expect=2, WEDGED="rebind")
+        model = h.watcher.model
+        full = {g.addr: g for g in passthrough_gpus(model)}
+        vfio = json.loads(dumps(model.probe("detect-vfio")))
+    note = full[NV].note
+    assert f"; {NV} is not healthy (the driver declared the GPU wedged: rebind its driver" in note
+    assert "`gpuwatch mode` refuses to switch it" in note
+    assert len(full) > 1 and all("not healthy" not in g.note for a, g in full.items() if a != NV)
+    fast = {g["addr"]: g for g in list_report(Remote("", str(host.root), vfio), "yes")}
+    # Without the wedge's methods (in no probe answer) the advice is the generic one.
+    assert f"{NV} is not healthy (the driver declared the GPU wedged: the recovery methods" in (
+        fast[NV]["note"])

@@ -27,7 +27,7 @@ from gpuwatch.core.reporttext import (
     BRIDGE_CLASS,
     MANAGED_VALUES,
     hostdev_xml,
-    iommu_hint,
+    iommu_status,
     managed_note,
     memlock_verdict,
     render_list,
@@ -36,6 +36,7 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.files import in_root, read_attr
+from gpuwatch.hostfs.noiommu import read_iommu_groups
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
@@ -180,9 +181,11 @@ def status_report(remote: Remote) -> dict[str, Any]:
     """`gpuwatch.report.build_status` on the daemon's model, as the dict its JSON is."""
     gpus: list[dict[str, Any]] = []
     functions: dict[str, dict[str, Any]] = {}
+    groups = read_iommu_groups(remote.root)
     for gpu in remote.gpus:
         members = remote.members(gpu)
         group: int = gpu["iommu_group"]
+        noiommu = group in groups.noiommu
         kept = remote.kept_for_host(gpu)
         gpus.append({
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
@@ -190,8 +193,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
             "driver": gpu["driver"], "iommu_group": group,
             "mode": group_mode(members),
             "vfio_variant": vfio_variant(members),
-            "vfio_node": f"/dev/vfio/{group}" if group >= 0 else "",
-            "vfio_accessible": remote.accessible(group),
+            "vfio_node": groups.node(group),
+            "vfio_accessible": not noiommu and remote.accessible(group),
             "members": [{"addr": m["addr"], "class_label": m["class_label"],
                          "vendor_id": m["vendor_id"], "device_id": m["device_id"],
                          "driver": m["driver"], "health": m.get("health", "ok")}
@@ -201,8 +204,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
         functions.update((m["addr"], m) for m in gpu["group_members"])
     vfio = remote.vfio
     return {
-        "iommu": {"enabled": vfio["iommu_enabled"], "kind": vfio["iommu_kind"],
-                  "hint": iommu_hint(vfio["iommu_enabled"], vfio["iommu_kind"])},
+        "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
+                              groups.real),
         "vfio_pci_loaded": os.path.isdir(os.path.join(remote.root, "sys/module", "vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),
         "memlock": _memlock(),
@@ -219,8 +222,9 @@ def status_report(remote: Remote) -> dict[str, Any]:
 def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
     """`gpuwatch.report.passthrough_gpus` on the daemon's model, as the dicts of its JSON."""
     out: list[dict[str, Any]] = []
+    noiommu = read_iommu_groups(remote.root).noiommu
     for gpu in remote.gpus:
-        if gpu["iommu_group"] < 0:
+        if gpu["iommu_group"] < 0 or gpu["iommu_group"] in noiommu:
             continue
         if gpu.get("physfn") and not vf_ready(Fn(gpu)):  # type: ignore[arg-type]
             continue
@@ -232,8 +236,11 @@ def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "iommu_group": gpu["iommu_group"],
             "managed": managed, "physfn": gpu.get("physfn", ""),
-            "note": "" if kept else managed_note(managed, gpu["addr"], gpu["vendor_id"],
-                                                 with_vfs),
+            "note": "" if kept else managed_note(
+                managed, gpu["addr"], gpu["vendor_id"], with_vfs,
+                [(m["addr"], m.get("health", "ok"),
+                  health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
+                 for m in members if m.get("health", "ok") != "ok"]),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}
@@ -269,8 +276,10 @@ def run_report(argv: list[str]) -> int | None:
         else:
             assert listing is not None
             gpus = list_report(remote, listing[1])
-            text = compact(gpus) if as_json else render_list(
-                gpus, bool(remote.vfio["iommu_enabled"]))
+            groups = read_iommu_groups(remote.root)
+            text = compact(gpus) if as_json else render_list(gpus, bool(iommu_status(
+                remote.vfio["iommu_enabled"], remote.vfio["iommu_kind"], groups.noiommu,
+                groups.real)["enabled"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, GpuwatchError):
         return None  # no answer, an error reply or an unexpected one: the full command
     with reader_may_leave():

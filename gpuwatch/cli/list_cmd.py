@@ -10,7 +10,7 @@ from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.reporttext import MANAGED_VALUES
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
-from gpuwatch.report import PassthroughGpu, passthrough_gpus, render_list
+from gpuwatch.report import PassthroughGpu, iommu_enabled, passthrough_gpus, render_list
 from gpuwatch.service.remote import RemoteModel
 from gpuwatch.settings import tables_in_force
 
@@ -33,14 +33,14 @@ def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: _gpus(
         cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), args.managed))
-    gpus, iommu_enabled = (answer.value if answer is not None
+    gpus, enabled = (answer.value if answer is not None
                            else _gpus(scan(args.root, args.config), args.managed))
     if args.json:
         print(dumps(gpus))
     else:
-        print(render_list(gpus, iommu_enabled))
+        print(render_list(gpus, enabled))
     return EXIT_OK
 
 
 def _gpus(model: HostModel, managed: str) -> tuple[list[PassthroughGpu], bool]:
-    return passthrough_gpus(model, managed), bool(model.probe("detect-vfio").iommu_enabled)
+    return passthrough_gpus(model, managed), iommu_enabled(model)

@@ -38,6 +38,7 @@ from gpuwatch.core.plan import (
     parse_mode,
     parse_vendor,
     parse_vfio_driver,
+    poison_key,
     switch_guard,
     unhealthy_reason,
 )
@@ -221,7 +222,7 @@ def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: 
 
 def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
           as_json: bool) -> None:
-    poisoned = PoisonStore(model.root).load().get(card.iommu_group)
+    poisoned = PoisonStore(model.root).load().get(poison_key(card))
     mode = group_mode(members, model.state.vfio_variants)
     kept = model.kept_for_host(card.addr)
     if as_json:

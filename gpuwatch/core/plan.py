@@ -219,6 +219,13 @@ class HostFacts:
     #: Open files of nvidia-persistenced on ``/dev/nvidia*``: each counts in the nvidia
     #: module's refcnt, and the plan stops persistenced before unloading the module.
     persistenced_fds: int = 0
+    #: A switch of this boot stopped nvidia-persistenced (to unload nvidia) and none has
+    #: started it since: the switch back to nvidia starts it again, if it is not running.
+    persistenced_stopped: bool = False
+
+
+#: What a wedge poisons: an IOMMU group by its number, a card without one by its address.
+PoisonKey = int | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +258,11 @@ class SwitchPlan:
     @property
     def in_mode(self) -> bool:
         return group_in_mode(self.members, self.to_mode)
+
+    @property
+    def poison_key(self) -> PoisonKey:
+        """What a wedge of this switch poisons (`poison_key`): the group, else the card."""
+        return self.group if self.group >= 0 else self.addr
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -380,8 +392,12 @@ def unbind_scope(fn: PciFunction, facts: HostFacts) -> NodeScope:
     if fn.driver == NVIDIA_DRIVER:
         scope = scope | nvidia_scope(facts, fn.addr)
     if (is_vfio_driver(fn.driver, facts.vfio_variants) or fn.vfio_dev) and fn.iommu_group >= 0:
-        # A VM holds the group node, or the function's own cdev (iommufd).
-        scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{fn.iommu_group}"}))
+        # A VM holds the group node, or the function's own cdev (iommufd); a userspace driver
+        # (DPDK) on a host without an IOMMU holds the no-IOMMU group's node, and vfio's remove
+        # waits for it just the same.
+        group = fn.iommu_group
+        scope = scope | NodeScope(exact=frozenset({f"/dev/vfio/{group}",
+                                                   f"/dev/vfio/noiommu-{group}"}))
     if fn.vfio_cdev:
         scope = scope | NodeScope(exact=frozenset({fn.vfio_cdev}))
     if fn.driver and (fn.driver == SND_DRIVER or fn.class_ == AUDIO_CLASS):
@@ -600,6 +616,11 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
             steps.append(WriteStep(override_path(fn.addr), CLEAR_OVERRIDE))
     if mode == "nvidia":
         steps.append(CommandStep(("nvidia-modprobe", "-c", "0", "-u"), "warn"))
+        if facts.persistenced_stopped and not facts.persistenced:
+            # The operator ran it; the switch to vfio stopped it only to unload nvidia. Once
+            # the device nodes exist again (nvidia-modprobe), it comes back. One the operator
+            # stopped is not in the record, and stays stopped.
+            steps.append(CommandStep(("systemctl", "start", PERSISTENCED_UNIT), "warn"))
         more, why = cdi_steps(facts.root, facts.cdi_spec, facts.ctk_on_path)
         steps.extend(more)
         notes.extend(why)
@@ -624,6 +645,28 @@ def kernel_users(facts: HostFacts, dependents: Sequence[str]) -> int:
     return facts.nvidia_refcnt - released - facts.persistenced_fds
 
 
+def poison_key(fn: PciFunction) -> PoisonKey:
+    """The poison record of ``fn``'s group: the group number, or for a function with no IOMMU
+    group (``-1``: the IOMMU is off) its own address. ``-1`` names no group, so keying by it
+    would let one card's wedge refuse every other group-less card of the host."""
+    return fn.iommu_group if fn.iommu_group >= 0 else fn.addr
+
+
+def poison_subject(key: PoisonKey) -> str:
+    """``IOMMU group 13``, or ``0000:01:00.0 (no IOMMU group)``."""
+    return f"IOMMU group {key}" if isinstance(key, int) else f"{key} (no IOMMU group)"
+
+
+def poisoned_until(key: PoisonKey) -> str:
+    """How long a poison lasts and what lifts it. `gpuwatch recover` rebinds to vfio-pci,
+    which needs an IOMMU group: for a card without one only a reboot does."""
+    if isinstance(key, int):
+        return (f"{poison_subject(key)} is poisoned until the next boot (or `gpuwatch "
+                "recover` once no task is stuck)")
+    return (f"{poison_subject(key)} is poisoned until the next boot (`gpuwatch recover` "
+            "rebinds to vfio-pci, which needs an IOMMU group: reboot)")
+
+
 def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
                  kept_for_host: str = "", force: bool = False,
                  action: str = "") -> Refusal | None:
@@ -634,9 +677,11 @@ def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
     group = display.iommu_group
     what = action or f"mode {mode}"
     if poisoned:
-        return Refusal(f"IOMMU group {group} is poisoned: an earlier switch wedged in this boot "
-                       f"({poisoned}); reboot, or run `gpuwatch recover` once no task is stuck",
-                       poisoned=True)
+        key = poison_key(display)
+        lift = ("reboot, or run `gpuwatch recover` once no task is stuck"
+                if isinstance(key, int) else "reboot")
+        return Refusal(f"{poison_subject(key)} is poisoned: an earlier switch wedged in this "
+                       f"boot ({poisoned}); {lift}", poisoned=True)
     if (mode == "nvidia" or action == "recover") and display.vendor_id != NVIDIA_VENDOR:
         return Refusal(f"{display.addr} is not an NVIDIA card (vendor "
                        f"{display.vendor_id or 'unknown'}): {what} acts on NVIDIA GPUs "
@@ -683,6 +728,7 @@ __all__ = [
     "HostFacts",
     "MakeDirStep",
     "NodeScope",
+    "PoisonKey",
     "Refusal",
     "Step",
     "SwitchPlan",
@@ -704,6 +750,9 @@ __all__ = [
     "parse_vendor",
     "parse_vfio_driver",
     "plan_switch",
+    "poison_key",
+    "poison_subject",
+    "poisoned_until",
     "satisfied",
     "step_json",
     "switch_guard",

@@ -4,9 +4,10 @@ stdlib-only CLI path, so both print the same bytes. No pydantic here, by design.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
+from gpuwatch.core.health import UNSWITCHABLE
 from gpuwatch.core.modes import on_vfio
 from gpuwatch.core.text import terminal_safe
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 #: Enough locked memory to pin a 16 GiB guest: vfio pins all guest RAM.
 MEMLOCK_ENOUGH = 16 * 1024**3
 BRIDGE_CLASS = "0x0604"
+#: The node VFIO gives a no-IOMMU group N: ``/dev/vfio/noiommu-N`` (`status`'s ``vfio_node``).
+NOIOMMU_NODE = "/dev/vfio/noiommu-"
 
 
 def iommu_hint(enabled: bool, kind: str) -> str:
@@ -32,6 +35,23 @@ def iommu_hint(enabled: bool, kind: str) -> str:
         "enable VT-d/AMD-Vi in the firmware and add intel_iommu=on iommu=pt (Intel) or "
         "amd_iommu=on iommu=pt (AMD) to the kernel command line, then reboot"
     )
+
+
+def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
+                 real: bool = False) -> dict[str, Any]:
+    """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
+
+    ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
+    whose only groups are VFIO no-IOMMU groups (``noiommu``; ``real``: another group exists):
+    there is no IOMMU there, and the operator is told so rather than "enabled"."""
+    on = enabled and (real or not noiommu)
+    hint = iommu_hint(on, kind)
+    if noiommu:
+        said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "
+                "mode (vfio.enable_unsafe_noiommu_mode), no DMA isolation: for userspace "
+                "drivers, never for a VM")
+        hint = f"{said}; {hint}" if hint else said
+    return {"enabled": on, "kind": kind, "hint": hint}
 
 
 def memlock_verdict(soft: int | None) -> tuple[str, str]:
@@ -81,6 +101,9 @@ def render_status(report: dict[str, Any]) -> str:
     for gpu in report["gpus"]:
         group = (f"group {gpu['iommu_group']}" if gpu["iommu_group"] >= 0
                  else "no IOMMU group")
+        noiommu = gpu["vfio_node"].startswith(NOIOMMU_NODE)
+        if noiommu:
+            group += " (VFIO no-IOMMU)"
         lines.append("")
         variant = f" ({gpu['vfio_variant']})" if gpu["vfio_variant"] else ""
         lines.append(
@@ -95,7 +118,10 @@ def render_status(report: dict[str, Any]) -> str:
                 f"driver: {m['driver'] or '(none)'}"
                 + (f"  health: {m['health']}" if m["health"] != "ok" else "")
             )
-        if gpu["vfio_node"]:
+        if noiommu:
+            lines.append(f"  {gpu['vfio_node']}: VFIO no-IOMMU group: no DMA isolation, not "
+                         "for a VM")
+        elif gpu["vfio_node"]:
             access = (
                 "read/write ok"
                 if gpu["vfio_accessible"]
@@ -136,16 +162,25 @@ _BACK_TO_HOST = {
 
 
 def managed_note(managed: str, addr: str, vendor_id: str,
-                 with_vfs: Iterable[tuple[str, int]] = ()) -> str:
-    """What the blocks' managed attribute means for who detaches the group; and, for each
-    member that is an SR-IOV physical function with virtual functions enabled (address,
-    count), that detaching it takes them away (`gpuwatch mode` refuses it)."""
+                 with_vfs: Iterable[tuple[str, int]] = (),
+                 unhealthy: Iterable[tuple[str, str, str]] = ()) -> str:
+    """What the blocks' managed attribute means for who detaches the group; for each member
+    that is an SR-IOV physical function with virtual functions enabled (address, count), that
+    detaching it takes them away (`gpuwatch mode` refuses it); and for each member that is not
+    healthy (address, health, advice from `gpuwatch.core.health.health_advice`), that it
+    needs its recovery before a guest can use it (`gpuwatch mode` refuses a wedged or failed
+    one)."""
     note = MANAGED_NOTES[managed].format(
         addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
     for pf, numvfs in with_vfs:
         note += (f"; {pf} has {numvfs} SR-IOV virtual function(s) enabled: taking its driver "
                  "away removes them under whatever uses them (`gpuwatch mode` refuses to), "
                  "so disable them first")
+    for member, health, advice in unhealthy:
+        note += f"; {member} is not healthy ({advice})"
+        if health in UNSWITCHABLE:
+            note += (": recover it before a guest takes it (`gpuwatch mode` refuses to switch "
+                     "it until then)")
     return note
 
 
@@ -204,5 +239,5 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
 
 
 __all__ = ["BRIDGE_CLASS", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "managed_note", "memlock_verdict", "render_list", "render_status",
-           "vf_ready"]
+           "iommu_hint", "iommu_status", "managed_note", "memlock_verdict", "render_list",
+           "render_status", "vf_ready"]

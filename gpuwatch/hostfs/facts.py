@@ -31,6 +31,7 @@ from gpuwatch.core.modes import Mode, driver_key, target_driver
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
     CDI_OUTPUT,
+    PERSISTENCED_UNIT,
     HostFacts,
     NodeScope,
     VfioTarget,
@@ -40,6 +41,7 @@ from gpuwatch.core.plan import (
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import StepTimedOut
+from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
     in_root,
     list_dir,
@@ -314,6 +316,8 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         wedge_recovery=known.wedge_recovery,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
+        persistenced_stopped=mode == "nvidia"
+        and PERSISTENCED_UNIT in stopped_services(paths.root),
     )
 
 

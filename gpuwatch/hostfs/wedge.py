@@ -5,6 +5,11 @@ A write to nvidia's ``unbind`` while a client holds the card blocks in ``nv_pci_
 reboot frees it, and any further bind or unbind of the device adds another stuck task.
 Kernel stacks (``/proc/<pid>/stack``) are readable by root only: when they cannot be read
 the answer is incomplete, and the scan says so instead of claiming "not wedged".
+
+The probe's answer is about nvidia alone (its contract), but any driver's remove can hang
+the same way: vfio-pci's (and its variants') waits for the VM holding the device to let go,
+snd_hda_intel's for open sound files. Such a task is reported apart (`WedgeScan.removing`):
+``recover`` and an interrupted switch's roll-back touch nothing while one is there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ _log = logging.getLogger("gpuwatch.switch")
 WEDGE_SYMBOLS = ("nv_pci_remove", "os_delay")
 #: The "cannot read the stacks" warning is said at most this often (seconds).
 UNREADABLE_WARNING_EVERY = 60.0
+#: A D-state task in any PCI driver's remove (an unbind that has not returned): the PCI core's
+#: remove callback, and vfio's wait for its user to release the device.
+REMOVE_SYMBOLS = ("vfio_unregister_group_dev", "pci_device_remove")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +40,8 @@ class WedgeScan:
 
     stuck: tuple[tuple[int, str, str], ...]  # (pid, comm, symbol)
     unreadable: tuple[int, ...]
+    #: D-state tasks in another driver's remove path (not the probe's wedge), same form.
+    removing: tuple[tuple[int, str, str], ...] = ()
 
     @property
     def wedged(self) -> bool:
@@ -41,10 +51,19 @@ class WedgeScan:
     def complete(self) -> bool:
         return not self.unreadable
 
+    @property
+    def any_stuck(self) -> bool:
+        """A task is (or, unreadable, may be) stuck in some driver's remove: not the time
+        to bind or unbind anything."""
+        return bool(self.stuck or self.removing) or not self.complete
+
     def describe(self) -> str:
         if self.stuck:
             return "; ".join(f"{comm or '?'} (pid {pid}) is stuck in {sym}"
                              for pid, comm, sym in self.stuck)
+        if self.removing:
+            return "; ".join(f"{comm or '?'} (pid {pid}) is stuck in a driver's remove ({sym})"
+                             for pid, comm, sym in self.removing)
         if self.unreadable:
             return (f"cannot read /proc/<pid>/stack of {len(self.unreadable)} task(s) in D state "
                     "(root only): a wedge may go unseen")
@@ -72,12 +91,14 @@ def _tasks(proc: str, pid: int) -> list[str]:
     return [f"{proc}/{pid}/stack", *others]
 
 
-def _stack_hit(proc: str, pid: int) -> tuple[bool, str]:
-    """``(readable, symbol)`` for a D-state task: whether any of its stacks could be read,
-    and the wedge symbol found in one; ``(True, "")`` for a task not in D state."""
+def _stack_hit(proc: str, pid: int) -> tuple[bool, str, str]:
+    """``(readable, wedge symbol, remove symbol)`` for a D-state task: whether any of its
+    stacks could be read, the nvidia wedge symbol found in one, else another driver's remove
+    symbol; ``(True, "", "")`` for a task not in D state."""
     if _state(proc, pid) != "D":
-        return True, ""
+        return True, "", ""
     readable = False
+    removing = ""
     for stack in _tasks(proc, pid):
         try:
             text = read_bytes(stack).decode("utf-8", "replace")
@@ -86,8 +107,9 @@ def _stack_hit(proc: str, pid: int) -> tuple[bool, str]:
         readable = True
         hit = next((s for s in WEDGE_SYMBOLS if s in text), "")
         if hit:
-            return True, hit
-    return readable, ""
+            return True, hit, ""
+        removing = removing or next((s for s in REMOVE_SYMBOLS if s in text), "")
+    return readable, "", removing
 
 
 def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeScan:
@@ -95,15 +117,18 @@ def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeSc
     within ``deadline`` (a stack read can block too: that task is counted unreadable)."""
     proc = os.path.join(root, "proc")
     stuck: list[tuple[int, str, str]] = []
+    removing: list[tuple[int, str, str]] = []
     seen, timed_out = read_each(pids(proc), lambda pid: _stack_hit(proc, pid),
                                 deadline=deadline)
     unreadable = list(timed_out)
-    for pid, (readable, hit) in sorted(seen.items()):
+    for pid, (readable, hit, remove) in sorted(seen.items()):
         if hit:
             stuck.append((pid, read_comm(proc, pid), hit))
+        elif remove:
+            removing.append((pid, read_comm(proc, pid), remove))
         elif not readable:
             unreadable.append(pid)
-    return WedgeScan(tuple(stuck), tuple(sorted(unreadable)))
+    return WedgeScan(tuple(stuck), tuple(sorted(unreadable)), tuple(removing))
 
 
 class _Once:
@@ -135,4 +160,4 @@ def wedge_detected(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> boo
     return scan.wedged
 
 
-__all__ = ["WEDGE_SYMBOLS", "WedgeScan", "scan_wedge", "wedge_detected"]
+__all__ = ["REMOVE_SYMBOLS", "WEDGE_SYMBOLS", "WedgeScan", "scan_wedge", "wedge_detected"]

@@ -41,6 +41,7 @@ from gpuwatch.core.modes import (
 )
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
+    CLEAR_OVERRIDE,
     CommandStep,
     HostFacts,
     MakeDirStep,
@@ -53,10 +54,13 @@ from gpuwatch.core.plan import (
     find_card,
     holders_reason,
     nvidia_scope,
+    override_path,
     parse_mode,
     parse_target,
     parse_vfio_driver,
     plan_switch,
+    poison_key,
+    poisoned_until,
     satisfied,
     switch_guard,
     target_of,
@@ -80,6 +84,7 @@ from gpuwatch.errors import (
     UnsafeStep,
     UsageError,
 )
+from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
 from gpuwatch.hostfs.facts import call_bounded, gather_facts, model_facts, scan_holders
 from gpuwatch.hostfs.scan import CDI_SPECS, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
@@ -230,12 +235,26 @@ class SwitchEngine:
                                   deadline + 1, "the wedge scan")
         if scan.wedged:
             raise RebootRequired(f"{scan.describe()}: a reboot is required; nothing was touched")
+        if scan.removing:
+            # Not nvidia's wedge, but an unbind that has not returned (vfio-pci waiting for a
+            # VM to let go, snd_hda_intel for open files): a bind now adds a second stuck task.
+            raise SwitchRefused(f"{scan.describe()}: not touching the device until it returns "
+                                "(close what holds it), or reboot")
         if not scan.complete:
             raise SwitchRefused(f"{scan.describe()}; not touching the device")
+        # After a wedge the events may lag or be lost (the stuck unbind that returned at last
+        # said nothing yet): decide "already on vfio-pci" from the tree, not the model alone.
+        paths = self.model.paths
+        addrs = [m.addr for m in members]
+        await self._refresh(await call_bounded(
+            lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+            "re-reading the tree"))
+        card, members = find_card(self.model.state, addr=card.addr)
         result = await self._switch(card, members, "vfio", timeout, recovering=True)
         group = card.iommu_group
+        key = poison_key(card)
         try:
-            cleared = self.poison.clear(group) if group >= 0 else False
+            cleared = self.poison.clear(key)
         except OSError as exc:
             # The group is on vfio-pci, but the record still says poisoned: a restarted
             # watcher (and every `gpuwatch mode`) would refuse it. Keep refusing it here too,
@@ -244,7 +263,7 @@ class SwitchEngine:
                 f"IOMMU group {group} is on vfio-pci again, but its poison record in "
                 f"{self.poison.path} could not be cleared ({exc.strerror or exc}): it stays "
                 "refused until `gpuwatch recover` can clear it, or the next boot") from None
-        was = self.model.poisoned.pop(group, None) is not None
+        was = self.model.poisoned.pop(key, None) is not None
         notes = [*result.notes]
         if cleared or was:
             notes.append(f"poison of group {group} cleared")
@@ -258,7 +277,7 @@ class SwitchEngine:
         addr, vendor = parse_target(target)
         model = self.model
         card, members = find_card(model.state, addr=addr, vendor=vendor)  # never invented
-        known = model_facts(model.state, members, model.poisoned.get(card.iommu_group, ""))
+        known = model_facts(model.state, members, model.poisoned.get(poison_key(card), ""))
         deadline, euid = model.proc_deadline, self.euid()
         facts = await call_bounded(
             lambda: gather_facts(self.model.paths, members, to_mode, known, euid=euid,
@@ -290,7 +309,7 @@ class SwitchEngine:
         # and writes nothing, so it comes before "already in mode" and the root check.
         if not recovering:
             guard = switch_guard(
-                card, to_mode, poisoned=self.model.poisoned.get(group, ""),
+                card, to_mode, poisoned=self.model.poisoned.get(poison_key(card), ""),
                 kept_for_host=self.model.state.kept_for_host(card.addr)
                 if to_mode == "vfio" else "",
                 force=force)
@@ -308,7 +327,7 @@ class SwitchEngine:
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
-        key: int | str = group if group >= 0 else card.addr
+        key = poison_key(card)  # the lock's name too: a card without a group by its address
         self._claim(key)
         try:
             fd = self._flock(key)
@@ -360,15 +379,22 @@ class SwitchEngine:
         pending: list[BaseModel] = []
         token: contextvars.Token[list[BaseModel] | None] | None = _DEFERRED.set(pending)
         in_flight: list[Step] = []  # the step under way: a write that has not returned
+        pinned: list[str] = []  # functions given a VFIO driver_override not yet cleared
         try:
             try:
                 async with self._subscribe(_PROGRESS_EVENTS) as sub:
                     for step in plan.steps:
                         in_flight[:] = [step]
+                        pin = _vfio_pin(plan, step)
+                        if pin and pin not in pinned:
+                            pinned.append(pin)  # before: a write that fails may still count
                         ok = await self._step(plan, facts, step, deadline, notes)
                         in_flight.clear()
+                        if pin and isinstance(step, WriteStep) and step.value == CLEAR_OVERRIDE:
+                            pinned.remove(pin)
                         if ok and isinstance(step, CommandStep):
                             done.append(step)
+                            self._note_service(step.argv)
                     await self._verify(plan, facts, sub, deadline, notes)
             except (SwitchRefused, SwitchFailed):
                 raise
@@ -393,7 +419,10 @@ class SwitchEngine:
             with anyio.CancelScope(shield=True), anyio.move_on_after(
                     self.rollback_timeout) as bound:
                 if not wedged:
-                    commands, stuck = await self._restore(plan, facts, done)
+                    commands, stuck = await self._unpin(plan, pinned)
+                if not (wedged or stuck):
+                    more, stuck = await self._restore(plan, facts, done)
+                    commands += more
                 # The drivers are not put back (only an interrupted switch does that): say
                 # which functions are left on another driver, so nobody reads "restored" as
                 # "as found".
@@ -503,7 +532,7 @@ class SwitchEngine:
             try:
                 wedge = await call_bounded(lambda: scan_wedge(self.root, deadline=deadline),
                                            deadline + 1, "the wedge scan")
-                stuck = wedge.wedged or not wedge.complete
+                stuck = wedge.any_stuck
             except StepTimedOut:
                 stuck = True
             if stuck:
@@ -513,14 +542,16 @@ class SwitchEngine:
                 return False
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
-        if back is not None and await self._drivers_back(plan, back, restored, rolling):
+        started: list[str] = []  # services the switch back started (persistenced, recorded)
+        if back is not None and await self._drivers_back(plan, back, restored, rolling,
+                                                         started):
             return True  # a wedge: nothing more is touched
-        commands, stuck = await self._restore(plan, facts, done)
+        commands, stuck = await self._restore(plan, facts, done, started)
         restored.extend(commands)
         return stuck
 
     async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],
-                            rolling: list[Step]) -> bool:
+                            rolling: list[Step], started: list[str]) -> bool:
         addrs = [m.addr for m in plan.members]
         paths, state = self.model.paths, self.model.state
         try:
@@ -553,6 +584,10 @@ class SwitchEngine:
                             rolling.clear()
                             restored.append(f"{step.describe()} (failed: {result.message()})")
                             return False
+                        if result.ok:
+                            self._note_service(argv)
+                            if argv[:2] == ("systemctl", "start"):
+                                started.append(argv[2])
                     case MakeDirStep(path=path):
                         await self.ops.makedirs(path)
             except StepTimedOut as exc:
@@ -580,6 +615,26 @@ class SwitchEngine:
             restored.append(f"group {plan.group} not back in mode {back}: "
                             + self._drivers_text(targets))
         return False
+
+    async def _unpin(self, plan: SwitchPlan, pinned: Sequence[str]) -> tuple[list[str], bool]:
+        """A switch to vfio that failed between a function's ``driver_override`` write and its
+        clearing left the function pinned to the VFIO driver: nothing else would ever bind it
+        (not the module reloaded next, not an operator's ``drivers_probe``). Clear it, and say
+        so; True when the write did not return (the wedge rule: nothing more is run)."""
+        done: list[str] = []
+        for addr in pinned:
+            step = WriteStep(override_path(addr), CLEAR_OVERRIDE)
+            try:
+                await self.ops.write(step.path, step.value, self.step_timeout)
+            except StepTimedOut as exc:
+                done.append(self._poison(plan, f"{step.describe()} did not return within "
+                                               f"{exc.timeout:.3g}s: the device is wedged"))
+                return done, True
+            except (HostStepError, UnsafeStep, OSError) as exc:
+                done.append(f"{step.describe()} (failed: {exc})")
+                continue
+            done.append(step.describe())
+        return done, False
 
     async def _left_changed(self, plan: SwitchPlan) -> str:
         """After a failed or refused switch has restored its services and modules: ``""``
@@ -609,13 +664,14 @@ class SwitchEngine:
             changed = True
         return f"group {plan.group} is not as it was: {', '.join(parts)}" if changed else ""
 
-    async def _restore(self, plan: SwitchPlan, facts: HostFacts,
-                       done: Sequence[CommandStep]) -> tuple[list[str], bool]:
+    async def _restore(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
+                       started: Sequence[str] = ()) -> tuple[list[str], bool]:
         """Start again the services the switch stopped and load again the modules it
         removed (those that are gone now), newest first; return what was run, and True when
         one of them did not return (a wedge: the group is poisoned, nothing more is run)."""
         stopped = [s.argv[2] for s in done if s.argv[:2] == ("systemctl", "stop")]
         restarted = {s.argv[2] for s in done if s.argv[:2] == ("systemctl", "start")}
+        restarted.update(started)  # by a roll-back's switch back already
         removal = [name for s in done if s.argv[:2] == ("modprobe", "-r") for name in s.argv[2:]]
         # A `modprobe -r` that failed half-way removed some of its modules: look, don't guess.
         tried = [name for s in plan.steps if isinstance(s, CommandStep)
@@ -646,6 +702,8 @@ class SwitchEngine:
                 restored.append(f"{what} (failed: {exc})")
                 continue
             restored.append(what if result.ok else f"{what} (failed: {result.message()})")
+            if result.ok:
+                self._note_service(argv)
         if restored:
             _log.info("switch of group %s: restored %s", plan.group, ", ".join(restored))
         return restored, False
@@ -737,6 +795,7 @@ class SwitchEngine:
                 if self._reached(plan, facts):
                     notes.append("bind events were lost: completion read from the tree")
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
+                    self._check_gained(plan, facts)
                     return
                 if now >= deadline:
                     self._fail(plan, "the group did not reach its target drivers in time: "
@@ -752,6 +811,25 @@ class SwitchEngine:
                 except (SubscriberLagged, StopAsyncIteration):
                     events_open = False
                     check_at = now
+        self._check_gained(plan, facts)
+
+    def _check_gained(self, plan: SwitchPlan, facts: HostFacts) -> None:
+        """The planned functions are there; but a function that joined the group meanwhile
+        (hot-added, or made visible by a driver) was neither planned nor checked for holders,
+        and one on a driver of another mode leaves the group unusable in ``to_mode`` (a VM
+        cannot open a VFIO group one of whose devices is on a host driver). That is no
+        completion: fail, naming it, rather than rebind what nobody looked at."""
+        state = self.model.state
+        if plan.addr not in state.functions:
+            return
+        planned = {a for a, _ in plan.targets}
+        gained = [fn for fn in state.group_members(plan.addr) if fn.addr not in planned
+                  and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)]
+        if gained:
+            names = ", ".join(f"{fn.addr} (on {fn.driver or 'no driver'})" for fn in gained)
+            self._fail(plan, f"IOMMU group {plan.group} gained {names} during the switch: it was "
+                             f"not switched (nor checked for holders), so the group is not in "
+                             f"mode {plan.to_mode}; switch again to include it")
 
     async def _reread(self, plan: SwitchPlan, deadline: float) -> None:
         addrs = [a for a, _ in plan.targets]
@@ -818,24 +896,35 @@ class SwitchEngine:
 
     def _poison(self, plan: SwitchPlan, error: str) -> str:
         """Mark the group poisoned, in the model and in the file of this boot; say so."""
+        key = plan.poison_key
         try:
-            self.poison.add(plan.group, PoisonEntry(addr=plan.addr, to_mode=plan.to_mode,
-                                                    error=error, time=format_event_time()))
+            self.poison.add(key, PoisonEntry(addr=plan.addr, to_mode=plan.to_mode,
+                                             error=error, time=format_event_time()))
         except OSError as err:
-            _log.warning("cannot record the poison of group %s in %s: %s", plan.group,
+            _log.warning("cannot record the poison of group %s in %s: %s", key,
                          self.poison.path, err)
-        self.model.poisoned[plan.group] = error
-        return (f"{error}; IOMMU group {plan.group} is poisoned until the next boot (or "
-                "`gpuwatch recover` once no task is stuck)")
+        self.model.poisoned[key] = error
+        return f"{error}; {poisoned_until(key)}"
 
     def _wedge(self, plan: SwitchPlan, step: Step, exc: StepTimedOut) -> None:
         error = (f"{step.describe()} did not return within {exc.timeout:.3g}s: the device "
                  "is wedged")
-        self._poison(plan, error)
+        said = self._poison(plan, error)
         self._emit(ev.SwitchFailed(addr=plan.addr, group=plan.group,
                                    to_mode=plan.to_mode, error=error, wedged=True))
-        raise SwitchWedged(f"{error}; IOMMU group {plan.group} is poisoned until the next boot "
-                           "(or `gpuwatch recover` once no task is stuck)")
+        raise SwitchWedged(said)
+
+    def _note_service(self, argv: Sequence[str]) -> None:
+        """Remember a service this switch stopped (``systemctl stop``), forget one it started,
+        so that the switch back to nvidia starts again only what a switch stopped."""
+        if len(argv) < 3 or argv[0] != "systemctl" or argv[1] not in ("stop", "start"):
+            return
+        try:
+            set_service_stopped(self.root, argv[2], argv[1] == "stop")
+        except OSError as exc:
+            _log.warning("cannot record that %s was %s in %s: %s (the switch back to nvidia "
+                         "will not start it)", argv[2], "stopped" if argv[1] == "stop"
+                         else "started", DEFAULT_STOPPED_FILE, exc.strerror or exc)
 
     # ------------------------------------------------------------------ locks and privilege
 
@@ -898,6 +987,15 @@ class SwitchEngine:
         except BlockingIOError:
             raise GroupBusy("unloading the nvidia module needs the host to itself, and "
                             "another process is switching a group: retry after it") from None
+
+
+def _vfio_pin(plan: SwitchPlan, step: Step) -> str:
+    """The function a switch to vfio's ``driver_override`` write is about (``""`` for any
+    other step): the plan sets a VFIO driver there, then clears it once probed."""
+    if plan.to_mode != "vfio" or not isinstance(step, WriteStep):
+        return ""
+    head, _, name = step.path.rpartition("/")
+    return head.rpartition("/")[2] if name == "driver_override" else ""
 
 
 async def ensure_cdi(root: str, ops: HostOps, *, euid: int,

@@ -5,25 +5,28 @@ bind, unbind or even some reads of that device add another stuck task. So the gr
 refused from then on. The record must outlive the process (a restarted watcher must not try
 again) but not the boot (a reboot frees the device): it is a small JSON file keyed by the
 kernel's boot id, and an entry written under another boot id counts as absent.
+
+Entries are keyed by the group number, or, for a card without an IOMMU group, by its
+address (`gpuwatch.core.plan.poison_key`). Files written before that held such a card under
+``"-1"``; that entry is read as the card its ``addr`` names.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gpuwatch.hostfs.files import read_attr, read_bytes
+from gpuwatch.core.pci import PCI_ADDR_RE
+from gpuwatch.core.plan import PoisonKey
+from gpuwatch.hostfs.bootstate import BOOT_ID_FILE, RECORD_MAX_BYTES, read_record, write_record
+from gpuwatch.hostfs.bootstate import boot_id as read_boot_id
 
 #: Default location, under the host root (tests keep it inside their tmp root).
 DEFAULT_POISON_FILE = "var/lib/gpuwatch/poison.json"
-BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 #: The file holds a few entries; one longer than this is not ours.
-POISON_MAX_BYTES = 1 << 20
+POISON_MAX_BYTES = RECORD_MAX_BYTES
 #: A group number as `_store` writes it (anything else in the file is ignored).
 _GROUP_KEY_RE = re.compile(r"-?[0-9]{1,9}", re.ASCII)
 
@@ -45,64 +48,54 @@ class PoisonStore:
             self.root, DEFAULT_POISON_FILE)
 
     def boot_id(self) -> str:
-        return read_attr(os.path.join(self.root, BOOT_ID_FILE))
+        return read_boot_id(self.root)
 
     def _read(self) -> dict[str, Any]:
-        # read_bytes: a FIFO or device planted here is refused at once, never waited on.
-        try:
-            data = json.loads(read_bytes(self.path, POISON_MAX_BYTES))
-        except (OSError, ValueError, RecursionError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_record(self.path, self.boot_id())
 
-    def load(self) -> dict[int, PoisonEntry]:
-        """This boot's poisoned groups; entries of another boot are ignored."""
+    def load(self) -> dict[PoisonKey, PoisonEntry]:
+        """This boot's poisoned groups (and group-less cards, by address); entries of another
+        boot are ignored."""
         data = self._read()
-        if data.get("boot_id") != self.boot_id():
-            return {}
-        out: dict[int, PoisonEntry] = {}
+        out: dict[PoisonKey, PoisonEntry] = {}
         groups = data.get("groups")
         if not isinstance(groups, dict):
             return out
         for key, raw in groups.items():
-            if not (isinstance(key, str) and _GROUP_KEY_RE.fullmatch(key)
-                    and isinstance(raw, dict)):
+            if not (isinstance(key, str) and isinstance(raw, dict)):
                 continue
-            out[int(key)] = PoisonEntry(
+            entry = PoisonEntry(
                 addr=str(raw.get("addr", "")), to_mode=str(raw.get("to_mode", "")),
                 error=str(raw.get("error", "")), time=str(raw.get("time", "")),
             )
+            if PCI_ADDR_RE.fullmatch(key):
+                out[key] = entry
+            elif _GROUP_KEY_RE.fullmatch(key):
+                group = int(key)
+                if group >= 0:
+                    out[group] = entry
+                elif PCI_ADDR_RE.fullmatch(entry.addr):  # an older file's group-less card
+                    out.setdefault(entry.addr, entry)
         return out
 
-    def _store(self, entries: dict[int, PoisonEntry]) -> None:
-        data = {"boot_id": self.boot_id(),
-                "groups": {str(g): asdict(e) for g, e in sorted(entries.items())}}
-        folder = os.path.dirname(self.path) or "."
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".poison.", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, indent=1)
-                fh.write("\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    def _store(self, entries: dict[PoisonKey, PoisonEntry]) -> None:
+        ordered = sorted(entries.items(), key=lambda kv: (isinstance(kv[0], str),
+                                                          kv[0] if isinstance(kv[0], int) else 0,
+                                                          str(kv[0])))
+        write_record(self.path, {"boot_id": self.boot_id(),
+                                 "groups": {str(g): asdict(e) for g, e in ordered}})
 
-    def add(self, group: int, entry: PoisonEntry) -> None:
+    def add(self, key: PoisonKey, entry: PoisonEntry) -> None:
         entries = self.load()
-        entries[group] = entry
+        entries[key] = entry
         self._store(entries)
 
-    def clear(self, group: int) -> bool:
-        """Forget a group; True when it was poisoned in this boot."""
+    def clear(self, key: PoisonKey) -> bool:
+        """Forget a group (or group-less card); True when it was poisoned in this boot."""
         entries = self.load()
-        if group not in entries:
+        if key not in entries:
             return False
-        del entries[group]
+        del entries[key]
         self._store(entries)
         return True
 

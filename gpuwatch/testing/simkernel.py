@@ -8,11 +8,13 @@ refcounts, EBUSY while a process holds ``/dev/nvidia*``, and the driver's device
 on unload); ``nvidia-modprobe``, ``nvidia-ctk`` and ``systemctl`` do what they do to a host.
 
 The hazards are modelled too, because the switch exists to avoid them: an unbind whose
-driver still has open files never returns (nvidia's remove, snd_hda_intel's, vfio-pci's with
-a VM running), and ``wedge_unbind`` makes a driver's unbind hang regardless. A hung write
-leaves a task in D state with the nvidia remove path in its ``/proc/<pid>/stack``, as a real
-wedge does. Every write and command is recorded, in order, *after* the same allow-list checks
-the real seam makes, so a test can assert that something was never written.
+driver still has open files never returns (nvidia's remove, snd_hda_intel's, vfio-pci's or a
+variant's with a VM on the group node or the device cdev, or a userspace driver on a
+no-IOMMU group's node), and ``wedge_unbind`` makes a driver's unbind hang regardless. A hung
+write leaves a task in D state with the driver's remove path in its ``/proc/<pid>/stack``
+(nvidia's for nvidia), as a real wedge does. Every write and command is recorded, in order,
+*after* the same allow-list checks the real seam makes, so a test can assert that something
+was never written.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ _REMOVE_TAIL = ("[<0>] pci_device_remove+0x3e/0xb0\n"
                 "[<0>] unbind_store+0xd9/0x100\n")
 _NVIDIA_STACK = ("[<0>] os_delay+0x3c/0x60 [nvidia]\n"
                  "[<0>] nv_pci_remove+0x1b4/0x380 [nvidia]\n" + _REMOVE_TAIL)
+#: vfio-pci-core's remove, waiting for the VM to release the device (variants share it).
+_VFIO_STACK = ("[<0>] vfio_unregister_group_dev+0x9c/0x160 [vfio]\n"
+               "[<0>] vfio_pci_core_unregister_device+0x1d/0x70 [vfio_pci_core]\n"
+               "[<0>] vfio_pci_remove+0x15/0x30 [vfio_pci]\n" + _REMOVE_TAIL)
 _OTHER_STACK = _REMOVE_TAIL
 
 
@@ -323,8 +329,9 @@ class SimKernel:
         """The write never returns: a task sits in D state until the caller gives up."""
         pid = self._next_stuck_pid
         self._next_stuck_pid += 1
-        self.sys.add_process(pid, "python3", state="D",
-                             stack=_NVIDIA_STACK if driver == "nvidia" else _OTHER_STACK)
+        stack = (_NVIDIA_STACK if driver == "nvidia" else _VFIO_STACK
+                 if is_vfio_driver(driver) else _OTHER_STACK)
+        self.sys.add_process(pid, "python3", state="D", stack=stack)
         self.stuck.append((addr, driver, pid))
         await anyio.sleep(timeout)
         raise StepTimedOut(f"write {value!r} to {path}", timeout)
@@ -361,8 +368,14 @@ class SimKernel:
             if minor is None:  # no way to tell the card's clients apart: any client blocks
                 return self._held(re.compile(r"^/dev/nvidia"))
             return self._held(re.compile(rf"^/dev/nvidia{minor.group(1)}$"))
-        if driver == "vfio-pci":
-            return self._held(re.compile(rf"^/dev/vfio/{self._group(addr)}$"))
+        if is_vfio_driver(driver):
+            # vfio-pci-core's remove (variants share it) waits for the VM to let go, whether
+            # it opened the group node or the device's cdev (iommufd).
+            group = self._group(addr)
+            names = [f"/dev/vfio/{group}", f"/dev/vfio/noiommu-{group}"]
+            names += [f"/dev/vfio/devices/{n}" for n in list_dir(
+                os.path.join(self.paths.bus_pci, addr, "vfio-dev")) if n.startswith("vfio")]
+            return self._held(re.compile("^(" + "|".join(map(re.escape, names)) + ")$"))
         if driver == "snd_hda_intel":
             return self._held(re.compile(r"^/dev/snd/"))
         return False

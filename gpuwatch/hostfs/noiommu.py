@@ -1,0 +1,58 @@
+"""VFIO no-IOMMU groups: IOMMU groups that isolate nothing.
+
+On a host without an IOMMU (none in the firmware, or a VM guest without a vIOMMU), loading
+vfio with ``enable_unsafe_noiommu_mode=1`` lets vfio-pci bind a device anyway: VFIO makes it
+an IOMMU group of its own, named ``vfio-noiommu`` (``sys/kernel/iommu_groups/N/name``), whose
+node is ``/dev/vfio/noiommu-N``. Such a group gives no DMA isolation and taints the kernel;
+userspace drivers (DPDK) use it, but no VMM does (QEMU, libvirt and cloud-hypervisor refuse
+it). So it is an entry of ``sys/kernel/iommu_groups`` (``detect-vfio``'s ``iommu_enabled`` counts
+it, by that probe's rule) but no IOMMU to an operator, and no passthrough candidate.
+
+The group's name is in no probe answer, so the reports read it here, as they read
+``boot_vga``: one small attribute per group, only for ``status`` and ``list``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gpuwatch.core.reporttext import NOIOMMU_NODE
+from gpuwatch.hostfs.files import in_root, list_dir, read_attr
+
+#: The name VFIO gives the group it makes for a device on a host without an IOMMU.
+NOIOMMU_GROUP_NAME = "vfio-noiommu"
+
+
+@dataclass(frozen=True, slots=True)
+class IommuGroups:
+    """The host's IOMMU groups, told apart: VFIO no-IOMMU groups, and whether any other
+    (a real IOMMU's) exists."""
+
+    noiommu: frozenset[int] = frozenset()
+    real: bool = False
+
+    def node(self, group: int) -> str:
+        """The VFIO node of ``group`` as the kernel names it (``""`` for no group)."""
+        if group < 0:
+            return ""
+        return f"{NOIOMMU_NODE}{group}" if group in self.noiommu else f"/dev/vfio/{group}"
+
+
+def read_iommu_groups(root: str) -> IommuGroups:
+    """Every entry of ``sys/kernel/iommu_groups`` under ``root``, by its ``name`` (which only
+    groups that were given one have: reading the others fails fast)."""
+    base = in_root(root, os.path.join(root, "sys/kernel/iommu_groups"))
+    noiommu: set[int] = set()
+    real = False
+    for entry in list_dir(base):
+        if not (entry.isascii() and entry.isdigit()):
+            continue
+        if read_attr(os.path.join(base, entry, "name")) == NOIOMMU_GROUP_NAME:
+            noiommu.add(int(entry))
+        else:
+            real = True
+    return IommuGroups(frozenset(noiommu), real)
+
+
+__all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups"]

@@ -1,0 +1,113 @@
+"""A host in VFIO no-IOMMU mode (``vfio.enable_unsafe_noiommu_mode=1``): VFIO made an IOMMU
+group named ``vfio-noiommu`` for the card. detect-vfio's ``iommu_enabled`` keeps its rule
+(groups exist), but the operator reports tell the truth: no IOMMU, no passthrough offer, and
+the group's node is ``/dev/vfio/noiommu-N``, whose holders block vfio-pci's unbind too."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import gpuwatch
+from gpuwatch.errors import SwitchRefused
+from gpuwatch.hostfs.noiommu import read_iommu_groups
+from gpuwatch.testing import SysRoot
+from gpuwatch.testing.machines import vfio_noiommu_host
+from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+from tests.cli_helpers import run_main
+
+T4 = "0000:00:05.0"
+
+
+def test_status_says_there_is_no_iommu(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    s = vfio_noiommu_host(tmp_path / "h")
+    assert gpuwatch.scan(s.root).probe("detect-vfio").iommu_enabled is True  # its fixed rule
+    code, out, _ = run_main(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    report = json.loads(out)
+    assert code == 0
+    assert report["iommu"]["enabled"] is False
+    assert report["iommu"]["hint"].startswith("IOMMU group(s) 0: VFIO no-IOMMU mode")
+    gpu = next(g for g in report["gpus"] if g["addr"] == T4)
+    assert (gpu["vfio_node"], gpu["vfio_accessible"]) == ("/dev/vfio/noiommu-0", False)
+    code, out, _ = run_main(capsys, "status", "--no-daemon", "--root", str(s.root))
+    assert out.startswith("IOMMU:    disabled\n")
+    assert "group 0 (VFIO no-IOMMU)" in out
+    assert "/dev/vfio/noiommu-0: VFIO no-IOMMU group" in out
+
+
+def test_list_offers_no_noiommu_group(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    s = vfio_noiommu_host(tmp_path / "h")
+    code, out, _ = run_main(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert (code, json.loads(out)) == (0, [])
+    code, out, _ = run_main(capsys, "list", "--no-daemon", "--root", str(s.root))
+    assert "<hostdev" not in out and "the IOMMU is off" in out
+
+
+def mixed_host(root: Path) -> SysRoot:
+    """A real IOMMU (group 7: an A2 on vfio-pci) beside a device it does not cover, bound in
+    no-IOMMU mode (group 8, named vfio-noiommu)."""
+    s = SysRoot(root)
+    s.add_iommu_unit("dmar0")
+    s.add_function("0000:17:00.0", device="0x25b6", klass="0x030200", driver="vfio-pci",
+                   iommu_group=7)
+    s.add_vfio_group(7)
+    s.add_function("0000:65:00.0", device="0x1eb8", klass="0x030200", driver="vfio-pci",
+                   iommu_group=8)
+    (s.root / "sys/kernel/iommu_groups/8/name").write_text("vfio-noiommu\n")
+    s.add_dev_node("/dev/vfio/noiommu-8")
+    return s
+
+
+def test_a_real_iommu_beside_a_noiommu_group(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    s = mixed_host(tmp_path / "h")
+    code, out, _ = run_main(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    iommu = json.loads(out)["iommu"]
+    assert code == 0
+    assert (iommu["enabled"], iommu["kind"]) == (True, "intel")
+    assert iommu["hint"].startswith("IOMMU group(s) 8: VFIO no-IOMMU")
+    code, out, _ = run_main(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert code == 0 and [g["addr"] for g in json.loads(out)] == ["0000:17:00.0"]
+
+
+@pytest.mark.parametrize("odd", ["fifo", "dangling", "garbage", "directory"])
+def test_an_odd_group_name_reads_as_a_real_group(tmp_path: Path, odd: str) -> None:
+    """A FIFO (never waited on), a dangling link, garbage bytes or a directory where the name
+    should be: not a no-IOMMU group, and the read returns."""
+    s = mixed_host(tmp_path / "h")
+    name = s.root / "sys/kernel/iommu_groups/8/name"
+    name.unlink()
+    if odd == "fifo":
+        os.mkfifo(name)
+    elif odd == "dangling":
+        name.symlink_to("nowhere")
+    elif odd == "garbage":
+        name.write_bytes(b"vfio-noiommu\xff\x00junk")
+    else:
+        name.mkdir()
+    groups = read_iommu_groups(str(s.root))
+    assert (groups.noiommu, groups.real, groups.node(8)) == (frozenset(), True, "/dev/vfio/8")
+
+
+async def test_a_userspace_driver_on_the_noiommu_node_refuses_the_switch(
+        tmp_path: Path) -> None:
+    """DPDK holding /dev/vfio/noiommu-0: vfio-pci's remove would wait for it forever. The
+    plan refuses by name and nothing is written (the node is not /dev/vfio/0)."""
+    s = vfio_noiommu_host(tmp_path / "h")
+    s.add_module("nvidia")
+    sim = SimKernel(s)
+    sim.add_holder(5000, "dpdk-testpmd", "/dev/vfio/noiommu-0")
+    assert sim._unbind_blocked(T4, "vfio-pci") is True  # the hazard, modelled
+    async with simulated_switch(s, sim=sim) as (w, _s, _e, _ev):
+        plan = await w.plan(T4, "nvidia")
+        assert plan["refused"]["holders"] == [
+            {"pid": 5000, "comm": "dpdk-testpmd", "node": "/dev/vfio/noiommu-0"}]
+        with pytest.raises(SwitchRefused, match="dpdk-testpmd"):
+            await w.switch(T4, "nvidia", timeout=5)
+        assert w.probe("display-driver", addr=T4) == "vfio-pci"
+    assert sim.record == []
