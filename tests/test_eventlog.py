@@ -4,8 +4,11 @@ torn line, follow across rotation, and the ``gpuwatch events`` command."""
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import itertools
 import json
+import logging
 import os
 import queue
 import signal
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -27,6 +31,7 @@ from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import (
     EventLog,
     EventLogClosedError,
+    EventLogWriteError,
     afollow_events,
     follow_events,
     last_seq_in,
@@ -185,6 +190,66 @@ def test_last_seq_scans_back_across_large_files(tmp_path: Path) -> None:
     assert last_seq_in(path) == 2
 
 
+def test_a_crash_tail_of_nuls_is_passed_over_holding_one_line_at_most(tmp_path: Path) -> None:
+    """A crash can leave the end of an appended file as megabytes of NULs with no newline.
+    Finding the last seq (every watcher start) and replaying from a seq must pass over it
+    without gathering it: the search used to hold the whole tail, copying it once per read
+    (minutes for 64 MiB, memory for all of it)."""
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n" + line(2) + "\n")
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size + 12 * (1 << 20))  # a hole reads as NULs
+    tracemalloc.start()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(eventlog, "MAX_EVENT_LINE", 1 << 20)
+            assert last_seq_in(path) == 2
+            with path.open("ab") as f:
+                f.write(("\n" + "\n".join(line(s) for s in range(3, 2000)) + "\n").encode())
+            assert last_seq_in(path) == 1999
+            assert seqs(read_events(path, since_seq=1)) == list(range(2, 2000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # one capped line and a read or two, never the 12 MiB
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"")),
+                          st.just(b"")), max_size=12),
+       st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), st.integers(1, 9))
+def test_reverse_lines_are_the_complete_lines_backwards(
+    lines: list[bytes], tail: bytes, chunk: int
+) -> None:
+    """Against the plain definition, with reads smaller than lines: every complete line of
+    at most MAX_EVENT_LINE bytes, last first; the torn tail and longer lines are left out."""
+    data = b"".join(item + b"\n" for item in lines) + tail
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eventlog, "_CHUNK", chunk)
+        patch.setattr(eventlog, "MAX_EVENT_LINE", 20)
+        got = list(eventlog._reverse_lines(io.BytesIO(data)))
+    assert got == [item for item in reversed(lines) if len(item) <= 20]
+
+
+def test_a_rotation_that_fails_is_retried_after_another_max_bytes_not_every_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PATH.1 that cannot be replaced (here a directory with a file in it): no event is lost,
+    and the rotation is not tried again (a reopen and a warning) before every write."""
+    path = tmp_path / "ev.jsonl"
+    (tmp_path / "ev.jsonl.1").mkdir()
+    (tmp_path / "ev.jsonl.1" / "keep").write_text("")
+    per_line = len(line(1)) + 1
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        log = EventLog(path, max_bytes=10 * per_line, keep=1)
+        write_events(log, 1, 100)
+        log.close()
+    stored = [json.loads(text) for text in path.read_text().splitlines()]
+    assert seqs(stored) == list(range(1, 101))
+    tries = [r for r in caplog.records if "rotation" in r.getMessage()]
+    assert 1 <= len(tries) <= 12  # one per max_bytes written (about 10 lines), not 90
+
+
 def test_writer_rejects_newlines_and_use_after_close(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "ev.jsonl")
     with pytest.raises(ValueError, match="line break"):
@@ -203,6 +268,117 @@ def test_dash_writes_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     log.write_line(line(2))
     log.close()
     assert capsys.readouterr().out == line(1) + "\n" + line(2) + "\n"
+
+
+# ------------------------------------------------------------------ no regular file at PATH
+
+
+def test_a_device_at_the_log_path_is_written_and_never_rotated_away(tmp_path: Path) -> None:
+    """Rotation renames PATH: done to /dev/null (here through a link to it) it would
+    replace the device with a plain file, and a later rotation would delete it."""
+    path = tmp_path / "ev.jsonl"
+    path.symlink_to(os.devnull)
+    log = EventLog(path, max_bytes=len(line(1)) + 1, keep=1)  # one event per file
+    assert log.last_seq is None
+    write_events(log, 1, 5)
+    log.close()
+    assert path.is_symlink() and os.readlink(path) == os.devnull
+    assert not (tmp_path / "ev.jsonl.1").exists()
+
+
+def drain(fd: int) -> bytes:
+    """What a non-blocking pipe holds now."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_a_fifo_log_whose_reader_stalls_degrades_instead_of_blocking(tmp_path: Path) -> None:
+    """A watcher logging into a FIFO must not freeze when its reader stops reading: the
+    write fails (the watcher then degrades the log and retries), and once the reader
+    drains, the next write ends the half-written line before its own."""
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        log = EventLog(fifo)
+        assert log.last_seq is None
+        padded = [line(seq, pad="x" * 5000) for seq in range(1, 1000)]  # past any pipe, and
+        # each line past PIPE_BUF, so the write that fills the pipe leaves half a line
+        with pytest.raises(EventLogWriteError) as failure:
+            for text in padded:
+                log.write_line(text)
+        assert failure.value.errno == errno.EAGAIN
+        received = drain(reader)
+        log.write_line(line(5000))
+        received += drain(reader)
+        log.close()
+    finally:
+        os.close(reader)
+    stored = received.decode().split("\n")[:-1]
+    events = [json.loads(text) for text in stored if text in padded or text == line(5000)]
+    assert events[-1]["seq"] == 5000
+    assert seqs(events) == sorted(seqs(events))
+    torn = [text for text in stored if text not in padded and text != line(5000)]
+    assert len(torn) <= 1 and all(any(p.startswith(t) for p in padded) for t in torn)
+
+
+def test_readers_never_open_a_fifo_where_a_log_file_should_be(tmp_path: Path) -> None:
+    """Opening a FIFO to read blocks until a writer comes, and reading one takes the bytes
+    meant for its own reader: the writer's look for the last seq passes over it, and
+    readers refuse it at once, naming it."""
+    path = tmp_path / "ev.jsonl"
+    os.mkfifo(f"{path}.1")  # nobody writes it: an open for reading would wait forever
+    log = EventLog(path)
+    assert log.last_seq is None and log.replayable
+    write_events(log, 1, 2)
+    with pytest.raises(OSError, match="not a regular file") as refused:
+        list(read_events(path))
+    assert refused.value.filename == f"{path}.1"
+    log.close()
+
+    fifo = tmp_path / "live.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        log = EventLog(fifo)
+        assert not log.replayable
+        log.write_line(line(1))
+        with pytest.raises(OSError, match="not a regular file"):
+            list(read_events(fifo))
+        assert os.read(reader, 4096) == line(1).encode() + b"\n"  # nothing was taken
+        log.close()
+    finally:
+        os.close(reader)
+
+
+async def test_a_subscriber_asking_for_history_of_a_fifo_log_gets_live_events(
+    tmp_path: Path,
+) -> None:
+    """A FIFO log cannot be read back: a replay is incomplete, not an error or a hang."""
+    import anyio
+
+    from gpuwatch.sources.memory import MemorySource
+    from gpuwatch.watch.watcher import open_watcher
+
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with anyio.fail_after(30):
+            async with (open_watcher(tmp_path, source=MemorySource(), log=fifo,
+                                     reconcile_interval=0) as w,
+                        w.subscribe(since_seq=0) as sub):
+                assert sub.complete is False
+        assert json.loads(drain(reader).split(b"\n")[0])["type"] == "ready"
+    finally:
+        os.close(reader)
 
 
 def test_format_event_time_is_rfc3339_utc_micro() -> None:
@@ -421,17 +597,17 @@ def test_read_rescans_when_rotations_complete_during_the_scan(
     path = tmp_path / "ev.jsonl"
     log = EventLog(path, max_bytes=len(line(1)) + 1, keep=50)  # one event per file
     write_events(log, 1, 3)
-    real_open = open
+    real_open = eventlog._open_log_file
     fired = False
 
-    def racing_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+    def racing_open(name: str) -> Any:
         nonlocal fired
-        if not fired and str(file) == f"{path}.1":
+        if not fired and name == f"{path}.1":
             fired = True  # PATH is already open; two rotations now shift every name
             write_events(log, 4, 5)
-        return real_open(file, *args, **kwargs)
+        return real_open(name)
 
-    monkeypatch.setattr(eventlog, "open", racing_open, raising=False)
+    monkeypatch.setattr(eventlog, "_open_log_file", racing_open)
     assert seqs(read_events(path)) == [1, 2, 3, 4, 5]
     assert fired
     log.close()
@@ -509,6 +685,34 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         events_cmd.main([str(tmp_path / "ev.jsonl"), "--since-seq", "x"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_cli_refuses_a_fifo_at_the_path_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], follow: bool
+) -> None:
+    fifo = tmp_path / "ev.jsonl"
+    os.mkfifo(fifo)  # no writer: reading it would wait forever
+    assert run_cli([str(fifo), *(["--follow"] if follow else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "FIFO" in err and str(fifo) in err
+
+
+def test_cli_says_when_stdout_fails_not_that_the_log_does(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(1) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "gpuwatch", "events", str(path)]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                              env=env, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "cannot write to stdout" in proc.stderr
+    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, timeout=60,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2
+    assert closed.stderr.count("\n") == 1 and "stdout is closed" in closed.stderr
 
 
 class LineReader:

@@ -24,6 +24,8 @@ import pytest
 import yaml
 
 from gpuwatch.cli.main import build_parser
+from gpuwatch.hostfs.facts import modules_alias_path
+from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.settings import SETTINGS, load_settings, parse_listen_address
 from gpuwatch.switch.poison import DEFAULT_POISON_FILE
 from gpuwatch.testing import SysRoot
@@ -184,7 +186,7 @@ def test_image_entrypoint_and_environment_are_real_watch_options() -> None:
 # --------------------------------------------------------------------------- the DaemonSet
 
 
-def test_default_daemonset_reads_the_host_and_serves_the_node() -> None:
+def test_default_daemonset_reads_the_host_and_serves_the_node(tmp_path: Path) -> None:
     objects = render(DEFAULT)
     ds = daemonset(DEFAULT)
     (ns,) = [o for o in objects if o["kind"] == "Namespace"]
@@ -202,8 +204,14 @@ def test_default_daemonset_reads_the_host_and_serves_the_node() -> None:
                                       if k.startswith("GPUWATCH_")},
                              default_config="/nonexistent")
     by_path = mounts(ds)
-    # The host is read under GPUWATCH_ROOT, read-only, each from the same host path.
-    for sub in ("sys", "proc", "dev", "etc/cdi", "var/run/cdi"):
+    # The host is read under GPUWATCH_ROOT, read-only, each from the same host path: what
+    # the model scans, the CDI specs, and the kernel's modules.alias that a plan chooses the
+    # VFIO driver by (looked up under the root, for the release the host's /proc names).
+    fake = SysRoot(tmp_path / "node")
+    fake.add_modules_alias("6.8.0-31-generic", "")
+    alias = os.path.relpath(modules_alias_path(HostPaths(fake.root)), fake.root)
+    alias_dir = alias.split("/6.8.0-31-generic/")[0]
+    for sub in ("sys", "proc", "dev", "etc/cdi", "var/run/cdi", alias_dir):
         mount, volume = by_path[f"{settings.root}/{sub}"]
         assert volume["hostPath"]["path"] == f"/{sub}"
         assert mount.get("readOnly") is True
@@ -253,6 +261,28 @@ def test_switching_overlay_adds_exactly_what_a_switch_needs() -> None:
     for key in ("affinity", "tolerations", "serviceAccountName"):
         assert pod[key] == base["spec"]["template"]["spec"][key]
     assert c["env"] == container(base)["env"] and c["image"] == container(base)["image"]
+
+
+def test_switching_overlay_can_write_everywhere_a_switch_writes() -> None:
+    """The container's own filesystem is read-only, so each place a switch writes under
+    GPUWATCH_ROOT needs a writable mount of that same host directory. The lock directory
+    is the one `gpuwatch mode` on the host locks in too, so the two never race."""
+    from gpuwatch.core.plan import CDI_OUTPUT
+    from gpuwatch.switch.engine import _LOCK_DIR
+
+    ds = daemonset(SWITCHING)
+    assert container(ds)["securityContext"]["readOnlyRootFilesystem"] is True
+    root = pod_env(ds)["GPUWATCH_ROOT"]
+    by_path = mounts(ds)
+    for sub in (_LOCK_DIR, os.path.dirname(DEFAULT_POISON_FILE), os.path.dirname(CDI_OUTPUT),
+                "sys/bus/pci/drivers_probe"):
+        path = f"{root}/{sub}"
+        covering = [m for m in by_path if path == m or path.startswith(m.rstrip("/") + "/")]
+        assert covering, f"{path} is on the read-only root filesystem"
+        mount_path = max(covering, key=len)
+        mount, volume = by_path[mount_path]
+        assert not mount.get("readOnly"), path
+        assert volume["hostPath"]["path"] + path[len(mount_path):] == f"/{sub}"
 
 
 # --------------------------------------------------------------------------- run it

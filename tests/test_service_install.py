@@ -419,3 +419,47 @@ def test_new_directories_are_0755_whatever_the_umask(fixture_root: Path) -> None
     assert f"created {fixture_root}/etc/cdi/" in proc.stdout
     again = run("service", "install", "--root", str(fixture_root))
     assert again.returncode == 0 and "etc/cdi" not in again.stdout  # there now: left alone
+
+
+def test_installing_again_changes_no_file(fixture_root: Path) -> None:
+    assert run("service", "install", "--root", str(fixture_root)).returncode == 0
+    files = [p for p in fixture_root.rglob("*") if p.is_file()]
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+    assert "wrote" not in proc.stdout and "created" not in proc.stdout
+    assert f"kept {fixture_root}/etc/systemd/system/gpuwatch.service (unchanged)" in proc.stdout
+    assert f"kept {fixture_root}{RULES_FILE} (unchanged)" in proc.stdout
+
+
+def test_a_directory_where_a_file_goes(fixture_root: Path) -> None:
+    """At the config: refused (never replaced, unreadable to the daemon). At the unit:
+    not ours to remove, and install's write fails in one line, rolled back."""
+    config = fixture_root / "etc/gpuwatch/config.yaml"
+    config.mkdir(parents=True)
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1 and "config.yaml is a directory" in proc.stderr
+    config.rmdir()
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    unit.mkdir(parents=True)
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0 and unit.is_dir()
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"gpuwatch: cannot write {unit}: Is a directory"
+    assert tree(fixture_root) == before and not config.exists()
+
+
+def test_a_replaced_fifo_is_put_back_by_a_roll_back(fixture_root: Path) -> None:
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    unit.parent.mkdir(parents=True)
+    os.mkfifo(unit, 0o640)
+    (fixture_root / "etc/udev").mkdir()
+    (fixture_root / "etc/udev/rules.d").write_text("not a directory\n")
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1 and f"wrote {unit}" in proc.stdout
+    assert f"rolled back {unit} (restored)" in proc.stdout
+    st = unit.lstat()
+    assert stat.S_ISFIFO(st.st_mode) and st.st_mode & 0o777 == 0o640

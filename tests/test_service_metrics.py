@@ -322,3 +322,22 @@ async def test_hostile_vendor_names_parse_back_exactly(tmp_path: Any, sockdir: s
         finally:
             metrics.close()
     assert value(s, "gpuwatch_gpus", vendor=vendor, mode="vfio") == 1
+
+
+def test_what_prometheus_asks_for_first_parses_as_openmetrics(endpoint: tuple[str, int]) -> None:
+    """Prometheus asks for OpenMetrics before the text format: every family, our own
+    collectors' included, must parse with the OpenMetrics parser too."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    request = urllib.request.Request(f"http://{endpoint[0]}:{endpoint[1]}/metrics",
+                                     headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = r.read().decode()
+    families = {f.name: f.type for f in openmetrics_families(text)}
+    assert families["gpuwatch_log_write_failures"] == "counter"
+    assert families["gpuwatch_switch_duration_seconds"] == "histogram"
+    assert families["gpuwatch_gpus"] == "gauge"

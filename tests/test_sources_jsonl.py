@@ -409,6 +409,32 @@ def test_record_command_rejects_an_unusable_source_in_one_line(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_record_command_reports_a_full_disk_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The close after a failed write fails again: that must not become a traceback."""
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [props(i) for i in range(3)])
+    args = _parse(["--root", str(tmp_path), "--source", f"file:{src}", "--out", "/dev/full"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/dev/full" in err and "No space left" in err
+
+
+def test_record_command_refuses_a_closed_stdout_in_one_line(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [props(0)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+         "--source", f"file:{src}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=lambda: os.close(1),
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "stdout is closed" in proc.stderr
+
+
 def test_record_command_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     """A live recording (here: a FIFO whose writer stays connected) ends with exit 0."""
     fifo = tmp_path / "ev.fifo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,9 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.cli import watch_cmd
+from gpuwatch.core.uevent import parse_kernel_uevent
+from gpuwatch.sources.jsonl import uevent_to_json
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import read_events
 
@@ -125,6 +129,65 @@ def test_unusable_source_is_a_usage_error(host: SysRoot, tmp_path: Path) -> None
         assert proc.returncode == 2, (source, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1
         assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_failing_stdout_log_degrades_and_a_closed_one_is_refused(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """The default log is stdout: a full disk behind it degrades the log as for a file
+    (the watch runs to its end), and a closed stdout is refused at once, in one line."""
+    src = tmp_path / "uevents.jsonl"
+    src.write_text("".join(json.dumps(host.uevent_props("change", addr)) + "\n"
+                           for addr in host.functions))
+    command = [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root),
+               "--source", f"file:{src}", "--reconcile-interval", "0"]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "ENOSPC" in proc.stderr and "internal error" not in proc.stderr
+    closed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2
+    assert closed.stderr.count("\n") == 1 and "stdout is closed" in closed.stderr
+
+
+def test_a_wedge_whose_task_name_is_not_utf8_is_logged_not_fatal(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """The kernel's ``TASK=`` is the hung process's name, which any process sets to any
+    bytes: the event is written (the bytes as U+FFFD) and the watch goes on."""
+    card = host.devpath("0000:00:02.0") + "/drm/card0"
+    raw = (f"change@{card}\0ACTION=change\0DEVPATH={card}\0SUBSYSTEM=drm\0WEDGED=rebind\0"
+           "PID=7\0").encode() + b"TASK=a\xff\x1bb\0"
+    event = parse_kernel_uevent(raw)
+    assert event is not None
+    src = tmp_path / "uevents.jsonl"  # as `gpuwatch record` writes what the kernel sent
+    src.write_text(uevent_to_json(event) + "\n"
+                   + json.dumps(host.uevent_props("change", "0000:00:02.0")) + "\n")
+    log = tmp_path / "events.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
+         f"file:{src}", "--log", str(log), "--reconcile-interval", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = list(read_events(log))
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    wedged = [e for e in events if e["type"] == "gpu-wedged"]
+    assert [(e["card"], e["task"]) for e in wedged] == [("card0", "a\ufffd\x1bb")]
+    assert events[-1]["type"] == "stopped"
+
+
+def test_log_messages_reach_stderr_as_one_line_without_terminal_escapes() -> None:
+    """A warning names a log path or a recording's contents: what the host chose there must
+    not clear the operator's screen or fake a second message."""
+    formatter = watch_cmd._OneLineFormatter("gpuwatch: %(message)s")
+    record = logging.LogRecord("gpuwatch.watch", logging.WARNING, __file__, 1,
+                               "event log %s: full", ("ev\x1b[2J\ngpuwatch: fake",), None)
+    text = formatter.format(record)
+    assert text == "gpuwatch: event log ev\\x1b[2J\\ngpuwatch: fake: full"
 
 
 def test_the_daemon_freezes_its_start_up_heap_before_ready_and_thaws_at_exit(

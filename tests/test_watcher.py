@@ -414,3 +414,20 @@ async def test_log_holds_every_event_and_seq_continues_after_restart(
         (4, "driver-changed"),
     ]
     assert all(e["time"].endswith("Z") and len(e["time"]) == 27 for e in lines)
+
+
+async def test_a_periodic_poll_that_wakes_as_the_context_closes_ends_quietly(
+    host: SysRoot,
+) -> None:
+    """The vGPU poll and the reconcile sleep, then act. A sleep that ends in the same turn
+    as the context is left resumes with the watcher already closed, before the cancel
+    reaches it: acting then raised WatcherClosed out of ``open_watcher`` (exit 1 for a
+    ``gpuwatch watch`` stopped by SIGTERM). Here the turn is made certain: the loops run
+    once more on a closed watcher, with no wait."""
+    async with open_watcher(host.root, source=MemorySource(), reconcile_interval=0,
+                            vgpu_poll_interval=0) as w:
+        pass
+    with anyio.fail_after(10):
+        await w._poll_vgpu()
+        await w._reconcile()
+    assert w.resyncs == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -56,11 +57,43 @@ def _parse_types(values: list[str] | None) -> frozenset[str] | None:
     return frozenset(names)
 
 
+class _OutputFailed(Exception):
+    """Writing stdout failed (a full disk, a closed descriptor): said as such, not blamed
+    on the log being read."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+
+
 def _emit(records: Iterator[EventRecord]) -> None:
     out = sys.stdout
+    assert out is not None  # run() refused a closed stdout
     for record in records:
-        out.write(record.line + "\n")
-        out.flush()
+        try:
+            out.write(record.line + "\n")
+            out.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc) from None
+
+
+def _not_a_log(path: str) -> str | None:
+    """Why ``path`` cannot be a log (a directory, a FIFO, …), or None when it may be one.
+
+    Readers never open such a file (a FIFO would block them, or lose its bytes to them),
+    so without this check it would read as an empty log, silently."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing or a dangling link: no log yet (or, with --follow, later)
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    kind = next((name for test, name in kinds if test(mode)), "not a file")
+    return f"{path} is {kind}, not an event log file"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(f"events: {exc}", EXIT_USAGE)
     path: str = args.path
+    if sys.stdout is None:
+        return fail("events: stdout is closed", EXIT_USAGE)
+    why = _not_a_log(path)
+    if why is not None:
+        return fail(f"events: {why}", EXIT_FAILURE)
     try:
         if not args.follow:
             if not (os.path.lexists(path) or os.path.lexists(rotated_path(path, 1))):
@@ -76,10 +114,12 @@ def run(args: argparse.Namespace) -> int:
             _emit(read_records(path, since_seq=args.since_seq, types=types))
             return EXIT_OK
         return _follow(path, args.since_seq, types)
+    except _OutputFailed as exc:
+        return fail(f"events: cannot write to stdout: {exc}", EXIT_FAILURE)
     except OSError as exc:
         if isinstance(exc, BrokenPipeError):
             raise  # the dispatcher's business: the reader left, exit quietly
-        return fail(f"events: {path}: {exc.strerror or exc}", EXIT_FAILURE)
+        return fail(f"events: {exc.filename or path}: {exc.strerror or exc}", EXIT_FAILURE)
 
 
 def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> int:

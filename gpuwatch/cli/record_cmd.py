@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         for warning in source.warnings:
             print(f"gpuwatch: record: warning: {warning}", file=sys.stderr)
         if args.out == "-":
+            if sys.stdout is None:
+                return fail("record: stdout is closed; name a file with --out PATH", EXIT_USAGE)
             out = sys.stdout
         else:
             try:
@@ -122,14 +124,20 @@ def run(args: argparse.Namespace) -> int:
             error = None  # SIGINT before the signal receiver was installed: a normal end
         finally:
             if out is not sys.stdout:
-                out.close()
+                try:
+                    out.close()
+                except OSError as exc:
+                    # After a failed write the close retries the same bytes and fails
+                    # again: the first error is the one to report.
+                    error = error or exc
         if isinstance(error, BrokenPipeError):
             # The reader went away (``| head``): done. Silence the flush at exit.
             with contextlib.suppress(OSError):
                 sys.stdout = open(os.devnull, "w")  # noqa: SIM115
             return EXIT_OK
         if error is not None:
-            return fail(f"record: {error}", EXIT_FAILURE)
+            where = "stdout" if args.out == "-" else repr(args.out)
+            return fail(f"record: cannot write {where}: {error.strerror or error}", EXIT_FAILURE)
         return EXIT_OK
     finally:
         source.close()

@@ -22,6 +22,7 @@ from gpuwatch.cli.common import (
     check_root,
     fail,
     non_negative_seconds,
+    one_line,
     positive_int,
     positive_seconds,
 )
@@ -103,9 +104,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+class _OneLineFormatter(logging.Formatter):
+    """Messages name what the host chose (a log path, a devpath, a recording's contents): a
+    control character in one must neither write to the operator's terminal nor start a
+    line that looks like another message."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return one_line(super().formatMessage(record))
+
+
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
-                        format="gpuwatch: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter("gpuwatch: %(message)s"))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
 
 def settings_from_args(args: argparse.Namespace) -> WatchSettings:

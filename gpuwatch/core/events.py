@@ -9,6 +9,7 @@ per publication and shared by the log, every socket client and ``--json`` output
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from pydantic import (
     model_serializer,
 )
 from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticSerializationError
 
 from gpuwatch.core.results import GpuInfo, Health, Holding, PciFunction, Vgpu
 from gpuwatch.core.trusted import build
@@ -367,7 +369,36 @@ def event_json(event: BaseModel) -> str:
         line = _gpus_changed_json(event.__dict__)
         if line is not None:
             return line
-    return event.model_dump_json()
+    try:
+        return event.model_dump_json()
+    except PydanticSerializationError:
+        return _scrubbed_json(event)
+
+
+#: A lone surrogate: how Python holds a byte that is not UTF-8 (``surrogateescape``).
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SURROGATE_RE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    return value
+
+
+def _scrubbed_json(event: BaseModel) -> str:
+    """The line of an event holding bytes that are not UTF-8, each as U+FFFD.
+
+    A uevent's ``TASK=`` is a process name, which any process sets to any bytes, and a
+    DEVPATH keeps its raw bytes (surrogate escapes) to name the same sysfs path: JSON
+    cannot carry those, and an event must never fail to be written. Same fields, same
+    order and the same compact form as pydantic's line.
+    """
+    data = _scrub(event.model_dump(mode="json"))
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
 #: id(GpuInfo) → (the record, its JSON): a record is immutable, and a GPU entry published as a

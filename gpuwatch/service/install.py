@@ -196,6 +196,14 @@ def _add_group_line(text: str, name: str) -> tuple[str, int]:
     return text + f"{name}:x:{gid}:\n", gid
 
 
+def _write_if_changed(facts: Facts, path: str, content: str, why: str) -> Write | Keep:
+    """Installing again writes nothing that is already so: a rerun changes no file, and
+    works on a tree that has since been made read-only (an image)."""
+    if facts.existing.get(path) == content:
+        return Keep(path, "unchanged")
+    return Write(path, content, why=why)
+
+
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     """Unit, udev rules, config (only when absent), group (only when missing), then, with
     ``now``, the commands that make systemd and udev use them.
@@ -213,10 +221,10 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
                            "overwritten: remove it (or make it a regular file), then run this "
                            "again")
     steps: list[Step] = [
-        Write(UNIT_FILE, render_unit(facts.exec_argv, facts.program_paths),
-              why="the systemd unit"),
-        Write(RULES_FILE, render_rules(VFIO_GROUP),
-              why=f"udev rules: group {VFIO_GROUP} may use /dev/vfio nodes"),
+        _write_if_changed(facts, UNIT_FILE, render_unit(facts.exec_argv, facts.program_paths),
+                          "the systemd unit"),
+        _write_if_changed(facts, RULES_FILE, render_rules(VFIO_GROUP),
+                          f"udev rules: group {VFIO_GROUP} may use /dev/vfio nodes"),
     ]
     if facts.existing.get(CONFIG_FILE) is None:
         steps.append(Write(CONFIG_FILE, shipped_config(), why="the daemon's settings"))
@@ -324,9 +332,10 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def inspect_path(path: str) -> tuple[str | None, str | None]:
+def inspect_path(path: str, *, folder: bool = False) -> tuple[str | None, str | None]:
     """``(text, odd)`` of what stands at ``path``: the text of a regular file (links
-    followed; ``""`` for a directory), else None and, unless nothing is there, what it is.
+    followed; ``""`` for a directory when ``folder``), else None and, unless nothing is
+    there, what it is.
 
     Opened without blocking and only when regular: a FIFO planted where the unit goes must
     not hang the installer, and a device node's open runs its driver."""
@@ -345,7 +354,7 @@ def inspect_path(path: str) -> tuple[str | None, str | None]:
         except OSError:
             return None, f"a link to {target}, which does not exist"
     if stat.S_ISDIR(st.st_mode):
-        return "", None
+        return ("", None) if folder else (None, "a directory")
     for test, what in _KINDS:
         if test(st.st_mode):
             return None, what
@@ -365,11 +374,9 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
     host = os.path.normpath(root) == "/"
     existing: dict[str, str | None] = {}
     odd: dict[str, str] = {}
-    paths = [UNIT_FILE, RULES_FILE, CONFIG_FILE, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]
-    if not host:
-        paths += [GROUP_FILE, GSHADOW_FILE]
-    for path in paths:
-        existing[path], what = inspect_path(under(root, path))
+    files = [UNIT_FILE, RULES_FILE, CONFIG_FILE] + ([] if host else [GROUP_FILE, GSHADOW_FILE])
+    for path in [*files, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]:
+        existing[path], what = inspect_path(under(root, path), folder=path not in files)
         if what is not None:
             odd[path] = what
     wants: list[str] = []
@@ -392,9 +399,9 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
     else:
         for path in (GROUP_FILE, GSHADOW_FILE):
             # Rewritten whole when the group is added: a part of one must never be written.
-            if path in odd or existing[path] == "":
-                raise InstallError(f"{under(root, path)} is {odd.get(path, 'a directory')}: "
-                                   "cannot add the group to it")
+            if path in odd:
+                raise InstallError(f"{under(root, path)} is {odd[path]}: cannot add the "
+                                   "group to it")
         group_file, gshadow = existing[GROUP_FILE], existing[GSHADOW_FILE]
         group_exists = any(line.split(":", 1)[0] == SOCKET_GROUP
                            for line in (group_file or "").splitlines())
@@ -409,13 +416,14 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
 
 
 def check_inside(root: str, steps: Sequence[Step]) -> None:
-    """Every path a plan writes or removes stays inside ``root``: a link in a tree being
-    built (``etc/udev/rules.d -> /etc/udev/rules.d``) must not carry a write to the host."""
+    """Every path a plan writes, removes or keeps stays inside ``root``: a link in a tree
+    being built (``etc/udev/rules.d -> /etc/udev/rules.d``) must not carry a write to the
+    host, nor make the host's file pass for the tree's."""
     if os.path.normpath(root) == "/":
         return
     top = os.path.realpath(root)
     for step in steps:
-        if isinstance(step, Write | MakeDir | Remove):
+        if isinstance(step, Write | MakeDir | Remove | Keep) and step.path.startswith("/"):
             full = under(root, step.path)
             parent = os.path.realpath(os.path.dirname(full))
             if os.path.commonpath([top, parent]) != top:
@@ -427,8 +435,10 @@ def check_inside(root: str, steps: Sequence[Step]) -> None:
 class _Undo:
     """What one run changed, to put back when a later step fails before any command ran."""
 
-    files: list[tuple[str, bytes | str | None, os.stat_result | None]] = field(
-        default_factory=list)  # path, old content (bytes) / link target (str) / None, stat
+    #: path, what stood there (its lstat, None when nothing did), and its content (bytes)
+    #: or link target (str).
+    files: list[tuple[str, os.stat_result | None, bytes | str | None]] = field(
+        default_factory=list)
     dirs: list[str] = field(default_factory=list)
 
     def save(self, path: str) -> None:
@@ -438,11 +448,11 @@ class _Undo:
             self.files.append((path, None, None))
             return
         if stat.S_ISLNK(st.st_mode):
-            self.files.append((path, os.readlink(path), st))
+            self.files.append((path, st, os.readlink(path)))
         elif stat.S_ISREG(st.st_mode):
-            self.files.append((path, read_bytes(path, 64 * READ_CAP), st))
-        else:  # a FIFO where the unit goes: it is gone for good, like the file we wrote
-            self.files.append((path, None, None))
+            self.files.append((path, st, read_bytes(path, 64 * READ_CAP)))
+        else:
+            self.files.append((path, st, None))
 
     def makedirs(self, folder: str) -> None:
         """``os.makedirs`` with each new directory 0755 whatever the umask, remembered."""
@@ -456,17 +466,41 @@ class _Undo:
             self.dirs.append(path)
 
     def undo(self, say: Callable[[str], None]) -> None:
-        for path, old, st in reversed(self.files):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            if isinstance(old, str):
-                os.symlink(old, path)
-            elif old is not None and st is not None:
-                _write_atomic(path, old, stat.S_IMODE(st.st_mode), st)
-            say(f"rolled back {path}" + (" (removed)" if old is None else " (restored)"))
+        """Best effort, newest first: a failure here is said, never raised over the error
+        that caused the roll-back."""
+        for path, st, old in reversed(self.files):
+            try:
+                said = self._put_back(path, st, old)
+            except OSError as exc:
+                say(f"could not roll back {path}: {exc.strerror or exc}")
+                continue
+            if said:
+                say(f"rolled back {path} ({said})")
         for folder in reversed(self.dirs):
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
+
+    @staticmethod
+    def _put_back(path: str, st: os.stat_result | None, old: bytes | str | None) -> str:
+        now = os.lstat(path) if os.path.lexists(path) else None
+        if st is not None and now is not None and (now.st_dev, now.st_ino) == (
+                st.st_dev, st.st_ino):
+            return ""  # never replaced (a directory stays one): nothing to put back
+        if st is None:
+            if now is not None:
+                os.unlink(path)
+            return "removed"
+        if now is not None:
+            os.unlink(path)
+        if isinstance(old, str):
+            os.symlink(old, path)
+        elif isinstance(old, bytes):
+            _write_atomic(path, old, stat.S_IMODE(st.st_mode), st)
+        elif stat.S_ISFIFO(st.st_mode):
+            os.mkfifo(path, stat.S_IMODE(st.st_mode))
+        else:
+            return "removed"  # a socket or device node there is not remade
+        return "restored"
 
 
 def _write_atomic(path: str, content: str | bytes, mode: int,

@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -202,73 +203,137 @@ def _head_seq(line: bytes) -> int | None:
 
 
 def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
-    """Complete lines of ``f`` from last to first; a tail without newline is torn and skipped."""
+    """Complete lines of ``f`` from last to first; a tail without newline is torn and skipped.
+
+    Each byte is read once and at most `MAX_EVENT_LINE` bytes of one line are held: a line
+    longer than that is no event and is passed over (a crash can leave megabytes of NULs,
+    without a newline, at the end of a file that was being appended to).
+    """
     pos = f.seek(0, os.SEEK_END)
-    buf = b""
-    found_newline = False
+    line: list[bytes] = []  # the pieces of the line in hand, last piece first
+    held = 0
+    past_tail = False  # a newline was met: the bytes after the file's last one are behind us
+    skipping = False  # the line in hand outgrew MAX_EVENT_LINE: its bytes are dropped
     while pos > 0:
         step = min(_CHUNK, pos)
         pos -= step
         f.seek(pos)
-        buf = f.read(step) + buf
-        if not found_newline:
-            end = buf.rfind(b"\n")
-            if end < 0:
-                continue
-            buf = buf[: end + 1]
-            found_newline = True
-        parts = buf.split(b"\n")  # parts[-1] == b"", parts[0] may start mid-line
-        yield from reversed(parts[1:-1])
-        buf = parts[0] + b"\n"
-    if found_newline:
-        yield buf[:-1]
+        pieces = f.read(step).split(b"\n")
+        head = pieces.pop(0)  # what precedes this chunk's first newline (or all of it)
+        if pieces:  # the line in hand ends the last piece: it starts after a newline here
+            last = pieces.pop()
+            if past_tail and not skipping and held + len(last) <= MAX_EVENT_LINE:
+                line.append(last)
+                yield b"".join(reversed(line))
+            past_tail, skipping = True, False
+            yield from reversed(pieces)  # whole lines between this chunk's newlines
+            line, held = [], 0
+        if past_tail and not skipping:
+            held += len(head)
+            if held > MAX_EVENT_LINE:
+                line, held, skipping = [], 0, True
+            else:
+                line.append(head)
+    if past_tail and not skipping:
+        yield b"".join(reversed(line))
+
+
+def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
+    """``path`` opened for reading with its stat; None when it does not exist.
+
+    Raises `OSError` (naming the file) for anything but a regular file. A FIFO, socket or
+    device is never read: opening a FIFO would wait until a writer came, and reading one
+    would take the bytes meant for its own reader (a watcher may be writing events there).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0), st
 
 
 def _last_seq_of_file(path: str) -> int | None:
     try:
-        with open(path, "rb") as f:
-            for raw in _reverse_lines(f):
-                decoded = _decode(raw)
-                if decoded is not None:
-                    seq: int = decoded[0]["seq"]
-                    return seq
-    except (FileNotFoundError, IsADirectoryError):
+        opened = _open_log_file(path)
+    except OSError:
+        return None  # a directory or a FIFO where a rotated file should be: no seq there
+    if opened is None:
         return None
+    with opened[0] as f:
+        for raw in _reverse_lines(f):
+            decoded = _decode(raw)
+            if decoded is not None:
+                seq: int = decoded[0]["seq"]
+                return seq
     return None
 
 
 def _first_line_after(f: IO[bytes], pos: int, end: int) -> tuple[int, int] | None:
     """``(offset, seq)`` of the first decodable line that starts at or after ``pos``
-    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``."""
+    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``.
+    Holds at most `MAX_EVENT_LINE` bytes of a line: a longer one is passed over."""
     at = pos
-    buf = b""
     if pos > 0:  # skip to the start of the next line
-        while True:
-            f.seek(at)
-            chunk = f.read(min(_CHUNK, end - at)) if at < end else b""
-            if not chunk:
-                return None
-            nl = chunk.find(b"\n")
-            if nl >= 0:
-                at += nl + 1
-                break
-            at += len(chunk)
+        skipped = _skip_line(f, at, end)
+        if skipped is None:
+            return None
+        at = skipped
+    carry = b""  # bytes read past the end of the previous line
     while at < end:
-        f.seek(at)
-        while True:
-            chunk = f.read(min(_CHUNK, end - at - len(buf)))
-            buf += chunk
-            nl = buf.find(b"\n")
-            if nl >= 0 or not chunk:
+        parts = [carry] if carry else []
+        held = len(carry)
+        read_at = at + held
+        nl = carry.find(b"\n")
+        while nl < 0 and held <= MAX_EVENT_LINE and read_at < end:
+            f.seek(read_at)
+            chunk = f.read(min(_CHUNK, end - read_at))
+            if not chunk:
                 break
+            read_at += len(chunk)
+            found = chunk.find(b"\n")
+            nl = -1 if found < 0 else held + found
+            parts.append(chunk)
+            held += len(chunk)
         if nl < 0:
-            return None  # a torn tail: no complete line here
-        decoded = _decode(buf[:nl])
+            if held <= MAX_EVENT_LINE:
+                return None  # a torn tail: no complete line here
+            skipped = _skip_line(f, read_at, end)  # an over-long line: find its end
+            if skipped is None:
+                return None
+            at, carry = skipped, b""
+            continue
+        data = b"".join(parts)
+        decoded = _decode(data[:nl]) if nl <= MAX_EVENT_LINE else None
         if decoded is not None:
             seq: int = decoded[0]["seq"]
             return at, seq
         at += nl + 1
-        buf = buf[nl + 1 :]
+        carry = data[nl + 1 :]
+    return None
+
+
+def _skip_line(f: IO[bytes], at: int, end: int) -> int | None:
+    """The offset after the next newline at or after ``at`` (None: none before ``end``),
+    reading without holding."""
+    while at < end:
+        f.seek(at)
+        chunk = f.read(min(_CHUNK, end - at))
+        if not chunk:
+            return None
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(chunk)
     return None
 
 
@@ -318,6 +383,12 @@ class EventLog:
     """Appends event lines to PATH ('-' = stdout), flushed per event; rotates at max_bytes
     keeping `keep` old files PATH.1..PATH.K (PATH.1 newest).
 
+    A PATH that is no regular file (a FIFO with a reader, ``/dev/null``, a terminal) is a
+    stream, like stdout (`replayable` is False): written, never rotated (renaming a device
+    node would replace it with a plain file), never read back, and a FIFO is written
+    without blocking (a reader that stops reading degrades the log instead of freezing the
+    watcher).
+
     Thread-safe: one lock orders writes and rotations, so lines never interleave.
     ``last_seq`` is read once at open; numbering after that is the caller's.
     """
@@ -333,6 +404,8 @@ class EventLog:
         self._stdout = os.fspath(path) == "-"
         self._path = os.fspath(path)
         self._max_bytes = None if self._stdout else max_bytes
+        #: The size PATH rotates at: max_bytes, or past a failed rotation, max_bytes more.
+        self._rotate_at = self._max_bytes
         self._keep = keep
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -343,7 +416,13 @@ class EventLog:
         #: Why the last write failed (None while writes succeed): a full disk, EIO, …
         self.error: str | None = None
         self._check_tail = True  # before the next write: end a torn last line
+        #: PATH is a FIFO or a device: no rotation, no read-back (see the class docstring).
+        self._stream = self._stdout
+        #: Whether the last byte written ended a line (what a stream's torn check uses).
+        self._tail_newline = True
         if self._stdout:
+            if sys.stdout is None:  # started with fd 1 closed: every event would fail
+                raise EventLogUnavailable("event log -: stdout is closed")
             return
         parent = os.path.dirname(self._path)
         try:
@@ -369,11 +448,17 @@ class EventLog:
             # A full or failing disk: serve anyway, the writes are retried (degraded start).
             self.error = _describe_os_error(exc)
             _log.warning("event log %s: %s; starting without it", self._path, self.error)
-        self._last_seq = last_seq_in(self._path)
+        self._last_seq = None if self._stream else last_seq_in(self._path)
 
     @property
     def path(self) -> str:
         return self._path
+
+    @property
+    def replayable(self) -> bool:
+        """Whether readers can replay this log from its files (stdout, a FIFO or a device
+        cannot be read back)."""
+        return not self._stream
 
     @property
     def last_seq(self) -> int | None:
@@ -383,15 +468,28 @@ class EventLog:
     def _open(self) -> None:
         # O_NONBLOCK for the open only: a FIFO planted at PATH fails with ENXIO instead of
         # hanging the daemon until someone reads it.
+        # A FIFO stays non-blocking: a full pipe is a failed write (the log degrades and
+        # is retried), never a watcher stuck in write() while its reader sleeps.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(self._path, flags, 0o644)
-        os.set_blocking(fd, True)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._stream = not stat.S_ISREG(st.st_mode)
+        if not self._stream:
+            os.set_blocking(fd, True)
         self._fd = fd
-        self._size = os.fstat(fd).st_size
+        self._size = st.st_size
 
     def _end_torn_line(self) -> None:
         if self._check_tail:
-            if self._size > 0 and not self._ends_with_newline():
+            if self._stream:
+                torn = not self._tail_newline  # nothing to read back: what we wrote says
+            else:
+                torn = self._size > 0 and not self._ends_with_newline()
+            if torn:
                 # A writer died mid-line (or a write failed half way). End that line so the
                 # next event does not fuse with it; readers skip the damaged one.
                 self._write_all(b"\n")
@@ -407,11 +505,16 @@ class EventLog:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
-    def _write_all(self, data: bytes) -> None:
-        assert self._fd is not None
+    def _write_all(self, data: bytes, fd: int | None = None) -> None:
+        """Write ``data`` to the log's descriptor (or ``fd``), however short the writes."""
+        if fd is None:
+            assert self._fd is not None
+            fd = self._fd
         view = memoryview(data)
         while view:  # one write in practice; the loop only matters for a short write
-            written = os.write(self._fd, view)
+            written = os.write(fd, view)
+            if written:
+                self._tail_newline = view[written - 1] == 0x0A
             view = view[written:]
             self._size += written
 
@@ -433,9 +536,14 @@ class EventLog:
             with self._lock:
                 if self._closed:
                     raise EventLogClosedError("event log is closed")
-                out = sys.stdout
-                out.write("".join(line + "\n" for line in lines))
-                out.flush()
+                try:
+                    self._write_stdout("".join(line + "\n" for line in lines))
+                except BrokenPipeError:
+                    raise  # the reader left (`| head`): the command's end, not a failure
+                except OSError as exc:
+                    self.error = _describe_os_error(exc)
+                    raise EventLogWriteError(exc.errno, self.error) from None
+                self.error = None
             return
         with self._lock:
             if self._closed:
@@ -450,6 +558,28 @@ class EventLog:
                 raise EventLogWriteError(exc.errno, self.error) from None
             self.error = None
 
+    def _write_stdout(self, text: str) -> None:
+        """``text`` to stdout: straight to its descriptor when it has one, so a failed
+        write (a full disk) leaves nothing buffered to come out later, after newer lines."""
+        out = sys.stdout
+        if out is None:
+            raise OSError(errno.EBADF, "stdout is closed")
+        try:
+            fd = out.fileno()
+        except (OSError, ValueError):  # not a file (a test's capture, an embedder's stream)
+            out.write(text)
+            out.flush()
+            return
+        out.flush()
+        if self._check_tail and not self._tail_newline:
+            self._write_all(b"\n", fd)  # end the line a failed write left half done
+        self._check_tail = False
+        try:
+            self._write_all(text.encode("utf-8"), fd)
+        except OSError:
+            self._check_tail = True
+            raise
+
     def _append(self, lines: Sequence[str], text: str) -> None:
         """``text`` is ``lines`` joined by newlines."""
         if self._fd is None:
@@ -457,7 +587,7 @@ class EventLog:
         self._end_torn_line()
         if not lines:
             return
-        limit = self._max_bytes
+        limit = None if self._stream else self._rotate_at
         if limit is None or self._size + 4 * len(text) + 1 <= limit:
             # The batch fits before the next rotation (UTF-8 takes at most 4 bytes a
             # character): one encode and one write.
@@ -468,30 +598,37 @@ class EventLog:
         for line in lines:
             data = (line + "\n").encode("utf-8")
             size = self._size + pending_size
-            if self._max_bytes is not None and size > 0 and size + len(data) > self._max_bytes:
+            if size > 0 and size + len(data) > limit:
                 if pending:
                     self._write_all(b"".join(pending))
                     pending, pending_size = [], 0
                 if self._size > 0:
                     self._rotate()
+                    assert self._rotate_at is not None
+                    limit = self._rotate_at
             pending.append(data)
             pending_size += len(data)
         if pending:
             self._write_all(b"".join(pending))
 
     def _rotate(self) -> None:
-        assert self._fd is not None
+        assert self._fd is not None and self._max_bytes is not None
         os.close(self._fd)
         self._fd = None
         self._check_tail = False  # the new file starts empty
+        failed = False
         try:
             self._shift_files()
         except OSError as exc:
-            # Losing events is worse than an oversized file: keep appending to PATH.
-            _log.warning("event log rotation of %s failed, continuing unrotated: %s",
-                         self._path, exc)
+            # Losing events is worse than an oversized file: keep appending to PATH, and try
+            # again after another max_bytes, not before every write (a warning and a reopen
+            # per event while, say, PATH.1 is a directory).
+            failed = True
+            _log.warning("event log rotation of %s failed, continuing unrotated until it "
+                         "grows by another %d bytes: %s", self._path, self._max_bytes, exc)
         finally:
             self._open()
+        self._rotate_at = self._size + self._max_bytes if failed else self._max_bytes
 
     def _shift_files(self) -> None:
         # Files beyond `keep` (left by a run with a larger keep) go first, so the set on
@@ -817,12 +954,17 @@ class _Follower:
             name = rotated_path(self._path, index)
             index += 1
             try:
-                f = open(name, "rb", buffering=0)  # noqa: SIM115 - closed by the follower
-            except FileNotFoundError:
+                opened = _open_log_file(name)  # closed by the follower
+            except OSError:
+                for src in [live, *rotated]:  # not the follower's yet: close them here
+                    if src is not None:
+                        src.file.close()
+                raise
+            if opened is None:
                 misses += 1
                 continue
             misses = 0
-            st = os.fstat(f.fileno())
+            f, st = opened
             ident = (st.st_dev, st.st_ino)
             if ident == anchor:
                 f.close()

@@ -293,11 +293,10 @@ class Watcher:
                 self._subscribers.remove(sub)
 
     async def _start_replay(self, sub: Subscription, since_seq: int, now: int) -> None:
-        path = self._log.path if self._log is not None else None
-        if path is None or path == "-":
-            sub.complete = False  # no log to replay from
+        if self._log is None or not self._log.replayable:
+            sub.complete = False  # no log to replay from (none, stdout, a FIFO, a device)
             return
-        records = read_records(path, since_seq=since_seq, types=sub.types)
+        records = read_records(self._log.path, since_seq=since_seq, types=sub.types)
         first = await anyio.to_thread.run_sync(next, records, None)
         if first is None:
             sub.complete = False
@@ -519,12 +518,16 @@ class Watcher:
     async def _poll_vgpu(self) -> None:
         while True:
             await anyio.sleep(self._vgpu_poll_interval)
+            if self._closed:  # the sleep ended as the context was left: the cancel is next
+                return
             await self.poll_vgpus()
 
     async def _reconcile(self) -> None:
         await self._announced.wait()
         while True:
             await anyio.sleep(self._reconcile_interval)
+            if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
+                return
             await self.resync("reconcile")
 
     def _start_tasks(self, tg: TaskGroup) -> None:
