@@ -273,3 +273,19 @@ async def test_labels_are_valid_kubernetes_labels_on_every_kind_of_host(
         assert labels["gpuwatch.gpu.vfio.count"] == "5"
         assert labels["gpuwatch.gpu.vendor-vfio.count"] == "1"
         assert labels["gpuwatch.gpu.vendor-unhealthy.count"] == "1"
+
+
+async def test_a_no_iommu_vfio_host_is_labelled_without_an_iommu(tmp_path: Path) -> None:
+    """VFIO's no-IOMMU mode makes groups (so detect-vfio's ``iommu_enabled`` is true), but no
+    VM can be given a device there: the label follows `status`, which says disabled."""
+    tree = machines.vfio_noiommu_host(tmp_path / "host")
+    nfd = NfdFeatureFile(tmp_path / "features.d/")
+    async with open_watcher(tree.root, MemorySource()) as w:
+        nfd.attach(w)
+        assert w.probe("detect-vfio").iommu_enabled  # the probe's own rule stands
+        assert nfd.labels()["gpuwatch.iommu"] == "false"
+    # A real group beside the no-IOMMU one: an IOMMU isolates that one.
+    (tree.root / "sys/kernel/iommu_groups/7/devices").mkdir(parents=True)
+    async with open_watcher(tree.root, MemorySource()) as w:
+        nfd.attach(w)
+        assert nfd.labels()["gpuwatch.iommu"] == "true"

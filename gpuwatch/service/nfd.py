@@ -24,6 +24,8 @@ import anyio
 from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
+from gpuwatch.core.reporttext import iommu_status
+from gpuwatch.hostfs.noiommu import read_iommu_groups
 
 if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
@@ -75,10 +77,17 @@ def feature_labels(
     vendor_name: Callable[[str], str],
     amd_gfx_target: str = "",
     vfio_variants: frozenset[str] = frozenset(),
+    iommu_on: bool | None = None,
 ) -> dict[str, str]:
-    """The labels of one host, from probe answers only (pure: the tests feed it plain data)."""
+    """The labels of one host, from probe answers only (pure: the tests feed it plain data).
+
+    ``iommu_on``, when given, is `status`'s ``iommu.enabled``: false on a host whose only IOMMU
+    groups are VFIO no-IOMMU groups, where detect-vfio's ``iommu_enabled`` (groups exist) is
+    true but no VM can be given a device. A scheduler placing passthrough VMs reads this label.
+    """
+    iommu = bool(_get(detect_vfio, "iommu_enabled")) if iommu_on is None else iommu_on
     labels = {
-        "gpuwatch.iommu": _flag(bool(_get(detect_vfio, "iommu_enabled"))),
+        "gpuwatch.iommu": _flag(iommu),
         "gpuwatch.nvidia.cdi": _flag(detect_gpu),
         "gpuwatch.amd.gpu": _flag(detect_amd_gpu),
     }
@@ -200,7 +209,18 @@ class NfdFeatureFile:
             str(w.probe("amd-gfx-version")), lambda vid: gpu_vendors.get(vid, vid or "unknown"),
             str(w.probe("amd-gfx-target")) if w.probe("detect-amd-gpu") else "",
             w.model.state.vfio_variants,
+            self._iommu_on(w),
         )
+
+    @staticmethod
+    def _iommu_on(w: Watcher) -> bool:
+        """`status`'s answer: the group names are read only where groups exist at all (a host
+        with an IOMMU has no ``name`` file in its groups, so each read fails fast)."""
+        vfio = w.probe("detect-vfio")
+        if not vfio.iommu_enabled:
+            return False
+        groups = read_iommu_groups(w.model.root)
+        return bool(iommu_status(True, vfio.iommu_kind, groups.noiommu, groups.real)["enabled"])
 
     async def update(self, *, force: bool = False) -> bool:
         """Write if the labels changed (or ``force``, or the expiry needs refreshing)."""
