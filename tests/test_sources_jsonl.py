@@ -435,6 +435,23 @@ def test_record_command_refuses_a_closed_stdout_in_one_line(tmp_path: Path) -> N
     assert proc.stderr.count("\n") == 1 and "stdout is closed" in proc.stderr
 
 
+def test_record_command_refuses_to_write_over_the_file_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` is truncated when opened: naming the source file (here through a link)
+    would destroy the recording before a line of it was read."""
+    maps = [props(i) for i in range(3)]
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, maps)
+    (tmp_path / "link.jsonl").symlink_to(src)
+    args = _parse(["--root", str(tmp_path), "--source", f"file:{src}",
+                   "--out", str(tmp_path / "link.jsonl")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--source file itself" in err
+    assert [json.loads(text) for text in src.read_text().splitlines()] == maps
+
+
 def test_record_command_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     """A live recording (here: a FIFO whose writer stays connected) ends with exit 0."""
     fifo = tmp_path / "ev.fifo"

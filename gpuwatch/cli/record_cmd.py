@@ -20,7 +20,7 @@ import anyio
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
-from gpuwatch.sources.jsonl import uevent_to_json
+from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
 
 log = logging.getLogger("gpuwatch.sources")
 
@@ -100,6 +100,17 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
     return error
 
 
+def _same_file(source: EventSource, out: str) -> bool:
+    """Whether ``out`` names the regular file a ``file:`` source reads (through any link);
+    a FIFO or terminal named twice is not truncated, and may be."""
+    if not isinstance(source, JsonlFileSource):
+        return False
+    try:
+        return os.path.samefile(source.path, out) and os.path.isfile(out)
+    except OSError:  # --out does not exist yet: it cannot be the source
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         source = open_source(args.source, args.root)
@@ -114,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 return fail("record: stdout is closed; name a file with --out PATH", EXIT_USAGE)
             out = sys.stdout
         else:
+            if _same_file(source, args.out):
+                # Opening --out truncates it: the recording being copied would be lost.
+                return fail(f"record: --out {args.out!r} is the --source file itself", EXIT_USAGE)
             try:
                 out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
             except OSError as exc:
