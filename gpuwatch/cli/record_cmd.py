@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+from types import FrameType
 from typing import TextIO
 
 import anyio
@@ -111,7 +113,30 @@ def _same_file(source: EventSource, out: str) -> bool:
         return False
 
 
+class _Stop(BaseException):
+    """SIGINT or SIGTERM before the recording's own signal receiver runs: while the source
+    or ``--out`` is opened (a FIFO waits for its reader there) or the loop starts."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Record until the source ends or a signal; a signal at any moment is a normal end."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal() works only there
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(args)
+    except _Stop:
+        return EXIT_OK
+    finally:
+        for sig, handler in previous.items():  # None: set outside Python, default then
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         source = open_source(args.source, args.root)
         source.start()
