@@ -19,6 +19,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,6 +213,25 @@ def test_a_path_planted_where_the_socket_goes_is_left_alone(
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
     if kind == "symlink-to-socket":
         assert os.path.exists(target)
+
+
+def test_asking_wedge_detected_over_and_over_is_not_a_journal_line_each(
+        host: SysRoot, tmp_path: Path, sockdir: str) -> None:
+    """A D-state task whose stack cannot be read makes `wedge-detected` incomplete, which
+    is worth a warning, once: a client asking in a loop must not write one per answer."""
+    host.add_process(31339, "stuckio", state="D")
+    stack = host.root / "proc/31339/stack"
+    stack.unlink()
+    stack.mkdir()  # not a readable stack
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d, connect(d.sock) as s:
+        lines = Lines(s)
+        started = time.monotonic()
+        for i in range(200):
+            assert lines.request("probe", {"action": "wedge-detected"}, rid=i) == {
+                "id": i, "result": False}
+        elapsed = time.monotonic() - started
+    said = d.stderr.count("a wedge may go unseen")
+    assert 1 <= said <= 1 + int(elapsed // 60), d.stderr
 
 
 # --------------------------------------------------------------------------- other users
@@ -604,6 +624,50 @@ def test_a_live_daemon_with_a_full_backlog_keeps_its_socket(
         assert probe(d.sock)["result"] is True
 
 
+@pytest.mark.timeout(180)
+def test_a_client_waits_out_a_full_backlog_within_its_timeout(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A daemon too busy to accept for a moment (stopped here) has a full listen backlog. A
+    blocking connect waits for room; under a timeout a unix socket's connect fails at once
+    instead (EAGAIN), so the client retries within its timeout rather than giving up."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient, Client
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20_000), hard))
+    answers: list[object] = []
+
+    def sync_probe(path: str) -> object:
+        with Client(path, timeout=60) as c:
+            return c.probe("detect-gpu")
+
+    async def async_probe(path: str) -> object:
+        async with await AsyncClient.connect(path) as c:
+            return await c.probe("detect-gpu")
+
+    # Room for the backlog's dead connections: they are accepted before ours.
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-max-clients",
+                "8192") as d:
+        assert d.proc is not None
+        try:
+            for ask in (lambda: sync_probe(d.sock), lambda: anyio.run(async_probe, d.sock)):
+                d.proc.send_signal(signal.SIGSTOP)
+                for s in fill_backlog(d.sock):
+                    s.close()  # still queued: the daemon accepts them when it runs again
+                resume = threading.Timer(0.5, d.proc.send_signal, (signal.SIGCONT,))
+                resume.start()
+                try:
+                    answers.append(ask())
+                finally:
+                    resume.join()
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert answers == [True, True]
+
+
 def test_a_dead_daemons_socket_is_replaced(host: SysRoot, tmp_path: Path, sockdir: str) -> None:
     """The other side of the rule above: a socket nobody listens on is left by a daemon
     that died (kill -9), and the next start takes its place."""
@@ -663,3 +727,55 @@ def test_sighup_at_any_moment_leaves_the_daemon_serving(
     assert [e["type"] for e in events].count("stopped") == 1
     assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
     assert not os.path.exists(path)
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["another-users", "world-writable", "link-to-another-users",
+                                  "under-another-users"])
+def test_no_socket_in_a_directory_another_user_controls(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
+) -> None:
+    """Whoever may rename entries in the socket's directory (or one above it) could move the
+    daemon's socket aside and listen in its place: root's `gpuwatch mode` would then send
+    its switch to them. The daemon does not serve there (exit 2, nothing created)."""
+    attacker = 70006
+    base = Path(sockdir)
+    if kind == "another-users":
+        where = base / "run"
+        where.mkdir()
+        os.chown(where, attacker, attacker)
+    elif kind == "world-writable":
+        where = base / "run"
+        where.mkdir()
+        os.chmod(where, 0o777)  # no sticky bit: anyone may rename root's socket
+    elif kind == "link-to-another-users":
+        theirs = base / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, attacker, attacker)
+        where = base / "run"
+        where.symlink_to(theirs)
+    else:
+        theirs = base / "theirs"
+        theirs.mkdir()
+        (theirs / "sub").mkdir()  # root's own, but inside a directory they may rename
+        os.chown(theirs, attacker, attacker)
+        where = theirs / "sub"
+    path = where / "gw.sock"
+    proc = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", "file:/dev/null", "--log",
+                     str(tmp_path / "events.jsonl"), "--socket", str(path)),
+        capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "another user" in proc.stderr, proc.stderr
+    assert not os.path.lexists(path)
+
+
+def test_a_sticky_shared_directory_like_tmp_is_fine(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """/tmp-like directories (world-writable, sticky) keep others from renaming our socket."""
+    shared = Path(sockdir) / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with Daemon(host.root, tmp_path, str(shared / "gw.sock")) as d:
+        assert probe(d.sock)["result"] is True

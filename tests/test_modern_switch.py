@@ -294,3 +294,22 @@ def test_hostile_modules_alias_never_blocks_or_crashes(tmp_path: Path, kind: str
     plan = gpuwatch.scan(tmp_path).plan("vfio", addr=GH_ADDR)
     assert {"kind": "write", "path": f"/sys/bus/pci/devices/{GH_ADDR}/driver_override",
             "value": "vfio-pci"} in plan
+
+
+def test_an_unhealthy_refusal_names_recover_only_where_it_works() -> None:
+    """`gpuwatch recover` acts on NVIDIA cards only (it refuses any other): the refusal of a
+    wedged AMD card must not send the operator there."""
+    from gpuwatch.core.plan import HostFacts, unhealthy_reason
+    from gpuwatch.core.results import PciFunction
+
+    def card(vendor: str, health: str) -> PciFunction:
+        return PciFunction(addr="0000:03:00.0", vendor_id=vendor, device_id="0x744c",
+                           class_="0x0300", class_label="VGA controller", driver="amdgpu",
+                           iommu_group=5, health=health)
+
+    facts = HostFacts(wedge_recovery={"0000:03:00.0": ("rebind",)})
+    amd = unhealthy_reason([card("0x1002", "wedged")], facts)
+    nvidia = unhealthy_reason([card("0x10de", "wedged")], facts)
+    assert amd is not None and "rebind its driver" in amd and "gpuwatch recover" not in amd
+    assert nvidia is not None and "`gpuwatch recover` rebinds it to vfio-pci" in nvidia
+    assert unhealthy_reason([card("0x1002", "recovering")], facts) is None

@@ -585,6 +585,32 @@ def test_stale_socket_is_replaced_and_a_file_is_not(sockdir: str) -> None:
     assert Path(path).read_text() == "precious"
 
 
+def test_a_socket_bound_first_by_another_daemon_is_not_removed(
+    sockdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two daemons starting at once: the one whose bind loses (EADDRINUSE) must leave the
+    winner's socket in place, not remove it on its way out as if it were its own."""
+    path = f"{sockdir}/gw.sock"
+    winner = socket.socket(socket.AF_UNIX)
+    real_lstat = os.lstat
+
+    def look_then_lose_the_race(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if name == path and not winner.getsockname():
+            winner.bind(path)  # the other daemon binds between our look and our bind
+            winner.listen()
+            raise FileNotFoundError(name)
+        return real_lstat(name, *args, **kwargs)
+
+    with winner:
+        monkeypatch.setattr(os, "lstat", look_then_lose_the_race)
+        with pytest.raises(SocketSetupError, match="in use"):
+            bind_socket(path, None)
+        monkeypatch.undo()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)  # still the winner's
+
+
 # --------------------------------------------------------------------------- switch-side methods
 
 

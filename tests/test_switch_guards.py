@@ -392,3 +392,37 @@ def test_each_refusal_is_printed_once(host: SysRoot, capsys: pytest.CaptureFixtu
     code, out, err = run("mode", "vfio", "--no-daemon")
     assert (code, out) == (1, "")
     assert "python3 (pid 4242) holds /dev/nvidia0" in one_line(err)
+
+
+def test_a_process_stuck_in_the_kernel_costs_one_thread_not_one_per_scan() -> None:
+    """A daemon's clients may ask for holders as often as they like; each scan used to leave
+    one more thread blocked on the stuck process, for ever. While one is blocked there, the
+    process is unreadable at once; once its read returns, it is read again."""
+    import threading
+
+    release = threading.Event()
+    waiting: list[int] = []  # one entry per read blocked now
+
+    def read(pid: int) -> int:
+        if pid == 424242:
+            waiting.append(pid)
+            release.wait(60)
+            waiting.remove(pid)
+        return pid
+
+    def readers() -> int:
+        return sum(t.name == "gpuwatch /proc read" and t.is_alive()
+                   for t in threading.enumerate())
+
+    try:
+        for _ in range(30):
+            results, stuck = read_each([1, 424242, 3], read, deadline=0.2)
+            assert results == {1: 1, 3: 3} and stuck == [424242]
+        assert len(waiting) == 1
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30  # the abandoned read returns when it returns
+    while readers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results, stuck = read_each([1, 424242, 3], read, deadline=5)
+    assert results == {1: 1, 424242: 424242, 3: 3} and stuck == []

@@ -11,6 +11,7 @@ import errno
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from gpuwatch.errors import HostStepError, SwitchFailed, SwitchRefused, SwitchWedged
@@ -155,3 +156,25 @@ async def test_a_failed_probe_leaves_no_function_pinned_to_vfio(host: SysRoot) -
     assert cleared in of_type(events, "switch-failed")[0].restored
     # The display function's override was cleared by the plan itself: not written twice.
     assert sim.writes.count((f"/sys/bus/pci/devices/{NV}/driver_override", "\n")) == 1
+
+
+class VanishesAfterItsSteps(SimKernel):
+    """The audio function leaves the bus right after its last step (a surprise removal)."""
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        await super().write(path, value, timeout)
+        if path == f"/sys/bus/pci/devices/{AUDIO}/driver_override" and value == "\n":
+            devpath = self.sys.devpath(AUDIO)
+            self.sys.remove_function(AUDIO)
+            self.source.push(self.sys.uevent_props("remove", devpath))
+
+
+async def test_a_function_that_leaves_the_bus_fails_the_switch_at_once(host: SysRoot) -> None:
+    """It will never bind: the switch fails once the tree confirms it is gone, naming it,
+    instead of waiting out its --timeout (600 s here; the bound only catches a wait)."""
+    sim = VanishesAfterItsSteps(host)
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, events):
+        with anyio.fail_after(60), pytest.raises(SwitchFailed, match=rf"{AUDIO} left the bus"):
+            await w.switch(NV, "vfio", timeout=600)
+    failed = of_type(events, "switch-failed")
+    assert len(failed) == 1 and f"{AUDIO} gone (was snd_hda_intel)" in failed[0].restored[-1]

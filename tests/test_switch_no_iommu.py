@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.errors import GroupPoisoned, SwitchRefused, SwitchWedged
-from gpuwatch.switch.poison import DEFAULT_POISON_FILE, PoisonStore
+from gpuwatch.switch.poison import DEFAULT_POISON_FILE, PoisonEntry, PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
 from tests.cli_helpers import run_main
@@ -96,3 +96,19 @@ async def test_recover_of_a_card_without_a_group_says_reboot(tmp_path: Path) -> 
         with pytest.raises(SwitchRefused, match="no IOMMU group"):
             await w.recover(CARD_A, timeout=5)
         assert CARD_A in w.model.poisoned
+
+
+def test_mode_shows_the_poison_of_a_card_without_a_group(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    host = iommu_off_host(tmp_path / "h")
+    PoisonStore(str(host.root)).add(CARD_A, PoisonEntry(
+        addr=CARD_A, to_mode="nvidia", error="write to unbind did not return",
+        time="2026-12-01T10:00:00Z"))
+    code, out, _ = run_main(capsys, "mode", "--addr", CARD_A, "--root", str(host.root))
+    assert code == 0 and "poisoned until reboot: write to unbind did not return" in out
+    code, out, _ = run_main(capsys, "mode", "--addr", CARD_A, "--json", "--root",
+                            str(host.root))
+    assert json.loads(out)["poisoned"] == "write to unbind did not return"
+    code, out, _ = run_main(capsys, "mode", "--addr", CARD_B, "--json", "--root",
+                            str(host.root))
+    assert json.loads(out)["poisoned"] is None

@@ -128,3 +128,22 @@ async def test_an_interrupted_switch_starts_persistenced_once(host: SysRoot) -> 
     assert sum("systemctl start nvidia-persistenced" in r for r in restored) == 1
     assert sim.commands.count(START) == 1 and len(persistenced_pids(host)) == 1
     assert stopped_services(str(host.root)) == frozenset()
+
+
+async def test_a_record_spent_by_a_manual_start_does_not_restart_a_later_stop(
+        host: SysRoot) -> None:
+    """The operator started persistenced while the card was on vfio: the switch back finds it
+    running and the record is spent. The operator then stops it on purpose; a later round
+    trip (which stops nothing) must not start it."""
+    sim = SimKernel(host)
+    sim.start_persistenced(777)
+    async with simulated_switch(host, sim=sim) as (w, _s, _e, _ev):
+        await w.switch(NV, "vfio", timeout=5)
+        sim.start_persistenced(778)  # by hand, card away
+        await w.switch(NV, "nvidia", timeout=5)
+        assert START not in sim.commands
+        assert stopped_services(str(host.root)) == frozenset()
+        host.remove_process(778)  # stopped on purpose
+        await w.switch(NV, "vfio", timeout=5)
+        await w.switch(NV, "nvidia", timeout=5)
+    assert START not in sim.commands and persistenced_pids(host) == []

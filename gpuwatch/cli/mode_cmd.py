@@ -240,7 +240,8 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
     for m in members:
         print(terminal_safe(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}"))
     if poisoned is not None:
-        print(terminal_safe(f"  poisoned until reboot or `gpuwatch recover`: {poisoned.error}"))
+        lift = "reboot or `gpuwatch recover`" if card.iommu_group >= 0 else "reboot"
+        print(terminal_safe(f"  poisoned until {lift}: {poisoned.error}"))
     if kept:
         print(terminal_safe(f"  kept for the host: {kept}"))
 

@@ -481,13 +481,16 @@ def cdi_steps(root: str, cdi_spec: bool,
 
 
 def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts) -> str | None:
-    """Why a group with a wedged or failed function must not be switched, and what to do."""
-    for fn in members:
+    """Why a group with a wedged or failed function must not be switched, and what to do.
+    `gpuwatch recover` is named only for an NVIDIA card: it refuses any other."""
+    fns = tuple(members)
+    nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
+    for fn in fns:
         if fn.health in UNSWITCHABLE:
             advice = health_advice(fn.health, fn.addr, fn.driver,
                                    facts.wedge_recovery.get(fn.addr, ()))
-            return (f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it "
-                    "(`gpuwatch recover` rebinds it to vfio-pci)")
+            recover = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
+            return f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it{recover}"
     return None
 
 

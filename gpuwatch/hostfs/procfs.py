@@ -25,6 +25,29 @@ DEFAULT_PROC_DEADLINE = 2.0
 #: that one stuck process does not make every other one unreadable too.
 _PER_PROCESS_SHARE = 0.25
 
+# Pids whose read was given up on and is still blocked in the kernel, with how many such
+# abandoned threads each has. A later scan counts them unreadable at once instead of
+# starting one more thread to block beside the others: a daemon asked for holders again
+# and again (a client can ask as often as it likes) keeps one thread per stuck process,
+# not one per question.
+_abandoned: dict[int, int] = {}
+_abandoned_lock = threading.Lock()
+
+
+def _abandon(pid: int) -> None:
+    with _abandoned_lock:
+        _abandoned[pid] = _abandoned.get(pid, 0) + 1
+
+
+def _returned(pid: int) -> None:
+    """An abandoned read of ``pid`` came back: the process may be read again."""
+    with _abandoned_lock:
+        left = _abandoned.get(pid, 0) - 1
+        if left > 0:
+            _abandoned[pid] = left
+        else:
+            _abandoned.pop(pid, None)
+
 
 def read_each(pids: Sequence[int], read: Callable[[int], T], *,
               deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[dict[int, T], list[int]]:
@@ -34,7 +57,8 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
 
     The reads run in a daemon thread. A thread blocked in the kernel cannot be interrupted
     or joined, so when one process takes more than its share it is left behind, abandoned,
-    and a fresh thread goes on with the next pid.
+    and a fresh thread goes on with the next pid. While an abandoned read is still blocked,
+    its pid is unreadable at once: no second thread is sent to block on it.
     """
     end = time.monotonic() + max(deadline, 0.0)
     per_pid = max(deadline * _PER_PROCESS_SHARE, 0.01)
@@ -42,6 +66,7 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
     results: dict[int, T] = {}
     unreadable: list[int] = []
     state: dict[str, object] = {"gen": 0, "pid": None, "since": 0.0, "done": False}
+    given_up: set[tuple[int, int]] = set()  # (generation, pid) of each abandoned read
 
     def worker(items: Sequence[int], gen: int) -> None:
         for pid in items:
@@ -55,6 +80,8 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
                 value = None
             with cond:
                 if state["gen"] != gen:
+                    if (gen, pid) in given_up:
+                        _returned(pid)
                     return  # given up on while it read: the caller has moved on
                 if value is not None:
                     results[pid] = value
@@ -70,9 +97,12 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
         threading.Thread(target=worker, args=(items, gen), name="gpuwatch /proc read",
                          daemon=True).start()
 
-    todo = list(pids)
+    with _abandoned_lock:
+        blocked = set(_abandoned)
+    todo = [pid for pid in pids if pid not in blocked]
+    unreadable.extend(pid for pid in pids if pid in blocked)
     if not todo:
-        return results, unreadable
+        return results, sorted(set(unreadable))
     start(todo)
     with cond:
         while not state["done"]:
@@ -81,6 +111,9 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
             since = float(state["since"])  # type: ignore[arg-type]
             if now >= end or (pid is not None and now - since >= per_pid):
                 # Give up on the process being read; go on with the rest while time is left.
+                if isinstance(pid, int):
+                    given_up.add((int(state["gen"]), pid))  # type: ignore[call-overload]
+                    _abandon(pid)  # until its thread says it returned
                 state["gen"] = int(state["gen"]) + 1  # type: ignore[call-overload]
                 state["pid"] = None
                 stuck = [pid] if isinstance(pid, int) else []

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 from gpuwatch.hostfs.files import read_bytes
@@ -25,6 +27,8 @@ _log = logging.getLogger("gpuwatch.switch")
 
 #: Kernel functions in a stuck task's stack that mean "the nvidia remove path hangs".
 WEDGE_SYMBOLS = ("nv_pci_remove", "os_delay")
+#: The "cannot read the stacks" warning is said at most this often (seconds).
+UNREADABLE_WARNING_EVERY = 60.0
 #: A D-state task in any PCI driver's remove (an unbind that has not returned): the PCI core's
 #: remove callback, and vfio's wait for its user to release the device.
 REMOVE_SYMBOLS = ("vfio_unregister_group_dev", "pci_device_remove")
@@ -127,10 +131,31 @@ def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeSc
     return WedgeScan(tuple(stuck), tuple(sorted(unreadable)), tuple(removing))
 
 
+class _Once:
+    """A warning said at most once per ``every`` seconds: a daemon answers this probe as
+    often as its clients ask, and the journal must not get a line per question."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last < self.every:
+                return False
+            self._last = now
+            return True
+
+
+_unreadable_warning = _Once(UNREADABLE_WARNING_EVERY)
+
+
 def wedge_detected(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> bool:
-    """The probe answer; logs a warning when stacks could not be read (not root)."""
+    """The probe answer; warns (at most once a minute) when stacks could not be read."""
     scan = scan_wedge(root, deadline=deadline)
-    if not scan.wedged and not scan.complete:
+    if not scan.wedged and not scan.complete and _unreadable_warning.due():
         _log.warning("wedge-detected: %s", scan.describe())
     return scan.wedged
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import EllipsisType, TracebackType
@@ -37,6 +38,8 @@ _MAX_REPLY = 256 << 20
 # How long a client whose request could not be sent looks for the daemon's refusal line
 # (already queued when the daemon refused at accept; this only bounds the look).
 _REFUSAL_WAIT = 1.0
+# How often a client retries a connect that found the daemon's listen backlog full.
+_BACKLOG_RETRY = 0.01
 
 
 class DaemonError(HostError):
@@ -154,12 +157,24 @@ class Client:
         self.timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(self.path)
-        except OSError as exc:
-            self._sock.close()
-            raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
-                                    f"{exc.strerror or exc}") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self._sock.connect(self.path)
+                break
+            except BlockingIOError as exc:
+                # A unix socket's full listen backlog (a busy daemon) is EAGAIN at once under
+                # a timeout, where a blocking connect would wait for room: wait, within it.
+                if deadline is not None and time.monotonic() < deadline:
+                    time.sleep(_BACKLOG_RETRY)
+                    continue
+                self._sock.close()
+                raise DaemonUnavailable(f"the gpuwatch daemon at {self.path} is not accepting "
+                                        f"connections: {exc.strerror or exc}") from None
+            except OSError as exc:
+                self._sock.close()
+                raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
+                                        f"{exc.strerror or exc}") from None
         self._framer = LineFramer(_MAX_REPLY)
         self._lines: deque[bytes] = deque()
         self._next_id = 0

@@ -128,18 +128,44 @@ def _listener_gone(path: str) -> str | None:
     return f"another gpuwatch daemon answers at {path}"
 
 
+def _shared_dir(parent: str) -> str | None:
+    """Why another user could replace a file in ``parent`` (None if no one can): it, or a
+    directory above it, belongs to someone other than root and us, or is writable by others
+    without the sticky bit that keeps them from renaming what is not theirs (as /tmp has)."""
+    mine = (0, os.geteuid())
+    here = os.path.realpath(parent)
+    while True:
+        st = os.stat(here)
+        if st.st_uid not in mine:
+            return f"{here} belongs to uid {st.st_uid}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return f"{here} is writable by other users"
+        if here == os.path.dirname(here):
+            return None
+        here = os.path.dirname(here)
+
+
 def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int = 4096,
                 ) -> socket.socket:
     """Create the listening socket: stale file replaced, mode and group set *before* listen.
 
     Until ``listen`` every connect is refused, so there is no moment at which the socket
-    exists with looser permissions than asked for.
+    exists with looser permissions than asked for. The socket goes only in a directory no
+    other user controls: whoever may rename entries there could swap in a socket of their
+    own, and the clients (root's switch among them) would talk to it.
     """
     parent = os.path.dirname(path) or "."
     try:
         os.makedirs(parent, mode=0o755, exist_ok=True)
     except OSError as exc:
         raise SocketSetupError(f"cannot create {parent}: {exc.strerror}") from None
+    try:
+        shared = _shared_dir(parent)
+    except OSError as exc:
+        raise SocketSetupError(f"cannot check {parent}: {exc.strerror}") from None
+    if shared is not None:
+        raise SocketSetupError(f"not serving {path}: {shared}, so another user could put "
+                               "a socket of their own in its place")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -152,16 +178,19 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
             raise SocketInUse(live)
         os.unlink(path)  # left behind by a daemon that died
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    bound = False
     try:
         sock.bind(path)
+        bound = True
         if gid is not None:
             os.chown(path, -1, gid)
         os.chmod(path, mode)
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        if bound:  # ours to remove; a file bound first by another daemon (EADDRINUSE) is not
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if len(path.encode()) > 107:
             raise SocketSetupError(f"socket path {path} is longer than 107 bytes") from None
         raise SocketSetupError(f"cannot serve {path}: {exc.strerror or exc}") from None

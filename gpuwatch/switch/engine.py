@@ -42,6 +42,7 @@ from gpuwatch.core.modes import (
 from gpuwatch.core.observations import Observation
 from gpuwatch.core.plan import (
     CLEAR_OVERRIDE,
+    PERSISTENCED_UNIT,
     CommandStep,
     HostFacts,
     MakeDirStep,
@@ -477,6 +478,10 @@ class SwitchEngine:
         finally:
             if token is not None:
                 _DEFERRED.reset(token)
+        if to_mode == "nvidia" and facts.persistenced:
+            # Someone started it while the card was away: the record of the switch that stopped
+            # it is spent (kept, it would restart the unit later against a deliberate stop).
+            self._note_service(("systemctl", "start", PERSISTENCED_UNIT))
         result = self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=True,
                               notes=notes)
         self._publish([result])  # the caller gets the record its subscribers got
@@ -800,6 +805,12 @@ class SwitchEngine:
                 if now >= deadline:
                     self._fail(plan, "the group did not reach its target drivers in time: "
                                      + self._drivers_text(targets))
+                gone = [a for a in targets if a not in self.model.state.functions]
+                if gone:
+                    # Removed from the bus (surprise removal, a reset that dropped it), as the
+                    # tree confirms: it will not bind, so waiting out --timeout helps nobody.
+                    self._fail(plan, f"{', '.join(gone)} left the bus during the switch: "
+                                     + self._drivers_text(targets))
                 check_at = deadline if events_open else now + 0.2
                 continue
             if not events_open:
@@ -811,6 +822,8 @@ class SwitchEngine:
                 except (SubscriberLagged, StopAsyncIteration):
                     events_open = False
                     check_at = now
+            if any(a not in self.model.state.functions for a in targets):
+                check_at = time.monotonic()  # a function was removed: confirm from the tree
         self._check_gained(plan, facts)
 
     def _check_gained(self, plan: SwitchPlan, facts: HostFacts) -> None:
