@@ -250,6 +250,18 @@ def test_a_rotation_that_fails_is_retried_after_another_max_bytes_not_every_writ
     assert 1 <= len(tries) <= 12  # one per max_bytes written (about 10 lines), not 90
 
 
+def test_a_line_with_a_seq_below_1_is_no_event_and_numbering_never_goes_there(
+    tmp_path: Path,
+) -> None:
+    """Seqs start at 1. A damaged or hand-edited last line with ``"seq": -3`` made the next
+    writer number its events -2, -1, 0, … (and ``--since-seq`` meaningless)."""
+    path = tmp_path / "ev.jsonl"
+    path.write_text(line(4) + "\n" + line(-3) + "\n" + line(0) + "\n")
+    with EventLog(path) as log:
+        assert log.last_seq == 4
+    assert seqs(read_events(path)) == [4]
+
+
 def test_writer_rejects_newlines_and_use_after_close(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "ev.jsonl")
     with pytest.raises(ValueError, match="line break"):

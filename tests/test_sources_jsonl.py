@@ -435,6 +435,56 @@ def test_record_command_refuses_a_closed_stdout_in_one_line(tmp_path: Path) -> N
     assert proc.stderr.count("\n") == 1 and "stdout is closed" in proc.stderr
 
 
+def test_record_command_refuses_to_write_over_the_file_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` is truncated when opened: naming the source file (here through a link)
+    would destroy the recording before a line of it was read."""
+    maps = [props(i) for i in range(3)]
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, maps)
+    (tmp_path / "link.jsonl").symlink_to(src)
+    args = _parse(["--root", str(tmp_path), "--source", f"file:{src}",
+                   "--out", str(tmp_path / "link.jsonl")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--source file itself" in err
+    assert [json.loads(text) for text in src.read_text().splitlines()] == maps
+
+
+def test_record_command_waiting_for_an_out_fifo_reader_ends_cleanly_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """``--out`` a FIFO nobody reads yet: the open waits for a reader. A SIGTERM then is
+    the normal end of a recording as it is later (exit 0), not a kill by the signal."""
+    source, out = tmp_path / "ev.fifo", tmp_path / "out.fifo"
+    os.mkfifo(source)
+    os.mkfifo(out)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+         "--source", f"file:{source}", "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    writer = -1
+    try:
+        deadline = time.monotonic() + 30
+        while writer < 0:  # ENXIO until the recorder has its source open; --out is next
+            try:
+                writer = os.open(source, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "recorder not up"
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if writer >= 0:
+            os.close(writer)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert err == ""
+
+
 def test_record_command_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
     """A live recording (here: a FIFO whose writer stays connected) ends with exit 0."""
     fifo = tmp_path / "ev.fifo"

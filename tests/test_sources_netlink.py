@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -299,3 +300,64 @@ def test_kernel_spec_and_receive_buffer_are_passed_through(tmp_path: Path) -> No
 def test_unknown_spec_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidSourceSpec, match="unknown source"):
         open_source("netlink", tmp_path)
+
+
+# --- udevd's messages, as root sends them ------------------------------------------------------
+
+
+def _murmur2(data: bytes) -> int:
+    """libudev's hash of a subsystem name (MurmurHash2, seed 0): its filter compares it."""
+    m, h = 0x5BD1E995, len(data) & 0xFFFFFFFF
+    whole = len(data) - len(data) % 4
+    for (k,) in struct.iter_unpack("<I", data[:whole]):
+        k = (k * m) & 0xFFFFFFFF
+        k = ((k ^ (k >> 24)) * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = data[whole:]
+    if tail:
+        h ^= int.from_bytes(tail, "little")
+        h = (h * m) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * m) & 0xFFFFFFFF
+    return h ^ (h >> 15)
+
+
+def udevd_message(subsystem: bytes, props: dict[str, bytes]) -> bytes:
+    """A message as udevd multicasts it: the ``libudev`` header, then the properties."""
+    body = b"".join(key.encode() + b"=" + value + b"\0" for key, value in props.items())
+    return (b"libudev\0" + struct.pack(">I", 0xFEEDCAFE) + struct.pack("=III", 40, 40, len(body))
+            + struct.pack(">II", _murmur2(subsystem), 0) + struct.pack("=II", 0, 0) + body)
+
+
+async def test_the_udev_source_keeps_a_wedge_whose_task_name_is_not_utf8() -> None:
+    """pyudev decodes each property strictly: a ``TASK=`` process name with a byte that is
+    not UTF-8 (any process may name itself so) cost the whole uevent, reported as lost
+    events, and the wedge with it (a rescan cannot see a wedge). It arrives, with the
+    byte kept as the kernel source keeps it."""
+    if os.geteuid() != 0:
+        pytest.skip("only root may send to udevd's multicast group")
+    src = NetlinkSource("udev", subsystems={"drm"})
+    try:
+        src.start()
+    except SourceUnavailable as exc:
+        pytest.skip(f"no udev netlink monitor here: {exc}")
+    card = b"/devices/pci0000:00/0000:00:02.0/drm/card0"
+    message = udevd_message(b"drm", {
+        "ACTION": b"change", "DEVPATH": card, "SUBSYSTEM": b"drm", "SEQNUM": b"1",
+        "WEDGED": b"rebind", "PID": b"7", "TASK": b"gpu\xffjob"})
+    send, recv = anyio.create_memory_object_stream[_Item](1000)
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15) as udevd:
+            udevd.bind((0, 0))
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg, recv:
+                    tg.start_soon(pump, src, send)
+                    udevd.sendto(message, (0, 2))  # group 2: udevd's
+                    item = await recv.receive()
+                    tg.cancel_scope.cancel()
+    finally:
+        src.close()
+    assert not isinstance(item, SourceOverflow), item
+    [event] = [ev for ev in item if ev.devpath == card.decode()]
+    assert (event.action, event.get("WEDGED"), event.get("PID")) == ("change", "rebind", "7")
+    assert event.get("TASK") == "gpu\udcffjob"
+    assert event.get("TASK").encode("utf-8", "surrogateescape") == b"gpu\xffjob"

@@ -14,13 +14,15 @@ import logging
 import os
 import signal
 import sys
+import threading
+from types import FrameType
 from typing import TextIO
 
 import anyio
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
-from gpuwatch.sources.jsonl import uevent_to_json
+from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
 
 log = logging.getLogger("gpuwatch.sources")
 
@@ -100,7 +102,41 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
     return error
 
 
+def _same_file(source: EventSource, out: str) -> bool:
+    """Whether ``out`` names the regular file a ``file:`` source reads (through any link);
+    a FIFO or terminal named twice is not truncated, and may be."""
+    if not isinstance(source, JsonlFileSource):
+        return False
+    try:
+        return os.path.samefile(source.path, out) and os.path.isfile(out)
+    except OSError:  # --out does not exist yet: it cannot be the source
+        return False
+
+
+class _Stop(BaseException):
+    """SIGINT or SIGTERM before the recording's own signal receiver runs: while the source
+    or ``--out`` is opened (a FIFO waits for its reader there) or the loop starts."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
+    """Record until the source ends or a signal; a signal at any moment is a normal end."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal() works only there
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(args)
+    except _Stop:
+        return EXIT_OK
+    finally:
+        for sig, handler in previous.items():  # None: set outside Python, default then
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         source = open_source(args.source, args.root)
         source.start()
@@ -114,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
                 return fail("record: stdout is closed; name a file with --out PATH", EXIT_USAGE)
             out = sys.stdout
         else:
+            if _same_file(source, args.out):
+                # Opening --out truncates it: the recording being copied would be lost.
+                return fail(f"record: --out {args.out!r} is the --source file itself", EXIT_USAGE)
             try:
                 out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
             except OSError as exc:

@@ -55,6 +55,26 @@ def set_receive_buffer(monitor: Any, sock: socket.socket, size: int) -> int:
     return _set_receive_buffer(sock, size, monitor.set_receive_buffer_size)
 
 
+def _raw_properties(device: Any) -> dict[str, str]:
+    """A device's properties with the bytes that are not UTF-8 kept as surrogate escapes, as
+    the kernel source keeps them: a wedge's ``TASK=`` is a process name, any bytes, and
+    pyudev's strict decoding would cost the whole uevent (the wedge with it). Read from
+    libudev's property list through pyudev's own helper; raises `ValueError` if that
+    helper is not there (the caller then skips the uevent, as before)."""
+    try:
+        from pyudev._util import udev_list_iterate
+
+        libudev = device._libudev
+        entry = libudev.udev_device_get_properties_list_entry(device)
+        return {
+            bytes(name).decode("utf-8", "surrogateescape"):
+            bytes(value or b"").decode("utf-8", "surrogateescape")
+            for name, value in udev_list_iterate(libudev, entry)
+        }
+    except (ImportError, AttributeError, TypeError) as exc:
+        raise ValueError(f"cannot read the raw properties: {exc}") from exc
+
+
 class NetlinkSource:
     """uevents from the kernel (``kernel``) or from udevd after its rules ran (``udev``)."""
 
@@ -184,7 +204,10 @@ class NetlinkSource:
         return items, True, False
 
     def _to_uevent(self, device: Any) -> UEvent | None:
-        props: dict[str, str] = dict(device.properties)
+        try:
+            props: dict[str, str] = dict(device.properties)
+        except ValueError:  # UnicodeDecodeError: pyudev decodes every value strictly
+            props = _raw_properties(device)
         if "ACTION" not in props:
             action = device.action
             if action:

@@ -185,8 +185,9 @@ def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
     if not isinstance(obj, dict):
         return None
     seq = obj.get("seq")
-    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(obj.get("type"), str):
-        return None
+    if (not isinstance(seq, int) or isinstance(seq, bool) or seq < 1
+            or not isinstance(obj.get("type"), str)):
+        return None  # seqs start at 1: a writer must never continue below it
     return obj, text
 
 
