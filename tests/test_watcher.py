@@ -120,6 +120,24 @@ async def test_change_on_unchanged_device_is_silent(host: SysRoot) -> None:
         await harness.send("frobnicate", NV, expect=0)  # unknown action: treated like change
 
 
+@pytest.mark.parametrize("devpath", ["", "/", "/devices/pci0000:00/"])
+@pytest.mark.parametrize("action", ["", "add", "change", "bind"])
+async def test_a_pci_line_naming_no_device_adds_none(
+    host: SysRoot, action: str, devpath: str
+) -> None:
+    """A hand-written (``file:``) line whose DEVPATH names no device, with no PCI_SLOT_NAME,
+    must not add a function with the address ``""`` (whose read of the bus directory itself
+    made it look present)."""
+    async with harness_for(host) as harness:
+        before = dict(harness.watcher.model.state.functions)
+        start = len(harness.events)
+        harness.source.push({"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": "pci"})
+        harness.source.push(host.uevent_props("change", NIC))  # a marker: the line is done
+        await harness.collect(start, 0)
+        assert "" not in harness.watcher.model.state.functions
+        assert harness.watcher.model.state.functions.keys() == before.keys()
+
+
 async def test_unknown_action_still_reads_the_tree(host: SysRoot) -> None:
     async with harness_for(host) as harness:
         harness.host.bind(NIC, "vfio-pci")

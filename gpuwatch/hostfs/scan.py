@@ -742,7 +742,8 @@ def observe(paths: HostPaths, tables: TablesView, event: UEvent) -> list[Observa
     devname = event.properties.get("DEVNAME")  # the mapping itself: one call less per event
     if subsystem == "pci":
         addr = name if is_pci_addr(name) else event.get("PCI_SLOT_NAME")
-        if addr is name or is_pci_addr(addr):  # checked once, not twice, per event
+        # Checked once, not twice, per event; `addr is name` holds for two empty strings too.
+        if (addr is name and name) or is_pci_addr(addr):
             devpath = event.devpath
             if not (addr is name and devpath.startswith("/devices/")
                     and "//" not in devpath and "/." not in devpath):
