@@ -449,3 +449,24 @@ async def test_a_periodic_poll_that_wakes_as_the_context_closes_ends_quietly(
         await w._poll_vgpu()
         await w._reconcile()
     assert w.resyncs == 0
+
+
+async def test_an_overflow_read_as_the_context_closes_ends_the_pump_quietly(
+    host: SysRoot,
+) -> None:
+    """The same turn for the pump: an overflow batch handed over as the watcher closes went
+    on to a resync, which raised WatcherClosed out of ``open_watcher``. Made certain here: the
+    pump runs once more on a closed watcher whose source holds an overflow."""
+    async with open_watcher(host.root, source=MemorySource(), reconcile_interval=0) as w:
+        pass
+    late = MemorySource()
+    late.overflow()
+    late.end()
+    w.source = late
+    try:
+        with anyio.fail_after(10):
+            await w._pump()
+    finally:
+        late.close()
+    assert w.resyncs == 0
+    assert w.source_ended.is_set()

@@ -444,6 +444,8 @@ class Watcher:
         try:
             async for batch in self.source.batches():
                 if isinstance(batch, SourceOverflow):
+                    if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
+                        return
                     _log.warning("events lost (%s): rescanning", batch.error)
                     await self.resync("overflow")
                     continue
