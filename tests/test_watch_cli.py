@@ -221,3 +221,52 @@ def test_the_daemon_freezes_its_start_up_heap_before_ready_and_thaws_at_exit(
     assert '"ready"' in calls[1][1]
     assert gc.get_freeze_count() == 0
     assert [e["type"] for e in read_events(log)] == ["ready", "stopped"]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("watching", [False, True])
+def test_an_error_on_the_way_out_of_a_signalled_run_still_ends_it_as_stopped(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], grouped: bool, watching: bool,
+) -> None:
+    """The handler's exception, raised where SIGTERM landed, may come out as another error
+    (CPython turns one raised inside the import machinery into ``TypeError: expected a
+    message argument``, seen once under load). The run was being stopped: exit 0, one
+    ``stopped`` record, the error one line — not ``internal error``, exit 1."""
+    from gpuwatch.cli.main import main
+
+    async def signalled(settings: Any, log: Any, progress: dict[str, bool]) -> None:
+        watch_cmd._caught.append("SIGTERM")
+        if watching:  # the watcher took over and wrote its own record
+            progress["watching"] = True
+            watch_cmd.write_stopped(log, "signal SIGTERM")
+        error = TypeError("expected a message argument")
+        raise ExceptionGroup("task group", [error]) if grouped else error
+
+    monkeypatch.setattr(watch_cmd, "watch", signalled)
+    log = tmp_path / "events.jsonl"
+    code = main(["watch", "--root", str(host.root), "--source", "file:/dev/null",
+                 "--log", str(log)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("\n") == 1 and "TypeError: expected a message argument" in err
+    assert "internal error" not in err
+    events = list(read_events(log))
+    assert [e["type"] for e in events] == ["stopped"]
+    assert events[0]["reason"] == "signal SIGTERM"
+
+
+def test_an_error_with_no_signal_caught_is_still_an_internal_error(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gpuwatch.cli.main import main
+
+    async def broken(settings: Any, log: Any, progress: dict[str, bool]) -> None:
+        raise TypeError("a real bug")
+
+    monkeypatch.setattr(watch_cmd, "watch", broken)
+    code = main(["watch", "--root", str(host.root), "--source", "file:/dev/null",
+                 "--log", str(tmp_path / "events.jsonl")])
+    assert code != 0
+    assert "internal error: TypeError: a real bug" in capsys.readouterr().err

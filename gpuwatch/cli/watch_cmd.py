@@ -240,6 +240,20 @@ def _stopped_early(log: EventLog | None, progress: dict[str, bool], exc: BaseExc
         write_stopped(log, f"signal {name}")
 
 
+def _stopping_anyway(log: EventLog | None, progress: dict[str, bool], exc: BaseException) -> bool:
+    """Whether an unexpected error came out of a run that a SIGTERM or SIGINT was already
+    stopping: then the run ends as that signal asked (exit 0, one ``stopped`` record) and the
+    error is one line on stderr. The handler's exception is raised wherever the signal lands,
+    and CPython may turn it into another error on the way out (one raised inside the import
+    machinery can surface as a TypeError); the operator's stop is what happened."""
+    if not _caught:
+        return False
+    fail(f"stopping on {_caught[0]}; on the way out: {type(exc).__name__}: {exc}", EXIT_OK)
+    if log is not None and not progress.get("watching"):
+        write_stopped(log, f"signal {_caught[0]}")
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     _caught.clear()
     previous = {s: signal.signal(s, _terminate) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -270,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(leaf, _setup_errors()):
             return fail(str(leaf), EXIT_USAGE)
         if isinstance(leaf, Exception):
+            if _stopping_anyway(log, progress, leaf):
+                return EXIT_OK
             raise leaf from None  # main() maps it to its exit code, in one line
         raise
     except _SETUP_ERRORS as exc:
@@ -277,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if isinstance(exc, _setup_errors()):
             return fail(str(exc), EXIT_USAGE)
+        if _stopping_anyway(log, progress, exc):
+            return EXIT_OK
         raise
     finally:
         for signum, handler in previous.items():
