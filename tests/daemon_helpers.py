@@ -101,7 +101,8 @@ class Daemon:
         self._fifo.flush()
 
     def events(self) -> list[dict[str, Any]]:
-        return list(read_events(self.log)) if self.log.exists() else []
+        # A log written into a FIFO or a device is not read back (readers refuse it).
+        return list(read_events(self.log)) if self.log.is_file() else []
 
     def seq(self) -> int:
         events = self.events()

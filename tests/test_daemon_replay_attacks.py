@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -163,3 +164,30 @@ def test_an_unreadable_log_is_an_error_reply_and_the_connection_is_not_half_subs
         assert probe(d.sock)["result"] is True
     assert d.proc is not None and d.proc.returncode == 0, d.stderr
     assert "Traceback" not in d.stderr, d.stderr
+
+
+def test_a_fifo_log_gives_a_subscriber_live_events_marked_incomplete(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A log written into a FIFO (another program reads it) cannot be read back: a
+    subscriber asking for history gets the live stream with ``complete: false``, as an
+    in-process subscriber does, not an error reply for a log it never asked to read."""
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the program tailing it
+    try:
+        d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", log=fifo, ready_by_socket=True)
+        with d, connect(d.sock) as s:
+            lines = Lines(s)
+            reply = lines.request("subscribe", {"since_seq": 0})
+            assert reply.get("result", {}).get("complete") is False, reply
+            host.unbind(NV)
+            d.push(host.uevent_props("unbind", NV))
+            event = lines.line()
+            while event.get("type") != "driver-changed":  # a probe-changed may come first
+                event = lines.line()
+            assert event["addr"] == NV, event
+        assert d.proc is not None and d.proc.returncode == 0, d.stderr
+        assert "Traceback" not in d.stderr, d.stderr
+    finally:
+        os.close(reader)

@@ -87,7 +87,9 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                     read_gid = None  # not root: cannot give the file to the gpuwatch group
                 server = SocketServer(
                     watcher, settings.socket, read_gid=read_gid,
-                    switch_gid=settings.switch_gid, log_path=settings.log, metrics=metrics,
+                    switch_gid=settings.switch_gid, metrics=metrics,
+                    # Replays read the log's files: none for stdout, a FIFO or a device.
+                    log_path=watcher.watcher.replay_log_path,
                     max_line=settings.socket_max_request_bytes,
                     max_clients=settings.socket_max_clients,
                     max_per_uid=settings.socket_max_per_uid,

@@ -199,6 +199,13 @@ class Watcher:
         """Why the event log is not being written (None: it is)."""
         return self._log_error if self._gap is not None else None
 
+    @property
+    def replay_log_path(self) -> str | None:
+        """The log's path when history can be replayed from its files (None: no log, or one
+        written to stdout, a FIFO or a device, which cannot be read back)."""
+        log = self._log
+        return log.path if log is not None and log.replayable else None
+
     # ------------------------------------------------------------------ reading
 
     @property
@@ -293,10 +300,11 @@ class Watcher:
                 self._subscribers.remove(sub)
 
     async def _start_replay(self, sub: Subscription, since_seq: int, now: int) -> None:
-        if self._log is None or not self._log.replayable:
+        path = self.replay_log_path
+        if path is None:
             sub.complete = False  # no log to replay from (none, stdout, a FIFO, a device)
             return
-        records = read_records(self._log.path, since_seq=since_seq, types=sub.types)
+        records = read_records(path, since_seq=since_seq, types=sub.types)
         first = await anyio.to_thread.run_sync(next, records, None)
         if first is None:
             sub.complete = False
