@@ -111,7 +111,6 @@ QUICK = Settings(
     ratio_kernel_rounds=8,
     ratio_cli_reps=3,
     ratio_trips=100,
-    ratio_fanout_events=512,
     ratio_replay_mib=96,
     ratio_replay_probes=500,
     ratio_replay_rounds=2,
