@@ -17,7 +17,7 @@ import pytest
 from daemon_helpers import Daemon, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import ConfigError
-from gpuwatch.hostfs.files import read_bytes, read_text
+from gpuwatch.hostfs.files import read_bytes, read_text, write_atomic
 from gpuwatch.hostfs.scan import HostPaths, scan
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.settings import CONFIG_MAX_BYTES, load_settings, load_tables, read_config_file
@@ -188,3 +188,23 @@ def test_watch_with_a_hostile_config_exits_2_at_once(
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and str(path) in proc.stderr, proc.stderr
     assert elapsed < 30  # bounded (a hang would hit the timeout); the speed is a benchmark's
+
+
+def test_the_atomic_write_never_opens_what_is_planted_at_its_temporary_name(
+    tmp_path: Path,
+) -> None:
+    """Records, unit files and the NFD features file share one atomic write: a FIFO planted
+    at its temporary name is replaced, never opened (an open would wait for a reader), the
+    mode is the one asked for whatever the umask, and a failed rename leaves no temporary."""
+    path = tmp_path / "record.json"
+    path.write_text("old\n")
+    os.mkfifo(tmp_path / ".record.json.gpuwatch-new")
+    write_atomic(str(path), '{"new": 1}\n', 0o600, sync_dir=True)
+    assert path.read_text() == '{"new": 1}\n'
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+    target_dir = tmp_path / "a-directory"
+    (target_dir / "inside").mkdir(parents=True)  # os.replace onto a non-empty directory fails
+    with pytest.raises(OSError):
+        write_atomic(str(target_dir), b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory", "record.json"]

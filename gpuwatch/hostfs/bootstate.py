@@ -9,13 +9,11 @@ regular file (a FIFO planted there is never waited on).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from typing import Any
 
-from gpuwatch.hostfs.files import read_attr, read_bytes
+from gpuwatch.hostfs.files import read_attr, read_bytes, write_atomic
 
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 #: Such a file holds a few entries; one longer than this is not ours.
@@ -42,20 +40,8 @@ def read_record(path: str, boot: str) -> dict[str, Any]:
 
 def write_record(path: str, data: dict[str, Any]) -> None:
     """Replace the record at ``path`` atomically; `OSError` (read-only, full) to the caller."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gpuwatch.", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    write_atomic(path, json.dumps(data, indent=1) + "\n", 0o600)
 
 
 def stopped_services(root: str) -> frozenset[str]:

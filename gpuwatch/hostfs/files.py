@@ -1,7 +1,9 @@
-"""Fault-tolerant primitive reads. Every sysfs read in gpuwatch goes through here."""
+"""Fault-tolerant primitive reads (every sysfs read in gpuwatch goes through here), and the
+one atomic write of the small files gpuwatch keeps (records, unit files, NFD features)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -111,6 +113,43 @@ def link_name(path: str) -> str:
     except ValueError:
         return ""
     return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
+
+
+def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
+                 owner: os.stat_result | None = None, sync_dir: bool = False) -> None:
+    """A new file renamed over ``path``: a reader never sees half of it, and a crash leaves
+    the old file or the new (fsynced first), never an empty one. The temporary file is
+    hidden (``.NAME.gpuwatch-new``: readers of a whole directory, like NFD's ``features.d``,
+    skip it) and made with O_EXCL|O_NOFOLLOW, so a FIFO or link planted at its name is never
+    opened. ``owner``: take that file's owner and group (a chown we may not do, as a user in a
+    fixture, is skipped). ``sync_dir``: fsync the directory too, so the rename itself lasts.
+    """
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.gpuwatch-new")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            f.flush()
+            if owner is not None:
+                with contextlib.suppress(PermissionError):
+                    os.fchown(f.fileno(), owner.st_uid, owner.st_gid)
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if sync_dir:
+        dfd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def in_root(root: str, path: str) -> str:

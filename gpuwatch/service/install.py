@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from gpuwatch.errors import SERVICE, HostError
-from gpuwatch.hostfs.files import NotARegularFile, read_bytes
+from gpuwatch.hostfs.files import NotARegularFile, read_bytes, write_atomic
 from gpuwatch.service.udev_rules import DEFAULT_GROUP as VFIO_GROUP
 from gpuwatch.service.udev_rules import RULES_FILE, render_rules
 
@@ -495,37 +495,12 @@ class _Undo:
         if isinstance(old, str):
             os.symlink(old, path)
         elif isinstance(old, bytes):
-            _write_atomic(path, old, stat.S_IMODE(st.st_mode), st)
+            write_atomic(path, old, stat.S_IMODE(st.st_mode), owner=st)
         elif stat.S_ISFIFO(st.st_mode):
             os.mkfifo(path, stat.S_IMODE(st.st_mode))
         else:
             return "removed"  # a socket or device node there is not remade
         return "restored"
-
-
-def _write_atomic(path: str, content: str | bytes, mode: int,
-                  owner: os.stat_result | None = None) -> None:
-    """A new file renamed over ``path``, so a reader never sees half of it; ``owner``: take
-    that file's owner and group (a chown we may not do, as a user in a fixture, is skipped)."""
-    tmp = f"{path}.gpuwatch-new"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # O_EXCL below: a FIFO or link planted at the name is never opened
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content.encode("utf-8") if isinstance(content, str) else content)
-            f.flush()
-            if owner is not None:
-                with contextlib.suppress(PermissionError):
-                    os.fchown(f.fileno(), owner.st_uid, owner.st_gid)
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def describe(step: Step, root: str, *, dry_run: bool) -> str:
@@ -586,7 +561,7 @@ def _carry_out(step: Step, root: str, undo: _Undo | None) -> None:
                     owner = os.stat(path)
             journal.save(path)
             mode = stat.S_IMODE(owner.st_mode) if owner is not None else step.mode
-            _write_atomic(path, step.content, mode, owner)
+            write_atomic(path, step.content, mode, owner=owner)
         elif isinstance(step, MakeDir):
             journal.makedirs(path)
         elif isinstance(step, Remove):

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
 from gpuwatch.core.reporttext import iommu_status
+from gpuwatch.hostfs.files import write_atomic
 from gpuwatch.hostfs.noiommu import read_iommu_groups
 
 if TYPE_CHECKING:
@@ -144,25 +145,8 @@ def resolve_path(path: str | os.PathLike[str]) -> str:
 
 def write_atomically(path: str, text: str) -> None:
     """Temporary file in the same directory, fsync, rename: NFD never reads half a file."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, mode=0o755, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, text.encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        os.unlink(tmp)
-        raise
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    write_atomic(path, text, 0o644, sync_dir=True)
 
 
 class NfdFeatureFile:
