@@ -455,6 +455,15 @@ def test_a_client_turned_away_for_want_of_a_slot_says_so(
                              capture_output=True, text=True, env=env(), timeout=60)
         assert cli.returncode == 0, cli.stderr
         assert json.loads(cli.stdout)["result"] == "nvidia"
+        # A switch is not done beside a running daemon (it would race the daemon's own, and a
+        # wedge would never reach its memory): busy is an error to retry, the tree untouched.
+        switch = subprocess.run(gpuwatch_cmd("mode", "vfio", "--addr", NV, "--root",
+                                             str(host.root), "--socket", d.sock),
+                                capture_output=True, text=True, env=env(), timeout=60)
+        assert switch.returncode == 1, (switch.stdout, switch.stderr)
+        assert "retry" in switch.stderr and switch.stderr.count("\n") == 1, switch.stderr
+        assert os.path.basename(os.readlink(host.root / "sys/bus/pci/devices" / NV /
+                                            "driver")) == "nvidia"
 
 
 # --------------------------------------------------------------------------- the log

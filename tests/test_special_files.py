@@ -190,19 +190,52 @@ def test_watch_with_a_hostile_config_exits_2_at_once(
     assert elapsed < 30  # bounded (a hang would hit the timeout); the speed is a benchmark's
 
 
-def test_the_atomic_write_never_opens_what_is_planted_at_its_temporary_name(
+def test_the_atomic_write_never_opens_what_is_planted_and_never_loses_a_writer(
     tmp_path: Path,
 ) -> None:
     """Records, unit files and the NFD features file share one atomic write: a FIFO planted
-    at its temporary name is replaced, never opened (an open would wait for a reader), the
-    mode is the one asked for whatever the umask, and a failed rename leaves no temporary."""
+    at a likely temporary name is never opened (an open would wait for a reader), the mode
+    is the one asked for, writers at once each rename a whole file of their own (two
+    `gpuwatch mode` runs record their poison together), and nothing temporary is left."""
+    import threading
+
     path = tmp_path / "record.json"
     path.write_text("old\n")
-    os.mkfifo(tmp_path / ".record.json.gpuwatch-new")
+    planted = tmp_path / ".record.json.gpuwatch-new"
+    os.mkfifo(planted)
     write_atomic(str(path), '{"new": 1}\n', 0o600, sync_dir=True)
     assert path.read_text() == '{"new": 1}\n'
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_ISFIFO(planted.stat().st_mode)  # left alone
+    planted.unlink()
+
+    errors: list[BaseException] = []
+    torn: list[str] = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(100):
+                write_atomic(str(path), json.dumps({"writer": k, "i": i, "pad": "x" * 4000}))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        for _ in range(400):
+            text = path.read_text()
+            try:
+                json.loads(text)
+            except ValueError:
+                torn.append(text[:40])
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    threads.append(threading.Thread(target=reader))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not torn
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+
     target_dir = tmp_path / "a-directory"
     (target_dir / "inside").mkdir(parents=True)  # os.replace onto a non-empty directory fails
     with pytest.raises(OSError):

@@ -112,3 +112,19 @@ def test_mode_shows_the_poison_of_a_card_without_a_group(
     code, out, _ = run_main(capsys, "mode", "--addr", CARD_B, "--json", "--root",
                             str(host.root))
     assert json.loads(out)["poisoned"] is None
+
+
+def test_a_wedged_card_without_a_group_in_its_mode_is_refused_not_ready(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A wedged card "in mode nvidia" must not read as ready: the early poison check looked
+    the card up by its group number, and a group-less card is poisoned by its address, so
+    `mode nvidia` said "already nvidia, nothing to do" and exited 0."""
+    host = iommu_off_host(tmp_path / "h")
+    host.bind(CARD_A, "nvidia")
+    PoisonStore(str(host.root)).add(CARD_A, PoisonEntry(
+        addr=CARD_A, to_mode="nvidia", error="write to unbind did not return",
+        time="2026-12-01T10:00:00Z"))
+    code, out, err = run_main(capsys, "mode", "nvidia", "--addr", CARD_A, "--no-daemon",
+                              "--root", str(host.root))
+    assert code == 1, (out, err)
+    assert "write to unbind did not return" in err and "reboot" in err

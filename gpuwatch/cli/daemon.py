@@ -87,6 +87,11 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
                                  f"request ({exc}); see `gpuwatch status` and its log") from None
             return None
         except DaemonError as exc:
+            if mutating and exc.code == TOO_MANY_CLIENTS:
+                # A daemon is running: a switch done here would race its own, and a wedge
+                # here would never reach its memory. It is busy, not gone: retry.
+                raise DaemonLost(f"the daemon at {client.path} is serving as many clients as "
+                                 f"it may ({exc.message or exc.code}); retry") from None
             if exc.code in (PERMISSION_DENIED, TOO_MANY_CLIENTS, UNAVAILABLE):  # cannot help
                 return None
             raise

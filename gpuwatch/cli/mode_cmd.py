@@ -290,7 +290,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
     load_poison(model)
     # Poison, vendor, kept for the host: refused before "already in mode" and before the
     # privilege check (a wedged card "in mode nvidia" must not read as ready: exit 1).
-    guard = switch_guard(card, mode, poisoned=model.poisoned.get(card.iommu_group, ""),
+    guard = switch_guard(card, mode, poisoned=model.poisoned.get(poison_key(card), ""),
                          kept_for_host=model.kept_for_host(card.addr) if mode == "vfio" else "",
                          force=args.force)
     if guard is not None:

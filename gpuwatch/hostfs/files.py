@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import stat
+import tempfile
 
 from gpuwatch.errors import UNREADABLE, HostError
 
@@ -119,17 +120,16 @@ def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
                  owner: os.stat_result | None = None, sync_dir: bool = False) -> None:
     """A new file renamed over ``path``: a reader never sees half of it, and a crash leaves
     the old file or the new (fsynced first), never an empty one. The temporary file is
-    hidden (``.NAME.gpuwatch-new``: readers of a whole directory, like NFD's ``features.d``,
-    skip it) and made with O_EXCL|O_NOFOLLOW, so a FIFO or link planted at its name is never
-    opened. ``owner``: take that file's owner and group (a chown we may not do, as a user in a
-    fixture, is skipped). ``sync_dir``: fsync the directory too, so the rename itself lasts.
+    hidden (``.NAME.XXXXXXXX.gpuwatch-new``: readers of a whole directory, like NFD's
+    ``features.d``, skip it), of a name no one else writes, and made with O_EXCL|O_NOFOLLOW,
+    so a FIFO or link planted at a name is never opened. ``owner``: take that file's owner
+    and group (a chown we may not do, as a user in a fixture, is skipped). ``sync_dir``:
+    fsync the directory too, so the rename itself lasts.
     """
     folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.gpuwatch-new")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    # mkstemp: O_EXCL|O_NOFOLLOW, mode 0600, and a name of its own per writer, so two
+    # processes writing one record at once never take each other's half-written file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".gpuwatch-new", dir=folder or ".")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(content.encode("utf-8") if isinstance(content, str) else content)
