@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import json
 import os
 import re
@@ -642,7 +643,7 @@ def test_a_client_waits_out_a_full_backlog_within_its_timeout(
     instead (EAGAIN), so the client retries within its timeout rather than giving up."""
     import anyio
 
-    from gpuwatch.service.client import AsyncClient, Client
+    from gpuwatch.service.client import AsyncClient, Client, DaemonUnavailable
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 20_000), hard))
@@ -671,6 +672,17 @@ def test_a_client_waits_out_a_full_backlog_within_its_timeout(
                     answers.append(ask())
                 finally:
                     resume.join()
+            # A daemon that stays stopped: both give up once their timeout is spent.
+            d.proc.send_signal(signal.SIGSTOP)
+            queued = fill_backlog(d.sock)
+            try:
+                with pytest.raises(DaemonUnavailable):
+                    Client(d.sock, timeout=0.5)
+                with pytest.raises(DaemonUnavailable):
+                    anyio.run(functools.partial(AsyncClient.connect, d.sock, timeout=0.5))
+            finally:
+                for s in queued:
+                    s.close()
         finally:
             d.proc.send_signal(signal.SIGCONT)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

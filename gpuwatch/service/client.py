@@ -327,11 +327,31 @@ class AsyncClient:
     async def connect(cls, path: str | os.PathLike[str] | None = None, *,
                       timeout: float | None = DEFAULT_TIMEOUT) -> AsyncClient:
         where = os.fspath(path) if path is not None else default_socket_path()
+        # A unix socket's connect never waits (no EINPROGRESS): it connects, or finds the
+        # daemon's listen backlog full (EAGAIN) and is tried again, within the timeout, as
+        # `Client` does. (anyio's own connect waits for room with no bound, and leaks its
+        # socket when cancelled.)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            stream = await anyio.connect_unix(where)
-        except OSError as exc:
-            raise DaemonUnavailable(f"no gpuwatch daemon at {where}: "
-                                    f"{exc.strerror or exc}") from None
+            while True:
+                try:
+                    sock.connect(where)
+                    break
+                except BlockingIOError as exc:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise DaemonUnavailable(
+                            f"the gpuwatch daemon at {where} is not accepting connections: "
+                            f"{exc.strerror or exc}") from None
+                    await anyio.sleep(_BACKLOG_RETRY)
+                except OSError as exc:
+                    raise DaemonUnavailable(f"no gpuwatch daemon at {where}: "
+                                            f"{exc.strerror or exc}") from None
+            stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
+        except BaseException:
+            sock.close()
+            raise
         return cls(stream, where, timeout)
 
     async def _readline(self) -> bytes:
