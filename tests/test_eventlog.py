@@ -341,6 +341,32 @@ def test_a_fifo_log_whose_reader_stalls_degrades_instead_of_blocking(tmp_path: P
     assert len(torn) <= 1 and all(any(p.startswith(t) for p in padded) for t in torn)
 
 
+def test_a_terminal_or_fifo_log_takes_no_lock_file_beside_it(tmp_path: Path) -> None:
+    """A stream is never rotated or read back, so it needs no ``PATH.lock``: none can be made
+    in /dev/pts (a terminal as the log was refused), and a root daemon logging to /dev/null
+    would leave /dev/null.lock in /dev."""
+    leader, follower = os.openpty()
+    os.set_blocking(leader, False)
+    try:
+        tty = os.ttyname(follower)
+        log = EventLog(tty)  # was EventLogUnavailable: cannot open its lock (EACCES)
+        log.write_line(line(1))
+        log.close()
+        assert drain(leader).replace(b"\r\n", b"\n") == (line(1) + "\n").encode()
+        assert not os.path.lexists(f"{tty}.lock")
+    finally:
+        os.close(leader)
+        os.close(follower)
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        EventLog(fifo).close()
+    finally:
+        os.close(reader)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.fifo"]
+
+
 def test_readers_never_open_a_fifo_where_a_log_file_should_be(tmp_path: Path) -> None:
     """Opening a FIFO to read blocks until a writer comes, and reading one takes the bytes
     meant for its own reader: the writer's look for the last seq passes over it, and

@@ -109,6 +109,17 @@ def _describe_os_error(exc: OSError) -> str:
     return f"{name}: {text}" if name else text
 
 
+def _names_a_stream(path: str) -> bool:
+    """Whether ``path`` is a FIFO or a device (a terminal, /dev/null): written, never rotated
+    or read back, so no ``PATH.lock`` beside it (none can be made in /dev/pts, and a root
+    daemon would leave /dev/null.lock in /dev). stat opens nothing: a FIFO never blocks."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
 def _take_lock(path: str) -> int:
     """Hold ``PATH.lock`` exclusively for the life of the writer; the file names our pid.
 
@@ -434,7 +445,7 @@ class EventLog:
                 raise EventLogUnavailable(
                     f"event log {self._path}: cannot create {parent}: "
                     f"{_describe_os_error(exc)}") from None
-        if lock:
+        if lock and not _names_a_stream(self._path):
             self._lock_fd = _take_lock(self._path)  # before anything is written
         try:
             self._open()
