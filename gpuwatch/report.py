@@ -13,6 +13,7 @@ from gpuwatch.core.modes import group_mode, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASS,
     hostdev_xml,
+    iommu_isolates,
     iommu_status,
     managed_note,
     memlock_verdict,
@@ -244,8 +245,7 @@ def iommu_enabled(model: HostModel) -> bool:
     except on a host whose only groups are VFIO no-IOMMU groups)."""
     vfio = model.probe("detect-vfio")
     groups = read_iommu_groups(model.root)
-    return bool(iommu_status(vfio.iommu_enabled, vfio.iommu_kind, groups.noiommu,
-                             groups.real)["enabled"])
+    return iommu_isolates(vfio.iommu_enabled, groups.noiommu, groups.real)
 
 
 def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:

@@ -27,6 +27,7 @@ from gpuwatch.core.reporttext import (
     BRIDGE_CLASS,
     MANAGED_VALUES,
     hostdev_xml,
+    iommu_isolates,
     iommu_status,
     managed_note,
     memlock_verdict,
@@ -277,9 +278,8 @@ def run_report(argv: list[str]) -> int | None:
             assert listing is not None
             gpus = list_report(remote, listing[1])
             groups = read_iommu_groups(remote.root)
-            text = compact(gpus) if as_json else render_list(gpus, bool(iommu_status(
-                remote.vfio["iommu_enabled"], remote.vfio["iommu_kind"], groups.noiommu,
-                groups.real)["enabled"]))
+            text = compact(gpus) if as_json else render_list(gpus, iommu_isolates(
+                bool(remote.vfio["iommu_enabled"]), groups.noiommu, groups.real))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, GpuwatchError):
         return None  # no answer, an error reply or an unexpected one: the full command
     with reader_may_leave():

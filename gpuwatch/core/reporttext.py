@@ -37,6 +37,12 @@ def iommu_hint(enabled: bool, kind: str) -> str:
     )
 
 
+def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = False) -> bool:
+    """Whether an IOMMU isolates anything: detect-vfio's ``iommu_enabled`` (groups exist),
+    except where the only groups are VFIO no-IOMMU groups (``real``: another group exists)."""
+    return enabled and (real or not noiommu)
+
+
 def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
                  real: bool = False) -> dict[str, Any]:
     """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
@@ -44,7 +50,7 @@ def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
     ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
     whose only groups are VFIO no-IOMMU groups (``noiommu``; ``real``: another group exists):
     there is no IOMMU there, and the operator is told so rather than "enabled"."""
-    on = enabled and (real or not noiommu)
+    on = iommu_isolates(enabled, noiommu, real)
     hint = iommu_hint(on, kind)
     if noiommu:
         said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "
@@ -239,5 +245,5 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
 
 
 __all__ = ["BRIDGE_CLASS", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "iommu_status", "managed_note", "memlock_verdict", "render_list",
-           "render_status", "vf_ready"]
+           "iommu_hint", "iommu_isolates", "iommu_status", "managed_note", "memlock_verdict",
+           "render_list", "render_status", "vf_ready"]

@@ -24,9 +24,9 @@ import anyio
 from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
-from gpuwatch.core.reporttext import iommu_status
+from gpuwatch.core.reporttext import iommu_isolates
 from gpuwatch.hostfs.files import write_atomic
-from gpuwatch.hostfs.noiommu import read_iommu_groups
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups
 
 if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
@@ -184,7 +184,9 @@ class NfdFeatureFile:
             if self._wake is not None:
                 self._wake.set()
 
-    def labels(self) -> dict[str, str]:
+    def labels(self, groups: IommuGroups | None = None) -> dict[str, str]:
+        """The labels now; ``groups``: the IOMMU groups' names as read (`update` reads them
+        in a worker thread), else read here when groups exist."""
         w = self._watcher
         assert w is not None, "attach a watcher first"
         gpu_vendors = w.tables.gpu_vendors
@@ -193,23 +195,28 @@ class NfdFeatureFile:
             str(w.probe("amd-gfx-version")), lambda vid: gpu_vendors.get(vid, vid or "unknown"),
             str(w.probe("amd-gfx-target")) if w.probe("detect-amd-gpu") else "",
             w.model.state.vfio_variants,
-            self._iommu_on(w),
+            self._iommu_on(w, groups),
         )
 
     @staticmethod
-    def _iommu_on(w: Watcher) -> bool:
-        """`status`'s answer: the group names are read only where groups exist at all (a host
-        with an IOMMU has no ``name`` file in its groups, so each read fails fast)."""
-        vfio = w.probe("detect-vfio")
-        if not vfio.iommu_enabled:
+    def _iommu_on(w: Watcher, groups: IommuGroups | None) -> bool:
+        """`status`'s answer (`iommu_isolates`); the group names matter only where groups
+        exist at all."""
+        if not w.probe("detect-vfio").iommu_enabled:
             return False
-        groups = read_iommu_groups(w.model.root)
-        return bool(iommu_status(True, vfio.iommu_kind, groups.noiommu, groups.real)["enabled"])
+        if groups is None:
+            groups = read_iommu_groups(w.model.root)
+        return iommu_isolates(True, groups.noiommu, groups.real)
 
     async def update(self, *, force: bool = False) -> bool:
         """Write if the labels changed (or ``force``, or the expiry needs refreshing)."""
         self._dirty = False
-        labels = self.labels()
+        w = self._watcher
+        assert w is not None, "attach a watcher first"
+        groups = None
+        if w.probe("detect-vfio").iommu_enabled:  # sysfs reads: off the event loop
+            groups = await anyio.to_thread.run_sync(read_iommu_groups, w.model.root)
+        labels = self.labels(groups)
         now = self._clock()
         refresh_due = self.expiry > 0 and now >= self._written_at + self.expiry / 2
         if not force and labels == self._labels and not refresh_due:
