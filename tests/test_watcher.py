@@ -470,3 +470,30 @@ async def test_an_overflow_read_as_the_context_closes_ends_the_pump_quietly(
         late.close()
     assert w.resyncs == 0
     assert w.source_ended.is_set()
+
+
+async def test_a_gpu_bound_to_a_driver_whose_name_is_not_utf8_is_logged(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """A crafted tree may name a driver with any bytes: binding the GPU to it changes the
+    ``detect-vfio`` answer, whose probe-changed line has a fast path of its own. That path
+    falls back to the written-as-U+FFFD form too, instead of stopping the watcher."""
+    from gpuwatch.watch.eventlog import read_events
+
+    log = tmp_path / "events.jsonl"
+    source = MemorySource()
+    async with open_watcher(host.root, source, log=log, reconcile_interval=0,
+                            cdi_poll_interval=0) as w:
+        host.unbind(NV)
+        link = host.root / "sys/bus/pci/devices" / NV / "driver"
+        os.symlink(b"../../../bus/pci/drivers/nvid\xffia", bytes(link))
+        before = w.seq
+        source.push(host.uevent_props("bind", NV))
+        with anyio.fail_after(10):
+            while w.seq < before + 2:
+                await anyio.sleep(0.01)
+    events = list(read_events(log))
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    changed = [e for e in events if e["type"] == "probe-changed"
+               and e["action"] == "detect-vfio"]
+    assert changed and "nvid\ufffdia" in json.dumps(changed[-1], ensure_ascii=False)

@@ -366,7 +366,10 @@ def event_json(event: BaseModel) -> str:
         if tail is not None and type(seq) is int and time:
             return f'{{"seq":{seq},"time":{time}{tail}'
     elif type(event) is ProbeChanged:
-        line = _gpus_changed_json(event.__dict__)
+        try:
+            line = _gpus_changed_json(event.__dict__)
+        except PydanticSerializationError:
+            line = None  # bytes that are not UTF-8 in an entry: the general path scrubs them
         if line is not None:
             return line
     try:
