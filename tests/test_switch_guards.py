@@ -416,13 +416,16 @@ def test_a_process_stuck_in_the_kernel_costs_one_thread_not_one_per_scan() -> No
 
     try:
         for _ in range(30):
-            results, stuck = read_each([1, 424242, 3], read, deadline=0.2)
+            results, stuck = read_each([1, 424242, 3], read, deadline=0.2, scope="/a/proc")
             assert results == {1: 1, 3: 3} and stuck == [424242]
         assert len(waiting) == 1
+        # The same pid under another /proc (another tree) is another process: read it.
+        results, stuck = read_each([424242], lambda pid: pid * 2, deadline=5, scope="/b/proc")
+        assert results == {424242: 848484} and stuck == []
     finally:
         release.set()
     deadline = time.monotonic() + 30  # the abandoned read returns when it returns
     while readers() and time.monotonic() < deadline:
         time.sleep(0.01)
-    results, stuck = read_each([1, 424242, 3], read, deadline=5)
+    results, stuck = read_each([1, 424242, 3], read, deadline=5, scope="/a/proc")
     assert results == {1: 1, 424242: 424242, 3: 3} and stuck == []

@@ -106,7 +106,7 @@ def scan_procs(root: str, scope: NodeScope, *,
         nvidia_fds = sum(1 for t in targets if t.startswith("/dev/nvidia"))
         return comm, nodes, nvidia_fds
 
-    seen, stuck = read_each(pids(proc), read, deadline=deadline)
+    seen, stuck = read_each(pids(proc), read, deadline=deadline, scope=proc)
     found: list[Holding] = []
     persistenced, persistenced_fds = False, 0
     for pid, (comm, nodes, nvidia_fds) in sorted(seen.items()):

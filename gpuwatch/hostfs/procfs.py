@@ -30,27 +30,29 @@ _PER_PROCESS_SHARE = 0.25
 # starting one more thread to block beside the others: a daemon asked for holders again
 # and again (a client can ask as often as it likes) keeps one thread per stuck process,
 # not one per question.
-_abandoned: dict[int, int] = {}
+# Keyed by (scope, pid): the same pid in another /proc (another root) is another process.
+_abandoned: dict[tuple[str, int], int] = {}
 _abandoned_lock = threading.Lock()
 
 
-def _abandon(pid: int) -> None:
+def _abandon(key: tuple[str, int]) -> None:
     with _abandoned_lock:
-        _abandoned[pid] = _abandoned.get(pid, 0) + 1
+        _abandoned[key] = _abandoned.get(key, 0) + 1
 
 
-def _returned(pid: int) -> None:
-    """An abandoned read of ``pid`` came back: the process may be read again."""
+def _returned(key: tuple[str, int]) -> None:
+    """An abandoned read came back: the process may be read again."""
     with _abandoned_lock:
-        left = _abandoned.get(pid, 0) - 1
+        left = _abandoned.get(key, 0) - 1
         if left > 0:
-            _abandoned[pid] = left
+            _abandoned[key] = left
         else:
-            _abandoned.pop(pid, None)
+            _abandoned.pop(key, None)
 
 
 def read_each(pids: Sequence[int], read: Callable[[int], T], *,
-              deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[dict[int, T], list[int]]:
+              deadline: float = DEFAULT_PROC_DEADLINE,
+              scope: str = "") -> tuple[dict[int, T], list[int]]:
     """``read(pid)`` for every pid, all of it within ``deadline`` seconds: ``(results,
     unreadable)``, the second the pids whose read did not finish in time (stuck in the
     kernel, or never reached). Returns within the deadline plus a scheduling moment.
@@ -58,7 +60,8 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
     The reads run in a daemon thread. A thread blocked in the kernel cannot be interrupted
     or joined, so when one process takes more than its share it is left behind, abandoned,
     and a fresh thread goes on with the next pid. While an abandoned read is still blocked,
-    its pid is unreadable at once: no second thread is sent to block on it.
+    its pid is unreadable at once: no second thread is sent to block on it. ``scope`` (the
+    /proc directory read) tells apart the same pid of two trees.
     """
     end = time.monotonic() + max(deadline, 0.0)
     per_pid = max(deadline * _PER_PROCESS_SHARE, 0.01)
@@ -81,7 +84,7 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
             with cond:
                 if state["gen"] != gen:
                     if (gen, pid) in given_up:
-                        _returned(pid)
+                        _returned((scope, pid))
                     return  # given up on while it read: the caller has moved on
                 if value is not None:
                     results[pid] = value
@@ -98,7 +101,7 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
                          daemon=True).start()
 
     with _abandoned_lock:
-        blocked = set(_abandoned)
+        blocked = {pid for where, pid in _abandoned if where == scope}
     todo = [pid for pid in pids if pid not in blocked]
     unreadable.extend(pid for pid in pids if pid in blocked)
     if not todo:
@@ -113,7 +116,7 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
                 # Give up on the process being read; go on with the rest while time is left.
                 if isinstance(pid, int):
                     given_up.add((int(state["gen"]), pid))  # type: ignore[call-overload]
-                    _abandon(pid)  # until its thread says it returned
+                    _abandon((scope, pid))  # until its thread says it returned
                 state["gen"] = int(state["gen"]) + 1  # type: ignore[call-overload]
                 state["pid"] = None
                 stuck = [pid] if isinstance(pid, int) else []
@@ -174,7 +177,7 @@ def holders(root: str, matches: Callable[[str], bool], *,
     def read(pid: int) -> list[str]:
         return sorted({t for t in fd_targets(proc, pid) if matches(t)})
 
-    nodes_of, stuck = read_each(pids(proc), read, deadline=deadline)
+    nodes_of, stuck = read_each(pids(proc), read, deadline=deadline, scope=proc)
     found: list[tuple[int, str, str]] = []
     for pid, nodes in sorted(nodes_of.items()):
         if nodes:

@@ -119,7 +119,7 @@ def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeSc
     stuck: list[tuple[int, str, str]] = []
     removing: list[tuple[int, str, str]] = []
     seen, timed_out = read_each(pids(proc), lambda pid: _stack_hit(proc, pid),
-                                deadline=deadline)
+                                deadline=deadline, scope=proc)
     unreadable = list(timed_out)
     for pid, (readable, hit, remove) in sorted(seen.items()):
         if hit:
