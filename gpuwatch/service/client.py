@@ -144,6 +144,16 @@ def default_socket_path() -> str:
 # --------------------------------------------------------------------------- blocking
 
 
+def _first_refusal(lines: Iterable[bytes]) -> DaemonError | None:
+    """The daemon's refusal (its ``"id": null`` line) among the lines already read, if any."""
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            error = refusal(P.loads(line, max_depth=REPLY_MAX_DEPTH))
+            if error is not None:
+                return error
+    return None
+
+
 class Client:
     """A blocking connection to the daemon. One request at a time; use as a context manager.
 
@@ -234,12 +244,7 @@ class Client:
                 self._lines.extend(self._framer.feed(chunk))
         except OSError:
             pass  # nothing more (EAGAIN), or the reset that follows the refusal
-        for line in self._lines:
-            with contextlib.suppress(ValueError):
-                error = refusal(P.loads(line, max_depth=REPLY_MAX_DEPTH))
-                if error is not None:
-                    return error
-        return None
+        return _first_refusal(self._lines)
 
     def close(self) -> None:
         self._sock.close()
@@ -391,17 +396,13 @@ class AsyncClient:
             return reply.get("result")
 
     async def _refused(self) -> DaemonError | None:
-        """As `Client._refused`: what is already queued is read, nothing is waited for."""
+        """As `Client._refused`: what is already queued is read, waiting at most a moment
+        (``_REFUSAL_WAIT``) for a refusal still on its way."""
         with anyio.move_on_after(_REFUSAL_WAIT):
             with contextlib.suppress(Exception):
                 while True:
                     self._lines.extend(self._framer.feed(await self._stream.receive(1 << 16)))
-        for line in self._lines:
-            with contextlib.suppress(ValueError):
-                error = refusal(P.loads(line, max_depth=REPLY_MAX_DEPTH))
-                if error is not None:
-                    return error
-        return None
+        return _first_refusal(self._lines)
 
     async def aclose(self) -> None:
         await self._stream.aclose()
