@@ -1,7 +1,8 @@
 """Entry point of the ``gpuwatch`` command: parse, dispatch, and map errors to exit codes.
 
 Nothing escapes as a traceback: every error becomes one line on stderr and a documented
-exit code (docs/cli.md). ``GPUWATCH_DEBUG=1`` shows the traceback of an unexpected error.
+exit code (docs/probes.md "Exit codes and errors"). ``GPUWATCH_DEBUG=1`` shows the
+traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, OneLineParser, fail
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
 from gpuwatch.errors import GpuwatchError
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
@@ -109,11 +110,91 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
+#: Commands that write their own stream to stdout and report its failures themselves
+#: (docs/events.md: a closed stdout is exit 2, a failed write exit 1 naming it).
+OWN_OUTPUT = frozenset({"watch", "events", "record"})
+
+
+class OutputFailed(Exception):
+    """stdout refused the output (a full disk, an I/O error): exit 1, one line."""
+
+
+class _GuardedOutput:
+    """stdout as the commands see it: a failed write or flush is `OutputFailed`, so the
+    command ends with one line instead of an "internal error" or a traceback. A reader that
+    left (``| head``) stays a `BrokenPipeError`: no error at all."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._out.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(f"cannot write stdout: {exc.strerror or exc}") from None
+
+    def flush(self) -> None:
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(f"cannot write stdout: {exc.strerror or exc}") from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+def _command(words: Sequence[str]) -> str | None:
+    """The subcommand the command line names (its first word that is not an option)."""
+    return next((w for w in words if not w.startswith("-")), None)
+
+
+def _prints_nothing(words: Sequence[str]) -> bool:
+    """Help and the version go to stderr when stdout is closed (argparse's own rule), and
+    ``health --quiet`` prints nothing when healthy: none of them needs stdout."""
+    return (any(w in ("-h", "--help", "--version") for w in words)
+            or (_command(words) == "health" and any(w in ("-q", "--quiet") for w in words)))
+
+
+def _drop_output() -> None:
+    """Nothing more is written to stdout; silence the flush at exit of what it refused."""
+    with contextlib.suppress(OSError):
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    guarded = _command(words) not in OWN_OUTPUT
+    if guarded and sys.stdout is None and not _prints_nothing(words):
+        # Started with fd 1 closed: the answer would vanish (a switch would run unreported).
+        return fail("stdout is closed: redirect it to a file or /dev/null", EXIT_USAGE)
+    real = sys.stdout
+    if guarded and real is not None:
+        sys.stdout = _GuardedOutput(real)
+    try:
+        try:
+            code = _main(words)
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # the output is written now, or its failure said here
+    except OutputFailed as exc:
+        _drop_output()
+        return fail(str(exc), EXIT_FAILURE)
+    except BrokenPipeError:
+        _drop_output()
+        return 0
+    if isinstance(sys.stdout, _GuardedOutput):
+        sys.stdout = real
+    return code
+
+
+def _main(words: list[str]) -> int:
     # A probe (holders, plan, status, list) the daemon answers takes the stdlib-only path: no
     # parser of every subcommand, no pydantic (gpuwatch.cli.fast, gpuwatch.cli.fast_report),
     # and so does a probe answered from one direct scan; anything else comes back here.
-    words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] in (["status"], ["list"]):
         from gpuwatch.cli.fast_report import run_report
 
@@ -129,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fast = run_direct(words)
     if fast is not None:
         return fast
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = words
     chosen = chosen_module(argv)
     parser = build_parser(() if chosen is None else (chosen,))
     args = parser.parse_args(argv)
@@ -145,11 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(str(exc), exc.exit_status)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (``| head``); nothing more to say to it.
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
-        return 0
+    except (BrokenPipeError, OutputFailed):
+        raise  # the end of the output: main() says what it means
     except Exception as exc:
         if os.environ.get("GPUWATCH_DEBUG"):
             import traceback
