@@ -44,6 +44,8 @@ UNREADABLE = "unreadable"
 EVENT_LOG = "event-log-failed"
 #: The daemon or its socket could not be set up, or a daemon answer was lost.
 SERVICE = "service-error"
+#: A command's stdout refused its output (a full disk, an I/O error).
+OUTPUT = "output-failed"
 INTERNAL = "internal-error"
 
 #: Exit statuses of the ``gpuwatch`` command (docs/probes.md, docs/switch.md).
@@ -72,6 +74,7 @@ EXIT_STATUS: dict[str, int] = {
     UNREADABLE: EXIT_FAILURE,
     EVENT_LOG: EXIT_FAILURE,
     SERVICE: EXIT_FAILURE,
+    OUTPUT: EXIT_FAILURE,
     INTERNAL: EXIT_FAILURE,
 }
 
@@ -242,6 +245,13 @@ class HostStepError(SwitchError, OSError):
     code = SWITCH_FAILED
 
 
+class OutputFailed(HostError):
+    """A command's stdout refused its output (a full disk, an I/O error): exit 1, one line
+    naming the failure, where an unexplained write error would read as gpuwatch's own bug."""
+
+    code = OUTPUT
+
+
 # --- gpuwatch itself
 
 
@@ -269,6 +279,7 @@ __all__ = [
     "HostStepError",
     "InternalError",
     "NotPrivileged",
+    "OutputFailed",
     "RebootRequired",
     "StepTimedOut",
     "SubscriberLagged",

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import GpuwatchError, OutputFailed
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
 SUBCOMMANDS = (
@@ -113,10 +113,6 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
 #: Commands that write their own stream to stdout and report its failures themselves
 #: (docs/events.md: a closed stdout is exit 2, a failed write exit 1 naming it).
 OWN_OUTPUT = frozenset({"watch", "events", "record"})
-
-
-class OutputFailed(Exception):
-    """stdout refused the output (a full disk, an I/O error): exit 1, one line."""
 
 
 class _GuardedOutput:
@@ -222,12 +218,12 @@ def _main(words: list[str]) -> int:
             args.root = root_in_force(None, getattr(args, "config", None))
         code: int = args.func(args)
         return code
+    except (BrokenPipeError, OutputFailed):
+        raise  # the end of the output: main() says what it means
     except GpuwatchError as exc:  # UsageError, ConfigError, ...: the code says which exit
         return fail(str(exc), exc.exit_status)
     except KeyboardInterrupt:
         return 130
-    except (BrokenPipeError, OutputFailed):
-        raise  # the end of the output: main() says what it means
     except Exception as exc:
         if os.environ.get("GPUWATCH_DEBUG"):
             import traceback
