@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from gpuwatch.cli.fast import socket_path
+from gpuwatch.cli.fast import UNANSWERED, socket_path
 from gpuwatch.errors import SERVICE, HostError
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ def daemon_from_args(args: argparse.Namespace) -> Client | None:
     # No socket file, no daemon: decided with the stdlib, so a direct scan never pays for
     # importing the client and its protocol (a cold ``gpuwatch probe`` without a daemon).
     path = socket_path(getattr(args, "root", "/"), getattr(args, "socket", None))
-    if path is None or not os.path.exists(path):
-        return None
+    if path is None or not os.path.exists(path) or path in UNANSWERED:
+        return None  # (one that did not answer the fast path in time is not waited on twice)
     from gpuwatch.service.client import try_daemon
 
     return try_daemon(getattr(args, "socket", None), bool(getattr(args, "no_daemon", False)),

@@ -14,12 +14,14 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.pci import canonical_addr
+from gpuwatch.core.strictjson import loads as strict_loads
 from gpuwatch.core.text import terminal_safe
 
 #: The daemon's socket unless ``$GPUWATCH_SOCKET`` or ``--socket`` names another.
@@ -28,6 +30,13 @@ DEFAULT_SOCKET_PATH = "/run/gpuwatch/gpuwatch.sock"
 TIMEOUT = 10.0
 #: A probe reply is small; one bigger than this is not worth reading here.
 MAX_REPLY = 16 << 20
+#: Replies echo a request's id inside their envelope: the client's bound
+#: (`gpuwatch.service.client.REPLY_MAX_DEPTH`).
+REPLY_MAX_DEPTH = 64
+#: Sockets whose daemon did not answer within `TIMEOUT` during this command: the full
+#: command does not wait on them a second time (docs/socket.md: a daemon that does not
+#: answer within 10 s means a direct scan, not two waits of 10 s). `main` clears it.
+UNANSWERED: set[str] = set()
 #: Options of ``gpuwatch probe`` this path understands, each taking one value.
 _OPTIONS = frozenset({"--group", "--addr", "--mode", "--root", "--socket"})
 #: ... and of ``gpuwatch holders`` (plus the ``--json`` flag).
@@ -225,22 +234,35 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
         for i, (method, params) in enumerate(calls, 1))
     import socket  # here: without a daemon to ask, a command never needs it
 
+    # One deadline for the whole answer, not one per read: a daemon that trickles a byte
+    # now and then must not hold the command for ever.
+    deadline = time.monotonic() + TIMEOUT
     lines: list[bytes] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(TIMEOUT)
-        sock.connect(path)
-        sock.sendall(payload)
-        framer = LineFramer(MAX_REPLY)
-        while len(lines) < len(calls):
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError("the daemon closed the connection")
-            lines.extend(framer.feed(chunk))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(TIMEOUT)
+            sock.connect(path)
+            sock.sendall(payload)
+            framer = LineFramer(MAX_REPLY)
+            while len(lines) < len(calls):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer from {path} within {TIMEOUT:g} s")
+                sock.settimeout(left)
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise ConnectionError("the daemon closed the connection")
+                lines.extend(framer.feed(chunk))
+    except TimeoutError:
+        UNANSWERED.add(path)
+        raise
     results: list[Any] = []
     for i, line in enumerate(lines[:len(calls)], 1):
         if line is TOO_LONG:
             raise ValueError("reply too long")
-        reply = json.loads(line)
+        # Strict, as the client decodes: NaN, a duplicate key, a lone surrogate or nesting
+        # past the bound is no answer (and no traceback, no invalid JSON printed).
+        reply = strict_loads(line, max_depth=REPLY_MAX_DEPTH)
         if not isinstance(reply, dict) or reply.get("id") != i or "result" not in reply:
             raise ValueError("not a result")
         results.append(reply["result"])
@@ -284,12 +306,14 @@ def run_fast(argv: Sequence[str]) -> int | None:
 
 
 def daemon_socket(root: str, explicit: str | None) -> str | None:
-    """The daemon's socket for ``root`` when one exists there; None sends the command the
-    full way (which also reports a root that is not a folder)."""
+    """The daemon's socket for ``root`` when one exists there and has not already failed to
+    answer in time; None sends the command the full way (which also reports a root that is
+    not a folder)."""
     if not os.path.isdir(root):
         return None
     path = socket_path(root, explicit)
-    return path if path is not None and os.path.exists(path) else None
+    return path if path is not None and os.path.exists(path) and path not in UNANSWERED \
+        else None
 
 
 @contextlib.contextmanager
@@ -302,6 +326,6 @@ def reader_may_leave() -> Iterator[None]:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
-__all__ = ["compact", "daemon_socket", "parse_holders", "parse_plan", "parse_probe",
-           "print_holders", "print_plan", "reader_may_leave", "render_plan", "run_fast",
-           "socket_path"]
+__all__ = ["UNANSWERED", "compact", "daemon_socket", "parse_holders", "parse_plan",
+           "parse_probe", "print_holders", "print_plan", "reader_may_leave", "render_plan",
+           "run_fast", "socket_path"]

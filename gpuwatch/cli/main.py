@@ -188,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(words: list[str]) -> int:
+    from gpuwatch.cli.fast import UNANSWERED
+
+    UNANSWERED.clear()  # what one command learnt of a daemon is not the next one's
     # A probe (holders, plan, status, list) the daemon answers takes the stdlib-only path: no
     # parser of every subcommand, no pydantic (gpuwatch.cli.fast, gpuwatch.cli.fast_report),
     # and so does a probe answered from one direct scan; anything else comes back here.

@@ -7,15 +7,14 @@ definition of a well-formed request and of every error code.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Mapping
-from itertools import accumulate
 from typing import Any, Final
 
 from pydantic_core import to_json
 
 from gpuwatch import errors as E
+from gpuwatch.core import strictjson
+from gpuwatch.core.strictjson import UnsafeJson, json_depth, loads
 
 #: Where the systemd unit serves the socket (``RuntimeDirectory=gpuwatch``).
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatch/gpuwatch.sock"
@@ -23,7 +22,7 @@ DEFAULT_SOCKET_PATH: Final = "/run/gpuwatch/gpuwatch.sock"
 #: legitimate request is a few hundred bytes. ``--socket-max-request-bytes`` changes it.
 MAX_LINE: Final = 64 << 10
 #: JSON nested deeper than this is ``bad-request``; no request needs more than 3 levels.
-MAX_DEPTH: Final = 32
+MAX_DEPTH: Final = strictjson.MAX_DEPTH
 
 #: Methods anyone allowed on the socket may call.
 READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders"})
@@ -82,78 +81,6 @@ class Request:
         self.id = id
         self.method = method
         self.params = params
-
-
-class UnsafeJson(E.CallerError, ValueError):
-    """Well-formed JSON we still refuse: nesting too deep, a non-finite number, a duplicate
-    key or a lone surrogate. Each would break a reader somewhere down the line."""
-
-
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def json_depth(text: str) -> int:
-    """How deep ``text``'s arrays and objects nest, in linear time and without recursion.
-
-    Escapes are removed first (``\\\\`` before ``\\"``, the order a parser reads them), so
-    splitting on the remaining quotes leaves string bodies at the odd positions; only the
-    brackets outside strings count.
-    """
-    if text.count("[") + text.count("{") <= 1:
-        return text.count("[") + text.count("{")
-    bare = text.replace("\\\\", "").replace('\\"', "")
-    outside = _NOT_BRACKET.sub("", "".join(bare.split('"')[::2]))
-    if not outside:
-        return 0
-    return max(0, *accumulate(1 if c in "[{" else -1 for c in outside))
-
-
-def _no_constant(name: str) -> Any:
-    raise UnsafeJson(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise UnsafeJson(f"number {text[:40]} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise UnsafeJson(f"duplicate key {dup[:40]!r}")
-    return obj
-
-
-# One decoder for every line: ``json.loads`` with hooks would build a new one per call.
-_STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite,
-                           object_pairs_hook=_unique_keys)
-
-
-def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
-    """Strict JSON: `UnsafeJson` for what `UnsafeJson` lists, `ValueError` for not-JSON.
-
-    The depth is decided before the parser runs, so a depth-1000 array is refused without
-    the (recursive) C parser ever seeing it. Used for requests and, in the client, replies.
-    """
-    if isinstance(text, bytes | bytearray):
-        text = bytes(text).decode("utf-8")  # UnicodeDecodeError is a ValueError
-    # Nesting cannot go deeper than there are brackets: a request (a handful) skips the scan.
-    if text.count("[") + text.count("{") > max_depth:
-        depth = json_depth(text)
-        if depth > max_depth:
-            raise UnsafeJson(f"JSON nested {depth} deep (at most {max_depth})")
-    obj = _STRICT.decode(text)
-    if _LONE_SURROGATE_ESCAPE.search(text):
-        try:
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise UnsafeJson("a string holds a lone UTF-16 surrogate") from None
-    return obj
 
 
 def parse_request(line: bytes | str) -> Request:

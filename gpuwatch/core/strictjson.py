@@ -1,0 +1,97 @@
+"""Strict JSON decoding for lines that come from someone else: stdlib only.
+
+The daemon decodes its clients' requests here, and its clients (`gpuwatch.Client` and the
+stdlib-only fast CLI) decode its replies here: what one side refuses the other refuses
+too. Python's ``json`` alone accepts ``NaN`` and ``Infinity``, keeps the last of two equal
+keys, recurses in C until a deep document overflows the stack (a `RecursionError`, not a
+`ValueError`), and returns lone surrogates that no UTF-8 stream can write. Each of those is
+`UnsafeJson` here, a `ValueError`, so one ``except ValueError`` covers every bad line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from itertools import accumulate
+from typing import Any, Final
+
+from gpuwatch.errors import CallerError
+
+#: JSON nested deeper than this is refused by default; no request needs more than 3 levels.
+MAX_DEPTH: Final = 32
+
+
+class UnsafeJson(CallerError, ValueError):
+    """Well-formed JSON we still refuse: nesting too deep, a non-finite number, a duplicate
+    key or a lone surrogate. Each would break a reader somewhere down the line."""
+
+
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def json_depth(text: str) -> int:
+    """How deep ``text``'s arrays and objects nest, in linear time and without recursion.
+
+    Escapes are removed first (``\\\\`` before ``\\"``, the order a parser reads them), so
+    splitting on the remaining quotes leaves string bodies at the odd positions; only the
+    brackets outside strings count.
+    """
+    if text.count("[") + text.count("{") <= 1:
+        return text.count("[") + text.count("{")
+    bare = text.replace("\\\\", "").replace('\\"', "")
+    outside = _NOT_BRACKET.sub("", "".join(bare.split('"')[::2]))
+    if not outside:
+        return 0
+    return max(0, *accumulate(1 if c in "[{" else -1 for c in outside))
+
+
+def _no_constant(name: str) -> Any:
+    raise UnsafeJson(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise UnsafeJson(f"number {text[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise UnsafeJson(f"duplicate key {dup[:40]!r}")
+    return obj
+
+
+# One decoder for every line: ``json.loads`` with hooks would build a new one per call.
+_STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite,
+                           object_pairs_hook=_unique_keys)
+
+
+def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Strict JSON: `UnsafeJson` for what `UnsafeJson` lists, `ValueError` for not-JSON.
+
+    The depth is decided before the parser runs, so a depth-1000 array is refused without
+    the (recursive) C parser ever seeing it. Used for requests and, in the clients, replies.
+    """
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text).decode("utf-8")  # UnicodeDecodeError is a ValueError
+    # Nesting cannot go deeper than there are brackets: a request (a handful) skips the scan.
+    if text.count("[") + text.count("{") > max_depth:
+        depth = json_depth(text)
+        if depth > max_depth:
+            raise UnsafeJson(f"JSON nested {depth} deep (at most {max_depth})")
+    obj = _STRICT.decode(text)
+    if _LONE_SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsafeJson("a string holds a lone UTF-16 surrogate") from None
+    return obj
+
+
+__all__ = ["MAX_DEPTH", "UnsafeJson", "json_depth", "loads"]
