@@ -32,7 +32,6 @@ from gpuwatch.core.modes import MODES, Mode, driver_key, group_mode, target_driv
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
-    HostFacts,
     already_in_mode,
     find_card,
     parse_mode,
@@ -46,6 +45,7 @@ from gpuwatch.core.results import PciFunction
 from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchFailed, SwitchRefused
 from gpuwatch.host import open_host
+from gpuwatch.hostfs.facts import health_facts
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.sources import SourceUnavailable
@@ -297,7 +297,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
         raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
     variants = model.state.vfio_variants
     parse_vfio_driver(vfio_driver, mode, variants)
-    unhealthy = unhealthy_reason(members, HostFacts(wedge_recovery=model.state.wedge_recovery))
+    unhealthy = unhealthy_reason(members, health_facts(model.state, members))
     if unhealthy is not None:
         raise SwitchRefused(unhealthy)
     if already_in_mode(members, mode, variants, vfio_driver):

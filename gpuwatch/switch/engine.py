@@ -87,7 +87,13 @@ from gpuwatch.errors import (
     UsageError,
 )
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
-from gpuwatch.hostfs.facts import call_bounded, gather_facts, model_facts, scan_holders
+from gpuwatch.hostfs.facts import (
+    call_bounded,
+    gather_facts,
+    health_facts,
+    model_facts,
+    scan_holders,
+)
 from gpuwatch.hostfs.scan import CDI_SPECS, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
@@ -319,9 +325,10 @@ class SwitchEngine:
                 self._refused(card.addr, group, to_mode, guard.reason, ())
                 raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
         # A wedged or failed function needs its recovery, not a rebind by a switch: refused
-        # even when the group is in mode, since it is unusable either way.
-        unhealthy = None if recovering else unhealthy_reason(
-            members, HostFacts(wedge_recovery=self.model.state.wedge_recovery))
+        # even when the group is in mode, since it is unusable either way. A PCI error
+        # recovery under way refuses `recover` too: the kernel is resetting the device.
+        unhealthy = unhealthy_reason(members, health_facts(self.model.state, members),
+                                     recover=recovering)
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
