@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
-from gpuwatch.errors import GpuwatchError, OutputFailed
+from gpuwatch.errors import INVALID_PARAMS, NOT_FOUND, GpuwatchError, OutputFailed
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
 SUBCOMMANDS = (
@@ -187,6 +187,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def error_line(exc: GpuwatchError) -> str:
+    """What the command says of ``exc``. The daemon's answer that the request is wrong or
+    names nothing (``invalid-params``, ``not-found``) is given in its own words, which are
+    the direct command's (the daemon runs the same checks): the same request says the same
+    line whether a daemon answered it or not. Its other errors keep their ``daemon:``
+    prefix, naming who refused or failed."""
+    client = sys.modules.get("gpuwatch.service.client")
+    if (client is not None and isinstance(exc, client.DaemonError)
+            and exc.code in (INVALID_PARAMS, NOT_FOUND) and exc.message):
+        return str(exc.message)
+    return str(exc)
+
+
 def _main(words: list[str]) -> int:
     from gpuwatch.cli.fast import UNANSWERED
 
@@ -224,7 +237,7 @@ def _main(words: list[str]) -> int:
     except (BrokenPipeError, OutputFailed):
         raise  # the end of the output: main() says what it means
     except GpuwatchError as exc:  # UsageError, ConfigError, ...: the code says which exit
-        return fail(str(exc), exc.exit_status)
+        return fail(error_line(exc), exc.exit_status)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
