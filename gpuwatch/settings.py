@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import reprlib
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -148,8 +149,20 @@ class _Bad(Exception):
     pass
 
 
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 3, 58, 58, 58
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+    return short
+
+
+#: A bounded repr: a YAML alias bomb (``&a [*b, *b, …]``, nine levels) is a few objects
+#: shared a billion times over, which a plain repr would walk in full.
+_SHORT = _short_repr()
+
+
 def _describe(value: Any) -> str:
-    text = repr(value)
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -440,6 +453,9 @@ def default_socket_gid() -> int | None:
 CONFIG_MAX_BYTES = 1 << 20
 #: Mappings and lists nested deeper than this are refused: a real config nests 2 levels.
 CONFIG_MAX_DEPTH = 32
+#: Values (keys, scalars, lists, mappings) a config file may hold once its aliases are
+#: expanded: the embedded tables are a few dozen, a long vendor list a few hundred.
+CONFIG_MAX_VALUES = 100_000
 
 
 def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
@@ -475,7 +491,29 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys at the top level")
+    if _expanded_size(data) > CONFIG_MAX_VALUES:
+        raise ConfigError(f"{where}: more than {CONFIG_MAX_VALUES} values once its aliases "
+                          "are expanded")
     return data
+
+
+def _expanded_size(data: Any) -> int:
+    """How many values ``data`` holds with every YAML alias expanded, counted without
+    expanding: an aliased node is one shared object, counted once and multiplied. Whatever
+    walks the file later (validation, a repr) walks the expanded size."""
+    sizes: dict[int, int] = {}
+
+    def size(value: Any) -> int:
+        if not isinstance(value, dict | list):
+            return 1
+        known = sizes.get(id(value))
+        if known is None:
+            # nesting is at most CONFIG_MAX_DEPTH here: the recursion is bounded
+            inner = ([*value.keys(), *value.values()] if isinstance(value, dict) else value)
+            known = sizes[id(value)] = 1 + sum(size(v) for v in inner)
+        return known
+
+    return size(data)
 
 
 def embedded_tables_raw() -> dict[str, Any]:
@@ -556,9 +594,18 @@ def load_tables(config: str | os.PathLike[str] | Tables | None = None) -> Tables
 
 
 def _only_table_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The table keys of a config file, once every other key is known to be an option with
+    a good value: a file the daemon would refuse (``root: [1, 2]``, ``log_keep: 0``) is
+    refused by every command that reads it, not half-used."""
     unknown = sorted(set(raw) - set(TABLE_KEYS) - set(SETTING_KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
+    for s in SETTINGS:
+        if s.key in raw:
+            try:
+                _validate(s, _typed(s, raw[s.key]))
+            except _Bad as exc:
+                raise ConfigError(f"{where}: {s.key}: {exc}") from None
     return {k: v for k, v in raw.items() if k in TABLE_KEYS}
 
 
