@@ -41,6 +41,8 @@ from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import (
+    driver_name,
+    group_name,
     in_root,
     link_name,
     list_dir,
@@ -270,7 +272,7 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
                 if action == "unbind" and not access(link, F_OK, follow_symlinks=False):
                     driver = ""  # what an unbind leaves: no failed readlink (an exception)
                 else:
-                    driver = link_name(link)
+                    driver = driver_name(directory)
                 if not driver or not _vfio_capable(driver, variants):
                     run.append((known.seen.addr, driver))
                     continue
@@ -326,11 +328,11 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
             if action == "unbind" and not os.access(link, os.F_OK, follow_symlinks=False):
                 driver = ""  # what an unbind leaves: no failed readlink (an exception) to pay
             else:
-                driver = link_name(link)
+                driver = driver_name(candidate)
             vfio = bool(driver) and _vfio_capable(driver, variants)
             group, may_go = paths.links.get(candidate, _NO_LINKS)
             if group < 0 or may_go:
-                seen_group = parse_group(link_name(candidate + "/iommu_group"))
+                seen_group = parse_group(group_name(candidate))
                 # A group that appears under a VFIO driver may be no-IOMMU VFIO's, and go
                 # with it; one that appears otherwise, or outlives the VFIO driver, is the
                 # IOMMU's, fixed for the directory's life.
@@ -380,7 +382,7 @@ def _vfio_capable(driver: str, variants: frozenset[str]) -> bool:
 
 def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
     klass = class_prefix(read_attr(directory + "/class"))
-    driver = link_name(directory + "/driver")
+    driver = driver_name(directory)
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
@@ -389,7 +391,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
         device_id=read_attr(directory + "/device"),
         klass=klass,
         driver=driver,
-        iommu_group=parse_group(link_name(directory + "/iommu_group")),
+        iommu_group=parse_group(group_name(directory)),
         vfio_dev=vfio_dev,
         vfio_cdev=vfio_cdev,
         sriov=read_sriov(directory),
@@ -550,7 +552,7 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
     if not klass:
         return read_listed(paths, name, devpath)
     return FunctionOutline(name, devpath, klass,
-                           parse_group(link_name(directory + "/iommu_group")),
+                           parse_group(group_name(directory)),
                            read_vfio_dev(directory)[1])
 
 
@@ -571,14 +573,16 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         return DrmGone(name)
     device_name = link_name(directory + "/device")
     device = in_root(paths.root, directory + "/device")
+    if not device_name and not os.path.lexists(directory + "/device"):
+        device_name, device = _drm_parent(paths, name, devpath or "")
     vendor = read_attr(device + "/vendor") if device_name else ""
-    driver = link_name(device + "/driver") if device_name else ""
+    driver = driver_name(device) if device_name else ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
         entry = in_root(paths.root, paths.bus_pci + "/" + addr)
-        vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
+        vendor, driver = read_attr(entry + "/vendor"), driver or driver_name(entry)
     return DrmSeen(
         name=name,
         devpath=devpath or "",
@@ -586,6 +590,25 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         device_vendor=vendor,
         device_driver=driver,
     )
+
+
+def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
+    """``(name, folder)`` of the device a DRM node whose ``device`` link a capture dropped
+    hangs under: the kernel puts the node in its parent's ``drm/`` folder, so its devpath
+    (``…/0000:03:00.0/drm/card0``) names the parent; a node copied as a folder (no devpath)
+    is found in the ``drm/`` folder of the PCI function listing it. ``("", "")`` when
+    neither says."""
+    parent, glue, node = devpath.rsplit("/", 2) if devpath.count("/") >= 3 else ("", "", "")
+    if (glue == "drm" and node == name and parent.startswith("/devices/")
+            and parent != "/devices/virtual"):  # a virtual node has no parent device
+        return parent.rpartition("/")[2], paths.sys + parent
+    if devpath:
+        return "", ""
+    for addr in sorted(list_dir(paths.bus_pci)):
+        entry = paths.bus_pci + "/" + addr
+        if is_pci_addr(addr) and os.path.lexists(f"{entry}/drm/{name}"):
+            return addr, in_root(paths.root, entry)
+    return "", ""
 
 
 def _class_devpath(paths: HostPaths, entry: str) -> str:
