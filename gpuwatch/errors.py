@@ -50,6 +50,10 @@ INTERNAL = "internal-error"
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: ``gpuwatch watch`` only: a listener cannot bind or listen *yet* (its address in use, its
+#: directory missing); a later start may succeed. sysexits' EX_TEMPFAIL. The unit prevents
+#: restarts on 2 (a configuration to fix), not on this.
+EXIT_RETRY = 75
 
 #: The CLI's exit status for every code: 2 when the request itself was wrong, else 1.
 EXIT_STATUS: dict[str, int] = {
@@ -251,6 +255,7 @@ class UnsafeStep(InternalError, ValueError):
 __all__ = [
     "EXIT_FAILURE",
     "EXIT_OK",
+    "EXIT_RETRY",
     "EXIT_STATUS",
     "EXIT_USAGE",
     "Blame",

@@ -166,6 +166,7 @@ def test_unit_passes_systemd_analyze_verify(fixture_root: Path, tmp_path: Path) 
     ok = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                         text=True, timeout=60, check=False)
     assert ok.returncode == 0, ok.stderr
+    assert "\nRestartPreventExitStatus=2\n" in unit.read_text()  # installed as shipped
     # The check can fail: the same unit with a program that does not exist does.
     bad = tmp_path / "bad" / "gpuwatch.service"
     bad.parent.mkdir()

@@ -186,6 +186,18 @@ def test_unit_is_a_notify_service_with_watchdog_and_directories() -> None:
     assert P.DEFAULT_SOCKET_PATH in exec_start
 
 
+def test_unit_restarts_what_may_bind_later_but_not_a_bad_configuration() -> None:
+    from gpuwatch.errors import EXIT_RETRY, EXIT_USAGE
+
+    service = unit()["Service"]
+    assert service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"].split() == [str(EXIT_USAGE)]
+    assert str(EXIT_RETRY) not in service.get("SuccessExitStatus", "").split()
+    for doc in ("service.md", "socket.md"):  # the table of exit codes is documented
+        text = (REPO / "docs" / doc).read_text()
+        assert f"| {EXIT_RETRY} |" in text and f"| {EXIT_USAGE} |" in text, doc
+
+
 def test_unit_hardening_leaves_sysfs_modules_and_devices_usable() -> None:
     service = unit()["Service"]
     assert service["ProtectKernelTunables"] == "no"  # "yes" would make /sys read-only

@@ -26,6 +26,7 @@ from gpuwatch.cli.common import (
     positive_int,
     positive_seconds,
 )
+from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
@@ -233,6 +234,14 @@ def _setup_errors() -> tuple[type[BaseException], ...]:
     return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse)
 
 
+def _setup_status(exc: BaseException) -> int:
+    """Exit 2 for a configuration that cannot run here (systemd does not restart it:
+    RestartPreventExitStatus=2); `EXIT_RETRY` for a listener that cannot bind *yet*."""
+    from gpuwatch.service.server import ListenerNotYet
+
+    return EXIT_RETRY if isinstance(exc, ListenerNotYet) else EXIT_USAGE
+
+
 def _stopped_early(log: EventLog | None, progress: dict[str, bool], exc: BaseException) -> None:
     """A signal before the watcher took over (or after it finished): `stopped` once."""
     if log is not None and not progress.get("watching"):
@@ -282,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
             _stopped_early(log, progress, leaf)
             return EXIT_OK
         if isinstance(leaf, _setup_errors()):
-            return fail(str(leaf), EXIT_USAGE)
+            return fail(str(leaf), _setup_status(leaf))
         if isinstance(leaf, Exception):
             if _stopping_anyway(log, progress, leaf):
                 return EXIT_OK
@@ -292,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), EXIT_USAGE)
     except Exception as exc:
         if isinstance(exc, _setup_errors()):
-            return fail(str(exc), EXIT_USAGE)
+            return fail(str(exc), _setup_status(exc))
         if _stopping_anyway(log, progress, exc):
             return EXIT_OK
         raise

@@ -68,7 +68,13 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 try:
                     metrics.serve(settings.metrics)
                 except OSError as exc:
-                    raise ServiceSetupError(
+                    from gpuwatch.service.server import NOT_YET_ERRNOS, ListenerNotYet
+
+                    # A port still taken (the old daemon, another service) may be free on
+                    # the next start: systemd retries that one, not a bad address.
+                    error = (ListenerNotYet if exc.errno in NOT_YET_ERRNOS
+                             else ServiceSetupError)
+                    raise error(
                         f"--metrics {settings.metrics}: {exc.strerror or exc}") from None
             if settings.nfd_features:
                 from gpuwatch.service.nfd import NfdFeatureFile

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import logging
@@ -90,16 +91,29 @@ _FD_HEADROOM = 256
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
 
-class SocketInUse(HostError):
-    """Another process answers at the socket path (a second daemon); we do not steal it."""
-
-    code = SERVICE
-
-
 class SocketSetupError(HostError):
-    """The socket cannot be created at that path (missing permission, not a socket, …)."""
+    """The socket cannot be created at that path (missing permission, not a socket, …):
+    the configuration must change before a start can succeed."""
 
     code = SERVICE
+
+
+class ListenerNotYet(SocketSetupError):
+    """A listener cannot bind or listen *yet*: its address is in use (another daemon still
+    serves it, or is starting), its directory is missing, the kernel is short of buffers.
+    Unlike a bad path, a later start may succeed: ``gpuwatch watch`` exits with a code of
+    its own for it (`EXIT_RETRY`), which the unit lets systemd restart."""
+
+
+class SocketInUse(ListenerNotYet):
+    """Another process answers at the socket path (a second daemon), or holds its lock
+    (one starting up); we do not steal it."""
+
+
+#: errno values of bind/listen that a retry may cure: the address is taken, the directory
+#: is not there (yet), the kernel is short of memory or descriptors.
+NOT_YET_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENOENT, errno.EAGAIN,
+                            errno.ENOBUFS, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
 # --------------------------------------------------------------------------- binding
@@ -145,39 +159,140 @@ def _shared_dir(parent: str) -> str | None:
         here = os.path.dirname(here)
 
 
+def socket_lock_path(path: str) -> str:
+    """The lock file beside a socket: ``PATH.lock``, held by the daemon serving ``PATH``."""
+    return path + ".lock"
+
+
+def _take_socket_lock(path: str) -> int:
+    """Hold ``PATH.lock`` (flock) for as long as we serve ``path``; the file names our pid.
+
+    Without it, a second daemon that looks at the path between the first one's bind and
+    its listen is refused by the kernel, takes the socket for a dead daemon's and replaces
+    it, and the first runs on unreachable. Under the lock only one daemon at a time looks,
+    binds and listens, and a socket file is stale only while nobody holds the lock.
+
+    The kernel drops the lock when its holder dies (even by kill -9), so a lock file left
+    behind never blocks the next start; a clean stop removes it (`_release_socket_lock`),
+    which is why a lock is only ours once the path still names the file we locked.
+    """
+    name = socket_lock_path(path)
+    for _ in range(16):  # each retry means a holder just removed the file: rare, bounded
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
+            raise error(f"not serving {path}: cannot open its lock {name}: "
+                        f"{exc.strerror or exc}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SocketSetupError(f"not serving {path}: its lock {name} is not a "
+                                       "regular file; not replacing it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                who = f"pid {holder}" if holder.isdigit() else "another process"
+                raise SocketInUse(f"another gpuwatch daemon ({who}) serves {path} or is "
+                                  f"starting to (it holds {name})") from None
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(name).st_ino == os.fstat(fd).st_ino:
+                    with contextlib.suppress(OSError):  # the pid is a courtesy
+                        os.ftruncate(fd, 0)
+                        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed (and maybe re-created) by its last holder: lock the new one
+    raise ListenerNotYet(f"not serving {path}: its lock {name} keeps being replaced")
+
+
+def _release_socket_lock(path: str, fd: int) -> None:
+    """Remove ``PATH.lock`` while still holding it, then let go: no litter after a clean
+    stop, and a daemon that opened the old file sees it was removed and locks afresh."""
+    with contextlib.suppress(OSError):
+        if os.stat(socket_lock_path(path)).st_ino == os.fstat(fd).st_ino:
+            os.unlink(socket_lock_path(path))
+    os.close(fd)
+
+
+class Listener(socket.socket):
+    """The listening socket; it holds ``PATH.lock`` until it is closed (`bind_socket`)."""
+
+    __slots__ = ("_lock_fd", "_lock_path")
+
+    def hold(self, path: str, fd: int) -> None:
+        self._lock_path = path
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        super().close()
+        fd = getattr(self, "_lock_fd", -1)
+        if fd >= 0:
+            self._lock_fd = -1
+            _release_socket_lock(self._lock_path, fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
 def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int = 4096,
-                ) -> socket.socket:
+                ) -> Listener:
     """Create the listening socket: stale file replaced, mode and group set *before* listen.
 
     Until ``listen`` every connect is refused, so there is no moment at which the socket
     exists with looser permissions than asked for. The socket goes only in a directory no
     other user controls: whoever may rename entries there could swap in a socket of their
-    own, and the clients (root's switch among them) would talk to it.
+    own, and the clients (root's switch among them) would talk to it. From before the look
+    at the path until the socket is closed, ``PATH.lock`` is held (`_take_socket_lock`):
+    two daemons starting at once never both serve, nor does one take a live one's socket.
     """
     parent = os.path.dirname(path) or "."
     try:
         os.makedirs(parent, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise SocketSetupError(f"cannot create {parent}: {exc.strerror}") from None
+        error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
+        raise error(f"cannot create {parent}: {exc.strerror}") from None
     try:
         shared = _shared_dir(parent)
     except OSError as exc:
-        raise SocketSetupError(f"cannot check {parent}: {exc.strerror}") from None
+        error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
+        raise error(f"cannot check {parent}: {exc.strerror}") from None
     if shared is not None:
         raise SocketSetupError(f"not serving {path}: {shared}, so another user could put "
                                "a socket of their own in its place")
+    if len(path.encode()) > 107:
+        raise SocketSetupError(f"socket path {path} is longer than 107 bytes")
+    lock = _take_socket_lock(path)
+    try:
+        sock = _bind_locked(path, gid, mode, backlog)
+    except BaseException:
+        _release_socket_lock(path, lock)
+        raise
+    sock.hold(path, lock)
+    return sock
+
+
+def _bind_locked(path: str, gid: int | None, mode: int, backlog: int) -> Listener:
+    """`bind_socket` once ``PATH.lock`` is ours."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        raise SocketSetupError(f"cannot check {path}: {exc.strerror or exc}") from None
     else:
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketSetupError(f"{path} exists and is not a socket; not replacing it")
         live = _listener_gone(path)
         if live is not None:
             raise SocketInUse(live)
-        os.unlink(path)  # left behind by a daemon that died
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left behind by a daemon that died
+    sock = Listener(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     bound = False
     try:
         sock.bind(path)
@@ -191,9 +306,11 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
         if bound:  # ours to remove; a file bound first by another daemon (EADDRINUSE) is not
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if len(path.encode()) > 107:
-            raise SocketSetupError(f"socket path {path} is longer than 107 bytes") from None
-        raise SocketSetupError(f"cannot serve {path}: {exc.strerror or exc}") from None
+        if not bound and exc.errno == errno.EADDRINUSE:
+            raise SocketInUse(f"cannot serve {path}: another process bound it first "
+                              f"({exc.strerror}); not replacing it") from None
+        error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
+        raise error(f"cannot serve {path}: {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
 
@@ -783,7 +900,11 @@ class SocketServer:
         self.replay_slots = self._fd_budget()
         lsock = bind_socket(self.path, self.policy.read_gid if self.policy.read_gid is not None
                             else (0 if os.geteuid() == 0 else None))
-        st = os.stat(self.path)
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:  # removed under us between bind and now
+            lsock.close()
+            raise ListenerNotYet(f"cannot serve {self.path}: {exc.strerror}") from None
         self._ident = (st.st_dev, st.st_ino)
         self.watcher.batch_listeners.append(self._on_batch)
         loop = _asyncio_loop()
@@ -805,8 +926,8 @@ class SocketServer:
                     conn.close()
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(lsock)
-            lsock.close()
-            self._unlink()
+            self._unlink()  # while PATH.lock is still ours: no successor has bound yet
+            lsock.close()  # lets go of PATH.lock
 
     def _fd_budget(self) -> int:
         """Lift RLIMIT_NOFILE to fit every client, each replaying the log at once, and
@@ -1439,10 +1560,14 @@ __all__ = [
     "DEFAULT_MAX_CLIENTS",
     "DEFAULT_OUTBOX_LIMIT",
     "FLUSH_WINDOW",
+    "NOT_YET_ERRNOS",
     "Connection",
+    "Listener",
+    "ListenerNotYet",
     "SocketInUse",
     "SocketServer",
     "SocketSetupError",
     "bind_socket",
     "lagged_line",
+    "socket_lock_path",
 ]

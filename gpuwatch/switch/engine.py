@@ -20,6 +20,7 @@ refused until the next boot or a successful `recover`. The watcher keeps running
 from __future__ import annotations
 
 import contextvars
+import errno
 import fcntl
 import logging
 import math
@@ -380,19 +381,16 @@ class SwitchEngine:
         pending: list[BaseModel] = []
         token: contextvars.Token[list[BaseModel] | None] | None = _DEFERRED.set(pending)
         in_flight: list[Step] = []  # the step under way: a write that has not returned
-        pinned: list[str] = []  # functions given a VFIO driver_override not yet cleared
+        pinned: list[str] = []  # functions given a driver_override of ours not yet cleared
         try:
             try:
                 async with self._subscribe(_PROGRESS_EVENTS) as sub:
                     for step in plan.steps:
                         in_flight[:] = [step]
-                        pin = _vfio_pin(plan, step)
-                        if pin and pin not in pinned:
-                            pinned.append(pin)  # before: a write that fails may still count
+                        _track_pin(pinned, step, before=True)  # a write that fails may count
                         ok = await self._step(plan, facts, step, deadline, notes)
                         in_flight.clear()
-                        if pin and isinstance(step, WriteStep) and step.value == CLEAR_OVERRIDE:
-                            pinned.remove(pin)
+                        _track_pin(pinned, step, before=False)
                         if ok and isinstance(step, CommandStep):
                             done.append(step)
                             self._note_service(step.argv)
@@ -463,7 +461,7 @@ class SwitchEngine:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(
                         self.rollback_timeout) as bound:
                     wedged = await self._roll_back(plan, facts, done, in_flight, undone,
-                                                   rolling)
+                                                   rolling, pinned)
                 if bound.cancelled_caught:
                     undone.append(f"(the roll-back ran out of its {self.rollback_timeout:g}s)")
                     if rolling:  # cut off in the middle of a kernel write: it may be stuck
@@ -522,11 +520,16 @@ class SwitchEngine:
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
                          in_flight: Sequence[Step], restored: list[str],
-                         rolling: list[Step]) -> bool:
-        """An interrupted switch: bring the group back to the mode it was in (a switch back,
-        planned from the tree as it is now, with a fresh holder scan), then start again what
-        the switch stopped. ``restored`` says what was done, step by step; ``rolling`` holds
-        the step under way. True when a step of the roll-back wedged (the group poisoned).
+                         rolling: list[Step], pinned: Sequence[str] = ()) -> bool:
+        """An interrupted switch: clear the ``driver_override`` values it wrote (``pinned``),
+        bring the group back to the mode it was in (a switch back, planned from the tree as
+        it is now, with a fresh holder scan), then start again what the switch stopped.
+        ``restored`` says what was done, step by step; ``rolling`` holds the step under way.
+        True when a step of the roll-back wedged (the group poisoned).
+
+        The overrides go first, whatever follows: a group that was in no one mode (mixed) is
+        not put back, and a switch back can be refused or fail, yet neither may leave a
+        function pinned to a driver by a switch that did not happen.
 
         Not when the interrupted step was an unbind and a task is (or may be) stuck in the
         driver's remove: touching that device only adds a second stuck task (the wedge rule)."""
@@ -545,6 +548,10 @@ class SwitchEngine:
                                 "task may be stuck in the kernel (gpuwatch probe "
                                 "wedge-detected)")
                 return False
+        cleared, stuck = await self._unpin(plan, pinned, rolling)
+        restored.extend(cleared)
+        if stuck:
+            return True  # a wedge: nothing more is touched
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
         started: list[str] = []  # services the switch back started (persistenced, recorded)
@@ -577,8 +584,10 @@ class SwitchEngine:
         if undo.refusal is not None:
             restored.append(f"group {plan.group} not put back: {undo.refusal.reason}")
             return False
+        pins: list[str] = []  # the switch back's own overrides, not yet cleared
         for step in undo.steps:
             rolling[:] = [step]
+            _track_pin(pins, step, before=True)
             try:
                 match step:
                     case WriteStep(path=path, value=value):
@@ -588,7 +597,7 @@ class SwitchEngine:
                         if not result.ok and step.on_error != "warn":
                             rolling.clear()
                             restored.append(f"{step.describe()} (failed: {result.message()})")
-                            return False
+                            return await self._unpin_back(plan, pins, restored, rolling)
                         if result.ok:
                             self._note_service(argv)
                             if argv[:2] == ("systemctl", "start"):
@@ -605,8 +614,9 @@ class SwitchEngine:
             except (HostStepError, UnsafeStep, OSError) as exc:
                 rolling.clear()
                 restored.append(f"{step.describe()} (failed: {exc})")
-                return False
+                return await self._unpin_back(plan, pins, restored, rolling)
             rolling.clear()  # not on cancellation: a step cut off by the bound may be stuck
+            _track_pin(pins, step, before=False)
             restored.append(step.describe())
         try:
             await self._refresh(await call_bounded(
@@ -619,25 +629,48 @@ class SwitchEngine:
         if not self._reached(undo, facts):
             restored.append(f"group {plan.group} not back in mode {back}: "
                             + self._drivers_text(targets))
+            # Not back: the overrides of a switch back that did not happen go too.
+            return await self._unpin_back(plan, pins, restored, rolling)
         return False
 
-    async def _unpin(self, plan: SwitchPlan, pinned: Sequence[str]) -> tuple[list[str], bool]:
-        """A switch to vfio that failed between a function's ``driver_override`` write and its
-        clearing left the function pinned to the VFIO driver: nothing else would ever bind it
-        (not the module reloaded next, not an operator's ``drivers_probe``). Clear it, and say
-        so; True when the write did not return (the wedge rule: nothing more is run)."""
+    async def _unpin_back(self, plan: SwitchPlan, pins: Sequence[str], restored: list[str],
+                          rolling: list[Step]) -> bool:
+        """A switch back that failed half-way clears the overrides it wrote, as any failed
+        switch does; True on a wedge."""
+        cleared, stuck = await self._unpin(plan, pins, rolling)
+        restored.extend(cleared)
+        return stuck
+
+    async def _unpin(self, plan: SwitchPlan, pinned: Sequence[str],
+                     rolling: list[Step] | None = None) -> tuple[list[str], bool]:
+        """A switch that failed or was interrupted after a function's ``driver_override``
+        write (and, to vfio, before its clearing) left the function pinned to that driver:
+        nothing else would ever bind it (not the module reloaded next, not an operator's
+        ``drivers_probe``). Clear each one, and say so; a function gone from the bus has no
+        override left. True when a write did not return (the wedge rule: nothing more is
+        run). ``rolling`` holds the write under way, for a bound that cuts it off."""
         done: list[str] = []
         for addr in pinned:
             step = WriteStep(override_path(addr), CLEAR_OVERRIDE)
+            if rolling is not None:
+                rolling[:] = [step]
             try:
                 await self.ops.write(step.path, step.value, self.step_timeout)
             except StepTimedOut as exc:
+                if rolling is not None:
+                    rolling.clear()
                 done.append(self._poison(plan, f"{step.describe()} did not return within "
                                                f"{exc.timeout:.3g}s: the device is wedged"))
                 return done, True
             except (HostStepError, UnsafeStep, OSError) as exc:
-                done.append(f"{step.describe()} (failed: {exc})")
+                if rolling is not None:
+                    rolling.clear()
+                gone = isinstance(exc, OSError) and exc.errno in (errno.ENODEV, errno.ENOENT)
+                done.append(f"{addr} gone: no override left to clear" if gone
+                            else f"{step.describe()} (failed: {exc})")
                 continue
+            if rolling is not None:
+                rolling.clear()
             done.append(step.describe())
         return done, False
 
@@ -1002,13 +1035,20 @@ class SwitchEngine:
                             "another process is switching a group: retry after it") from None
 
 
-def _vfio_pin(plan: SwitchPlan, step: Step) -> str:
-    """The function a switch to vfio's ``driver_override`` write is about (``""`` for any
-    other step): the plan sets a VFIO driver there, then clears it once probed."""
-    if plan.to_mode != "vfio" or not isinstance(step, WriteStep):
-        return ""
+def _track_pin(pinned: list[str], step: Step, *, before: bool) -> None:
+    """Keep ``pinned``, the functions given a ``driver_override`` by these steps and not
+    cleared since, up to date: a driver name counts from before its write (a write that
+    fails may still have landed), a clearing from after it returned."""
+    if not isinstance(step, WriteStep):
+        return
     head, _, name = step.path.rpartition("/")
-    return head.rpartition("/")[2] if name == "driver_override" else ""
+    if name != "driver_override":
+        return
+    addr = head.rpartition("/")[2]
+    if before and step.value != CLEAR_OVERRIDE and addr not in pinned:
+        pinned.append(addr)
+    elif not before and step.value == CLEAR_OVERRIDE and addr in pinned:
+        pinned.remove(addr)
 
 
 async def ensure_cdi(root: str, ops: HostOps, *, euid: int,

@@ -146,6 +146,12 @@ class SimKernel:
     def commands(self) -> list[tuple[str, ...]]:
         return [r[1:] for r in self.record if r[0] == "command"]
 
+    @property
+    def overrides(self) -> dict[str, str]:
+        """Each function's ``driver_override`` now (the kernel's state, not a record): a
+        function absent here has none."""
+        return dict(self._overrides)
+
     # ----------------------------------------------------------------- fixture helpers
 
     def add_holder(self, pid: int, comm: str, node: str, *, via: str = "fd") -> None:
