@@ -7,6 +7,8 @@ dropped to stay out of sysfs's cycles."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -429,3 +431,35 @@ def test_host_without_a_gpu(tmp_path: Path, iommu: str,
     code, _, err = cli(capsys, "probe", "display-driver", "--addr", "0000:01:00.0",
                        "--root", str(s.root))
     assert code == 1 and "no PCI function 0000:01:00.0" in err
+
+
+def _bus_copy_only(s: SysRoot) -> None:
+    """A copier that took each ``sys/bus/pci/devices`` entry as a folder (links followed)
+    and ``sys/class`` as it is, but not ``sys/devices``: every class link dangles."""
+    for name in sorted(os.listdir(s.root / "sys/bus/pci/devices")):
+        s.flatten_link(f"sys/bus/pci/devices/{name}", nested=("driver", "iommu_group"))
+    for name in os.listdir(s.root / "sys/devices"):
+        if name.startswith("pci"):
+            shutil.rmtree(s.root / "sys/devices" / name)
+
+
+@pytest.mark.parametrize("kind", ["instinct", "apu", "mi300x", "virtio-guest", "example",
+                                  "bochs-guest"])
+def test_class_links_into_a_device_tree_not_copied(tmp_path: Path, kind: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A DRM node whose class link dangles is read in the copy of its PCI function, where
+    its devpath (``…/0000:03:00.0/drm/card0``) leads."""
+    live = MACHINES[kind](tmp_path / "live")
+    copied = MACHINES[kind](tmp_path / "copied")
+    _bus_copy_only(copied)
+    card = next(p for p in (copied.root / "sys/class/drm").iterdir() if p.name[:4] == "card")
+    assert card.is_symlink() and not card.exists()
+    assert answers(copied.root, capsys) == answers(live.root, capsys)
+
+
+def test_kfd_without_its_class_link(tmp_path: Path) -> None:
+    """``sys/class/kfd/kfd`` left out of the copy: the topology where the link led."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    (s.root / "sys/class/kfd/kfd").unlink()
+    assert (probe_value(s, "amd-gfx-version"), probe_value(s, "amd-gfx-target")) == (
+        "11.0.0", "gfx1100")

@@ -161,7 +161,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
         except (OSError, ValueError):
             st = None
         if st is not None and stat_mod.S_ISDIR(st.st_mode):
-            seen = _read_function_dir(candidate, addr, devpath)
+            seen = _read_function_dir(candidate, addr, devpath, told=False)
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
                     _remember(paths, candidate, st, seen)
@@ -171,7 +171,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
     directory = in_root(paths.root, os.path.join(paths.bus_pci, addr))
     if not os.path.isdir(directory):
         return PciGone(addr)
-    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr))
+    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr), told=False)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
@@ -272,7 +272,7 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
                 if action == "unbind" and not access(link, F_OK, follow_symlinks=False):
                     driver = ""  # what an unbind leaves: no failed readlink (an exception)
                 else:
-                    driver = driver_name(directory)
+                    driver = link_name(link)
                 if not driver or not _vfio_capable(driver, variants):
                     run.append((known.seen.addr, driver))
                     continue
@@ -328,11 +328,11 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
             if action == "unbind" and not os.access(link, os.F_OK, follow_symlinks=False):
                 driver = ""  # what an unbind leaves: no failed readlink (an exception) to pay
             else:
-                driver = driver_name(candidate)
+                driver = link_name(link)
             vfio = bool(driver) and _vfio_capable(driver, variants)
             group, may_go = paths.links.get(candidate, _NO_LINKS)
             if group < 0 or may_go:
-                seen_group = parse_group(group_name(candidate))
+                seen_group = parse_group(link_name(candidate + "/iommu_group"))
                 # A group that appears under a VFIO driver may be no-IOMMU VFIO's, and go
                 # with it; one that appears otherwise, or outlives the VFIO driver, is the
                 # IOMMU's, fixed for the directory's life.
@@ -380,9 +380,15 @@ def _vfio_capable(driver: str, variants: frozenset[str]) -> bool:
     return "vfio" in driver or driver == "nvidia" or is_vfio_driver(driver, variants)
 
 
-def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = True
+                       ) -> PciSeen:
+    """One function's record. ``told``: a link a capture dropped (``driver``,
+    ``iommu_group``) is taken from what the kernel's other files say (`driver_name`,
+    `group_name`), as a scan of any tree does; a re-read after a uevent (``told`` False)
+    trusts the links alone: only a live kernel sends uevents, and its links are the truth
+    the moment they change, while a fixture's other files may lag behind them."""
     klass = class_prefix(read_attr(directory + "/class"))
-    driver = driver_name(directory)
+    driver = driver_name(directory) if told else link_name(directory + "/driver")
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
@@ -391,7 +397,8 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
         device_id=read_attr(directory + "/device"),
         klass=klass,
         driver=driver,
-        iommu_group=parse_group(group_name(directory)),
+        iommu_group=parse_group(group_name(directory) if told
+                                else link_name(directory + "/iommu_group")),
         vfio_dev=vfio_dev,
         vfio_cdev=vfio_cdev,
         sriov=read_sriov(directory),
@@ -569,6 +576,9 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         if os.path.isdir(rooted):
             directory = rooted
             devpath = _class_devpath(paths, entry)
+        else:
+            devpath = devpath or _class_devpath(paths, entry)
+            directory = _drm_on_bus(paths, devpath) if devpath else ""
     if not directory:
         return DrmGone(name)
     device_name = link_name(directory + "/device")
@@ -590,6 +600,20 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         device_vendor=vendor,
         device_driver=driver,
     )
+
+
+def _drm_on_bus(paths: HostPaths, devpath: str) -> str:
+    """The node's folder inside the copy of its PCI function in ``sys/bus/pci/devices``, for
+    a tree that copied the functions there but not ``sys/devices``: the class entry's link
+    then dangles, but its devpath (``…/0000:03:00.0/drm/card0``, ``…/0000:00:01.0/virtio0/
+    drm/card0``) names the function and the way down from it. ``""`` when not there either."""
+    parts = devpath.split("/")
+    for i in range(len(parts) - 2, 0, -1):
+        if is_pci_addr(parts[i]):
+            folder = "/".join((in_root(paths.root, paths.bus_pci + "/" + parts[i]),
+                               *parts[i + 1 :]))
+            return folder if os.path.isdir(folder) else ""
+    return ""
 
 
 def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
@@ -636,7 +660,10 @@ def scan_drm(paths: HostPaths) -> list[DrmSeen]:
 
 def read_kfd(paths: HostPaths) -> KfdSeen:
     nodes: list[tuple[int, int]] = []
-    base = in_root(paths.root, paths.sys + "/class/kfd/kfd") + "/topology/nodes"
+    base = in_root(paths.root, paths.sys + "/class/kfd/kfd")
+    if not os.path.isdir(base):  # a copy without the class link (or with it dangling)
+        base = paths.sys + "/devices/virtual/kfd/kfd"
+    base += "/topology/nodes"
     for name in list_dir(base):
         if name.isascii() and name.isdigit():
             text = read_text(os.path.join(base, name, "properties"))
