@@ -22,7 +22,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
-from gpuwatch.hostfs.noiommu import read_iommu_groups
+from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
 from gpuwatch.model import HostModel
 
 
@@ -46,6 +46,8 @@ class MemberReport(BaseModel):
     device_id: str
     driver: str
     health: str = "ok"
+    #: The function's VFIO device cdev (``/dev/vfio/devices/vfioN``), ``""`` when none.
+    vfio_cdev: str = ""
 
 
 class HealthReport(BaseModel):
@@ -71,6 +73,14 @@ class GpuReport(BaseModel):
     vfio_variant: str = ""
     vfio_node: str
     vfio_accessible: bool
+    #: ``/dev/iommu`` exists (iommufd).
+    iommufd: bool = False
+    #: What a VM manager opens to pass the group through now: ``[vfio_node]`` when it
+    #: exists, else (an iommufd-only kernel) ``/dev/iommu`` and each function's cdev, else
+    #: nothing.
+    vfio_open: list[str] = []
+    #: This process may open every node of ``vfio_open`` read/write.
+    vfio_open_accessible: bool = False
     members: list[MemberReport]
     #: The host's own console or management group (`gpuwatch.core.hostkeep`), and why.
     kept_for_host: bool = False
@@ -120,6 +130,10 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
         members = state.group_members(gpu.addr)
         group = gpu.iommu_group
         noiommu = group in groups.noiommu
+        node = groups.node(group)
+        accessible = not noiommu and model.vfio_group_accessible(group)
+        opens, opens_ok = vfio_open(model.root, node, vfio.iommufd,
+                                    [m.vfio_cdev for m in members], accessible)
         gpus.append(
             GpuReport(
                 addr=gpu.addr,
@@ -132,8 +146,11 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                 mode=group_mode(members, variants),
                 vfio_variant=vfio_variant(members, variants),
                 # A VFIO no-IOMMU group's node is /dev/vfio/noiommu-N: no VM opens it.
-                vfio_node=groups.node(group),
-                vfio_accessible=not noiommu and model.vfio_group_accessible(group),
+                vfio_node=node,
+                vfio_accessible=accessible,
+                iommufd=vfio.iommufd,
+                vfio_open=opens,
+                vfio_open_accessible=opens_ok,
                 kept_for_host=bool(kept := model.kept_for_host(gpu.addr)),
                 reason=kept,
                 members=[
@@ -144,6 +161,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
                         device_id=m.device_id,
                         driver=m.driver,
                         health=m.health,
+                        vfio_cdev=m.vfio_cdev,
                     )
                     for m in members
                 ],

@@ -34,7 +34,7 @@ from gpuwatch.testing.machines import (
     vm_guest_host,
     vmd_host,
 )
-from gpuwatch.testing.modern import grace_hopper_host, sriov_gpu_host
+from gpuwatch.testing.modern import grace_hopper_host, iommufd_only_host, sriov_gpu_host
 from tests.test_cli_fast import run_full_both, run_spied
 
 HOSTS: dict[str, Callable[[Path], object]] = {
@@ -45,6 +45,7 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "vmd": vmd_host,
     "guest": vm_guest_host,
     "grace": grace_hopper_host,
+    "iommufd": iommufd_only_host,
     "sriov": lambda root: sriov_gpu_host(root, vfs=2),
     "vgpu": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True),
     "noiommu": vfio_noiommu_host,

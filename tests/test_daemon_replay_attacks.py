@@ -154,8 +154,11 @@ def test_an_unreadable_log_is_an_error_reply_and_the_connection_is_not_half_subs
     d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20),
                "--log-keep", str(KEEP))
     with d, connect(d.sock) as s:
-        (tmp_path / "events.jsonl.2").unlink()
-        (tmp_path / "events.jsonl.2").mkdir()  # opening it fails (EISDIR), even for root
+        oldest = tmp_path / f"events.jsonl.{KEEP}"
+        oldest.unlink()
+        # A regular file whose read fails (EIO), even for root: the daemon's own memory at
+        # address 0. (A directory there is no longer an error: readers skip it, below.)
+        oldest.symlink_to("/proc/self/mem")
         lines = Lines(s)
         reply = lines.request("subscribe", {"since_seq": 0})
         assert reply["error"]["code"] == P.UNAVAILABLE, reply
@@ -164,6 +167,31 @@ def test_an_unreadable_log_is_an_error_reply_and_the_connection_is_not_half_subs
         assert probe(d.sock)["result"] is True
     assert d.proc is not None and d.proc.returncode == 0, d.stderr
     assert "Traceback" not in d.stderr, d.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_rotated_name_that_is_a_directory_is_passed_over_by_a_replay(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """The writer never rotates into a directory at ``PATH.N``, and readers agree: a replay
+    sends what the log's other files hold (was: an error reply, as if the log were
+    unreadable), and the daemon says so once, however many clients ask."""
+    last = write_history(tmp_path)
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20),
+               "--log-keep", str(KEEP))
+    with d:
+        (tmp_path / "events.jsonl.2").unlink()
+        (tmp_path / "events.jsonl.2").mkdir()
+        lost = set(range((KEEP - 2) * PER_FILE + 1, (KEEP - 1) * PER_FILE + 1))  # its events
+        for _ in range(3):
+            with connect(d.sock) as s:
+                lines = Lines(s)
+                reply = lines.request("subscribe", {"since_seq": 0})
+                assert "result" in reply, reply
+                got = [lines.line()["seq"] for _ in range(last + 1 - len(lost))]  # + ready
+                assert got == sorted(set(range(1, last + 2)) - lost)
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
+    assert d.stderr.count("events.jsonl.2 is a directory") == 1, d.stderr
 
 
 def test_a_fifo_log_gives_a_subscriber_live_events_marked_incomplete(

@@ -367,18 +367,23 @@ def test_a_terminal_or_fifo_log_takes_no_lock_file_beside_it(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.fifo"]
 
 
-def test_readers_never_open_a_fifo_where_a_log_file_should_be(tmp_path: Path) -> None:
+def test_readers_never_open_a_fifo_where_a_log_file_should_be(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Opening a FIFO to read blocks until a writer comes, and reading one takes the bytes
-    meant for its own reader: the writer's look for the last seq passes over it, and
-    readers refuse it at once, naming it."""
+    meant for its own reader: the writer's look for the last seq passes over it, readers
+    skip it (with one warning naming it) and read the log's other files, and the writer
+    never rotates over it."""
     path = tmp_path / "ev.jsonl"
     os.mkfifo(f"{path}.1")  # nobody writes it: an open for reading would wait forever
-    log = EventLog(path)
+    log = EventLog(path, max_bytes=3 * (len(line(1)) + 1))
     assert log.last_seq is None and log.replayable
-    write_events(log, 1, 2)
-    with pytest.raises(OSError, match="not a regular file") as refused:
-        list(read_events(path))
-    assert refused.value.filename == f"{path}.1"
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        write_events(log, 1, 10)  # past max_bytes: a rotation would replace the FIFO
+        assert seqs(read_events(path)) == list(range(1, 11))
+    assert Path(f"{path}.1").is_fifo()
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and f"{path}.1" in skipped[0].getMessage()
     log.close()
 
     fifo = tmp_path / "live.fifo"
@@ -984,3 +989,40 @@ def test_cli_follow_hands_over_from_the_log_to_new_events_exactly(tmp_path: Path
                 proc.wait()
             assert proc.stderr is not None
             proc.stderr.close()
+
+
+def test_readers_and_writer_agree_on_a_rotated_name_that_is_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``PATH.2`` is a directory between rotated files. The writer never moves, replaces or
+    deletes it (its rotation is refused, the log goes on growing), and every reader (one
+    shot, follower, socket replay, ``gpuwatch events``) passes over it with one warning
+    and reads the files around it: before, readers stopped with EISDIR while the writer
+    carried on (and moved the directory along the rotated names)."""
+    path = tmp_path / "ev.jsonl"
+    Path(f"{path}.3").write_text("".join(line(s) + "\n" for s in range(1, 4)))
+    (tmp_path / "ev.jsonl.2").mkdir()
+    (tmp_path / "ev.jsonl.2" / "theirs").write_text("x")
+    Path(f"{path}.1").write_text("".join(line(s) + "\n" for s in range(4, 7)))
+    path.write_text("".join(line(s) + "\n" for s in range(7, 10)))
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        with EventLog(path, max_bytes=4 * (len(line(10)) + 1), keep=3) as log:
+            assert log.last_seq == 9
+            write_events(log, 10, 30)
+        rotations = [r for r in caplog.records if "rotation" in r.getMessage()]
+        assert rotations and "is a directory" in rotations[0].getMessage()
+        assert (tmp_path / "ev.jsonl.2" / "theirs").read_text() == "x"  # left where it was
+        assert seqs(read_events(path)) == list(range(1, 31))
+        chunks = b"".join(c.data for c in eventlog.read_chunks(path, since_seq=2))
+        assert [json.loads(t)["seq"] for t in chunks.splitlines()] == list(range(3, 31))
+        col = Collector(path)
+        col.wait_for(lambda events: len(events) >= 30)
+        col.stop()
+        assert seqs(col.events) == list(range(1, 31))
+    assert last_seq_in(path) == 30
+    caplog.clear()
+    capsys.readouterr()
+    assert run_cli([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(t)["seq"] for t in out.splitlines()] == list(range(1, 31))
+    assert err.count("\n") == 1 and "ev.jsonl.2 is a directory" in err

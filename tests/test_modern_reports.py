@@ -19,7 +19,14 @@ from gpuwatch.report import build_status, passthrough_gpus, render_status
 from gpuwatch.service.metrics import Metrics
 from gpuwatch.service.nfd import NfdFeatureFile
 from gpuwatch.testing import SysRoot, example_gpu_host
-from gpuwatch.testing.modern import GH_ADDR, SRIOV_PF, VGPU_TYPES, grace_hopper_host, sriov_gpu_host
+from gpuwatch.testing.modern import (
+    GH_ADDR,
+    SRIOV_PF,
+    VGPU_TYPES,
+    grace_hopper_host,
+    iommufd_only_host,
+    sriov_gpu_host,
+)
 from tests.test_watcher import harness_for
 
 NV = "0000:01:00.0"
@@ -188,3 +195,37 @@ async def test_list_warns_that_an_unhealthy_gpu_needs_its_recovery(tmp_path: Pat
     # Without the wedge's methods (in no probe answer) the advice is the generic one.
     assert f"{NV} is not healthy (the driver declared the GPU wedged: the recovery methods" in (
         fast[NV]["note"])
+
+
+def test_status_on_an_iommufd_only_kernel_names_the_cdevs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No /dev/vfio/13 (a kernel without the VFIO group interface): status names what a VM
+    manager opens instead, /dev/iommu and each function's cdev, the ones vfio-backend
+    recommends, rather than calling the group node absent and stopping there."""
+    iommufd_only_host(tmp_path)
+    model = gpuwatch.scan(tmp_path)
+    gpu = next(g for g in build_status(model, UNLIMITED).gpus if g.addr == NV)
+    assert (gpu.vfio_node, gpu.vfio_accessible, gpu.iommufd) == ("/dev/vfio/13", False, True)
+    cdevs = [model.probe("vfio-backend", addr=m.addr).cdev_node for m in gpu.members]
+    assert cdevs == ["/dev/vfio/devices/vfio0", "/dev/vfio/devices/vfio1"]
+    assert [m.vfio_cdev for m in gpu.members] == cdevs
+    assert gpu.vfio_open == ["/dev/iommu", *cdevs] and gpu.vfio_open_accessible
+    code, out, _ = anyio.run(run_cli, capsys, "status", "--root", str(tmp_path), "--no-daemon")
+    assert code == 0
+    assert ("  /dev/vfio/13: absent (iommufd only): a VM opens /dev/iommu and "
+            "/dev/vfio/devices/vfio0 (0000:01:00.0), /dev/vfio/devices/vfio1 (0000:01:00.1): "
+            "read/write ok") in out.splitlines()
+    assert "/dev/vfio/13: not accessible" not in out
+
+
+def test_status_with_the_group_node_opens_the_group(tmp_path: Path) -> None:
+    """Where the group node exists (beside the cdevs, or alone), it is what status names, as
+    before; a group not on VFIO has nothing to open."""
+    host = iommufd_only_host(tmp_path)
+    host.add_vfio_group(13)
+    gpus = {g.addr: g for g in build_status(gpuwatch.scan(tmp_path), UNLIMITED).gpus}
+    assert gpus[NV].vfio_open == ["/dev/vfio/13"]
+    assert gpus[NV].vfio_open_accessible == gpus[NV].vfio_accessible
+    assert gpus["0000:00:02.0"].vfio_open == [] and not gpus["0000:00:02.0"].vfio_open_accessible
+    assert "/dev/vfio/13: read/write ok" in render_status(build_status(gpuwatch.scan(tmp_path),
+                                                                       UNLIMITED))

@@ -4,16 +4,23 @@ refusing a wedged or failed group — through the library, the CLI and the socke
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from cli_helpers import run_cli
 
 import gpuwatch
+from gpuwatch.core.events import format_event_time
+from gpuwatch.core.health import RECOVERY_STALE_AFTER
 from gpuwatch.core.modalias import VfioAlias, best_vfio_alias, parse_vfio_aliases
 from gpuwatch.core.modes import group_mode, is_vfio_driver, same_driver
+from gpuwatch.core.observations import PciErrorSeen
+from gpuwatch.core.plan import HostFacts, unhealthy_reason
 from gpuwatch.errors import SwitchRefused, UsageError
+from gpuwatch.hostfs.facts import recovery_facts
 from gpuwatch.service.server import SocketServer
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.testing import SysRoot, example_gpu_host
@@ -312,4 +319,111 @@ def test_an_unhealthy_refusal_names_recover_only_where_it_works() -> None:
     nvidia = unhealthy_reason([card("0x10de", "wedged")], facts)
     assert amd is not None and "rebind its driver" in amd and "gpuwatch recover" not in amd
     assert nvidia is not None and "`gpuwatch recover` rebinds it to vfio-pci" in nvidia
-    assert unhealthy_reason([card("0x1002", "recovering")], facts) is None
+    stale = HostFacts(recovery_age={"0000:03:00.0": RECOVERY_STALE_AFTER})
+    assert unhealthy_reason([card("0x1002", "recovering")], stale) is None
+
+
+# --------------------------------------------------------------------------- recovering
+
+ROOT_PORT = "0000:00:01.0"  # the bridge above the example card
+
+
+async def begin_recovery(w: Any, host: SysRoot, *, ago: float | None = None) -> None:
+    """The kernel began PCI error recovery of the card (``BEGIN_RECOVERY``); ``ago``: that
+    was so many seconds before now (the event's time, as its publisher stamped it)."""
+    w.source.push(host.uevent_props("change", NV, ERROR_EVENT="BEGIN_RECOVERY",
+                                    DEVICE_ONLINE="0"))
+    with anyio.fail_after(5):
+        while w.model.function(NV).health != "recovering":
+            await anyio.sleep(0.01)
+    if ago is not None:
+        backdate(w, ago)
+
+
+def backdate(w: Any, ago: float) -> None:
+    """The card's recovery began ``ago`` seconds before now, as its event's time says."""
+    event = w.model.state.recovery_began[NV]
+    assert event.time  # published, so stamped
+    event.__dict__["time"] = format_event_time(datetime.now(UTC) - timedelta(seconds=ago))
+
+
+async def test_a_switch_waits_for_a_pci_error_recovery_under_way(host: SysRoot) -> None:
+    """Rebinding a device the kernel is resetting can wedge the host: refused in either
+    direction, in mode or not, `recover` too, with nothing written; once the recovery ends
+    (``SUCCESSFUL_RECOVERY``) the switch runs."""
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        await begin_recovery(w, host)
+        for mode in ("vfio", "nvidia"):
+            with pytest.raises(SwitchRefused, match=rf"{NV} is recovering: PCI error recovery "
+                                                     r"began [0-9]+ s ago"):
+                await w.switch(NV, mode, timeout=5)
+        with pytest.raises(SwitchRefused, match="is recovering"):
+            await w.recover(NV, timeout=5)
+        assert (await w.engine.plan(NV, "vfio"))["refused"]["reason"].startswith(
+            f"{NV} is recovering")
+        assert sim.record == []
+        assert [e.type for e in events if e.type.startswith("switch-")] == \
+            ["switch-refused"] * 3
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                                        DEVICE_ONLINE="1"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "ok":
+                await anyio.sleep(0.01)
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+
+
+async def test_a_recovery_whose_end_was_lost_does_not_refuse_for_ever(host: SysRoot) -> None:
+    """No end seen RECOVERY_STALE_AFTER seconds after it began: the last uevent was lost.
+    The switch goes ahead and says so in its notes (and the plan's)."""
+    async with simulated_switch(host) as (w, _sim, _engine, _events):
+        await begin_recovery(w, host, ago=RECOVERY_STALE_AFTER - 30)
+        with pytest.raises(SwitchRefused, match="is recovering"):
+            await w.switch(NV, "vfio", timeout=5)
+        backdate(w, RECOVERY_STALE_AFTER + 30)
+        plan = await w.engine.plan(NV, "vfio")
+        assert plan["refused"] is None and any("taken as over" in n for n in plan["notes"])
+        result = await w.switch(NV, "vfio", timeout=10)
+        assert result.changed
+        assert any(f"{NV}: PCI error recovery began" in n and "taken as over" in n
+                   for n in result.notes), result.notes
+
+
+async def test_a_recovery_that_failed_at_the_bridge_refuses_the_card(host: SysRoot) -> None:
+    """A failed recovery is reported on the bridge alone (the card stays "recovering" in the
+    model): however old, the card is failed. `recover` (a rebind) is its way out."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        await begin_recovery(w, host, ago=RECOVERY_STALE_AFTER * 4)
+        w.source.push(host.uevent_props("change", ROOT_PORT, ERROR_EVENT="FAILED_RECOVERY",
+                                        DEVICE_ONLINE="0"))
+        with anyio.fail_after(5):
+            while w.model.function(ROOT_PORT).health != "failed":
+                await anyio.sleep(0.01)
+        with pytest.raises(SwitchRefused, match=rf"{NV} is failed: PCI error recovery failed "
+                                                 rf"at bridge {ROOT_PORT}"):
+            await w.switch(NV, "nvidia", timeout=5)
+        assert sim.record == []
+        result = await w.recover(NV, timeout=10)
+        assert result.changed and w.model.function(NV).health == "ok"
+
+
+def test_recovery_facts_read_the_age_and_the_failed_bridge(host: SysRoot) -> None:
+    """The pure rule's inputs, from a model fed the uevents (no watcher, no clock but the
+    one given)."""
+    model = gpuwatch.scan(host.root)
+    state = model.state
+    state.apply(PciErrorSeen(NV, "BEGIN_RECOVERY", False))
+    event = state.recovery_began[NV]
+    assert recovery_facts(state, [NV, AUDIO]) == ({}, {})  # never published: age unknown
+    began = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
+    event.__dict__["time"] = format_event_time(began)
+    assert recovery_facts(state, [NV, AUDIO], began + timedelta(seconds=42)) == ({NV: 42.0}, {})
+    state.apply(PciErrorSeen(ROOT_PORT, "FAILED_RECOVERY", False))
+    assert recovery_facts(state, [NV], began)[1] == {NV: ROOT_PORT}
+    facts = HostFacts(recovery_age={NV: 42.0})
+    fn = state.functions[NV]
+    assert "began 42 s ago" in (unhealthy_reason([fn], facts) or "")
+    assert unhealthy_reason([fn], HostFacts(recovery_age={NV: RECOVERY_STALE_AFTER})) is None
+    assert unhealthy_reason([fn], HostFacts()) is not None  # unknown: taken as just begun
+    # A SUCCESSFUL_RECOVERY ends it: nothing remembered.
+    state.apply(PciErrorSeen(NV, "SUCCESSFUL_RECOVERY", True))
+    assert NV not in state.recovery_began and state.functions[NV].health == "ok"

@@ -8,18 +8,32 @@ stopping a tail is its normal end, not a failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
-import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OneLineParser, fail
+from gpuwatch.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    OneLineParser,
+    fail,
+    one_line,
+)
 from gpuwatch.core.events import EVENT_TYPES
-from gpuwatch.watch.eventlog import EventRecord, follow_records, read_records, rotated_path
+from gpuwatch.watch.eventlog import (
+    EventRecord,
+    follow_records,
+    not_a_log_file,
+    read_records,
+    rotated_path,
+)
 
 # What signal.signal() hands back: a callable, SIG_DFL/SIG_IGN, or None (set outside Python).
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -78,25 +92,30 @@ def _emit(records: Iterator[EventRecord]) -> None:
             raise _OutputFailed(exc) from None
 
 
-def _not_a_log(path: str) -> str | None:
-    """Why ``path`` cannot be a log (a directory, a FIFO, …), or None when it may be one.
+class _Notes(logging.Handler):
+    """What the reader has to say about the log (a rotated name that is no log file and is
+    skipped, a new run of the watcher) goes to stderr, one line each: stdout is events."""
 
-    Readers never open such a file (a FIFO would block them, or lose its bytes to them),
-    so without this check it would read as an empty log, silently."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None  # missing or a dangling link: no log yet (or, with --follow, later)
-    if stat.S_ISREG(mode):
-        return None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"))
-    kind = next((name for test, name in kinds if test(mode)), "not a file")
-    return f"{path} is {kind}, not an event log file"
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"gpuwatch: events: {one_line(record.getMessage())}", file=sys.stderr,
+                  flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    logger = logging.getLogger("gpuwatch.watch.eventlog")
+    notes, level = _Notes(logging.INFO), logger.level
+    logger.addHandler(notes)
+    if level == logging.NOTSET or level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        return _run(args)
+    finally:
+        logger.removeHandler(notes)
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         types = _parse_types(args.types)
     except ValueError as exc:
@@ -104,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     path: str = args.path
     if sys.stdout is None:
         return fail("events: stdout is closed", EXIT_USAGE)
-    why = _not_a_log(path)
+    why = not_a_log_file(path)  # else it would read as an empty log, silently
     if why is not None:
         return fail(f"events: {why}", EXIT_FAILURE)
     try:

@@ -37,7 +37,7 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.files import in_root, read_attr
-from gpuwatch.hostfs.noiommu import read_iommu_groups
+from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
@@ -188,17 +188,26 @@ def status_report(remote: Remote) -> dict[str, Any]:
         group: int = gpu["iommu_group"]
         noiommu = group in groups.noiommu
         kept = remote.kept_for_host(gpu)
+        node = groups.node(group)
+        accessible = not noiommu and remote.accessible(group)
+        opens, opens_ok = vfio_open(remote.root, node, bool(remote.vfio.get("iommufd")),
+                                    [m.get("vfio_cdev", "") for m in gpu["group_members"]],
+                                    accessible)
         gpus.append({
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "class_label": gpu["class_label"],
             "driver": gpu["driver"], "iommu_group": group,
             "mode": group_mode(members),
             "vfio_variant": vfio_variant(members),
-            "vfio_node": groups.node(group),
-            "vfio_accessible": not noiommu and remote.accessible(group),
+            "vfio_node": node,
+            "vfio_accessible": accessible,
+            "iommufd": bool(remote.vfio.get("iommufd")),
+            "vfio_open": opens,
+            "vfio_open_accessible": opens_ok,
             "members": [{"addr": m["addr"], "class_label": m["class_label"],
                          "vendor_id": m["vendor_id"], "device_id": m["device_id"],
-                         "driver": m["driver"], "health": m.get("health", "ok")}
+                         "driver": m["driver"], "health": m.get("health", "ok"),
+                         "vfio_cdev": m.get("vfio_cdev", "")}
                         for m in gpu["group_members"]],
             "kept_for_host": bool(kept), "reason": kept,
         })

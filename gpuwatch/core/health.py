@@ -10,6 +10,12 @@ from collections.abc import Sequence
 
 #: Health states a switch refuses: the device needs its recovery first, not another rebind.
 UNSWITCHABLE = frozenset({"wedged", "failed"})
+#: Seconds after its ``BEGIN_RECOVERY`` that a PCI error recovery with no end seen is taken
+#: as over. The kernel's own waits in a recovery (a link or bus reset, the device coming
+#: back) are bounded at 60 s; past five times that, the last uevent was lost (or never sent:
+#: a failed recovery is reported on the bridge alone), and refusing the group until a reboot
+#: would help nobody.
+RECOVERY_STALE_AFTER = 300.0
 
 
 def method_advice(method: str, addr: str, driver: str) -> str:
@@ -43,4 +49,4 @@ def health_advice(health: str, addr: str, driver: str, recovery: Sequence[str] =
     return ""
 
 
-__all__ = ["UNSWITCHABLE", "health_advice", "method_advice"]
+__all__ = ["RECOVERY_STALE_AFTER", "UNSWITCHABLE", "health_advice", "method_advice"]

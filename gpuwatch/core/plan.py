@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, assert_never
 
-from gpuwatch.core.health import UNSWITCHABLE, health_advice
+from gpuwatch.core.health import RECOVERY_STALE_AFTER, UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
     VFIO_DRIVER,
     Mode,
@@ -212,6 +212,13 @@ class HostFacts:
     vfio_variants: frozenset[str] = frozenset()
     #: The DRM wedge recovery methods the kernel named, per wedged function.
     wedge_recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Seconds since each ``recovering`` function's ``BEGIN_RECOVERY`` (absent: not known,
+    #: taken as just begun).
+    recovery_age: Mapping[str, float] = field(default_factory=dict)
+    #: A bridge above a ``recovering`` function that reported ``FAILED_RECOVERY``: the
+    #: kernel reports a failed recovery on the bridge alone, so the function's own end never
+    #: comes.
+    recovery_failed_above: Mapping[str, str] = field(default_factory=dict)
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -480,18 +487,52 @@ def cdi_steps(root: str, cdi_spec: bool,
     ), ()
 
 
-def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts) -> str | None:
-    """Why a group with a wedged or failed function must not be switched, and what to do.
-    `gpuwatch recover` is named only for an NVIDIA card: it refuses any other."""
+def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
+                     recover: bool = False) -> str | None:
+    """Why a group with a wedged, failed or recovering function must not be switched, and
+    what to do. `gpuwatch recover` is named only for an NVIDIA card: it refuses any other.
+
+    ``recover``: for `gpuwatch recover`, whose rebind is the recovery of a wedged or failed
+    device; a PCI error recovery still under way refuses it too (the kernel is resetting
+    the device: an unbind or a bind now can wedge the host).
+
+    A ``recovering`` function under a bridge that reported ``FAILED_RECOVERY`` is failed
+    (the kernel says so on the bridge alone); one whose recovery began more than
+    `RECOVERY_STALE_AFTER` seconds ago with no end seen is taken as recovered (its last
+    uevent lost), with a note (`recovery_notes`), so a lost uevent never refuses for ever."""
     fns = tuple(members)
     nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
+    hint = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
     for fn in fns:
-        if fn.health in UNSWITCHABLE:
+        if fn.health in UNSWITCHABLE and not recover:
             advice = health_advice(fn.health, fn.addr, fn.driver,
                                    facts.wedge_recovery.get(fn.addr, ()))
-            recover = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
-            return f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it{recover}"
+            return f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it{hint}"
+        if fn.health != "recovering":
+            continue
+        bridge = facts.recovery_failed_above.get(fn.addr, "")
+        if bridge:
+            if recover:
+                continue
+            advice = health_advice("failed", fn.addr, fn.driver)
+            return (f"{fn.addr} is failed: PCI error recovery failed at bridge {bridge} above "
+                    f"it: {advice}; a switch would only add to it{hint}")
+        age = facts.recovery_age.get(fn.addr, 0.0)
+        if age < RECOVERY_STALE_AFTER:
+            return (f"{fn.addr} is recovering: PCI error recovery began {age:.0f} s ago and "
+                    "has not ended; an unbind or a bind now could wedge the host: retry once "
+                    f"it ends (after {RECOVERY_STALE_AFTER:.0f} s with no end seen, it is taken "
+                    "as over)")
     return None
+
+
+def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str]:
+    """What a switch says of a recovery it no longer waits for (`unhealthy_reason`)."""
+    return [f"{fn.addr}: PCI error recovery began {facts.recovery_age[fn.addr]:.0f} s ago and "
+            "no end was seen (its last uevent lost?): taken as over"
+            for fn in members if fn.health == "recovering"
+            and fn.addr not in facts.recovery_failed_above
+            and facts.recovery_age.get(fn.addr, 0.0) >= RECOVERY_STALE_AFTER]
 
 
 def virtual_functions_reason(fn: PciFunction) -> str:
@@ -540,9 +581,12 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     def refuse(reason: str, holders: Sequence[Holding] = ()) -> SwitchPlan:
         return SwitchPlan(**base, refusal=Refusal(reason, tuple(holders)))
 
-    unhealthy = None if recovering else unhealthy_reason(fns, facts)
+    unhealthy = unhealthy_reason(fns, facts, recover=recovering)
     if unhealthy is not None:
         return refuse(unhealthy)
+    stale = recovery_notes(fns, facts)
+    if stale:
+        base["notes"] = (*base.get("notes", ()), *stale)
     if all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
         return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
                                                f"already in mode {mode}: nothing to write")})
@@ -756,6 +800,7 @@ __all__ = [
     "poison_key",
     "poison_subject",
     "poisoned_until",
+    "recovery_notes",
     "satisfied",
     "step_json",
     "switch_guard",

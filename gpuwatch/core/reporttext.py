@@ -19,6 +19,22 @@ MEMLOCK_ENOUGH = 16 * 1024**3
 BRIDGE_CLASS = "0x0604"
 #: The node VFIO gives a no-IOMMU group N: ``/dev/vfio/noiommu-N`` (`status`'s ``vfio_node``).
 NOIOMMU_NODE = "/dev/vfio/noiommu-"
+#: The iommufd character device a VMM binds VFIO device cdevs to (``vfio-backend``'s).
+IOMMU_NODE = "/dev/iommu"
+
+
+def vfio_open_nodes(vfio_node: str, node_present: bool, iommufd: bool,
+                    cdevs: Iterable[str]) -> list[str]:
+    """What a VM manager opens to pass a group through now (`status`'s ``vfio_open``): the
+    group node when it exists; else, on a kernel with iommufd and the VFIO device cdevs only
+    (no ``/dev/vfio/N``), ``/dev/iommu`` and each function's cdev; else nothing. A no-IOMMU
+    group's node is for no VM."""
+    if not vfio_node or vfio_node.startswith(NOIOMMU_NODE):
+        return []
+    if node_present:
+        return [vfio_node]
+    nodes = [c for c in cdevs if c]
+    return [IOMMU_NODE, *nodes] if iommufd and nodes else []
 
 
 def iommu_hint(enabled: bool, kind: str) -> str:
@@ -124,9 +140,18 @@ def render_status(report: dict[str, Any]) -> str:
                 f"driver: {m['driver'] or '(none)'}"
                 + (f"  health: {m['health']}" if m["health"] != "ok" else "")
             )
+        opens = gpu.get("vfio_open", [])
         if noiommu:
             lines.append(f"  {gpu['vfio_node']}: VFIO no-IOMMU group: no DMA isolation, not "
                          "for a VM")
+        elif opens[:1] == [IOMMU_NODE]:
+            # An iommufd-only kernel: no group node; a VMM opens each function's cdev.
+            cdevs = ", ".join(f"{m['vfio_cdev']} ({m['addr']})" for m in gpu["members"]
+                              if m.get("vfio_cdev"))
+            access = ("read/write ok" if gpu["vfio_open_accessible"]
+                      else "not accessible (no permission)")
+            lines.append(f"  {gpu['vfio_node']}: absent (iommufd only): a VM opens "
+                         f"{IOMMU_NODE} and {cdevs}: {access}")
         elif gpu["vfio_node"]:
             access = (
                 "read/write ok"

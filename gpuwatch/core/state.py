@@ -115,6 +115,11 @@ class HostState:
         self._cdev_of: dict[str, str] = {}
         #: The recovery methods of each wedged function's last DRM wedge uevent.
         self.wedge_recovery: dict[str, tuple[str, ...]] = {}
+        #: The ``device-error`` event of each function's last ``BEGIN_RECOVERY``: once
+        #: published it carries its ``time``, how long a recovery has been going on (the
+        #: switch waits for a young one, and not for ever for one whose end was lost).
+        #: Meaningful only while the function's health is ``recovering``.
+        self.recovery_began: dict[str, DeviceError] = {}
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
         #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
@@ -466,8 +471,13 @@ class HostState:
             return
         if fn.health != health:
             self._replace(fn, {"health": health}, events, announce=False)
-        events.append(DeviceError(addr=seen.addr, error_event=seen.error_event,
-                                  online=seen.online, health=health))
+        event = DeviceError(addr=seen.addr, error_event=seen.error_event, online=seen.online,
+                            health=health)
+        if health == "recovering":
+            self.recovery_began[seen.addr] = event
+        else:
+            self.recovery_began.pop(seen.addr, None)
+        events.append(event)
 
     def _drm_wedge(self, seen: DrmWedgeSeen, events: list[BaseModel]) -> None:
         if not seen.addr:  # a devpath that does not name the parent: the card's link does
@@ -523,6 +533,7 @@ class HostState:
                 groups.setdefault(new_group, set()).add(addr)
         if new is None:
             del functions[addr]
+            self.recovery_began.pop(addr, None)
         else:
             functions[addr] = new
         if addr in self.wedge_recovery and (new is None or new.health != "wedged"):

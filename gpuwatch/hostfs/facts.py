@@ -15,6 +15,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import anyio
@@ -28,6 +29,7 @@ from gpuwatch.core.modalias import (
     parse_vfio_aliases,
 )
 from gpuwatch.core.modes import Mode, driver_key, target_driver
+from gpuwatch.core.pci import PCI_ADDR_RE
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
     CDI_OUTPUT,
@@ -180,11 +182,14 @@ class ModelFacts:
     wedge_recovery: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     kept_for_host: str = ""
     poisoned: str = ""
+    recovery_age: dict[str, float] = dataclasses.field(default_factory=dict)
+    recovery_failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
                 poisoned: str = "") -> ModelFacts:
     addrs = {fn.addr for fn in members}
+    ages, failed = recovery_facts(state, addrs)
     return ModelFacts(
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
                                   if fn.driver in NVIDIA_MODULE_DRIVERS and a not in addrs)),
@@ -193,7 +198,47 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
         kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
         poisoned=poisoned,
+        recovery_age=ages,
+        recovery_failed_above=failed,
     )
+
+
+def health_facts(state: HostState, members: Iterable[PciFunction]) -> HostFacts:
+    """Just what `gpuwatch.core.plan.unhealthy_reason` needs, read from the model: the
+    early health check of a switch, before anything else is read."""
+    addrs = {fn.addr for fn in members}
+    ages, failed = recovery_facts(state, addrs)
+    return HostFacts(wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
+                     recovery_age=ages, recovery_failed_above=failed)
+
+
+def recovery_facts(state: HostState, addrs: Iterable[str],
+                   now: datetime | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """For each ``recovering`` function of ``addrs``: seconds since its ``BEGIN_RECOVERY``
+    (the time its ``device-error`` event was published; unknown until then), and the
+    nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel reports a failed
+    recovery on that bridge only, so the function's own end never comes)."""
+    moment = now if now is not None else datetime.now(UTC)
+    ages: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for addr in addrs:
+        fn = state.functions.get(addr)
+        if fn is None or fn.health != "recovering":
+            continue
+        above = [p for p in state.devpaths.get(addr, "").split("/")[:-1]
+                 if PCI_ADDR_RE.fullmatch(p)]
+        bridge = next((b for b in reversed(above) if (up := state.functions.get(b)) is not None
+                       and up.health == "failed"), "")
+        if bridge:
+            failed[addr] = bridge
+        began = state.recovery_began.get(addr)
+        if began is not None and began.time:
+            try:
+                when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+            except ValueError:
+                continue
+            ages[addr] = max(0.0, (moment - when).total_seconds())
+    return ages, failed
 
 
 # --------------------------------------------------------------------------- VFIO driver choice
@@ -314,6 +359,8 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),
         vfio_variants=known.vfio_variants,
         wedge_recovery=known.wedge_recovery,
+        recovery_age=known.recovery_age,
+        recovery_failed_above=known.recovery_failed_above,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"
@@ -388,11 +435,13 @@ __all__ = [
     "dri_nodes",
     "gather_facts",
     "gather_facts_now",
+    "health_facts",
     "is_persistenced",
     "map_paths",
     "model_facts",
     "nvidia_minor",
     "persistenced_running",
+    "recovery_facts",
     "scan_holders",
     "scan_procs",
     "snd_nodes",

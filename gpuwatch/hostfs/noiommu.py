@@ -15,9 +15,10 @@ The group's name is in no probe answer, so the reports read it here, as they rea
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpuwatch.core.reporttext import NOIOMMU_NODE
+from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
 from gpuwatch.hostfs.files import in_root, list_dir, read_attr
 
 #: The name VFIO gives the group it makes for a device on a host without an IOMMU.
@@ -55,4 +56,22 @@ def read_iommu_groups(root: str) -> IommuGroups:
     return IommuGroups(frozenset(noiommu), real)
 
 
-__all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups"]
+def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
+              group_accessible: bool) -> tuple[list[str], bool]:
+    """`status`'s ``vfio_open`` for the tree under ``root`` (`vfio_open_nodes`: the group
+    node when it exists, else on an iommufd-only kernel ``/dev/iommu`` and the cdevs), and
+    whether this process may open every one of those read/write (``vfio_open_accessible``):
+    for the group node the model's answer (``group_accessible``), for the iommufd nodes,
+    which no probe answers, the file system's."""
+
+    def under(node: str) -> str:
+        return in_root(root, os.path.join(root, node.lstrip("/")))
+
+    present = bool(vfio_node) and os.path.exists(under(vfio_node))
+    nodes = vfio_open_nodes(vfio_node, present, iommufd, cdevs)
+    if nodes == [vfio_node]:
+        return nodes, group_accessible
+    return nodes, bool(nodes) and all(os.access(under(n), os.R_OK | os.W_OK) for n in nodes)
+
+
+__all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups", "vfio_open"]

@@ -87,7 +87,13 @@ from gpuwatch.errors import (
     UsageError,
 )
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
-from gpuwatch.hostfs.facts import call_bounded, gather_facts, model_facts, scan_holders
+from gpuwatch.hostfs.facts import (
+    call_bounded,
+    gather_facts,
+    health_facts,
+    model_facts,
+    scan_holders,
+)
 from gpuwatch.hostfs.scan import CDI_SPECS, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
@@ -279,6 +285,7 @@ class SwitchEngine:
         addr, vendor = parse_target(target)
         model = self.model
         card, members = find_card(model.state, addr=addr, vendor=vendor)  # never invented
+        await self._reload_poison()
         known = model_facts(model.state, members, model.poisoned.get(poison_key(card), ""))
         deadline, euid = model.proc_deadline, self.euid()
         facts = await call_bounded(
@@ -300,6 +307,19 @@ class SwitchEngine:
 
     # ------------------------------------------------------------------ the switch
 
+    async def _reload_poison(self) -> None:
+        """Take in the wedges other processes recorded since this engine started (a
+        `gpuwatch mode --log` beside the daemon, a daemon restarted meanwhile): the file is
+        the record across processes, and a switch of a group wedged there must be refused
+        here too. Only added, never dropped: a poison of ours whose write failed stays."""
+        try:
+            entries = await call_bounded(self.poison.load, self.scan_timeout,
+                                         "reading the poison record")
+        except (StepTimedOut, OSError):
+            return
+        for key, entry in entries.items():
+            self.model.poisoned.setdefault(key, entry.error)
+
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
                       timeout: float, *, recovering: bool, force: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
@@ -310,6 +330,7 @@ class SwitchEngine:
         # drives NVIDIA cards only) and the host's own console. Saying so needs no privilege
         # and writes nothing, so it comes before "already in mode" and the root check.
         if not recovering:
+            await self._reload_poison()
             guard = switch_guard(
                 card, to_mode, poisoned=self.model.poisoned.get(poison_key(card), ""),
                 kept_for_host=self.model.state.kept_for_host(card.addr)
@@ -319,9 +340,10 @@ class SwitchEngine:
                 self._refused(card.addr, group, to_mode, guard.reason, ())
                 raise (GroupPoisoned if guard.poisoned else SwitchRefused)(guard.reason)
         # A wedged or failed function needs its recovery, not a rebind by a switch: refused
-        # even when the group is in mode, since it is unusable either way.
-        unhealthy = None if recovering else unhealthy_reason(
-            members, HostFacts(wedge_recovery=self.model.state.wedge_recovery))
+        # even when the group is in mode, since it is unusable either way. A PCI error
+        # recovery under way refuses `recover` too: the kernel is resetting the device.
+        unhealthy = unhealthy_reason(members, health_facts(self.model.state, members),
+                                     recover=recovering)
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from gpuwatch.testing.sysroot import SysRoot
+from gpuwatch.testing.sysroot import SysRoot, example_gpu_host
 
 __all__ = [
     "GH_ADDR",
@@ -20,6 +20,7 @@ __all__ = [
     "MODULES_ALIAS",
     "SRIOV_PF",
     "grace_hopper_host",
+    "iommufd_only_host",
     "sriov_gpu_host",
 ]
 
@@ -71,6 +72,26 @@ def grace_hopper_host(root: str | os.PathLike[str], *, cdev: bool = True,
         s.add_vfio_group(GH_GROUP, mode=0o660)
         s.add_vfio_dev(GH_ADDR, 0, cdev=cdev)
     s.add_dev_node("/dev/kvm")
+    return s
+
+
+def iommufd_only_host(root: str | os.PathLike[str]) -> SysRoot:
+    """The example workstation (GPU ``0000:01:00.0`` and its HDMI audio ``0000:01:00.1`` in
+    IOMMU group 13) on a kernel built without the VFIO group interface (``CONFIG_VFIO_GROUP``
+    off): both functions on vfio-pci, each with its device cdev (``/dev/vfio/devices/vfio0``,
+    ``vfio1``) and ``/dev/iommu``, but no ``/dev/vfio/13`` and no ``/dev/vfio/vfio``."""
+    s = example_gpu_host(root)
+    for addr in ("0000:01:00.0", "0000:01:00.1"):
+        s.unbind(addr)
+    for name in ("nvidia_drm", "nvidia_modeset", "nvidia_uvm", "nvidia"):
+        if os.path.isdir(os.path.join(s.root, "sys/module", name)):
+            s.remove_module(name)
+    for name in ("iommufd", "vfio", "vfio_pci_core", "vfio_pci"):
+        s.add_module(name)
+    s.add_dev_node("/dev/iommu")
+    for index, addr in enumerate(("0000:01:00.0", "0000:01:00.1")):
+        s.bind(addr, "vfio-pci")
+        s.add_vfio_dev(addr, index)
     return s
 
 

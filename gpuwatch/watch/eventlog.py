@@ -18,6 +18,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import stat
 import sys
@@ -48,6 +49,7 @@ __all__ = [
     "follow_events",
     "follow_records",
     "last_seq_in",
+    "not_a_log_file",
     "read_chunks",
     "read_events",
     "read_records",
@@ -72,6 +74,14 @@ MAX_EVENT_LINE = 16 << 20
 # A scan that raced a completed rotation is redone; after this many tries the seq guard
 # alone keeps the output duplicate-free.
 _SCAN_ATTEMPTS = 5
+#: The records that open or close a run of the watcher. Within one log their seqs only grow:
+#: one whose seq is not above the last seq read (and that is not a line read before, which a
+#: scan racing a rotation can meet again) starts a new run, whose seqs began again at 1 (the
+#: log's files were deleted or replaced before the watcher restarted).
+_RUN_EDGES = frozenset({"ready", "stopped"})
+#: How many ``ready``/``stopped`` lines a reader remembers to tell a line read again from a
+#: new run's line (a bound: each run adds two).
+_RUN_MARKS = 4096
 
 _Ident = tuple[int, int]
 
@@ -118,6 +128,43 @@ def _names_a_stream(path: str) -> bool:
     except (OSError, ValueError):
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def not_a_log_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` can hold no log (``"PATH is a directory, not an event log file"``), or
+    None when it may: a regular file (a link to one counts), or nothing there (no file yet,
+    a dangling link). The one rule readers and the writer share: what it names is never
+    read, moved or deleted as part of the log."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+    return f"{os.fspath(path)} is {kind}, not an event log file"
+
+
+#: Rotated names a socket replay already warned about: (path, device, inode). Each reader
+#: warns once; replays share this, so clients asking again and again (each a new reader)
+#: do not repeat it in the daemon's journal. Bounded.
+_replay_warned: dict[tuple[str, int, int], None] = {}
+_WARNED_MAX = 256
+
+
+def _warn_skipped(warned: dict[tuple[str, int, int], None], name: str, why: str,
+                  st: os.stat_result) -> None:
+    key = (name, st.st_dev, st.st_ino)
+    if key in warned:
+        return
+    if len(warned) >= _WARNED_MAX:
+        del warned[next(iter(warned))]
+    warned[key] = None
+    _log.warning("%s: skipped (the log's other files are read)", why)
 
 
 def _take_lock(path: str) -> int:
@@ -264,14 +311,22 @@ def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            raise _NotALogFile(errno.EISDIR, os.strerror(errno.EISDIR), path, st)
         if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
+            raise _NotALogFile(errno.EINVAL, "not a regular file", path, st)
         os.set_blocking(fd, True)
     except OSError:
         os.close(fd)
         raise
     return os.fdopen(fd, "rb", buffering=0), st
+
+
+class _NotALogFile(OSError):
+    """A directory, FIFO, socket or device where a log file should be (its stat kept)."""
+
+    def __init__(self, code: int, text: str, path: str, st: os.stat_result) -> None:
+        super().__init__(code, text, path)
+        self.st = st
 
 
 def _last_seq_of_file(path: str) -> int | None:
@@ -282,11 +337,16 @@ def _last_seq_of_file(path: str) -> int | None:
     if opened is None:
         return None
     with opened[0] as f:
-        for raw in _reverse_lines(f):
-            decoded = _decode(raw)
-            if decoded is not None:
-                seq: int = decoded[0]["seq"]
-                return seq
+        return _last_seq_of(f)
+
+
+def _last_seq_of(f: IO[bytes]) -> int | None:
+    """The seq of the last event line in ``f`` (read backwards from its end)."""
+    for raw in _reverse_lines(f):
+        decoded = _decode(raw)
+        if decoded is not None:
+            seq: int = decoded[0]["seq"]
+            return seq
     return None
 
 
@@ -643,11 +703,19 @@ class EventLog:
         self._rotate_at = self._size + self._max_bytes if failed else self._max_bytes
 
     def _shift_files(self) -> None:
+        # What is not a log file (a directory, a FIFO, a device) in a slot a rotation moves
+        # or overwrites is not the log's: refuse before moving anything, as readers pass
+        # over it. The log keeps growing (see _rotate) until it is taken away.
+        for index in range(1, self._keep + 1):
+            why = not_a_log_file(rotated_path(self._path, index))
+            if why is not None:
+                raise OSError(f"{why}: not moved or replaced")
         # Files beyond `keep` (left by a run with a larger keep) go first, so the set on
-        # disk is exactly PATH.1..PATH.keep afterwards.
+        # disk is exactly PATH.1..PATH.keep afterwards (what is no log file stays).
         index = self._keep + 1
         while os.path.lexists(rotated_path(self._path, index)):
-            os.unlink(rotated_path(self._path, index))
+            if not_a_log_file(rotated_path(self._path, index)) is None:
+                os.unlink(rotated_path(self._path, index))
             index += 1
         if self._keep == 0:
             os.unlink(self._path)
@@ -716,6 +784,9 @@ class _Follower:
         path: str | os.PathLike[str],
         since_seq: int | None,
         types: Collection[str] | None,
+        *,
+        runs: bool = False,
+        warned: dict[tuple[str, int, int], None] | None = None,
     ) -> None:
         self._path = os.fspath(path)
         self._since_seq = since_seq
@@ -726,6 +797,18 @@ class _Follower:
         self._live: _Source | None = None
         self._anchor: _Source | None = None
         self._scanned = False  # read_chunk: the one directory scan of a replay is done
+        #: Whether a new run of the log (seqs begun again) is followed (see `_fresh`): for
+        #: followers, which outlive the watcher's runs. A one-shot read (and a socket
+        #: replay) takes the log as it is, each seq once.
+        self._runs = runs
+        #: Rotated names that are no log file, already warned about (see `_warn_skipped`).
+        self._warned: dict[tuple[str, int, int], None] = {} if warned is None else warned
+        self._last_read: int | None = None  # the seq of the last line read, in file order
+        self._marks: dict[tuple[int, str], None] = {}  # `_RUN_EDGES` lines read (bounded)
+        self._caught_up = False
+        #: How many times the log was found begun anew (a new run, or ``since_seq`` ahead
+        #: of everything in it).
+        self.new_runs = 0
 
     def close(self) -> None:
         sources = [*self._pending, self._live, self._anchor]
@@ -743,11 +826,32 @@ class _Follower:
             if decoded is None:
                 continue
             event, text = decoded
-            if not self._handover.fresh(event["seq"]):
+            if not self._fresh(event):
                 continue
             if self._types is not None and event["type"] not in self._types:
                 continue
             out.append(EventRecord(event, text))
+
+    def _fresh(self, event: dict[str, Any]) -> bool:
+        """The duplicate guard (`Handover`), aware of new runs: a ``ready`` or ``stopped``
+        whose seq is not above the last one read, and that is no line read before, opens a
+        run that numbered from 1 again (every log file deleted, the watcher restarted). Its
+        events are new: without this a follower printed nothing until they passed the old
+        run's seqs."""
+        seq: int = event["seq"]
+        if self._runs and event["type"] in _RUN_EDGES:
+            mark = (seq, str(event.get("time")))
+            if mark not in self._marks:
+                if self._last_read is not None and seq <= self._last_read:
+                    self._handover.last_seq = min(self._handover.last_seq, seq - 1)
+                    self.new_runs += 1
+                    _log.info("event log %s: a new run of the watcher begins at seq %d",
+                              self._path, seq)
+                self._marks[mark] = None
+                if len(self._marks) > _RUN_MARKS:
+                    del self._marks[next(iter(self._marks))]
+        self._last_read = seq
+        return self._handover.fresh(seq)
 
     def _finish(self, src: _Source) -> None:
         """A pending file read to its end: any torn tail is permanent, drop it."""
@@ -756,6 +860,24 @@ class _Follower:
         src.consumed = True
         if src is not self._anchor:
             src.file.close()
+
+    def caught_up(self) -> None:
+        """The follower has read all the log holds (its first wait for more). A
+        ``since_seq`` ahead of every seq read (or none read: no log yet) came from an
+        earlier run of a log begun anew since (its files deleted; a log on tmpfs after a
+        reboot): what is appended from now on is new, whatever its seq (as a socket
+        subscriber with a ``since_seq`` ahead of the daemon gets the live events)."""
+        if self._caught_up:
+            return
+        self._caught_up = True
+        since = self._since_seq
+        if (self._runs and since is not None and self._handover.last_seq == since
+                and (self._last_read is None or self._last_read < since)):
+            self._handover.last_seq = -math.inf if self._last_read is None else self._last_read
+            self.new_runs += 1
+            _log.info("event log %s: its newest seq (%s) is below %d: the log was begun "
+                      "anew since; following what is added to it", self._path,
+                      "none" if self._last_read is None else self._last_read, since)
 
     def poll(self, *, follow: bool = True) -> tuple[list[EventRecord], bool]:
         """(events that became complete, whether anything moved).
@@ -967,6 +1089,16 @@ class _Follower:
             index += 1
             try:
                 opened = _open_log_file(name)  # closed by the follower
+            except _NotALogFile as exc:
+                if index > 1:  # PATH.N: the writer never rotates into it; read around it
+                    _warn_skipped(self._warned, name,
+                                  not_a_log_file(name) or f"{name}: {exc.strerror}", exc.st)
+                    misses = 0
+                    continue
+                for src in [live, *rotated]:  # not the follower's yet: close them here
+                    if src is not None:
+                        src.file.close()
+                raise
             except OSError:
                 for src in [live, *rotated]:  # not the follower's yet: close them here
                     if src is not None:
@@ -1021,7 +1153,7 @@ def read_chunks(
     each ``next`` is one read of at most 8 KiB, so a caller on an event loop can yield
     between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
     each chunk still covers what was read. Close the iterator to release the files."""
-    follower = _Follower(path, since_seq, None)
+    follower = _Follower(path, since_seq, None, warned=_replay_warned)
     try:
         while (chunk := follower.read_chunk(wants)) is not None:
             yield chunk
@@ -1051,12 +1183,13 @@ def follow_records(
     stop: Callable[[], bool] | None = None,
 ) -> Iterator[EventRecord]:
     """Like :func:`follow_events`, with each event's stored line alongside."""
-    follower = _Follower(path, since_seq, types)
+    follower = _Follower(path, since_seq, types, runs=True)
     try:
         while stop is None or not stop():
             batch, more = follower.poll()
             yield from batch
             if not more:
+                follower.caught_up()
                 time.sleep(poll_interval)
     finally:
         follower.close()
@@ -1092,7 +1225,7 @@ async def afollow_records(
 ) -> AsyncIterator[EventRecord]:
     """Async :func:`follow_records`. Reads run inline: local-file reads are short and
     bounded per poll, cheaper than a thread hop per batch."""
-    follower = _Follower(path, since_seq, types)
+    follower = _Follower(path, since_seq, types, runs=True)
     try:
         while stop is None or not stop():
             batch, more = follower.poll()
@@ -1101,6 +1234,7 @@ async def afollow_records(
             if more:
                 await anyio.lowlevel.checkpoint()
             else:
+                follower.caught_up()
                 await anyio.sleep(poll_interval)
     finally:
         follower.close()
