@@ -755,6 +755,28 @@ async def test_a_switch_is_finished_when_its_client_leaves(
         await c.aclose()
 
 
+async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A stop (SIGTERM) cancels what is not a switch; the request it cut off gets one
+    `unavailable` line saying why, not a connection reset with no reply."""
+    started = anyio.Event()
+
+    async def never(w: Any, p: Any, peer: Any) -> Any:
+        started.set()
+        await anyio.sleep_forever()
+
+    async with daemon(host, sockdir, tmp_path, ops={"holders": never}) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(7, "holders", {}))
+        with anyio.fail_after(5):
+            await started.wait()
+    rest = await c.eof()
+    assert [json.loads(x) for x in rest.splitlines()] == [{"id": 7, "error": {
+        "code": P.UNAVAILABLE, "message": "holders: the daemon is stopping; retry"}}]
+    await c.aclose()
+
+
 # --------------------------------------------------------------------------- clients and the CLI
 
 

@@ -1295,6 +1295,15 @@ class SocketServer:
     async def _answer_later(self, conn: Connection, req: P.Request) -> None:
         try:
             result = await self._call(conn, req)
+        except anyio.get_cancelled_exc_class():
+            # The daemon is stopping (a connection that was lost or cut off is closed
+            # already, and takes no reply): one line saying so, not a reply that never
+            # comes before the connection is reset.
+            if not conn.closed:
+                conn.reply(P.encode_error(req.id, P.UNAVAILABLE,
+                                          f"{req.method}: the daemon is stopping; retry"))
+                self._count(req.method, P.UNAVAILABLE)
+            raise
         except P.RpcError as exc:
             conn.reply(P.encode_error(req.id, exc.code, exc.message))
             self._count(req.method, exc.code)
