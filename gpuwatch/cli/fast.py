@@ -224,7 +224,6 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
         compact({"id": i, "method": method, "params": params}).encode() + b"\n"
         for i, (method, params) in enumerate(calls, 1))
     import socket  # here: without a daemon to ask, a command never needs it
-
     import time
 
     lines: list[bytes] = []
