@@ -158,6 +158,29 @@ async def test_every_probe_action_answers_like_the_model(
         await c.aclose()
 
 
+async def test_names_with_bytes_that_are_not_utf8_are_answered_not_internal_errors(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A crafted tree names the GPU's driver with a byte that is not UTF-8 (Python holds it
+    as a surrogate escape, which JSON cannot carry). Every answer that names it goes out
+    with U+FFFD in its place, as the log writes it; it used to be an internal error for
+    every client, every time (snapshot, detect-vfio, display-driver)."""
+    link = host.root / "sys/bus/pci/devices" / NV / "driver"
+    os.unlink(link)
+    os.makedirs(bytes(host.root / "sys/bus/pci/drivers") + b"/nv\xffidia")
+    os.symlink(b"../../../bus/pci/drivers/nv\xffidia", bytes(link))
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        reply = await c.request("probe", {"action": "display-driver", "addr": NV})
+        assert reply == {"id": 1, "result": "nv\ufffdidia"}
+        reply = await c.request("probe", {"action": "detect-vfio"}, rid=2)
+        assert [g["driver"] for g in reply["result"]["gpus"] if g["addr"] == NV] == [
+            "nv\ufffdidia"]
+        reply = await c.request("snapshot", {}, rid=3)
+        assert reply["id"] == 3 and "nv\ufffdidia" in json.dumps(reply, ensure_ascii=False)
+        await c.aclose()
+
+
 @pytest.mark.parametrize(
     ("params", "code", "text"),
     [
