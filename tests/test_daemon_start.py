@@ -260,3 +260,21 @@ def test_a_socket_path_that_cannot_work_stays_exit_2(host: SysRoot, tmp_path: Pa
         capture_output=True, text=True, env=env(), timeout=60)
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_lock_left_by_another_users_daemon_does_not_block_this_one(sockdir: str) -> None:
+    """Root's daemon, killed, left its lock (root's, 0644) in a directory now served by a
+    daemon of another user: that one can still lock the file (flock needs no write access)."""
+    path = f"{sockdir}/gw.sock"
+    lock = socket_lock_path(path)
+    with open(lock, "w") as f:
+        f.write("1\n")
+    os.chmod(lock, 0o644)
+    os.chown(sockdir, 70010, 70010)
+    script = ("import os, sys; from gpuwatch.service.server import bind_socket; "
+              "os.setgroups([]); os.setgid(70010); os.setuid(70010); "
+              "s = bind_socket(sys.argv[1], None); print('served'); s.close()")
+    out = subprocess.run([*gpuwatch_cmd()[:1], "-c", script, path], capture_output=True,
+                         text=True, env=env(), timeout=60)
+    assert out.stdout == "served\n", out.stderr

@@ -183,9 +183,14 @@ def _take_socket_lock(path: str) -> int:
     """
     name = socket_lock_path(path)
     for _ in range(16):  # each retry means a holder just removed the file: rare, bounded
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK, 0o644)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | flags, 0o644)
+            except PermissionError:
+                # Left by a daemon of another user (root's, killed): flock needs no write
+                # access, so it still serves as the lock.
+                fd = os.open(name, os.O_RDONLY | flags)
         except OSError as exc:
             error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
             raise error(f"not serving {path}: cannot open its lock {name}: "
