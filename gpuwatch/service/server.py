@@ -206,8 +206,11 @@ def _take_socket_lock(path: str) -> int:
                 who = f"pid {holder}" if holder.isdigit() else "another process"
                 raise SocketInUse(f"another gpuwatch daemon ({who}) serves {path} or is "
                                   f"starting to (it holds {name})") from None
+            except OSError as exc:  # a file system without locks (ENOLCK)
+                raise SocketSetupError(f"not serving {path}: cannot lock {name}: "
+                                       f"{exc.strerror or exc}") from None
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(name).st_ino == os.fstat(fd).st_ino:
+                if _same_file(os.stat(name), os.fstat(fd)):
                     with contextlib.suppress(OSError):  # the pid is a courtesy
                         os.ftruncate(fd, 0)
                         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -223,9 +226,13 @@ def _release_socket_lock(path: str, fd: int) -> None:
     """Remove ``PATH.lock`` while still holding it, then let go: no litter after a clean
     stop, and a daemon that opened the old file sees it was removed and locks afresh."""
     with contextlib.suppress(OSError):
-        if os.stat(socket_lock_path(path)).st_ino == os.fstat(fd).st_ino:
+        if _same_file(os.stat(socket_lock_path(path)), os.fstat(fd)):
             os.unlink(socket_lock_path(path))
     os.close(fd)
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class Listener(socket.socket):
