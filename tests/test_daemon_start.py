@@ -282,3 +282,16 @@ def test_a_lock_left_by_another_users_daemon_does_not_block_this_one(sockdir: st
     out = subprocess.run([*gpuwatch_cmd()[:1], "-c", script, path], capture_output=True,
                          text=True, env=env(), timeout=60)
     assert out.stdout == "served\n", out.stderr
+
+
+def test_a_socket_path_with_bytes_that_are_not_utf8_is_served(sockdir: str) -> None:
+    """A path is bytes: one that is not UTF-8 (as argv hands it over, surrogate-escaped) is
+    bound, locked and let go like any other, not an internal error."""
+    path = os.fsdecode(os.fsencode(sockdir) + b"/gw\xff.sock")
+    listener = bind_socket(path, None)
+    try:
+        assert _serves_path(listener, path)
+        assert os.path.exists(socket_lock_path(path))
+    finally:
+        listener.close()
+    assert not os.path.exists(socket_lock_path(path))

@@ -281,7 +281,7 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
     if shared is not None:
         raise SocketSetupError(f"not serving {path}: {shared}, so another user could put "
                                "a socket of their own in its place")
-    if len(path.encode()) > 107:
+    if len(os.fsencode(path)) > 107:
         raise SocketSetupError(f"socket path {path} is longer than 107 bytes")
     lock = _take_socket_lock(path)
     try:
