@@ -185,12 +185,13 @@ class ModelFacts:
     poisoned: str = ""
     recovery_age: dict[str, float] = dataclasses.field(default_factory=dict)
     recovery_failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
+    recovery_above: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
                 poisoned: str = "") -> ModelFacts:
     addrs = {fn.addr for fn in members}
-    ages, failed = recovery_facts(state, addrs)
+    found = recovery_facts(state, addrs)
     return ModelFacts(
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
                                   if fn.driver in NVIDIA_MODULE_DRIVERS and a not in addrs)),
@@ -199,8 +200,9 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
         kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
         poisoned=poisoned,
-        recovery_age=ages,
-        recovery_failed_above=failed,
+        recovery_age=found.age,
+        recovery_failed_above=found.failed_above,
+        recovery_above=found.above,
     )
 
 
@@ -208,38 +210,61 @@ def health_facts(state: HostState, members: Iterable[PciFunction]) -> HostFacts:
     """Just what `gpuwatch.core.plan.unhealthy_reason` needs, read from the model: the
     early health check of a switch, before anything else is read."""
     addrs = {fn.addr for fn in members}
-    ages, failed = recovery_facts(state, addrs)
+    found = recovery_facts(state, addrs)
     return HostFacts(wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
-                     recovery_age=ages, recovery_failed_above=failed)
+                     recovery_age=found.age, recovery_failed_above=found.failed_above,
+                     recovery_above=found.above)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryFacts:
+    """What `recovery_facts` found (see `gpuwatch.core.plan.HostFacts` for each field)."""
+
+    age: dict[str, float] = dataclasses.field(default_factory=dict)
+    failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
+    above: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def recovery_facts(state: HostState, addrs: Iterable[str],
-                   now: datetime | None = None) -> tuple[dict[str, float], dict[str, str]]:
-    """For each ``recovering`` function of ``addrs``: seconds since its ``BEGIN_RECOVERY``
-    (the time its ``device-error`` event was published; unknown until then), and the
-    nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel reports a failed
-    recovery on that bridge only, so the function's own end never comes)."""
+                   now: datetime | None = None) -> RecoveryFacts:
+    """PCI error recoveries that concern the functions ``addrs``: for a ``recovering``
+    function, the nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel
+    reports a failed recovery on that bridge only, so the function's own end never comes);
+    for any function, the nearest bridge above it that is ``recovering`` (the kernel resets
+    the link below it, and a function whose driver has no error handler gets no uevent of
+    its own); and the seconds since the ``BEGIN_RECOVERY`` of each of those recovering
+    functions and bridges (the time its ``device-error`` event was published; unknown
+    until then)."""
     moment = now if now is not None else datetime.now(UTC)
-    ages: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    for addr in addrs:
-        fn = state.functions.get(addr)
-        if fn is None or fn.health != "recovering":
-            continue
-        above = [p for p in state.devpaths.get(addr, "").split("/")[:-1]
-                 if PCI_ADDR_RE.fullmatch(p)]
-        bridge = next((b for b in reversed(above) if (up := state.functions.get(b)) is not None
-                       and up.health == "failed"), "")
-        if bridge:
-            failed[addr] = bridge
+    functions = state.functions
+    found = RecoveryFacts()
+
+    def age(addr: str) -> None:
         began = state.recovery_began.get(addr)
-        if began is not None and began.time:
-            try:
-                when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-            except ValueError:
-                continue
-            ages[addr] = max(0.0, (moment - when).total_seconds())
-    return ages, failed
+        if began is None or not began.time or addr in found.age:
+            return
+        try:
+            when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        except ValueError:
+            return
+        found.age[addr] = max(0.0, (moment - when).total_seconds())
+
+    for addr in addrs:
+        fn = functions.get(addr)
+        if fn is None:
+            continue
+        above = [p for p in reversed(state.devpaths.get(addr, "").split("/")[:-1])
+                 if PCI_ADDR_RE.fullmatch(p) and p in functions]
+        if fn.health == "recovering":
+            age(addr)
+            bridge = next((b for b in above if functions[b].health == "failed"), "")
+            if bridge:
+                found.failed_above[addr] = bridge
+        bridge = next((b for b in above if functions[b].health == "recovering"), "")
+        if bridge:
+            found.above[addr] = bridge
+            age(bridge)
+    return found
 
 
 # --------------------------------------------------------------------------- VFIO driver choice
@@ -363,6 +388,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         wedge_recovery=known.wedge_recovery,
         recovery_age=known.recovery_age,
         recovery_failed_above=known.recovery_failed_above,
+        recovery_above=known.recovery_above,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"
@@ -431,6 +457,7 @@ async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
 __all__ = [
     "ModelFacts",
     "ProcScan",
+    "RecoveryFacts",
     "call_bounded",
     "card_holders",
     "cdi_output",
