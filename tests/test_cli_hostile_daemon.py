@@ -149,3 +149,30 @@ def test_a_reply_that_never_ends_is_given_up_on(sock: str,
     with FakeDaemon(sock, "trickle"), pytest.raises(TimeoutError):
         fast.ask(sock, "probe", {"action": "detect-gpu"})
     assert {sock} == fast.UNANSWERED
+
+
+#: JSON in the protocol's envelope whose result has no shape gpuwatch answers.
+WRONG_SHAPE = {
+    "holders-not-a-list": b'{"id":1,"result":{"holders":"xy","addr":"0000:01:00.0",'
+                          b'"group":13,"note":""}}\n',
+    "plan-member-not-an-object": b'{"id":1,"result":{"addr":"a","group":1,"from_mode":"nvidia",'
+                                 b'"to_mode":"vfio","example":false,"members":[1],'
+                                 b'"refused":null,"steps":[],"notes":[]}}\n',
+    "gpu-without-fields": b'{"id":1,"result":{"iommu_enabled":true,"gpus":[{"addr":5}]}}\n',
+    "a-string": b'{"id":1,"result":"\\u001b[2J"}\n',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRONG_SHAPE))
+def test_a_reply_in_no_shape_gpuwatch_answers_means_a_direct_scan(
+        host: SysRoot, sock: str, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reports built from the daemon's answers (status, list, holders, plan) check what
+    they read: a foreign or hostile socket is as a daemon that does not speak the protocol,
+    not a traceback half-way through printing (a probe prints its result as it comes)."""
+    root = ["--root", str(host.root)]
+    with FakeDaemon(sock, WRONG_SHAPE[kind]):
+        for words in COMMANDS:
+            if words[0] == "probe":
+                continue
+            got = run_main(capsys, *words, *root, "--socket", sock)
+            assert got == direct(capsys, [*words, *root]), (kind, words)

@@ -11,10 +11,10 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuwatch.cli.fast import UNANSWERED, socket_path
-from gpuwatch.errors import SERVICE, HostError
+from gpuwatch.errors import SERVICE, GpuwatchError, HostError
 
 if TYPE_CHECKING:
     from gpuwatch.service.client import Client
@@ -65,7 +65,8 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
                mutating: bool = False) -> DaemonAnswer[T] | None:
     """``call(client)`` on the daemon, or None when the command should do the work itself:
     no daemon, a refusal (not in the socket group, or no connection to spare), and, for
-    reads, a broken connection or a timeout. Other error replies are raised
+    reads, a broken connection, a timeout or an answer in no shape gpuwatch answers (the
+    ``call`` fails on it, or `expect_shape` refuses it). Other error replies are raised
     (`DaemonUsageError` is a `UsageError`, `DaemonDeviceNotFound` a `DeviceNotFound`, the
     rest `GpuwatchError`s: exit 1).
 
@@ -95,6 +96,24 @@ def ask_daemon(args: argparse.Namespace, call: Callable[[Client], T], *,
             if exc.code in (PERMISSION_DENIED, TOO_MANY_CLIENTS, UNAVAILABLE):  # cannot help
                 return None
             raise
+        except GpuwatchError:
+            raise
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError):
+            # A reply in no shape gpuwatch answers (a hostile or foreign socket): as one
+            # that does not speak the protocol, a read scans directly.
+            if mutating:
+                raise
+            return None
+
+
+def expect_shape(value: T, ok: Callable[[Any], bool], client: Client) -> T:
+    """``value`` when ``ok(value)``; else the daemon does not speak the protocol, so a read
+    goes on without it (`ask_daemon`) instead of failing half-way through printing it."""
+    if not ok(value):
+        from gpuwatch.service.client import DaemonUnavailable
+
+        raise DaemonUnavailable(f"{client.path} does not speak the gpuwatch protocol")
+    return value
 
 
 __all__ = [
@@ -104,4 +123,5 @@ __all__ = [
     "add_daemon_args",
     "ask_daemon",
     "daemon_from_args",
+    "expect_shape",
 ]

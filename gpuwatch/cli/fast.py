@@ -127,6 +127,47 @@ _PLAN_KEYS = frozenset({"addr", "group", "from_mode", "to_mode", "example", "mem
                         "refused", "steps", "notes"})
 
 
+def _str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _each(values: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(values, list) and all(ok(v) for v in values)
+
+
+def is_holders_report(report: Any) -> bool:
+    """Whether a daemon's ``holders`` answer has the shape `print_holders` reads: anything
+    else is no answer (the direct scan runs), never a traceback half-way through printing."""
+    return (isinstance(report, dict) and _str(report.get("addr"))
+            and isinstance(report.get("group"), int) and _str(report.get("note"))
+            and _each(report.get("holders"), lambda h: isinstance(h, dict)
+                      and isinstance(h.get("pid"), int) and _str(h.get("comm"))
+                      and _str(h.get("node", ""))))
+
+
+def _is_step(step: Any) -> bool:
+    if not isinstance(step, dict):
+        return False
+    if step.get("kind") == "write":
+        return _str(step.get("value")) and _str(step.get("path"))
+    if step.get("kind") == "command":
+        return _each(step.get("argv"), _str)
+    return _str(step.get("path"))
+
+
+def is_plan(plan: Any) -> bool:
+    """Whether a daemon's ``plan`` answer has the shape `render_plan` and `print_plan` read."""
+    if not (isinstance(plan, dict) and plan.keys() >= _PLAN_KEYS):
+        return False
+    refused = plan["refused"]
+    return (_str(plan["addr"]) and isinstance(plan["group"], int) and _str(plan["from_mode"])
+            and _str(plan["to_mode"]) and isinstance(plan["example"], bool)
+            and _each(plan["members"], lambda m: isinstance(m, dict) and _str(m.get("addr"))
+                      and _str(m.get("target")) and _str(m.get("alias", "")))
+            and (refused is None or (isinstance(refused, dict) and _str(refused.get("reason"))))
+            and _each(plan["steps"], _is_step) and _each(plan["notes"], _str))
+
+
 def parse_plan(argv: Sequence[str]) -> tuple[dict[str, Any], bool, str, str | None] | None:
     """``(params, as_json, root, socket)`` of a plain ``plan MODE`` command line, else None
     (no mode: the full command picks one from the host; ``--vendor``/``--vfio-driver``: it
@@ -287,9 +328,8 @@ def run_fast(argv: Sequence[str]) -> int | None:
         return None
     try:
         result = ask(path, method, params)
-        expected = ({"holders", "addr", "group", "note"} if holders is not None
-                    else _PLAN_KEYS if plan is not None else set())
-        if expected and not (isinstance(result, dict) and expected <= result.keys()):
+        if not (is_holders_report(result) if holders is not None
+                else is_plan(result) if plan is not None else True):
             return None
     except (OSError, ValueError):
         return None  # no answer, or an error reply: the full command decides what to do
@@ -326,6 +366,7 @@ def reader_may_leave() -> Iterator[None]:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
-__all__ = ["UNANSWERED", "compact", "daemon_socket", "parse_holders", "parse_plan",
+__all__ = ["UNANSWERED", "compact", "daemon_socket", "is_holders_report", "is_plan",
+           "parse_holders", "parse_plan",
            "parse_probe", "print_holders", "print_plan", "reader_may_leave", "render_plan",
            "run_fast", "socket_path"]

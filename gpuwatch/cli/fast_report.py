@@ -289,7 +289,8 @@ def run_report(argv: list[str]) -> int | None:
             groups = read_iommu_groups(remote.root)
             text = compact(gpus) if as_json else render_list(gpus, iommu_isolates(
                 bool(remote.vfio["iommu_enabled"]), groups.noiommu, groups.real))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, GpuwatchError):
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            GpuwatchError):
         return None  # no answer, an error reply or an unexpected one: the full command
     with reader_may_leave():
         print(text)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
-from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.cli.fast import print_holders
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
+from gpuwatch.cli.fast import is_holders_report, print_holders
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import holders_report, scan
@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     check_root(args.root)
     # The daemon runs as root: it can read every process's fds, which we may not.
-    answer = ask_daemon(args, lambda c: c.holders(addr=addr, vendor=vendor))
+    answer = ask_daemon(args, lambda c: expect_shape(c.holders(addr=addr, vendor=vendor),
+                                                     is_holders_report, c))
     if answer is not None:
         report = answer.value
     else:

@@ -11,8 +11,8 @@ import argparse
 from typing import Any
 
 from gpuwatch.cli.common import add_root_args, check_root
-from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
-from gpuwatch.cli.fast import print_plan
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
+from gpuwatch.cli.fast import is_plan, print_plan
 from gpuwatch.cli.mode_cmd import (
     add_force_arg,
     add_target_args,
@@ -71,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
     vfio_driver = vfio_driver_of(args, mode)
     check_root(args.root)
     # The daemon runs as root and sees every holder; a plan made here may not.
-    answer = ask_daemon(args, lambda c: c.plan(mode, addr=addr, vendor=vendor,
-                                               force=args.force or None,
-                                               vfio_driver=vfio_driver)) \
-        if mode and not args.example else None
+    answer = ask_daemon(args, lambda c: expect_shape(
+        c.plan(mode, addr=addr, vendor=vendor, force=args.force or None,
+               vfio_driver=vfio_driver), is_plan, c)) if mode and not args.example else None
     plan = (answer.value if answer is not None
             else _local_plan(args, mode, addr, vendor, vfio_driver))
     return print_plan(plan, args.json, dumps)
