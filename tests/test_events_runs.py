@@ -390,3 +390,28 @@ def test_a_stdout_log_whose_reader_goes_away_ends_the_watch_with_exit_0(
             writer.close()
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "internal error" not in err, err
+
+
+def test_a_follower_carries_on_when_the_log_is_emptied_in_place_and_a_new_run_begins(
+    tmp_path: Path,
+) -> None:
+    """``: > events.jsonl`` (no rotated files) and a restart: the writer numbers from 1 in
+    the same file, which the follower reads again from its start."""
+    from tests.test_eventlog import Collector, line
+
+    path = tmp_path / "ev.jsonl"
+    with eventlog.EventLog(path) as log:
+        for seq in range(1, 41):
+            log.write_line(line(seq, "ready" if seq == 1 else "x"))
+    col = Collector(path)
+    try:
+        col.wait_for(lambda events: len(events) == 40)
+        os.truncate(path, 0)
+        with eventlog.EventLog(path) as log:
+            assert log.last_seq is None  # the writer's view: a new log
+            log.write_line(json.dumps({"seq": 1, "time": "later", "type": "ready"}))
+            log.write_line(json.dumps({"seq": 2, "time": "later", "type": "x"}))
+        col.wait_for(lambda events: len(events) == 42)
+    finally:
+        events = col.stop()
+    assert [(e["seq"], e["time"]) for e in events[40:]] == [(1, "later"), (2, "later")]

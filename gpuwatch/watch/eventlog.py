@@ -45,6 +45,7 @@ __all__ = [
     "EventLogWriteError",
     "EventRecord",
     "RawChunk",
+    "ThreadedWriter",
     "afollow_events",
     "afollow_records",
     "follow_events",
@@ -168,7 +169,7 @@ def _warn_skipped(warned: dict[tuple[str, int, int], None], name: str, why: str,
     _log.warning("%s: skipped (the log's other files are read)", why)
 
 
-#: Bytes of log lines that may wait for a slow stdout reader (`_StdoutWriter`); past it a
+#: Bytes of log lines that may wait for a slow stdout reader (`ThreadedWriter`); past it a
 #: batch is refused like a failed write (the log degrades, and resumes with ``log-gap``).
 STDOUT_BUFFER = 4 << 20
 #: How long closing the log waits for stdout's reader to take what is left: ``stopped``
@@ -178,17 +179,19 @@ _STDOUT_CLOSE_WAIT = 1.0
 _STDOUT_RETRY = 1.0
 
 
-class _StdoutWriter:
-    """Writes the log's bytes to stdout's descriptor from a thread of its own.
+class ThreadedWriter:
+    """Writes bytes to a descriptor (stdout, mostly) from a daemon thread of its own.
 
     stdout is often a pipe shared with other processes (a shell pipeline, systemd's stream
     to the journal): making it ``O_NONBLOCK`` would change it for every one of them. It stays
     as it is, and this thread is the only one that waits on it: the watcher hands a batch
     over and goes on, so a reader that stops reading never stops the model, the socket or
-    the probes. Bounded: once `limit` bytes wait, a batch is refused (EAGAIN), which the
-    watcher takes as any failed write (``log-degraded``, then a ``log-gap`` record when
-    there is room again). Bytes handed over are never dropped while the log is open, nor
-    torn: a failed write (ENOSPC) is tried again, from where it stopped.
+    the probes (and ``gpuwatch record`` still ends on SIGTERM; a daemon thread stuck in a
+    write does not hold the process's exit). Bounded: once `limit` bytes wait, `submit`
+    refuses (EAGAIN), which the watcher takes as any failed write (``log-degraded``, then a
+    ``log-gap`` record when there is room again). Bytes handed over are never dropped
+    before `close`, nor torn: a failed write (ENOSPC) is tried again, from where it
+    stopped, while `submit` and `pending` raise its error.
     """
 
     def __init__(self, fd: int, limit: int) -> None:
@@ -200,25 +203,39 @@ class _StdoutWriter:
         self._error: OSError | None = None  # the last write failed so (cleared by a success)
         self._broken = False  # the reader has gone (EPIPE): nothing will be written again
         self._closing = False
+        self._dropped = False  # closed: what is left is not written
+        self._done = False  # the thread has ended
         self._thread: threading.Thread | None = None
 
     def submit(self, data: bytes) -> None:
         """Hand ``data`` (whole lines) over, or raise without taking any of it."""
         with self._cond:
-            if self._broken:
-                raise BrokenPipeError(errno.EPIPE, "stdout's reader has gone")
-            if self._error is not None:  # still failing: the caller degrades now
-                raise OSError(self._error.errno, self._error.strerror)
+            if self._closing:
+                raise ValueError("the writer is closed")
+            self._raise()
             if self._queued and self._queued + len(data) > self._limit:
                 raise BlockingIOError(
-                    errno.EAGAIN, f"stdout is not being read ({self._queued} bytes wait)")
+                    errno.EAGAIN, f"the reader is not reading ({self._queued} bytes wait)")
             self._queue.append(memoryview(data))
             self._queued += len(data)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="gpuwatch-stdout-log")
+                                                name="gpuwatch-writer")
                 self._thread.start()
             self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Bytes handed over and not yet written; raises as `submit` does when writing
+        them fails."""
+        with self._cond:
+            self._raise()
+            return self._queued
+
+    def _raise(self) -> None:
+        if self._broken:
+            raise BrokenPipeError(errno.EPIPE, "the reader has gone")
+        if self._error is not None:  # still failing: the caller degrades now
+            raise OSError(self._error.errno, self._error.strerror)
 
     def close(self, wait: float) -> tuple[int, OSError | None]:
         """Stop once what is handed over is written, waiting at most ``wait`` seconds:
@@ -227,14 +244,29 @@ class _StdoutWriter:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            while self._queue and not self._broken:
+            while self._queue and not self._done:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return self._queued, self._error
+            unwritten, error = self._queued, self._error
+            # Dropped: the thread writes nothing more (a write under way ends on its own),
+            # so the descriptor may be closed and its number reused.
+            self._dropped = True
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
+            return unwritten, error
 
     def _run(self) -> None:
+        try:
+            self._write_queued()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _write_queued(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -264,6 +296,8 @@ class _StdoutWriter:
                         return  # still failing at close: what is left is dropped
                 continue
             with self._cond:
+                if self._dropped:
+                    return
                 self._error = None
                 self._queued -= written
                 if written >= len(view):
@@ -573,7 +607,7 @@ class EventLog:
     node would replace it with a plain file), never read back, and a FIFO is written
     without blocking (a reader that stops reading degrades the log instead of freezing the
     watcher). stdout, which other processes share, stays blocking and is written by a
-    thread of its own (`_StdoutWriter`), to the same end.
+    thread of its own (`ThreadedWriter`), to the same end.
 
     Thread-safe: one lock orders writes and rotations, so lines never interleave.
     ``last_seq`` is read once at open; numbering after that is the caller's.
@@ -607,7 +641,7 @@ class EventLog:
         #: Whether the last byte written ended a line (what a stream's torn check uses).
         self._tail_newline = True
         #: The thread that writes stdout's lines (`--log -`), made at the first write.
-        self._stdout_writer: _StdoutWriter | None = None
+        self._stdout_writer: ThreadedWriter | None = None
         if self._stdout:
             if sys.stdout is None:  # started with fd 1 closed: every event would fail
                 raise EventLogUnavailable("event log -: stdout is closed")
@@ -747,7 +781,7 @@ class EventLog:
 
     def _write_stdout(self, text: str) -> None:
         """``text`` to stdout: straight to its descriptor when it has one, through the
-        writer thread (`_StdoutWriter`), so a stalled reader never holds the caller and
+        writer thread (`ThreadedWriter`), so a stalled reader never holds the caller and
         nothing sits in Python's buffer to come out later, after newer lines."""
         out = sys.stdout
         if out is None:
@@ -763,7 +797,7 @@ class EventLog:
             if writer is not None:
                 writer.close(0)
             out.flush()  # anything printed before the log's first line goes out before it
-            writer = self._stdout_writer = _StdoutWriter(fd, STDOUT_BUFFER)
+            writer = self._stdout_writer = ThreadedWriter(fd, STDOUT_BUFFER)
         writer.submit(text.encode("utf-8"))
 
     def _append(self, lines: Sequence[str], text: str) -> None:
