@@ -419,8 +419,11 @@ async def _storm(host: SysRoot, plan: dict[str, Any], plan_path: str,
                     cpu = time.process_time() - cpu0
                 finally:
                     gc.unfreeze()
+                # Compared once the writer is done: it brings the uevent files and the
+                # drivers' back links to their final state after closing the FIFO, and a
+                # fresh scan reads a function's uevent where its driver link is absent.
+                out, _ = await anyio.to_thread.run_sync(writer.communicate)
                 equal = model_equals_scan(w.model, str(host.root))
-            out, _ = await anyio.to_thread.run_sync(writer.communicate)
         finally:
             if writer.poll() is None:
                 writer.kill()

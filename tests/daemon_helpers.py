@@ -41,7 +41,7 @@ class Daemon:
     def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
                  source: str = "fifo", log: Path | None = None,
                  ready_by_socket: bool = False, nofile: tuple[int, int] | None = None,
-                 ) -> None:
+                 launcher: list[str] | None = None) -> None:
         self.root, self.workdir, self.sock = root, workdir, sock
         self.log = log if log is not None else workdir / "events.jsonl"
         #: Ready when the socket answers (a daemon on a full disk logs no `ready`).
@@ -54,6 +54,8 @@ class Daemon:
         self.stderr = ""
         #: RLIMIT_NOFILE (soft, hard) the daemon starts with (None: inherited).
         self.nofile = nofile
+        #: What runs ``gpuwatch`` (default ``python -m gpuwatch``).
+        self.launcher = launcher
 
     def start(self, timeout: float = 30) -> Daemon:
         spec = self.source
@@ -62,10 +64,10 @@ class Daemon:
                 os.mkfifo(self.fifo)
             spec = f"file:{self.fifo}"
         before = self.seq()
+        launcher = self.launcher if self.launcher is not None else gpuwatch_cmd()
         self.proc = subprocess.Popen(
-            gpuwatch_cmd("watch", "--root", str(self.root), "--source", spec, "--log",
-                         str(self.log), "--reconcile-interval", "0", "--socket", self.sock,
-                         *self.args),
+            [*launcher, "watch", "--root", str(self.root), "--source", spec, "--log",
+             str(self.log), "--reconcile-interval", "0", "--socket", self.sock, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
             cwd=REPO, preexec_fn=self._limits if self.nofile is not None else None)
         if self.source == "fifo":

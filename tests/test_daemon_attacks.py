@@ -375,6 +375,54 @@ def test_a_crowd_cannot_take_the_descriptors_root_needs_under_a_low_open_file_li
     assert "leaves room for" in d.stderr and "Too many open files" not in d.stderr, d.stderr
 
 
+def _stderr_line(d: Daemon, prefix: str) -> str:
+    """The next line the daemon's process writes to stderr that starts with ``prefix``."""
+    assert d.proc is not None and d.proc.stderr is not None
+    while True:
+        line = d.proc.stderr.readline()
+        assert line, "the daemon closed its stderr"
+        if line.startswith(prefix):
+            return line
+
+
+@pytest.mark.timeout(120)
+def test_a_client_is_answered_not_left_waiting_when_something_else_took_the_descriptors(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """Clients are fitted to RLIMIT_NOFILE, but something else in the process can still take
+    every descriptor (here: tests/fd_eater.py on SIGUSR1). Then accept() fails with EMFILE:
+    each waiting client must get one `too-many-clients` line and be closed (the spare
+    descriptor the daemon keeps for this), not wait in the backlog until one frees; a client
+    already connected is served throughout, and once descriptors free, clients are again."""
+    launcher = [sys.executable, str(Path(__file__).with_name("fd_eater.py"))]
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", nofile=(256, 256),
+               launcher=launcher)
+    with d:
+        assert d.proc is not None
+        with connect(d.sock) as held:
+            kept = Lines(held)
+            assert kept.request("probe", {"action": "detect-gpu"})["result"] is True
+            d.proc.send_signal(signal.SIGUSR1)
+            assert int(_stderr_line(d, "ate ").split()[1]) > 0
+            for rid in range(3):  # one after another: each is answered, none waits
+                with connect(d.sock, timeout=15) as s:
+                    lines = Lines(s)
+                    with contextlib.suppress(OSError):  # it may be closed before we send
+                        s.sendall(P.encode_request(rid, "probe", {"action": "detect-gpu"}))
+                    reply = lines.line()
+                    assert reply["id"] is None, reply
+                    assert reply["error"]["code"] == P.TOO_MANY_CLIENTS, reply
+                    assert "file descriptor" in reply["error"]["message"], reply
+                    assert lines.eof()
+            assert kept.request("probe", {"action": "detect-gpu"}, rid=2) == {
+                "id": 2, "result": True}
+            d.proc.send_signal(signal.SIGUSR2)
+            _stderr_line(d, "freed")
+        assert probe(d.sock)["result"] is True
+    assert d.proc.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
+
+
 @needs_root
 def test_an_outsider_is_refused_at_accept_before_a_byte_is_parsed(
     host: SysRoot, tmp_path: Path, sockdir: str

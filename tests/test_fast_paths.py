@@ -495,7 +495,7 @@ def test_a_scan_remembers_identities_so_the_first_bind_reads_only_its_links(
     full: list[str] = []
     real = scan_mod._read_function_dir
     monkeypatch.setattr(scan_mod, "_read_function_dir",
-                        lambda d, a, p: full.append(a) or real(d, a, p))
+                        lambda d, a, p, **kw: full.append(a) or real(d, a, p, **kw))
     host.unbind(F)
     assert read_function_known(paths, F, devpath, "unbind") == \
         read_function(HostPaths(host.root), F, devpath)
@@ -590,7 +590,7 @@ def test_a_uevent_that_does_not_vouch_for_the_card_is_read_in_full(
     full: list[str] = []
     real = scan_mod._read_function_dir
     monkeypatch.setattr(scan_mod, "_read_function_dir",
-                        lambda d, a, p: full.append(a) or real(d, a, p))
+                        lambda d, a, p, **kw: full.append(a) or real(d, a, p, **kw))
     host.unbind(F)
     raw = host.uevent_props("unbind", F)
     for key, value in props.items():

@@ -1,11 +1,14 @@
 """More kinds of real host (HGX with NVSwitches, Optimus laptop, Intel Flex with SR-IOV VFs,
-AMD APU beside a dGPU, VFIO no-IOMMU), each answering the same as captured by the tools that
-copy sysfs: links followed into folders (``cp -rL``, ``tar -h``), and GNU tar's NUL padding
-of every attribute."""
+AMD APU beside a dGPU, VFIO no-IOMMU, VM guests, AMD MxGPU, hosts without a GPU), each
+answering the same as captured by the tools that copy sysfs: links followed into folders
+(``cp -rL``, ``tar -h``), GNU tar's NUL padding of every attribute, and links a copier
+dropped to stay out of sysfs's cycles."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,12 +21,17 @@ from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
     amd_apu_dgpu_host,
     bmc_server_host,
+    bochs_guest_with_l4,
+    headless_host,
     hgx_h100_host,
     hybrid_laptop_host,
     instinct_host,
     intel_flex_sriov_host,
+    mi300x_cpx_host,
+    mxgpu_host,
     turing_desktop_host,
     vfio_noiommu_host,
+    virtio_gpu_guest,
 )
 from gpuwatch.testing.modern import grace_hopper_host, sriov_gpu_host
 
@@ -42,6 +50,12 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "flex": lambda r: intel_flex_sriov_host(r, vfs=2),
     "apu": amd_apu_dgpu_host,
     "noiommu": vfio_noiommu_host,
+    "virtio-guest": virtio_gpu_guest,
+    "bochs-guest": bochs_guest_with_l4,
+    "mxgpu": lambda r: mxgpu_host(r, vfs=2),
+    "mi300x": lambda r: mi300x_cpx_host(r, partitions=2),
+    "headless": headless_host,
+    "headless-pt": lambda r: headless_host(r, iommu="pt"),
 }
 
 
@@ -226,3 +240,226 @@ def test_absolute_links_lead_inside_the_root(tmp_path: Path, kind: str,
     entry = copied.root / "sys/bus/pci/devices" / live.functions[-1]
     assert str(entry.readlink()).startswith("/sys/devices/")
     assert answers(copied.root, capsys) == answers(live.root, capsys)
+
+
+# ------------------------------------------------------------ links a capture dropped
+
+
+def _drop_links(root: Path, names: set[str]) -> int:
+    """Remove every link of those names under ``sys/``: what a copier that will not follow
+    a link into one of sysfs's cycles leaves (a ``driver`` folder links back to its devices,
+    an IOMMU group's ``devices/`` too, a DRM node's ``device`` to its parent). Returns how
+    many."""
+    gone = 0
+    for link in [p for p in (root / "sys").rglob("*") if p.is_symlink() and p.name in names]:
+        link.unlink()
+        gone += 1
+    return gone
+
+
+def _drop_uevents(root: Path) -> None:
+    """A copier that takes a fixed list of attributes, ``uevent`` not among them."""
+    for path in (root / "sys").rglob("uevent"):
+        if path.is_file() and not path.is_symlink() and "module" not in path.parts:
+            path.unlink()
+
+
+DROPS: dict[str, Callable[[SysRoot], object]] = {
+    # captured (links followed into folders), one kind of link dropped
+    "driver": lambda s: (s.capture(nested=("device", "iommu_group")),
+                         _drop_links(s.root, {"driver"})),
+    "iommu_group": lambda s: (s.capture(nested=("device", "driver")),
+                              _drop_links(s.root, {"iommu_group"})),
+    "device": lambda s: (s.capture(nested=("driver", "iommu_group")),
+                         _drop_links(s.root, {"device"})),
+    # the kernel's layout, all three dropped, and no uevent file copied either
+    "all-no-uevent": lambda s: (_drop_links(s.root, {"driver", "iommu_group", "device"}),
+                                _drop_uevents(s.root)),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("drop", sorted(DROPS))
+@pytest.mark.parametrize("kind", sorted(MACHINES))
+def test_dropped_links_answer_like_the_host(tmp_path: Path, kind: str, drop: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A link the copy left out is still told by the kernel's own files: a driver by the
+    ``DRIVER`` of the function's ``uevent`` (or the driver folder listing it), an IOMMU
+    group by the group folder listing the function, a DRM node's device by the folder the
+    node lies in (or the function whose ``drm/`` lists it)."""
+    live = MACHINES[kind](tmp_path / "live")
+    copied = MACHINES[kind](tmp_path / "copied")
+    DROPS[drop](copied)
+    assert answers(copied.root, capsys) == answers(live.root, capsys)
+
+
+def test_a_dropped_driver_link_is_told_by_the_uevent(tmp_path: Path) -> None:
+    s = example_gpu_host(tmp_path / "h")
+    assert _drop_links(s.root, {"driver"}) == 6  # every bound function's
+    fns = {f.addr: f for f in gpuwatch.scan(s.root).functions()}
+    assert (fns["0000:01:00.0"].driver, fns["0000:00:02.0"].driver) == ("nvidia", "i915")
+    assert fns["0000:00:00.0"].driver == ""  # its uevent names none: unbound
+    assert probe_value(s, "detect-gpu") is True
+    # No uevent either: the driver folder that lists the function.
+    _drop_uevents(s.root)
+    assert gpuwatch.scan(s.root).function("0000:01:00.1").driver == "snd_hda_intel"
+    assert gpuwatch.scan(s.root).function("0000:00:00.0").driver == ""
+
+
+def test_a_dropped_group_link_is_told_by_the_group_listing(tmp_path: Path) -> None:
+    s = turing_desktop_host(tmp_path / "h")
+    _drop_links(s.root, {"iommu_group"})
+    gpu = probe_gpus(s)["0000:01:00.0"]
+    assert gpu["iommu_group"] == 1
+    assert [m["addr"] for m in gpu["group_members"]] == [  # type: ignore[union-attr]
+        "0000:00:01.0", "0000:01:00.0", "0000:01:00.1", "0000:01:00.2", "0000:01:00.3"]
+
+
+def test_a_dropped_drm_device_link_is_told_by_where_the_node_lies(tmp_path: Path) -> None:
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    _drop_links(s.root / "sys/devices", {"device"})
+    drm = gpuwatch.scan(s.root).state.drm
+    assert (drm["renderD129"].device_addr, drm["renderD129"].device_driver) == (
+        "0000:12:00.0", "amdgpu")
+    assert probe_value(s, "detect-amd-gpu") is True
+    # The node copied as a folder: the function whose drm/ folder lists it.
+    s.flatten_link("sys/class/drm/card1")
+    assert not (s.root / "sys/class/drm/card1/device").exists()
+    assert gpuwatch.scan(s.root).state.drm["card1"].device_addr == "0000:12:00.0"
+
+
+def test_a_virtual_drm_node_has_no_device(tmp_path: Path) -> None:
+    """vgem/vkms-like nodes in ``devices/virtual/drm``: no parent device to name."""
+    s = headless_host(tmp_path / "h")
+    s.add_drm("card0", None)
+    s.add_drm("renderD128", None)
+    node = gpuwatch.scan(s.root).state.drm["renderD128"]
+    assert (node.device_addr, node.device_vendor, node.device_driver) == ("", "", "")
+    assert probe_value(s, "detect-host-devices")["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+
+
+# ------------------------------------------------------------ VM guests, MxGPU, no GPU
+
+
+def test_virtio_gpu_guest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """virtio-gpu's DRM nodes hang under ``virtio0``, not the PCI function: its node is no
+    known GPU vendor's, yet the only one, so it is the render node; the function is a GPU
+    on virtio-pci with no IOMMU group, the host's console, never offered."""
+    s = virtio_gpu_guest(tmp_path / "h")
+    assert not (s.root / "sys/kernel/iommu_groups").exists()
+    gpus = probe_gpus(s)
+    assert list(gpus) == ["0000:00:01.0"]
+    assert (gpus["0000:00:01.0"]["driver"], gpus["0000:00:01.0"]["iommu_group"]) == (
+        "virtio-pci", -1)
+    node = gpuwatch.scan(s.root).state.drm["card0"]
+    assert (node.device_addr, node.device_vendor, node.device_driver) == (
+        "", "0x1af4", "virtio_gpu")
+    assert probe_value(s, "detect-host-devices") == {
+        "gpu": False, "amd_gpu": False, "amd_gfx_version": "", "amd_gfx_target": "",
+        "devices": ["/dev/dri/renderD128", "/dev/vhost-net"],
+        "render_node": "/dev/dri/renderD128"}
+    vfio = probe_value(s, "detect-vfio")
+    assert (vfio["iommu_enabled"], vfio["iommu_kind"]) == (False, "")  # type: ignore[index]
+    code, out, err = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert (code, err) == (0, "") and json.loads(out) == []
+    code, out, _ = cli(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    status = json.loads(out)
+    assert status["iommu"]["enabled"] is False
+    assert status["gpus"][0]["kept_for_host"] is True
+
+
+def test_bochs_guest_with_a_passed_through_l4(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Inside the guest the L4 is a container GPU (detect-gpu true, its render node chosen)
+    but no passthrough candidate: no vIOMMU, no group."""
+    s = bochs_guest_with_l4(tmp_path / "h")
+    assert probe_value(s, "detect-gpu") is True
+    hd = probe_value(s, "detect-host-devices")
+    assert hd["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+    assert [(a, g["driver"], g["iommu_group"]) for a, g in probe_gpus(s).items()] == [
+        ("0000:00:02.0", "bochs-drm", -1), ("0000:01:00.0", "nvidia", -1)]
+    assert probe_value(s, "group-in-mode", addr="0000:01:00.0", mode="nvidia") is True
+    assert probe_value(s, "vfio-backend", addr="0000:01:00.0")["recommended"] == "none"  # type: ignore[index]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert code == 0 and json.loads(out) == []
+    code, out, _ = cli(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    status = json.loads(out)
+    assert status["iommu"]["enabled"] is False and status["nvidia_usable"] is True
+    # Two display functions: the boot VGA is not the only one, so not kept for the host.
+    assert [g["kept_for_host"] for g in status["gpus"]] == [False, False]
+
+
+def test_mxgpu_host(tmp_path: Path) -> None:
+    """gim drives the PF (no amdgpu: no DRM, no KFD, detect-amd-gpu false); the PF and its
+    VFs are Processing accelerators (0x1200), no display class, so no GPUs of the contract;
+    each VF is still a PCI function a VMM can open through its group."""
+    s = mxgpu_host(tmp_path / "h", vfs=2)
+    model = gpuwatch.scan(s.root)
+    pf = model.function("0000:05:00.0")
+    assert (pf.driver, pf.class_, pf.sriov is not None and pf.sriov.vfs) == (
+        "gim", "0x1200", ("0000:05:00.2", "0000:05:00.3"))
+    vf = model.function("0000:05:00.2")
+    assert (vf.physfn, vf.device_id, vf.driver, vf.iommu_group) == (
+        "0000:05:00.0", "0x74b5", "vfio-pci", 11)
+    assert probe_value(s, "detect-vfio")["gpus"] == []  # type: ignore[index]
+    assert (probe_value(s, "detect-amd-gpu"), probe_value(s, "amd-gfx-version")) == (False, "")
+    backend = probe_value(s, "vfio-backend", addr="0000:05:00.3")
+    assert (backend["group_node"], backend["recommended"]) == ("/dev/vfio/12", "group")  # type: ignore[index]
+    assert probe_value(s, "vfio-group-accessible", group=12) is True
+
+
+@pytest.mark.parametrize("iommu", ["off", "empty", "pt"])
+def test_host_without_a_gpu(tmp_path: Path, iommu: str,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    s = headless_host(tmp_path / "h", iommu=iommu)
+    assert (s.root / "sys/kernel/iommu_groups").exists() is (iommu != "off")
+    assert probe_value(s, "detect-vfio") == {
+        "iommu_enabled": iommu == "pt", "iommu_kind": "intel" if iommu == "pt" else "",
+        "iommufd": False, "gpus": []}
+    assert probe_value(s, "detect-host-devices") == {
+        "gpu": False, "amd_gpu": False, "amd_gfx_version": "", "amd_gfx_target": "",
+        "devices": ["/dev/kvm"], "render_node": ""}
+    for action in ("detect-gpu", "detect-amd-gpu"):
+        assert probe_value(s, action) is False
+    assert (probe_value(s, "amd-gfx-version"), probe_value(s, "amd-gfx-target")) == ("", "")
+    code, out, err = cli(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    assert (code, err) == (0, "")
+    status = json.loads(out)
+    assert (status["iommu"]["enabled"], status["gpus"]) == (iommu == "pt", [])
+    code, out, err = cli(capsys, "list", "--no-daemon", "--root", str(s.root))
+    assert (code, err) == (0, "") and out.startswith("no passthrough-capable GPU")
+    code, _, err = cli(capsys, "probe", "display-driver", "--addr", "0000:01:00.0",
+                       "--root", str(s.root))
+    assert code == 1 and "no PCI function 0000:01:00.0" in err
+
+
+def _bus_copy_only(s: SysRoot) -> None:
+    """A copier that took each ``sys/bus/pci/devices`` entry as a folder (links followed)
+    and ``sys/class`` as it is, but not ``sys/devices``: every class link dangles."""
+    for name in sorted(os.listdir(s.root / "sys/bus/pci/devices")):
+        s.flatten_link(f"sys/bus/pci/devices/{name}", nested=("driver", "iommu_group"))
+    for name in os.listdir(s.root / "sys/devices"):
+        if name.startswith("pci"):
+            shutil.rmtree(s.root / "sys/devices" / name)
+
+
+@pytest.mark.parametrize("kind", ["instinct", "apu", "mi300x", "virtio-guest", "example",
+                                  "bochs-guest"])
+def test_class_links_into_a_device_tree_not_copied(tmp_path: Path, kind: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A DRM node whose class link dangles is read in the copy of its PCI function, where
+    its devpath (``…/0000:03:00.0/drm/card0``) leads."""
+    live = MACHINES[kind](tmp_path / "live")
+    copied = MACHINES[kind](tmp_path / "copied")
+    _bus_copy_only(copied)
+    card = next(p for p in (copied.root / "sys/class/drm").iterdir() if p.name[:4] == "card")
+    assert card.is_symlink() and not card.exists()
+    assert answers(copied.root, capsys) == answers(live.root, capsys)
+
+
+def test_kfd_without_its_class_link(tmp_path: Path) -> None:
+    """``sys/class/kfd/kfd`` left out of the copy: the topology where the link led."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    (s.root / "sys/class/kfd/kfd").unlink()
+    assert (probe_value(s, "amd-gfx-version"), probe_value(s, "amd-gfx-target")) == (
+        "11.0.0", "gfx1100")

@@ -875,6 +875,39 @@ def fake_daemon(path: str, reply: bytes | None) -> threading.Thread:
     return thread
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drip", [b"{", b'{"id": 99, "result": 1}\n'])
+def test_a_call_gives_up_at_its_timeout_whatever_drips_in_meanwhile(
+    sockdir: str, drip: bytes
+) -> None:
+    """What answers at the path may be hostile: a byte of a line that never ends, or stray
+    replies to no request of ours, each well within one read's timeout. The call's timeout
+    bounds the whole wait, not each read: it raises, where it used to wait forever."""
+    path = f"{sockdir}/gw.sock"
+    listener = bind_socket(path, None)
+    listener.setblocking(True)
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while not stop.wait(0.05):
+                try:
+                    conn.sendall(drip)
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with Client(path, timeout=1) as c, pytest.raises(TimeoutError):
+            c.probe("detect-gpu")
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        listener.close()
+
+
 @pytest.mark.parametrize(
     ("reply", "mutating", "outcome"),
     [

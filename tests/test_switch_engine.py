@@ -672,3 +672,22 @@ async def test_a_cancelled_switch_ends_with_switch_failed_interrupted(host: SysR
     assert [(f.error, f.wedged, f.addr) for f in failed] == [("interrupted", False, NV)]
     kinds = [getattr(e, "type", "") for e in events]
     assert kinds.index("switch-started") < kinds.index("switch-failed")
+
+
+async def test_a_wedge_another_process_recorded_is_refused_here_too(host: SysRoot) -> None:
+    """A `gpuwatch mode --log` beside the daemon wedged group 13 and recorded it in the
+    poison file after this engine had loaded it: the engine's next switch (and plan) of that
+    group is refused, nothing written, rather than adding a second stuck task."""
+    from gpuwatch.switch.poison import PoisonEntry, PoisonStore
+
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        PoisonStore(str(host.root)).add(13, PoisonEntry(
+            addr=NV, to_mode="vfio", time="2026-12-03T10:00:00.000000Z",
+            error="write '0000:01:00.0' to /sys/bus/pci/drivers/nvidia/unbind did not "
+                  "return within 30s: the device is wedged"))
+        with pytest.raises(GroupPoisoned, match="IOMMU group 13 is poisoned"):
+            await w.switch(NV, "vfio", timeout=5)
+        plan = await w.engine.plan(NV, "vfio")
+        assert plan["refused"] is not None and "poisoned" in plan["refused"]["reason"]
+        assert sim.record == []
+        assert [e.type for e in of_type(events, "switch-refused")] == ["switch-refused"]

@@ -148,6 +148,8 @@ def test_an_interrupted_switch_ends_and_leaves_the_group_whole(
         assert err.splitlines()[-1].startswith("gpuwatch: "), err
         if outcome == "interrupted":
             assert code == 1 and "interrupted" in err
+        else:  # no switch-started: none had begun, whatever the watcher was doing
+            assert code == 128 + sig and "no switch was under way" in err, (code, err)
         if moment != "watcher-up":  # past the first step: the switch had begun
             assert outcome == "interrupted", [e["type"] for e in events]
             failed = next(e for e in events if e["type"] == "switch-failed")
@@ -266,3 +268,46 @@ def test_a_daemon_stopped_mid_switch_logs_the_switch_end_before_stopped(
     end = "switch-completed" if outcome == "completed" else "switch-failed"
     assert types.index(end) < types.index("stopped")
     assert drivers(host) == (AFTER if outcome == "completed" else BEFORE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+@pytest.mark.parametrize("command", ["mode", "recover"])
+def test_a_signal_during_the_holder_scan_stops_with_nothing_begun(
+        host: SysRoot, tmp_path: Path, sig: int, command: str) -> None:
+    """The watcher is up and the switch is reading the host (its holder scan): nothing has
+    been written and no `switch-started` published, so the command says so and exits
+    128 + the signal, as docs/switch.md's table says; not 1 ("interrupted") as if a switch
+    had been under way."""
+    sim = SimKernel(host)
+    sim.facts_delay = 3.0
+    sim.facts_marker = str(tmp_path / "scanning")
+    saved = tmp_path / "simkernel.pickle"
+    save_for_subprocess(sim, saved)
+    log = tmp_path / "events.jsonl"
+    argv = ["mode", "vfio"] if command == "mode" else ["recover"]
+    proc = subprocess.Popen(
+        gpuwatch_cmd(*argv, "--addr", NV, "--root", str(host.root), "--log", str(log),
+                     "--timeout", "60"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env(), SIMKERNEL_ENV: str(saved)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "scanning").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the holder scan never began"
+            time.sleep(0.005)
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert err.strip() == (  # one line, the only one
+        f"gpuwatch: {signal.Signals(sig).name}: stopped; no switch was under way"), err
+    assert "Traceback" not in err
+    kinds = [e["type"] for e in read_events(log)]
+    assert not any(k.startswith("switch-") for k in kinds), kinds
+    assert drivers(host) == BEFORE  # recover too: the card stayed on nvidia
+

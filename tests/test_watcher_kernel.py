@@ -107,7 +107,7 @@ async def test_a_real_bind_and_unbind_take_the_plain_lane(
     full: list[str] = []
     real = scan_mod._read_function_dir
     monkeypatch.setattr(scan_mod, "_read_function_dir",
-                        lambda d, a, p: full.append(a) or real(d, a, p))
+                        lambda d, a, p, **kw: full.append(a) or real(d, a, p, **kw))
     async with open_watcher(tmp_path, "kernel", reconcile_interval=0, cdi_poll_interval=0) as w:
         assert full == [addr]  # the initial scan
         async with w.subscribe(addrs=[addr], types=["driver-changed"]) as sub:

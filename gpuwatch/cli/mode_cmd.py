@@ -156,35 +156,52 @@ class Interrupted(SwitchFailed):
 
 async def run_in_watcher(args: argparse.Namespace, backend: Backend, action: str,
                          target: str, mode: Mode | None) -> SwitchResult:
-    """Run ``action`` in a host of our own; SIGINT and SIGTERM cancel it cleanly."""
+    """Run ``action`` in a host of our own; SIGINT and SIGTERM cancel it cleanly.
+
+    What a signal means is read from the switch's own events, not guessed: none begun (no
+    ``switch-started``: the host still opening, the checks, the holder scan) is a stop with
+    nothing written (`_Signalled`: exit 128 + the signal); one that completed
+    (``switch-completed`` published, the host closing) is that result; one under way ended
+    as ``switch-failed`` "interrupted" (`Interrupted`: exit 1)."""
     result: list[SwitchResult] = []
+    seen: list[Any] = []  # this run's switch-started / switch-completed, as published
+    signalled: list[int] = []
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
-            await _in_group(signals, result, args, backend, action, target, mode)
+            await _in_group(signals, result, seen, signalled, args, backend, action, target,
+                            mode)
         except BaseExceptionGroup as group:  # the switch's own error, as itself
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
             raise
-    if not result:
-        raise Interrupted("interrupted by a signal: a switch under way ended as switch-failed "
-                          "(interrupted), its group put back as it was where that was safe "
-                          "(the event's `restored`); check `gpuwatch mode` before retrying")
-    return result[0]
+    if result:
+        return result[0]
+    completed = [e for e in seen if isinstance(e, SwitchResult)]
+    if completed:
+        return completed[-1]  # the signal came after the end: it changes nothing
+    if signalled and not seen:
+        raise _Signalled(signalled[0])
+    raise Interrupted("interrupted by a signal: a switch under way ended as switch-failed "
+                      "(interrupted), its group put back as it was where that was safe "
+                      "(the event's `restored`); check `gpuwatch mode` before retrying")
 
 
-async def _in_group(signals: Any, result: list[SwitchResult], args: argparse.Namespace,
-                    backend: Backend, action: str, target: str, mode: Mode | None) -> None:
+async def _in_group(signals: Any, result: list[SwitchResult], seen: list[Any],
+                    signalled: list[int], args: argparse.Namespace, backend: Backend,
+                    action: str, target: str, mode: Mode | None) -> None:
     """Run the switch beside a signal watcher: the first SIGTERM/SIGINT cancels it cleanly."""
     async with anyio.create_task_group() as tg:
 
         async def on_signal() -> None:
             async for signum in signals:
-                _log_interrupt(signum)
+                signalled.append(signum)
+                if seen:  # a switch under way: its roll-back may take a while, say why
+                    _log_interrupt(signum)
                 tg.cancel_scope.cancel()
                 return
 
         async def work() -> None:
-            result.append(await _run_in_host(args, backend, action, target, mode))
+            result.append(await _run_in_host(args, backend, action, target, mode, seen))
             tg.cancel_scope.cancel()
 
         tg.start_soon(on_signal)
@@ -196,11 +213,14 @@ def _log_interrupt(signum: int) -> None:
 
 
 async def _run_in_host(args: argparse.Namespace, backend: Backend, action: str,
-                       target: str, mode: Mode | None) -> SwitchResult:
-    """Open a host of our own for the switch's duration and run ``action`` in it."""
+                       target: str, mode: Mode | None, seen: list[Any]) -> SwitchResult:
+    """Open a host of our own for the switch's duration and run ``action`` in it; ``seen``
+    gets the switch's ``switch-started`` and ``switch-completed`` as they are published."""
     async with open_host(args.root, source=backend.source, config=args.config, log=args.log,
                          ops=backend.ops, geteuid=backend.geteuid, reconcile_interval=0,
                          cdi_poll_interval=0) as host:
+        host.listeners.append(lambda event: seen.append(event) if getattr(
+            event, "type", None) in ("switch-started", "switch-completed") else None)
         if action == "recover":
             return await host.recover(target, timeout=args.timeout)
         assert mode is not None
@@ -215,6 +235,15 @@ def run_switch(args: argparse.Namespace, backend: Backend, action: str, target: 
         return anyio.run(run_in_watcher, args, backend, action, target, mode)
     except SourceUnavailable as exc:
         return fail(f"cannot watch for completion: {exc}", EXIT_FAILURE)
+    except _Signalled as stop:
+        return stopped(stop.signum)
+
+
+def stopped(signum: int) -> int:
+    """A signal before any switch began: one line, exit 128 + its number."""
+    print(f"gpuwatch: {signal.Signals(signum).name}: stopped; no switch was under way",
+          file=sys.stderr)
+    return 128 + signum
 
 
 # --------------------------------------------------------------------------- mode
@@ -260,9 +289,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, switch_over)
     except _Signalled as stop:
-        name = signal.Signals(stop.signum).name
-        print(f"gpuwatch: {name}: stopped; no switch was under way", file=sys.stderr)
-        return 128 + stop.signum
+        return stopped(stop.signum)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -9,6 +9,7 @@ import os
 import stat
 import tempfile
 
+from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.errors import UNREADABLE, HostError
 
 # O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
@@ -210,8 +211,12 @@ def resolve_in_root(root: str, path: str, *, max_links: int = 40) -> str:
 
 def uevent_value(directory: str, key: str) -> str:
     """``KEY=value`` from a sysfs directory's ``uevent`` file; ``""`` when absent."""
+    return _uevent_key(read_text(directory + "/uevent") or "", key)
+
+
+def _uevent_key(text: str, key: str) -> str:
     prefix = key + "="
-    for line in (read_text(directory + "/uevent") or "").splitlines():
+    for line in text.splitlines():
         if line.startswith(prefix):
             return line[len(prefix) :].strip()
     return ""
@@ -228,7 +233,7 @@ def dir_link_name(path: str) -> str:
     if base in ("device", "physfn") or base.startswith("virtfn"):
         return uevent_value(path, "PCI_SLOT_NAME")
     if base == "driver":
-        return uevent_value(parent, "DRIVER")
+        return _told_driver(parent)
     if base == "iommu_group":
         return _group_listing(parent)
     if base == "subsystem":
@@ -236,15 +241,83 @@ def dir_link_name(path: str) -> str:
     return ""
 
 
+def driver_name(device_dir: str) -> str:
+    """The driver the PCI function at ``device_dir`` is bound to: the name its ``driver`` link
+    stands for (`link_name`), ``""`` when unbound.
+
+    A capture tool may drop the link itself (it leads into ``sys/bus/pci/drivers``, whose
+    folders link back to the devices: a cycle to a copier). The kernel's own files still
+    say it: the ``DRIVER`` line of the function's ``uevent``, which the kernel writes from
+    the same binding (on a live host the two agree, so an unbound function pays one read of
+    its ``uevent``), or, where no ``uevent`` was copied either, the driver folder in
+    ``sys/bus/pci/drivers`` that lists the function."""
+    path = device_dir + "/driver"
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return dir_link_name(path)
+        return _told_driver(device_dir) if exc.errno == errno.ENOENT else ""
+    except ValueError:
+        return ""
+    return target.rstrip("/").rpartition("/")[2]
+
+
+def group_name(device_dir: str) -> str:
+    """The IOMMU group the PCI function at ``device_dir`` is in, as its ``iommu_group`` link
+    names it (`link_name`); where a capture tool dropped the link, the
+    ``sys/kernel/iommu_groups/<N>/devices/<addr>`` entry that lists the function (the
+    kernel makes and removes the two together). ``""`` when in none."""
+    path = device_dir + "/iommu_group"
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return dir_link_name(path)
+        return _group_listing(device_dir) if exc.errno == errno.ENOENT else ""
+    except ValueError:
+        return ""
+    return target.rstrip("/").rpartition("/")[2]
+
+
+def _told_driver(device_dir: str) -> str:
+    """The driver the kernel's files name for a function whose ``driver`` link is not one:
+    its ``uevent``'s ``DRIVER`` (none there: unbound), else the driver folder listing it."""
+    text = read_text(device_dir + "/uevent")
+    if text is not None:
+        return _uevent_key(text, "DRIVER")
+    sysdir = _sys_of(device_dir)
+    addr = device_dir.rpartition("/")[2]
+    if not sysdir or not is_pci_addr(addr) or not os.path.isdir(device_dir):
+        return ""
+    drivers = sysdir + "/bus/pci/drivers"
+    for name in sorted(list_dir(drivers)):
+        if os.path.lexists(f"{drivers}/{name}/{addr}"):
+            return name
+    return ""
+
+
+def _sys_of(device_dir: str) -> str:
+    """The ``…/sys`` folder a device folder lies in (``""`` when none)."""
+    marker = device_dir.rfind("/sys/")
+    return device_dir[: marker + 4] if marker >= 0 else ""
+
+
 def _group_listing(device_dir: str) -> str:
     """The IOMMU group whose ``devices/`` lists this device (``sys/kernel/iommu_groups``)."""
-    addr = uevent_value(device_dir, "PCI_SLOT_NAME") or device_dir.rpartition("/")[2]
-    marker = device_dir.rfind("/sys/")
-    if marker < 0 or not addr:
+    sysdir = _sys_of(device_dir)
+    if not sysdir:
         return ""
-    groups = device_dir[: marker + 4] + "/kernel/iommu_groups"
-    for group in list_dir(groups):
-        if os.path.lexists(f"{groups}/{group}/devices/{addr}"):
+    groups_dir = sysdir + "/kernel/iommu_groups"
+    groups = list_dir(groups_dir)
+    if not groups:  # IOMMU off: no need to name the device
+        return ""
+    name = device_dir.rpartition("/")[2]
+    addr = name if is_pci_addr(name) else uevent_value(device_dir, "PCI_SLOT_NAME")
+    if not addr:
+        return ""
+    for group in sorted(groups):
+        if os.path.lexists(f"{groups_dir}/{group}/devices/{addr}"):
             return group
     return ""
 

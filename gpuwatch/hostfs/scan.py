@@ -41,6 +41,8 @@ from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import (
+    driver_name,
+    group_name,
     in_root,
     link_name,
     list_dir,
@@ -159,7 +161,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
         except (OSError, ValueError):
             st = None
         if st is not None and stat_mod.S_ISDIR(st.st_mode):
-            seen = _read_function_dir(candidate, addr, devpath)
+            seen = _read_function_dir(candidate, addr, devpath, told=False)
             if seen.vendor_id or seen.device_id or seen.klass:
                 if paths.stable_inodes():
                     _remember(paths, candidate, st, seen)
@@ -169,7 +171,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
     directory = in_root(paths.root, os.path.join(paths.bus_pci, addr))
     if not os.path.isdir(directory):
         return PciGone(addr)
-    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr))
+    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr), told=False)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
@@ -378,9 +380,15 @@ def _vfio_capable(driver: str, variants: frozenset[str]) -> bool:
     return "vfio" in driver or driver == "nvidia" or is_vfio_driver(driver, variants)
 
 
-def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
+def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = True
+                       ) -> PciSeen:
+    """One function's record. ``told``: a link a capture dropped (``driver``,
+    ``iommu_group``) is taken from what the kernel's other files say (`driver_name`,
+    `group_name`), as a scan of any tree does; a re-read after a uevent (``told`` False)
+    trusts the links alone: only a live kernel sends uevents, and its links are the truth
+    the moment they change, while a fixture's other files may lag behind them."""
     klass = class_prefix(read_attr(directory + "/class"))
-    driver = link_name(directory + "/driver")
+    driver = driver_name(directory) if told else link_name(directory + "/driver")
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
@@ -389,7 +397,8 @@ def _read_function_dir(directory: str, addr: str, devpath: str) -> PciSeen:
         device_id=read_attr(directory + "/device"),
         klass=klass,
         driver=driver,
-        iommu_group=parse_group(link_name(directory + "/iommu_group")),
+        iommu_group=parse_group(group_name(directory) if told
+                                else link_name(directory + "/iommu_group")),
         vfio_dev=vfio_dev,
         vfio_cdev=vfio_cdev,
         sriov=read_sriov(directory),
@@ -550,7 +559,7 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
     if not klass:
         return read_listed(paths, name, devpath)
     return FunctionOutline(name, devpath, klass,
-                           parse_group(link_name(directory + "/iommu_group")),
+                           parse_group(group_name(directory)),
                            read_vfio_dev(directory)[1])
 
 
@@ -567,18 +576,23 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         if os.path.isdir(rooted):
             directory = rooted
             devpath = _class_devpath(paths, entry)
+        else:
+            devpath = devpath or _class_devpath(paths, entry)
+            directory = _drm_on_bus(paths, devpath) if devpath else ""
     if not directory:
         return DrmGone(name)
     device_name = link_name(directory + "/device")
     device = in_root(paths.root, directory + "/device")
+    if not device_name and not os.path.lexists(directory + "/device"):
+        device_name, device = _drm_parent(paths, name, devpath or "")
     vendor = read_attr(device + "/vendor") if device_name else ""
-    driver = link_name(device + "/driver") if device_name else ""
+    driver = driver_name(device) if device_name else ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
         entry = in_root(paths.root, paths.bus_pci + "/" + addr)
-        vendor, driver = read_attr(entry + "/vendor"), driver or link_name(entry + "/driver")
+        vendor, driver = read_attr(entry + "/vendor"), driver or driver_name(entry)
     return DrmSeen(
         name=name,
         devpath=devpath or "",
@@ -586,6 +600,39 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         device_vendor=vendor,
         device_driver=driver,
     )
+
+
+def _drm_on_bus(paths: HostPaths, devpath: str) -> str:
+    """The node's folder inside the copy of its PCI function in ``sys/bus/pci/devices``, for
+    a tree that copied the functions there but not ``sys/devices``: the class entry's link
+    then dangles, but its devpath (``…/0000:03:00.0/drm/card0``, ``…/0000:00:01.0/virtio0/
+    drm/card0``) names the function and the way down from it. ``""`` when not there either."""
+    parts = devpath.split("/")
+    for i in range(len(parts) - 2, 0, -1):
+        if is_pci_addr(parts[i]):
+            folder = "/".join((in_root(paths.root, paths.bus_pci + "/" + parts[i]),
+                               *parts[i + 1 :]))
+            return folder if os.path.isdir(folder) else ""
+    return ""
+
+
+def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
+    """``(name, folder)`` of the device a DRM node whose ``device`` link a capture dropped
+    hangs under: the kernel puts the node in its parent's ``drm/`` folder, so its devpath
+    (``…/0000:03:00.0/drm/card0``) names the parent; a node copied as a folder (no devpath)
+    is found in the ``drm/`` folder of the PCI function listing it. ``("", "")`` when
+    neither says."""
+    parent, glue, node = devpath.rsplit("/", 2) if devpath.count("/") >= 3 else ("", "", "")
+    if (glue == "drm" and node == name and parent.startswith("/devices/")
+            and parent != "/devices/virtual"):  # a virtual node has no parent device
+        return parent.rpartition("/")[2], paths.sys + parent
+    if devpath:
+        return "", ""
+    for addr in sorted(list_dir(paths.bus_pci)):
+        entry = paths.bus_pci + "/" + addr
+        if is_pci_addr(addr) and os.path.lexists(f"{entry}/drm/{name}"):
+            return addr, in_root(paths.root, entry)
+    return "", ""
 
 
 def _class_devpath(paths: HostPaths, entry: str) -> str:
@@ -613,7 +660,10 @@ def scan_drm(paths: HostPaths) -> list[DrmSeen]:
 
 def read_kfd(paths: HostPaths) -> KfdSeen:
     nodes: list[tuple[int, int]] = []
-    base = in_root(paths.root, paths.sys + "/class/kfd/kfd") + "/topology/nodes"
+    base = in_root(paths.root, paths.sys + "/class/kfd/kfd")
+    if not os.path.isdir(base):  # a copy without the class link (or with it dangling)
+        base = paths.sys + "/devices/virtual/kfd/kfd"
+    base += "/topology/nodes"
     for name in list_dir(base):
         if name.isascii() and name.isdigit():
             text = read_text(os.path.join(base, name, "properties"))

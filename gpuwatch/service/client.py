@@ -192,10 +192,17 @@ class Client:
 
     # -- plumbing
 
-    def _readline(self, timeout: float | None) -> bytes:
+    def _readline(self, timeout: float | None, deadline: float | None = None) -> bytes:
+        """The next line, each read waiting at most ``timeout``, and all of them together
+        until ``deadline`` (monotonic) at most: what answers at the path may drip bytes or
+        stray lines forever, and a timeout per read alone would wait with it."""
         while True:
             if self._lines:
                 return _take(self._lines)
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise TimeoutError(f"no reply from {self.path} in time")
             self._sock.settimeout(timeout)
             try:
                 chunk = self._sock.recv(1 << 16)
@@ -225,8 +232,9 @@ class Client:
             raise self._refused() or DaemonUnavailable(
                 f"connection to {self.path} broke: {exc}") from None
         wait = self.timeout if timeout is ... else timeout
+        deadline = None if wait is None else time.monotonic() + wait
         while True:
-            reply = _decode(self._readline(wait), self.path)
+            reply = _decode(self._readline(wait, deadline), self.path)
             error = refusal(reply)
             if error is not None:
                 raise error

@@ -88,6 +88,11 @@ _LINES_PER_TURN = 64
 # Descriptors kept for the daemon's own use (log, sources, sysfs reads, /proc scans)
 # beyond one per client and the log files of the replays that run at once.
 _FD_HEADROOM = 256
+# accept() errors that mean "short of descriptors or memory", not "broken listener".
+_ACCEPT_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Waits between accept tries while the shortage lasts (no spare descriptor to give up).
+_ACCEPT_BACKOFF = 0.05
+_ACCEPT_BACKOFF_MAX = 1.0
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
 
@@ -996,36 +1001,78 @@ class SocketServer:
 
     async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup,
                            loop: asyncio.AbstractEventLoop | None) -> None:
-        while True:
-            await anyio.wait_readable(lsock)
+        # One descriptor kept in reserve: out of them (EMFILE, ENFILE: something other
+        # than clients took them, which are fitted to RLIMIT_NOFILE), it is given up to
+        # accept the waiting clients one at a time and tell each why (`_turn_away_one`).
+        spare = _open_spare()
+        backoff = _ACCEPT_BACKOFF
+        try:
             while True:
-                try:
-                    csock, _ = lsock.accept()
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        self.client_log.warning("cannot accept a client: %s", exc.strerror)
-                        await anyio.sleep(0.1)
+                await anyio.wait_readable(lsock)
+                while True:
+                    try:
+                        csock, _ = lsock.accept()
+                    except BlockingIOError:
                         break
-                    if exc.errno in (errno.ECONNABORTED, errno.EINTR):
-                        continue
-                    raise
-                csock.setblocking(False)
-                peer = self._authorise(csock)
-                if peer is None:
-                    continue
-                if loop is None:
-                    tg.start_soon(self._handle, csock, peer)
-                    continue
-                conn = _ProtocolConnection(self, peer, loop)
-                self._register(conn)
-                try:
-                    await loop.connect_accepted_socket(conn.itself, csock)
-                except (OSError, RuntimeError) as exc:  # it left before we got to it
-                    _log.debug("client %s left at accept: %s", peer.describe(), exc)
-                    csock.close()
-                    self._forget(conn)
+                    except OSError as exc:
+                        if exc.errno in (errno.ECONNABORTED, errno.EINTR):
+                            continue
+                        if exc.errno not in _ACCEPT_SHORT:
+                            raise
+                        if exc.errno in (errno.EMFILE, errno.ENFILE) and spare is not None:
+                            spare = self._turn_away_one(lsock, spare, exc)
+                            await anyio.lowlevel.checkpoint()  # others first, then the next
+                            continue
+                        # No spare to give up (another thread took it), or the kernel is
+                        # short of memory: wait, longer while it lasts, then look again.
+                        self.client_log.warning("cannot accept a client: %s", exc.strerror)
+                        await anyio.sleep(backoff)
+                        backoff = min(2 * backoff, _ACCEPT_BACKOFF_MAX)
+                        if spare is None:
+                            spare = _open_spare()
+                        break
+                    backoff = _ACCEPT_BACKOFF
+                    await self._take(csock, tg, loop)
+        finally:
+            if spare is not None:
+                os.close(spare)
+
+    def _turn_away_one(self, lsock: socket.socket, spare: int, exc: OSError) -> int | None:
+        """Out of descriptors with clients waiting: give up the spare, accept the first
+        client with it, tell it why in one line, close it and take the spare back. Without
+        this, clients wait in the backlog unanswered until a descriptor frees, and the
+        listening socket stays readable, waking the loop for nothing. Returns the spare
+        taken back (None when another thread got the freed descriptor first)."""
+        os.close(spare)
+        try:
+            csock, _ = lsock.accept()
+        except OSError:
+            pass  # it left, or the freed descriptor was taken meanwhile
+        else:
+            name = errno.errorcode.get(exc.errno or 0, "EMFILE")
+            self._turn_away(csock, None, P.TOO_MANY_CLIENTS,
+                            f"the daemon has no file descriptor free for another client "
+                            f"({name}: {exc.strerror}); retry")
+        return _open_spare()
+
+    async def _take(self, csock: socket.socket, tg: anyio.abc.TaskGroup,
+                    loop: asyncio.AbstractEventLoop | None) -> None:
+        """Authorise a just-accepted client and serve it."""
+        csock.setblocking(False)
+        peer = self._authorise(csock)
+        if peer is None:
+            return
+        if loop is None:
+            tg.start_soon(self._handle, csock, peer)
+            return
+        conn = _ProtocolConnection(self, peer, loop)
+        self._register(conn)
+        try:
+            await loop.connect_accepted_socket(conn.itself, csock)
+        except (OSError, RuntimeError) as exc:  # it left before we got to it
+            _log.debug("client %s left at accept: %s", peer.describe(), exc)
+            csock.close()
+            self._forget(conn)
 
     # ------------------------------------------------------------------ one client
 
@@ -1063,14 +1110,21 @@ class SocketServer:
         refusal = self._admit(peer)
         if refusal is None:
             return peer
-        code, message = refusal
-        self.client_log.warning("refusing %s: %s", peer.describe(), message)
+        self._turn_away(sock, peer, *refusal)
+        return None
+
+    def _turn_away(self, sock: socket.socket, peer: PeerCred | None, code: str,
+                   message: str) -> None:
+        """One error line (``"id": null``) to a client we will not serve, then close it,
+        before a byte of it is read. The line fits an empty socket buffer: never waits."""
+        who = peer.describe() if peer is not None else "a client"
+        self.client_log.warning("refusing %s: %s", who, message)
         self._count("?", code)
         with contextlib.suppress(OSError):
+            sock.setblocking(False)
             sock.send(P.encode_error(None, code, message))
             sock.shutdown(socket.SHUT_WR)
         sock.close()
-        return None
 
     def _track(self, peer: PeerCred, delta: int) -> None:
         if self.policy.privileged(peer):
@@ -1549,6 +1603,14 @@ def _raise_fd_limit(wanted: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < target:
         with contextlib.suppress(OSError, ValueError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def _open_spare() -> int | None:
+    """The accept loop's reserve descriptor (None when there is none to take now)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _chain(first: RawChunk, rest: Iterator[RawChunk]) -> Iterator[RawChunk]:

@@ -285,6 +285,7 @@ class SwitchEngine:
         addr, vendor = parse_target(target)
         model = self.model
         card, members = find_card(model.state, addr=addr, vendor=vendor)  # never invented
+        await self._reload_poison()
         known = model_facts(model.state, members, model.poisoned.get(poison_key(card), ""))
         deadline, euid = model.proc_deadline, self.euid()
         facts = await call_bounded(
@@ -306,6 +307,19 @@ class SwitchEngine:
 
     # ------------------------------------------------------------------ the switch
 
+    async def _reload_poison(self) -> None:
+        """Take in the wedges other processes recorded since this engine started (a
+        `gpuwatch mode --log` beside the daemon, a daemon restarted meanwhile): the file is
+        the record across processes, and a switch of a group wedged there must be refused
+        here too. Only added, never dropped: a poison of ours whose write failed stays."""
+        try:
+            entries = await call_bounded(self.poison.load, self.scan_timeout,
+                                         "reading the poison record")
+        except (StepTimedOut, OSError):
+            return
+        for key, entry in entries.items():
+            self.model.poisoned.setdefault(key, entry.error)
+
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
                       timeout: float, *, recovering: bool, force: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
@@ -316,6 +330,7 @@ class SwitchEngine:
         # drives NVIDIA cards only) and the host's own console. Saying so needs no privilege
         # and writes nothing, so it comes before "already in mode" and the root check.
         if not recovering:
+            await self._reload_poison()
             guard = switch_guard(
                 card, to_mode, poisoned=self.model.poisoned.get(poison_key(card), ""),
                 kept_for_host=self.model.state.kept_for_host(card.addr)

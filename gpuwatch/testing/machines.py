@@ -457,18 +457,158 @@ def vfio_noiommu_host(root: str | os.PathLike[str]) -> SysRoot:
     return s
 
 
+def _add_virtio_device(s: SysRoot, addr: str, index: int, driver: str, device_id: int,
+                       drm: tuple[str, ...] = ()) -> None:
+    """``virtio<index>`` under the virtio-pci function ``addr``, laid out as the virtio bus
+    lays out its devices (``vendor``/``device`` in ``0x%04x``, a ``driver`` link into
+    ``sys/bus/virtio/drivers``, the bus entry), and its DRM minors in its own ``drm/``
+    folder: virtio-gpu registers them on the virtio device, not on the PCI function."""
+    base = s.device_dir(addr) / f"virtio{index}"
+    base.mkdir()
+    alias = f"virtio:d{device_id:08X}v00001AF4"
+    for name, text in (("vendor", "0x1af4"), ("device", f"0x{device_id:04x}"),
+                       ("status", "0x0000000f"), ("modalias", alias),
+                       ("features", "0" * 32 + "1" + "0" * 31)):
+        (base / name).write_text(text + "\n")
+    (base / "uevent").write_text(f"DRIVER={driver}\nMODALIAS={alias}\n")
+    bus = s.root / "sys/bus/virtio"
+    drivers, devices = bus / "drivers" / driver, bus / "devices"
+    drivers.mkdir(parents=True, exist_ok=True)
+    devices.mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.relpath(drivers, base), base / "driver")
+    os.symlink(os.path.relpath(base, drivers), drivers / f"virtio{index}")
+    os.symlink(os.path.relpath(base, devices), devices / f"virtio{index}")
+    os.symlink(os.path.relpath(bus, base), base / "subsystem")
+    for name in drm:
+        minor = int(name.removeprefix("card").removeprefix("renderD"))
+        node = base / "drm" / name
+        node.mkdir(parents=True)
+        (node / "dev").write_text(f"226:{minor}\n")
+        (node / "uevent").write_text(
+            f"MAJOR=226\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor\n")
+        os.symlink(f"../../../virtio{index}", node / "device")
+        os.symlink(os.path.relpath(node, s.root / "sys/class/drm"), s.root / "sys/class/drm" / name)
+        s.add_dev_node(f"/dev/dri/{name}")
+
+
+def virtio_gpu_guest(root: str | os.PathLike[str]) -> SysRoot:
+    """A KVM guest with virtio-gpu as its only display (``0x1af4:0x1050``, VGA class,
+    boot_vga 1, bound to ``virtio-pci``; its DRM minors card0/renderD128 hang under
+    ``virtio0``, driven by ``virtio_gpu``) and a virtio NIC, on a kernel built without IOMMU
+    support, so ``sys/kernel/iommu_groups`` does not exist at all. No PCI function is on a
+    GPU driver, and no KFD."""
+    s = SysRoot(root)
+    s.add_function("0000:00:00.0", vendor=INTEL, device="0x29c0", klass="0x060000",
+                   subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    s.add_function("0000:00:01.0", vendor="0x1af4", device="0x1050", klass="0x030000",
+                   driver="virtio-pci", subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    s.set_attr("0000:00:01.0", "boot_vga", "1\n")
+    _add_virtio_device(s, "0000:00:01.0", 0, "virtio_gpu", 16, ("card0", "renderD128"))
+    s.add_function("0000:00:02.0", vendor="0x1af4", device="0x1041", klass="0x020000",
+                   driver="virtio-pci", subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    _add_virtio_device(s, "0000:00:02.0", 1, "virtio_net", 1)
+    for name in ("virtio_gpu", "virtio_pci", "virtio_net"):
+        s.add_module(name)
+    s.add_dev_node("/dev/vhost-net")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-48-generic root=/dev/vda1 ro console=ttyS0")
+    os.rmdir(s.root / "sys/kernel/iommu_groups")
+    return s
+
+
+def bochs_guest_with_l4(root: str | os.PathLike[str]) -> SysRoot:
+    """A QEMU guest: the standard VGA (``0x1234:0x1111``, ``bochs-drm``, boot_vga 1, card0)
+    and an NVIDIA L4 passed through to it (3D controller behind QEMU's PCIe root port, on
+    ``nvidia``, card1/renderD128), no vIOMMU: ``sys/kernel/iommu_groups`` is there but
+    empty. The L4 is usable for containers (module, CDI spec) but no passthrough
+    candidate."""
+    s = SysRoot(root)
+    s.add_function("0000:00:02.0", vendor="0x1234", device="0x1111", klass="0x030000",
+                   driver="bochs-drm", subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    s.set_attr("0000:00:02.0", "boot_vga", "1\n")
+    s.add_drm("card0", "0000:00:02.0")
+    s.add_bridge("0000:00:1c.0", vendor="0x1b36", device="0x000c")
+    s.add_function("0000:01:00.0", parent="0000:00:1c.0", vendor=NVIDIA, device="0x27b8",
+                   klass="0x030200", driver="nvidia", subsystem_device="0x16ca")
+    s.add_drm("card1", "0000:01:00.0")
+    s.add_drm("renderD128", "0000:01:00.0")
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "bochs"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_cdi_spec("var")
+    return s
+
+
+#: An MI300X's SR-IOV VF (``lspci``: ``Aqua Vanjaram [Instinct MI300X VF] [1002:74b5]``).
+MI300X_VF = "0x74b5"
+
+
+def mxgpu_host(root: str | os.PathLike[str], *, vfs: int = 4) -> SysRoot:
+    """AMD MxGPU: an MI300X (``0x1002:0x74a1``, Processing accelerator 0x1200) on AMD's host
+    driver ``gim``, SR-IOV on (8 VFs at most, offset 2), ``vfs`` VFs (``0x74b5``) on
+    vfio-pci for guests, each in its own IOMMU group from 11 on. gim is no amdgpu: no DRM,
+    no KFD on the host."""
+    s = SysRoot(root)
+    s.add_bridge("0000:04:00.0", domain_root="pci0000:00", iommu_group=9, vendor=AMD,
+                 device="0x14ab")
+    pf = "0000:05:00.0"
+    s.add_function(pf, parent="0000:04:00.0", vendor=AMD, device="0x74a1",
+                   klass=ACCELERATOR_CLASS, driver="gim", iommu_group=10,
+                   subsystem_vendor=AMD, subsystem_device="0x74a1")
+    s.enable_sriov(pf, 8, vf_device=MI300X_VF, offset=2)
+    s.add_vfs(pf, vfs, driver="vfio-pci", first_group=11)
+    for i in range(vfs):
+        s.add_vfio_group(11 + i)
+    for name in ("gim", "vfio", "vfio_pci"):
+        s.add_module(name)
+    s.add_iommu_unit("ivhd0")
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz-5.15.0-100-generic ro amd_iommu=on iommu=pt")
+    return s
+
+
+def headless_host(root: str | os.PathLike[str], *, iommu: str = "off") -> SysRoot:
+    """A server with no GPU at all: no DRM, no KFD, no /dev/dri; an onboard NIC and a USB
+    controller. ``iommu``: ``"off"`` (a kernel without IOMMU support: no
+    ``sys/kernel/iommu_groups``), ``"empty"`` (the folder there, no group: no IOMMU in the
+    firmware) or ``"pt"`` (VT-d on in passthrough mode, ``iommu=pt``: every function in a
+    group as usual)."""
+    if iommu not in ("off", "empty", "pt"):
+        raise ValueError(f"iommu must be off, empty or pt, not {iommu!r}")
+    s = SysRoot(root)
+    pt = iommu == "pt"
+    s.add_function("0000:00:00.0", vendor=INTEL, device="0x3e30", klass="0x060000",
+                   iommu_group=1 if pt else None)
+    s.add_function("0000:00:14.0", vendor=INTEL, device="0xa36d", klass="0x0c0330",
+                   driver="xhci_hcd", iommu_group=4 if pt else None)
+    s.add_function("0000:00:1f.6", vendor=INTEL, device="0x15bc", klass="0x020000",
+                   driver="e1000e", iommu_group=7 if pt else None)
+    s.add_dev_node("/dev/kvm")
+    if pt:
+        s.add_iommu_unit("dmar0")
+        s.set_cmdline("BOOT_IMAGE=/vmlinuz ro intel_iommu=on iommu=pt")
+    else:
+        s.set_cmdline("BOOT_IMAGE=/vmlinuz ro")
+    if iommu == "off":
+        os.rmdir(s.root / "sys/kernel/iommu_groups")
+    return s
+
+
 __all__ = [
     "amd_apu_dgpu_host",
     "bmc_server_host",
+    "bochs_guest_with_l4",
+    "headless_host",
     "hgx_h100_host",
     "hpe_ilo_host",
     "hybrid_laptop_host",
     "instinct_host",
     "intel_flex_sriov_host",
     "mi300x_cpx_host",
+    "mxgpu_host",
     "single_gpu_desktop",
     "turing_desktop_host",
     "vfio_noiommu_host",
+    "virtio_gpu_guest",
     "vm_guest_host",
     "vmd_host",
 ]

@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import stat
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -119,6 +120,10 @@ class SimKernel:
         #: Seconds each write and command takes (a slow host: lets a test interrupt a switch
         #: part-way).
         self.step_delay = 0.0
+        #: Seconds the switch's read of the host facts takes (a slow holder scan: lets a test
+        #: signal a switch before it begins), and a file touched when that read starts.
+        self.facts_delay = 0.0
+        self.facts_marker = ""
 
     @property
     def source(self) -> MemorySource:
@@ -189,6 +194,13 @@ class SimKernel:
     # ----------------------------------------------------------------- HostOps
 
     def which(self, name: str) -> str | None:
+        """Where a tool is. Asked once per read of the host facts (off the event loop),
+        so `facts_delay` slows that read down here."""
+        if self.facts_delay:
+            if self.facts_marker:
+                with open(self.facts_marker, "a", encoding="utf-8"):
+                    pass
+            time.sleep(self.facts_delay)
         return f"/usr/bin/{name}" if name in self.tools else None
 
     async def makedirs(self, path: str) -> None:
