@@ -920,8 +920,10 @@ class _Source:
 def _stat_ident(path: str) -> _Ident | None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return None
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP:
+            return None  # nothing there, or a link that leads nowhere
+        raise
     return (st.st_dev, st.st_ino)
 
 
@@ -1254,7 +1256,14 @@ class _Follower:
                     if src is not None:
                         src.file.close()
                 raise
-            except OSError:
+            except OSError as exc:
+                if index > 1 and exc.errno == errno.ELOOP:  # a link that leads nowhere
+                    with contextlib.suppress(OSError):
+                        _warn_skipped(self._warned, name,
+                                      f"{name} is a link that loops, not an event log file",
+                                      os.lstat(name))
+                    misses = 0
+                    continue
                 for src in [live, *rotated]:  # not the follower's yet: close them here
                     if src is not None:
                         src.file.close()
