@@ -269,3 +269,42 @@ def test_ask_many_refuses_replies_out_of_order() -> None:
                 ask_many(os.path.join(folder, "s.sock"), [("probe", {}), ("probe", {})])
         finally:
             server.close()
+
+
+@pytest.mark.timeout(60)
+def test_ask_gives_up_at_its_timeout_however_the_bytes_drip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte of a reply line that never ends, each within one read's timeout: the
+    exchange's timeout bounds the whole wait, so the command falls back instead of hanging."""
+    import socket
+    import threading
+
+    from gpuwatch.cli import fast
+
+    monkeypatch.setattr(fast, "TIMEOUT", 1.0)
+    with short_socket_dir() as folder:
+        path = os.path.join(folder, "s.sock")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen()
+        stop = threading.Event()
+
+        def drip() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while not stop.wait(0.05):
+                    try:
+                        conn.sendall(b"{")
+                    except OSError:
+                        return
+
+        thread = threading.Thread(target=drip, daemon=True)
+        thread.start()
+        try:
+            with pytest.raises(TimeoutError):
+                fast.ask(path, "probe", {"action": "detect-gpu"})
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+            listener.close()

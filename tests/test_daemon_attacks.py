@@ -435,6 +435,55 @@ def test_an_outsider_is_refused_at_accept_before_a_byte_is_parsed(
         assert probe(d.sock)["result"] is True
 
 
+_CONNECT_AND_HAND_OVER = r"""
+import os, socket, sys
+uid, gid, path, handle = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+os.setgroups([gid]); os.setgid(uid); os.setuid(uid)
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(path)
+socket.send_fds(socket.socket(fileno=handle), [b"x"], [conn.fileno()])
+"""
+
+
+@needs_root
+def test_a_connection_keeps_the_rights_of_the_process_that_connected(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """SO_PEERCRED is taken at connect(): a reader's connection handed to root (or kept
+    across a setuid program) stays a reader's, and cannot switch; root's connection used by
+    an outsider after it dropped its uid stays root's (a connection is a capability)."""
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group", str(READERS),
+                "--switch-group", str(READERS + 1)) as d:
+        here, there = socket.socketpair()
+        with here, there:
+            subprocess.run([sys.executable, "-c", _CONNECT_AND_HAND_OVER, "70007",
+                            str(READERS), d.sock, str(there.fileno())],
+                           pass_fds=[there.fileno()], env=env(), timeout=60, check=True)
+            _, fds, _, _ = socket.recv_fds(here, 16, 1)
+        with socket.socket(fileno=fds[0]) as handed:
+            handed.settimeout(10)
+            lines = Lines(handed)
+            reply = lines.request("switch", {"mode": "vfio", "addr": NV})
+            assert reply["error"]["code"] == P.PERMISSION_DENIED, reply
+            assert "uid 70007" in reply["error"]["message"], reply
+            assert lines.request("probe", {"action": "detect-gpu"}, rid=2)["result"] is True
+        assert os.path.basename(os.readlink(host.root / "sys/bus/pci/devices" / NV /
+                                            "driver")) == "nvidia"  # nothing switched
+        with connect(d.sock) as mine:
+            pid = os.fork()
+            if pid == 0:  # an outsider now, on root's connection
+                try:
+                    os.setgroups([])
+                    os.setgid(70008)
+                    os.setuid(70008)
+                    reply = Lines(mine).request("snapshot")
+                    os._exit(0 if "result" in reply else 3)
+                except BaseException:
+                    os._exit(4)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+
+
 # --------------------------------------------------------------------------- refused clients
 
 _REFUSED_CLIENT = r"""

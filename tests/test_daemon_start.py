@@ -60,7 +60,7 @@ def _racer(path: str, rounds: int, barrier: Any, results: Any) -> None:
     """One of several processes binding ``path`` at the same moment, round after round.
     A winner checks that the path reaches *its* socket, then closes without removing the
     file: the next round starts from a stale socket, the case in which a start unlinks."""
-    for _ in range(rounds):
+    for round_ in range(rounds):
         barrier.wait()
         outcome = "lost"
         listener = None
@@ -73,7 +73,7 @@ def _racer(path: str, rounds: int, barrier: Any, results: Any) -> None:
         barrier.wait()  # every racer has bound or given up
         if listener is not None:
             outcome = "won" if _serves_path(listener, path) else "won-unreachable"
-        results.put(outcome)
+        results.put((round_, outcome))  # a queue's order across processes is not the rounds
         barrier.wait()
         if listener is not None:
             listener.close()
@@ -94,12 +94,16 @@ def test_binders_racing_for_one_path_leave_exactly_one_serving(sockdir: str) -> 
              for _ in range(racers)]
     for p in procs:
         p.start()
-    outcomes = [results.get(timeout=120) for _ in range(racers * rounds)]
+    per_round: dict[int, list[str]] = {}
+    for _ in range(racers * rounds):
+        round_, outcome = results.get(timeout=120)
+        per_round.setdefault(round_, []).append(outcome)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    per_round = [outcomes[i:i + racers] for i in range(0, len(outcomes), racers)]
-    odd = [r for r in per_round if sorted(r) != ["lost"] * (racers - 1) + ["won"]]
+    assert sorted(per_round) == list(range(rounds))
+    odd = [(n, r) for n, r in per_round.items()
+           if sorted(r) != ["lost"] * (racers - 1) + ["won"]]
     assert odd == [], odd[:5]
     assert not os.path.exists(socket_lock_path(path))  # every holder removed it on close
 
@@ -260,3 +264,34 @@ def test_a_socket_path_that_cannot_work_stays_exit_2(host: SysRoot, tmp_path: Pa
         capture_output=True, text=True, env=env(), timeout=60)
     assert proc.returncode == EXIT_USAGE, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_a_lock_left_by_another_users_daemon_does_not_block_this_one(sockdir: str) -> None:
+    """Root's daemon, killed, left its lock (root's, 0644) in a directory now served by a
+    daemon of another user: that one can still lock the file (flock needs no write access)."""
+    path = f"{sockdir}/gw.sock"
+    lock = socket_lock_path(path)
+    with open(lock, "w") as f:
+        f.write("1\n")
+    os.chmod(lock, 0o644)
+    os.chown(sockdir, 70010, 70010)
+    script = ("import os, sys; from gpuwatch.service.server import bind_socket; "
+              "os.setgroups([]); os.setgid(70010); os.setuid(70010); "
+              "s = bind_socket(sys.argv[1], None); print('served'); s.close()")
+    out = subprocess.run([*gpuwatch_cmd()[:1], "-c", script, path], capture_output=True,
+                         text=True, env=env(), timeout=60)
+    assert out.stdout == "served\n", out.stderr
+
+
+def test_a_socket_path_with_bytes_that_are_not_utf8_is_served(sockdir: str) -> None:
+    """A path is bytes: one that is not UTF-8 (as argv hands it over, surrogate-escaped) is
+    bound, locked and let go like any other, not an internal error."""
+    path = os.fsdecode(os.fsencode(sockdir) + b"/gw\xff.sock")
+    listener = bind_socket(path, None)
+    try:
+        assert _serves_path(listener, path)
+        assert os.path.exists(socket_lock_path(path))
+    finally:
+        listener.close()
+    assert not os.path.exists(socket_lock_path(path))

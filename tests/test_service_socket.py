@@ -158,6 +158,29 @@ async def test_every_probe_action_answers_like_the_model(
         await c.aclose()
 
 
+async def test_names_with_bytes_that_are_not_utf8_are_answered_not_internal_errors(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A crafted tree names the GPU's driver with a byte that is not UTF-8 (Python holds it
+    as a surrogate escape, which JSON cannot carry). Every answer that names it goes out
+    with U+FFFD in its place, as the log writes it; it used to be an internal error for
+    every client, every time (snapshot, detect-vfio, display-driver)."""
+    link = host.root / "sys/bus/pci/devices" / NV / "driver"
+    os.unlink(link)
+    os.makedirs(bytes(host.root / "sys/bus/pci/drivers") + b"/nv\xffidia")
+    os.symlink(b"../../../bus/pci/drivers/nv\xffidia", bytes(link))
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        reply = await c.request("probe", {"action": "display-driver", "addr": NV})
+        assert reply == {"id": 1, "result": "nv\ufffdidia"}
+        reply = await c.request("probe", {"action": "detect-vfio"}, rid=2)
+        assert [g["driver"] for g in reply["result"]["gpus"] if g["addr"] == NV] == [
+            "nv\ufffdidia"]
+        reply = await c.request("snapshot", {}, rid=3)
+        assert reply["id"] == 3 and "nv\ufffdidia" in json.dumps(reply, ensure_ascii=False)
+        await c.aclose()
+
+
 @pytest.mark.parametrize(
     ("params", "code", "text"),
     [
@@ -753,6 +776,28 @@ async def test_a_switch_is_finished_when_its_client_leaves(
         reply = await c.request("switch", {"addr": NV, "mode": "vfio"}, rid=2)
         assert reply == {"id": 2, "result": _switched(NV, "vfio").as_result()}
         await c.aclose()
+
+
+async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A stop (SIGTERM) cancels what is not a switch; the request it cut off gets one
+    `unavailable` line saying why, not a connection reset with no reply."""
+    started = anyio.Event()
+
+    async def never(w: Any, p: Any, peer: Any) -> Any:
+        started.set()
+        await anyio.sleep_forever()
+
+    async with daemon(host, sockdir, tmp_path, ops={"holders": never}) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(7, "holders", {}))
+        with anyio.fail_after(5):
+            await started.wait()
+    rest = await c.eof()
+    assert [json.loads(x) for x in rest.splitlines()] == [{"id": 7, "error": {
+        "code": P.UNAVAILABLE, "message": "holders: the daemon is stopping; retry"}}]
+    await c.aclose()
 
 
 # --------------------------------------------------------------------------- clients and the CLI

@@ -224,14 +224,22 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
         compact({"id": i, "method": method, "params": params}).encode() + b"\n"
         for i, (method, params) in enumerate(calls, 1))
     import socket  # here: without a daemon to ask, a command never needs it
+    import time
 
     lines: list[bytes] = []
+    # TIMEOUT bounds the whole exchange, not each read: what answers at the path could
+    # otherwise hold the command forever by dripping a byte at a time.
+    deadline = time.monotonic() + TIMEOUT
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(TIMEOUT)
         sock.connect(path)
         sock.sendall(payload)
         framer = LineFramer(MAX_REPLY)
         while len(lines) < len(calls):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply from {path} within {TIMEOUT:g} s")
+            sock.settimeout(left)
             chunk = sock.recv(1 << 16)
             if not chunk:
                 raise ConnectionError("the daemon closed the connection")

@@ -382,13 +382,15 @@ def event_json(event: BaseModel) -> str:
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
-def _scrub(value: Any) -> Any:
+def scrub_surrogates(value: Any) -> Any:
+    """Plain JSON data with each lone surrogate (a byte that was not UTF-8) as U+FFFD: what
+    the log and the socket write where a host's bytes cannot be carried by JSON."""
     if isinstance(value, str):
         return _SURROGATE_RE.sub("\ufffd", value)
     if isinstance(value, dict):
-        return {_scrub(k): _scrub(v) for k, v in value.items()}
+        return {scrub_surrogates(k): scrub_surrogates(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_scrub(v) for v in value]
+        return [scrub_surrogates(v) for v in value]
     return value
 
 
@@ -400,7 +402,7 @@ def _scrubbed_json(event: BaseModel) -> str:
     cannot carry those, and an event must never fail to be written. Same fields, same
     order and the same compact form as pydantic's line.
     """
-    data = _scrub(event.model_dump(mode="json"))
+    data = scrub_surrogates(event.model_dump(mode="json"))
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 

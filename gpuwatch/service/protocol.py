@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any, Final
 
-from pydantic_core import to_json
+from pydantic_core import PydanticSerializationError, to_json, to_jsonable_python
 
 from gpuwatch import errors as E
 
@@ -198,8 +198,20 @@ class RequestError(RpcError):
 
 def encode_result(rid: Any, result: Any) -> bytes:
     """``{"id", "result"}`` + newline; pydantic answers serialised by alias (``class``).
-    A non-finite float becomes ``null``: no reply ever holds ``NaN`` or ``Infinity``."""
-    return to_json({"id": rid, "result": result}, by_alias=True, inf_nan_mode="null") + b"\n"
+    A non-finite float becomes ``null``: no reply ever holds ``NaN`` or ``Infinity``.
+
+    A host's names may hold bytes that are not UTF-8 (a crafted driver's name, a process's
+    ``comm``), kept as surrogate escapes, which JSON cannot carry: those answers go out with
+    each such byte as U+FFFD, as the event log writes them, instead of failing every time.
+    """
+    reply = {"id": rid, "result": result}
+    try:
+        return to_json(reply, by_alias=True, inf_nan_mode="null") + b"\n"
+    except PydanticSerializationError:
+        from gpuwatch.core.events import scrub_surrogates
+
+        plain = to_jsonable_python(reply, by_alias=True, inf_nan_mode="null")
+        return to_json(scrub_surrogates(plain)) + b"\n"
 
 
 def encode_error(rid: Any, code: str, message: str) -> bytes:

@@ -183,9 +183,14 @@ def _take_socket_lock(path: str) -> int:
     """
     name = socket_lock_path(path)
     for _ in range(16):  # each retry means a holder just removed the file: rare, bounded
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK, 0o644)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | flags, 0o644)
+            except PermissionError:
+                # Left by a daemon of another user (root's, killed): flock needs no write
+                # access, so it still serves as the lock.
+                fd = os.open(name, os.O_RDONLY | flags)
         except OSError as exc:
             error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
             raise error(f"not serving {path}: cannot open its lock {name}: "
@@ -201,8 +206,11 @@ def _take_socket_lock(path: str) -> int:
                 who = f"pid {holder}" if holder.isdigit() else "another process"
                 raise SocketInUse(f"another gpuwatch daemon ({who}) serves {path} or is "
                                   f"starting to (it holds {name})") from None
+            except OSError as exc:  # a file system without locks (ENOLCK)
+                raise SocketSetupError(f"not serving {path}: cannot lock {name}: "
+                                       f"{exc.strerror or exc}") from None
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(name).st_ino == os.fstat(fd).st_ino:
+                if _same_file(os.stat(name), os.fstat(fd)):
                     with contextlib.suppress(OSError):  # the pid is a courtesy
                         os.ftruncate(fd, 0)
                         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -218,9 +226,13 @@ def _release_socket_lock(path: str, fd: int) -> None:
     """Remove ``PATH.lock`` while still holding it, then let go: no litter after a clean
     stop, and a daemon that opened the old file sees it was removed and locks afresh."""
     with contextlib.suppress(OSError):
-        if os.stat(socket_lock_path(path)).st_ino == os.fstat(fd).st_ino:
+        if _same_file(os.stat(socket_lock_path(path)), os.fstat(fd)):
             os.unlink(socket_lock_path(path))
     os.close(fd)
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 class Listener(socket.socket):
@@ -269,7 +281,7 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
     if shared is not None:
         raise SocketSetupError(f"not serving {path}: {shared}, so another user could put "
                                "a socket of their own in its place")
-    if len(path.encode()) > 107:
+    if len(os.fsencode(path)) > 107:
         raise SocketSetupError(f"socket path {path} is longer than 107 bytes")
     lock = _take_socket_lock(path)
     try:
@@ -1295,6 +1307,15 @@ class SocketServer:
     async def _answer_later(self, conn: Connection, req: P.Request) -> None:
         try:
             result = await self._call(conn, req)
+        except anyio.get_cancelled_exc_class():
+            # The daemon is stopping (a connection that was lost or cut off is closed
+            # already, and takes no reply): one line saying so, not a reply that never
+            # comes before the connection is reset.
+            if not conn.closed:
+                conn.reply(P.encode_error(req.id, P.UNAVAILABLE,
+                                          f"{req.method}: the daemon is stopping; retry"))
+                self._count(req.method, P.UNAVAILABLE)
+            raise
         except P.RpcError as exc:
             conn.reply(P.encode_error(req.id, exc.code, exc.message))
             self._count(req.method, exc.code)
