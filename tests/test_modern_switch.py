@@ -20,7 +20,7 @@ from gpuwatch.core.modes import group_mode, is_vfio_driver, same_driver
 from gpuwatch.core.observations import PciErrorSeen
 from gpuwatch.core.plan import HostFacts, unhealthy_reason
 from gpuwatch.errors import SwitchRefused, UsageError
-from gpuwatch.hostfs.facts import recovery_facts
+from gpuwatch.hostfs.facts import RecoveryFacts, recovery_facts
 from gpuwatch.service.server import SocketServer
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.testing import SysRoot, example_gpu_host
@@ -413,12 +413,13 @@ def test_recovery_facts_read_the_age_and_the_failed_bridge(host: SysRoot) -> Non
     state = model.state
     state.apply(PciErrorSeen(NV, "BEGIN_RECOVERY", False))
     event = state.recovery_began[NV]
-    assert recovery_facts(state, [NV, AUDIO]) == ({}, {})  # never published: age unknown
+    assert recovery_facts(state, [NV, AUDIO]) == RecoveryFacts()  # never published: no age
     began = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
     event.__dict__["time"] = format_event_time(began)
-    assert recovery_facts(state, [NV, AUDIO], began + timedelta(seconds=42)) == ({NV: 42.0}, {})
+    assert recovery_facts(state, [NV, AUDIO], began + timedelta(seconds=42)) == \
+        RecoveryFacts(age={NV: 42.0})
     state.apply(PciErrorSeen(ROOT_PORT, "FAILED_RECOVERY", False))
-    assert recovery_facts(state, [NV], began)[1] == {NV: ROOT_PORT}
+    assert recovery_facts(state, [NV], began).failed_above == {NV: ROOT_PORT}
     facts = HostFacts(recovery_age={NV: 42.0})
     fn = state.functions[NV]
     assert "began 42 s ago" in (unhealthy_reason([fn], facts) or "")
@@ -427,3 +428,28 @@ def test_recovery_facts_read_the_age_and_the_failed_bridge(host: SysRoot) -> Non
     # A SUCCESSFUL_RECOVERY ends it: nothing remembered.
     state.apply(PciErrorSeen(NV, "SUCCESSFUL_RECOVERY", True))
     assert NV not in state.recovery_began and state.functions[NV].health == "ok"
+
+
+async def test_a_recovery_of_the_bridge_above_holds_the_whole_group(host: SysRoot) -> None:
+    """The root port above the card is being recovered (its BEGIN_RECOVERY came; the card's
+    own driver may have no error handler, so no uevent of the card says so): the kernel is
+    resetting the link below it, so the card's group waits too, and not for ever."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        w.source.push(host.uevent_props("change", ROOT_PORT, ERROR_EVENT="BEGIN_RECOVERY",
+                                        DEVICE_ONLINE="0"))
+        with anyio.fail_after(5):
+            while w.model.function(ROOT_PORT).health != "recovering":
+                await anyio.sleep(0.01)
+        assert w.model.function(NV).health == "ok"
+        with pytest.raises(SwitchRefused, match=rf"{NV} is behind bridge {ROOT_PORT}, whose PCI "
+                                                 r"error recovery began [0-9]+ s ago"):
+            await w.switch(NV, "vfio", timeout=5)
+        with pytest.raises(SwitchRefused, match=f"behind bridge {ROOT_PORT}"):
+            await w.recover(NV, timeout=5)
+        assert sim.record == []
+        event = w.model.state.recovery_began[ROOT_PORT]
+        event.__dict__["time"] = format_event_time(
+            datetime.now(UTC) - timedelta(seconds=RECOVERY_STALE_AFTER + 1))
+        result = await w.switch(NV, "vfio", timeout=10)
+        assert result.changed
+        assert any(n.startswith(f"{ROOT_PORT}: PCI error recovery began") for n in result.notes)

@@ -219,6 +219,9 @@ class HostFacts:
     #: kernel reports a failed recovery on the bridge alone, so the function's own end never
     #: comes.
     recovery_failed_above: Mapping[str, str] = field(default_factory=dict)
+    #: A ``recovering`` bridge above a function (its age in `recovery_age`): the kernel
+    #: resets the link below it, whether or not the function got a uevent of its own.
+    recovery_above: Mapping[str, str] = field(default_factory=dict)
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -508,31 +511,46 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
             advice = health_advice(fn.health, fn.addr, fn.driver,
                                    facts.wedge_recovery.get(fn.addr, ()))
             return f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it{hint}"
-        if fn.health != "recovering":
-            continue
-        bridge = facts.recovery_failed_above.get(fn.addr, "")
-        if bridge:
-            if recover:
-                continue
+        failed_at = facts.recovery_failed_above.get(fn.addr, "")
+        if fn.health == "recovering" and failed_at and not recover:
             advice = health_advice("failed", fn.addr, fn.driver)
-            return (f"{fn.addr} is failed: PCI error recovery failed at bridge {bridge} above "
-                    f"it: {advice}; a switch would only add to it{hint}")
-        age = facts.recovery_age.get(fn.addr, 0.0)
-        if age < RECOVERY_STALE_AFTER:
-            return (f"{fn.addr} is recovering: PCI error recovery began {age:.0f} s ago and "
-                    "has not ended; an unbind or a bind now could wedge the host: retry once "
-                    f"it ends (after {RECOVERY_STALE_AFTER:.0f} s with no end seen, it is taken "
-                    "as over)")
+            return (f"{fn.addr} is failed: PCI error recovery failed at bridge {failed_at} "
+                    f"above it: {advice}; a switch would only add to it{hint}")
+        if fn.health == "recovering" and not failed_at and _young(fn.addr, facts):
+            return (f"{fn.addr} is recovering: PCI error recovery began "
+                    f"{facts.recovery_age.get(fn.addr, 0.0):.0f} s ago and has not ended; "
+                    f"{_WAIT}")
+        bridge = facts.recovery_above.get(fn.addr, "")
+        if bridge and _young(bridge, facts):
+            return (f"{fn.addr} is behind bridge {bridge}, whose PCI error recovery began "
+                    f"{facts.recovery_age.get(bridge, 0.0):.0f} s ago and has not ended; "
+                    f"{_WAIT}")
     return None
+
+
+_WAIT = ("an unbind or a bind now could wedge the host: retry once it ends (after "
+         f"{RECOVERY_STALE_AFTER:.0f} s with no end seen, it is taken as over)")
+
+
+def _young(addr: str, facts: HostFacts) -> bool:
+    """A recovery still waited for: begun less than `RECOVERY_STALE_AFTER` seconds ago (an
+    unknown beginning counts as now)."""
+    return facts.recovery_age.get(addr, 0.0) < RECOVERY_STALE_AFTER
 
 
 def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str]:
     """What a switch says of a recovery it no longer waits for (`unhealthy_reason`)."""
-    return [f"{fn.addr}: PCI error recovery began {facts.recovery_age[fn.addr]:.0f} s ago and "
-            "no end was seen (its last uevent lost?): taken as over"
-            for fn in members if fn.health == "recovering"
-            and fn.addr not in facts.recovery_failed_above
-            and facts.recovery_age.get(fn.addr, 0.0) >= RECOVERY_STALE_AFTER]
+    stale: list[str] = []
+    for fn in members:
+        if (fn.health == "recovering" and fn.addr not in facts.recovery_failed_above
+                and not _young(fn.addr, facts)):
+            stale.append(fn.addr)
+        bridge = facts.recovery_above.get(fn.addr, "")
+        if bridge and not _young(bridge, facts):
+            stale.append(bridge)
+    return [f"{addr}: PCI error recovery began {facts.recovery_age[addr]:.0f} s ago and no "
+            "end was seen (its last uevent lost?): taken as over"
+            for addr in dict.fromkeys(stale)]
 
 
 def virtual_functions_reason(fn: PciFunction) -> str:

@@ -46,6 +46,7 @@ from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
     in_root,
+    in_tree,
     list_dir,
     read_attr,
     read_bytes,
@@ -53,7 +54,7 @@ from gpuwatch.hostfs.files import (
     small_count,
 )
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
-from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
+from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, cdi_spec_exists, read_modules
 
 T = TypeVar("T")
 
@@ -184,12 +185,13 @@ class ModelFacts:
     poisoned: str = ""
     recovery_age: dict[str, float] = dataclasses.field(default_factory=dict)
     recovery_failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
+    recovery_above: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
                 poisoned: str = "") -> ModelFacts:
     addrs = {fn.addr for fn in members}
-    ages, failed = recovery_facts(state, addrs)
+    found = recovery_facts(state, addrs)
     return ModelFacts(
         other_nvidia=tuple(sorted(a for a, fn in state.functions.items()
                                   if fn.driver in NVIDIA_MODULE_DRIVERS and a not in addrs)),
@@ -198,8 +200,9 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
         kept_for_host=state.kept_for_host(min(addrs)) if addrs else "",
         poisoned=poisoned,
-        recovery_age=ages,
-        recovery_failed_above=failed,
+        recovery_age=found.age,
+        recovery_failed_above=found.failed_above,
+        recovery_above=found.above,
     )
 
 
@@ -207,38 +210,61 @@ def health_facts(state: HostState, members: Iterable[PciFunction]) -> HostFacts:
     """Just what `gpuwatch.core.plan.unhealthy_reason` needs, read from the model: the
     early health check of a switch, before anything else is read."""
     addrs = {fn.addr for fn in members}
-    ages, failed = recovery_facts(state, addrs)
+    found = recovery_facts(state, addrs)
     return HostFacts(wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
-                     recovery_age=ages, recovery_failed_above=failed)
+                     recovery_age=found.age, recovery_failed_above=found.failed_above,
+                     recovery_above=found.above)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryFacts:
+    """What `recovery_facts` found (see `gpuwatch.core.plan.HostFacts` for each field)."""
+
+    age: dict[str, float] = dataclasses.field(default_factory=dict)
+    failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
+    above: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def recovery_facts(state: HostState, addrs: Iterable[str],
-                   now: datetime | None = None) -> tuple[dict[str, float], dict[str, str]]:
-    """For each ``recovering`` function of ``addrs``: seconds since its ``BEGIN_RECOVERY``
-    (the time its ``device-error`` event was published; unknown until then), and the
-    nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel reports a failed
-    recovery on that bridge only, so the function's own end never comes)."""
+                   now: datetime | None = None) -> RecoveryFacts:
+    """PCI error recoveries that concern the functions ``addrs``: for a ``recovering``
+    function, the nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel
+    reports a failed recovery on that bridge only, so the function's own end never comes);
+    for any function, the nearest bridge above it that is ``recovering`` (the kernel resets
+    the link below it, and a function whose driver has no error handler gets no uevent of
+    its own); and the seconds since the ``BEGIN_RECOVERY`` of each of those recovering
+    functions and bridges (the time its ``device-error`` event was published; unknown
+    until then)."""
     moment = now if now is not None else datetime.now(UTC)
-    ages: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    for addr in addrs:
-        fn = state.functions.get(addr)
-        if fn is None or fn.health != "recovering":
-            continue
-        above = [p for p in state.devpaths.get(addr, "").split("/")[:-1]
-                 if PCI_ADDR_RE.fullmatch(p)]
-        bridge = next((b for b in reversed(above) if (up := state.functions.get(b)) is not None
-                       and up.health == "failed"), "")
-        if bridge:
-            failed[addr] = bridge
+    functions = state.functions
+    found = RecoveryFacts()
+
+    def age(addr: str) -> None:
         began = state.recovery_began.get(addr)
-        if began is not None and began.time:
-            try:
-                when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-            except ValueError:
-                continue
-            ages[addr] = max(0.0, (moment - when).total_seconds())
-    return ages, failed
+        if began is None or not began.time or addr in found.age:
+            return
+        try:
+            when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        except ValueError:
+            return
+        found.age[addr] = max(0.0, (moment - when).total_seconds())
+
+    for addr in addrs:
+        fn = functions.get(addr)
+        if fn is None:
+            continue
+        above = [p for p in reversed(state.devpaths.get(addr, "").split("/")[:-1])
+                 if PCI_ADDR_RE.fullmatch(p) and p in functions]
+        if fn.health == "recovering":
+            age(addr)
+            bridge = next((b for b in above if functions[b].health == "failed"), "")
+            if bridge:
+                found.failed_above[addr] = bridge
+        bridge = next((b for b in above if functions[b].health == "recovering"), "")
+        if bridge:
+            found.above[addr] = bridge
+            age(bridge)
+    return found
 
 
 # --------------------------------------------------------------------------- VFIO driver choice
@@ -254,7 +280,8 @@ def modules_alias_path(paths: HostPaths) -> str:
     release = read_attr(os.path.join(paths.root, "proc/sys/kernel/osrelease"))
     if not release or "/" in release or release in (".", "..") or not release.isprintable():
         return ""
-    return os.path.join(paths.root, "lib/modules", release, "modules.alias")
+    # ``lib`` is a link to ``usr/lib`` on merged-/usr systems, spelled absolute on some.
+    return in_tree(paths.root, f"lib/modules/{release}/modules.alias")
 
 
 def read_vfio_aliases(paths: HostPaths) -> tuple[VfioAlias, ...]:
@@ -353,7 +380,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
                        and (minor := nvidia_minor(paths.root, fn.addr)) is not None},
         dri_nodes=known.dri_nodes,
         snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
-        cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
+        cdi_spec=any(cdi_spec_exists(paths.root, s) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
         holders_complete=euid == 0,
         vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),
@@ -361,6 +388,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         wedge_recovery=known.wedge_recovery,
         recovery_age=known.recovery_age,
         recovery_failed_above=known.recovery_failed_above,
+        recovery_above=known.recovery_above,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"
@@ -429,6 +457,7 @@ async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
 __all__ = [
     "ModelFacts",
     "ProcScan",
+    "RecoveryFacts",
     "call_bounded",
     "card_holders",
     "cdi_output",
