@@ -463,3 +463,67 @@ def test_kfd_without_its_class_link(tmp_path: Path) -> None:
     (s.root / "sys/class/kfd/kfd").unlink()
     assert (probe_value(s, "amd-gfx-version"), probe_value(s, "amd-gfx-target")) == (
         "11.0.0", "gfx1100")
+
+
+# ------------------------------------------------------------ a root filesystem's own links
+
+
+@pytest.mark.parametrize("spelling", ["/run", "../run"])
+def test_var_run_leads_to_the_trees_run(tmp_path: Path, spelling: str) -> None:
+    """``var/run`` is a link to ``/run`` on current distributions: with the host's root at
+    ``--root /host``, the CDI spec in ``/var/run/cdi`` is the one in the tree's ``run/``,
+    never the ``/run`` of whoever runs gpuwatch."""
+    s = example_gpu_host(tmp_path / "h")
+    s.remove_cdi_spec("etc")
+    shutil.rmtree(s.root / "var/run")
+    (s.root / "run/cdi").mkdir(parents=True)
+    (s.root / "run/cdi/nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")
+    os.symlink(spelling, s.root / "var/run")
+    assert probe_value(s, "detect-gpu") is True
+    (s.root / "run/cdi/nvidia.yaml").unlink()
+    assert probe_value(s, "detect-gpu") is False
+
+
+def test_lib_linked_absolute_to_usr_lib(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A merged-/usr root whose ``lib`` is spelled ``/usr/lib``: modules.alias is the tree's."""
+    s = grace_hopper_host(tmp_path / "h", bound=False)
+    _, before, _ = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", "0009:01:00.0",
+                       "--root", str(s.root))
+    assert "nvgrace_gpu_vfio_pci" in before
+    (s.root / "usr").mkdir()
+    os.rename(s.root / "lib", s.root / "usr/lib")
+    os.symlink("/usr/lib", s.root / "lib")
+    _, after, _ = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", "0009:01:00.0",
+                      "--root", str(s.root))
+    assert after == before
+
+
+# ------------------------------------------------------------ ids in another spelling
+
+
+@pytest.mark.parametrize(("vendor", "klass"), [("0x10DE\n", "0x030000\n"),
+                                               ("10de\n", "030000\n"),
+                                               ("0x10de\r\n", "0X030000 \n")])
+def test_ids_in_another_spelling_read_as_the_kernels(tmp_path: Path, vendor: str, klass: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Hex digits a copy spelled otherwise (upper case, no ``0x``, CRLF) are the same ids: the
+    card is still NVIDIA's display function, with every answer of the kernel's spelling."""
+    live = example_gpu_host(tmp_path / "live")
+    copied = example_gpu_host(tmp_path / "copied")
+    for addr in ("0000:01:00.0", "0000:00:02.0"):
+        copied.set_attr(addr, "vendor", vendor.replace("10de", "8086").replace("10DE", "8086")
+                        if addr == "0000:00:02.0" else vendor)
+        copied.set_attr(addr, "class", klass)
+    assert answers(copied.root, capsys) == answers(live.root, capsys)
+    fn = gpuwatch.scan(copied.root).function("0000:01:00.0")
+    assert (fn.vendor_id, fn.class_, fn.class_label) == ("0x10de", "0x0300", "VGA controller")
+
+
+def test_ids_that_are_no_hex_stay_as_written(tmp_path: Path) -> None:
+    s = example_gpu_host(tmp_path / "h")
+    s.set_attr("0000:01:00.0", "vendor", "0x10dg\n")
+    s.set_attr("0000:01:00.1", "class", "0x0403zz\n")
+    model = gpuwatch.scan(s.root)
+    assert model.function("0000:01:00.0").vendor_id == "0x10dg"
+    assert model.function("0000:01:00.1").class_ == "0x0403"  # its first six characters

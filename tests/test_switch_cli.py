@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -278,3 +279,15 @@ def test_ensure_cdi(cli: Run, sim: SimKernel, host: SysRoot, euid: list[int]) ->
     euid[0] = 1000
     code, _, err = cli("ensure-cdi")
     assert code == 1 and "needs root" in one_line(err)
+
+
+def test_ensure_cdi_reads_var_run_in_the_tree(cli: Run, sim: SimKernel, host: SysRoot) -> None:
+    """``var/run`` → ``/run`` (current distributions): the spec it finds is the tree's own."""
+    host.remove_cdi_spec("etc")
+    shutil.rmtree(host.root / "var/run")
+    (host.root / "run/cdi").mkdir(parents=True)
+    (host.root / "run/cdi/nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")
+    os.symlink("/run", host.root / "var/run")
+    code, out, _ = cli("ensure-cdi", "--json")
+    assert code == 0 and json.loads(out)["spec"] == "/var/run/cdi/nvidia.yaml"
+    assert not any(r[:2] == ("command", "nvidia-ctk") for r in sim.record)

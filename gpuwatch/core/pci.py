@@ -60,9 +60,28 @@ def is_driver_name(name: str) -> bool:
     return DRIVER_NAME_RE.fullmatch(name) is not None and name not in (".", "..")
 
 
+#: A vendor or device id, and a class code, in any spelling of their hex digits.
+_ID_TEXT_RE = re.compile(r"(?:0[xX])?([0-9a-fA-F]{4})")
+_CLASS_TEXT_RE = re.compile(r"(?:0[xX])?([0-9a-fA-F]{6})")
+
+
+def pci_id(raw: str) -> str:
+    """A ``vendor`` or ``device`` file's text in the kernel's spelling, ``0x`` and four
+    lower-case hex digits: ``0x10de`` as the kernel writes it, and from a copy that spelled
+    it otherwise (``0x10DE``, ``10de``); any other text as written."""
+    if raw[:2] == "0x" and len(raw) == 6 and raw.islower():
+        return raw  # the kernel's own spelling (the common case): no regex
+    m = _ID_TEXT_RE.fullmatch(raw)
+    return "0x" + m.group(1).lower() if m is not None else raw
+
+
 def class_prefix(raw: str) -> str:
-    """``"0x030000"`` → ``"0x0300"``; ``""`` when the class file was missing or too short."""
+    """``"0x030000"`` → ``"0x0300"`` (also from ``0X030000`` or ``030000``: six hex digits in
+    any spelling); other text: its first six characters, ``""`` when missing or shorter."""
     raw = raw.strip()
+    m = _CLASS_TEXT_RE.fullmatch(raw)
+    if m is not None:
+        return "0x" + m.group(1)[:4].lower()
     if len(raw) < 6:
         return ""
     return raw[:6]

@@ -46,6 +46,7 @@ from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
     in_root,
+    in_tree,
     list_dir,
     read_attr,
     read_bytes,
@@ -53,7 +54,7 @@ from gpuwatch.hostfs.files import (
     small_count,
 )
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
-from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, read_modules
+from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, cdi_spec_exists, read_modules
 
 T = TypeVar("T")
 
@@ -279,7 +280,8 @@ def modules_alias_path(paths: HostPaths) -> str:
     release = read_attr(os.path.join(paths.root, "proc/sys/kernel/osrelease"))
     if not release or "/" in release or release in (".", "..") or not release.isprintable():
         return ""
-    return os.path.join(paths.root, "lib/modules", release, "modules.alias")
+    # ``lib`` is a link to ``usr/lib`` on merged-/usr systems, spelled absolute on some.
+    return in_tree(paths.root, f"lib/modules/{release}/modules.alias")
 
 
 def read_vfio_aliases(paths: HostPaths) -> tuple[VfioAlias, ...]:
@@ -378,7 +380,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
                        and (minor := nvidia_minor(paths.root, fn.addr)) is not None},
         dri_nodes=known.dri_nodes,
         snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
-        cdi_spec=any(os.path.exists(os.path.join(paths.root, s)) for s in CDI_SPECS),
+        cdi_spec=any(cdi_spec_exists(paths.root, s) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
         holders_complete=euid == 0,
         vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),

@@ -166,10 +166,12 @@ def in_root(root: str, path: str) -> str:
     return os.path.join(root, os.path.normpath(target).lstrip("/"))
 
 
-def resolve_in_root(root: str, path: str, *, max_links: int = 40) -> str:
+def resolve_in_root(root: str, path: str, *, max_links: int = 40,
+                    follow_last: bool = False) -> str:
     """The place ``path`` (a path under ``root``) names when every link on the way is read as
     in a chroot at ``root``: an absolute target starts again at ``root``, ``..`` stops there.
-    The last component is left as it is (a write opens it with ``O_NOFOLLOW``).
+    The last component is left as it is (a write opens it with ``O_NOFOLLOW``), unless
+    ``follow_last`` (a read: then no link is left in the result to lead out of the tree).
 
     What makes a write under ``--root`` stay in the tree: a captured tree may spell the
     kernel's links absolute (``/sys/devices/…``), and followed by the kernel such a link
@@ -192,7 +194,7 @@ def resolve_in_root(root: str, path: str, *, max_links: int = 40) -> str:
             if resolved:
                 resolved.pop()
             continue
-        if not pending:
+        if not pending and not follow_last:
             resolved.append(part)
             break
         try:
@@ -207,6 +209,18 @@ def resolve_in_root(root: str, path: str, *, max_links: int = 40) -> str:
             resolved = []
         pending.extend(p for p in reversed(target.split("/")) if p not in ("", "."))
     return os.path.join(root, *resolved)
+
+
+def in_tree(root: str, rel: str) -> str:
+    """``root/rel`` with every link on the way read as in a chroot at ``root``
+    (`resolve_in_root`), for a read of the tree's own file: on every current distribution
+    ``var/run`` is a link to ``/run`` (and ``lib`` may be one to ``/usr/lib``), which, with
+    the host's root mounted at ``/host`` and ``--root /host``, would otherwise lead to the
+    ``/run`` of the container running gpuwatch. ``""`` when the links loop."""
+    try:
+        return resolve_in_root(root, os.path.join(root, rel.lstrip("/")), follow_last=True)
+    except (OSError, ValueError):
+        return ""
 
 
 def uevent_value(directory: str, key: str) -> str:

@@ -36,7 +36,7 @@ from gpuwatch.core.observations import (
     VgpuSeen,
     VgpusSeen,
 )
-from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group
+from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group, pci_id
 from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
@@ -44,6 +44,7 @@ from gpuwatch.hostfs.files import (
     driver_name,
     group_name,
     in_root,
+    in_tree,
     link_name,
     list_dir,
     read_attr,
@@ -393,8 +394,8 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
     return PciSeen(
         addr=addr,
         devpath=devpath,
-        vendor_id=read_attr(directory + "/vendor"),
-        device_id=read_attr(directory + "/device"),
+        vendor_id=pci_id(read_attr(directory + "/vendor")),
+        device_id=pci_id(read_attr(directory + "/device")),
         klass=klass,
         driver=driver,
         iommu_group=parse_group(group_name(directory) if told
@@ -585,14 +586,14 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
     device = in_root(paths.root, directory + "/device")
     if not device_name and not os.path.lexists(directory + "/device"):
         device_name, device = _drm_parent(paths, name, devpath or "")
-    vendor = read_attr(device + "/vendor") if device_name else ""
+    vendor = pci_id(read_attr(device + "/vendor")) if device_name else ""
     driver = driver_name(device) if device_name else ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
         entry = in_root(paths.root, paths.bus_pci + "/" + addr)
-        vendor, driver = read_attr(entry + "/vendor"), driver or driver_name(entry)
+        vendor, driver = pci_id(read_attr(entry + "/vendor")), driver or driver_name(entry)
     return DrmSeen(
         name=name,
         devpath=devpath or "",
@@ -749,11 +750,18 @@ def scan_nodes(paths: HostPaths, tables: TablesView) -> NodesSeen:
     return NodesSeen(nodes=tuple(sorted(found.items())))
 
 
+def cdi_spec_exists(root: str, rel: str) -> bool:
+    """Whether the tree holds the spec ``rel``, its links (``var/run`` → ``/run``) read as in
+    a chroot at ``root`` (`in_tree`)."""
+    path = in_tree(root, rel)
+    return bool(path) and os.path.exists(path)
+
+
 def read_cdi(paths: HostPaths) -> CdiSeen:
     """CDI is reachable when a spec exists or ``nvidia-ctk`` (which can make one) is on PATH."""
     return CdiSeen(
-        etc_spec=os.path.exists(os.path.join(paths.root, CDI_SPECS[0])),
-        var_spec=os.path.exists(os.path.join(paths.root, CDI_SPECS[1])),
+        etc_spec=cdi_spec_exists(paths.root, CDI_SPECS[0]),
+        var_spec=cdi_spec_exists(paths.root, CDI_SPECS[1]),
         ctk_on_path=shutil.which("nvidia-ctk") is not None,
     )
 

@@ -94,7 +94,7 @@ from gpuwatch.hostfs.facts import (
     model_facts,
     scan_holders,
 )
-from gpuwatch.hostfs.scan import CDI_SPECS, read_function, read_modules
+from gpuwatch.hostfs.scan import CDI_SPECS, cdi_spec_exists, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
@@ -1086,7 +1086,7 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
     if euid != 0:
         raise NotPrivileged("ensure-cdi needs root (it writes the CDI spec)")
     for rel in CDI_SPECS:
-        if os.path.exists(os.path.join(root, rel)):
+        if cdi_spec_exists(root, rel):
             return CdiOutcome(True, False, "/" + rel, f"CDI spec present: /{rel}")
     steps, why = cdi_steps(root, False, ops.which("nvidia-ctk") is not None)
     if not steps:
@@ -1108,7 +1108,7 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
             case _:
                 assert_never(step)
     spec = "/" + CDI_SPECS[0]
-    if not os.path.exists(os.path.join(root, CDI_SPECS[0])):
+    if not cdi_spec_exists(root, CDI_SPECS[0]):
         return CdiOutcome(False, False, None, f"nvidia-ctk ran but {spec} does not exist")
     return CdiOutcome(True, True, spec, f"CDI spec generated: {spec}")
 
