@@ -1026,3 +1026,18 @@ def test_readers_and_writer_agree_on_a_rotated_name_that_is_a_directory(
     out, err = capsys.readouterr()
     assert [json.loads(t)["seq"] for t in out.splitlines()] == list(range(1, 31))
     assert err.count("\n") == 1 and "ev.jsonl.2 is a directory" in err
+
+
+def test_a_rotated_name_that_is_a_link_loop_is_skipped_like_a_directory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link at ``PATH.1`` that loops (ELOOP on open) holds no events: readers skip it with
+    one warning, as the writer passes it by, instead of stopping on it."""
+    path = tmp_path / "ev.jsonl"
+    Path(f"{path}.2").write_text("".join(line(s) + "\n" for s in range(1, 4)))
+    Path(f"{path}.1").symlink_to(f"{path.name}.1")  # itself
+    path.write_text("".join(line(s) + "\n" for s in range(4, 7)))
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        assert seqs(read_events(path)) == list(range(1, 7))
+    assert [r.getMessage() for r in caplog.records if "loops" in r.getMessage()] != []
+    assert last_seq_in(path) == 6

@@ -8,6 +8,7 @@ then print nothing until the new run passed the old one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -74,14 +75,22 @@ class Follower:
             [sys.executable, "-m", "gpuwatch", "events", str(log), "--follow", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
-        out = self.proc.stdout
-        assert out is not None
+        self.notes: queue.Queue[str] = queue.Queue()
+        out, err = self.proc.stdout, self.proc.stderr
+        assert out is not None and err is not None
 
         def pump() -> None:
             for text in out:
                 self.lines.put(json.loads(text))
 
-        threading.Thread(target=pump, daemon=True).start()
+        def pump_notes() -> None:
+            for text in err:
+                self.notes.put(text)
+
+        self._pumps = [threading.Thread(target=pump, daemon=True),
+                       threading.Thread(target=pump_notes, daemon=True)]
+        for thread in self._pumps:
+            thread.start()
 
     def until(self, type_: str, after: int = 0, timeout: float = 30) -> list[dict[str, Any]]:
         """Events printed until one of ``type_`` (with seq > ``after`` when given)."""
@@ -98,16 +107,33 @@ class Follower:
             if event["type"] == type_ and event["seq"] > after:
                 return got
 
+    def note(self, timeout: float = 30) -> str:
+        """The next line on its stderr."""
+        try:
+            return self.notes.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("no note on stderr") from None
+
     def stop(self) -> str:
+        """SIGTERM; its exit status must be 0. Returns what it wrote on stderr not yet
+        taken by `note`."""
         self.proc.send_signal(signal.SIGTERM)
         try:
-            _, err = self.proc.communicate(timeout=15)
+            self.proc.wait(timeout=15)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-                self.proc.communicate()
+                self.proc.wait()
+        for pump in self._pumps:
+            pump.join(10)  # both end at EOF
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        err = []
+        while not self.notes.empty():
+            err.append(self.notes.get())
         assert self.proc.returncode == 0, err
-        return err
+        return "".join(err)
 
 
 def _wait_for(log: Path, type_: str, count: int = 1) -> None:
@@ -175,22 +201,22 @@ def test_a_follower_resuming_after_a_seq_the_log_no_longer_reaches_gets_the_new_
     not reached N: what is appended from then on is printed, as a socket subscriber with a
     ``since_seq`` ahead of the daemon gets live events (was: nothing until seq N+1)."""
     log = tmp_path / "events.jsonl"
-    follower = Follower(log, "--since-seq", "500")  # no log yet: the watcher comes later
-    watch: Watch | None = None
+    watch = Watch(host, tmp_path, log)
+    follower: Follower | None = None
     try:
-        watch = Watch(host, tmp_path, log)
-        got = follower.until("ready")
-        assert [e["seq"] for e in got] == [1]
+        _wait_for(log, "ready")
+        follower = Follower(log, "--since-seq", "500")
+        assert "below 500" in follower.note()  # it read the log: seq 1, from another run
         addr = next(a for a in host.functions if (host.device_dir(a) / "driver").is_symlink())
         host.unbind(addr)
         watch.push(host.uevent_props("unbind", addr))
         changed = follower.until("driver-changed")
-        assert changed[-1]["addr"] == addr and changed[-1]["seq"] < 500
+        assert changed[0]["addr"] == addr and 1 < changed[0]["seq"] < 500
+        assert all(e["seq"] > 1 for e in changed)  # what the log held before: not printed
     finally:
-        if watch is not None:
-            watch.stop()
-        err = follower.stop()
-    assert err.count("\n") == 1 and "below 500" in err
+        watch.stop()
+        if follower is not None:
+            follower.stop()
 
 
 def test_a_rescan_that_meets_a_file_again_is_no_new_run(tmp_path: Path) -> None:
@@ -220,3 +246,172 @@ def test_a_rescan_that_meets_a_file_again_is_no_new_run(tmp_path: Path) -> None:
         assert follower.new_runs == 1
     finally:
         follower.close()
+
+
+# ------------------------------------------------------------------ `--log -`, a stalled reader
+
+
+def _wedge(host: SysRoot, n: int) -> str:
+    """A DRM ``change`` with ``WEDGED=``: one ``gpu-wedged`` event each, no sysfs change."""
+    card = host.devpath("0000:00:02.0") + "/drm/card0"
+    return json.dumps({"ACTION": "change", "DEVPATH": card, "SUBSYSTEM": "drm",
+                       "WEDGED": "rebind", "PID": str(n), "TASK": "hung"}) + "\n"
+
+
+def _snapshot_seq(sock: str) -> int | None:
+    from tests.daemon_helpers import Lines, connect
+
+    try:
+        with connect(sock, timeout=2) as s:
+            seq: int = Lines(s).request("snapshot")["result"]["seq"]
+            return seq
+    except (OSError, EOFError, KeyError):
+        return None
+
+
+def test_a_stdout_log_whose_reader_stops_reading_leaves_the_daemon_live(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """``gpuwatch watch --log -`` into a pipe nobody reads: the model and the socket go on
+    (a write that blocked the event loop froze them all), the log degrades, and once the
+    reader reads again the log resumes with a ``log-gap`` record naming exactly the seqs it
+    lacks. stdout itself stays a blocking pipe: a writer thread waits on it, nothing else."""
+    from gpuwatch.service.testing import short_socket_dir
+
+    fifo = tmp_path / "uevents.fifo"
+    os.mkfifo(fifo)
+    errfile = tmp_path / "stderr"
+    # A small hand-over buffer (4 MiB by default) so a few hundred events fill it.
+    code = ("import sys, gpuwatch.watch.eventlog as e; e.STDOUT_BUFFER = 16384; "
+            "from gpuwatch.cli.main import main; sys.exit(main())")
+    with short_socket_dir() as sockdir, open(errfile, "w") as err:
+        sock = f"{sockdir}/gw.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "watch", "--root", str(host.root), "--source",
+             f"file:{fifo}", "--log", "-", "--socket", sock, "--reconcile-interval", "0"],
+            stdout=subprocess.PIPE, stderr=err, env=_env(), cwd=REPO)
+        assert proc.stdout is not None
+        out_fd = proc.stdout.fileno()
+        try:
+            writer = open(fifo, "w")  # noqa: SIM115 - closed below
+            deadline = time.monotonic() + 30
+            while _snapshot_seq(sock) is None:
+                assert proc.poll() is None and time.monotonic() < deadline, "no socket"
+                time.sleep(0.05)
+            assert os.get_blocking(out_fd)  # the pipe as the daemon got it
+
+            # Far more than the pipe (64 KiB) and the hand-over buffer hold, never read.
+            burst = 3000
+            pushing = threading.Thread(
+                target=lambda: (writer.write("".join(_wedge(host, n) for n in range(burst))),
+                                writer.flush()), daemon=True)
+            pushing.start()
+            pushing.join(60)
+            assert not pushing.is_alive(), "the daemon stopped reading its uevents"
+            deadline = time.monotonic() + 60
+            while (_snapshot_seq(sock) or 0) < burst + 1:  # ready + every gpu-wedged
+                assert proc.poll() is None
+                assert time.monotonic() < deadline, "the daemon froze behind its stdout"
+                time.sleep(0.1)
+
+            # The reader comes back: what the pipe holds, then the log resumes with a gap.
+            os.set_blocking(out_fd, False)  # the test's own end of the pipe
+            data = b""
+            n = burst
+            deadline = time.monotonic() + 90
+            while b'"log-gap"' not in data:
+                assert time.monotonic() < deadline, "the log never resumed"
+                with contextlib.suppress(BlockingIOError):
+                    while chunk := os.read(out_fd, 1 << 16):
+                        data += chunk
+                writer.write(_wedge(host, n))  # a write is tried with the next event
+                writer.flush()
+                n += 1
+                time.sleep(0.2)
+            os.set_blocking(out_fd, True)
+            writer.close()  # the source ends: the watch stops, writing `stopped`
+            data += proc.stdout.read()
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+    stderr = errfile.read_text()
+    assert "EAGAIN" in stderr and "Traceback" not in stderr
+    events = [json.loads(text) for text in data.decode().splitlines()]  # whole lines only
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(set(seqs))
+    assert events[0]["type"] == "ready" and events[-1]["type"] == "stopped"
+    gaps = [e for e in events if e["type"] == "log-gap"]
+    assert gaps and all(g["error"].startswith("EAGAIN") for g in gaps)
+    covered = {e["seq"] for e in events if e["type"] != "log-gap"}
+    for gap in gaps:
+        missing = set(range(gap["first_seq"], gap["last_seq"] + 1))
+        assert gap["seq"] == gap["last_seq"] and not missing & covered
+        covered |= missing
+    assert covered == set(range(1, seqs[-1] + 1))  # each seq written or named by a gap
+    assert not any(e["type"] == "log-degraded" for e in events)
+
+
+def test_a_stdout_log_whose_reader_goes_away_ends_the_watch_with_exit_0(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """``gpuwatch watch | head -1``: once the reader has gone, the next event ends the
+    watch, exit 0, quietly (the writer thread sees EPIPE; the watcher hears of it at its
+    next write)."""
+    fifo = tmp_path / "uevents.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
+         f"file:{fifo}", "--log", "-", "--reconcile-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    assert proc.stdout is not None and proc.stderr is not None
+    writer = open(fifo, "w")  # noqa: SIM115 - closed below
+    try:
+        assert json.loads(proc.stdout.readline())["type"] == "ready"
+        proc.stdout.close()  # `head -1` has what it wanted
+        deadline = time.monotonic() + 30
+        n = 0
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the watch outlived its reader"
+            with contextlib.suppress(BrokenPipeError):
+                writer.write(_wedge(host, n))
+                writer.flush()
+            n += 1
+            time.sleep(0.1)
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        with contextlib.suppress(BrokenPipeError):
+            writer.close()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "internal error" not in err, err
+
+
+def test_a_follower_carries_on_when_the_log_is_emptied_in_place_and_a_new_run_begins(
+    tmp_path: Path,
+) -> None:
+    """``: > events.jsonl`` (no rotated files) and a restart: the writer numbers from 1 in
+    the same file, which the follower reads again from its start."""
+    from tests.test_eventlog import Collector, line
+
+    path = tmp_path / "ev.jsonl"
+    with eventlog.EventLog(path) as log:
+        for seq in range(1, 41):
+            log.write_line(line(seq, "ready" if seq == 1 else "x"))
+    col = Collector(path)
+    try:
+        col.wait_for(lambda events: len(events) == 40)
+        os.truncate(path, 0)
+        with eventlog.EventLog(path) as log:
+            assert log.last_seq is None  # the writer's view: a new log
+            log.write_line(json.dumps({"seq": 1, "time": "later", "type": "ready"}))
+            log.write_line(json.dumps({"seq": 2, "time": "later", "type": "x"}))
+        col.wait_for(lambda events: len(events) == 42)
+    finally:
+        events = col.stop()
+    assert [(e["seq"], e["time"]) for e in events[40:]] == [(1, "later"), (2, "later")]

@@ -553,3 +553,51 @@ def test_a_root_that_is_not_a_directory_is_a_usage_error(tmp_path: Path) -> None
             gpuwatch.scan(root)
         with pytest.raises(gpuwatch.UsageError, match="is not a directory"):
             gpuwatch.probe("detect-vfio", root)
+
+
+@pytest.mark.parametrize("subsystem", ["drm", "vfio-dev"])
+def test_a_hand_written_devpath_never_leads_out_of_the_tree(host: SysRoot, tmp_path: Path,
+                                                            subsystem: str) -> None:
+    """A uevent line (a JSONL source) whose DEVPATH climbs out of ``sys/`` with ``..``: the
+    device is read where the tree has it, never from the folder the path leads to."""
+    from gpuwatch.core.observations import DrmSeen, PciSeen
+    from gpuwatch.core.uevent import UEvent
+    from gpuwatch.hostfs.scan import HostPaths, observe
+    from gpuwatch.settings import default_tables
+
+    outside = tmp_path / "outside"
+    fake = outside / (NV if subsystem == "vfio-dev" else "card1")
+    fake.mkdir(parents=True)
+    for name, text in (("vendor", "0x1002\n"), ("class", "0x030000\n")):
+        (fake / name).write_text(text)
+        (outside / name).write_text(text)
+    os.symlink("..", fake / "device")
+    climb = "/" + "../" * (len(host.root.parts) + 4) + str(outside).lstrip("/")
+    devpath = f"{climb}/{NV}/vfio-dev/vfio0" if subsystem == "vfio-dev" else f"{climb}/card1"
+    event = UEvent("add", devpath, subsystem,
+                   {"ACTION": "add", "DEVPATH": devpath, "SUBSYSTEM": subsystem})
+    seen = observe(HostPaths(host.root), default_tables(), event)
+    if subsystem == "drm":
+        assert seen == [DrmSeen("card1", host.devpath(NV) + "/drm/card1", NV, "0x10de", "nvidia")]
+    else:
+        assert len(seen) == 1 and isinstance(seen[0], PciSeen)
+        assert (seen[0].devpath, seen[0].vendor_id, seen[0].driver, seen[0].iommu_group) == (
+            host.devpath(NV), "0x10de", "nvidia", 13)
+
+
+def test_a_hand_written_devname_is_no_node_out_of_the_tree(host: SysRoot) -> None:
+    """``DEVNAME=dri/../../<…>`` names no node: nothing out of the tree is looked at."""
+    from gpuwatch.core.observations import NodeSeen
+    from gpuwatch.core.uevent import UEvent
+    from gpuwatch.hostfs.scan import HostPaths, observe
+    from gpuwatch.settings import default_tables
+
+    outside = host.root.parent / "outside-node"
+    outside.write_text("")
+    climb = "dri/" + "../" * (len(host.root.parts) + 4) + str(outside).lstrip("/")
+    assert os.path.exists(host.root / "dev" / climb)  # it does lead somewhere
+    devpath = host.devpath(NV) + "/drm/renderD129"
+    event = UEvent("add", devpath, "drm", {"ACTION": "add", "DEVPATH": devpath,
+                                           "SUBSYSTEM": "drm", "DEVNAME": climb})
+    seen = observe(HostPaths(host.root), default_tables(), event)
+    assert seen[-1] == NodeSeen("/dev/" + climb, None)

@@ -925,30 +925,44 @@ def fake_daemon(path: str, reply: bytes | None) -> threading.Thread:
 def test_a_call_gives_up_at_its_timeout_whatever_drips_in_meanwhile(
     sockdir: str, drip: bytes
 ) -> None:
-    """What answers at the path may be hostile: a byte of a line that never ends, or stray
-    replies to no request of ours, each well within one read's timeout. The call's timeout
-    bounds the whole wait, not each read: it raises, where it used to wait forever."""
+    """What answers at the path may be hostile: a byte of a line that never ends, or lines
+    that answer nothing of ours, each well within one read's timeout. A call's timeout, and
+    the one `events` waits for each event, bound the whole wait, not each read: they raise,
+    where they used to wait forever."""
     path = f"{sockdir}/gw.sock"
     listener = bind_socket(path, None)
     listener.setblocking(True)
     stop = threading.Event()
 
     def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while not stop.wait(0.05):
-                try:
-                    conn.sendall(drip)
-                except OSError:
-                    return
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = json.loads(conn.makefile("rb").readline())
+                if request["method"] == "subscribe":
+                    conn.sendall(P.encode_result(request["id"], {"seq": 0, "complete": True}))
+                while not stop.wait(0.05):
+                    try:
+                        conn.sendall(drip)
+                    except OSError:
+                        break
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         with Client(path, timeout=1) as c, pytest.raises(TimeoutError):
             c.probe("detect-gpu")
+        with Client(path, timeout=1) as c:
+            c.subscribe_start()
+            with pytest.raises(TimeoutError):
+                next(c.events(timeout=1))
     finally:
         stop.set()
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
+            wake.connect(path)  # out of accept
         thread.join(timeout=10)
         listener.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -523,3 +524,51 @@ def test_record_command_ends_cleanly_on_sigterm(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == [props(5)]
+
+
+def test_record_command_whose_reader_stops_reading_still_ends_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """``gpuwatch record | less`` with ``less`` paused: the recording pauses (reading its
+    source waits for room), but SIGTERM ends it at once, exit 0. A write to the stalled
+    stdout on the event loop held the signal until the reader read again (or forever)."""
+    source = tmp_path / "ev.fifo"
+    os.mkfifo(source)
+    # A small hand-over buffer (1 MiB by default): the stall comes after a few KiB.
+    code = ("import sys; from gpuwatch.cli import record_cmd; record_cmd._OUT_BUFFER = 4096; "
+            "from gpuwatch.cli.main import main; sys.exit(main())")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "record", "--root", str(tmp_path),
+         "--source", f"file:{source}"],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    sent = [0]
+    line = (json.dumps(props(1)) + "\n").encode()
+
+    def push() -> None:  # blocks once the recorder stops reading its source
+        with contextlib.suppress(BrokenPipeError), open(source, "wb", buffering=0) as fifo:
+            for _ in range(50_000):
+                fifo.write(line)
+                sent[0] += len(line)
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    try:
+        deadline = time.monotonic() + 30
+        last = -1
+        while sent[0] != last or sent[0] < 150_000:  # past the pipe and the FIFO: stalled
+            assert time.monotonic() < deadline and pusher.is_alive(), f"sent {sent[0]} bytes"
+            last = sent[0]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gpuwatch.core.uevent import UDEV_MAGIC, UEvent, parse_kernel_uevent, subsystem_of
 from gpuwatch.sources import SourceUnavailable
-from gpuwatch.sources.kernel import NETLINK_KOBJECT_UEVENT, KernelSource
+from gpuwatch.sources.kernel import MAX_READ, NETLINK_KOBJECT_UEVENT, KernelSource
 
 # --- the parser -----------------------------------------------------------------------------
 
@@ -148,6 +148,35 @@ async def test_a_forged_uevent_from_another_process_is_dropped() -> None:
                     received.extend(item)
         assert src.rejected >= 1
         assert not any(ev.devpath == "/devices/forged" for ev in received)
+    finally:
+        src.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the kernel lets only root send "
+                    "on NETLINK_KOBJECT_UEVENT")
+def test_a_flood_of_messages_it_drops_is_read_in_bounded_slices() -> None:
+    """Messages dropped unparsed (forged ones here; the same for a storm of uevents of
+    subsystems not followed) count against one drain's work: a drain that only stopped at
+    256 kept events or an empty queue held the event loop as long as the flood lasted."""
+    src = started()
+    try:
+        assert src._sock is not None
+        port = src._sock.getsockname()[0]
+        forged = message("add", "/devices/forged", {"SUBSYSTEM": "pci", "ACTION": "add"})
+        sent = 3 * MAX_READ + 5
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_KOBJECT_UEVENT) as s:
+            s.bind((0, 0))
+            for _ in range(sent):
+                s.sendto(forged, (port, 0))
+        slices = []
+        while True:
+            batch, overflow, more = src._drain()
+            assert batch == [] and overflow is None
+            slices.append(src.rejected - sum(slices))
+            if not more:
+                break
+        assert src.rejected == sent
+        assert max(slices) <= MAX_READ and len(slices) >= 4
     finally:
         src.close()
 

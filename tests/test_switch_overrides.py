@@ -90,6 +90,9 @@ async def test_an_interrupted_switch_from_a_mixed_group_leaves_no_override(
     # The module the switch unloaded is loaded again, and with no pin the card is back on it.
     assert "modprobe nvidia" in failed[0].restored
     assert tree_driver(sim, NV) == "nvidia"
+    # Not put back, and said so (with where each function is): never read as "as found".
+    assert failed[0].restored[-1].startswith(
+        "group 13 was mixed before the switch (in no one mode): its drivers are not put back")
 
 
 @pytest.mark.timeout(60)
@@ -237,3 +240,22 @@ def test_mode_signalled_with_a_pin_in_place_leaves_none(
     assert ends[0]["error"] == "interrupted", json.dumps(ends[0])
     assert override_file(host, NV) == "(null)\n", ends[0]["restored"]
     assert override_file(host, AUDIO) == "(null)\n"
+
+
+@pytest.mark.timeout(60)
+async def test_an_interrupted_switch_from_a_mixed_group_names_what_it_left(
+        host: SysRoot) -> None:
+    """Interrupted after the audio function left snd_hda_intel: the group was mixed, so it is
+    not put back, and `restored` ends with the functions on another driver than before."""
+    host.add_module("xhci_pci")  # a Turing card as booted: its USB-C controller on xhci_hcd
+    host.add_function("0000:01:00.2", parent="0000:00:01.0", vendor="0x10de", device="0x1ad8",
+                      klass="0x0c0330", driver="xhci_hcd", iommu_group=13)
+    sim = StopsAfter(host, "/sys/bus/pci/drivers/snd_hda_intel/unbind", AUDIO)
+    events = await interrupt(sim, host, "vfio")
+    failed = of_type(events, "switch-failed")[0]
+    assert failed.error == "interrupted"
+    assert failed.restored[-1] == (
+        "group 13 was mixed before the switch (in no one mode): its drivers are not put back; "
+        "group 13 is not as it was: 0000:01:00.0 on vfio-pci (was nvidia), 0000:01:00.1 on no "
+        "driver (was snd_hda_intel), 0000:01:00.2 on xhci_hcd"), failed.restored
+    assert sim.overrides == {}

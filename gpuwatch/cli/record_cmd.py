@@ -23,6 +23,7 @@ import anyio
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
 from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
+from gpuwatch.watch.eventlog import ThreadedWriter
 
 log = logging.getLogger("gpuwatch.sources")
 
@@ -49,11 +50,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-async def record(source: EventSource, out: TextIO, *, limit: int | None = None) -> int:
+#: What may wait for a slow reader of the recording before reading the source pauses.
+_OUT_BUFFER = 1 << 20
+#: How often a recording whose reader is behind looks whether there is room again.
+_OUT_POLL = 0.01
+
+
+async def record(source: EventSource, out: TextIO | ThreadedWriter, *,
+                 limit: int | None = None) -> int:
     """Write the source's events to ``out`` until it ends or ``limit`` events are written.
 
     Returns how many were written. Lost events (an overflow) cannot be recorded; they are
-    logged so the gap in the recording is not silent.
+    logged so the gap in the recording is not silent. A `ThreadedWriter` as ``out`` writes
+    from its own thread: a reader that stops reading pauses the recording (the kernel then
+    queues, or drops and says so) but never the event loop, so a signal still ends it.
     """
     written = 0
     if limit is not None and limit <= 0:
@@ -65,8 +75,12 @@ async def record(source: EventSource, out: TextIO, *, limit: int | None = None) 
                 log.warning("record: events were lost (%s); the recording has a gap", item.error)
                 continue
             for ev in item:
-                out.write(uevent_to_json(ev) + "\n")
-                out.flush()
+                line = uevent_to_json(ev) + "\n"
+                if isinstance(out, ThreadedWriter):
+                    await _hand_over(out, line.encode("utf-8"))
+                else:
+                    out.write(line)
+                    out.flush()
                 written += 1
                 if limit is not None and written >= limit:
                     return written
@@ -75,6 +89,32 @@ async def record(source: EventSource, out: TextIO, *, limit: int | None = None) 
         if aclose is not None:
             await aclose()
     return written
+
+
+async def _hand_over(writer: ThreadedWriter, data: bytes) -> None:
+    """``data`` to the writer once it has room (a write error is raised here)."""
+    while True:
+        try:
+            writer.submit(data)
+            return
+        except BlockingIOError:
+            await anyio.sleep(_OUT_POLL)
+
+
+async def _written(writer: ThreadedWriter) -> None:
+    """Until everything handed over is written (a write error is raised here)."""
+    while writer.pending():
+        await anyio.sleep(_OUT_POLL)
+
+
+def _writer_for(out: TextIO) -> ThreadedWriter | None:
+    """A writer thread for ``out``'s descriptor; None when it has none (a test's capture)."""
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError):
+        return None
+    out.flush()  # anything already written through it goes first
+    return ThreadedWriter(fd, _OUT_BUFFER)
 
 
 async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | None:
@@ -91,14 +131,19 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
                 scope.cancel()
                 return
 
+    writer = _writer_for(out)
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_on_signal, tg.cancel_scope)
         try:
-            await record(source, out)
+            await record(source, out if writer is None else writer)
+            if writer is not None:
+                await _written(writer)  # the source ended: the reader gets it all
         except OSError as exc:
             error = exc
         finally:
             tg.cancel_scope.cancel()
+    if writer is not None:
+        writer.close(0)  # a signal: what the reader has not taken is not waited for
     return error
 
 

@@ -153,9 +153,18 @@ class HostPaths:
 # --------------------------------------------------------------------------- PCI
 
 
+def kernel_devpath(devpath: str) -> bool:
+    """Whether ``devpath`` is spelled as the kernel spells one: under ``/devices/``, with no
+    empty, ``.`` or ``..`` component, so that read under ``sys/`` it stays there. A line
+    written by hand (a JSONL source) may hold anything: ``/../../tmp/x`` would lead out of
+    the tree and pass a folder there off as the device."""
+    return devpath.startswith("/devices/") and "//" not in devpath and "/." not in devpath
+
+
 def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> PciSeen | PciGone:
-    """Read one PCI function. Tries the uevent's DEVPATH, then the bus entry (flat layouts)."""
-    if devpath:
+    """Read one PCI function. Tries the uevent's DEVPATH (when spelled as the kernel's,
+    `kernel_devpath`), then the bus entry (flat layouts)."""
+    if devpath and kernel_devpath(devpath):
         candidate = paths.sys + devpath
         try:
             st = os.stat(candidate)  # before the reads: a later replacement cannot be cached
@@ -568,7 +577,11 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
 
 
 def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen | DrmGone:
+    """One DRM minor: at the uevent's DEVPATH (when spelled as the kernel's,
+    `kernel_devpath`), else through its ``sys/class/drm`` entry."""
     directory = ""
+    if devpath and not kernel_devpath(devpath):
+        devpath = None
     if devpath and os.path.isdir(paths.sys + devpath):
         directory = paths.sys + devpath
     else:
@@ -843,4 +856,7 @@ def observe(paths: HostPaths, tables: TablesView, event: UEvent) -> list[Observa
 
 def _node_seen(paths: HostPaths, devname: str) -> NodeSeen:
     host_path = devname if devname.startswith("/dev/") else "/dev/" + devname.lstrip("/")
+    if "/." in host_path or "//" in host_path:
+        # No node the kernel names: a hand-written ``..`` would stat a file out of the tree.
+        return NodeSeen(host_path, None)
     return NodeSeen(host_path, node_stat(paths, host_path))

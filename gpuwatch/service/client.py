@@ -293,11 +293,17 @@ class Client:
 
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """The events after `subscribe`; `SubscriberLagged` when the daemon dropped this
-        subscriber for reading too slowly (resubscribe with its ``since_seq``)."""
+        subscriber for reading too slowly (resubscribe with its ``since_seq``).
+
+        ``timeout`` bounds the wait for each event (`TimeoutError`), however the bytes
+        before it arrive: dripped, or as lines that are no events."""
         while True:
-            event = _event(_decode(self._readline(timeout), self.path))
-            if event is not None:
-                yield event
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                event = _event(_decode(self._readline(timeout, deadline), self.path))
+                if event is not None:
+                    break
+            yield event
 
     def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                timeout: float | None = None, tolerant: bool | None = None,

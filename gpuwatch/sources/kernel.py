@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_RECEIVE_BUFFER",
     "KERNEL_GROUP",
     "MAX_BATCH",
+    "MAX_READ",
     "SUBSYSTEMS",
     "KernelSource",
     "describe_errno",
@@ -43,6 +44,10 @@ DEFAULT_RECEIVE_BUFFER = 128 * 1024 * 1024
 #: One batch at most: small enough that the loop serves socket requests between batches
 #: within a few milliseconds, big enough that a storm costs few wake-ups.
 MAX_BATCH = 256
+
+#: Messages one drain reads at most, kept or not: a flood of uevents of subsystems not
+#: followed (or of forgeries) must not hold the event loop until it stops.
+MAX_READ = 4 * MAX_BATCH
 
 #: ``NETLINK_KOBJECT_UEVENT`` (Python's socket module lacks the name) and its kernel group.
 NETLINK_KOBJECT_UEVENT = 15
@@ -206,7 +211,7 @@ class KernelSource:
                 await anyio.lowlevel.checkpoint()
 
     def _drain(self) -> tuple[list[UEvent], SourceOverflow | None, bool]:
-        """Receive until empty, `MAX_BATCH` events, or an error.
+        """Receive until empty, `MAX_BATCH` events, `MAX_READ` messages, or an error.
 
         Returns ``(batch, overflow, more)``; ``more`` when the queue may hold more.
         """
@@ -216,7 +221,9 @@ class KernelSource:
             return batch, None, False
         wanted = self._wanted
         recvfrom = sock.recvfrom
-        while len(batch) < MAX_BATCH:
+        for _ in range(MAX_READ):
+            if len(batch) >= MAX_BATCH:
+                break
             try:
                 data, sender = recvfrom(_MAX_MESSAGE)
             except BlockingIOError:

@@ -582,6 +582,13 @@ class SwitchEngine:
             return True  # a wedge: nothing more is touched
         commands, stuck = await self._restore(plan, facts, done, started)
         restored.extend(commands)
+        if back is None and not stuck:
+            # Not put back: say so, and where each function is now, so that nobody reads
+            # `restored` as "as found".
+            left = await self._left_changed(plan)
+            restored.append(f"group {plan.group} was {plan.from_mode} before the switch (in "
+                            "no one mode): its drivers are not put back"
+                            + (f"; {left}" if left else ""))
         return stuck
 
     async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],

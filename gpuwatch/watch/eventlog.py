@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import select
 import stat
 import sys
 import threading
@@ -44,6 +45,7 @@ __all__ = [
     "EventLogWriteError",
     "EventRecord",
     "RawChunk",
+    "ThreadedWriter",
     "afollow_events",
     "afollow_records",
     "follow_events",
@@ -165,6 +167,151 @@ def _warn_skipped(warned: dict[tuple[str, int, int], None], name: str, why: str,
         del warned[next(iter(warned))]
     warned[key] = None
     _log.warning("%s: skipped (the log's other files are read)", why)
+
+
+#: Bytes of log lines that may wait for a slow stdout reader (`ThreadedWriter`); past it a
+#: batch is refused like a failed write (the log degrades, and resumes with ``log-gap``).
+STDOUT_BUFFER = 4 << 20
+#: How long closing the log waits for stdout's reader to take what is left: ``stopped``
+#: goes out if it reads at all, and a stalled one does not hold the exit past SIGTERM's 2 s.
+_STDOUT_CLOSE_WAIT = 1.0
+#: Between tries of a write to stdout that failed (a full disk behind it).
+_STDOUT_RETRY = 1.0
+
+
+class ThreadedWriter:
+    """Writes bytes to a descriptor (stdout, mostly) from a daemon thread of its own.
+
+    stdout is often a pipe shared with other processes (a shell pipeline, systemd's stream
+    to the journal): making it ``O_NONBLOCK`` would change it for every one of them. It stays
+    as it is, and this thread is the only one that waits on it: the watcher hands a batch
+    over and goes on, so a reader that stops reading never stops the model, the socket or
+    the probes (and ``gpuwatch record`` still ends on SIGTERM; a daemon thread stuck in a
+    write does not hold the process's exit). Bounded: once `limit` bytes wait, `submit`
+    refuses (EAGAIN), which the watcher takes as any failed write (``log-degraded``, then a
+    ``log-gap`` record when there is room again). Bytes handed over are never dropped
+    before `close`, nor torn: a failed write (ENOSPC) is tried again, from where it
+    stopped, while `submit` and `pending` raise its error.
+    """
+
+    def __init__(self, fd: int, limit: int) -> None:
+        self.fd = fd
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._queue: deque[memoryview] = deque()
+        self._queued = 0
+        self._error: OSError | None = None  # the last write failed so (cleared by a success)
+        self._broken = False  # the reader has gone (EPIPE): nothing will be written again
+        self._closing = False
+        self._dropped = False  # closed: what is left is not written
+        self._done = False  # the thread has ended
+        self._thread: threading.Thread | None = None
+
+    def submit(self, data: bytes) -> None:
+        """Hand ``data`` (whole lines) over, or raise without taking any of it."""
+        with self._cond:
+            if self._closing:
+                raise ValueError("the writer is closed")
+            self._raise()
+            if self._queued and self._queued + len(data) > self._limit:
+                raise BlockingIOError(
+                    errno.EAGAIN, f"the reader is not reading ({self._queued} bytes wait)")
+            self._queue.append(memoryview(data))
+            self._queued += len(data)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="gpuwatch-writer")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        """Bytes handed over and not yet written; raises as `submit` does when writing
+        them fails."""
+        with self._cond:
+            self._raise()
+            return self._queued
+
+    def _raise(self) -> None:
+        if self._broken:
+            raise BrokenPipeError(errno.EPIPE, "the reader has gone")
+        if self._error is not None:  # still failing: the caller degrades now
+            raise OSError(self._error.errno, self._error.strerror)
+
+    def close(self, wait: float) -> tuple[int, OSError | None]:
+        """Stop once what is handed over is written, waiting at most ``wait`` seconds:
+        (bytes still unwritten then, which are dropped; the error writing them, if any)."""
+        deadline = time.monotonic() + wait
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            while self._queue and not self._done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            unwritten, error = self._queued, self._error
+            # Dropped: the thread writes nothing more (a write under way ends on its own),
+            # so the descriptor may be closed and its number reused.
+            self._dropped = True
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
+            return unwritten, error
+
+    def _run(self) -> None:
+        try:
+            self._write_queued()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                view = self._queue[0]
+            try:
+                written = os.write(self.fd, view)  # the only wait on the reader
+            except BlockingIOError:  # another process made the shared stdout O_NONBLOCK
+                _wait_writable(self.fd, _STDOUT_RETRY)
+                continue
+            except BrokenPipeError:
+                with self._cond:
+                    self._broken = True
+                    self._queue.clear()
+                    self._queued = 0
+                    self._cond.notify_all()
+                return
+            except OSError as exc:
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                    if not self._closing:
+                        self._cond.wait(_STDOUT_RETRY)
+                    if self._closing and self._error is not None:
+                        return  # still failing at close: what is left is dropped
+                continue
+            with self._cond:
+                if self._dropped:
+                    return
+                self._error = None
+                self._queued -= written
+                if written >= len(view):
+                    self._queue.popleft()
+                else:
+                    self._queue[0] = view[written:]
+                self._cond.notify_all()
+
+
+def _wait_writable(fd: int, timeout: float) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    with contextlib.suppress(OSError):
+        poller.poll(timeout * 1000)
 
 
 def _take_lock(path: str) -> int:
@@ -459,7 +606,8 @@ class EventLog:
     stream, like stdout (`replayable` is False): written, never rotated (renaming a device
     node would replace it with a plain file), never read back, and a FIFO is written
     without blocking (a reader that stops reading degrades the log instead of freezing the
-    watcher).
+    watcher). stdout, which other processes share, stays blocking and is written by a
+    thread of its own (`ThreadedWriter`), to the same end.
 
     Thread-safe: one lock orders writes and rotations, so lines never interleave.
     ``last_seq`` is read once at open; numbering after that is the caller's.
@@ -492,6 +640,8 @@ class EventLog:
         self._stream = self._stdout
         #: Whether the last byte written ended a line (what a stream's torn check uses).
         self._tail_newline = True
+        #: The thread that writes stdout's lines (`--log -`), made at the first write.
+        self._stdout_writer: ThreadedWriter | None = None
         if self._stdout:
             if sys.stdout is None:  # started with fd 1 closed: every event would fail
                 raise EventLogUnavailable("event log -: stdout is closed")
@@ -577,11 +727,10 @@ class EventLog:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
-    def _write_all(self, data: bytes, fd: int | None = None) -> None:
-        """Write ``data`` to the log's descriptor (or ``fd``), however short the writes."""
-        if fd is None:
-            assert self._fd is not None
-            fd = self._fd
+    def _write_all(self, data: bytes) -> None:
+        """Write ``data`` to the log's descriptor, however short the writes."""
+        assert self._fd is not None
+        fd = self._fd
         view = memoryview(data)
         while view:  # one write in practice; the loop only matters for a short write
             written = os.write(fd, view)
@@ -631,8 +780,9 @@ class EventLog:
             self.error = None
 
     def _write_stdout(self, text: str) -> None:
-        """``text`` to stdout: straight to its descriptor when it has one, so a failed
-        write (a full disk) leaves nothing buffered to come out later, after newer lines."""
+        """``text`` to stdout: straight to its descriptor when it has one, through the
+        writer thread (`ThreadedWriter`), so a stalled reader never holds the caller and
+        nothing sits in Python's buffer to come out later, after newer lines."""
         out = sys.stdout
         if out is None:
             raise OSError(errno.EBADF, "stdout is closed")
@@ -642,15 +792,13 @@ class EventLog:
             out.write(text)
             out.flush()
             return
-        out.flush()
-        if self._check_tail and not self._tail_newline:
-            self._write_all(b"\n", fd)  # end the line a failed write left half done
-        self._check_tail = False
-        try:
-            self._write_all(text.encode("utf-8"), fd)
-        except OSError:
-            self._check_tail = True
-            raise
+        writer = self._stdout_writer
+        if writer is None or writer.fd != fd:
+            if writer is not None:
+                writer.close(0)
+            out.flush()  # anything printed before the log's first line goes out before it
+            writer = self._stdout_writer = ThreadedWriter(fd, STDOUT_BUFFER)
+        writer.submit(text.encode("utf-8"))
 
     def _append(self, lines: Sequence[str], text: str) -> None:
         """``text`` is ``lines`` joined by newlines."""
@@ -733,6 +881,13 @@ class EventLog:
                 os.close(self._fd)
                 self._fd = None
             self._release_lock()
+            writer, self._stdout_writer = self._stdout_writer, None
+        if writer is not None:
+            left, error = writer.close(_STDOUT_CLOSE_WAIT)
+            if left:
+                why = "its reader stopped reading" if error is None else _describe_os_error(error)
+                _log.warning("event log -: %s; the last %d bytes of lines are not written",
+                             why, left)
 
     def __enter__(self) -> EventLog:
         return self
@@ -765,8 +920,10 @@ class _Source:
 def _stat_ident(path: str) -> _Ident | None:
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return None
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP:
+            return None  # nothing there, or a link that leads nowhere
+        raise
     return (st.st_dev, st.st_ino)
 
 
@@ -1099,7 +1256,14 @@ class _Follower:
                     if src is not None:
                         src.file.close()
                 raise
-            except OSError:
+            except OSError as exc:
+                if index > 1 and exc.errno == errno.ELOOP:  # a link that leads nowhere
+                    with contextlib.suppress(OSError):
+                        _warn_skipped(self._warned, name,
+                                      f"{name} is a link that loops, not an event log file",
+                                      os.lstat(name))
+                    misses = 0
+                    continue
                 for src in [live, *rotated]:  # not the follower's yet: close them here
                     if src is not None:
                         src.file.close()
