@@ -8,6 +8,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 
 from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.errors import UNREADABLE, HostError
@@ -265,16 +266,7 @@ def driver_name(device_dir: str) -> str:
     the same binding (on a live host the two agree, so an unbound function pays one read of
     its ``uevent``), or, where no ``uevent`` was copied either, the driver folder in
     ``sys/bus/pci/drivers`` that lists the function."""
-    path = device_dir + "/driver"
-    try:
-        target = os.readlink(path)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return dir_link_name(path)
-        return _told_driver(device_dir) if exc.errno == errno.ENOENT else ""
-    except ValueError:
-        return ""
-    return target.rstrip("/").rpartition("/")[2]
+    return _link_or_told(device_dir, "driver", _told_driver)
 
 
 def group_name(device_dir: str) -> str:
@@ -282,13 +274,20 @@ def group_name(device_dir: str) -> str:
     names it (`link_name`); where a capture tool dropped the link, the
     ``sys/kernel/iommu_groups/<N>/devices/<addr>`` entry that lists the function (the
     kernel makes and removes the two together). ``""`` when in none."""
-    path = device_dir + "/iommu_group"
+    return _link_or_told(device_dir, "iommu_group", _group_listing)
+
+
+def _link_or_told(device_dir: str, link: str, told: Callable[[str], str]) -> str:
+    """`link_name` of ``device_dir/link``, except that where the link is missing (ENOENT: a
+    capture dropped it, or the kernel has none) ``told(device_dir)`` asks the kernel's other
+    files."""
+    path = device_dir + "/" + link
     try:
         target = os.readlink(path)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return dir_link_name(path)
-        return _group_listing(device_dir) if exc.errno == errno.ENOENT else ""
+        return told(device_dir) if exc.errno == errno.ENOENT else ""
     except ValueError:
         return ""
     return target.rstrip("/").rpartition("/")[2]

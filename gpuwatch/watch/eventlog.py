@@ -917,6 +917,13 @@ class _Source:
         self.consumed = False
 
 
+def _close_sources(live: _Source | None, rotated: list[_Source]) -> None:
+    """Close what a scan opened and will not hand over."""
+    for src in [live, *rotated]:
+        if src is not None:
+            src.file.close()
+
+
 def _stat_ident(path: str) -> _Ident | None:
     try:
         st = os.stat(path)
@@ -1230,9 +1237,7 @@ class _Follower:
             after = (_stat_ident(self._path), _stat_ident(rotated_path(self._path, 1)))
             if before == after or attempt == _SCAN_ATTEMPTS - 1:
                 return live, rotated
-            for src in [live, *rotated]:
-                if src is not None:
-                    src.file.close()
+            _close_sources(live, rotated)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _scan_once(self) -> tuple[_Source | None, list[_Source]]:
@@ -1252,9 +1257,7 @@ class _Follower:
                                   not_a_log_file(name) or f"{name}: {exc.strerror}", exc.st)
                     misses = 0
                     continue
-                for src in [live, *rotated]:  # not the follower's yet: close them here
-                    if src is not None:
-                        src.file.close()
+                _close_sources(live, rotated)  # not the follower's yet: close them here
                 raise
             except OSError as exc:
                 if index > 1 and exc.errno == errno.ELOOP:  # a link that leads nowhere
@@ -1264,9 +1267,7 @@ class _Follower:
                                       os.lstat(name))
                     misses = 0
                     continue
-                for src in [live, *rotated]:  # not the follower's yet: close them here
-                    if src is not None:
-                        src.file.close()
+                _close_sources(live, rotated)  # not the follower's yet: close them here
                 raise
             if opened is None:
                 misses += 1
