@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1041,3 +1042,26 @@ def test_a_rotated_name_that_is_a_link_loop_is_skipped_like_a_directory(
         assert seqs(read_events(path)) == list(range(1, 7))
     assert [r.getMessage() for r in caplog.records if "loops" in r.getMessage()] != []
     assert last_seq_in(path) == 6
+
+
+def test_a_rotated_name_that_is_a_socket_is_skipped_by_every_reader(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A UNIX socket at ``PATH.1`` cannot even be opened (ENXIO), so it never reached the
+    check that tells readers to pass over what is no log file: they stopped on it. Now the
+    one-shot reader, the socket replay's chunks and a follower all read around it."""
+    path = tmp_path / "ev.jsonl"
+    Path(f"{path}.2").write_text("".join(line(s) + "\n" for s in range(1, 4)))
+    path.write_text("".join(line(s) + "\n" for s in range(4, 7)))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(f"{path}.1")
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+            assert seqs(read_events(path)) == list(range(1, 7))
+            chunks = b"".join(c.data for c in eventlog.read_chunks(path, since_seq=1))
+            assert [json.loads(t)["seq"] for t in chunks.splitlines()] == list(range(2, 7))
+            col = Collector(path)
+            col.wait_for(lambda events: len(events) >= 6)
+            col.stop()
+            assert seqs(col.events) == list(range(1, 7))
+        assert any("is a socket" in r.getMessage() for r in caplog.records)
+        assert last_seq_in(path) == 6

@@ -102,9 +102,10 @@ def read_attr(path: str) -> str:
     return "" if text is None else text
 
 
-def link_name(path: str) -> str:
+def link_name(path: str, missing: Callable[[], str] | None = None) -> str:
     """The name a sysfs link stands for: the basename of its target (``driver`` → ``nvidia``,
-    in any spelling, ``../../../0000:03:00.0`` too, dangling or not); ``""`` when absent.
+    in any spelling, ``../../../0000:03:00.0`` too, dangling or not); ``""`` when absent,
+    or what ``missing()`` says when there is nothing at ``path`` (ENOENT).
 
     Trees copied by capture tools often hold a real directory where the kernel has a link
     (the copy of what it pointed to): then the directory names itself, see `dir_link_name`.
@@ -112,7 +113,9 @@ def link_name(path: str) -> str:
     try:
         target = os.readlink(path)
     except OSError as exc:
-        return dir_link_name(path) if exc.errno == errno.EINVAL else ""
+        if exc.errno == errno.EINVAL:
+            return dir_link_name(path)
+        return missing() if missing is not None and exc.errno == errno.ENOENT else ""
     except ValueError:
         return ""
     return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
@@ -266,7 +269,7 @@ def driver_name(device_dir: str) -> str:
     the same binding (on a live host the two agree, so an unbound function pays one read of
     its ``uevent``), or, where no ``uevent`` was copied either, the driver folder in
     ``sys/bus/pci/drivers`` that lists the function."""
-    return _link_or_told(device_dir, "driver", _told_driver)
+    return link_name(device_dir + "/driver", lambda: _told_driver(device_dir))
 
 
 def group_name(device_dir: str) -> str:
@@ -274,23 +277,7 @@ def group_name(device_dir: str) -> str:
     names it (`link_name`); where a capture tool dropped the link, the
     ``sys/kernel/iommu_groups/<N>/devices/<addr>`` entry that lists the function (the
     kernel makes and removes the two together). ``""`` when in none."""
-    return _link_or_told(device_dir, "iommu_group", _group_listing)
-
-
-def _link_or_told(device_dir: str, link: str, told: Callable[[str], str]) -> str:
-    """`link_name` of ``device_dir/link``, except that where the link is missing (ENOENT: a
-    capture dropped it, or the kernel has none) ``told(device_dir)`` asks the kernel's other
-    files."""
-    path = device_dir + "/" + link
-    try:
-        target = os.readlink(path)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return dir_link_name(path)
-        return told(device_dir) if exc.errno == errno.ENOENT else ""
-    except ValueError:
-        return ""
-    return target.rstrip("/").rpartition("/")[2]
+    return link_name(device_dir + "/iommu_group", lambda: _group_listing(device_dir))
 
 
 def _told_driver(device_dir: str) -> str:

@@ -455,6 +455,16 @@ def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        # A socket (ENXIO) or a device without its driver cannot even be opened: still what
+        # is there is no log file, which readers skip at a rotated name like any other.
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise exc from None
+        if stat.S_ISREG(st.st_mode):
+            raise
+        raise _NotALogFile(exc.errno or errno.EINVAL, "not a regular file", path, st) from None
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -794,8 +804,8 @@ class EventLog:
             return
         writer = self._stdout_writer
         if writer is None or writer.fd != fd:
-            if writer is not None:
-                writer.close(0)
+            if writer is not None:  # stdout is another file now: what is left was for the old
+                _close_stdout_writer(writer, 0)
             out.flush()  # anything printed before the log's first line goes out before it
             writer = self._stdout_writer = ThreadedWriter(fd, STDOUT_BUFFER)
         writer.submit(text.encode("utf-8"))
@@ -883,11 +893,7 @@ class EventLog:
             self._release_lock()
             writer, self._stdout_writer = self._stdout_writer, None
         if writer is not None:
-            left, error = writer.close(_STDOUT_CLOSE_WAIT)
-            if left:
-                why = "its reader stopped reading" if error is None else _describe_os_error(error)
-                _log.warning("event log -: %s; the last %d bytes of lines are not written",
-                             why, left)
+            _close_stdout_writer(writer, _STDOUT_CLOSE_WAIT)
 
     def __enter__(self) -> EventLog:
         return self
@@ -915,6 +921,14 @@ class _Source:
         self.framer = LineFramer(MAX_EVENT_LINE)
         self.carry = b""  # read_chunk's unfinished last line (its framer is for the rest)
         self.consumed = False
+
+def _close_stdout_writer(writer: ThreadedWriter, wait: float) -> None:
+    """Close the stdout writer, giving its reader ``wait`` seconds, and say what was lost."""
+    left, error = writer.close(wait)
+    if left:
+        why = "its reader stopped reading" if error is None else _describe_os_error(error)
+        _log.warning("event log -: %s; the last %d bytes of lines are not written", why, left)
+
 
 
 def _close_sources(live: _Source | None, rotated: list[_Source]) -> None:
