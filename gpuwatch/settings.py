@@ -508,7 +508,10 @@ def _expanded_size(data: Any) -> int:
             return 1
         known = sizes.get(id(value))
         if known is None:
-            # nesting is at most CONFIG_MAX_DEPTH here: the recursion is bounded
+            # An alias inside its own anchor (``&a [*a]``) makes a list that holds itself:
+            # met again while it is being counted, it counts as too many, never recursing.
+            sizes[id(value)] = CONFIG_MAX_VALUES + 1
+            # nesting is otherwise at most CONFIG_MAX_DEPTH here: the recursion is bounded
             inner = ([*value.keys(), *value.values()] if isinstance(value, dict) else value)
             known = sizes[id(value)] = 1 + sum(size(v) for v in inner)
         return known

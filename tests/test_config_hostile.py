@@ -44,6 +44,22 @@ def test_aliases_of_a_real_size_are_fine(tmp_path: Path) -> None:
     assert "/dev/kfd" in load_tables(str(file)).device_patterns
 
 
+@pytest.mark.parametrize("text", ["gpu_vendors: &a [*a]\n", "root: &a {x: *a}\n",
+                                  "device_patterns: &a [x, [*a]]\n"])
+def test_an_alias_inside_its_own_anchor_is_refused_not_a_crash(host: SysRoot, tmp_path: Path,
+                                                               text: str) -> None:
+    """An alias inside its own anchor makes a list (or mapping) that holds itself: its
+    count was an endless recursion, an internal error (exit 1) instead of a refusal."""
+    file = tmp_path / "cycle.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError, match="more than 100000 values once its aliases"):
+        load_settings(config=str(file), env={}, resolve_groups=False)
+    done = subprocess.run(gpuwatch_cmd("status", "--root", str(host.root), "--config", str(file)),
+                          capture_output=True, text=True, env=env(), timeout=60)
+    assert (done.returncode, done.stderr) == (
+        2, f"gpuwatch: {file}: more than 100000 values once its aliases are expanded\n")
+
+
 @pytest.mark.parametrize("words", [["status"], ["probe", "detect-vfio"], ["list", "--json"],
                                    ["watch", "--source", "file:/dev/null", "--log", "-"]],
                          ids=" ".join)

@@ -283,6 +283,7 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(TIMEOUT)
             sock.connect(path)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))  # the same one deadline
             sock.sendall(payload)
             framer = LineFramer(MAX_REPLY)
             while len(lines) < len(calls):

@@ -182,8 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _drop_output()
         return 0
-    if isinstance(sys.stdout, _GuardedOutput):
-        sys.stdout = real
+    finally:  # also after SystemExit (--help, a usage error): no wrapper left behind
+        if isinstance(sys.stdout, _GuardedOutput):
+            sys.stdout = real
     return code
 
 

@@ -276,9 +276,15 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
 
 
 def run(args: argparse.Namespace) -> int:
-    """SIGINT/SIGTERM before the switch begins end the command with 128 + the signal's
-    number, nothing written; once its watcher runs, the switch ends as switch-failed
-    ("interrupted", the group put back), exit 1, or completes (`run_in_watcher`)."""
+    return stopped_before_switch(lambda switch_over: _run(args, switch_over))
+
+
+def stopped_before_switch(body: Callable[[Callable[[], None]], int]) -> int:
+    """Run ``body`` (``mode`` or ``recover``) so that SIGINT/SIGTERM before the switch begins
+    end the command with 128 + the signal's number, nothing written; once its watcher runs,
+    the switch ends as switch-failed ("interrupted", the group put back), exit 1, or
+    completes (`run_in_watcher`). ``body`` gets the call that restores the usual handlers
+    once the switch has ended."""
     previous = ({s: signal.signal(s, _before_switch) for s in (signal.SIGINT, signal.SIGTERM)}
                 if threading.current_thread() is threading.main_thread() else {})
 
@@ -287,12 +293,11 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signum, handler)
 
     try:
-        return _run(args, switch_over)
+        return body(switch_over)
     except _Signalled as stop:
         return stopped(stop.signum)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        switch_over()
 
 
 def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:

@@ -14,6 +14,7 @@ from gpuwatch.cli.mode_cmd import (
     add_target_args,
     print_result,
     run_switch,
+    stopped_before_switch,
     target_of,
 )
 from gpuwatch.core.plan import NVIDIA_VENDOR, find_card, switch_guard
@@ -41,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    """A signal before the rebind begins (the scan, the wedge check) stops it with nothing
+    touched, exit 128 + the signal, as `gpuwatch mode` does (`stopped_before_switch`)."""
+    return stopped_before_switch(lambda _switch_over: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     addr, vendor = target_of(args)
     check_root(args.root)
     if args.log is None:
