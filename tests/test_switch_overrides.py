@@ -12,24 +12,19 @@ from __future__ import annotations
 import errno
 import json
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import anyio
 import pytest
-from daemon_helpers import env, gpuwatch_cmd
 
 from gpuwatch.errors import HostStepError, SwitchFailed
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import (
-    SIMKERNEL_ENV,
     SimKernel,
-    save_for_subprocess,
     simulated_switch,
 )
-from gpuwatch.watch.eventlog import read_events
 from tests.test_switch_engine import AUDIO, NV, of_type, to_vfio
+from tests.test_switch_interrupt import run_interrupted
 
 OVERRIDE = "/sys/bus/pci/devices/{}/driver_override"
 
@@ -208,34 +203,14 @@ def test_mode_signalled_with_a_pin_in_place_leaves_none(
     is pinned to vfio-pci and before the switch clears it: exit 1, ``switch-failed``
     "interrupted", and no override left in the tree."""
     mixed(host)
-    sim = SimKernel(host)
-    sim.step_delay = 0.3
-    saved = tmp_path / "simkernel.pickle"
-    save_for_subprocess(sim, saved)
-    log = tmp_path / "events.jsonl"
-    proc = subprocess.Popen(
-        gpuwatch_cmd("mode", "vfio", "--addr", NV, "--root", str(host.root), "--log", str(log),
-                     "--timeout", "60", "--json"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env(), SIMKERNEL_ENV: str(saved)})
-    try:
-        deadline = time.monotonic() + 90
-        while override_file(host, NV) != "vfio-pci\n":
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the override was never written"
-            time.sleep(0.002)
-        proc.send_signal(sig)
-        _out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    events = list(read_events(log))
+    code, _out, err, events = run_interrupted(
+        host, tmp_path, lambda h, _log: override_file(h, NV) == "vfio-pci\n", sig,
+        step_delay=0.3)
     ends = [e for e in events if e["type"] in ("switch-completed", "switch-failed")]
     assert len(ends) == 1, [e["type"] for e in events]
     if ends[0]["type"] == "switch-completed":  # the clearing beat the signal: nothing to test
         pytest.skip("the switch completed before the signal")
-    assert proc.returncode == 1 and "interrupted" in err, (proc.returncode, err)
+    assert code == 1 and "interrupted" in err, (code, err)
     assert "Traceback" not in err
     assert ends[0]["error"] == "interrupted", json.dumps(ends[0])
     assert override_file(host, NV) == "(null)\n", ends[0]["restored"]

@@ -8,6 +8,7 @@ device ids, classes, drivers, IOMMU grouping and KFD topology such a host shows.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from gpuwatch.testing.sysroot import SysRoot
 
@@ -252,16 +253,7 @@ def _add_xcp_drm(s: SysRoot, index: int, names: tuple[str, ...]) -> None:
     (base / "uevent").write_text("MODALIAS=platform:amdgpu_xcp\n")
     (base / "modalias").write_text("platform:amdgpu_xcp\n")
     for name in names:
-        minor = int(name.removeprefix("card").removeprefix("renderD"))
-        node = base / "drm" / name
-        node.mkdir(parents=True)
-        (node / "dev").write_text(f"226:{minor}\n")
-        (node / "uevent").write_text(
-            f"MAJOR=226\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor\n")
-        os.symlink(f"../../../amdgpu_xcp.{index}", node / "device")
-        os.symlink(f"../../devices/platform/amdgpu_xcp.{index}/drm/{name}",
-                   s.root / "sys/class/drm" / name)
-        s.add_dev_node(f"/dev/dri/{name}")
+        _drm_minor(s, base, name, f"../../../amdgpu_xcp.{index}")
 
 
 #: NVIDIA HGX H100 parts, as ``lspci -nnk`` shows them on such a board: the SXM5 GPU (3D
@@ -480,15 +472,21 @@ def _add_virtio_device(s: SysRoot, addr: str, index: int, driver: str, device_id
     os.symlink(os.path.relpath(base, devices), devices / f"virtio{index}")
     os.symlink(os.path.relpath(bus, base), base / "subsystem")
     for name in drm:
-        minor = int(name.removeprefix("card").removeprefix("renderD"))
-        node = base / "drm" / name
-        node.mkdir(parents=True)
-        (node / "dev").write_text(f"226:{minor}\n")
-        (node / "uevent").write_text(
-            f"MAJOR=226\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor\n")
-        os.symlink(f"../../../virtio{index}", node / "device")
-        os.symlink(os.path.relpath(node, s.root / "sys/class/drm"), s.root / "sys/class/drm" / name)
-        s.add_dev_node(f"/dev/dri/{name}")
+        _drm_minor(s, base, name, f"../../../virtio{index}")
+
+
+def _drm_minor(s: SysRoot, parent: Path, name: str, device_link: str) -> None:
+    """DRM node ``name`` (``cardN``/``renderDN``) under ``parent``'s ``drm/`` folder, as the
+    kernel lays it out: its ``device`` link (``device_link``), the class link and /dev node."""
+    minor = int(name.removeprefix("card").removeprefix("renderD"))
+    node = parent / "drm" / name
+    node.mkdir(parents=True)
+    (node / "dev").write_text(f"226:{minor}\n")
+    (node / "uevent").write_text(
+        f"MAJOR=226\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor\n")
+    os.symlink(device_link, node / "device")
+    os.symlink(os.path.relpath(node, s.root / "sys/class/drm"), s.root / "sys/class/drm" / name)
+    s.add_dev_node(f"/dev/dri/{name}")
 
 
 def virtio_gpu_guest(root: str | os.PathLike[str]) -> SysRoot:
