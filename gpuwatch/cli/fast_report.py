@@ -61,6 +61,8 @@ class Fn:
         self.addr: str = data["addr"]
         self.driver: str = data["driver"]
         self.class_: str = data["class"]
+        self.vendor_id: str = data.get("vendor_id", "")
+        self.device_id: str = data.get("device_id", "")
         self.vfio_dev: Any = data.get("vfio_dev")
         self.health: str = data.get("health", "ok")
         vgpu = data.get("vgpu")
@@ -165,6 +167,8 @@ class Remote:
                 os.path.join(in_root(self.root, os.path.join(bus, a)), "boot_vga")) == "1"}
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
+                                    console_devices=self.tables.get(
+                                        "host_console_devices", ()),
                                     boot_vga=self._boot_vga, host_displays=addrs)
 
 
