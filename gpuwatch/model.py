@@ -7,6 +7,7 @@ The state is pure; this facade adds the root it was read from and the two live p
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,8 @@ class HostModel:
     def __init__(self, paths: HostPaths, state: HostState) -> None:
         self.paths = paths
         self.state = state
+        if state.clock is None:  # PCI error recoveries are aged by it (wall-clock steps aside)
+            state.clock = time.monotonic
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
         self._access: dict[int, bool] = {}

@@ -3,7 +3,9 @@ refusing a wedged or failed group — through the library, the CLI and the socke
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -330,7 +332,7 @@ ROOT_PORT = "0000:00:01.0"  # the bridge above the example card
 
 async def begin_recovery(w: Any, host: SysRoot, *, ago: float | None = None) -> None:
     """The kernel began PCI error recovery of the card (``BEGIN_RECOVERY``); ``ago``: that
-    was so many seconds before now (the event's time, as its publisher stamped it)."""
+    was so many seconds before now (on the monotonic clock the model stamped it with)."""
     w.source.push(host.uevent_props("change", NV, ERROR_EVENT="BEGIN_RECOVERY",
                                     DEVICE_ONLINE="0"))
     with anyio.fail_after(5):
@@ -340,11 +342,21 @@ async def begin_recovery(w: Any, host: SysRoot, *, ago: float | None = None) -> 
         backdate(w, ago)
 
 
-def backdate(w: Any, ago: float) -> None:
-    """The card's recovery began ``ago`` seconds before now, as its event's time says."""
-    event = w.model.state.recovery_began[NV]
-    assert event.time  # published, so stamped
-    event.__dict__["time"] = format_event_time(datetime.now(UTC) - timedelta(seconds=ago))
+def backdate(w: Any, ago: float, addr: str = NV) -> None:
+    """``addr``'s recovery began ``ago`` seconds before now, as its monotonic stamp says."""
+    state = w.model.state
+    mark = state.recovery_marks[addr]
+    assert mark.at is not None  # stamped as it was applied
+    state.recovery_marks[addr] = dataclasses.replace(mark, at=time.monotonic() - ago)
+
+
+def wall_step(events: list[Any], addr: str, seconds: float) -> None:
+    """The wall clock is stepped ``seconds`` forward (negative: back) after ``addr``'s last
+    ``device-error`` was published: its time now reads that much further in the past."""
+    event = next(e for e in reversed(events) if e.type == "device-error" and e.addr == addr)
+    assert event.time  # published, so stamped with the wall clock
+    when = datetime.strptime(event.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    event.__dict__["time"] = format_event_time(when - timedelta(seconds=seconds))
 
 
 async def test_a_switch_waits_for_a_pci_error_recovery_under_way(host: SysRoot) -> None:
@@ -406,20 +418,88 @@ async def test_a_recovery_that_failed_at_the_bridge_refuses_the_card(host: SysRo
         assert result.changed and w.model.function(NV).health == "ok"
 
 
+async def test_a_wall_clock_step_forward_does_not_end_a_recovery_early(host: SysRoot) -> None:
+    """NTP steps the wall clock 400 s forward just after BEGIN_RECOVERY: the event's time
+    now reads 400 s old, but the recovery began a moment ago (the monotonic clock says so),
+    so the switch still waits for it."""
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        await begin_recovery(w, host)
+        wall_step(events, NV, RECOVERY_STALE_AFTER + 100)
+        with pytest.raises(SwitchRefused, match=rf"{NV} is recovering: PCI error recovery "
+                                                 r"began [0-9] s ago"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert (await w.engine.plan(NV, "vfio"))["refused"] is not None
+        assert sim.record == []
+
+
+async def test_a_wall_clock_step_back_does_not_hold_a_lost_recovery_for_ever(
+        host: SysRoot) -> None:
+    """The wall clock stepped back an hour during a recovery whose end was lost: the
+    event's time reads as in the future, yet RECOVERY_STALE_AFTER seconds have passed on
+    the monotonic clock, so the recovery is taken as over."""
+    async with simulated_switch(host) as (w, _sim, _engine, events):
+        await begin_recovery(w, host)
+        wall_step(events, NV, -3600)
+        state = w.model.state
+        began = state.recovery_marks[NV].at
+        assert began is not None
+        state.clock = lambda: began + RECOVERY_STALE_AFTER + 30
+        result = await w.switch(NV, "vfio", timeout=10)
+        assert result.changed
+        assert any(f"{NV}: PCI error recovery began {RECOVERY_STALE_AFTER + 30:.0f} s ago" in n
+                   for n in result.notes), result.notes
+
+
+async def test_an_old_bridge_failure_does_not_end_a_new_recovery(host: SysRoot) -> None:
+    """The root port's recovery failed long ago (its health stays ``failed``); now a NEW
+    recovery of the card begins. That old failure is not this recovery's outcome: `recover`
+    and a switch wait for the new recovery like any other (not "failed", not let through),
+    until its end or RECOVERY_STALE_AFTER."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        w.source.push(host.uevent_props("change", ROOT_PORT, ERROR_EVENT="FAILED_RECOVERY",
+                                        DEVICE_ONLINE="0"))
+        with anyio.fail_after(5):
+            while w.model.function(ROOT_PORT).health != "failed":
+                await anyio.sleep(0.01)
+        await begin_recovery(w, host)
+        with pytest.raises(SwitchRefused, match=rf"{NV} is recovering: PCI error recovery"):
+            await w.recover(NV, timeout=5)
+        with pytest.raises(SwitchRefused, match=rf"{NV} is recovering: PCI error recovery"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert sim.record == []
+        # Stale: taken as over, like any recovery whose end was lost (not "failed" for ever).
+        backdate(w, RECOVERY_STALE_AFTER + 30)
+        result = await w.switch(NV, "vfio", timeout=10)
+        assert result.changed
+        assert any("taken as over" in n for n in result.notes), result.notes
+
+
+def test_only_a_bridge_failure_after_the_begin_counts(host: SysRoot) -> None:
+    """The pure inputs: the bridge's FAILED_RECOVERY is the outcome of the card's recovery
+    only when it came after the card's BEGIN_RECOVERY (by the order they were applied)."""
+    state = gpuwatch.scan(host.root).state
+    state.apply(PciErrorSeen(ROOT_PORT, "FAILED_RECOVERY", False))
+    state.apply(PciErrorSeen(NV, "BEGIN_RECOVERY", False))
+    assert recovery_facts(state, [NV]).failed_above == {}
+    state.apply(PciErrorSeen(ROOT_PORT, "FAILED_RECOVERY", False))
+    assert recovery_facts(state, [NV]).failed_above == {NV: ROOT_PORT}
+
+
 def test_recovery_facts_read_the_age_and_the_failed_bridge(host: SysRoot) -> None:
     """The pure rule's inputs, from a model fed the uevents (no watcher, no clock but the
     one given)."""
     model = gpuwatch.scan(host.root)
     state = model.state
+    state.clock = None  # a bare state: nothing stamps its recoveries
     state.apply(PciErrorSeen(NV, "BEGIN_RECOVERY", False))
-    event = state.recovery_began[NV]
-    assert recovery_facts(state, [NV, AUDIO]) == RecoveryFacts()  # never published: no age
-    began = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
-    event.__dict__["time"] = format_event_time(began)
-    assert recovery_facts(state, [NV, AUDIO], began + timedelta(seconds=42)) == \
-        RecoveryFacts(age={NV: 42.0})
+    assert recovery_facts(state, [NV, AUDIO], 1000.0) == RecoveryFacts()  # no stamp: no age
+    state.clock = lambda: 1000.0
+    state.apply(PciErrorSeen(NV, "BEGIN_RECOVERY", False))
+    assert recovery_facts(state, [NV, AUDIO], 1042.0) == RecoveryFacts(age={NV: 42.0})
+    state.clock = lambda: 1100.0  # read when no `now` is given
+    assert recovery_facts(state, [NV]).age == {NV: 100.0}
     state.apply(PciErrorSeen(ROOT_PORT, "FAILED_RECOVERY", False))
-    assert recovery_facts(state, [NV], began).failed_above == {NV: ROOT_PORT}
+    assert recovery_facts(state, [NV], 1000.0).failed_above == {NV: ROOT_PORT}
     facts = HostFacts(recovery_age={NV: 42.0})
     fn = state.functions[NV]
     assert "began 42 s ago" in (unhealthy_reason([fn], facts) or "")
@@ -427,7 +507,7 @@ def test_recovery_facts_read_the_age_and_the_failed_bridge(host: SysRoot) -> Non
     assert unhealthy_reason([fn], HostFacts()) is not None  # unknown: taken as just begun
     # A SUCCESSFUL_RECOVERY ends it: nothing remembered.
     state.apply(PciErrorSeen(NV, "SUCCESSFUL_RECOVERY", True))
-    assert NV not in state.recovery_began and state.functions[NV].health == "ok"
+    assert NV not in state.recovery_marks and state.functions[NV].health == "ok"
 
 
 async def test_a_recovery_of_the_bridge_above_holds_the_whole_group(host: SysRoot) -> None:
@@ -447,9 +527,7 @@ async def test_a_recovery_of_the_bridge_above_holds_the_whole_group(host: SysRoo
         with pytest.raises(SwitchRefused, match=f"behind bridge {ROOT_PORT}"):
             await w.recover(NV, timeout=5)
         assert sim.record == []
-        event = w.model.state.recovery_began[ROOT_PORT]
-        event.__dict__["time"] = format_event_time(
-            datetime.now(UTC) - timedelta(seconds=RECOVERY_STALE_AFTER + 1))
+        backdate(w, RECOVERY_STALE_AFTER + 1, ROOT_PORT)
         result = await w.switch(NV, "vfio", timeout=10)
         assert result.changed
         assert any(n.startswith(f"{ROOT_PORT}: PCI error recovery began") for n in result.notes)

@@ -212,12 +212,14 @@ class HostFacts:
     vfio_variants: frozenset[str] = frozenset()
     #: The DRM wedge recovery methods the kernel named, per wedged function.
     wedge_recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    #: Seconds since each ``recovering`` function's ``BEGIN_RECOVERY`` (absent: not known,
-    #: taken as just begun).
+    #: Seconds since each ``recovering`` function's ``BEGIN_RECOVERY``, on the monotonic
+    #: clock (a wall-clock step must not end or stretch the wait; absent: not known, taken
+    #: as just begun).
     recovery_age: Mapping[str, float] = field(default_factory=dict)
-    #: A bridge above a ``recovering`` function that reported ``FAILED_RECOVERY``: the
-    #: kernel reports a failed recovery on the bridge alone, so the function's own end never
-    #: comes.
+    #: A bridge above a ``recovering`` function that reported ``FAILED_RECOVERY`` after the
+    #: function's ``BEGIN_RECOVERY``: the kernel reports a failed recovery on the bridge
+    #: alone, so the function's own end never comes (an older failure of the bridge is not
+    #: this recovery's outcome).
     recovery_failed_above: Mapping[str, str] = field(default_factory=dict)
     #: A ``recovering`` bridge above a function (its age in `recovery_age`): the kernel
     #: resets the link below it, whether or not the function got a uevent of its own.
@@ -499,10 +501,11 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
     device; a PCI error recovery still under way refuses it too (the kernel is resetting
     the device: an unbind or a bind now can wedge the host).
 
-    A ``recovering`` function under a bridge that reported ``FAILED_RECOVERY`` is failed
-    (the kernel says so on the bridge alone); one whose recovery began more than
-    `RECOVERY_STALE_AFTER` seconds ago with no end seen is taken as recovered (its last
-    uevent lost), with a note (`recovery_notes`), so a lost uevent never refuses for ever."""
+    A ``recovering`` function under a bridge that reported ``FAILED_RECOVERY`` since its
+    ``BEGIN_RECOVERY`` is failed (the kernel says so on the bridge alone); one whose
+    recovery began more than `RECOVERY_STALE_AFTER` seconds ago with no end seen is taken
+    as recovered (its last uevent lost), with a note (`recovery_notes`), so a lost uevent
+    never refuses for ever."""
     fns = tuple(members)
     nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
     hint = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""

@@ -2,7 +2,8 @@
 
 `HostState` is fed observations (what the I/O edge read after a uevent, or a whole scan)
 and returns the change events they caused. It never awaits, never reads the filesystem and
-never looks at a clock, so every rule here is testable with plain data.
+never looks at a clock of its own (the edge hands it one, `HostState.clock`, to stamp PCI
+error-recovery uevents with), so every rule here is testable with plain data.
 
 Incrementality is the point: an observation of one function touches that function, its old
 and new IOMMU group, and only the cached answers that depend on them. Probe answers are
@@ -13,7 +14,8 @@ change that concerns them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from pydantic import BaseModel
@@ -99,6 +101,18 @@ ERROR_HEALTH: dict[str, Health] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class RecoveryMark:
+    """When a function's last ``BEGIN_RECOVERY`` or ``FAILED_RECOVERY`` was applied.
+
+    ``order`` ranks it among all the error-recovery uevents this state applied (which came
+    first, whatever any clock says); ``at`` is the edge's monotonic clock then (None with no
+    clock), so a recovery's age is immune to wall-clock steps (NTP, an operator's date)."""
+
+    order: int
+    at: float | None
+
+
 class HostState:
     """The in-memory model of one host. Build it from a `Snapshot`, then `apply` changes."""
 
@@ -115,11 +129,15 @@ class HostState:
         self._cdev_of: dict[str, str] = {}
         #: The recovery methods of each wedged function's last DRM wedge uevent.
         self.wedge_recovery: dict[str, tuple[str, ...]] = {}
-        #: The ``device-error`` event of each function's last ``BEGIN_RECOVERY``: once
-        #: published it carries its ``time``, how long a recovery has been going on (the
-        #: switch waits for a young one, and not for ever for one whose end was lost).
-        #: Meaningful only while the function's health is ``recovering``.
-        self.recovery_began: dict[str, DeviceError] = {}
+        #: The edge's monotonic clock (`time.monotonic`, given by `gpuwatch.model.HostModel`):
+        #: read once per PCI error-recovery uevent, never on the hot path. None: not stamped.
+        self.clock: Callable[[], float] | None = None
+        #: Each function's last ``BEGIN_RECOVERY`` or ``FAILED_RECOVERY`` (`RecoveryMark`):
+        #: how long a recovery has been going on (the switch waits for a young one, and not
+        #: for ever for one whose end was lost), and whether a bridge's failure came after a
+        #: function's begin. Meaningful only while the health is ``recovering`` or ``failed``.
+        self.recovery_marks: dict[str, RecoveryMark] = {}
+        self._recovery_order = 0
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
         #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
@@ -473,10 +491,13 @@ class HostState:
             self._replace(fn, {"health": health}, events, announce=False)
         event = DeviceError(addr=seen.addr, error_event=seen.error_event, online=seen.online,
                             health=health)
-        if health == "recovering":
-            self.recovery_began[seen.addr] = event
+        if health == "ok":
+            self.recovery_marks.pop(seen.addr, None)
         else:
-            self.recovery_began.pop(seen.addr, None)
+            self._recovery_order += 1
+            clock = self.clock
+            self.recovery_marks[seen.addr] = RecoveryMark(
+                self._recovery_order, clock() if clock is not None else None)
         events.append(event)
 
     def _drm_wedge(self, seen: DrmWedgeSeen, events: list[BaseModel]) -> None:
@@ -533,7 +554,7 @@ class HostState:
                 groups.setdefault(new_group, set()).add(addr)
         if new is None:
             del functions[addr]
-            self.recovery_began.pop(addr, None)
+            self.recovery_marks.pop(addr, None)
         else:
             functions[addr] = new
         if addr in self.wedge_recovery and (new is None or new.health != "wedged"):
@@ -828,6 +849,7 @@ class HostState:
         return kept_for_host_reason(
             self.group_members(addr),
             console_drivers=self.tables.host_console_drivers,
+            console_devices=self.tables.host_console_devices,
             boot_vga=self.boot_vga,
             host_displays=self._gpu_addrs,
         )

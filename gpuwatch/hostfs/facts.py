@@ -15,7 +15,6 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TypeVar
 
 import anyio
@@ -41,7 +40,7 @@ from gpuwatch.core.plan import (
     holder_scope,
 )
 from gpuwatch.core.results import Holding, PciFunction
-from gpuwatch.core.state import HostState
+from gpuwatch.core.state import HostState, RecoveryMark
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
@@ -231,28 +230,27 @@ class RecoveryFacts:
 
 
 def recovery_facts(state: HostState, addrs: Iterable[str],
-                   now: datetime | None = None) -> RecoveryFacts:
+                   now: float | None = None) -> RecoveryFacts:
     """PCI error recoveries that concern the functions ``addrs``: for a ``recovering``
-    function, the nearest bridge above it that reported ``FAILED_RECOVERY`` (the kernel
-    reports a failed recovery on that bridge only, so the function's own end never comes);
-    for any function, the nearest bridge above it that is ``recovering`` (the kernel resets
-    the link below it, and a function whose driver has no error handler gets no uevent of
-    its own); and the seconds since the ``BEGIN_RECOVERY`` of each of those recovering
-    functions and bridges (the time its ``device-error`` event was published; unknown
-    until then)."""
-    moment = now if now is not None else datetime.now(UTC)
-    functions = state.functions
+    function, the nearest bridge above it that reported ``FAILED_RECOVERY`` after the
+    function's ``BEGIN_RECOVERY`` (the kernel reports a failed recovery on that bridge only,
+    so the function's own end never comes; an older failure of the bridge is no outcome of
+    this recovery); for any function, the nearest bridge above it that is ``recovering``
+    (the kernel resets the link below it, and a function whose driver has no error handler
+    gets no uevent of its own); and the seconds since the ``BEGIN_RECOVERY`` of each of
+    those recovering functions and bridges, on the monotonic clock the state stamped it
+    with (``now``: that clock's reading, else the state's clock is read; unknown without
+    one), never the wall clock, which NTP may step during a recovery."""
+    if now is None and state.clock is not None:
+        now = state.clock()
+    functions, marks = state.functions, state.recovery_marks
     found = RecoveryFacts()
 
     def age(addr: str) -> None:
-        began = state.recovery_began.get(addr)
-        if began is None or not began.time or addr in found.age:
+        mark = marks.get(addr)
+        if mark is None or mark.at is None or now is None or addr in found.age:
             return
-        try:
-            when = datetime.strptime(began.time, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-        except ValueError:
-            return
-        found.age[addr] = max(0.0, (moment - when).total_seconds())
+        found.age[addr] = max(0.0, now - mark.at)
 
     for addr in addrs:
         fn = functions.get(addr)
@@ -262,7 +260,9 @@ def recovery_facts(state: HostState, addrs: Iterable[str],
                  if PCI_ADDR_RE.fullmatch(p) and p in functions]
         if fn.health == "recovering":
             age(addr)
-            bridge = next((b for b in above if functions[b].health == "failed"), "")
+            began = marks.get(addr)
+            bridge = next((b for b in above if functions[b].health == "failed"
+                           and _failed_after(marks.get(b), began)), "")
             if bridge:
                 found.failed_above[addr] = bridge
         bridge = next((b for b in above if functions[b].health == "recovering"), "")
@@ -270,6 +270,12 @@ def recovery_facts(state: HostState, addrs: Iterable[str],
             found.above[addr] = bridge
             age(bridge)
     return found
+
+
+def _failed_after(failed: RecoveryMark | None, began: RecoveryMark | None) -> bool:
+    """A bridge's ``FAILED_RECOVERY`` applied after a function's ``BEGIN_RECOVERY`` (with
+    no begin known, any failure counts, as it always did)."""
+    return began is None or (failed is not None and failed.order > began.order)
 
 
 # --------------------------------------------------------------------------- VFIO driver choice
