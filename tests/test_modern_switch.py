@@ -531,3 +531,92 @@ async def test_a_recovery_of_the_bridge_above_holds_the_whole_group(host: SysRoo
         result = await w.switch(NV, "vfio", timeout=10)
         assert result.changed
         assert any(n.startswith(f"{ROOT_PORT}: PCI error recovery began") for n in result.notes)
+
+
+async def test_recover_rebinds_a_failed_card_already_on_vfio(host: SysRoot) -> None:
+    """The card is on vfio-pci when its PCI error recovery fails: a switch is refused and
+    names `gpuwatch recover`, so recover must rebind it (its recovery), not answer "already
+    in mode" with nothing written and leave it failed, refused for ever."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY",
+                                        DEVICE_ONLINE="0"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        with pytest.raises(SwitchRefused, match=r"is failed.*`gpuwatch recover` rebinds it"):
+            await w.switch(NV, "nvidia", timeout=5)
+        before = len(sim.record)
+        result = await w.recover(NV, timeout=10)
+        assert result.changed
+        assert ("write", "/sys/bus/pci/drivers/vfio-pci/unbind", NV) in sim.record[before:]
+        assert sim.overrides.get(NV, "") == ""  # the rebind's override cleared
+        fn = w.model.function(NV)
+        assert (fn.driver, fn.health) == ("vfio-pci", "ok")
+        assert (await w.switch(NV, "nvidia", timeout=10)).changed
+
+
+@pytest.mark.parametrize("lost", ["bind", "unbind and bind"])
+async def test_recover_of_a_failed_card_whose_bind_event_was_lost(host: SysRoot,
+                                                                  lost: str) -> None:
+    """The rebind's uevents are lost: the tree shows the card back on vfio-pci, so the
+    rebind happened and its health is cleared (recover does not wait out its timeout),
+    even when the model never saw it leave vfio-pci (both its uevents lost)."""
+    async with simulated_switch(host, tree_check_after=0.2) as (w, sim, _engine, _events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        sim.lose_bind_events = True
+        sim.lose_unbind_events = lost == "unbind and bind"
+        result = await w.recover(NV, timeout=30)
+        assert result.changed and any("bind events were lost" in n for n in result.notes)
+        assert w.model.function(NV).health == "ok"
+
+
+def test_recover_plans_a_rebind_for_a_failed_function_on_its_target(host: SysRoot) -> None:
+    """The pure plan: `recover` (recovering=True) rebinds a failed function on vfio-pci;
+    a switch to vfio of a healthy group there has nothing to do."""
+    from gpuwatch.core.plan import CLEAR_OVERRIDE, WriteStep, plan_switch
+
+    model = gpuwatch.scan(host.root)
+    members = [fn.model_copy(update={"driver": "vfio-pci"})
+               for fn in model.state.group_members(NV)]
+    assert plan_switch(members, "vfio", HostFacts()).steps == ()
+    failed = [fn.model_copy(update={"health": "failed"}) if fn.addr == NV else fn
+              for fn in members]
+    plan = plan_switch(failed, "vfio", HostFacts(modules=frozenset({"vfio_pci"})),
+                       recovering=True)
+    assert plan.rebinds == (NV,) and plan.refusal is None
+    override = f"/sys/bus/pci/devices/{NV}/driver_override"
+    assert [(s.path, s.value) for s in plan.steps if isinstance(s, WriteStep)] == [
+        ("/sys/bus/pci/drivers/vfio-pci/unbind", NV), (override, "vfio-pci"),
+        ("/sys/bus/pci/drivers_probe", NV), (override, CLEAR_OVERRIDE)]
+    assert len(plan.steps) == 4
+
+
+async def test_an_interrupted_recover_does_not_rebind_again_to_roll_back(
+        host: SysRoot) -> None:
+    """recover's rebind of a failed card on vfio-pci is written, its uevents lost, and the
+    recover is cancelled while it waits: the roll-back puts the drivers back (they are back
+    already) and writes nothing more; a second recovery rebind is no roll-back."""
+    async with simulated_switch(host, tree_check_after=60) as (w, sim, _engine, events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        sim.lose_bind_events = sim.lose_unbind_events = True
+        clear = ("write", f"/sys/bus/pci/devices/{NV}/driver_override", "\n")
+        before = len(sim.record)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: w.recover(NV, timeout=120))
+                while clear not in sim.record[before:]:
+                    await anyio.sleep(0.01)
+                done = len(sim.record)
+                tg.cancel_scope.cancel()
+        assert sim.record[done:] == []
+        failed = [e for e in events if e.type == "switch-failed"]
+        assert [e.error for e in failed] == ["interrupted"]  # type: ignore[attr-defined]
