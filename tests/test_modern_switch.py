@@ -21,7 +21,7 @@ from gpuwatch.core.modalias import VfioAlias, best_vfio_alias, parse_vfio_aliase
 from gpuwatch.core.modes import group_mode, is_vfio_driver, same_driver
 from gpuwatch.core.observations import PciErrorSeen
 from gpuwatch.core.plan import HostFacts, unhealthy_reason
-from gpuwatch.errors import SwitchRefused, UsageError
+from gpuwatch.errors import SwitchFailed, SwitchRefused, UsageError
 from gpuwatch.hostfs.facts import RecoveryFacts, recovery_facts
 from gpuwatch.service.server import SocketServer
 from gpuwatch.service.testing import short_socket_dir
@@ -613,10 +613,71 @@ async def test_an_interrupted_recover_does_not_rebind_again_to_roll_back(
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lambda: w.recover(NV, timeout=120))
-                while clear not in sim.record[before:]:
+                # Returned, not just begun: the override is gone (a write cut off may not
+                # have landed, and the roll-back would clear it again, rightly).
+                while clear not in sim.record[before:] or NV in sim.overrides:
                     await anyio.sleep(0.01)
                 done = len(sim.record)
                 tg.cancel_scope.cancel()
         assert sim.record[done:] == []
         failed = [e for e in events if e.type == "switch-failed"]
         assert [e.error for e in failed] == ["interrupted"]  # type: ignore[attr-defined]
+
+
+async def test_a_recovery_that_begins_during_a_switch_holds_its_next_step(
+        host: SysRoot, caplog: pytest.LogCaptureFixture) -> None:
+    """BEGIN_RECOVERY arrives while the switch runs its first step: no further step is
+    written while the kernel resets the card; once the recovery ends, the switch goes on
+    and says it waited."""
+    caplog.set_level("INFO", logger="gpuwatch.switch")
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        sim.step_delay = 2.0  # the first step lasts long enough for the uevent to land
+        results: list[Any] = []
+
+        async def switch() -> None:
+            results.append(await w.switch(NV, "vfio", timeout=60))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(switch)
+                while not sim.record:
+                    await anyio.sleep(0.01)
+                await begin_recovery(w, host)
+                sim.step_delay = 0.0
+                while "waiting before" not in caplog.text:
+                    await anyio.sleep(0.01)
+                assert len(sim.record) == 1
+                w.source.push(host.uevent_props("change", NV,
+                                                ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                                                DEVICE_ONLINE="1"))
+        assert results[0].changed
+        assert any(n.startswith("a PCI error recovery began during the switch: waited")
+                   for n in results[0].notes), results[0].notes
+        assert {fn.driver for fn in w.model.state.group_members(NV)} == {"vfio-pci"}
+
+
+async def test_a_recovery_during_a_switch_that_does_not_end_in_time_fails_it(
+        host: SysRoot, caplog: pytest.LogCaptureFixture) -> None:
+    """The recovery outlasts the switch's --timeout: the switch fails saying why, with no
+    step of its own written meanwhile, and puts back what it had changed."""
+    caplog.set_level("INFO", logger="gpuwatch.switch")
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        sim.step_delay = 2.0
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def switch() -> None:
+                    with pytest.raises(SwitchFailed, match=rf"{NV} is recovering: PCI error "
+                                                           r"recovery began .* ran out of time"):
+                        await w.switch(NV, "vfio", timeout=4)
+
+                tg.start_soon(switch)
+                while not sim.record:
+                    await anyio.sleep(0.01)
+                first = sim.record[0]
+                await begin_recovery(w, host)
+                sim.step_delay = 0.0
+        assert sim.record[0] == first
+        assert not [r for r in sim.record if r[0] == "write"]  # only modules put back
+        failed = [e for e in events if e.type == "switch-failed"]
+        assert len(failed) == 1 and "ran out of time" in failed[0].error  # type: ignore[attr-defined]

@@ -118,6 +118,8 @@ DEFAULT_ROLLBACK_TIMEOUT = 30.0
 _LOCK_DIR = "run/gpuwatch"
 #: Held shared by every switch, alone by one that unloads the nvidia module.
 _HOST_LOCK = "switch.lock"
+#: How often a switch held by a PCI error recovery under way looks at the model again.
+_RECOVERY_POLL = 0.05
 #: What may complete a switch: ``device-changed`` too, for the health a rebind clears.
 _PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "device-changed",
                     "resync")
@@ -786,6 +788,7 @@ class SwitchEngine:
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
                     notes: list[str]) -> bool:
         """Run one step; False when a command failed in a way that only warns."""
+        await self._await_recovery(plan, step, deadline, notes)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail(plan, f"the switch ran out of time before: {step.describe()}")
@@ -811,6 +814,37 @@ class SwitchEngine:
         except (HostStepError, UnsafeStep, OSError) as exc:
             self._fail(plan, f"{step.describe()}: {exc}")
         return True
+
+    async def _await_recovery(self, plan: SwitchPlan, step: Step, deadline: float,
+                              notes: list[str]) -> None:
+        """A PCI error recovery that began after the switch was decided (of a member, or of
+        a bridge above one) holds the next step until it ends, as it would have refused the
+        switch: an unbind or a bind while the kernel resets the device can wedge the host.
+        It reads the model only; bounded by the switch's deadline (then the switch fails,
+        as one out of time does), and a recovery past `RECOVERY_STALE_AFTER` holds nothing."""
+        state = self.model.state
+        began = time.monotonic()
+        waited = ""
+        while True:
+            members = (state.group_members(plan.addr) if plan.addr in state.functions
+                       else plan.members)
+            reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+            if reason is None:
+                break
+            reason = reason.split(";", 1)[0]
+            if not waited:
+                _log.info("switch of group %s: waiting before %s: %s", plan.group,
+                          step.describe(), reason)
+            waited = reason
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(plan, f"{reason}: the switch ran out of time waiting for it to end "
+                                 f"before {step.describe()}")
+            await anyio.sleep(min(_RECOVERY_POLL, left))
+        if waited:
+            notes.append(f"a PCI error recovery began during the switch: waited "
+                         f"{time.monotonic() - began:.0f} s for it to end before "
+                         f"{step.describe()}")
 
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:
