@@ -40,6 +40,7 @@ from tests.test_cli_fast import run_full_both, run_spied
 HOSTS: dict[str, Callable[[Path], object]] = {
     "example": example_gpu_host,
     "bmc": bmc_server_host,
+    "bmc-unbound": lambda root: bmc_server_host(root).unbind("0000:03:00.0"),  # ast blacklisted
     "ilo": hpe_ilo_host,
     "desktop": single_gpu_desktop,
     "vmd": vmd_host,
@@ -141,6 +142,7 @@ def test_the_shipped_json_tables_equal_the_embedded_yaml() -> None:
     tables = default_tables()
     assert shipped["gpu_vendors"] == dict(tables.gpu_vendors)
     assert tuple(shipped["host_console_drivers"]) == tables.host_console_drivers
+    assert tuple(shipped["host_console_devices"]) == tables.host_console_devices
 
 
 @pytest.mark.parametrize("boot_vga", [True, False])

@@ -169,29 +169,83 @@ def test_an_unreadable_log_is_an_error_reply_and_the_connection_is_not_half_subs
     assert "Traceback" not in d.stderr, d.stderr
 
 
-@pytest.mark.timeout(60)
-def test_a_rotated_name_that_is_a_directory_is_passed_over_by_a_replay(
-    host: SysRoot, tmp_path: Path, sockdir: str
+def plant(name: Path, kind: str) -> None:
+    """Something no reader takes for a log file at a rotated name (or nothing at all)."""
+    name.unlink()
+    if kind == "directory":
+        name.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(name)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(name))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["directory", "fifo", "socket", "missing"])
+def test_a_hole_in_the_rotated_log_ends_the_replay_where_it_is_and_resuming_says_incomplete(
+    host: SysRoot, tmp_path: Path, sockdir: str, kind: str
 ) -> None:
-    """The writer never rotates into a directory at ``PATH.N``, and readers agree: a replay
-    sends what the log's other files hold (was: an error reply, as if the log were
-    unreadable), and the daemon says so once, however many clients ask."""
+    """A rotated name that is no log file (a directory, FIFO or socket: readers pass over
+    it, and the writer never rotates into it) or a file missing from the middle leaves a
+    hole in the seqs a replay can send. The reply's ``complete`` can only judge the first
+    seq, so the replay stops at the hole with the `lagged` line naming it (was: it went on
+    after the hole, the client never told that a whole file of seqs was missing), and
+    resuming from there is answered ``complete: false``, then goes on after the hole. The
+    daemon says so once, however many clients ask."""
     last = write_history(tmp_path)
     d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20),
                "--log-keep", str(KEEP))
     with d:
-        (tmp_path / "events.jsonl.2").unlink()
-        (tmp_path / "events.jsonl.2").mkdir()
-        lost = set(range((KEEP - 2) * PER_FILE + 1, (KEEP - 1) * PER_FILE + 1))  # its events
-        for _ in range(3):
+        plant(tmp_path / "events.jsonl.2", kind)
+        hole = range((KEEP - 2) * PER_FILE + 1, (KEEP - 1) * PER_FILE + 1)  # its events
+        for _ in range(2):
             with connect(d.sock) as s:
                 lines = Lines(s)
                 reply = lines.request("subscribe", {"since_seq": 0})
-                assert "result" in reply, reply
-                got = [lines.line()["seq"] for _ in range(last + 1 - len(lost))]  # + ready
-                assert got == sorted(set(range(1, last + 2)) - lost)
+                assert reply["result"]["complete"] is True, reply  # seq 1 is there
+                got = [lines.line() for _ in range(hole[0])]
+                assert [e.get("seq") for e in got[:-1]] == list(range(1, hole[0]))
+                assert got[-1] == {"type": "lagged", "missed": len(hole),
+                                   "first_missed_seq": hole[0], "resume_since_seq": hole[0] - 1,
+                                   "outbox_limit": 4 << 20}
+                assert lines.eof()
+        with connect(d.sock) as s:
+            lines = Lines(s)
+            reply = lines.request("subscribe", {"since_seq": hole[0] - 1})
+            assert reply["result"]["complete"] is False, reply
+            got = [lines.line()["seq"] for _ in range(last + 1 - hole[-1])]  # + ready
+            assert got == list(range(hole[-1] + 1, last + 2))
     assert d.proc is not None and d.proc.returncode == 0, d.stderr
-    assert d.stderr.count("events.jsonl.2 is a directory") == 1, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
+    if kind != "missing":
+        assert d.stderr.count("events.jsonl.2 is a") == 1, d.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_log_that_lost_its_newest_lines_ends_the_replay_with_the_hole_named(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """Seqs the daemon published but the log does not hold at its end (its last lines
+    lost: a failed write, a truncation) are a hole too: the replay does not hand over to
+    the live stream across it as if nothing were missing."""
+    last = write_history(tmp_path)
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20),
+               "--log-keep", str(KEEP))
+    with d:
+        log = tmp_path / "events.jsonl"
+        kept = log.read_bytes().splitlines(keepends=True)[:-3]  # `ready` and two before it
+        log.write_bytes(b"".join(kept))
+        with connect(d.sock) as s:
+            lines = Lines(s)
+            reply = lines.request("subscribe", {"since_seq": last - 10})
+            assert reply["result"] == {"seq": last + 1, "complete": True}, reply
+            got = [lines.line() for _ in range(9)]
+            assert [e.get("seq") for e in got[:-1]] == list(range(last - 9, last - 1))
+            assert got[-1]["type"] == "lagged" and got[-1]["first_missed_seq"] == last - 1
+            assert got[-1]["missed"] == 3, got[-1]  # last - 1, last and `ready`
+            assert lines.eof()
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
 
 
 def test_a_fifo_log_gives_a_subscriber_live_events_marked_incomplete(

@@ -158,10 +158,53 @@ def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:
     s = bmc_server_host(tmp_path / "h")
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"host_console_drivers": []}))
+    # Still kept: the ASPEED's ids are in host_console_devices.
+    assert "host_console_devices" in gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA)
+    config.write_text(yaml.safe_dump({"host_console_drivers": [], "host_console_devices": []}))
     assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ""
     config.write_text(yaml.safe_dump({"host_console_drivers": "ast"}))
     code = main(["probe", "detect-gpu", "--root", str(s.root), "--config", str(config)])
     assert code == 2  # a list is wanted: one line, exit 2
+
+
+def test_an_unbound_bmc_vga_is_kept_by_its_ids(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`ast` blacklisted (or not loaded yet) on a GPU server: the BMC's VGA is on no driver,
+    and with the GPUs beside it it is not the only display either. Its ids keep it."""
+    s = bmc_server_host(tmp_path / "h")
+    s.unbind(ASPEED_VGA)
+    model = gpuwatch.scan(s.root)
+    assert model.function(ASPEED_VGA).driver == ""
+    reason = model.kept_for_host(ASPEED_VGA)
+    assert reason == (f"{ASPEED_VGA} (1a03:2000) is a BMC/console device (host_console_devices): "
+                      "this group is the host's console or management function")
+    listed = {g.addr: g for g in passthrough_gpus(model)}
+    assert listed[ASPEED_VGA].kept_for_host
+    assert not any(g.kept_for_host for a, g in listed.items() if a != ASPEED_VGA)
+    code, out, _ = run_main(capsys, "list", "--json", "--root", str(s.root), "--no-daemon")
+    assert code == 0
+    by_addr = {g["addr"]: g for g in json.loads(out)["gpus"]} if isinstance(
+        json.loads(out), dict) else {g["addr"]: g for g in json.loads(out)}
+    assert by_addr[ASPEED_VGA]["kept_for_host"] is True
+    # Spelt any way the kernel or lspci spells ids; the table can also be emptied.
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"host_console_devices": ["1A03:2000"]}))
+    assert "(1a03:2000)" in gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA)
+    config.write_text(yaml.safe_dump({"host_console_devices": []}))
+    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ""
+
+
+@pytest.mark.parametrize("bad", ["1a03", "1a03:20000", "zz03:2000", "1a03-2000", 6659])
+def test_a_bad_console_device_id_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: object) -> None:
+    s = bmc_server_host(tmp_path / "h")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"host_console_devices": [bad]}))
+    code, out, err = run_main(capsys, "status", "--root", str(s.root), "--config", str(config),
+                              "--no-daemon")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "host_console_devices" in err
+    assert "Traceback" not in err
 
 
 # ------------------------------------------------------------ mode vfio / plan vfio

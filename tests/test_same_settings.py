@@ -34,6 +34,7 @@ def config(tmp_path: Path, server: Path) -> Path:
     path.write_text(yaml.safe_dump({
         "root": str(server),
         "host_console_drivers": ["hpilo"],  # the ASPEED is no longer the host's
+        "host_console_devices": ["0x103c:0x3307"],  # nor by its ids (only an iLO's listed)
         "gpu_vendors": {"0x10de": "Team Green", "0x1a03": "ASPEED"},
         "log_keep": 3,  # a daemon option: the probe reads the file, and ignores it
     }))

@@ -800,6 +800,42 @@ async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
     await c.aclose()
 
 
+async def test_requests_queued_behind_one_in_flight_are_each_told_the_daemon_stops(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """Lines read but queued behind a running request (a connection answers in order)
+    were dropped at a stop with no reply: each now gets the same `unavailable` line as the
+    one in flight, in order (a line that is no request gets its own error, as ever)."""
+    started = anyio.Event()
+
+    async def never(w: Any, p: Any, peer: Any) -> Any:
+        started.set()
+        await anyio.sleep_forever()
+
+    async with daemon(host, sockdir, tmp_path, ops={"holders": never}) as served:
+        c = await Raw.connect(served.path)
+        # One write: read by the daemon in one go, the rest queued behind request 7.
+        await c.send(P.encode_request(7, "holders", {}) + P.encode_request(8, "holders", {})
+                     + b"not json\n" + P.encode_request(9, "probe", {"action": "detect-gpu"})
+                     + P.encode_request("ten", "snapshot"))
+        with anyio.fail_after(5):
+            await started.wait()
+        with anyio.fail_after(5):
+            while not any(len(getattr(conn, "todo", ())) == 4
+                          for conn in served.server.connections):
+                await anyio.sleep(0.01)
+    rest = [json.loads(x) for x in (await c.eof()).splitlines()]
+    await c.aclose()
+    stopping = [(r["id"], r["error"]["code"], r["error"]["message"]) for r in rest]
+    assert stopping == [
+        (7, P.UNAVAILABLE, "holders: the daemon is stopping; retry"),
+        (8, P.UNAVAILABLE, "holders: the daemon is stopping; retry"),
+        (None, P.PARSE_ERROR, stopping[2][2]),
+        (9, P.UNAVAILABLE, "probe: the daemon is stopping; retry"),
+        ("ten", P.UNAVAILABLE, "snapshot: the daemon is stopping; retry"),
+    ]
+
+
 # --------------------------------------------------------------------------- clients and the CLI
 
 

@@ -22,21 +22,32 @@ def kept_for_host_reason(
     console_drivers: Collection[str],
     boot_vga: Collection[str],
     host_displays: Iterable[str],
+    console_devices: Collection[str] = (),
 ) -> str:
     """Why this IOMMU group stays with the host, or ``""`` when it may be passed through.
 
-    Kept when a member is bound to a BMC/console driver (``host_console_drivers``), or when
-    its display function has ``boot_vga`` 1 and is the only display function on the host
+    Kept when a member is bound to a BMC/console driver (``host_console_drivers``), or is a
+    BMC/console device by its ids (``host_console_devices``, ``0x1a03:0x2000``: the BMC's VGA
+    with its driver blacklisted or not loaded yet is still the BMC's), or when its display
+    function has ``boot_vga`` 1 and is the only display function on the host
     (``host_displays``: every display-class address).
     """
-    consoles = [f"{fn.addr} ({fn.driver})" for fn in sorted(members, key=lambda m: m.addr)
+    ordered = sorted(members, key=lambda m: m.addr)
+    consoles = [f"{fn.addr} ({fn.driver})" for fn in ordered
                 if fn.driver and fn.driver in console_drivers]
     if consoles:
         return (f"{', '.join(consoles)} {'is' if len(consoles) == 1 else 'are'} bound to a "
                 "BMC/console driver (host_console_drivers): this group is the host's console "
                 "or management function")
+    if console_devices:
+        devices = [f"{fn.addr} ({fn.vendor_id[2:]}:{fn.device_id[2:]})" for fn in ordered
+                   if f"{fn.vendor_id}:{fn.device_id}" in console_devices]
+        if devices:
+            return (f"{', '.join(devices)} {'is' if len(devices) == 1 else 'are'} a BMC/console "
+                    "device (host_console_devices): this group is the host's console or "
+                    "management function")
     displays = set(host_displays)
-    for fn in sorted(members, key=lambda m: m.addr):
+    for fn in ordered:
         if is_gpu_class(fn.class_) and fn.addr in boot_vga and displays <= {fn.addr}:
             return (f"{fn.addr} is the host's boot display (boot_vga 1) and its only display "
                     "function: passing it through leaves the host without a console")

@@ -849,6 +849,7 @@ class HostState:
         return kept_for_host_reason(
             self.group_members(addr),
             console_drivers=self.tables.host_console_drivers,
+            console_devices=self.tables.host_console_devices,
             boot_vga=self.boot_vga,
             host_displays=self._gpu_addrs,
         )

@@ -6,11 +6,14 @@ validated, frozen form is `gpuwatch.core.tables.Tables`, built on these same rul
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
-              "host_console_drivers")
+              "host_console_drivers", "host_console_devices")
+
+_ID_RE = re.compile(r"(?:0x)?([0-9a-f]{4}):(?:0x)?([0-9a-f]{4})")
 
 
 def hex_key(key: object) -> str:
@@ -27,6 +30,15 @@ def hex_key(key: object) -> str:
 def hex_keyed(value: Mapping[Any, Any]) -> dict[str, Any]:
     """A table keyed by PCI ids, every key in `hex_key` spelling."""
     return {hex_key(k): v for k, v in value.items()}
+
+
+def device_id_key(text: object) -> str:
+    """A ``host_console_devices`` entry (``1a03:2000``, ``0x1A03:0x2000``) spelled as the
+    model spells a function's ids: ``0x1a03:0x2000``. `ValueError` for anything else."""
+    match = _ID_RE.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{text!r} is not a PCI vendor:device id (like 1a03:2000)")
+    return f"0x{match.group(1)}:0x{match.group(2)}"
 
 
 def class_label(labels: Mapping[str, str], klass: str) -> str:
@@ -48,6 +60,8 @@ class TablesView(Protocol):
     def vfio_variant_drivers(self) -> tuple[str, ...]: ...
     @property
     def host_console_drivers(self) -> tuple[str, ...]: ...
+    @property
+    def host_console_devices(self) -> tuple[str, ...]: ...
 
 
 class TableData(NamedTuple):
@@ -59,6 +73,7 @@ class TableData(NamedTuple):
     pci_class_labels: Mapping[str, str]
     vfio_variant_drivers: tuple[str, ...] = ()
     host_console_drivers: tuple[str, ...] = ()
+    host_console_devices: tuple[str, ...] = ()
 
 
 def table_data(raw: Mapping[str, Any]) -> TableData:
@@ -69,8 +84,9 @@ def table_data(raw: Mapping[str, Any]) -> TableData:
         pci_class_labels=hex_keyed(raw["pci_class_labels"]),
         vfio_variant_drivers=tuple(raw.get("vfio_variant_drivers", ())),
         host_console_drivers=tuple(raw.get("host_console_drivers", ())),
+        host_console_devices=tuple(map(device_id_key, raw.get("host_console_devices", ()))),
     )
 
 
-__all__ = ["TABLE_KEYS", "TableData", "TablesView", "class_label", "hex_key", "hex_keyed",
-           "table_data"]
+__all__ = ["TABLE_KEYS", "TableData", "TablesView", "class_label", "device_id_key", "hex_key",
+           "hex_keyed", "table_data"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from gpuwatch.core.tabledata import TABLE_KEYS, hex_keyed
+from gpuwatch.core.tabledata import TABLE_KEYS, device_id_key, hex_keyed
 from gpuwatch.core.tabledata import class_label as _class_label
 
 _DRIVER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
@@ -30,6 +30,15 @@ class Tables(BaseModel):
     vfio_variant_drivers: tuple[str, ...] = ()
     #: Drivers of BMC/console functions: a group with one bound to them stays with the host.
     host_console_drivers: tuple[str, ...] = ()
+    #: PCI ids (``0x1a03:0x2000``) of BMC/console functions: kept for the host bound or not.
+    host_console_devices: tuple[str, ...] = ()
+
+    @field_validator("host_console_devices", mode="before")
+    @classmethod
+    def _device_ids(cls, value: Any) -> Any:
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+            return value  # refused as not a list by the field's own type
+        return tuple(device_id_key(v) for v in value)
 
     @field_validator("vfio_variant_drivers", "host_console_drivers")
     @classmethod

@@ -54,6 +54,7 @@ class RemoteModel:
         boot_vga = {a for a in gpus if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
+                                    console_devices=self.tables.host_console_devices,
                                     boot_vga=boot_vga, host_displays=gpus)
 
     def module_loaded(self, name: str) -> bool:

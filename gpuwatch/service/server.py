@@ -482,18 +482,26 @@ class Connection:
         limit = self.server.outbox_limit
         return limit - _LAG_RESERVE if self.sub is not None else limit
 
-    def lag(self, first_missed_seq: int, missed: int) -> None:
+    def lag(self, first_missed_seq: int, missed: int, *, hole: str | None = None) -> None:
         """The subscriber stopped reading (or reads too slowly): tell it what it missed
-        and from where to resume, then close (best effort: it may not read even that)."""
+        and from where to resume, then close (best effort: it may not read even that).
+
+        With ``hole`` (why), it is the log that lacks those seqs, not the client that was
+        slow: the same line, so that resuming from it is answered ``complete: false``."""
         if self.closed:
             return
         self.closed = True
         self.held.clear()
-        self.server._lag_drop(self)
-        self.server.client_log.warning(
-            "disconnecting %s: %d bytes unread (subscriber stopped reading); %d event(s) "
-            "from seq %d dropped", self.peer.describe(), self.buffered() + self.held_bytes,
-            missed, first_missed_seq)
+        self.server._lag_drop(self, counted=hole is None)
+        if hole is not None:
+            self.server.client_log.warning(
+                "ending the replay to %s: %s; %d seq(s) from %d are not in the log",
+                self.peer.describe(), hole, missed, first_missed_seq)
+        else:
+            self.server.client_log.warning(
+                "disconnecting %s: %d bytes unread (subscriber stopped reading); %d event(s) "
+                "from seq %d dropped", self.peer.describe(), self.buffered() + self.held_bytes,
+                missed, first_missed_seq)
         self._write(lagged_line(missed, first_missed_seq, self.server.outbox_limit))
         self._shut(_LAG_GRACE)
 
@@ -769,6 +777,8 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         server = self.server
         budget = _LINES_PER_TURN
         todo = self.todo
+        if server.stopping:
+            self.refuse_queued()
         while todo and not self.closed:
             if not budget:
                 self._pause()
@@ -793,6 +803,12 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
                 self._poller.register(transport.get_extra_info("socket").fileno(),
                                       select.POLLHUP | select.POLLERR)
                 self._check_hangup()
+
+    def refuse_queued(self) -> None:
+        """The daemon stops: every line read and not answered gets `unavailable`."""
+        lines = list(self.todo)
+        self.todo.clear()
+        self.server._refuse_queued(self, lines)
 
     def _pause(self) -> None:
         self.busy = True
@@ -909,6 +925,8 @@ class SocketServer:
         self._published = 0  # batches seen: the flusher's sign that a burst goes on
         self._flush_wake: anyio.Event | None = None
         self.lag_drops = 0
+        #: The daemon is stopping: a request not answered yet is answered `unavailable`.
+        self.stopping = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -934,12 +952,15 @@ class SocketServer:
                 task_status.started()
                 await self._accept_loop(lsock, tg, loop)
         finally:
+            self.stopping = True
             if self._on_batch in self.watcher.batch_listeners:
                 self.watcher.batch_listeners.remove(self._on_batch)
             with contextlib.suppress(Exception):
                 self._flush()  # the last events (`stopped`) to whoever can take them now
             for conn in tuple(self.connections):
                 if isinstance(conn, _ProtocolConnection):
+                    with contextlib.suppress(Exception):
+                        conn.refuse_queued()
                     conn.close()
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(lsock)
@@ -1240,7 +1261,12 @@ class SocketServer:
                     await anyio.lowlevel.checkpoint()
                 later = self._answer(conn, line)
                 if later is not None:
-                    await later()
+                    try:
+                        await later()
+                    except anyio.get_cancelled_exc_class():
+                        if not conn.closed:  # stopping: the rest of the chunk is told so
+                            self._refuse_queued(conn, lines[i + 1:])
+                        raise
                 if conn.closed:
                     return True
             if not chunk:
@@ -1310,11 +1336,11 @@ class SocketServer:
         except anyio.get_cancelled_exc_class():
             # The daemon is stopping (a connection that was lost or cut off is closed
             # already, and takes no reply): one line saying so, not a reply that never
-            # comes before the connection is reset.
+            # comes before the connection is reset. The lines queued behind it get the
+            # same (`_serve` when it resumes, or `serve` on its way out).
             if not conn.closed:
-                conn.reply(P.encode_error(req.id, P.UNAVAILABLE,
-                                          f"{req.method}: the daemon is stopping; retry"))
-                self._count(req.method, P.UNAVAILABLE)
+                self.stopping = True
+                self._stopping_reply(conn, req.id, req.method)
             raise
         except P.RpcError as exc:
             conn.reply(P.encode_error(req.id, exc.code, exc.message))
@@ -1324,6 +1350,29 @@ class SocketServer:
             self._internal(conn, req, exc)
             return
         self._send_result(conn, req, result)
+
+    def _stopping_reply(self, conn: Connection, rid: Any, method: str) -> None:
+        conn.reply(P.encode_error(rid, P.UNAVAILABLE, f"{method}: the daemon is stopping; retry"))
+        self._count(method, P.UNAVAILABLE)
+
+    def _refuse_queued(self, conn: Connection, lines: Sequence[bytes]) -> None:
+        """Requests read but not answered when the daemon stops: each gets `unavailable`
+        (a line that is no request gets its error, as ever), none is left unanswered."""
+        for line in lines:
+            if conn.closed:
+                return
+            if line is TOO_LONG:
+                self._too_long(conn)
+                return
+            if not line or line.isspace():
+                continue
+            try:
+                req = P.parse_request(line)
+            except P.RequestError as exc:
+                conn.reply(P.encode_error(exc.rid, exc.code, exc.message))
+                self._count("?", exc.code)
+                continue
+            self._stopping_reply(conn, req.id, req.method)
 
     def _send_result(self, conn: Connection, req: P.Request, result: Any) -> None:
         try:
@@ -1472,13 +1521,21 @@ class SocketServer:
         if history is None:
             return None
         assert raw is not None and since_seq is not None
-        return functools.partial(self._replay, conn, sub, since_seq, history, raw)
+        return functools.partial(self._replay, conn, sub, since_seq, now, history, raw)
 
-    async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int,
+    async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int, now: int,
                       history: Iterator[RawChunk], raw: Iterator[RawChunk]) -> None:
         """The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
-        log's lines after since_seq, then what was held live, each seq once."""
+        log's lines after since_seq, then what was held live, each seq once.
+
+        ``complete`` in the reply could only judge the first seq. A hole further on (a
+        rotated file missing, unreadable or no file at all, writes that failed, a torn
+        line at a file's end) shows as a jump between two chunks (a chunk never spans two
+        files), or as a log that ends before ``now``: the replay stops there with the
+        `lagged` line, so the client resumes from the hole and is told ``complete: false``
+        instead of taking a stream with seqs silently missing for a whole one."""
         handover = Handover(since_seq)
+        expected: int | None = None  # the seq the log must hold next (None: not judged yet)
         try:
             # One chunk (one read of at most 8 KiB, sent as stored) per trip round the loop:
             # a replay of a huge log never holds up other clients' requests.
@@ -1486,10 +1543,21 @@ class SocketServer:
                 if conn.closed:
                     return
                 if handover.fresh(chunk.last):
+                    if expected is not None and chunk.first > expected:
+                        conn.lag(expected, chunk.first - expected,
+                                 hole=f"the log jumps from seq {expected - 1} to {chunk.first}")
+                        return
+                    expected = chunk.last + 1
                     conn.last_seq = chunk.last
                     if chunk.data:
                         await conn.paced(chunk.data, chunk.first)
                 await anyio.lowlevel.checkpoint()
+            if conn.closed:
+                return
+            if expected is not None and expected <= now:
+                conn.lag(expected, now + 1 - expected,
+                         hole=f"the log ends at seq {expected - 1}, before seq {now}")
+                return
             for seq, _etype, _addr, data in conn.held:
                 if conn.closed:
                     return
@@ -1599,10 +1667,11 @@ class SocketServer:
         for batch in self._pending:
             conn.offer_batch(batch)
 
-    def _lag_drop(self, conn: Connection) -> None:
-        self.lag_drops += 1
-        if self.metrics is not None:
-            self.metrics.lag_drops.inc()
+    def _lag_drop(self, conn: Connection, *, counted: bool = True) -> None:
+        if counted:
+            self.lag_drops += 1
+            if self.metrics is not None:
+                self.metrics.lag_drops.inc()
         if conn in self._subscribers:
             self._subscribers.remove(conn)
 
