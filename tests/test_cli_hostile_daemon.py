@@ -167,12 +167,11 @@ WRONG_SHAPE = {
 def test_a_reply_in_no_shape_gpuwatch_answers_means_a_direct_scan(
         host: SysRoot, sock: str, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Reports built from the daemon's answers (status, list, holders, plan) check what
-    they read: a foreign or hostile socket is as a daemon that does not speak the protocol,
-    not a traceback half-way through printing (a probe prints its result as it comes)."""
+    they read, and a probe its action's shape (tests/test_cli_probe_shapes.py): a foreign or
+    hostile socket is as a daemon that does not speak the protocol, not a traceback half-way
+    through printing, nor its answer printed as the host's."""
     root = ["--root", str(host.root)]
     with FakeDaemon(sock, WRONG_SHAPE[kind]):
         for words in COMMANDS:
-            if words[0] == "probe":
-                continue
             got = run_main(capsys, *words, *root, "--socket", sock)
             assert got == direct(capsys, [*words, *root]), (kind, words)

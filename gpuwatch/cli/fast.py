@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
@@ -132,7 +132,8 @@ def _str(value: Any) -> bool:
 
 
 def _each(values: Any, ok: Callable[[Any], bool]) -> bool:
-    return isinstance(values, list) and all(ok(v) for v in values)
+    """A JSON array (or, from a direct scan's plain values, a tuple) of ``ok`` items."""
+    return isinstance(values, (list, tuple)) and all(ok(v) for v in values)
 
 
 def is_holders_report(report: Any) -> bool:
@@ -166,6 +167,80 @@ def is_plan(plan: Any) -> bool:
                       and _str(m.get("target")) and _str(m.get("alias", "")))
             and (refused is None or (isinstance(refused, dict) and _str(refused.get("reason"))))
             and _each(plan["steps"], _is_step) and _each(plan["notes"], _str))
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _fields(value: Any, shape: Mapping[str, Callable[[Any], bool]],
+            optional: Mapping[str, Callable[[Any], bool]] | None = None) -> bool:
+    """A JSON object with every field of ``shape``, each ``ok``, and the ``optional`` ones
+    ``ok`` where present (an older daemon left them out; a newer one may add fields)."""
+    return (isinstance(value, dict) and all(k in value and ok(value[k]) for k, ok in shape.items())
+            and all(k not in value or ok(value[k]) for k, ok in (optional or {}).items()))
+
+
+def _or_null(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or ok(v)
+
+
+_FUNCTION = {"addr": _str, "vendor_id": _str, "device_id": _str, "class": _str,
+             "class_label": _str, "driver": _str, "iommu_group": _int}
+_FUNCTION_LATER = {  # fields with a default: a daemon of an older gpuwatch may lack them
+    "vfio_dev": _str, "vfio_cdev": _str, "physfn": _str, "health": _str,
+    "sriov": _or_null(lambda s: _fields(s, {"totalvfs": _int, "numvfs": _int,
+                                            "vfs": lambda v: _each(v, _str)})),
+    "vgpu": _or_null(lambda g: _fields(g, {"type": _int,
+                                           "creatable": lambda v: _each(v, _int)})),
+}
+
+
+def _is_function(fn: Any) -> bool:
+    return _fields(fn, _FUNCTION, _FUNCTION_LATER)
+
+
+def _is_gpu(gpu: Any) -> bool:
+    return _is_function(gpu) and _each(gpu.get("group_members"), _is_function)
+
+
+#: What each probe action the daemon answers returns (docs/probes.md, "Actions"): an answer
+#: in any other shape is no answer, so the direct scan runs instead of printing it.
+PROBE_SHAPES: dict[str, Callable[[Any], bool]] = {
+    "detect-vfio": lambda r: _fields(r, {"iommu_enabled": _bool, "iommu_kind": _str,
+                                         "gpus": lambda g: _each(g, _is_gpu)},
+                                     {"iommufd": _bool}),
+    "detect-gpu": _bool,
+    "detect-amd-gpu": _bool,
+    "amd-gfx-version": _str,
+    "amd-gfx-target": _str,
+    "detect-host-devices": lambda r: _fields(r, {
+        "gpu": _bool, "amd_gpu": _bool, "amd_gfx_version": _str, "amd_gfx_target": _str,
+        "devices": lambda d: _each(d, _str), "render_node": _str}),
+    "vfio-group-accessible": _bool,
+    "nvidia-holders": lambda r: _each(r, lambda h: _fields(h, {"pid": _int, "comm": _str},
+                                                            {"unreadable": _bool})),
+    "display-driver": _str,
+    "current-mode": lambda r: r in _MODES,
+    "group-in-mode": _bool,
+    "vfio-backend": lambda r: _fields(r, {
+        "addr": _str, "driver": _str, "on_vfio": _bool, "group_node": _str,
+        "cdev_node": _str, "iommufd": _bool,
+        "recommended": lambda v: v in ("iommufd", "group", "none")}),
+    "wedge-detected": _bool,
+}
+
+
+def is_probe_result(action: str, result: Any) -> bool:
+    """Whether a daemon's answer to ``probe ACTION`` has the shape docs/probes.md gives that
+    action: a foreign or hostile socket's answer in another shape (a string where a boolean
+    belongs, escape codes, an object for a list) is never printed as the answer."""
+    shape = PROBE_SHAPES.get(action)
+    return shape is not None and shape(result)
 
 
 def parse_plan(argv: Sequence[str]) -> tuple[dict[str, Any], bool, str, str | None] | None:
@@ -330,7 +405,8 @@ def run_fast(argv: Sequence[str]) -> int | None:
     try:
         result = ask(path, method, params)
         if not (is_holders_report(result) if holders is not None
-                else is_plan(result) if plan is not None else True):
+                else is_plan(result) if plan is not None
+                else is_probe_result(params["action"], result)):
             return None
     except (OSError, ValueError):
         return None  # no answer, or an error reply: the full command decides what to do
@@ -367,7 +443,8 @@ def reader_may_leave() -> Iterator[None]:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
-__all__ = ["UNANSWERED", "compact", "daemon_socket", "is_holders_report", "is_plan",
+__all__ = ["PROBE_SHAPES", "UNANSWERED", "compact", "daemon_socket", "is_holders_report",
+           "is_plan", "is_probe_result",
            "parse_holders", "parse_plan",
            "parse_probe", "print_holders", "print_plan", "reader_may_leave", "render_plan",
            "run_fast", "socket_path"]

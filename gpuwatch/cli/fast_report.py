@@ -19,7 +19,15 @@ from importlib import resources
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK
-from gpuwatch.cli.fast import _split, ask, ask_many, compact, daemon_socket, reader_may_leave
+from gpuwatch.cli.fast import (
+    _split,
+    ask,
+    ask_many,
+    compact,
+    daemon_socket,
+    is_probe_result,
+    reader_may_leave,
+)
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.modes import group_mode, vfio_variant
@@ -102,6 +110,14 @@ def parse_list(argv: list[str]) -> tuple[bool, str, str, str | None] | None:
     return "--json" in plain[0], plain[0].get("--managed", "yes"), plain[1], plain[2]
 
 
+def _checked(action: str, result: Any) -> Any:
+    """``result`` when it has the shape of ``action``'s answer; else ValueError (the full
+    command runs, which scans directly: a daemon's "yes" is no ``true``)."""
+    if not is_probe_result(action, result):
+        raise ValueError(f"not a {action} answer")
+    return result
+
+
 class Remote:
     """What the reports read of the daemon's model, through stdlib requests."""
 
@@ -110,9 +126,7 @@ class Remote:
         self.tables = embedded_tables()
         if vfio is None:
             vfio = ask(path, "probe", {"action": "detect-vfio"})
-        if not isinstance(vfio, dict) or not isinstance(vfio.get("gpus"), list):
-            raise ValueError("not a detect-vfio answer")
-        self.vfio: dict[str, Any] = vfio
+        self.vfio: dict[str, Any] = _checked("detect-vfio", vfio)
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
         self._boot_vga: set[str] | None = None
         self._accessible: dict[int, bool] | None = None
@@ -133,14 +147,16 @@ class Remote:
                             | {group})
             answers = ask_many(self.path, [
                 ("probe", {"action": "vfio-group-accessible", "group": g}) for g in groups])
-            self._accessible = {g: bool(a) for g, a in zip(groups, answers, strict=True)}
+            self._accessible = {g: _checked("vfio-group-accessible", a)
+                                for g, a in zip(groups, answers, strict=True)}
         if group not in self._accessible:
-            self._accessible[group] = bool(ask(
+            self._accessible[group] = _checked("vfio-group-accessible", ask(
                 self.path, "probe", {"action": "vfio-group-accessible", "group": group}))
         return self._accessible[group]
 
     def nvidia_usable(self) -> bool:
-        return bool(ask(self.path, "probe", {"action": "detect-gpu"}))
+        usable: bool = _checked("detect-gpu", ask(self.path, "probe", {"action": "detect-gpu"}))
+        return usable
 
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         addrs = [g["addr"] for g in self.gpus]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
-from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
+from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
+from gpuwatch.cli.fast import is_probe_result
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import ACTIONS, check_params, probe, scan
 
@@ -35,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         # memlock is this process's own limit: no daemon can answer it better than we can;
         # a plan is read live from the host (holders, modules), so it is made here too.
+        # An answer in no shape the action has (docs/probes.md) is no answer: scan directly.
         answer = None if args.action in ("memlock", "plan") else ask_daemon(
-            args, lambda c: c.probe(args.action, **kwargs))
+            args, lambda c: expect_shape(c.probe(args.action, **kwargs),
+                                         lambda r: is_probe_result(args.action, r), c))
         if answer is not None:
             result = answer.value
         else:
