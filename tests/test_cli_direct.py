@@ -84,6 +84,17 @@ def _captured(root: Path) -> SysRoot:
     return s
 
 
+def _without_links(root: Path, names: set[str] | None = None) -> SysRoot:
+    """The SR-IOV host as a copier left it: every link of ``names`` under ``sys/`` removed;
+    with no names, every link (the bus listing too) but the IOMMU group listings."""
+    s = sriov_gpu_host(root, vfs=2)
+    for link in [p for p in (root / "sys").rglob("*") if p.is_symlink()]:
+        rel = str(link.relative_to(root))
+        if (link.name in names) if names else not rel.startswith("sys/kernel/iommu_groups/"):
+            link.unlink()
+    return s
+
+
 MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "workstation": example_gpu_host,
     "workstation-in-use": _workstation_in_use,
@@ -98,6 +109,8 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "grace-hopper": grace_hopper_host,
     "grace-hopper-captured": _captured,
     "sriov-vgpu": lambda r: sriov_gpu_host(r, vfs=2, vgpu=True),
+    "sriov-without-links": lambda r: _without_links(r, {"physfn", "virtfn0", "virtfn1"}),
+    "no-link-at-all": _without_links,
     "synthetic-96": lambda r: synthetic_host(r, 96),
     "empty": SysRoot,
 }

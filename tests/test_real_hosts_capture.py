@@ -272,6 +272,8 @@ DROPS: dict[str, Callable[[SysRoot], object]] = {
                               _drop_links(s.root, {"iommu_group"})),
     "device": lambda s: (s.capture(nested=("driver", "iommu_group")),
                          _drop_links(s.root, {"device"})),
+    # the kernel's layout, SR-IOV's links both ways dropped: the VFs found beside their PF
+    "sriov": lambda s: _drop_links(s.root, {"physfn", *(f"virtfn{i}" for i in range(64))}),
     # the kernel's layout, all three dropped, and no uevent file copied either
     "all-no-uevent": lambda s: (_drop_links(s.root, {"driver", "iommu_group", "device"}),
                                 _drop_uevents(s.root)),
@@ -527,3 +529,69 @@ def test_ids_that_are_no_hex_stay_as_written(tmp_path: Path) -> None:
     model = gpuwatch.scan(s.root)
     assert model.function("0000:01:00.0").vendor_id == "0x10dg"
     assert model.function("0000:01:00.1").class_ == "0x0403"  # its first six characters
+
+
+# ------------------------------------------------------------ no bus listing: sys/devices walked
+
+
+def _all_links(root: Path, *, keep: tuple[str, ...] = ()) -> int:
+    """Remove every link under ``sys/`` but those under the folders ``keep`` names (root
+    relative): a copier that takes no link at all. Returns how many."""
+    gone = 0
+    for link in [p for p in (root / "sys").rglob("*") if p.is_symlink()]:
+        if not any(str(link.relative_to(root)).startswith(k + "/") for k in keep):
+            link.unlink()
+            gone += 1
+    return gone
+
+
+NO_BUS: dict[str, Callable[[SysRoot], object]] = {
+    "missing": lambda s: shutil.rmtree(s.root / "sys/bus/pci/devices"),
+    "empty": lambda s: [p.unlink() for p in (s.root / "sys/bus/pci/devices").iterdir()],
+    # the group listings kept: without them no file says which group a function is in
+    "every-link": lambda s: _all_links(s.root, keep=("sys/kernel/iommu_groups",)),
+    "every-link-no-uevent": lambda s: (_all_links(s.root, keep=("sys/kernel/iommu_groups",
+                                                                "sys/bus/pci/drivers")),
+                                       _drop_uevents(s.root)),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", sorted(NO_BUS))
+@pytest.mark.parametrize("kind", sorted(MACHINES))
+def test_no_bus_listing_walks_the_device_tree(tmp_path: Path, kind: str, how: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A capture without ``sys/bus/pci/devices`` (or with it empty: every link left out)
+    finds the functions by walking ``sys/devices``, and answers as its host did."""
+    live = MACHINES[kind](tmp_path / "live")
+    copied = MACHINES[kind](tmp_path / "copied")
+    NO_BUS[how](copied)
+    assert not [p for p in (copied.root / "sys/bus/pci").glob("devices/*")]
+    assert answers(copied.root, capsys) == answers(live.root, capsys)
+
+
+def test_vfs_without_their_links_are_found_beside_the_pf(tmp_path: Path) -> None:
+    """``physfn`` and ``virtfnN`` both dropped: VF *i* is the folder beside the PF at routing
+    id PF + offset + *i* · stride; the run ends at the first index with none."""
+    s = sriov_gpu_host(tmp_path / "h", vfs=3)
+    pf = "0000:41:00.0"
+    vfs = ("0000:41:00.4", "0000:41:00.5", "0000:41:00.6")  # offset 4, stride 1
+    assert _drop_links(s.root, {"physfn", "virtfn0", "virtfn1", "virtfn2"}) == 6
+    model = gpuwatch.scan(s.root)
+    assert model.function(pf).sriov is not None
+    assert (model.function(pf).sriov.vfs, model.function(pf).sriov.numvfs) == (vfs, 3)
+    assert [model.function(vf).physfn for vf in vfs] == [pf] * 3
+    # A folder at VF 1's address that is no VF (another device id) ends the run there.
+    s.set_attr(vfs[1], "device", "0x1234")
+    assert gpuwatch.scan(s.root).function(pf).sriov.vfs == vfs[:1]  # type: ignore[union-attr]
+
+
+def test_vfs_with_their_physfn_link_are_the_links_word(tmp_path: Path) -> None:
+    """Only the PF's ``virtfnN`` links gone, each VF's ``physfn`` kept: the kernel's links
+    say which VFs the PF has (the kernel makes a VF's links after its folder), so none are
+    made up from the folders beside it."""
+    s = sriov_gpu_host(tmp_path / "h", vfs=2)
+    _drop_links(s.root, {"virtfn0", "virtfn1"})
+    model = gpuwatch.scan(s.root)
+    assert model.function("0000:41:00.0").sriov.vfs == ()  # type: ignore[union-attr]
+    assert model.function("0000:41:00.4").physfn == "0000:41:00.0"

@@ -44,7 +44,6 @@ from gpuwatch.core.state import HostState, RecoveryMark
 from gpuwatch.errors import StepTimedOut
 from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
-    in_root,
     in_tree,
     list_dir,
     read_attr,
@@ -53,7 +52,13 @@ from gpuwatch.hostfs.files import (
     small_count,
 )
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
-from gpuwatch.hostfs.scan import CDI_SPECS, HostPaths, cdi_spec_exists, read_modules
+from gpuwatch.hostfs.scan import (
+    CDI_SPECS,
+    HostPaths,
+    cdi_spec_exists,
+    function_dir,
+    read_modules,
+)
 
 T = TypeVar("T")
 
@@ -148,7 +153,7 @@ def nvidia_minor(root: str, addr: str) -> int | None:
 
 def snd_nodes(paths: HostPaths, addr: str) -> tuple[str, ...]:
     """``/dev/snd/*`` of the sound card(s) the kernel registered under this function."""
-    entry = in_root(paths.root, os.path.join(paths.bus_pci, addr))
+    entry = function_dir(paths, addr)
     cards = {m.group(1) for n in list_dir(os.path.join(entry, "sound"))
              if (m := _SND_CARD_RE.fullmatch(n))}
     if not cards:
@@ -341,8 +346,7 @@ def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *
             module = driver_key(vfio_driver)
             out[fn.addr] = VfioTarget(driver_name(paths, vfio_driver), module, "", exact=True)
             continue
-        modalias = read_attr(os.path.join(in_root(paths.root, os.path.join(paths.bus_pci,
-                                                                          fn.addr)), "modalias"))
+        modalias = read_attr(os.path.join(function_dir(paths, fn.addr), "modalias"))
         best = best_vfio_alias(aliases, modalias)
         if best is not None and driver_key(best.module) != VFIO_PCI_MODULE:
             out[fn.addr] = VfioTarget(driver_name(paths, best.module), driver_key(best.module),

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import stat as stat_mod
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -136,6 +137,9 @@ class HostPaths:
         #: Function directory → what its last full read found, for the functions whose bind
         #: or unbind changes nothing but the driver (see `observe_batch`).
         self.plain: dict[str, PlainFunction] = {}
+        #: Address → devpath of the functions the last `function_entries` found by walking
+        #: ``sys/devices`` (a captured tree without the bus listing); empty when it had one.
+        self.walked: dict[str, str] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -178,10 +182,11 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                 _remember_plain(paths, candidate, seen)
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
-    directory = in_root(paths.root, os.path.join(paths.bus_pci, addr))
+    directory = function_dir(paths, addr)
     if not os.path.isdir(directory):
         return PciGone(addr)
-    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr), told=False)
+    seen = _read_function_dir(directory, addr, paths.walked.get(addr)
+                              or _devpath_of_bus_entry(paths, addr), told=False)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
@@ -411,7 +416,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
                                 else link_name(directory + "/iommu_group")),
         vfio_dev=vfio_dev,
         vfio_cdev=vfio_cdev,
-        sriov=read_sriov(directory),
+        sriov=read_sriov(directory, recover=told),
         physfn=link_addr(directory + "/physfn"),
         vgpu=read_vgpu(directory) if driver == "nvidia" else None,
         # Only display functions have it: one read more for them, none for the rest.
@@ -437,11 +442,13 @@ def read_vfio_dev(directory: str) -> tuple[str, str]:
     return name, f"/dev/vfio/devices/{name}" if has_dev else ""
 
 
-def read_sriov(directory: str) -> SriovSeen | None:
+def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
     """A physical function's ``sriov_totalvfs`` and its ``virtfnN`` links in N order.
 
     ``sriov_numvfs`` is not read: its read takes the device lock, held for the whole of a
-    VF enable. The VFs the links name are what the kernel has added so far.
+    VF enable. The VFs the links name are what the kernel has added so far. ``recover``
+    (a scan of any tree): with no ``virtfnN`` link, the VFs a capture kept without their
+    links are found beside the PF (`vfs_beside`).
     """
     total = read_text(directory + "/sriov_totalvfs")
     if total is None:
@@ -453,10 +460,60 @@ def read_sriov(directory: str) -> SriovSeen | None:
             vf = link_addr(f"{directory}/{name}")
             if vf:
                 vfs.append((int(m.group(1)), vf))
+    totalvfs = small_count(total)
+    if recover and not vfs:
+        return SriovSeen(totalvfs=totalvfs, vfs=vfs_beside(directory, totalvfs))
     return SriovSeen(
-        totalvfs=small_count(total),
+        totalvfs=totalvfs,
         vfs=tuple(vf for _, vf in sorted(vfs)),
     )
+
+
+def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
+    """The VFs of the PF at ``directory`` where a capture dropped both the PF's ``virtfnN``
+    and the VFs' ``physfn`` links: VF *i* has routing id PF + ``sriov_offset`` + *i* ·
+    ``sriov_stride`` and its folder sits beside the PF's, under the same parent (the kernel
+    adds a VF on a higher bus number as a child bus of the PF's, with no bridge of its own).
+    VFs are added in index order and removed in reverse, so the run stops at the first
+    index with no folder there, one that has a ``physfn`` link (then the kernel's links
+    are the truth, and they name none yet), or one whose ``vendor``, or ``device`` against
+    ``sriov_vf_device``, is not the VF's. ``sriov_numvfs`` is not read (see `read_sriov`)."""
+    parent, _, addr = directory.rpartition("/")
+    offset = small_count(read_attr(directory + "/sriov_offset"))
+    if not is_pci_addr(addr) or not offset or totalvfs <= 0:
+        return ()
+    stride = small_count(read_attr(directory + "/sriov_stride"))
+    vendor = pci_id(read_attr(directory + "/vendor"))
+    vf_device = pci_id(read_attr(directory + "/sriov_vf_device"))
+    domain, bus, rest = addr.split(":")
+    rid = int(bus, 16) << 8 | int(rest[:2], 16) << 3 | int(rest[3])
+    found: list[str] = []
+    for i in range(min(totalvfs, 1 if not stride else 0x10000)):
+        vrid = rid + offset + stride * i
+        if vrid > 0xFFFF:
+            break
+        vf = f"{domain}:{vrid >> 8:02x}:{vrid >> 3 & 0x1F:02x}.{vrid & 7}"
+        folder = f"{parent}/{vf}"
+        if (not os.path.isdir(folder) or os.path.lexists(folder + "/physfn")
+                or pci_id(read_attr(folder + "/vendor")) != vendor
+                or (vf_device and pci_id(read_attr(folder + "/device")) != vf_device)):
+            break
+        found.append(vf)
+    return tuple(found)
+
+
+def pf_beside(directory: str) -> str:
+    """The PF whose `vfs_beside` names the function at ``directory``: a capture that dropped
+    its ``physfn`` link (and the PF's ``virtfnN``) still holds its PF beside it. ``""``
+    when none does."""
+    parent, _, addr = directory.rpartition("/")
+    for name in sorted(list_dir(parent)):
+        pf = f"{parent}/{name}"
+        if (name != addr and is_pci_addr(name) and os.path.lexists(pf + "/sriov_offset")
+                and not any(_VIRTFN_RE.match(n) for n in list_dir(pf))
+                and addr in vfs_beside(pf, small_count(read_attr(pf + "/sriov_totalvfs")))):
+            return name
+    return ""
 
 
 def read_vgpu(directory: str) -> VgpuSeen | None:
@@ -481,8 +538,7 @@ def read_vgpu(directory: str) -> VgpuSeen | None:
 def read_vgpus(paths: HostPaths, addrs: list[str] | tuple[str, ...]) -> VgpusSeen:
     """The vGPU files of ``addrs`` only: what the cheap poll re-reads (no uevent says when
     ``current_vgpu_type`` or ``creatable_vgpu_types`` change)."""
-    return VgpusSeen(tuple((a, read_vgpu(in_root(paths.root, os.path.join(paths.bus_pci, a))))
-                           for a in addrs))
+    return VgpusSeen(tuple((a, read_vgpu(function_dir(paths, a))) for a in addrs))
 
 
 def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
@@ -530,20 +586,106 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
         listed = read_bus_entry(paths, name, devpath)
         if listed is not None:
             found.append(listed)
-    return found
+    return _pfs_of_unlinked_vfs(paths, found)
+
+
+def _pfs_of_unlinked_vfs(paths: HostPaths, found: list[PciSeen]) -> list[PciSeen]:
+    """``found`` with the PF of each VF a PF's `vfs_beside` named (a capture that dropped the
+    VF's ``physfn`` link) set as its ``physfn``."""
+    owner = {vf: pf.addr for pf in found if pf.sriov is not None for vf in pf.sriov.vfs}
+    out: list[PciSeen] = []
+    for seen in found:
+        pf = owner.get(seen.addr, "")
+        if pf and not seen.physfn:
+            seen = seen._replace(physfn=pf)
+            paths.plain.pop(paths.sys + seen.devpath, None)  # no longer plain: it is a VF
+        out.append(seen)
+    return out
 
 
 def function_entries(paths: HostPaths) -> list[tuple[str, str]]:
     """``(address, devpath)`` of every function ``sys/bus/pci/devices`` lists, in address
-    order; non-address entries ignored."""
-    return [(name, _devpath_of_bus_entry(paths, name))
-            for name in sorted(list_dir(paths.bus_pci)) if is_pci_addr(name)]
+    order; non-address entries ignored. A tree whose bus listing is missing or lists no
+    function (a capture that left out every link) is walked instead (`walk_functions`)."""
+    listed = [(name, _devpath_of_bus_entry(paths, name))
+              for name in sorted(list_dir(paths.bus_pci)) if is_pci_addr(name)]
+    paths.walked = {} if listed else dict(walk_functions(paths.sys))
+    return listed or sorted(paths.walked.items())
+
+
+#: PCI root buses (``pci0000:00``, VMD's ``pci10000:00``, Hyper-V's ``pci7d0c:00``): what
+#: a walk of ``sys/devices`` looks for, wherever the platform put them.
+_ROOT_BUS_RE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
+#: Bounds of that walk: folders listed, depth below ``sys/devices``, functions found. A real
+#: host lists a few thousand folders outside ``devices/virtual`` and ``devices/system``.
+WALK_MAX_DIRS = 65536
+WALK_MAX_DEPTH = 32
+WALK_MAX_FUNCTIONS = 16384
+#: Folders that never lead to a root bus of their own: the kernel's non-PCI trees, and the
+#: names of links a copier followed into folders (a copy of a device found there is not it).
+_WALK_SKIP = frozenset(("virtual", "system", "power", "driver", "subsystem", "device",
+                        "firmware_node", "of_node", "iommu", "iommu_group", "physfn",
+                        "software", "breakpoint", "tracepoint", "kprobe", "uprobe"))
+_WALK_SKIP_PREFIXES = ("physical_node", "supplier:", "consumer:")
+
+
+def walk_functions(sysdir: str) -> list[tuple[str, str]]:
+    """``(address, devpath)`` of the PCI function folders under ``sysdir/devices``, for a tree
+    without the bus listing. A function is a folder named as an address, holding ``class``
+    or ``vendor``, that sits in a root bus (``pciDDDD:BB``) or in another function (a
+    bridge's children; VMD's root bus in its function): a folder of that name anywhere else
+    is a copy a capture made of a link. Breadth first, so that the first folder of an
+    address is the one nearest ``devices/``; links are never followed (``is_dir`` of the
+    entry itself), so the walk stays in the tree and finite; special files are not opened.
+    Bounded by `WALK_MAX_DIRS`, `WALK_MAX_DEPTH` and `WALK_MAX_FUNCTIONS`."""
+    found: dict[str, str] = {}
+    cut = len(sysdir)
+    queue: deque[tuple[str, int, bool]] = deque([(sysdir + "/devices", 0, False)])
+    listed = 0
+    while queue and listed < WALK_MAX_DIRS and len(found) < WALK_MAX_FUNCTIONS:
+        folder, depth, in_pci = queue.popleft()
+        listed += 1
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except (OSError, ValueError):
+            continue  # gone under us, unreadable, or not a folder after all
+        if depth >= WALK_MAX_DEPTH:
+            continue
+        for name in names:
+            path = folder + "/" + name
+            if is_pci_addr(name):
+                if (in_pci and name not in found and len(found) < WALK_MAX_FUNCTIONS
+                        and (os.path.lexists(path + "/class")
+                             or os.path.lexists(path + "/vendor"))):
+                    found[name] = path[cut:]
+                    queue.append((path, depth + 1, True))
+            elif _ROOT_BUS_RE.fullmatch(name):
+                queue.append((path, depth + 1, True))
+            elif not (in_pci or name in _WALK_SKIP or name.startswith(_WALK_SKIP_PREFIXES)):
+                queue.append((path, depth + 1, False))
+    return sorted(found.items())
+
+
+def function_dir(paths: HostPaths, addr: str) -> str:
+    """The folder of the function at ``addr``: its bus entry (`in_root`), or in a tree
+    without one, where the walk of ``sys/devices`` found it (`function_entries`)."""
+    entry = in_root(paths.root, paths.bus_pci + "/" + addr)
+    devpath = paths.walked.get(addr)
+    if devpath is None or os.path.lexists(entry):
+        return entry
+    return paths.sys + devpath
 
 
 def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     """One function the bus lists, read as a scan reads it; None when its entry dangles."""
-    seen = _read_function_dir(paths.sys + devpath, name, devpath)
+    directory = paths.sys + devpath
+    seen = _read_function_dir(directory, name, devpath)
     if seen.vendor_id or seen.device_id or seen.klass:
+        if not seen.physfn and not os.path.lexists(directory + "/physfn"):
+            pf = pf_beside(directory)  # a VF whose links a capture dropped
+            if pf:
+                seen = seen._replace(physfn=pf)
         return seen
     return read_bus_entry(paths, name, devpath)
 
@@ -605,7 +747,7 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
-        entry = in_root(paths.root, paths.bus_pci + "/" + addr)
+        entry = function_dir(paths, addr)
         vendor, driver = pci_id(read_attr(entry + "/vendor")), driver or driver_name(entry)
     return DrmSeen(
         name=name,
@@ -642,10 +784,10 @@ def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
         return parent.rpartition("/")[2], paths.sys + parent
     if devpath:
         return "", ""
-    for addr in sorted(list_dir(paths.bus_pci)):
-        entry = paths.bus_pci + "/" + addr
+    for addr in sorted(list_dir(paths.bus_pci)) or sorted(paths.walked):
+        entry = function_dir(paths, addr)
         if is_pci_addr(addr) and os.path.lexists(f"{entry}/drm/{name}"):
-            return addr, in_root(paths.root, entry)
+            return addr, entry
     return "", ""
 
 
@@ -660,12 +802,26 @@ def _class_devpath(paths: HostPaths, entry: str) -> str:
 
 
 def scan_drm(paths: HostPaths) -> list[DrmSeen]:
+    """Every node ``sys/class/drm`` lists; in a tree that had no bus listing either (a
+    capture that left out every link, `function_entries`), every node folder in the
+    ``drm/`` folder of a function the walk found."""
     found: list[DrmSeen] = []
     for name in sorted(list_dir(paths.class_drm)):
         if _DRM_NODE_RE.match(name):
             seen = read_drm(paths, name)
             if isinstance(seen, DrmSeen):
                 found.append(seen)
+    if found or not paths.walked:
+        return found
+    nodes: dict[str, str] = {}
+    for devpath in paths.walked.values():
+        for name in list_dir(f"{paths.sys}{devpath}/drm"):
+            if _DRM_NODE_RE.match(name):
+                nodes.setdefault(name, f"{devpath}/drm/{name}")
+    for name, devpath in sorted(nodes.items()):
+        seen = read_drm(paths, name, devpath)
+        if isinstance(seen, DrmSeen):
+            found.append(seen)
     return found
 
 
@@ -691,9 +847,10 @@ def read_modules(paths: HostPaths) -> frozenset[str]:
 
 def read_iommu(paths: HostPaths) -> IommuSeen:
     enabled = bool(list_dir(paths.iommu_groups))
-    return IommuSeen(
-        enabled=enabled, kind=iommu_kind(list_dir(paths.class_iommu), read_attr(paths.cmdline))
-    )
+    # A copy without the class links: the units where they lead (Intel's and the virtual
+    # ones in ``devices/virtual/iommu``).
+    units = list_dir(paths.class_iommu) or list_dir(paths.sys + "/devices/virtual/iommu")
+    return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)))
 
 
 def iommu_kind(units: list[str], cmdline: str) -> str:
