@@ -21,7 +21,7 @@ from gpuwatch.core.modalias import VfioAlias, best_vfio_alias, parse_vfio_aliase
 from gpuwatch.core.modes import group_mode, is_vfio_driver, same_driver
 from gpuwatch.core.observations import PciErrorSeen
 from gpuwatch.core.plan import HostFacts, unhealthy_reason
-from gpuwatch.errors import SwitchRefused, UsageError
+from gpuwatch.errors import SwitchFailed, SwitchRefused, UsageError
 from gpuwatch.hostfs.facts import RecoveryFacts, recovery_facts
 from gpuwatch.service.server import SocketServer
 from gpuwatch.service.testing import short_socket_dir
@@ -531,3 +531,153 @@ async def test_a_recovery_of_the_bridge_above_holds_the_whole_group(host: SysRoo
         result = await w.switch(NV, "vfio", timeout=10)
         assert result.changed
         assert any(n.startswith(f"{ROOT_PORT}: PCI error recovery began") for n in result.notes)
+
+
+async def test_recover_rebinds_a_failed_card_already_on_vfio(host: SysRoot) -> None:
+    """The card is on vfio-pci when its PCI error recovery fails: a switch is refused and
+    names `gpuwatch recover`, so recover must rebind it (its recovery), not answer "already
+    in mode" with nothing written and leave it failed, refused for ever."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY",
+                                        DEVICE_ONLINE="0"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        with pytest.raises(SwitchRefused, match=r"is failed.*`gpuwatch recover` rebinds it"):
+            await w.switch(NV, "nvidia", timeout=5)
+        before = len(sim.record)
+        result = await w.recover(NV, timeout=10)
+        assert result.changed
+        assert ("write", "/sys/bus/pci/drivers/vfio-pci/unbind", NV) in sim.record[before:]
+        assert sim.overrides.get(NV, "") == ""  # the rebind's override cleared
+        fn = w.model.function(NV)
+        assert (fn.driver, fn.health) == ("vfio-pci", "ok")
+        assert (await w.switch(NV, "nvidia", timeout=10)).changed
+
+
+@pytest.mark.parametrize("lost", ["bind", "unbind and bind"])
+async def test_recover_of_a_failed_card_whose_bind_event_was_lost(host: SysRoot,
+                                                                  lost: str) -> None:
+    """The rebind's uevents are lost: the tree shows the card back on vfio-pci, so the
+    rebind happened and its health is cleared (recover does not wait out its timeout),
+    even when the model never saw it leave vfio-pci (both its uevents lost)."""
+    async with simulated_switch(host, tree_check_after=0.2) as (w, sim, _engine, _events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        sim.lose_bind_events = True
+        sim.lose_unbind_events = lost == "unbind and bind"
+        result = await w.recover(NV, timeout=30)
+        assert result.changed and any("bind events were lost" in n for n in result.notes)
+        assert w.model.function(NV).health == "ok"
+
+
+def test_recover_plans_a_rebind_for_a_failed_function_on_its_target(host: SysRoot) -> None:
+    """The pure plan: `recover` (recovering=True) rebinds a failed function on vfio-pci;
+    a switch to vfio of a healthy group there has nothing to do."""
+    from gpuwatch.core.plan import CLEAR_OVERRIDE, WriteStep, plan_switch
+
+    model = gpuwatch.scan(host.root)
+    members = [fn.model_copy(update={"driver": "vfio-pci"})
+               for fn in model.state.group_members(NV)]
+    assert plan_switch(members, "vfio", HostFacts()).steps == ()
+    failed = [fn.model_copy(update={"health": "failed"}) if fn.addr == NV else fn
+              for fn in members]
+    plan = plan_switch(failed, "vfio", HostFacts(modules=frozenset({"vfio_pci"})),
+                       recovering=True)
+    assert plan.rebinds == (NV,) and plan.refusal is None
+    override = f"/sys/bus/pci/devices/{NV}/driver_override"
+    assert [(s.path, s.value) for s in plan.steps if isinstance(s, WriteStep)] == [
+        ("/sys/bus/pci/drivers/vfio-pci/unbind", NV), (override, "vfio-pci"),
+        ("/sys/bus/pci/drivers_probe", NV), (override, CLEAR_OVERRIDE)]
+    assert len(plan.steps) == 4
+
+
+async def test_an_interrupted_recover_does_not_rebind_again_to_roll_back(
+        host: SysRoot) -> None:
+    """recover's rebind of a failed card on vfio-pci is written, its uevents lost, and the
+    recover is cancelled while it waits: the roll-back puts the drivers back (they are back
+    already) and writes nothing more; a second recovery rebind is no roll-back."""
+    async with simulated_switch(host, tree_check_after=60) as (w, sim, _engine, events):
+        assert (await w.switch(NV, "vfio", timeout=10)).changed
+        w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))
+        with anyio.fail_after(5):
+            while w.model.function(NV).health != "failed":
+                await anyio.sleep(0.01)
+        sim.lose_bind_events = sim.lose_unbind_events = True
+        clear = ("write", f"/sys/bus/pci/devices/{NV}/driver_override", "\n")
+        before = len(sim.record)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: w.recover(NV, timeout=120))
+                # Returned, not just begun: the override is gone (a write cut off may not
+                # have landed, and the roll-back would clear it again, rightly).
+                while clear not in sim.record[before:] or NV in sim.overrides:
+                    await anyio.sleep(0.01)
+                done = len(sim.record)
+                tg.cancel_scope.cancel()
+        assert sim.record[done:] == []
+        failed = [e for e in events if e.type == "switch-failed"]
+        assert [e.error for e in failed] == ["interrupted"]  # type: ignore[attr-defined]
+
+
+async def test_a_recovery_that_begins_during_a_switch_holds_its_next_step(
+        host: SysRoot, caplog: pytest.LogCaptureFixture) -> None:
+    """BEGIN_RECOVERY arrives while the switch runs its first step: no further step is
+    written while the kernel resets the card; once the recovery ends, the switch goes on
+    and says it waited."""
+    caplog.set_level("INFO", logger="gpuwatch.switch")
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        sim.step_delay = 2.0  # the first step lasts long enough for the uevent to land
+        results: list[Any] = []
+
+        async def switch() -> None:
+            results.append(await w.switch(NV, "vfio", timeout=60))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(switch)
+                while not sim.record:
+                    await anyio.sleep(0.01)
+                await begin_recovery(w, host)
+                sim.step_delay = 0.0
+                while "waiting before" not in caplog.text:
+                    await anyio.sleep(0.01)
+                assert len(sim.record) == 1
+                w.source.push(host.uevent_props("change", NV,
+                                                ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                                                DEVICE_ONLINE="1"))
+        assert results[0].changed
+        assert any(n.startswith("a PCI error recovery began during the switch: waited")
+                   for n in results[0].notes), results[0].notes
+        assert {fn.driver for fn in w.model.state.group_members(NV)} == {"vfio-pci"}
+
+
+async def test_a_recovery_during_a_switch_that_does_not_end_in_time_fails_it(
+        host: SysRoot, caplog: pytest.LogCaptureFixture) -> None:
+    """The recovery outlasts the switch's --timeout: the switch fails saying why, with no
+    step of its own written meanwhile, and puts back what it had changed."""
+    caplog.set_level("INFO", logger="gpuwatch.switch")
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        sim.step_delay = 2.0
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def switch() -> None:
+                    with pytest.raises(SwitchFailed, match=rf"{NV} is recovering: PCI error "
+                                                           r"recovery began .* ran out of time"):
+                        await w.switch(NV, "vfio", timeout=4)
+
+                tg.start_soon(switch)
+                while not sim.record:
+                    await anyio.sleep(0.01)
+                first = sim.record[0]
+                await begin_recovery(w, host)
+                sim.step_delay = 0.0
+        assert sim.record[0] == first
+        assert not [r for r in sim.record if r[0] == "write"]  # only modules put back
+        failed = [e for e in events if e.type == "switch-failed"]
+        assert len(failed) == 1 and "ran out of time" in failed[0].error  # type: ignore[attr-defined]

@@ -266,6 +266,9 @@ class SwitchPlan:
     unloads_nvidia: bool = False
     #: The modules.alias pattern that chose each member's VFIO driver (``""``: none did).
     aliases: tuple[tuple[str, str], ...] = ()
+    #: Members `gpuwatch recover` rebinds although they are on their target already
+    #: (`needs_recovery`): the switch is done only once the model has seen their bind.
+    rebinds: tuple[str, ...] = ()
 
     @property
     def in_mode(self) -> bool:
@@ -541,6 +544,15 @@ def _young(addr: str, facts: HostFacts) -> bool:
     return facts.recovery_age.get(addr, 0.0) < RECOVERY_STALE_AFTER
 
 
+def needs_recovery(fn: PciFunction, facts: HostFacts) -> bool:
+    """A function `gpuwatch recover` rebinds even on its target driver: wedged, or failed
+    (its own ``FAILED_RECOVERY``, or the bridge's above it since its begin). The rebind is
+    its recovery and its bind clears the health; "already in mode" would leave it refused,
+    by the very refusal that named `recover`."""
+    return fn.health in UNSWITCHABLE or (fn.health == "recovering"
+                                         and fn.addr in facts.recovery_failed_above)
+
+
 def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str]:
     """What a switch says of a recovery it no longer waits for (`unhealthy_reason`)."""
     stale: list[str] = []
@@ -572,12 +584,14 @@ def virtual_functions_reason(fn: PciFunction) -> str:
 
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                 example: bool = False, force: bool = False,
-                recovering: bool = False) -> SwitchPlan:
+                recovering: bool = False, rebind: bool = True) -> SwitchPlan:
     """The ordered steps that bring every function of the group to its target driver.
 
     Raises `UnsafeName` for a malformed address or driver name; every other reason not to
     switch is a `Refusal` in the plan, with no steps. ``recovering`` (``gpuwatch recover``)
-    plans for a wedged or failed group too: a rebind is its recovery.
+    plans for a wedged or failed group too: a rebind is its recovery, so such a function is
+    rebound even on its target (`needs_recovery`), unless not ``rebind`` (a roll-back, which
+    only puts the drivers back).
     """
     fns = tuple(sorted(members, key=lambda f: f.addr))
     display = next((f for f in fns if is_gpu_class(f.class_)), fns[0])
@@ -608,7 +622,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     stale = recovery_notes(fns, facts)
     if stale:
         base["notes"] = (*base.get("notes", ()), *stale)
-    if all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
+    rebinds = tuple(fn.addr for fn in fns
+                    if recovering and rebind and needs_recovery(fn, facts))
+    base["rebinds"] = rebinds
+    if not rebinds and all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
         return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
                                                f"already in mode {mode}: nothing to write")})
 
@@ -618,7 +635,7 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "
                       "bridge stays on its host driver, so this group cannot be switched whole")
     with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
-                and not satisfied(f.driver, f, chosen[f.addr], facts)]
+                and (f.addr in rebinds or not satisfied(f.driver, f, chosen[f.addr], facts))]
     if with_vfs:
         return refuse(virtual_functions_reason(with_vfs[0]))
     if mode == "vfio" and group < 0:
@@ -669,7 +686,8 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         for fn in on_nvidia:
             current[fn.addr] = ""
 
-    changing = [fn for fn in fns if not satisfied(current[fn.addr], fn, chosen[fn.addr], facts)]
+    changing = [fn for fn in fns if fn.addr in rebinds
+                or not satisfied(current[fn.addr], fn, chosen[fn.addr], facts)]
     loaded = {driver_key(m) for m in facts.modules}
     for module in dict.fromkeys(driver_key(chosen[fn.addr].module) for fn in changing):
         if module not in loaded:
@@ -812,6 +830,7 @@ __all__ = [
     "find_card",
     "holder_scope",
     "kernel_users",
+    "needs_recovery",
     "override_path",
     "parse_mode",
     "parse_target",

@@ -40,7 +40,7 @@ from gpuwatch.core.modes import (
     Mode,
     group_mode,
 )
-from gpuwatch.core.observations import Observation
+from gpuwatch.core.observations import Observation, PciRebound
 from gpuwatch.core.plan import (
     CLEAR_OVERRIDE,
     PERSISTENCED_UNIT,
@@ -55,6 +55,7 @@ from gpuwatch.core.plan import (
     cdi_steps,
     find_card,
     holders_reason,
+    needs_recovery,
     nvidia_scope,
     override_path,
     parse_mode,
@@ -117,7 +118,11 @@ DEFAULT_ROLLBACK_TIMEOUT = 30.0
 _LOCK_DIR = "run/gpuwatch"
 #: Held shared by every switch, alone by one that unloads the nvidia module.
 _HOST_LOCK = "switch.lock"
-_PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "resync")
+#: How often a switch held by a PCI error recovery under way looks at the model again.
+_RECOVERY_POLL = 0.05
+#: What may complete a switch: ``device-changed`` too, for the health a rebind clears.
+_PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "device-changed",
+                    "resync")
 
 
 #: What a switch did: the ``switch-completed`` event record itself (one record, two JSON
@@ -342,12 +347,16 @@ class SwitchEngine:
         # A wedged or failed function needs its recovery, not a rebind by a switch: refused
         # even when the group is in mode, since it is unusable either way. A PCI error
         # recovery under way refuses `recover` too: the kernel is resetting the device.
-        unhealthy = unhealthy_reason(members, health_facts(self.model.state, members),
-                                     recover=recovering)
+        health = health_facts(self.model.state, members)
+        unhealthy = unhealthy_reason(members, health, recover=recovering)
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
-        if already_in_mode(members, to_mode, self.model.state.vfio_variants, vfio_driver):
+        # `recover` rebinds a wedged or failed function even where it already is (its
+        # recovery): "already in mode" would leave it refused as it was.
+        rebind = recovering and any(needs_recovery(m, health) for m in members)
+        if not rebind and already_in_mode(members, to_mode, self.model.state.vfio_variants,
+                                          vfio_driver):
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
@@ -606,7 +615,8 @@ class SwitchEngine:
                 lambda: gather_facts(paths, members, back, known, euid=euid,
                                      which=self.ops.which, deadline=proc_deadline),
                 min(self.scan_timeout, proc_deadline + 1), "the holder scan")
-            undo = plan_switch(members, back, facts, force=True, recovering=True)
+            undo = plan_switch(members, back, facts, force=True, recovering=True,
+                               rebind=False)
         except (StepTimedOut, UnsafeName, DeviceNotFound, OSError) as exc:
             restored.append(f"group {plan.group} not put back: {exc}")
             return False
@@ -778,6 +788,7 @@ class SwitchEngine:
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
                     notes: list[str]) -> bool:
         """Run one step; False when a command failed in a way that only warns."""
+        await self._await_recovery(plan, step, deadline, notes)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail(plan, f"the switch ran out of time before: {step.describe()}")
@@ -803,6 +814,37 @@ class SwitchEngine:
         except (HostStepError, UnsafeStep, OSError) as exc:
             self._fail(plan, f"{step.describe()}: {exc}")
         return True
+
+    async def _await_recovery(self, plan: SwitchPlan, step: Step, deadline: float,
+                              notes: list[str]) -> None:
+        """A PCI error recovery that began after the switch was decided (of a member, or of
+        a bridge above one) holds the next step until it ends, as it would have refused the
+        switch: an unbind or a bind while the kernel resets the device can wedge the host.
+        It reads the model only; bounded by the switch's deadline (then the switch fails,
+        as one out of time does), and a recovery past `RECOVERY_STALE_AFTER` holds nothing."""
+        state = self.model.state
+        began = time.monotonic()
+        waited = ""
+        while True:
+            members = (state.group_members(plan.addr) if plan.addr in state.functions
+                       else plan.members)
+            reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+            if reason is None:
+                break
+            reason = reason.split(";", 1)[0]
+            if not waited:
+                _log.info("switch of group %s: waiting before %s: %s", plan.group,
+                          step.describe(), reason)
+            waited = reason
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(plan, f"{reason}: the switch ran out of time waiting for it to end "
+                                 f"before {step.describe()}")
+            await anyio.sleep(min(_RECOVERY_POLL, left))
+        if waited:
+            notes.append(f"a PCI error recovery began during the switch: waited "
+                         f"{time.monotonic() - began:.0f} s for it to end before "
+                         f"{step.describe()}")
 
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:
@@ -859,6 +901,10 @@ class SwitchEngine:
             now = time.monotonic()
             if now >= check_at:
                 await self._reread(plan, deadline)
+                if plan.rebinds and self._reached(plan, facts, drivers_only=True):
+                    # The writes returned and the tree shows each function on its target:
+                    # the rebind happened, though its bind event was lost.
+                    await self._refresh([PciRebound(a) for a in self._unrecovered(plan)])
                 if self._reached(plan, facts):
                     notes.append("bind events were lost: completion read from the tree")
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
@@ -919,15 +965,26 @@ class SwitchEngine:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _reached(self, plan: SwitchPlan, facts: HostFacts) -> bool:
+    def _reached(self, plan: SwitchPlan, facts: HostFacts, *,
+                 drivers_only: bool = False) -> bool:
         """The model sees every function of the plan where it should be, by the plan's own
         rule (`satisfied`): another VFIO driver counts for a VFIO target, except for one asked
         for by name (``--vfio-driver``), where the model still showing the old variant means
-        its uevents have not been read yet, not that the switch is done."""
+        its uevents have not been read yet, not that the switch is done. A function rebound
+        where it was (`SwitchPlan.rebinds`) counts once its bind is seen (its bad health
+        cleared): before that, the model may not even have seen its unbind."""
         functions = self.model.state.functions
         return all((fn := functions.get(a)) is not None
                    and satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)
-                   for a, _ in plan.targets)
+                   for a, _ in plan.targets) and (drivers_only or not self._unrecovered(plan))
+
+    def _unrecovered(self, plan: SwitchPlan) -> list[str]:
+        """The functions `recover` rebinds (`SwitchPlan.rebinds`) whose health, as the model
+        has it, still needs that rebind (`needs_recovery`: no bind of theirs seen yet)."""
+        state = self.model.state
+        fns = [fn for a in plan.rebinds if (fn := state.functions.get(a)) is not None]
+        health = health_facts(state, fns) if fns else HostFacts()
+        return [fn.addr for fn in fns if needs_recovery(fn, health)]
 
     def _drivers_text(self, targets: dict[str, str]) -> str:
         functions = self.model.state.functions

@@ -107,6 +107,9 @@ class SimKernel:
         #: Drop ``bind`` uevents (and the ``vfio-dev`` adds of the bind): the tree changes but
         #: the watcher is not told.
         self.lose_bind_events = False
+        #: Drop ``unbind`` uevents (and the ``vfio-dev`` removes of the unbind) the same way:
+        #: with both lost, a rebind to the same driver leaves no trace but the tree.
+        self.lose_unbind_events = False
         #: ``modprobe NAME`` of these fails (module not found).
         self.fail_modules: set[str] = set()
         self.tools = set(tools)
@@ -328,9 +331,11 @@ class SimKernel:
         driver = self._driver(addr)
         if os.path.isdir(os.path.join(self.paths.bus_pci, addr, "vfio-dev")):
             devpath = self.sys.remove_vfio_dev(addr)
-            self.source.push(self.sys.uevent_props("remove", devpath))
+            if not self.lose_unbind_events:  # lost with the unbind it belongs to
+                self.source.push(self.sys.uevent_props("remove", devpath))
         self.sys.unbind(addr)
-        self.source.push(self.sys.uevent_props("unbind", addr))
+        if not self.lose_unbind_events:
+            self.source.push(self.sys.uevent_props("unbind", addr))
         if is_vfio_driver(driver):
             group = self._group(addr)
             still = [a for a in self.sys.functions
