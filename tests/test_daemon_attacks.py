@@ -900,3 +900,57 @@ def test_a_sticky_shared_directory_like_tmp_is_fine(
     os.chmod(shared, 0o1777)
     with Daemon(host.root, tmp_path, str(shared / "gw.sock")) as d:
         assert probe(d.sock)["result"] is True
+
+
+def _reuse_pid(pid: int, argv: list[str]) -> subprocess.Popen[bytes] | None:
+    """Start ``argv`` as process ``pid`` (free again): the kernel hands out the pid after
+    ``ns_last_pid``. Other processes forking meanwhile may take it first: a few tries."""
+    for _ in range(100):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(argv)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_memlock_is_not_answered_for_a_process_that_took_the_peers_pid(daemon: Daemon) -> None:
+    """``memlock`` answers for the process that connected. Once that process exits, its pid
+    may be handed to another (here on purpose) while the connection lives on in a process it
+    passed it to: the daemon read that other process's limit as the peer's. It now tells the
+    pid's new process from the one that connected (its start time, read at accept)."""
+    keep, give = socket.socketpair()
+    code = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+            "socket.send_fds(socket.socket(fileno=int(sys.argv[2])), [b'x'], [s.fileno()])")
+    with keep, give:
+        child = subprocess.Popen([sys.executable, "-c", code, daemon.sock, str(give.fileno())],
+                                 pass_fds=[give.fileno()])
+        keep.settimeout(20)
+        _, fds, _, _ = socket.recv_fds(keep, 1, 1)
+    assert child.wait(timeout=20) == 0
+    with socket.socket(fileno=fds[0]) as conn:
+        conn.settimeout(10)
+        other = _reuse_pid(child.pid, ["prlimit", "--memlock=12345:23456", "sleep", "60"])
+        if other is None:
+            pytest.skip("cannot hand a pid to a new process here (ns_last_pid)")
+        try:
+            deadline = time.monotonic() + 10
+            while "12345" not in Path(f"/proc/{other.pid}/limits").read_text():
+                assert time.monotonic() < deadline, "prlimit did not set the limit"
+                time.sleep(0.01)
+            reply = Lines(conn).request("probe", {"action": "memlock"})
+        finally:
+            other.kill()
+            other.wait()
+    assert reply["error"]["code"] == P.UNAVAILABLE, reply
+    assert f"(pid {child.pid}) has exited" in reply["error"]["message"], reply
+    # A peer still there is answered with its own limit.
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    assert probe(daemon.sock, "memlock")["result"]["soft"] == (
+        None if soft == resource.RLIM_INFINITY else soft)

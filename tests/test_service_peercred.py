@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
+from gpuwatch.service import peers
 from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import default_ops
 from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
@@ -211,6 +213,60 @@ async def test_access_probes_answer_for_the_peer(host: SysRoot, sockdir: str) ->
         )
         assert [r["result"] for r in result["replies"][:2]] == [True, False]  # what *it* may open
         assert result["replies"][2]["result"] == {"soft": 65536, "hard": 65536}  # its own limit
+
+
+async def test_without_so_peergroups_a_slow_group_database_stalls_no_one(
+    host: SysRoot, sockdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel lacks SO_PEERGROUPS (before 4.13) a peer's groups come from the group
+    database, which may hang on the network (LDAP, sssd). That lookup ran on the event loop:
+    one connecting peer stalled every client. It now runs in a thread, root is served
+    meanwhile, and a peer whose lookup takes longer than the bound is refused at accept
+    (``unavailable``, retry) instead of being waited for; a lookup in time admits it."""
+    release = threading.Event()
+    started = threading.Event()
+    ended = threading.Event()
+
+    def slow_groups(uid: int, gid: int) -> list[int]:
+        started.set()
+        release.wait(60)  # the group database, stuck on the network until released
+        ended.set()
+        return [READERS]
+
+    monkeypatch.setattr(peers, "_peer_groups", lambda sock: None)
+    monkeypatch.setattr(peers, "_db_groups", slow_groups)
+    path = f"{sockdir}/gw.sock"
+    try:
+        async with served_watcher(host.root, path, read_gid=READERS, groups_timeout=2):
+            os.chmod(path, 0o666)  # the file mode is not what this test is about
+            async with anyio.create_task_group() as tg:
+                slow: dict[str, Any] = {}
+
+                async def connect_slow() -> None:
+                    slow.update(await as_nobody(path, [READERS],
+                                                ("probe", {"action": "detect-gpu"})))
+
+                tg.start_soon(connect_slow)
+                await anyio.to_thread.run_sync(started.wait, 20)
+                assert started.is_set()
+
+                def as_root() -> Any:
+                    with socket.socket(socket.AF_UNIX) as sock:
+                        sock.settimeout(10)
+                        sock.connect(path)
+                        sock.sendall(P.encode_request(1, "probe", {"action": "detect-gpu"}))
+                        return json.loads(sock.makefile("rb").readline())
+
+                assert "result" in await anyio.to_thread.run_sync(as_root)
+                assert not ended.is_set()  # answered while the lookup was still stuck
+            assert slow["replies"][0]["id"] is None, slow
+            assert slow["replies"][0]["error"]["code"] == P.UNAVAILABLE, slow
+            assert "group database" in slow["replies"][0]["error"]["message"], slow
+            release.set()  # a database that answers in time: the peer is admitted
+            fine = await as_nobody(path, [], ("probe", {"action": "detect-gpu"}))
+            assert codes(fine) == ["ok"], fine
+    finally:
+        release.set()
 
 
 def test_peer_credentials_of_a_socketpair() -> None:

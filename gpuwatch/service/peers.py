@@ -32,9 +32,17 @@ class PeerCred:
     uid: int
     gid: int
     groups: frozenset[int]
+    #: When ``pid`` started (`process_start`), read at accept: with the pid it names one
+    #: process for the whole boot, so a pid reused after the peer exited is told apart.
+    start: int | None = None
 
     def describe(self) -> str:
         return f"uid {self.uid} pid {self.pid}"
+
+    def still_there(self, proc: str = "/proc") -> bool:
+        """Whether ``pid`` still names the process that connected (False when it exited,
+        maybe handing its pid to another process, or its start time was never read)."""
+        return self.start is not None and process_start(self.pid, proc) == self.start
 
 
 def _peer_groups(sock: socket.socket) -> list[int] | None:
@@ -61,14 +69,55 @@ def _db_groups(uid: int, gid: int) -> list[int]:
         return []
 
 
-def peer_credentials(sock: socket.socket) -> PeerCred:
-    """SO_PEERCRED of a connected Unix socket, with the peer's groups."""
+def database_groups(uid: int, gid: int) -> list[int]:
+    """The supplementary groups of ``uid`` from the group database (NSS: files, LDAP, sssd):
+    where the kernel lacks SO_PEERGROUPS. It may block on the network: a daemon calls it
+    off its event loop, with a bound (`gpuwatch.service.server`)."""
+    return _db_groups(uid, gid)
+
+
+def kernel_credentials(sock: socket.socket) -> tuple[PeerCred, bool]:
+    """SO_PEERCRED of a connected Unix socket, with SO_PEERGROUPS where the kernel has it:
+    ``(peer, complete)``; ``complete`` is False when the supplementary groups are still to
+    be looked up (`database_groups`), the peer then holding its primary group alone. Never
+    blocks on anything but the kernel."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     groups = _peer_groups(sock)
-    if groups is None:
-        groups = _db_groups(uid, gid)
-    return PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *groups)))
+    peer = PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *(groups or ()))),
+                    start=process_start(pid))
+    return peer, groups is not None
+
+
+def with_groups(peer: PeerCred, groups: list[int]) -> PeerCred:
+    """``peer`` with the supplementary groups looked up for it."""
+    return PeerCred(pid=peer.pid, uid=peer.uid, gid=peer.gid,
+                    groups=frozenset((peer.gid, *groups)), start=peer.start)
+
+
+def peer_credentials(sock: socket.socket) -> PeerCred:
+    """SO_PEERCRED of a connected Unix socket, with the peer's groups (looked up in the
+    group database, blocking, where the kernel lacks SO_PEERGROUPS)."""
+    peer, complete = kernel_credentials(sock)
+    if complete:
+        return peer
+    return with_groups(peer, _db_groups(peer.uid, peer.gid))
+
+
+def process_start(pid: int, proc: str = "/proc") -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``starttime``, field 22 of
+    ``/proc/<pid>/stat``); None when there is no such process or the file is garbage."""
+    if pid <= 0:
+        return None
+    try:
+        raw = read_bytes(f"{proc}/{pid}/stat", 4096)
+    except OSError:
+        return None
+    fields = raw.rpartition(b")")[2].split()  # after the comm, which may hold anything
+    try:
+        return int(fields[19])  # fields[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return None
 
 
 def group_label(gid: int | None) -> str:
@@ -121,7 +170,9 @@ class AccessPolicy:
 
 def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
     """The peer's RLIMIT_MEMLOCK from ``/proc/<pid>/limits`` (world-readable, no privilege):
-    the probe contract answers for the asking process, so the daemon answers for its peer."""
+    the probe contract answers for the asking process, so the daemon answers for its peer.
+    Whether ``pid`` is still that process is the caller's to check, after this read
+    (`PeerCred.still_there`)."""
     try:
         lines = read_bytes(f"{proc}/{pid}/limits", 16384).decode("ascii", "replace").splitlines()
     except OSError:
@@ -145,7 +196,11 @@ def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
 __all__ = [
     "AccessPolicy",
     "PeerCred",
+    "database_groups",
     "group_label",
+    "kernel_credentials",
     "peer_credentials",
     "peer_memlock",
+    "process_start",
+    "with_groups",
 ]

@@ -29,6 +29,7 @@ import resource
 import select
 import socket
 import stat
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -46,7 +47,14 @@ from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
 from gpuwatch.service.lograte import RateLimitedLog
 from gpuwatch.service.ops import OpHandler, default_ops
-from gpuwatch.service.peers import AccessPolicy, PeerCred, peer_credentials, peer_memlock
+from gpuwatch.service.peers import (
+    AccessPolicy,
+    PeerCred,
+    database_groups,
+    kernel_credentials,
+    peer_memlock,
+    with_groups,
+)
 from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
 from gpuwatch.watch.watcher import event_filters
@@ -93,6 +101,10 @@ _ACCEPT_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOM
 # Waits between accept tries while the shortage lasts (no spare descriptor to give up).
 _ACCEPT_BACKOFF = 0.05
 _ACCEPT_BACKOFF_MAX = 1.0
+#: Seconds a peer's groups may take to look up where the kernel lacks SO_PEERGROUPS.
+GROUPS_TIMEOUT = 5.0
+# Group lookups running at once (threads, counting those given up on but not yet ended).
+_MAX_GROUP_LOOKUPS = 32
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
 
@@ -187,10 +199,15 @@ def _take_socket_lock(path: str) -> int:
         try:
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | flags, 0o644)
-            except PermissionError:
+            except PermissionError as denied:
                 # Left by a daemon of another user (root's, killed): flock needs no write
                 # access, so it still serves as the lock.
-                fd = os.open(name, os.O_RDONLY | flags)
+                try:
+                    fd = os.open(name, os.O_RDONLY | flags)
+                except FileNotFoundError:
+                    # None there, and we may not make one (a directory we may not write to):
+                    # that, not "no such file" (exit 75), is what a restart cannot change.
+                    raise denied from None
         except OSError as exc:
             error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
             raise error(f"not serving {path}: cannot open its lock {name}: "
@@ -884,6 +901,7 @@ class SocketServer:
         ops: dict[str, OpHandler] | None = None,
         flush_window: float = FLUSH_WINDOW,
         log_keep: int = 5,
+        groups_timeout: float = GROUPS_TIMEOUT,
     ) -> None:
         self.watcher = watcher
         self.path = os.fspath(path)
@@ -927,6 +945,10 @@ class SocketServer:
         self.lag_drops = 0
         #: The daemon is stopping: a request not answered yet is answered `unavailable`.
         self.stopping = False
+        self.groups_timeout = groups_timeout
+        # Group lookups in threads (no SO_PEERGROUPS), ended or not: bounded.
+        self._lookups = 0
+        self._lookup_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1092,9 +1114,66 @@ class SocketServer:
                     loop: asyncio.AbstractEventLoop | None) -> None:
         """Authorise a just-accepted client and serve it."""
         csock.setblocking(False)
-        peer = self._authorise(csock)
-        if peer is None:
+        try:
+            peer, complete = kernel_credentials(csock)
+        except OSError:
+            csock.close()
             return
+        if not complete and not self.policy.privileged(peer):
+            # No SO_PEERGROUPS (Linux < 4.13): the groups come from the group database,
+            # which may block on the network (LDAP, sssd). Looked up off the loop, bounded,
+            # while everyone else is served.
+            with self._lookup_lock:
+                busy = self._lookups >= _MAX_GROUP_LOOKUPS
+                if not busy:
+                    self._lookups += 1
+            if busy:
+                self._turn_away(csock, peer, P.TOO_MANY_CLIENTS,
+                                f"{_MAX_GROUP_LOOKUPS} lookups of peers' groups are pending "
+                                "(the group database is slow); retry")
+                return
+            tg.start_soon(self._take_after_lookup, csock, peer, tg, loop)
+            return
+        if self._authorise(csock, peer):
+            await self._serve_peer(csock, peer, tg, loop)
+
+    async def _take_after_lookup(self, csock: socket.socket, peer: PeerCred,
+                                 tg: anyio.abc.TaskGroup,
+                                 loop: asyncio.AbstractEventLoop | None) -> None:
+        """`_take` for a peer whose groups the kernel did not give: they are looked up in a
+        thread (counted in ``_lookups`` until it ends, even one given up on), and a peer
+        whose lookup takes longer than ``groups_timeout`` is refused, not waited for."""
+        from gpuwatch.hostfs.facts import call_bounded
+
+        def lookup() -> list[int]:
+            try:
+                return database_groups(peer.uid, peer.gid)
+            finally:
+                with self._lookup_lock:
+                    self._lookups -= 1
+
+        try:
+            try:
+                groups = await call_bounded(lookup, self.groups_timeout,
+                                            f"groups of uid {peer.uid}")
+            except Exception as exc:
+                why = ("did not finish within "
+                       f"{self.groups_timeout:g} s" if isinstance(exc, TimeoutError) else
+                       f"failed ({type(exc).__name__})")
+                self._turn_away(csock, peer, P.UNAVAILABLE,
+                                f"the lookup of uid {peer.uid}'s groups in the group database "
+                                f"{why}; retry")
+                return
+        except BaseException:
+            csock.close()  # the daemon is stopping
+            raise
+        peer = with_groups(peer, groups)
+        if self._authorise(csock, peer):
+            await self._serve_peer(csock, peer, tg, loop)
+
+    async def _serve_peer(self, csock: socket.socket, peer: PeerCred, tg: anyio.abc.TaskGroup,
+                          loop: asyncio.AbstractEventLoop | None) -> None:
+        """Serve an authorised client."""
         if loop is None:
             tg.start_soon(self._handle, csock, peer)
             return
@@ -1132,19 +1211,14 @@ class SocketServer:
                                         "clients")
         return None
 
-    def _authorise(self, sock: socket.socket) -> PeerCred | None:
-        """The peer of a just-accepted socket if it may have a connection; otherwise it gets
-        one error line and is closed, before a byte of it is read."""
-        try:
-            peer = peer_credentials(sock)
-        except OSError:
-            sock.close()
-            return None
+    def _authorise(self, sock: socket.socket, peer: PeerCred) -> bool:
+        """Whether the peer of a just-accepted socket may have a connection; otherwise it
+        gets one error line and is closed, before a byte of it is read."""
         refusal = self._admit(peer)
         if refusal is None:
-            return peer
+            return True
         self._turn_away(sock, peer, *refusal)
-        return None
+        return False
 
     def _turn_away(self, sock: socket.socket, peer: PeerCred | None, code: str,
                    message: str) -> None:
@@ -1449,6 +1523,12 @@ class SocketServer:
                     node, conn.peer.uid, conn.peer.groups)
             if action == "memlock":
                 limit = peer_memlock(conn.peer.pid)
+                # Checked after the read: a pid the peer left behind, reused by another
+                # process, must not be answered with that process's limit.
+                if limit is not None and not conn.peer.still_there():
+                    raise P.RpcError(P.UNAVAILABLE, f"the process that connected (pid "
+                                                    f"{conn.peer.pid}) has exited; its pid "
+                                                    "may name another process now")
                 if limit is None:
                     raise P.RpcError(P.UNAVAILABLE, f"cannot read the memlock limit of pid "
                                                     f"{conn.peer.pid}")
