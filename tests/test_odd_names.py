@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import anyio
 import pytest
 from cli_helpers import run_main as cli
 from daemon_helpers import env, gpuwatch_cmd
@@ -64,3 +65,33 @@ def test_the_probe_writes_utf8(tmp_path: Path, action: str) -> None:
         assert result == ODD
     else:
         assert {g["addr"]: g["driver"] for g in result["gpus"]}[NV] == ODD
+
+
+@pytest.mark.parametrize(("addr", "was"), [(NV, "nvidia"), ("0000:02:00.0", "igb")])
+@pytest.mark.parametrize("action", ["bind", "change"])
+async def test_a_uevent_re_read_names_it_the_same_way(tmp_path: Path, action: str, addr: str,
+                                                      was: str) -> None:
+    """The watcher's re-read after a uevent gives the scan's name too: the plain lane (a
+    bind of the NIC on igb), the full read (a change; the GPU's bind, nvidia being
+    VFIO-capable). The model never holds the raw byte, so the JSON written of it (the log,
+    the socket, the CLI) is UTF-8 naming U+FFFD."""
+    from gpuwatch.sources.memory import MemorySource
+
+    s = example_gpu_host(tmp_path / "h")
+    source = MemorySource()
+    log = tmp_path / "events.jsonl"
+    async with gpuwatch.open_watcher(s.root, source, log=str(log), reconcile_interval=0,
+                                     cdi_poll_interval=0) as w:
+        assert w.model.function(addr).driver == was
+        link = s.device_dir(addr) / "driver"
+        link.unlink()
+        os.symlink(b"../../../../bus/pci/drivers/nv\xff\x1b[31mX", bytes(link))
+        props = s.uevent_props(action, addr)
+        async with w.subscribe(types=["driver-changed"]) as sub:
+            source.push(props)
+            with anyio.fail_after(10):
+                event = await sub.__anext__()
+        assert (event.old, event.new) == (was, ODD)
+        assert w.model.function(addr).driver == ODD
+    lines = log.read_bytes().decode("utf-8").splitlines()
+    assert any(json.loads(line).get("new") == ODD for line in lines)

@@ -105,7 +105,9 @@ def read_attr(path: str) -> str:
 def link_name(path: str, missing: Callable[[], str] | None = None) -> str:
     """The name a sysfs link stands for: the basename of its target (``driver`` → ``nvidia``,
     in any spelling, ``../../../0000:03:00.0`` too, dangling or not); ``""`` when absent,
-    or what ``missing()`` says when there is nothing at ``path`` (ENOENT).
+    or what ``missing()`` says when there is nothing at ``path`` (ENOENT). A byte of the
+    target that is not UTF-8 reads as U+FFFD (`name_text`): every reader, the uevent
+    re-reads included, names it as a scan does.
 
     Trees copied by capture tools often hold a real directory where the kernel has a link
     (the copy of what it pointed to): then the directory names itself, see `dir_link_name`.
@@ -118,7 +120,7 @@ def link_name(path: str, missing: Callable[[], str] | None = None) -> str:
         return missing() if missing is not None and exc.errno == errno.ENOENT else ""
     except ValueError:
         return ""
-    return target.rstrip("/").rpartition("/")[2]  # os.path.basename, minus its overhead
+    return name_text(target.rstrip("/").rpartition("/")[2])  # os.path.basename, less its cost
 
 
 def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
@@ -278,7 +280,7 @@ def driver_name(device_dir: str) -> str:
     the same binding (on a live host the two agree, so an unbound function pays one read of
     its ``uevent``), or, where no ``uevent`` was copied either, the driver folder in
     ``sys/bus/pci/drivers`` that lists the function."""
-    return name_text(link_name(device_dir + "/driver", lambda: _told_driver(device_dir)))
+    return link_name(device_dir + "/driver", lambda: _told_driver(device_dir))
 
 
 def group_name(device_dir: str) -> str:

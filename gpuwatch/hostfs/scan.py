@@ -48,7 +48,6 @@ from gpuwatch.hostfs.files import (
     in_tree,
     link_name,
     list_dir,
-    name_text,
     read_attr,
     read_bytes,
     read_text,
@@ -406,7 +405,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
     trusts the links alone: only a live kernel sends uevents, and its links are the truth
     the moment they change, while a fixture's other files may lag behind them."""
     klass = class_prefix(read_attr(directory + "/class"))
-    driver = driver_name(directory) if told else name_text(link_name(directory + "/driver"))
+    driver = driver_name(directory) if told else link_name(directory + "/driver")
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
