@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from gpuwatch.errors import UsageError
+from gpuwatch.errors import SubscriberLagged, UsageError
 from gpuwatch.host import Host, open_host
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot
@@ -111,3 +111,63 @@ def test_the_handover_delivers_each_seq_once_in_order() -> None:
         False, False, True, False, True, False, True]
     assert seam.last_seq == 9
     assert first_is_next(4, 3) and not first_is_next(6, 3) and not first_is_next(None, 3)
+
+
+@pytest.mark.parametrize("hole", ["directory", "missing"])
+async def test_a_hole_in_the_rotated_log_ends_the_replay_with_lagged(
+        host: SysRoot, tmp_path: Path, hole: str) -> None:
+    """A rotated file the readers skip (a directory at its name) or lost from the middle of
+    the log: the replay gives every event before it, then `SubscriberLagged` naming the
+    first missing seq, not a stream with seqs silently missing under ``complete``; resuming
+    from there is answered ``complete: False``."""
+    log = tmp_path / "events.jsonl"
+    async with logged_host(host, log, log_max_bytes=600, log_keep=50) as (gpu_host, source):
+        await flip(gpu_host, host, source, 6)
+        rotated = sorted(tmp_path.glob("events.jsonl.*[0-9]"), key=lambda p: int(p.suffix[1:]))
+        assert len(rotated) >= 3, rotated
+        middle = rotated[len(rotated) // 2]
+        lost = [int(line.split(b'"seq":', 1)[1].split(b",", 1)[0])
+                for line in middle.read_bytes().splitlines()]
+        middle.unlink()
+        if hole == "directory":
+            middle.mkdir()
+        async with gpu_host.subscribe(since_seq=0) as sub:
+            assert sub.complete
+            got: list[int] = []
+            with anyio.fail_after(10), pytest.raises(SubscriberLagged) as caught:
+                while True:
+                    got.append((await sub.receive()).seq)
+        assert caught.value.first_missed_seq == lost[0]
+        assert caught.value.missed == len(lost)
+        assert got == list(range(1, lost[0]))  # everything before the hole, in order
+        async with gpu_host.subscribe(since_seq=lost[0] - 1) as again:
+            assert not again.complete
+            first = await take(again, 1)
+        assert first[0].seq == lost[-1] + 1
+
+
+async def test_a_log_that_ends_before_the_watchers_seq_ends_the_replay_with_lagged(
+        host: SysRoot, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    async with logged_host(host, log) as (gpu_host, source):
+        await flip(gpu_host, host, source, 2)
+        lines = log.read_bytes().splitlines(keepends=True)
+        log.write_bytes(b"".join(lines[:-2]))  # its newest two lines lost
+        now = gpu_host.seq
+        async with gpu_host.subscribe(since_seq=0) as sub:
+            with anyio.fail_after(10), pytest.raises(SubscriberLagged) as caught:
+                while True:
+                    await sub.receive()
+        assert (caught.value.first_missed_seq, caught.value.missed) == (now - 1, 2)
+
+
+async def test_a_filtered_replay_still_sees_the_hole(host: SysRoot, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    async with logged_host(host, log, log_max_bytes=600, log_keep=50) as (gpu_host, source):
+        await flip(gpu_host, host, source, 6)
+        rotated = sorted(tmp_path.glob("events.jsonl.*[0-9]"), key=lambda p: int(p.suffix[1:]))
+        rotated[len(rotated) // 2].unlink()
+        async with gpu_host.subscribe(types={"driver-changed"}, since_seq=0) as sub:
+            with anyio.fail_after(10), pytest.raises(SubscriberLagged):
+                while True:
+                    assert (await sub.receive()).type == "driver-changed"

@@ -59,6 +59,10 @@ class Subscription:
         self._replay: Iterator[EventRecord] | None = None
         self._replay_until = 0
         self._handover: Handover | None = None
+        self._expected: int | None = None  # the seq the log must hold next while replaying
+        #: Where the replayed log has a hole: (first missing seq, how many); the subscriber
+        #: gets `SubscriberLagged` there, as a socket subscriber gets its `lagged` line.
+        self.hole: tuple[int, int] | None = None
         #: False when the log no longer holds every event after ``since_seq``.
         self.complete = True
         #: The thread whose event loop feeds this queue: a reader elsewhere would race it.
@@ -67,7 +71,13 @@ class Subscription:
     def start_replay(self, records: Iterator[EventRecord], since_seq: int, until_seq: int,
                      complete: bool) -> None:
         """Deliver the log's events in (``since_seq``, ``until_seq``] before the live ones
-        (which, registered at ``until_seq``, all come after)."""
+        (which, registered at ``until_seq``, all come after).
+
+        ``records`` are every record of the log (unfiltered): ``complete`` judges only the
+        first, so a hole further on (a rotated file missing or unreadable, writes that
+        failed) shows as a seq jump, or as a log that ends before ``until_seq``. The replay
+        stops there, and the reader gets what came before, then `SubscriberLagged` naming
+        the first missing seq, instead of events with seqs silently missing."""
         self._replay = records
         self._replay_until = until_seq
         self._handover = Handover(since_seq)
@@ -79,11 +89,19 @@ class Subscription:
         out: list[BaseModel] = []
         if records is None or self._handover is None:
             return out
+        types = self.types
         for record in records:
             seq = record.event["seq"]
             if seq > self._replay_until:
                 break  # from here on the live stream has it
             if not self._handover.fresh(seq):
+                continue
+            if self._expected is not None and seq > self._expected:
+                self.hole = (self._expected, seq - self._expected)
+                self._end_replay()
+                return out
+            self._expected = seq + 1
+            if types is not None and record.event.get("type") not in types:
                 continue
             try:
                 event = parse_event(record.line)
@@ -93,6 +111,9 @@ class Subscription:
                 out.append(event)
             if len(out) >= REPLAY_CHUNK:
                 return out
+        expected = self._expected
+        if expected is not None and expected <= self._replay_until:
+            self.hole = (expected, self._replay_until + 1 - expected)  # the log ends early
         self._end_replay()
         return out
 
@@ -150,6 +171,11 @@ class Subscription:
                 taken.extend(await anyio.to_thread.run_sync(self._read_replay))
             if taken:
                 return taken.popleft()
+        if not taken and self.hole is not None:
+            # Nothing after a hole: the live events queued meanwhile would skip it too.
+            self._send.close()
+            self._recv.close()
+            raise SubscriberLagged(self.hole[1], self.hole[0])
         if not taken:
             try:
                 batch = await self._recv.receive()

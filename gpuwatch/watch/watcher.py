@@ -304,7 +304,9 @@ class Watcher:
         if path is None:
             sub.complete = False  # no log to replay from (none, stdout, a FIFO, a device)
             return
-        records = read_records(path, since_seq=since_seq, types=sub.types)
+        # Every record, not only the wanted types: a seq jump between two of them is a hole
+        # in the log (`Subscription.start_replay`), which a filter would hide.
+        records = read_records(path, since_seq=since_seq)
         first = await anyio.to_thread.run_sync(next, records, None)
         if first is None:
             sub.complete = False
