@@ -51,6 +51,7 @@ from gpuwatch.service.peers import (
     AccessPolicy,
     PeerCred,
     database_groups,
+    group_label,
     kernel_credentials,
     peer_memlock,
     with_groups,
@@ -923,6 +924,8 @@ class SocketServer:
         self.path = os.fspath(path)
         self.policy = AccessPolicy(read_gid=read_gid, switch_gid=switch_gid,
                                    owner_uid=os.geteuid())
+        for gid in (read_gid, switch_gid):
+            group_label(gid)  # looked up now, not on the loop at each refusal that names it
         self.log_path = log_path if log_path not in (None, "-") else None
         self.metrics = metrics
         self.outbox_limit = max(outbox_limit, 4 * _LAG_RESERVE)
