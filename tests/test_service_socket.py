@@ -45,7 +45,7 @@ from gpuwatch.service.client import (
 )
 from gpuwatch.service.ops import default_ops
 from gpuwatch.service.peers import PeerCred
-from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
+from gpuwatch.service.server import SocketInUse, SocketServer, SocketSetupError, bind_socket
 from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch.engine import SwitchResult
@@ -798,6 +798,34 @@ async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
     assert [json.loads(x) for x in rest.splitlines()] == [{"id": 7, "error": {
         "code": P.UNAVAILABLE, "message": "holders: the daemon is stopping; retry"}}]
     await c.aclose()
+
+
+async def test_a_request_whose_task_never_started_before_the_stop_is_told_so(
+    host: SysRoot, sockdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that needs a task (holders, plan, a /proc probe) read in the loop turn a
+    stop comes in is queued for the spawner, which the stop cancels before it starts it:
+    it got no reply at all. It is now told `unavailable` like the rest, in order."""
+
+    async def late_spawner(self: SocketServer, tg: Any) -> None:
+        await anyio.sleep_forever()  # the stop comes before the spawner's next turn
+
+    monkeypatch.setattr(SocketServer, "_spawner", late_spawner)
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(3, "holders", {})
+                     + P.encode_request(4, "probe", {"action": "detect-gpu"}))
+        with anyio.fail_after(5):
+            while not served.server._to_spawn:
+                await anyio.sleep(0.01)
+    rest = [json.loads(x) for x in (await c.eof()).splitlines()]
+    await c.aclose()
+    assert rest == [
+        {"id": 3, "error": {"code": P.UNAVAILABLE,
+                            "message": "holders: the daemon is stopping; retry"}},
+        {"id": 4, "error": {"code": P.UNAVAILABLE,
+                            "message": "probe: the daemon is stopping; retry"}},
+    ]
 
 
 async def test_requests_queued_behind_one_in_flight_are_each_told_the_daemon_stops(

@@ -32,7 +32,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -826,7 +826,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
             later = server._answer(self, line)
             if later is not None:
                 self._pause()
-                server._spawn(self._run, later)
+                server._spawn(self, later)
                 return
         if self.eof and not self.closed:
             if self.sub is None:
@@ -956,8 +956,8 @@ class SocketServer:
         self.connections: set[Connection] = set()
         self._subscribers: list[Connection] = []
         self._ident: tuple[int, int] | None = None
-        self._to_spawn: deque[tuple[Callable[..., Coroutine[Any, Any, Any]],
-                                    tuple[Any, ...]]] = deque()
+        self._to_spawn: deque[tuple[_ProtocolConnection,
+                                    Callable[[], Awaitable[None]]]] = deque()
         self._spawn_wake: anyio.Event | None = None  # made in `serve`: it needs the loop
         # Coalescing (`_on_batch`): batches published since the last flush, and when that was.
         self._pending: list[_Batch] = []
@@ -1000,6 +1000,8 @@ class SocketServer:
                 await self._accept_loop(lsock, tg, loop)
         finally:
             self.stopping = True
+            with contextlib.suppress(Exception):
+                self._unstarted()  # before the lines queued behind them, in order
             if self._on_batch in self.watcher.batch_listeners:
                 self.watcher.batch_listeners.remove(self._on_batch)
             with contextlib.suppress(Exception):
@@ -1063,12 +1065,23 @@ class SocketServer:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
-        """Start a task from a protocol callback (no task context there, so no task group
-        call): the spawner task starts it in the server's task group."""
-        self._to_spawn.append((fn, args))
+    def _spawn(self, conn: _ProtocolConnection, later: Callable[[], Awaitable[None]]) -> None:
+        """Run ``later`` for ``conn`` as a task, from a protocol callback (no task context
+        there, so no task group call): the spawner task starts it in the server's task
+        group. One the daemon stops before it starts is answered by `_unstarted`."""
+        self._to_spawn.append((conn, later))
         assert self._spawn_wake is not None
         self._spawn_wake.set()
+
+    def _unstarted(self) -> None:
+        """The daemon stops: a request whose task was never started (read in the loop turn
+        the stop came in) gets `unavailable` too, not silence."""
+        while self._to_spawn:
+            conn, later = self._to_spawn.popleft()
+            if (isinstance(later, functools.partial) and later.func == self._answer_later
+                    and not conn.closed):
+                req: P.Request = later.args[1]
+                self._stopping_reply(conn, req.id, req.method)
 
     async def _spawner(self, tg: anyio.abc.TaskGroup) -> None:
         while True:
@@ -1076,8 +1089,8 @@ class SocketServer:
             await self._spawn_wake.wait()
             self._spawn_wake = anyio.Event()
             while self._to_spawn:
-                fn, args = self._to_spawn.popleft()
-                tg.start_soon(fn, *args)
+                conn, later = self._to_spawn.popleft()
+                tg.start_soon(conn._run, later)
 
     async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup,
                            loop: asyncio.AbstractEventLoop | None) -> None:
