@@ -87,3 +87,67 @@ def test_a_reader_that_leaves_early_is_no_error(host: SysRoot, words: list[str])
         err = child.stderr.read().decode()
     assert child.wait(timeout=60) == 0, err
     assert "Traceback" not in err and "Exception ignored" not in err
+
+
+#: A process names itself (``prctl``): outside ASCII and Latin-1 both.
+ODD_COMM = "Xörg\u202e\u65e5"
+#: What prints a name the host chose: JSON (the fast paths, the full commands, the log) and
+#: text.
+NAMING = (["probe", "nvidia-holders"], ["probe", "nvidia-holders", "--fresh"],
+          ["holders", "--json"], ["plan", "vfio", "--json"], ["holders"], ["plan", "vfio"])
+
+
+@pytest.fixture
+def named_host(host: SysRoot) -> SysRoot:
+    host.add_module("nvidia")
+    host.add_cdi_spec()
+    host.add_process(77, ODD_COMM, fds={3: "/dev/nvidia0"})
+    return host
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_a_stdout_that_cannot_encode_a_name_still_gets_the_answer(
+        named_host: SysRoot, encoding: str, tmp_path: Path) -> None:
+    """``PYTHONIOENCODING=ascii`` (or a Latin-1 locale) and a process whose name it cannot
+    encode: JSON is UTF-8 whatever the locale (RFC 8259), byte for byte what a UTF-8 stdout
+    gets; text escapes what the encoding cannot say. Was: an internal error, exit 1."""
+    log = tmp_path / "events.jsonl"
+    stored = ('{"seq":1,"time":"t","type":"ready","reason":"' + ODD_COMM + '"}\n').encode()
+    log.write_bytes(stored)
+    for words in [*NAMING, ["events", str(log)]]:
+        argv = gpuwatch_cmd(*words) if words[0] == "events" else _argv(named_host, words)
+        utf8 = subprocess.run(argv, capture_output=True, env={**env(), "PYTHONIOENCODING":
+                                                             "utf-8"}, timeout=60)
+        other = subprocess.run(argv, capture_output=True, env={**env(), "PYTHONIOENCODING":
+                                                              encoding}, timeout=60)
+        assert b"internal error" not in other.stderr, (words, other.stderr)
+        assert other.returncode == utf8.returncode, (words, other.stderr)
+        assert other.stderr.count(b"\n") == utf8.stderr.count(b"\n"), (words, other.stderr)
+        if "--json" in words or words[0] in ("probe", "events"):
+            assert other.stdout == utf8.stdout, words
+        else:
+            other.stdout.decode(encoding)  # all of it said in the encoding
+            assert b"X\\xf6rg" in other.stdout if encoding == "ascii" else \
+                "Xörg".encode(encoding) in other.stdout, words
+        if words[0] == "events":
+            assert other.stdout == stored
+        elif "--json" in words or words[0] == "probe":
+            assert ODD_COMM.encode() in other.stdout, words
+
+
+def test_main_gives_an_embedding_programs_stdout_back_as_it_was(
+        named_host: SysRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`main` in a program whose stdout is ASCII: the answer goes out as UTF-8 JSON, and the
+    stream keeps its own encoding afterwards."""
+    import io
+    import json
+
+    from gpuwatch.cli.main import main
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    monkeypatch.setattr("sys.stdout", out)
+    assert main(["probe", "nvidia-holders", "--root", str(named_host.root)]) == 0
+    out.flush()
+    assert json.loads(raw.getvalue().decode())["result"][0]["comm"] == ODD_COMM
+    assert (out.encoding, out.errors) == ("ascii", "strict")

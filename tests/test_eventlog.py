@@ -832,6 +832,59 @@ def test_cli_follow_waits_for_log_and_exits_zero_on_signal(tmp_path: Path, sig: 
         proc.stderr.close()
 
 
+def test_cli_follow_ends_when_its_reader_leaves_though_no_event_comes(
+        tmp_path: Path) -> None:
+    """``gpuwatch events --follow LOG | head -1`` on a quiet log: the reader has gone, and
+    no write will ever fail to say so. The follower sees it (exit 0, nothing on stderr), as
+    ``tail -f`` does; was: it followed on, for ever."""
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        write_events(log, 1, 3)
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwatch", "events", str(path), "--follow"],
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert json.loads(proc.stdout.readline())["seq"] == 1
+        proc.stdout.close()  # as head does once it has its line
+        proc.wait(timeout=30)
+        assert (proc.returncode, proc.stderr.read()) == (0, "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_cli_follow_into_a_file_keeps_following(tmp_path: Path) -> None:
+    """A file (or a terminal) never reads as a reader that left."""
+    path = tmp_path / "ev.jsonl"
+    out = tmp_path / "out.jsonl"
+    with EventLog(path) as log:
+        write_events(log, 1, 2)
+        code = ("import sys; from gpuwatch.cli.events_cmd import main; "
+                f"sys.exit(main([{str(path)!r}, '--follow']))")
+        with open(out, "w") as sink:
+            proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=sink,
+                                    stderr=subprocess.PIPE,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            deadline = time.monotonic() + 30
+            while out.read_text().count("\n") < 2:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+            write_events(log, 3, 3)
+            while out.read_text().count("\n") < 3:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert [json.loads(x)["seq"] for x in out.read_text().splitlines()] == [1, 2, 3]
+
+
 def test_write_lines_rotates_between_lines_of_one_batch(tmp_path: Path) -> None:
     path = tmp_path / "batch.jsonl"
     event = {"time": "t", "type": "ready", "pad": "x" * 40}

@@ -415,3 +415,98 @@ def test_a_follower_carries_on_when_the_log_is_emptied_in_place_and_a_new_run_be
     finally:
         events = col.stop()
     assert [(e["seq"], e["time"]) for e in events[40:]] == [(1, "later"), (2, "later")]
+
+
+def _run_lines(time_: str, count: int, pad: int = 0) -> bytes:
+    """A run of the watcher as its log holds it: ``ready`` at seq 1, then ``count - 1``
+    events (each ``pad`` bytes longer, so a later run can outgrow an earlier one)."""
+    return b"".join(
+        json.dumps({"seq": seq, "time": time_, "type": "ready" if seq == 1 else "x",
+                    "pad": "p" * pad}, separators=(",", ":")).encode() + b"\n"
+        for seq in range(1, count + 1))
+
+
+def _refill_in_place(path: Path, content: bytes) -> None:
+    """Empty the file in place (same inode, as ``: > PATH`` or copytruncate) and write
+    ``content`` into it: what a watcher restarted on the emptied log does."""
+    ident = path.stat().st_ino
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, content)
+    finally:
+        os.close(fd)
+    assert path.stat().st_ino == ident
+
+
+def test_a_python_follower_notices_a_log_emptied_and_refilled_past_it_at_once(
+    tmp_path: Path,
+) -> None:
+    """Emptied and written anew past the follower's position before it looks again (its
+    size never seen below where it was): the follower reads the new run from its start, not
+    from the middle of it (was: a torn line and the new run's first events lost)."""
+    path = tmp_path / "ev.jsonl"
+    path.write_bytes(_run_lines("run-1", 20))
+    old_size = path.stat().st_size
+    deadline = time.monotonic() + 30
+    records = eventlog.follow_records(path, poll_interval=0.01,
+                                      stop=lambda: time.monotonic() > deadline)
+    first = [next(records).event for _ in range(20)]
+    assert [(e["seq"], e["time"]) for e in first] == [(s, "run-1") for s in range(1, 21)]
+    # The follower is suspended between two looks: the refill lands within one interval.
+    new_run = _run_lines("run-2", 20, pad=40)
+    assert len(new_run) > old_size + 500
+    _refill_in_place(path, new_run)
+    second = [next(records).event for _ in range(20)]
+    records.close()
+    assert [(e["seq"], e["time"]) for e in second] == [(s, "run-2") for s in range(1, 21)]
+
+
+def test_an_async_follower_notices_a_log_emptied_and_refilled_past_it_at_once(
+    tmp_path: Path,
+) -> None:
+    import anyio
+
+    path = tmp_path / "ev.jsonl"
+    path.write_bytes(_run_lines("run-1", 20))
+
+    async def follow() -> list[tuple[int, str]]:
+        got: list[tuple[int, str]] = []
+        with anyio.fail_after(30):
+            records = eventlog.afollow_records(path, poll_interval=0.01)
+            try:
+                async for record in records:
+                    got.append((record.event["seq"], record.event["time"]))
+                    if len(got) == 20:  # suspended here: the refill is within one look
+                        _refill_in_place(path, _run_lines("run-2", 20, pad=40))
+                    if len(got) == 40:
+                        break
+            finally:
+                await records.aclose()
+        return got
+
+    got = anyio.run(follow)
+    assert got == [(s, "run-1") for s in range(1, 21)] + [(s, "run-2") for s in range(1, 21)]
+
+
+def test_events_follow_notices_a_log_emptied_and_refilled_while_it_was_stopped(
+    tmp_path: Path,
+) -> None:
+    """``gpuwatch events --follow`` held still (SIGSTOP) while the log is emptied in place
+    and refilled beyond what it had read: it prints the new run from seq 1 and says so."""
+    path = tmp_path / "ev.jsonl"
+    path.write_bytes(_run_lines("run-1", 20))
+    follower = Follower(path)
+    try:
+        got = follower.until("x", after=19)
+        assert [(e["seq"], e["time"]) for e in got] == [(s, "run-1") for s in range(1, 21)]
+        follower.proc.send_signal(signal.SIGSTOP)
+        try:
+            _refill_in_place(path, _run_lines("run-2", 20, pad=40))
+        finally:
+            follower.proc.send_signal(signal.SIGCONT)
+        got = follower.until("x", after=19)
+        assert [(e["seq"], e["time"]) for e in got] == [(s, "run-2") for s in range(1, 21)]
+        assert "a new run of the watcher begins at seq 1" in follower.note()
+    finally:
+        err = follower.stop()
+    assert "Traceback" not in err

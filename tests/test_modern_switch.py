@@ -681,3 +681,32 @@ async def test_a_recovery_during_a_switch_that_does_not_end_in_time_fails_it(
         assert not [r for r in sim.record if r[0] == "write"]  # only modules put back
         failed = [e for e in events if e.type == "switch-failed"]
         assert len(failed) == 1 and "ran out of time" in failed[0].error  # type: ignore[attr-defined]
+
+
+async def test_a_failed_switch_loads_no_module_back_during_a_recovery(
+        host: SysRoot) -> None:
+    """The switch unloaded nvidia, then a recovery of the card began and outlasted the
+    switch: putting nvidia back would probe the card (a bind) while the kernel resets it,
+    so the module is not loaded again, and the failure says what is left to run."""
+    async with simulated_switch(host) as (w, sim, _engine, events):
+        unload = ("command", "modprobe", "-r", "nvidia")
+        sim.step_delay = 0.5
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def switch() -> None:
+                    with pytest.raises(SwitchFailed, match=r"not run while .* is recovering: "
+                                                           r".*modprobe nvidia.*once it ends"):
+                        await w.switch(NV, "vfio", timeout=6)
+
+                tg.start_soon(switch)
+                while unload not in sim.record:
+                    await anyio.sleep(0.01)
+                await begin_recovery(w, host)
+                sim.step_delay = 0.0
+        loads = [r for r in sim.record[sim.record.index(unload):]
+                 if r[:2] == ("command", "modprobe") and r[2] != "-r"]
+        assert loads == []
+        assert not [r for r in sim.record if r[0] == "write"]
+        failed = [e for e in events if e.type == "switch-failed"]
+        assert any("modprobe nvidia" in r for r in failed[0].restored)  # type: ignore[attr-defined]

@@ -595,3 +595,21 @@ def test_vfs_with_their_physfn_link_are_the_links_word(tmp_path: Path) -> None:
     model = gpuwatch.scan(s.root)
     assert model.function("0000:41:00.0").sriov.vfs == ()  # type: ignore[union-attr]
     assert model.function("0000:41:00.4").physfn == "0000:41:00.0"
+
+
+@pytest.mark.parametrize(("offset", "stride", "want"), [
+    (0x80, 2, ("0000:41:10.0", "0000:41:10.2", "0000:41:10.4")),
+    (0x100, 1, ("0000:42:00.0", "0000:42:00.1", "0000:42:00.2")),  # a bus of their own
+    (0xFF, 8, ("0000:41:1f.7", "0000:42:00.7", "0000:42:01.7")),
+])
+def test_vfs_beside_the_pf_at_any_offset_and_stride(tmp_path: Path, offset: int, stride: int,
+                                                    want: tuple[str, ...]) -> None:
+    s = SysRoot(tmp_path / "h")
+    s.add_bridge("0000:40:01.0", domain_root="pci0000:40", iommu_group=1)
+    s.add_function("0000:41:00.0", parent="0000:40:01.0", driver="nvidia", iommu_group=2)
+    s.enable_sriov("0000:41:00.0", 8, offset=offset, stride=stride)
+    assert tuple(s.add_vfs("0000:41:00.0", 3, first_group=3)) == want
+    _drop_links(s.root, {"physfn", "virtfn0", "virtfn1", "virtfn2"})
+    model = gpuwatch.scan(s.root)
+    assert model.function("0000:41:00.0").sriov.vfs == want  # type: ignore[union-attr]
+    assert {model.function(vf).physfn for vf in want} == {"0000:41:00.0"}

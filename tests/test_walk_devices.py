@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 
 import gpuwatch
+from gpuwatch.core.observations import PciSeen
+from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs import scan as scan_mod
-from gpuwatch.hostfs.scan import HostPaths, function_entries, walk_functions
+from gpuwatch.hostfs.scan import HostPaths, function_entries, observe, scan, walk_functions
+from gpuwatch.settings import default_tables
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import vmd_host
 
@@ -135,3 +138,23 @@ def test_a_missing_tree_has_no_functions(tmp_path: Path) -> None:
     (tmp_path / "sys").mkdir()
     (tmp_path / "sys/devices").write_text("not a folder")
     assert walk_functions(str(tmp_path / "sys")) == []
+
+
+@pytest.mark.parametrize("devpath", ["/bus/pci/devices/" + NV, "/devices/../bus/x/" + NV])
+def test_a_uevent_in_another_spelling_reads_the_walked_function(tmp_path: Path,
+                                                                devpath: str) -> None:
+    """A line replayed over such a tree (a JSONL source) that spells the function another
+    way than the kernel is read where the walk found it, under the devpath the scan keeps:
+    the model sees no other device."""
+    s = example_gpu_host(tmp_path / "h")
+    _no_bus(s)
+    paths = HostPaths(s.root)
+    tables = default_tables()
+    before = {f.addr: f for f in scan(paths, tables).functions}
+    s.unbind(NV)
+    for action in ("change", "unbind"):
+        event = UEvent(action, devpath, "pci", {"PCI_SLOT_NAME": NV})
+        seen = observe(paths, tables, event)[0]
+        assert isinstance(seen, PciSeen)
+        assert seen == before[NV]._replace(driver="", vgpu=None)
+        assert seen.devpath == s.devpath(NV)

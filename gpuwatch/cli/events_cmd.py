@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -141,8 +142,31 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"events: {exc.filename or path}: {exc.strerror or exc}", EXIT_FAILURE)
 
 
+def _reader_left(fd: int | None) -> bool:
+    """Whether stdout is a pipe whose reader has gone (``events --follow | head -1``): the
+    kernel reports an error on its write end at once, so the follower ends (exit 0, as a
+    write's EPIPE would) instead of waiting for the next event, which may never come, to
+    find out. Anything else (a file, a terminal, no descriptor) never reads as gone."""
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # no events asked: only an error or a hang-up is reported
+    try:
+        return any(mask & select.POLLERR for _, mask in poller.poll(0))
+    except OSError:
+        return False
+
+
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno() if sys.stdout is not None else None
+    except (OSError, ValueError, AttributeError):  # a stream without one (a test's capture)
+        return None
+
+
 def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> int:
     stopping = threading.Event()
+    out_fd = _stdout_fd()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stopping.set()
@@ -152,7 +176,8 @@ def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> i
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
     try:
-        _emit(follow_records(path, since_seq=since_seq, types=types, stop=stopping.is_set))
+        _emit(follow_records(path, since_seq=since_seq, types=types,
+                             stop=lambda: stopping.is_set() or _reader_left(out_fd)))
     except KeyboardInterrupt:  # a SIGINT that landed before the handler was in place
         pass
     finally:

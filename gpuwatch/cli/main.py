@@ -8,11 +8,13 @@ traceback of an unexpected error.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import importlib
+import io
 import os
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
@@ -161,8 +163,43 @@ def _drop_output() -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
+#: Commands whose stdout is JSON (as is any command's with ``--json``).
+JSON_OUTPUT = frozenset({"probe", "events", "watch", "record"})
+
+
+@contextlib.contextmanager
+def _stdout_encoded_for(words: Sequence[str]) -> Iterator[None]:
+    """stdout in an encoding that can say everything: a name (a process's ``comm``, an
+    event's text) outside the locale's charset (``PYTHONIOENCODING=ascii``, a Latin-1
+    locale) was an internal error. JSON goes out in UTF-8, as RFC 8259 has it (and the event
+    log's lines as stored); text in the locale's encoding, with what it cannot say escaped
+    (``\xf6``). A UTF-8 stdout is left as it is."""
+    out = sys.stdout
+    encoding, errors = getattr(out, "encoding", None), getattr(out, "errors", None)
+    try:
+        if not isinstance(out, io.TextIOWrapper) or codecs.lookup(encoding or "").name == "utf-8":
+            out = None
+        elif _command(words) in JSON_OUTPUT or "--json" in words:
+            out.reconfigure(encoding="utf-8")
+        else:
+            out.reconfigure(errors="backslashreplace")
+    except (LookupError, OSError, ValueError):
+        out = None  # an encoding Python does not know, or stdout already failing: as it is
+    try:
+        yield
+    finally:
+        if out is not None:  # an embedding program's stdout is given back as it was
+            with contextlib.suppress(OSError, ValueError):
+                out.reconfigure(encoding=encoding, errors=errors)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    with _stdout_encoded_for(words):
+        return _main_guarded(words)
+
+
+def _main_guarded(words: list[str]) -> int:
     guarded = _command(words) not in OWN_OUTPUT
     if guarded and sys.stdout is None and not _prints_nothing(words):
         # Started with fd 1 closed: the answer would vanish (a switch would run unreported).

@@ -90,8 +90,25 @@ def target_driver(function: FunctionLike, mode: Mode) -> str:
     return VFIO_DRIVER
 
 
+#: A PCI-to-PCI bridge (a root or downstream port): header type 1, which vfio-pci never
+#: binds (it refuses any header but a normal one).
+BRIDGE_CLASS = "0x0604"
+#: The bridge's own driver: it sets ``driver_managed_dma``, so the kernel lets a group holding
+#: a bridge on it (or on none) be used through VFIO with the bridge left where it is.
+BRIDGE_DRIVER = "pcieport"
+
+
+def host_bridge(function: FunctionLike) -> bool:
+    """A PCI bridge on ``pcieport`` or on no driver: in every mode as it is (the kernel's VFIO
+    ignores it when it decides whether the group is usable), so it makes no group mixed."""
+    return function.class_ == BRIDGE_CLASS and function.driver in ("", BRIDGE_DRIVER)
+
+
 def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
-    """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio."""
+    """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio,
+    and a `host_bridge` is in both modes."""
+    if host_bridge(function):
+        return True
     target = target_driver(function, mode)
     if target == VFIO_DRIVER:
         return on_vfio(function, variants)
@@ -111,8 +128,10 @@ def current_mode(function: FunctionLike) -> str:
 def group_mode(members: Iterable[FunctionLike], variants: frozenset[str] = _NO_VARIANTS) -> str:
     """The operator's view of a group: ``vfio``, ``nvidia``, ``unbound`` (no function has a
     driver: nothing is mixed, it is simply free), ``host driver`` or ``mixed`` (functions on
-    drivers of different modes)."""
-    fns = list(members)
+    drivers of different modes). A `host_bridge` in the group is left out: it stays where it
+    is in every mode."""
+    every = list(members)
+    fns = [fn for fn in every if not host_bridge(fn)] or every
     if fns and not any(fn.driver for fn in fns):
         return "unbound"
     if group_in_mode(fns, "vfio", variants):

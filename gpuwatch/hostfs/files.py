@@ -259,6 +259,15 @@ def dir_link_name(path: str) -> str:
     return ""
 
 
+def name_text(name: str) -> str:
+    """A name read from a link's target or a folder's entry, with each byte that is not
+    UTF-8 (a lone surrogate, as ``os`` hands such a byte over) as U+FFFD, as `read_text`
+    reads an attribute: a name is shown and written out as JSON, which cannot carry one."""
+    if name.isascii():
+        return name
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def driver_name(device_dir: str) -> str:
     """The driver the PCI function at ``device_dir`` is bound to: the name its ``driver`` link
     stands for (`link_name`), ``""`` when unbound.
@@ -269,7 +278,7 @@ def driver_name(device_dir: str) -> str:
     the same binding (on a live host the two agree, so an unbound function pays one read of
     its ``uevent``), or, where no ``uevent`` was copied either, the driver folder in
     ``sys/bus/pci/drivers`` that lists the function."""
-    return link_name(device_dir + "/driver", lambda: _told_driver(device_dir))
+    return name_text(link_name(device_dir + "/driver", lambda: _told_driver(device_dir)))
 
 
 def group_name(device_dir: str) -> str:

@@ -48,6 +48,7 @@ from gpuwatch.hostfs.files import (
     in_tree,
     link_name,
     list_dir,
+    name_text,
     read_attr,
     read_bytes,
     read_text,
@@ -140,6 +141,9 @@ class HostPaths:
         #: Address → devpath of the functions the last `function_entries` found by walking
         #: ``sys/devices`` (a captured tree without the bus listing); empty when it had one.
         self.walked: dict[str, str] = {}
+        #: Parent folder → {VF: PF} of the VFs there whose links a capture dropped
+        #: (`pf_beside`), for the reads of one `function_entries`.
+        self.beside: dict[str, dict[str, str]] = {}
         self._stable_inodes: bool | None = None
 
     def stable_inodes(self) -> bool:
@@ -185,8 +189,7 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
     directory = function_dir(paths, addr)
     if not os.path.isdir(directory):
         return PciGone(addr)
-    seen = _read_function_dir(directory, addr, paths.walked.get(addr)
-                              or _devpath_of_bus_entry(paths, addr), told=False)
+    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr), told=False)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
@@ -403,7 +406,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
     trusts the links alone: only a live kernel sends uevents, and its links are the truth
     the moment they change, while a fixture's other files may lag behind them."""
     klass = class_prefix(read_attr(directory + "/class"))
-    driver = driver_name(directory) if told else link_name(directory + "/driver")
+    driver = driver_name(directory) if told else name_text(link_name(directory + "/driver"))
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
@@ -479,22 +482,22 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
     are the truth, and they name none yet), or one whose ``vendor``, or ``device`` against
     ``sriov_vf_device``, is not the VF's. ``sriov_numvfs`` is not read (see `read_sriov`)."""
     parent, _, addr = directory.rpartition("/")
-    offset = small_count(read_attr(directory + "/sriov_offset"))
-    if not is_pci_addr(addr) or not offset or totalvfs <= 0:
+    offset = small_count(read_attr(directory + "/sriov_offset")) if is_pci_addr(addr) else 0
+    if not offset or totalvfs <= 0:
         return ()
+    domain, bus, rest = addr.split(":")
+    first = (int(bus, 16) << 8 | int(rest[:2], 16) << 3 | int(rest[3])) + offset
+    if first > 0xFFFF or not os.path.isdir(f"{parent}/{_rid_addr(domain, first)}"):
+        return ()  # no VF 0: a PF with no VFs (the common case) pays this one look
     stride = small_count(read_attr(directory + "/sriov_stride"))
     vendor = pci_id(read_attr(directory + "/vendor"))
     vf_device = pci_id(read_attr(directory + "/sriov_vf_device"))
-    domain, bus, rest = addr.split(":")
-    rid = int(bus, 16) << 8 | int(rest[:2], 16) << 3 | int(rest[3])
     found: list[str] = []
-    for i in range(min(totalvfs, 1 if not stride else 0x10000)):
-        vrid = rid + offset + stride * i
-        if vrid > 0xFFFF:
-            break
-        vf = f"{domain}:{vrid >> 8:02x}:{vrid >> 3 & 0x1F:02x}.{vrid & 7}"
+    for i in range(totalvfs if stride else 1):
+        rid = first + stride * i
+        vf = _rid_addr(domain, rid)
         folder = f"{parent}/{vf}"
-        if (not os.path.isdir(folder) or os.path.lexists(folder + "/physfn")
+        if (rid > 0xFFFF or not os.path.isdir(folder) or os.path.lexists(folder + "/physfn")
                 or pci_id(read_attr(folder + "/vendor")) != vendor
                 or (vf_device and pci_id(read_attr(folder + "/device")) != vf_device)):
             break
@@ -502,18 +505,29 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
     return tuple(found)
 
 
-def pf_beside(directory: str) -> str:
+def _rid_addr(domain: str, rid: int) -> str:
+    """The address of routing id ``rid`` (bus · 256 + device · 8 + function) in ``domain``."""
+    return f"{domain}:{rid >> 8:02x}:{rid >> 3 & 0x1F:02x}.{rid & 7}"
+
+
+def pf_beside(paths: HostPaths, directory: str) -> str:
     """The PF whose `vfs_beside` names the function at ``directory``: a capture that dropped
     its ``physfn`` link (and the PF's ``virtfnN``) still holds its PF beside it. ``""``
-    when none does."""
+    when none does. Each parent folder is looked through once per `function_entries`."""
     parent, _, addr = directory.rpartition("/")
-    for name in sorted(list_dir(parent)):
-        pf = f"{parent}/{name}"
-        if (name != addr and is_pci_addr(name) and os.path.lexists(pf + "/sriov_offset")
-                and not any(_VIRTFN_RE.match(n) for n in list_dir(pf))
-                and addr in vfs_beside(pf, small_count(read_attr(pf + "/sriov_totalvfs")))):
-            return name
-    return ""
+    owners = paths.beside.get(parent)
+    if owners is None:
+        owners = {}
+        for name in sorted(list_dir(parent)):
+            pf = f"{parent}/{name}"
+            if (is_pci_addr(name) and os.path.lexists(pf + "/sriov_offset")
+                    and not any(_VIRTFN_RE.match(n) for n in list_dir(pf))):
+                for vf in vfs_beside(pf, small_count(read_attr(pf + "/sriov_totalvfs"))):
+                    owners.setdefault(vf, name)
+        if len(paths.beside) >= 256:  # bounded: a long-lived HostPaths reads many folders
+            paths.beside.clear()
+        paths.beside[parent] = owners
+    return owners.get(addr, "")
 
 
 def read_vgpu(directory: str) -> VgpuSeen | None:
@@ -547,7 +561,8 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
     try:
         target = os.readlink(entry)
     except OSError:
-        return "/bus/pci/devices/" + addr
+        # No link: a flat layout's folder, or a tree without the listing (`function_entries`)
+        return paths.walked.get(addr) or "/bus/pci/devices/" + addr
     # An absolute spelling names a place under the root (`in_root`).
     resolved = os.path.normpath(os.path.join(paths.bus_pci if target[:1] != "/" else paths.root,
                                              target.lstrip("/")))
@@ -610,6 +625,7 @@ def function_entries(paths: HostPaths) -> list[tuple[str, str]]:
     listed = [(name, _devpath_of_bus_entry(paths, name))
               for name in sorted(list_dir(paths.bus_pci)) if is_pci_addr(name)]
     paths.walked = {} if listed else dict(walk_functions(paths.sys))
+    paths.beside.clear()
     return listed or sorted(paths.walked.items())
 
 
@@ -683,7 +699,7 @@ def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     seen = _read_function_dir(directory, name, devpath)
     if seen.vendor_id or seen.device_id or seen.klass:
         if not seen.physfn and not os.path.lexists(directory + "/physfn"):
-            pf = pf_beside(directory)  # a VF whose links a capture dropped
+            pf = pf_beside(paths, directory)  # a VF whose links a capture dropped
             if pf:
                 seen = seen._replace(physfn=pf)
         return seen

@@ -203,10 +203,15 @@ def _take_socket_lock(path: str) -> int:
         try:
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | flags, 0o644)
-            except PermissionError:
+            except PermissionError as denied:
                 # Left by a daemon of another user (root's, killed): flock needs no write
                 # access, so it still serves as the lock.
-                fd = os.open(name, os.O_RDONLY | flags)
+                try:
+                    fd = os.open(name, os.O_RDONLY | flags)
+                except FileNotFoundError:
+                    # None there, and we may not make one (a directory we may not write to):
+                    # that, not "no such file" (exit 75), is what a restart cannot change.
+                    raise denied from None
         except OSError as exc:
             error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
             raise error(f"not serving {path}: cannot open its lock {name}: "

@@ -417,6 +417,8 @@ class SwitchEngine:
             try:
                 async with self._subscribe(_PROGRESS_EVENTS) as sub:
                     for step in plan.steps:
+                        # Before the step counts as begun: nothing of it was written.
+                        await self._await_recovery(plan, step, deadline, notes)
                         in_flight[:] = [step]
                         _track_pin(pinned, step, before=True)  # a write that fails may count
                         ok = await self._step(plan, facts, step, deadline, notes)
@@ -763,6 +765,13 @@ class SwitchEngine:
         steps: list[tuple[str, ...]] = [("modprobe", m) for m in reversed(gone)]
         steps += [("systemctl", "start", unit) for unit in dict.fromkeys(reversed(stopped))
                   if unit not in restarted]
+        hold = self._recovery_under_way(plan) if steps else None
+        if hold is not None:
+            # Loading nvidia again probes the card (a bind), and its service may load it:
+            # not while the kernel resets the device. Say what is left to do.
+            left = "; ".join(" ".join(argv) for argv in steps)
+            _log.info("switch of group %s: not restoring while %s", plan.group, hold)
+            return [f"not run while {hold}: {left} (run once it ends)"], False
         restored: list[str] = []
         for argv in steps:
             what = " ".join(argv)
@@ -788,7 +797,6 @@ class SwitchEngine:
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
                     notes: list[str]) -> bool:
         """Run one step; False when a command failed in a way that only warns."""
-        await self._await_recovery(plan, step, deadline, notes)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail(plan, f"the switch ran out of time before: {step.describe()}")
@@ -822,16 +830,12 @@ class SwitchEngine:
         switch: an unbind or a bind while the kernel resets the device can wedge the host.
         It reads the model only; bounded by the switch's deadline (then the switch fails,
         as one out of time does), and a recovery past `RECOVERY_STALE_AFTER` holds nothing."""
-        state = self.model.state
         began = time.monotonic()
         waited = ""
         while True:
-            members = (state.group_members(plan.addr) if plan.addr in state.functions
-                       else plan.members)
-            reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+            reason = self._recovery_under_way(plan)
             if reason is None:
                 break
-            reason = reason.split(";", 1)[0]
             if not waited:
                 _log.info("switch of group %s: waiting before %s: %s", plan.group,
                           step.describe(), reason)
@@ -845,6 +849,16 @@ class SwitchEngine:
             notes.append(f"a PCI error recovery began during the switch: waited "
                          f"{time.monotonic() - began:.0f} s for it to end before "
                          f"{step.describe()}")
+
+    def _recovery_under_way(self, plan: SwitchPlan) -> str | None:
+        """What PCI error recovery of a member, or of a bridge above one, the switch must
+        not bind or unbind through (`unhealthy_reason` of `recover`: a young one), read from
+        the model; None when there is none."""
+        state = self.model.state
+        members = (state.group_members(plan.addr) if plan.addr in state.functions
+                   else plan.members)
+        reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+        return None if reason is None else reason.split(";", 1)[0]
 
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:

@@ -86,6 +86,9 @@ _RUN_EDGES = frozenset({"ready", "stopped"})
 _RUN_MARKS = 4096
 
 _Ident = tuple[int, int]
+#: How much of the start of the file a follower keeps to notice it was emptied in place and
+#: written anew: a first record's ``{"seq":N,"time":"…"`` with room to spare.
+_HEAD_BYTES = 128
 
 
 class EventLogClosedError(InternalError, ValueError):
@@ -913,7 +916,7 @@ class EventLog:
 class _Source:
     """One open log file being consumed; its framer holds the unfinished last line."""
 
-    __slots__ = ("carry", "consumed", "file", "framer", "ident")
+    __slots__ = ("carry", "consumed", "file", "framer", "head", "ident")
 
     def __init__(self, file: IO[bytes], ident: _Ident) -> None:
         self.file = file
@@ -921,6 +924,27 @@ class _Source:
         self.framer = LineFramer(MAX_EVENT_LINE)
         self.carry = b""  # read_chunk's unfinished last line (its framer is for the rest)
         self.consumed = False
+        #: The file's first bytes as last seen (up to `_HEAD_BYTES`): the first record's seq
+        #: and time, which a log emptied in place and written anew does not repeat.
+        self.head = b""
+
+    def restart(self) -> None:
+        """Read the file again from its start: it was emptied in place since."""
+        self.file.seek(0)
+        self.framer.reset()
+        self.carry = b""
+        self.head = b""
+
+    def rewritten(self) -> bool:
+        """Whether the file was emptied in place and written anew since its head was seen,
+        however far the new writes went (past the reader's position too, so its size says
+        nothing): its first record is no longer the one read. One small ``pread``."""
+        now = os.pread(self.file.fileno(), _HEAD_BYTES, 0)
+        if not now.startswith(self.head):
+            return True
+        self.head = now
+        return False
+
 
 def _close_stdout_writer(writer: ThreadedWriter, wait: float) -> None:
     """Close the stdout writer, giving its reader ``wait`` seconds, and say what was lost."""
@@ -1086,6 +1110,11 @@ class _Follower:
                 if data:
                     budget -= len(data)
                     progressed = True
+                    if follow and self._live.rewritten():
+                        # Emptied in place and written past where we were: what was read is
+                        # the middle of the new content. Read it from its start instead.
+                        self._live.restart()
+                        continue
                     self._feed(self._live, data, out)
                     continue
             if out or (not follow and scanned_once):
@@ -1187,9 +1216,11 @@ class _Follower:
         live = self._live
         if live is not None:
             if ident == live.ident:
-                if os.fstat(live.file.fileno()).st_size < live.file.tell():
-                    live.file.seek(0)  # truncated in place (copytruncate): start over
-                    live.framer.reset()
+                if (os.fstat(live.file.fileno()).st_size < live.file.tell()
+                        or live.rewritten()):
+                    # Truncated in place (copytruncate, ``: > PATH``), and maybe written
+                    # anew as far as we had read or further: start over.
+                    live.restart()
                     return True
                 return False
             # PATH names another file or none: the writer closed this one before renaming

@@ -1,0 +1,75 @@
+"""A PCI bridge that shares its IOMMU group with a GPU (a root or downstream port ACS does not
+split off) stays on ``pcieport`` in both modes: the kernel's VFIO lets such a group be used
+with the bridge where it is (``pcieport`` sets ``driver_managed_dma``; vfio-pci never binds a
+bridge). So the bridge makes no group ``mixed``: ``status``, ``mode``, ``group-in-mode`` and
+the metrics read the group by its endpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_main as cli
+
+import gpuwatch
+from gpuwatch.testing import SysRoot
+
+pytestmark = pytest.mark.timeout(60)
+
+PORT, GPU, AUDIO = "0000:00:01.0", "0000:01:00.0", "0000:01:00.1"
+
+
+def bridge_host(root: Path, *, gpu: str | None, audio: str | None,
+                port: str | None = "pcieport") -> SysRoot:
+    """A root port and the card behind it, all three in IOMMU group 1."""
+    s = SysRoot(root)
+    s.add_iommu_unit("dmar0")
+    s.add_bridge(PORT, iommu_group=1, driver=port)
+    s.add_function(GPU, parent=PORT, klass="0x030000", driver=gpu, iommu_group=1)
+    s.add_function(AUDIO, parent=PORT, device="0x22ba", klass="0x040300", driver=audio,
+                   iommu_group=1)
+    return s
+
+
+def answers(s: SysRoot, capsys: pytest.CaptureFixture[str]) -> tuple[object, ...]:
+    """(status's mode, `mode`'s mode, group-in-mode vfio, group-in-mode nvidia)."""
+    root = ["--root", str(s.root)]
+    code, out, err = cli(capsys, "status", "--json", "--no-daemon", *root)
+    assert (code, err) == (0, "")
+    status = {g["addr"]: g for g in json.loads(out)["gpus"]}[GPU]
+    assert [m["addr"] for m in status["members"]] == [PORT, GPU, AUDIO]
+    code, out, err = cli(capsys, "mode", "--addr", GPU, "--json", "--no-daemon", *root)
+    assert (code, err) == (0, ""), err
+    shown = json.loads(out)["mode"]
+    model = gpuwatch.scan(s.root)
+    return (status["mode"], shown,
+            model.probe("group-in-mode", addr=GPU, mode="vfio"),
+            model.probe("group-in-mode", addr=GPU, mode="nvidia"))
+
+
+@pytest.mark.parametrize(("gpu", "audio", "want"), [
+    ("vfio-pci", "vfio-pci", ("vfio", "vfio", True, False)),
+    ("nvidia", "snd_hda_intel", ("nvidia", "nvidia", False, True)),
+    (None, None, ("unbound", "unbound", False, False)),
+    ("nvidia", "vfio-pci", ("mixed", "mixed", False, False)),
+])
+def test_a_port_on_pcieport_makes_no_group_mixed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], gpu: str | None, audio: str | None,
+        want: tuple[object, ...]) -> None:
+    assert answers(bridge_host(tmp_path / "h", gpu=gpu, audio=audio), capsys) == want
+
+
+def test_a_port_on_no_driver_is_left_out_too(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    s = bridge_host(tmp_path / "h", gpu="vfio-pci", audio="vfio-pci", port=None)
+    assert answers(s, capsys) == ("vfio", "vfio", True, False)
+
+
+def test_a_bridge_on_another_driver_still_counts(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Only pcieport's bridges are left where they are: a bridge some other driver holds
+    (one without ``driver_managed_dma``) keeps the group from VFIO."""
+    s = bridge_host(tmp_path / "h", gpu="vfio-pci", audio="vfio-pci", port="shpchp")
+    assert answers(s, capsys) == ("mixed", "mixed", False, False)
+
