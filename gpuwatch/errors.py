@@ -56,6 +56,8 @@ EXIT_USAGE = 2
 #: directory missing); a later start may succeed. sysexits' EX_TEMPFAIL. The unit prevents
 #: restarts on 2 (a configuration to fix), not on this.
 EXIT_RETRY = 75
+#: Ended by SIGINT (Ctrl-C) before it finished: 128 + 2, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 #: The CLI's exit status for every code: 2 when the request itself was wrong, else 1.
 EXIT_STATUS: dict[str, int] = {
@@ -264,6 +266,7 @@ class UnsafeStep(InternalError, ValueError):
 
 __all__ = [
     "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_RETRY",
     "EXIT_STATUS",

@@ -175,3 +175,37 @@ def test_a_reply_in_no_shape_gpuwatch_answers_means_a_direct_scan(
         for words in COMMANDS:
             got = run_main(capsys, *words, *root, "--socket", sock)
             assert got == direct(capsys, [*words, *root]), (kind, words)
+
+
+@pytest.mark.parametrize("words", [["probe", "detect-gpu"], ["status"], ["holders"],
+                                   ["plan", "vfio"]], ids=" ".join)
+def test_ctrl_c_while_a_daemon_keeps_silent_is_exit_130_without_a_traceback(
+        host: SysRoot, sock: str, words: list[str]) -> None:
+    """The fast paths wait up to 10 s on a daemon before any command runs: SIGINT then is
+    128 + 2 and nothing on stderr, as inside a command (was: a KeyboardInterrupt traceback)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
+    env["PYTHONPATH"] = str(repo)
+    with FakeDaemon(sock, "silent") as daemon:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", *words, "--root", str(host.root), "--socket",
+             sock], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            cwd=repo)
+        try:
+            deadline = time.monotonic() + 60
+            while daemon.connections < 1:  # it asked, and waits for the answer
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert (proc.returncode, out, err) == (130, "", "")

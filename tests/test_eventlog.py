@@ -732,6 +732,18 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize("follow", [False, True])
+def test_cli_refuses_an_empty_path_as_a_usage_error(
+    capsys: pytest.CaptureFixture[str], follow: bool
+) -> None:
+    """No file is ever named ``""``: ``--follow`` waited for it for ever (``watch --log ''``
+    is refused the same way)."""
+    assert run_cli(["", *(["--follow"] if follow else [])]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "must not be empty" in captured.err
+
+
+@pytest.mark.parametrize("follow", [False, True])
 def test_cli_refuses_a_fifo_at_the_path_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], follow: bool
 ) -> None:

@@ -23,7 +23,7 @@ from gpuwatch.cli.common import EXIT_OK, fail
 from gpuwatch.cli.fast import _OPTIONS, _split, compact, daemon_socket, reader_may_leave
 from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, FunctionGone, check_params
 from gpuwatch.core.tabledata import table_data
-from gpuwatch.errors import GpuwatchError
+from gpuwatch.errors import EXIT_INTERRUPTED, GpuwatchError
 from gpuwatch.hostfs.scan import (
     HostPaths,
     function_entries,
@@ -99,7 +99,7 @@ def run_direct(argv: Sequence[str]) -> int | None:
             return fail(str(exc), exc.exit_status)
         text = compact({"action": action, "result": result})
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception:  # whatever it is, the full command reports it in its words
         return None
     with reader_may_leave():

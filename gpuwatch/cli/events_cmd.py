@@ -122,6 +122,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(f"events: {exc}", EXIT_USAGE)
     path: str = args.path
+    if not path:
+        # No file can ever be named so: --follow would wait for it for ever.
+        return fail("events: PATH must not be empty", EXIT_USAGE)
     if sys.stdout is None:
         return fail("events: stdout is closed", EXIT_USAGE)
     why = not_a_log_file(path)  # else it would read as an empty log, silently

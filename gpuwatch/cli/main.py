@@ -18,7 +18,13 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
-from gpuwatch.errors import INVALID_PARAMS, NOT_FOUND, GpuwatchError, OutputFailed
+from gpuwatch.errors import (
+    EXIT_INTERRUPTED,
+    INVALID_PARAMS,
+    NOT_FOUND,
+    GpuwatchError,
+    OutputFailed,
+)
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
 SUBCOMMANDS = (
@@ -219,6 +225,11 @@ def _main_guarded(words: list[str]) -> int:
     except BrokenPipeError:
         _drop_output()
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C anywhere, a wait on a daemon that does not answer included (up to 10 s on
+        # the fast paths, before any command runs): 128 + SIGINT, as inside a command, never
+        # a traceback.
+        return EXIT_INTERRUPTED
     finally:  # also after SystemExit (--help, a usage error): no wrapper left behind
         if isinstance(sys.stdout, _GuardedOutput):
             sys.stdout = real
@@ -277,7 +288,7 @@ def _main(words: list[str]) -> int:
     except GpuwatchError as exc:  # UsageError, ConfigError, ...: the code says which exit
         return fail(error_line(exc), exc.exit_status)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         if os.environ.get("GPUWATCH_DEBUG"):
             import traceback
