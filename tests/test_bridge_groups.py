@@ -73,3 +73,19 @@ def test_a_bridge_on_another_driver_still_counts(tmp_path: Path,
     s = bridge_host(tmp_path / "h", gpu="vfio-pci", audio="vfio-pci", port="shpchp")
     assert answers(s, capsys) == ("mixed", "mixed", False, False)
 
+
+
+def test_plan_and_mode_agree_the_group_is_in_mode(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``mode vfio`` and ``plan vfio`` on a group already on vfio-pci with its port on
+    pcieport: both say nothing is to be done, and the port's target is pcieport (no
+    driver_override is written for a bridge)."""
+    s = bridge_host(tmp_path / "h", gpu="vfio-pci", audio="vfio-pci")
+    root = ["--root", str(s.root), "--no-daemon"]
+    code, out, err = cli(capsys, "plan", "vfio", "--addr", GPU, "--json", *root)
+    assert (code, err) == (0, "gpuwatch: note: already in mode vfio: nothing to write\n")
+    plan = json.loads(out)
+    assert plan["refused"] is None and plan["steps"] == []
+    assert {m["addr"]: m["target"] for m in plan["members"]}[PORT] == "pcieport"
+    code, out, err = cli(capsys, "mode", "vfio", "--addr", GPU, *root)
+    assert (code, err) == (0, "") and "nothing to do" in out

@@ -5,20 +5,29 @@ copy a capture made of a link for the function itself; and within its bounds."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_main as cli
 
 import gpuwatch
 from gpuwatch.core.observations import PciSeen
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs import scan as scan_mod
-from gpuwatch.hostfs.scan import HostPaths, function_entries, observe, scan, walk_functions
+from gpuwatch.hostfs.scan import (
+    HostPaths,
+    function_entries,
+    observe,
+    read_boot_vga,
+    scan,
+    walk_functions,
+)
 from gpuwatch.settings import default_tables
 from gpuwatch.testing import SysRoot, example_gpu_host
-from gpuwatch.testing.machines import vmd_host
+from gpuwatch.testing.machines import single_gpu_desktop, vmd_host
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,6 +142,15 @@ def test_the_walk_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert len(walk_functions(sysdir)) == len(s.functions)
 
 
+def test_a_devices_folder_that_is_a_link_is_not_walked(tmp_path: Path) -> None:
+    """``sys/devices`` a link (to the host's ``/sys/devices``, or anywhere): never followed."""
+    s = example_gpu_host(tmp_path / "h")
+    _no_bus(s)
+    (s.root / "sys/devices").rename(s.root / "elsewhere")
+    (s.root / "sys/devices").symlink_to(s.root / "elsewhere")
+    assert walk_functions(str(s.root / "sys")) == []
+
+
 def test_a_missing_tree_has_no_functions(tmp_path: Path) -> None:
     assert walk_functions(str(tmp_path / "sys")) == []
     (tmp_path / "sys").mkdir()
@@ -158,3 +176,24 @@ def test_a_uevent_in_another_spelling_reads_the_walked_function(tmp_path: Path,
         assert isinstance(seen, PciSeen)
         assert seen == before[NV]._replace(driver="", vgpu=None)
         assert seen.devpath == s.devpath(NV)
+
+
+@pytest.mark.parametrize("command", ["status", "list"])
+def test_the_boot_display_is_read_where_the_walk_found_it(
+        tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``boot_vga`` is in no probe answer: a report that reads it beside the answers (no
+    daemon, the stdlib path; or a daemon's) reads it in the walked folder, so the only
+    display is kept for the host as the full command keeps it."""
+    monkeypatch.delenv("GPUWATCH_CONFIG", raising=False)
+    monkeypatch.delenv("GPUWATCH_PROC_READ_TIMEOUT", raising=False)
+    s = single_gpu_desktop(tmp_path / "h")
+    _no_bus(s)
+    root = ["--root", str(s.root)]
+    full = cli(capsys, command, "--json", "--no-daemon", *root)
+    fast = cli(capsys, command, "--json", *root)  # no daemon there: one stdlib scan
+    assert fast == full
+    got = json.loads(fast[1])
+    gpus = got["gpus"] if command == "status" else got
+    assert [g["kept_for_host"] for g in gpus] == [True]
+    assert read_boot_vga(str(s.root), ["0000:01:00.0", "0000:01:00.1"]) == {"0000:01:00.0"}

@@ -44,7 +44,6 @@ from gpuwatch.core.reporttext import (
     vf_ready,
 )
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.files import in_root, read_attr
 from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
@@ -161,10 +160,9 @@ class Remote:
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         addrs = [g["addr"] for g in self.gpus]
         if self._boot_vga is None:  # once per report, not once per GPU
-            bus = os.path.join(self.root, "sys/bus/pci/devices")
-            # in_root: a captured tree's bus entry spelled absolute leads under the root.
-            self._boot_vga = {a for a in addrs if read_attr(
-                os.path.join(in_root(self.root, os.path.join(bus, a)), "boot_vga")) == "1"}
+            from gpuwatch.hostfs.scan import read_boot_vga
+
+            self._boot_vga = set(read_boot_vga(self.root, addrs))
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
                                     console_devices=self.tables.get(

@@ -77,19 +77,6 @@ def vfio_variant(members: Iterable[FunctionLike],
     return ""
 
 
-def target_driver(function: FunctionLike, mode: Mode) -> str:
-    """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
-    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
-    (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
-    if mode == "vfio":
-        return VFIO_DRIVER
-    if function.class_.startswith("0x03"):
-        return "nvidia"
-    if function.class_ == "0x0403":
-        return "snd_hda_intel"
-    return VFIO_DRIVER
-
-
 #: A PCI-to-PCI bridge (a root or downstream port): header type 1, which vfio-pci never
 #: binds (it refuses any header but a normal one).
 BRIDGE_CLASS = "0x0604"
@@ -102,6 +89,22 @@ def host_bridge(function: FunctionLike) -> bool:
     """A PCI bridge on ``pcieport`` or on no driver: in every mode as it is (the kernel's VFIO
     ignores it when it decides whether the group is usable), so it makes no group mixed."""
     return function.class_ == BRIDGE_CLASS and function.driver in ("", BRIDGE_DRIVER)
+
+
+def target_driver(function: FunctionLike, mode: Mode) -> str:
+    """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
+    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
+    A `host_bridge` stays on pcieport in both (vfio-pci never binds a bridge).
+    (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
+    if host_bridge(function):
+        return BRIDGE_DRIVER
+    if mode == "vfio":
+        return VFIO_DRIVER
+    if function.class_.startswith("0x03"):
+        return "nvidia"
+    if function.class_ == "0x0403":
+        return "snd_hda_intel"
+    return VFIO_DRIVER
 
 
 def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:

@@ -13,7 +13,7 @@ import re
 import shutil
 import stat as stat_mod
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from gpuwatch.core.kfd import parse_gfx_target_version
@@ -656,6 +656,8 @@ def walk_functions(sysdir: str) -> list[tuple[str, str]]:
     Bounded by `WALK_MAX_DIRS`, `WALK_MAX_DEPTH` and `WALK_MAX_FUNCTIONS`."""
     found: dict[str, str] = {}
     cut = len(sysdir)
+    if os.path.islink(sysdir + "/devices"):
+        return []  # no kernel makes it a link: one to /sys/devices would leave the tree
     queue: deque[tuple[str, int, bool]] = deque([(sysdir + "/devices", 0, False)])
     listed = 0
     while queue and listed < WALK_MAX_DIRS and len(found) < WALK_MAX_FUNCTIONS:
@@ -729,6 +731,17 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
     return FunctionOutline(name, devpath, klass,
                            parse_group(group_name(directory)),
                            read_vfio_dev(directory)[1])
+
+
+def read_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str]:
+    """Those of ``addrs`` whose ``boot_vga`` is 1, for a report that holds no scan (a
+    daemon's answers carry no ``boot_vga``): each read in its folder (`function_dir`), a
+    tree without the bus listing walked once for all."""
+    paths = HostPaths(root)
+    if addrs and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
+        paths.walked = dict(walk_functions(paths.sys))
+    return frozenset(a for a in addrs
+                     if read_attr(function_dir(paths, a) + "/boot_vga") == "1")
 
 
 # --------------------------------------------------------------------------- DRM

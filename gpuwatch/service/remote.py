@@ -47,11 +47,10 @@ class RemoteModel:
         """The same rule as the model's; ``boot_vga`` is in no probe answer, so it is read
         from sysfs here, as `module_loaded` reads modules."""
         from gpuwatch.core.hostkeep import kept_for_host_reason
-        from gpuwatch.hostfs.files import read_attr
+        from gpuwatch.hostfs.scan import read_boot_vga
 
         gpus = [g.addr for g in self._vfio.gpus]
-        bus = os.path.join(self.root, "sys/bus/pci/devices")
-        boot_vga = {a for a in gpus if read_attr(os.path.join(bus, a, "boot_vga")) == "1"}
+        boot_vga = read_boot_vga(self.root, gpus)
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
                                     console_devices=self.tables.host_console_devices,
