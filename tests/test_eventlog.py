@@ -718,6 +718,12 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert run_cli([str(tmp_path)]) == 1  # a directory
     assert capsys.readouterr().err.count("\n") == 1
 
+    dangling = tmp_path / "dangling.jsonl"
+    dangling.symlink_to(tmp_path / "nowhere.jsonl")  # a link to a log not there
+    assert run_cli([str(dangling)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no event log at {dangling}" in err
+
     (tmp_path / "ev.jsonl").write_text(line(1) + "\n")
     for bad in (["--type", "no-such-type"], ["--type", ","]):
         assert run_cli([str(tmp_path / "ev.jsonl"), *bad]) == 2

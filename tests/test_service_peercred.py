@@ -269,6 +269,36 @@ async def test_without_so_peergroups_a_slow_group_database_stalls_no_one(
         release.set()
 
 
+async def test_refusals_do_not_look_the_groups_up_again_on_the_event_loop(
+    host: SysRoot, sockdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal names the group that would be needed. Its name came from the group
+    database (which may block on the network) on the event loop, at every refusal: a peer
+    refused over and over stalled everyone each time. The names are looked up once, at
+    start."""
+    lookups: list[int] = []
+    real = peers.grp.getgrgid
+
+    def counted(gid: int) -> Any:
+        lookups.append(gid)
+        return real(gid)
+
+    monkeypatch.setattr(peers.grp, "getgrgid", counted)
+    peers.group_label.cache_clear()
+    path = f"{sockdir}/gw.sock"
+    async with served_watcher(host.root, path, read_gid=READERS, switch_gid=SWITCHERS,
+                              ops=OPS):
+        at_start = len(lookups)
+        os.chmod(path, 0o666)
+        for _ in range(3):
+            outsider = await as_nobody(path, [12345], *READS)
+            assert codes(outsider) == [P.PERMISSION_DENIED], outsider
+            reader = await as_nobody(path, [READERS], *WRITES)
+            assert codes(reader) == [P.PERMISSION_DENIED] * 2, reader
+            assert "--switch-group" in reader["replies"][0]["error"]["message"]
+        assert len(lookups) == at_start, lookups
+
+
 def test_peer_credentials_of_a_socketpair() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     try:

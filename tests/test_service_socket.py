@@ -45,7 +45,7 @@ from gpuwatch.service.client import (
 )
 from gpuwatch.service.ops import default_ops
 from gpuwatch.service.peers import PeerCred
-from gpuwatch.service.server import SocketInUse, SocketSetupError, bind_socket
+from gpuwatch.service.server import SocketInUse, SocketServer, SocketSetupError, bind_socket
 from gpuwatch.service.testing import ServedWatcher, served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch.engine import SwitchResult
@@ -800,6 +800,34 @@ async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
     await c.aclose()
 
 
+async def test_a_request_whose_task_never_started_before_the_stop_is_told_so(
+    host: SysRoot, sockdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that needs a task (holders, plan, a /proc probe) read in the loop turn a
+    stop comes in is queued for the spawner, which the stop cancels before it starts it:
+    it got no reply at all. It is now told `unavailable` like the rest, in order."""
+
+    async def late_spawner(self: SocketServer, tg: Any) -> None:
+        await anyio.sleep_forever()  # the stop comes before the spawner's next turn
+
+    monkeypatch.setattr(SocketServer, "_spawner", late_spawner)
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request(3, "holders", {})
+                     + P.encode_request(4, "probe", {"action": "detect-gpu"}))
+        with anyio.fail_after(5):
+            while not served.server._to_spawn:
+                await anyio.sleep(0.01)
+    rest = [json.loads(x) for x in (await c.eof()).splitlines()]
+    await c.aclose()
+    assert rest == [
+        {"id": 3, "error": {"code": P.UNAVAILABLE,
+                            "message": "holders: the daemon is stopping; retry"}},
+        {"id": 4, "error": {"code": P.UNAVAILABLE,
+                            "message": "probe: the daemon is stopping; retry"}},
+    ]
+
+
 async def test_requests_queued_behind_one_in_flight_are_each_told_the_daemon_stops(
     host: SysRoot, sockdir: str, tmp_path: Path
 ) -> None:
@@ -834,6 +862,54 @@ async def test_requests_queued_behind_one_in_flight_are_each_told_the_daemon_sto
         (9, P.UNAVAILABLE, "probe: the daemon is stopping; retry"),
         ("ten", P.UNAVAILABLE, "snapshot: the daemon is stopping; retry"),
     ]
+
+
+async def test_all_clients_together_cannot_hold_more_unread_output_than_the_budget(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """Each connection's unread output is bounded (``outbox_limit``), but nothing bounded
+    them all together: ~960 other users' connections could hold 4 MiB each, 3.8 GiB. The
+    daemon-wide budget (here 4 x 256 KiB) now cuts off the client with the most unread
+    output when a write would pass it, and a client that reads is still served."""
+    limit = 256 << 10
+    async with daemon(host, sockdir, tmp_path, outbox_limit=limit,
+                      output_budget=4 * limit) as served:
+        server = served.server
+        answered: dict[object, int] = {}
+        send_result = server._send_result
+
+        def counting(conn: Any, req: Any, result: Any) -> None:
+            answered[conn] = answered.get(conn, 0) + 1
+            send_result(conn, req, result)
+
+        server._send_result = counting  # type: ignore[method-assign]
+        clients: list[Raw] = []
+        most = 0
+        for _ in range(8):  # each fills 3/4 of its own limit, reading nothing
+            before = set(server.connections)
+            c = await Raw.connect(served.path)
+            clients.append(c)
+            with anyio.fail_after(5):
+                while not set(server.connections) - before:
+                    await anyio.sleep(0.005)
+            (conn,) = set(server.connections) - before
+            sent = 0
+            while not conn.closed and conn.buffered() < 3 * limit // 4:
+                await c.send(b"".join(P.encode_request(sent + i, "snapshot") for i in range(2)))
+                sent += 2
+                with anyio.fail_after(5):
+                    while not conn.closed and answered.get(conn, 0) < sent:
+                        await anyio.sleep(0.005)
+                most = max(most, sum(x.buffered() for x in server.connections))
+        assert most <= 4 * limit + 65536, most  # + one write to a client that kept up
+        assert sum(x.buffered() for x in server.connections) <= 4 * limit + 65536
+        assert len(server.connections) < 8  # the ones furthest behind were cut off
+        # One that reads is served as ever.
+        c = await Raw.connect(served.path)
+        assert "result" in await c.request("probe", {"action": "detect-gpu"})
+        await c.aclose()
+        for c in clients:
+            await c.aclose()
 
 
 # --------------------------------------------------------------------------- clients and the CLI

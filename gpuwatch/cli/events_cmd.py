@@ -132,7 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"events: {why}", EXIT_FAILURE)
     try:
         if not args.follow:
-            if not (os.path.lexists(path) or os.path.lexists(rotated_path(path, 1))):
+            # exists, not lexists: a link to nowhere is no log either (was: nothing, exit 0).
+            if not (os.path.exists(path) or os.path.exists(rotated_path(path, 1))):
                 return fail(f"events: no event log at {path}", EXIT_FAILURE)
             _emit(read_records(path, since_seq=args.since_seq, types=types))
             return EXIT_OK

@@ -7,6 +7,7 @@ has it (Linux 4.13+), else from the group database for the peer's uid.
 
 from __future__ import annotations
 
+import functools
 import grp
 import os
 import platform
@@ -120,7 +121,11 @@ def process_start(pid: int, proc: str = "/proc") -> int | None:
         return None
 
 
+@functools.lru_cache(maxsize=64)
 def group_label(gid: int | None) -> str:
+    """The name of group ``gid`` for messages. Cached: refusals name the daemon's two groups
+    over and over, on the event loop, and the group database (NSS: LDAP, sssd) may block;
+    the server looks them up once, at start (`gpuwatch.service.server`)."""
     if gid is None:
         return "root only"
     try:

@@ -32,7 +32,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -51,6 +51,7 @@ from gpuwatch.service.peers import (
     AccessPolicy,
     PeerCred,
     database_groups,
+    group_label,
     kernel_credentials,
     peer_memlock,
     with_groups,
@@ -67,6 +68,9 @@ _log = logging.getLogger("gpuwatch.service")
 
 #: Bytes a client may leave unread before it is disconnected.
 DEFAULT_OUTBOX_LIMIT = 4 << 20
+#: Bytes all clients together may leave unread (or 4 outbox limits, if that is more): the
+#: per-client limit alone let ~960 other users' connections hold 3.8 GiB.
+DEFAULT_OUTPUT_BUDGET = 256 << 20
 #: Connections served at once, all peers together.
 DEFAULT_MAX_CLIENTS = 1024
 #: Connections one non-root uid may hold: one user cannot take every slot.
@@ -472,7 +476,8 @@ class Connection:
             if self.closed:
                 return
         buffered = self.buffered()
-        if buffered and buffered + len(data) > self._limit():
+        if (not self.server._room(self, len(data), buffered)
+                or (buffered and buffered + len(data) > self._limit())):
             if self.sub is not None:
                 self.lag(self.last_seq + 1, 0)
                 return
@@ -489,7 +494,8 @@ class Connection:
         if self.closed:
             return
         buffered = self.buffered()
-        if buffered and buffered + len(data) > self._limit():
+        if (not self.server._room(self, len(data), buffered)
+                or (buffered and buffered + len(data) > self._limit())):
             self.lag(first_seq, count)
             return
         self._write(data)
@@ -498,6 +504,21 @@ class Connection:
         # A subscriber's events leave room for its `lagged` line: the bound holds with it.
         limit = self.server.outbox_limit
         return limit - _LAG_RESERVE if self.sub is not None else limit
+
+    def evict(self) -> None:
+        """Cut off to keep the daemon's unread output within its budget (`SocketServer._room`):
+        a subscriber is lagged (its line, then the close), another client is closed; one
+        already closing (its last line unread) is dropped now, output and all."""
+        if self.closed:
+            self._shut(0)
+        elif self.sub is not None:
+            self.lag(self.last_seq + 1, 0)
+        else:
+            self.server.client_log.warning(
+                "disconnecting %s: %d bytes of replies unread, the most of any client, "
+                "while all clients together hold the daemon's output budget",
+                self.peer.describe(), self.buffered())
+            self.close()
 
     def lag(self, first_missed_seq: int, missed: int, *, hole: str | None = None) -> None:
         """The subscriber stopped reading (or reads too slowly): tell it what it missed
@@ -810,7 +831,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
             later = server._answer(self, line)
             if later is not None:
                 self._pause()
-                server._spawn(self._run, later)
+                server._spawn(self, later)
                 return
         if self.eof and not self.closed:
             if self.sub is None:
@@ -902,14 +923,23 @@ class SocketServer:
         flush_window: float = FLUSH_WINDOW,
         log_keep: int = 5,
         groups_timeout: float = GROUPS_TIMEOUT,
+        output_budget: int = DEFAULT_OUTPUT_BUDGET,
     ) -> None:
         self.watcher = watcher
         self.path = os.fspath(path)
         self.policy = AccessPolicy(read_gid=read_gid, switch_gid=switch_gid,
                                    owner_uid=os.geteuid())
+        for gid in (read_gid, switch_gid):
+            group_label(gid)  # looked up now, not on the loop at each refusal that names it
         self.log_path = log_path if log_path not in (None, "-") else None
         self.metrics = metrics
         self.outbox_limit = max(outbox_limit, 4 * _LAG_RESERVE)
+        #: Unread output of all connections together (`_room`).
+        self.output_budget = max(output_budget, 4 * self.outbox_limit)
+        # An upper bound of that output since it was last summed: what was written since
+        # is added, what clients read is not taken off (the sum is taken when it passes
+        # the budget, which on a daemon whose clients read is once per budget written).
+        self._out_bound = 0
         self.max_clients = max_clients
         self.max_per_uid = max_per_uid
         self.root_reserve = min(root_reserve, max_clients)
@@ -931,8 +961,8 @@ class SocketServer:
         self.connections: set[Connection] = set()
         self._subscribers: list[Connection] = []
         self._ident: tuple[int, int] | None = None
-        self._to_spawn: deque[tuple[Callable[..., Coroutine[Any, Any, Any]],
-                                    tuple[Any, ...]]] = deque()
+        self._to_spawn: deque[tuple[_ProtocolConnection,
+                                    Callable[[], Awaitable[None]]]] = deque()
         self._spawn_wake: anyio.Event | None = None  # made in `serve`: it needs the loop
         # Coalescing (`_on_batch`): batches published since the last flush, and when that was.
         self._pending: list[_Batch] = []
@@ -975,6 +1005,8 @@ class SocketServer:
                 await self._accept_loop(lsock, tg, loop)
         finally:
             self.stopping = True
+            with contextlib.suppress(Exception):
+                self._unstarted()  # before the lines queued behind them, in order
             if self._on_batch in self.watcher.batch_listeners:
                 self.watcher.batch_listeners.remove(self._on_batch)
             with contextlib.suppress(Exception):
@@ -1038,12 +1070,23 @@ class SocketServer:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
 
-    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
-        """Start a task from a protocol callback (no task context there, so no task group
-        call): the spawner task starts it in the server's task group."""
-        self._to_spawn.append((fn, args))
+    def _spawn(self, conn: _ProtocolConnection, later: Callable[[], Awaitable[None]]) -> None:
+        """Run ``later`` for ``conn`` as a task, from a protocol callback (no task context
+        there, so no task group call): the spawner task starts it in the server's task
+        group. One the daemon stops before it starts is answered by `_unstarted`."""
+        self._to_spawn.append((conn, later))
         assert self._spawn_wake is not None
         self._spawn_wake.set()
+
+    def _unstarted(self) -> None:
+        """The daemon stops: a request whose task was never started (read in the loop turn
+        the stop came in) gets `unavailable` too, not silence."""
+        while self._to_spawn:
+            conn, later = self._to_spawn.popleft()
+            if (isinstance(later, functools.partial) and later.func == self._answer_later
+                    and not conn.closed):
+                req: P.Request = later.args[1]
+                self._stopping_reply(conn, req.id, req.method)
 
     async def _spawner(self, tg: anyio.abc.TaskGroup) -> None:
         while True:
@@ -1051,8 +1094,8 @@ class SocketServer:
             await self._spawn_wake.wait()
             self._spawn_wake = anyio.Event()
             while self._to_spawn:
-                fn, args = self._to_spawn.popleft()
-                tg.start_soon(fn, *args)
+                conn, later = self._to_spawn.popleft()
+                tg.start_soon(conn._run, later)
 
     async def _accept_loop(self, lsock: socket.socket, tg: anyio.abc.TaskGroup,
                            loop: asyncio.AbstractEventLoop | None) -> None:
@@ -1746,6 +1789,34 @@ class SocketServer:
         """The held batches to one subscriber now (before a reply to it)."""
         for batch in self._pending:
             conn.offer_batch(batch)
+
+    def _room(self, conn: Connection, size: int, buffered: int) -> bool:
+        """Whether ``size`` more bytes for ``conn`` (``buffered`` unread already) fit the
+        daemon-wide output budget. When they do not, the client with the most unread output
+        is cut off (`Connection.evict`) until they fit: False when that client is ``conn``
+        itself, which its caller then treats as over its own limit (a client that has read
+        everything always gets its write, as under its own limit). A crowd of clients that
+        read nothing cannot hold more than the budget, and those that keep up lose nothing
+        to them."""
+        self._out_bound += size
+        if self._out_bound <= self.output_budget or not buffered:
+            return True
+        total = sum(c.buffered() for c in self.connections)
+        spared: set[Connection] = set()  # cut off just now: their bytes go within seconds
+        while total + size > self.output_budget:
+            victim = max((c for c in self.connections if c not in spared),
+                         key=lambda c: c.buffered(), default=None)
+            if victim is None or victim is conn:
+                self._out_bound = total
+                return victim is None
+            held = victim.buffered()
+            if held == 0:
+                break
+            victim.evict()
+            spared.add(victim)
+            total -= held
+        self._out_bound = total + size
+        return True
 
     def _lag_drop(self, conn: Connection, *, counted: bool = True) -> None:
         if counted:
