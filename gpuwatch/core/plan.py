@@ -224,6 +224,11 @@ class HostFacts:
     #: A ``recovering`` bridge above a function (its age in `recovery_age`): the kernel
     #: resets the link below it, whether or not the function got a uevent of its own.
     recovery_above: Mapping[str, str] = field(default_factory=dict)
+    #: A ``failed`` bridge above a function (not ``recovering``: see
+    #: `recovery_failed_above`) whose ``FAILED_RECOVERY`` came after the function's last sign
+    #: of life (its own recovery uevent, a bind): the kernel reports the failure on the bridge
+    #: alone, so the function's health reads ``ok`` while the link to it is down.
+    failed_bridge: Mapping[str, str] = field(default_factory=dict)
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -513,15 +518,10 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
     nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
     hint = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
     for fn in fns:
-        if fn.health in UNSWITCHABLE and not recover:
-            advice = health_advice(fn.health, fn.addr, fn.driver,
-                                   facts.wedge_recovery.get(fn.addr, ()))
-            return f"{fn.addr} is {fn.health}: {advice}; a switch would only add to it{hint}"
+        failure = failure_reason(fn, facts)
+        if failure is not None and not recover:
+            return f"{failure}; a switch would only add to it{hint}"
         failed_at = facts.recovery_failed_above.get(fn.addr, "")
-        if fn.health == "recovering" and failed_at and not recover:
-            advice = health_advice("failed", fn.addr, fn.driver)
-            return (f"{fn.addr} is failed: PCI error recovery failed at bridge {failed_at} "
-                    f"above it: {advice}; a switch would only add to it{hint}")
         if fn.health == "recovering" and not failed_at and _young(fn.addr, facts):
             return (f"{fn.addr} is recovering: PCI error recovery began "
                     f"{facts.recovery_age.get(fn.addr, 0.0):.0f} s ago and has not ended; "
@@ -531,6 +531,31 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
             return (f"{fn.addr} is behind bridge {bridge}, whose PCI error recovery began "
                     f"{facts.recovery_age.get(bridge, 0.0):.0f} s ago and has not ended; "
                     f"{_WAIT}")
+    return None
+
+
+def failure_reason(fn: PciFunction, facts: HostFacts, *, advice: bool = True) -> str | None:
+    """Why ``fn`` is unusable until its recovery, and what to do (not without ``advice``);
+    None when it is not: healthy by its own account behind a bridge whose recovery failed
+    after its last sign of life (the kernel says so on the bridge alone, and the link below
+    it may be down: a rebind of the function does not bring it back), wedged or failed
+    itself, or ``recovering`` under a bridge that failed since. What a switch refuses, and
+    what stops one under way (`gpuwatch.switch.engine`): no bind, unbind or override may go
+    to such a device."""
+    bridge = facts.failed_bridge.get(fn.addr, "")
+    if bridge:
+        head = f"{fn.addr} is behind bridge {bridge}, whose PCI error recovery failed"
+        return head if not advice else (
+            f"{head}: the link to it may be down; remove and rescan the bridge (echo 1 > "
+            f"/sys/bus/pci/devices/{bridge}/remove; echo 1 > /sys/bus/pci/rescan) or reboot")
+    if fn.health in UNSWITCHABLE:
+        head = f"{fn.addr} is {fn.health}"
+        return head if not advice else f"{head}: " + health_advice(
+            fn.health, fn.addr, fn.driver, facts.wedge_recovery.get(fn.addr, ()))
+    failed_at = facts.recovery_failed_above.get(fn.addr, "")
+    if fn.health == "recovering" and failed_at:
+        head = f"{fn.addr} is failed: PCI error recovery failed at bridge {failed_at} above it"
+        return head if not advice else f"{head}: " + health_advice("failed", fn.addr, fn.driver)
     return None
 
 
@@ -546,11 +571,12 @@ def _young(addr: str, facts: HostFacts) -> bool:
 
 def needs_recovery(fn: PciFunction, facts: HostFacts) -> bool:
     """A function `gpuwatch recover` rebinds even on its target driver: wedged, or failed
-    (its own ``FAILED_RECOVERY``, or the bridge's above it since its begin). The rebind is
+    (its own ``FAILED_RECOVERY``, or the bridge's above it since its begin or its last
+    bind). The rebind is
     its recovery and its bind clears the health; "already in mode" would leave it refused,
     by the very refusal that named `recover`."""
-    return fn.health in UNSWITCHABLE or (fn.health == "recovering"
-                                         and fn.addr in facts.recovery_failed_above)
+    return (fn.health in UNSWITCHABLE or fn.addr in facts.failed_bridge
+            or (fn.health == "recovering" and fn.addr in facts.recovery_failed_above))
 
 
 def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str]:
@@ -827,6 +853,7 @@ __all__ = [
     "check_names",
     "default_mode",
     "example_card",
+    "failure_reason",
     "find_card",
     "holder_scope",
     "kernel_users",

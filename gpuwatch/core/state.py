@@ -137,6 +137,12 @@ class HostState:
         #: for ever for one whose end was lost), and whether a bridge's failure came after a
         #: function's begin. Meaningful only while the health is ``recovering`` or ``failed``.
         self.recovery_marks: dict[str, RecoveryMark] = {}
+        #: Each function's last sign of life (a bind, a ``SUCCESSFUL_RECOVERY``) seen while
+        #: some recovery mark is held, ranked with the marks (`RecoveryMark.order`): after a
+        #: bridge's ``FAILED_RECOVERY`` it shows the function below it reachable again, so
+        #: that failure no longer counts for it. Not kept while no mark is held (no bridge
+        #: has failed): a bind then costs nothing more.
+        self.alive_marks: dict[str, int] = {}
         self._recovery_order = 0
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
@@ -191,8 +197,8 @@ class HostState:
         functions = self.functions
         for obs in batch:
             if type(obs) is PciRebound:  # one per bind: nothing to do unless health is bad
-                fn = functions.get(obs.addr)
-                if fn is None or fn.health == "ok":
+                fn = functions.get(obs.addr)  # (or a bridge failed: see `alive_marks`)
+                if fn is None or (fn.health == "ok" and not self.recovery_marks):
                     continue
             self._apply_one(obs, events)
         events.extend(self._refresh_answers())
@@ -227,7 +233,10 @@ class HostState:
         elif kind is PciSeen:
             self._pci_seen(cast(PciSeen, obs), events)
         elif kind is PciRebound:
-            self._set_health(cast(PciRebound, obs).addr, "ok", events, announce=True)
+            addr = cast(PciRebound, obs).addr
+            if addr in self.functions:
+                self._alive(addr)
+            self._set_health(addr, "ok", events, announce=True)
         elif isinstance(obs, PciGone):
             self._pci_gone(obs.addr, events)
         elif isinstance(obs, PciErrorSeen):
@@ -390,6 +399,7 @@ class HostState:
             if seen.driver and old.health != "ok":
                 # A bind to another driver is a fresh start: it clears a failed or wedged state.
                 update["health"] = "ok"
+                self._alive(old.addr)
         if old.iommu_group != seen.iommu_group:
             update["iommu_group"] = seen.iommu_group
         if old.vfio_dev != seen.vfio_dev:
@@ -493,12 +503,20 @@ class HostState:
                             health=health)
         if health == "ok":
             self.recovery_marks.pop(seen.addr, None)
+            self._alive(seen.addr)
         else:
             self._recovery_order += 1
             clock = self.clock
             self.recovery_marks[seen.addr] = RecoveryMark(
                 self._recovery_order, clock() if clock is not None else None)
         events.append(event)
+
+    def _alive(self, addr: str) -> None:
+        """``addr`` was just bound or recovered: rank that sign of life (`alive_marks`), but
+        only while some recovery mark is held, the only time it can matter."""
+        if self.recovery_marks:
+            self._recovery_order += 1
+            self.alive_marks[addr] = self._recovery_order
 
     def _drm_wedge(self, seen: DrmWedgeSeen, events: list[BaseModel]) -> None:
         if not seen.addr:  # a devpath that does not name the parent: the card's link does
@@ -555,6 +573,7 @@ class HostState:
         if new is None:
             del functions[addr]
             self.recovery_marks.pop(addr, None)
+            self.alive_marks.pop(addr, None)
         else:
             functions[addr] = new
         if addr in self.wedge_recovery and (new is None or new.health != "wedged"):

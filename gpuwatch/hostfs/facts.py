@@ -190,6 +190,7 @@ class ModelFacts:
     recovery_age: dict[str, float] = dataclasses.field(default_factory=dict)
     recovery_failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
     recovery_above: dict[str, str] = dataclasses.field(default_factory=dict)
+    failed_bridge: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
@@ -207,6 +208,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         recovery_age=found.age,
         recovery_failed_above=found.failed_above,
         recovery_above=found.above,
+        failed_bridge=found.failed_bridge,
     )
 
 
@@ -217,7 +219,7 @@ def health_facts(state: HostState, members: Iterable[PciFunction]) -> HostFacts:
     found = recovery_facts(state, addrs)
     return HostFacts(wedge_recovery={a: r for a, r in state.wedge_recovery.items() if a in addrs},
                      recovery_age=found.age, recovery_failed_above=found.failed_above,
-                     recovery_above=found.above)
+                     recovery_above=found.above, failed_bridge=found.failed_bridge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +229,7 @@ class RecoveryFacts:
     age: dict[str, float] = dataclasses.field(default_factory=dict)
     failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
     above: dict[str, str] = dataclasses.field(default_factory=dict)
+    failed_bridge: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def recovery_facts(state: HostState, addrs: Iterable[str],
@@ -237,9 +240,13 @@ def recovery_facts(state: HostState, addrs: Iterable[str],
     so the function's own end never comes; an older failure of the bridge is no outcome of
     this recovery); for any function, the nearest bridge above it that is ``recovering``
     (the kernel resets the link below it, and a function whose driver has no error handler
-    gets no uevent of its own); and the seconds since the ``BEGIN_RECOVERY`` of each of
-    those recovering functions and bridges, on the monotonic clock the state stamped it
-    with (``now``: that clock's reading, else the state's clock is read; unknown without
+    gets no uevent of its own); for a function not failed at a bridge that way, the
+    nearest ``failed`` bridge above it whose ``FAILED_RECOVERY`` came after the function's
+    last sign of life (its own recovery uevent, a bind: see `HostState.alive_marks`), since
+    the kernel sends the failure on the bridge alone and the link below it may be down; and
+    the seconds since the ``BEGIN_RECOVERY`` of each of those recovering functions and
+    bridges, on the monotonic clock the state stamped it with (``now``: that clock's
+    reading, else the state's clock is read; unknown without
     one), never the wall clock, which NTP may step during a recovery."""
     if now is None and state.clock is not None:
         now = state.clock()
@@ -265,11 +272,35 @@ def recovery_facts(state: HostState, addrs: Iterable[str],
                            and _failed_after(marks.get(b), began)), "")
             if bridge:
                 found.failed_above[addr] = bridge
+        if addr not in found.failed_above:
+            bridge = next((b for b in above if functions[b].health == "failed"
+                           and not _alive_since(state, b, addr)), "")
+            if bridge:
+                found.failed_bridge[addr] = bridge
         bridge = next((b for b in above if functions[b].health == "recovering"), "")
         if bridge:
             found.above[addr] = bridge
             age(bridge)
     return found
+
+
+def _alive_since(state: HostState, bridge: str, addr: str) -> bool:
+    """``addr``, or a function sharing the link below ``bridge`` with it (another function
+    of the card, a device further down), showed a sign of life after the bridge's
+    ``FAILED_RECOVERY``: a bind, or a PCI error recovery uevent of its own (the kernel
+    reaches it, so the link is up again). A failure with no mark, never ranked, is not
+    outlived."""
+    failed = state.recovery_marks.get(bridge)
+    if failed is None:
+        return False
+    marks, alive = state.recovery_marks, state.alive_marks
+    below = f"/{bridge}/"
+    devpaths = state.devpaths
+    for other in (addr, *(a for a, path in devpaths.items() if below in path and a != addr)):
+        own = marks.get(other)
+        if max(own.order if own is not None else 0, alive.get(other, 0)) > failed.order:
+            return True
+    return False
 
 
 def _failed_after(failed: RecoveryMark | None, began: RecoveryMark | None) -> bool:
@@ -399,6 +430,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         recovery_age=known.recovery_age,
         recovery_failed_above=known.recovery_failed_above,
         recovery_above=known.recovery_above,
+        failed_bridge=known.failed_bridge,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol, assert_never
 
@@ -48,11 +48,13 @@ from gpuwatch.core.plan import (
     HostFacts,
     MakeDirStep,
     NodeScope,
+    PoisonKey,
     Step,
     SwitchPlan,
     WriteStep,
     already_in_mode,
     cdi_steps,
+    failure_reason,
     find_card,
     holders_reason,
     needs_recovery,
@@ -191,6 +193,10 @@ class SwitchEngine:
         self.rollback_timeout = DEFAULT_ROLLBACK_TIMEOUT
         self._busy: set[int | str] = set()
         self._exclusive: int | str | None = None
+        #: Per switch under way (by its poison key): the functions of its group that were
+        #: already unusable until their recovery when it was decided (`_failures`), which
+        #: only `recover` plans for; any other failure seen meanwhile is new, and stops it.
+        self._failed_at_start: dict[PoisonKey, dict[str, tuple[str, ...]]] = {}
         for group, entry in self.poison.load().items():
             self.model.poisoned[group] = entry.error
 
@@ -376,6 +382,7 @@ class SwitchEngine:
                 os.close(fd)
         finally:
             self._busy.discard(key)
+            self._failed_at_start.pop(key, None)
             if self._exclusive == key:
                 self._exclusive = None
             if not self._busy and self.on_idle is not None:
@@ -403,6 +410,7 @@ class SwitchEngine:
         if not plan.steps:
             return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
                                 notes=list(plan.notes))
+        self._failed_at_start[plan.poison_key] = self._failures(plan)
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
             members=[a for a, _ in plan.targets])])
@@ -419,6 +427,7 @@ class SwitchEngine:
                     for step in plan.steps:
                         # Before the step counts as begun: nothing of it was written.
                         await self._await_recovery(plan, step, deadline, notes)
+                        self._stop_on_failure(plan, f"before {step.describe()}")
                         in_flight[:] = [step]
                         _track_pin(pinned, step, before=True)  # a write that fails may count
                         ok = await self._step(plan, facts, step, deadline, notes)
@@ -585,6 +594,16 @@ class SwitchEngine:
         restored.extend(cleared)
         if stuck:
             return True  # a wedge: nothing more is touched
+        failure = self._new_failure(plan)
+        if failure is not None:
+            # Putting the drivers back is an unbind and a bind of a device the kernel gave up
+            # on (or wedged): the group is left for its recovery, as it is now.
+            left = await self._left_changed(plan)
+            restored.append(f"group {plan.group} not put back: {failure}: left for its "
+                            "recovery" + (f"; {left}" if left else ""))
+            commands, stuck = await self._restore(plan, facts, done)
+            restored.extend(commands)
+            return stuck
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
         started: list[str] = []  # services the switch back started (persistenced, recorded)
@@ -689,9 +708,32 @@ class SwitchEngine:
         nothing else would ever bind it (not the module reloaded next, not an operator's
         ``drivers_probe``). Clear each one, and say so; a function gone from the bus has no
         override left. True when a write did not return (the wedge rule: nothing more is
-        run). ``rolling`` holds the write under way, for a bound that cuts it off."""
+        run). ``rolling`` holds the write under way, for a bound that cuts it off.
+
+        Only to a function that is still there and not newly unusable: the tree is read
+        again first (a removal's uevent may lag), and a function gone from the bus, or one
+        that failed or wedged during the switch (`_new_failure`), gets no write at all (the
+        write takes the lock of a device the kernel gave up on; its recovery, a remove and
+        rescan, a reboot, drops the override with the device)."""
         done: list[str] = []
+        if pinned:
+            paths = self.model.paths
+            addrs = list(pinned)
+            # Not read in time: the model as it is (a write to a function gone fails, and
+            # says so).
+            with suppress(StepTimedOut):
+                await self._refresh(await call_bounded(
+                    lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                    "re-reading the tree"))
+        failures = self._new_failures(plan)
         for addr in pinned:
+            if addr not in self.model.state.functions:
+                done.append(f"{addr} gone: no override left to clear")
+                continue
+            if addr in failures:
+                done.append(f"{failures[addr]}: its driver_override is left for its "
+                            "recovery, not cleared")
+                continue
             step = WriteStep(override_path(addr), CLEAR_OVERRIDE)
             if rolling is not None:
                 rolling[:] = [step]
@@ -766,12 +808,17 @@ class SwitchEngine:
         steps += [("systemctl", "start", unit) for unit in dict.fromkeys(reversed(stopped))
                   if unit not in restarted]
         hold = self._recovery_under_way(plan) if steps else None
-        if hold is not None:
+        failure = self._new_failure(plan) if steps and hold is None else None
+        if hold is not None or failure is not None:
             # Loading nvidia again probes the card (a bind), and its service may load it:
-            # not while the kernel resets the device. Say what is left to do.
+            # not while the kernel resets the device, nor onto one that failed or wedged
+            # during the switch. Say what is left to do.
             left = "; ".join(" ".join(argv) for argv in steps)
-            _log.info("switch of group %s: not restoring while %s", plan.group, hold)
-            return [f"not run while {hold}: {left} (run once it ends)"], False
+            _log.info("switch of group %s: not restoring while %s", plan.group,
+                      hold or failure)
+            if hold is not None:
+                return [f"not run while {hold}: {left} (run once it ends)"], False
+            return [f"not run while {failure}: {left} (run once it is recovered)"], False
         restored: list[str] = []
         for argv in steps:
             what = " ".join(argv)
@@ -860,6 +907,54 @@ class SwitchEngine:
         reason = unhealthy_reason(members, health_facts(state, members), recover=True)
         return None if reason is None else reason.split(";", 1)[0]
 
+    def _failures(self, plan: SwitchPlan) -> dict[str, tuple[str, ...]]:
+        """Each function of the group, as the model has it now, that is unusable until its
+        recovery (`failure_reason`), with what says so: its health, the failed bridge above
+        it, and the rank of the uevent that made it so (a second failure is a new one)."""
+        state = self.model.state
+        members = (state.group_members(plan.addr) if plan.addr in state.functions else
+                   [fn for m in plan.members if (fn := state.functions.get(m.addr))])
+        facts = health_facts(state, members)
+        found: dict[str, tuple[str, ...]] = {}
+        for fn in members:
+            reason = failure_reason(fn, facts, advice=False)
+            if reason is None:
+                continue
+            bridge = (facts.failed_bridge.get(fn.addr, "")
+                      or facts.recovery_failed_above.get(fn.addr, ""))
+            mark = state.recovery_marks.get(bridge or fn.addr)
+            found[fn.addr] = (reason, fn.health, bridge, str(mark.order if mark else 0))
+        return found
+
+    def _new_failures(self, plan: SwitchPlan, *, advice: bool = False) -> dict[str, str]:
+        """The functions of the group that failed or wedged (or whose bridge failed) since
+        the switch was decided, each with what happened (and what to do, with ``advice``):
+        not those `recover` was asked to rebind, unless they failed again."""
+        known = self._failed_at_start.get(plan.poison_key, {})
+        found = {addr: sign for addr, sign in self._failures(plan).items()
+                 if known.get(addr) != sign}
+        if not advice or not found:
+            return {addr: sign[0] for addr, sign in found.items()}
+        state = self.model.state
+        fns = [state.functions[a] for a in found]
+        facts = health_facts(state, fns)
+        return {fn.addr: failure_reason(fn, facts) or found[fn.addr][0] for fn in fns}
+
+    def _new_failure(self, plan: SwitchPlan, *, advice: bool = False) -> str | None:
+        return next(iter(self._new_failures(plan, advice=advice).values()), None)
+
+    def _stop_on_failure(self, plan: SwitchPlan, where: str) -> None:
+        """A function of the group failed or wedged during the switch (an AER fatal error
+        whose recovery failed, a DRM wedge, its bridge's recovery failing): not one more
+        write goes to the group. The switch fails naming it; what follows touches no such
+        function (`_unpin`, `_restore`, `_roll_back`), and the group is left for its
+        recovery (refused until then; `gpuwatch recover`)."""
+        failure = self._new_failure(plan, advice=True)
+        if failure is not None:
+            self._fail(plan, f"{failure} (seen during the switch, which stopped {where}: "
+                             f"nothing more is written to IOMMU group {plan.group}, left for "
+                             "its recovery)")
+
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:
         """Right before an unbind, look again: a holder now (persistenced that would not stop,
@@ -912,6 +1007,7 @@ class SwitchEngine:
         check_at = min(deadline, time.monotonic() + self.tree_check_after)
         events_open = True
         while not self._reached(plan, facts):
+            self._stop_on_failure(plan, "while it waited for the binds")
             now = time.monotonic()
             if now >= check_at:
                 await self._reread(plan, deadline)
@@ -919,6 +1015,7 @@ class SwitchEngine:
                     # The writes returned and the tree shows each function on its target:
                     # the rebind happened, though its bind event was lost.
                     await self._refresh([PciRebound(a) for a in self._unrecovered(plan)])
+                self._stop_on_failure(plan, "while it waited for the binds")
                 if self._reached(plan, facts):
                     notes.append("bind events were lost: completion read from the tree")
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
