@@ -84,14 +84,14 @@ async def test_a_failure_during_the_switch_stops_its_writes(host: SysRoot, what:
 async def test_a_failure_while_waiting_for_the_binds_fails_at_once(host: SysRoot) -> None:
     """Every write returned and the switch waits for the bind events: a failure seen then
     ends it at once with its reason, not after --timeout with "did not reach its target"."""
-    async with simulated_switch(host) as (w, sim, _engine, _events):
+    async with simulated_switch(host, tree_check_after=60) as (w, sim, _engine, _events):
         sim.lose_bind_events = True
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
 
                 async def switch() -> None:
                     with pytest.raises(SwitchFailed, match=rf"{NV} is failed: .*during the switch"):
-                        await w.switch(NV, "vfio", timeout=25)
+                        await w.switch(NV, "vfio", timeout=90)
 
                 tg.start_soon(switch)
                 clear = ("write", f"/sys/bus/pci/devices/{NV}/driver_override", "\n")
@@ -100,7 +100,7 @@ async def test_a_failure_while_waiting_for_the_binds_fails_at_once(host: SysRoot
                 await anyio.sleep(0.2)
                 w.source.push(_trouble(host, "failed")[0])
                 started = anyio.current_time()
-        assert anyio.current_time() - started < 5
+        assert anyio.current_time() - started < 3
 
 
 async def test_recover_stops_on_a_new_failure_of_another_function(host: SysRoot) -> None:

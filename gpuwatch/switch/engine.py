@@ -122,9 +122,10 @@ _LOCK_DIR = "run/gpuwatch"
 _HOST_LOCK = "switch.lock"
 #: How often a switch held by a PCI error recovery under way looks at the model again.
 _RECOVERY_POLL = 0.05
-#: What may complete a switch: ``device-changed`` too, for the health a rebind clears.
+#: What may complete a switch: ``device-changed`` too, for the health a rebind clears; and
+#: what must end one at once: a function of the group failing or wedging meanwhile.
 _PROGRESS_EVENTS = ("driver-changed", "device-added", "device-removed", "device-changed",
-                    "resync")
+                    "resync", "device-error", "gpu-wedged")
 
 
 #: What a switch did: the ``switch-completed`` event record itself (one record, two JSON
