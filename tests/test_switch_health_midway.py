@@ -129,6 +129,33 @@ async def test_recover_stops_on_a_new_failure_of_another_function(host: SysRoot)
         assert not [r for r in sim.record[seen:] if r[0] == "write"], sim.record[seen:]
 
 
+async def test_recover_stops_when_the_card_wedges_again_after_its_bind(host: SysRoot) -> None:
+    """`recover` of a wedged card: once its bind is seen (its health ok), a second wedge is
+    a new failure, though a wedge uevent carries no rank: the step after it (clearing the
+    override) is not written."""
+    async with simulated_switch(host) as (w, sim, _engine, _events):
+        w.source.push(_trouble(host, "wedge")[0])
+        await _health(w, NV, "wedged")
+        probe = ("write", "/sys/bus/pci/drivers_probe", NV)
+        sim.step_delay = 0.5
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def recover() -> None:
+                    with pytest.raises(SwitchFailed, match=rf"{NV} is wedged: .*during the "):
+                        await w.recover(NV, timeout=20)
+
+                tg.start_soon(recover)
+                while probe not in sim.record:
+                    await anyio.sleep(0.005)
+                await _health(w, NV, "ok")  # its bind, seen
+                w.source.push(_trouble(host, "wedge")[0])
+                await _health(w, NV, "wedged")
+                seen = len(sim.record)
+                sim.step_delay = 0.0
+        assert _touches(sim.record[seen:], NV) == [], sim.record[seen:]
+
+
 # --------------------------------------------------------------------------- 2: bridge
 
 

@@ -143,6 +143,10 @@ class HostState:
         #: that failure no longer counts for it. Not kept while no mark is held (no bridge
         #: has failed): a bind then costs nothing more.
         self.alive_marks: dict[str, int] = {}
+        #: Each wedged function's last DRM wedge uevent, ranked with the marks: a wedge
+        #: uevent carries nothing else to tell a second wedge from the first (a switch under
+        #: way stops on a new one).
+        self.wedge_marks: dict[str, int] = {}
         self._recovery_order = 0
         self._cdev_owner: dict[str, str] = {}
         self.devpaths: dict[str, str] = {}
@@ -529,6 +533,8 @@ class HostState:
             self._replace(fn, {"health": "wedged"}, events, announce=False)
         if fn is not None:
             self.wedge_recovery[fn.addr] = seen.recovery
+            self._recovery_order += 1
+            self.wedge_marks[fn.addr] = self._recovery_order
         events.append(GpuWedged(addr=seen.addr, card=seen.card, recovery=list(seen.recovery),
                                 pid=seen.pid, task=seen.task))
 
@@ -574,6 +580,7 @@ class HostState:
             del functions[addr]
             self.recovery_marks.pop(addr, None)
             self.alive_marks.pop(addr, None)
+            self.wedge_marks.pop(addr, None)
         else:
             functions[addr] = new
         if addr in self.wedge_recovery and (new is None or new.health != "wedged"):

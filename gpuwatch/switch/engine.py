@@ -911,7 +911,8 @@ class SwitchEngine:
     def _failures(self, plan: SwitchPlan) -> dict[str, tuple[str, ...]]:
         """Each function of the group, as the model has it now, that is unusable until its
         recovery (`failure_reason`), with what says so: its health, the failed bridge above
-        it, and the rank of the uevent that made it so (a second failure is a new one)."""
+        it, and the rank of the uevent that made it so (`HostState.recovery_marks`,
+        `HostState.wedge_marks`: a second failure is a new one)."""
         state = self.model.state
         members = (state.group_members(plan.addr) if plan.addr in state.functions else
                    [fn for m in plan.members if (fn := state.functions.get(m.addr))])
@@ -923,8 +924,12 @@ class SwitchEngine:
                 continue
             bridge = (facts.failed_bridge.get(fn.addr, "")
                       or facts.recovery_failed_above.get(fn.addr, ""))
-            mark = state.recovery_marks.get(bridge or fn.addr)
-            found[fn.addr] = (reason, fn.health, bridge, str(mark.order if mark else 0))
+            if fn.health == "wedged" and not bridge:
+                order = state.wedge_marks.get(fn.addr, 0)
+            else:
+                mark = state.recovery_marks.get(bridge or fn.addr)
+                order = mark.order if mark is not None else 0
+            found[fn.addr] = (reason, fn.health, bridge, str(order))
         return found
 
     def _new_failures(self, plan: SwitchPlan, *, advice: bool = False) -> dict[str, str]:
@@ -932,8 +937,12 @@ class SwitchEngine:
         the switch was decided, each with what happened (and what to do, with ``advice``):
         not those `recover` was asked to rebind, unless they failed again."""
         known = self._failed_at_start.get(plan.poison_key, {})
-        found = {addr: sign for addr, sign in self._failures(plan).items()
-                 if known.get(addr) != sign}
+        now = self._failures(plan)
+        for addr in [a for a in known if a not in now]:
+            # Recovered meanwhile (its bind seen): failing again is a new failure, though a
+            # wedge's uevent carries no rank to tell the second from the first.
+            del known[addr]
+        found = {addr: sign for addr, sign in now.items() if known.get(addr) != sign}
         if not advice or not found:
             return {addr: sign[0] for addr, sign in found.items()}
         state = self.model.state
