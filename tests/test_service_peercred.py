@@ -12,6 +12,8 @@ import logging
 import os
 import resource
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -308,6 +310,56 @@ def test_peer_credentials_of_a_socketpair() -> None:
         b.close()
     assert (cred.pid, cred.uid, cred.gid) == (os.getpid(), os.geteuid(), os.getegid())
     assert set(os.getgroups()) | {os.getegid()} <= cred.groups
+
+
+def _peerpidfd_works() -> bool:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        os.close(a.getsockopt(socket.SOL_SOCKET, 77))
+    except OSError:
+        return False
+    finally:
+        a.close()
+        b.close()
+    return True
+
+
+@pytest.mark.skipif(not _peerpidfd_works(), reason="the kernel lacks SO_PEERPIDFD (Linux 6.5+)")
+def test_a_peer_gone_before_the_accept_is_not_vouched_for_by_whoever_has_its_pid(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer connects and exits before the daemon accepts; its pid goes to another
+    process (played here by the start-time read answering for a live one). That start time
+    must not be taken as the peer's: with it, `still_there` would say yes and `memlock`
+    answer with the newcomer's limit."""
+    with short_socket_dir() as where:
+        path = str(Path(where) / "s")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            peer = subprocess.run(  # the peer: connect, and go (reaped: its pid is free)
+                [sys.executable, "-c", "import os, socket, sys\n"
+                 "socket.socket(socket.AF_UNIX).connect(sys.argv[1]); print(os.getpid())",
+                 path], capture_output=True, text=True, timeout=30, check=True)
+            pid = int(peer.stdout)
+            conn, _ = listener.accept()
+            with conn:
+                reused = peers.process_start(os.getpid())  # a live process's start time
+                monkeypatch.setattr(peers, "process_start", lambda p, proc="/proc": reused)
+                cred = peer_credentials(conn)
+    assert cred.pid == pid
+    assert cred.start is None
+    assert not cred.still_there()
+
+
+def test_a_live_peer_keeps_its_start_time() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        cred = peer_credentials(a)
+    finally:
+        a.close()
+        b.close()
+    assert cred.start is not None and cred.start == peers.process_start(os.getpid())
+    assert cred.still_there()
 
 
 @pytest.mark.parametrize(

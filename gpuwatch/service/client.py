@@ -38,6 +38,9 @@ _MAX_REPLY = 256 << 20
 # How long a client whose request could not be sent looks for the daemon's refusal line
 # (already queued when the daemon refused at accept; this only bounds the look).
 _REFUSAL_WAIT = 1.0
+# How much of what is queued a client reads looking for that refusal: the daemon's refusal is
+# its first and only line, so a peer still sending past this is not one to read on from.
+_REFUSAL_BYTES = 64 << 10
 # How often a client retries a connect that found the daemon's listen backlog full.
 _BACKLOG_RETRY = 0.01
 
@@ -246,9 +249,11 @@ class Client:
 
     def _refused(self) -> DaemonError | None:
         """The refusal the daemon left in our receive queue before it closed, if any."""
+        left = _REFUSAL_BYTES
         try:
             self._sock.settimeout(0)
-            while chunk := self._sock.recv(1 << 16):
+            while left > 0 and (chunk := self._sock.recv(left)):
+                left -= len(chunk)
                 self._lines.extend(self._framer.feed(chunk))
         except OSError:
             pass  # nothing more (EAGAIN), or the reset that follows the refusal
@@ -411,11 +416,15 @@ class AsyncClient:
 
     async def _refused(self) -> DaemonError | None:
         """As `Client._refused`: what is already queued is read, waiting at most a moment
-        (``_REFUSAL_WAIT``) for a refusal still on its way."""
+        (``_REFUSAL_WAIT``) for a refusal still on its way, and never more than
+        ``_REFUSAL_BYTES`` of it."""
+        left = _REFUSAL_BYTES
         with anyio.move_on_after(_REFUSAL_WAIT):
             with contextlib.suppress(Exception):
-                while True:
-                    self._lines.extend(self._framer.feed(await self._stream.receive(1 << 16)))
+                while left > 0:
+                    chunk = await self._stream.receive(left)
+                    left -= len(chunk)
+                    self._lines.extend(self._framer.feed(chunk))
         return _first_refusal(self._lines)
 
     async def aclose(self) -> None:

@@ -7,11 +7,13 @@ has it (Linux 4.13+), else from the group database for the peer's uid.
 
 from __future__ import annotations
 
+import errno
 import functools
 import grp
 import os
 import platform
 import pwd
+import signal
 import socket
 import struct
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ from gpuwatch.service.protocol import SWITCH_METHODS
 _UCRED = struct.Struct("3i")
 # SO_PEERGROUPS is 59 in asm-generic; these architectures use their own numbering.
 _OWN_SOCKOPT_NUMBERS = ("alpha", "mips", "parisc", "sparc")
+# SO_PEERPIDFD (Linux 6.5+; not named by Python 3.11's socket module): a pidfd for the very
+# process that connected, which a reused pid cannot stand in for.
+_SO_PEERPIDFD = 77
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +91,43 @@ def kernel_credentials(sock: socket.socket) -> tuple[PeerCred, bool]:
     pid, uid, gid = _UCRED.unpack(raw)
     groups = _peer_groups(sock)
     peer = PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *(groups or ()))),
-                    start=process_start(pid))
+                    start=_connected_start(sock, pid))
     return peer, groups is not None
+
+
+def _connected_start(sock: socket.socket, pid: int) -> int | None:
+    """The start time of the process that connected, or None when it has exited: the peer
+    may exit between its ``connect()`` and our accept, and its pid go to another process
+    whose start time would then vouch for the wrong one. Read first, then the peer's pidfd
+    is asked whether it still lives: if it does, the pid was its own when read."""
+    start = process_start(pid)
+    if start is not None and _peer_alive(sock) is False:
+        return None
+    return start
+
+
+def _peer_alive(sock: socket.socket) -> bool | None:
+    """Whether the process that connected still runs (its pidfd, SO_PEERPIDFD); None where
+    the kernel cannot say (before Linux 6.5, or an architecture with its own numbering)."""
+    if platform.machine().lower().startswith(_OWN_SOCKOPT_NUMBERS):
+        return None
+    try:
+        pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError as exc:
+        # Until Linux 6.15 no pidfd is made for an exited peer (EINVAL, ESRCH); newer ones
+        # make one that signal 0 finds gone. ENOPROTOOPT: before 6.5, nothing to ask.
+        return False if exc.errno in (errno.EINVAL, errno.ESRCH) else None
+    try:
+        signal.pidfd_send_signal(pidfd, 0)  # signal 0: nothing is sent, existence is checked
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; we may just not signal it
+    except OSError:
+        return None
+    finally:
+        os.close(pidfd)
+    return True
 
 
 def with_groups(peer: PeerCred, groups: list[int]) -> PeerCred:
