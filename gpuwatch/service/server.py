@@ -1652,11 +1652,12 @@ class SocketServer:
         log's lines after since_seq, then what was held live, each seq once.
 
         ``complete`` in the reply could only judge the first seq. A hole further on (a
-        rotated file missing, unreadable or no file at all, writes that failed, a torn
-        line at a file's end) shows as a jump between two chunks (a chunk never spans two
-        files), or as a log that ends before ``now``: the replay stops there with the
-        `lagged` line, so the client resumes from the hole and is told ``complete: false``
-        instead of taking a stream with seqs silently missing for a whole one."""
+        rotated file missing, unreadable or no file at all, writes that failed, a line
+        damaged or lost anywhere in a file) shows as a jump between two chunks (a chunk
+        never spans a hole: `read_chunks`), or as a log that ends before ``now``: the
+        replay stops there with the `lagged` line, so the client resumes from the hole and
+        is told ``complete: false`` instead of taking a stream with seqs silently missing
+        for a whole one."""
         handover = Handover(since_seq)
         expected: int | None = None  # the seq the log must hold next (None: not judged yet)
         try:

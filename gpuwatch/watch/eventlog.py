@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import math
 import os
+import re
 import select
 import stat
 import sys
@@ -33,6 +33,7 @@ from typing import IO, Any, NamedTuple
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.core import strictjson
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.watch.handover import Handover
@@ -64,8 +65,9 @@ _log = logging.getLogger(__name__)
 # holding the event loop for a whole backlog, and bounds memory per batch.
 _POLL_BUDGET = 256 * 1024
 _CHUNK = 64 * 1024
-# One slice of a socket replay (`read_chunks`): ~40 µs of work, so a request that arrives
-# meanwhile waits no longer than that for its turn of the event loop.
+# One slice of a socket replay (`read_chunks`): ~50 µs of work (most of it `_plain_heads`
+# vouching for its lines), so a request that arrives meanwhile waits no longer than that
+# for its turn of the event loop.
 _REPLAY_CHUNK = 8 * 1024
 # A rotation renames one file at a time, so a directory scan can meet one hole (the name
 # just vacated); two consecutive missing names mean the end of the rotated set.
@@ -356,8 +358,9 @@ def _take_lock(path: str) -> int:
 
 class RawChunk(NamedTuple):
     """A run of stored lines for a replay, byte for byte: the events with seq ``first`` …
-    ``last`` were read (all after the previous chunk's), ``data`` holds the lines of those
-    wanted, each ending in ``\n`` (maybe none)."""
+    ``last``, every one of them, were read (all after the previous chunk's: a hole in the
+    log falls between two chunks, never inside one), ``data`` holds the lines of those
+    wanted, each ending in ``\n`` (maybe none), each one `_decode` takes for an event."""
 
     first: int
     last: int
@@ -382,13 +385,17 @@ def rotated_path(path: str | os.PathLike[str], index: int) -> str:
 
 def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
     """A stored line as (event, text), or None when it is not one (never raises: logs get
-    damaged, and a follower must outlive a bad line)."""
+    damaged, and a follower must outlive a bad line).
+
+    Decoded strictly (`strictjson`): a line with ``NaN``, ``Infinity``, a number out of
+    range, a duplicate key or a lone surrogate is no line the writer wrote but damage, and
+    a replay must neither pass it on nor count its seq as held (it is a hole)."""
     if not raw.strip():
         return None
     try:
         text = raw.decode("utf-8")
-        obj = json.loads(text)
-    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError; too deep
+        obj = strictjson.loads(text)
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError; UnsafeJson
         return None
     if not isinstance(obj, dict):
         return None
@@ -399,16 +406,54 @@ def _decode(raw: bytes) -> tuple[dict[str, Any], str] | None:
     return obj, text
 
 
-_SEQ_HEAD = b'{"seq":'
+def _plain_line_pattern() -> re.Pattern[bytes]:
+    """One line as the writer writes it (``{"seq":N,"time":…,"type":…,…}``), its seq
+    captured, or any other line, with nothing captured: over bytes `_plain_heads` has
+    screened (printable ASCII and newlines, no backslash), a line it captures is JSON that
+    `strictjson` accepts.
+
+    A grammar for a part of JSON: strings without escapes, numbers that cannot overflow a
+    float (at most 200 digits before an exponent of at most 2: no ``1e999``; no ``NaN`` or
+    ``Infinity``, which are no JSON), ``true``/``false``/``null``, and arrays and objects 4
+    deep at most. Possessive quantifiers: a line is matched or refused without going back.
+    A string is ``[^"]*``, the regex engine's quickest loop; one that runs on past a newline
+    makes a match of two lines, which `_plain_heads` counts and refuses. One thing the
+    grammar cannot see: a key twice over in one object (which no crash or disk error
+    writes).
+    """
+    string = rb'"[^"]*+"'
+    number = rb"-?+(?:0|[1-9][0-9]{0,199}+)(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]{1,2}+)?+"
+    scalar = string + rb"|" + number + rb"|true|false|null"
+    value = rb"(?:" + scalar + rb")"
+    for _ in range(3):
+        value = (rb"(?:" + scalar + rb"|\[(?:" + value + rb"(?:," + value + rb")*+)?+\]"
+                 rb"|\{(?:" + string + rb":" + value + rb"(?:," + string + rb":" + value
+                 + rb")*+)?+\})")
+    return re.compile(rb'\{"seq":([1-9][0-9]*+),"time":' + string + rb',"type":' + string
+                      + rb"(?:," + string + rb":" + value + rb")*+\}\n|[^\n]*+\n")
 
 
-def _head_seq(line: bytes) -> int | None:
-    """The seq a stored line starts with (the writer puts it first), without decoding it."""
-    if not line.startswith(_SEQ_HEAD):
+_PLAIN_LINE = _plain_line_pattern()
+#: The bytes a plain line is made of (see `_plain_heads`): printable ASCII, and the newline.
+_PLAIN_BYTES = bytes(range(0x20, 0x7F)).replace(b"\\", b"") + b"\n"
+
+
+def _plain_heads(lines: bytes) -> list[bytes] | None:
+    """One item per line of ``lines`` (whole lines): the seq of a line the writer wrote
+    and whose bytes alone prove it strict JSON with a whole seq and a string type (what
+    `_decode` takes for an event), or ``b""`` for a line that must be decoded to be judged.
+    None when nothing can be vouched for: a byte that is not printable ASCII (bytes that
+    are not UTF-8, a control byte) or a backslash (an escape, maybe a lone surrogate) is in
+    them, which the replay's fast path leaves to `_decode`.
+
+    Three passes in C (the screen, `_PLAIN_LINE`, the count), about twice the cost of
+    the byte counting they replace, for the guarantee that what a replay sends as stored
+    is what the strict decoder takes.
+    """
+    if lines.translate(None, _PLAIN_BYTES):  # what is left is no plain byte
         return None
-    end = line.find(b",", 7, 29)
-    digits = line[7:end] if end > 0 else b""
-    return int(digits) if digits.isdigit() else None
+    heads = _PLAIN_LINE.findall(lines)
+    return heads if len(heads) == lines.count(b"\n") else None
 
 
 def _reverse_lines(f: IO[bytes]) -> Iterator[bytes]:
@@ -999,6 +1044,8 @@ class _Follower:
         self._live: _Source | None = None
         self._anchor: _Source | None = None
         self._scanned = False  # read_chunk: the one directory scan of a replay is done
+        #: read_chunk: lines after a jump in the seqs, for the next chunk (`_decoded`).
+        self._after_jump: list[bytes] = []
         #: Whether a new run of the log (seqs begun again) is followed (see `_fresh`): for
         #: followers, which outlive the watcher's runs. A one-shot read (and a socket
         #: replay) takes the log as it is, each seq once.
@@ -1129,13 +1176,24 @@ class _Follower:
         `RawChunk`; None at their end. For a replay that must not hold the loop: each call
         is one bounded slice of work, and the lines go out as stored.
 
-        A run of whole lines whose seqs follow one another, each line a ``{"seq":…}`` object
-        (what the writer writes), is passed on as it is: checked by counting bytes in C,
-        never split or decoded. Anything else, and every line when ``wants(type, addr)``
-        filters, is decoded line by line as `read_records` does."""
+        A run of whole lines whose seqs follow one another, each line one the writer writes
+        and whose bytes prove it strict JSON (`_plain_heads`), is passed on as it is:
+        checked in a few passes in C, never split or decoded. Anything else (a damaged
+        line, an escape, a byte that is not ASCII), and every line when ``wants(type,
+        addr)`` filters, is decoded line by line as `read_records` does: no line goes out
+        that `_decode` refuses (but for a key twice over: see `_plain_line_pattern`).
+
+        A chunk never spans a hole: where the seqs jump (a line damaged or lost, a file
+        missing) the chunk ends, and the next one starts after the jump, so the caller sees
+        a hole inside a file as it sees one between files."""
         if not self._scanned:
             self._scanned = True
             self._refresh()
+        while self._after_jump:
+            lines, self._after_jump = self._after_jump, []
+            chunk = self._decoded(lines, wants)
+            if chunk is not None:
+                return chunk
         while True:
             if self._pending:
                 src = self._pending[0]
@@ -1174,34 +1232,47 @@ class _Follower:
         src.carry = buf[cut:]
         complete = buf[:cut] if cut < len(buf) else buf
         if wants is None:
-            n = complete.count(b"\n")
-            first = _head_seq(complete)
-            last = _head_seq(complete[complete.rfind(b"\n", 0, cut - 1) + 1 :])
-            if (first is not None and last is not None and last - first + 1 == n
-                    and first > self._handover.last_seq
-                    and complete.count(b"\n" + _SEQ_HEAD) == n - 1
-                    and complete.count(b"}\n") == n):
-                self._handover.last_seq = last
-                return RawChunk(first, last, complete)
+            heads = _plain_heads(complete)  # one per line: its seq, or b"" (see there)
+            if heads is not None and b"" not in heads:
+                first = int(heads[0])
+                if (first > self._handover.last_seq
+                        and list(map(int, heads)) == list(range(first, first + len(heads)))):
+                    self._handover.last_seq = first + len(heads) - 1
+                    return RawChunk(first, self._handover.last_seq, complete)
+            return self._decoded(complete.split(b"\n")[:-1], None, heads)
         return self._decoded(complete.split(b"\n")[:-1], wants)
 
-    def _decoded(self, lines: list[bytes], wants: Callable[[str, Any], bool] | None
-                 ) -> RawChunk | None:
-        """`RawChunk` of the lines that are events after the last seq (decoding each)."""
+    def _decoded(self, lines: list[bytes], wants: Callable[[str, Any], bool] | None,
+                 heads: list[bytes] | None = None) -> RawChunk | None:
+        """`RawChunk` of the lines that are events after the last seq, up to a jump in
+        their seqs: the lines from there on wait in ``_after_jump`` for the next chunk, so
+        that no chunk's ``first`` … ``last`` covers a seq it lacks.
+
+        Each line is decoded, but for one whose ``heads`` item (`_plain_heads`, given when
+        nothing filters) already names its seq: only the lines it cannot vouch for pay for
+        a decode."""
         kept: list[bytes] = []
         start: int | None = None
         last = 0
-        for raw in lines:
-            decoded = _decode(raw)
-            if decoded is None:
-                continue
-            event = decoded[0]
-            seq: int = event["seq"]
-            if not self._handover.fresh(seq):
+        for index, raw in enumerate(lines):
+            event: dict[str, Any] | None = None
+            if heads is not None and heads[index]:
+                seq = int(heads[index])
+            else:
+                decoded = _decode(raw)
+                if decoded is None:
+                    continue  # damage: its seq, if it had one, shows as the jump after it
+                event = decoded[0]
+                seq = event["seq"]
+            if seq <= self._handover.last_seq:
                 continue  # the duplicate guard of `_feed`
+            if start is not None and seq != last + 1:
+                self._after_jump = lines[index:]
+                break
+            self._handover.last_seq = seq
             last = seq
             start = seq if start is None else start
-            if wants is None or wants(event["type"], event.get("addr")):
+            if wants is None or (event is not None and wants(event["type"], event.get("addr"))):
                 kept.append(raw + b"\n")
         if start is None:
             return None
@@ -1362,7 +1433,9 @@ def read_chunks(
     """The log after ``since_seq`` as `RawChunk` runs of stored lines (a replay to a socket):
     each ``next`` is one read of at most 8 KiB, so a caller on an event loop can yield
     between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
-    each chunk still covers what was read. Close the iterator to release the files."""
+    each chunk still covers what was read. Where the log lacks a seq (a line damaged or
+    lost, a file missing) one chunk ends and the next starts after it: a caller finds
+    every hole as a jump between two chunks. Close the iterator to release the files."""
     follower = _Follower(path, since_seq, None, warned=_replay_warned)
     try:
         while (chunk := follower.read_chunk(wants)) is not None:

@@ -1,0 +1,288 @@
+"""A damaged line inside one log file, on every replay path.
+
+Logs get damaged (a crash, a disk error): a line in the middle of a file can be garbled or
+missing. Such a line is a hole in the seqs the log holds, exactly as a rotated file missing
+from the middle is, so a replay (socket ``subscribe`` with ``since_seq``, in-process
+``subscribe(since_seq=…)``) stops there with the lagged notice naming the seq, and resuming
+after it says ``complete: false``. And the socket replay, which forwards stored lines
+without decoding them when it can, never sends a damaged line as if it were an event:
+every line it sends is one the strict JSON decoder accepts, whichever path it took.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from daemon_helpers import Daemon, Lines, connect
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwatch.core import strictjson
+from gpuwatch.errors import SubscriberLagged
+from gpuwatch.host import open_host
+from gpuwatch.service import protocol as P
+from gpuwatch.service.testing import short_socket_dir
+from gpuwatch.sources.memory import MemorySource
+from gpuwatch.testing import SysRoot
+from gpuwatch.watch.eventlog import _decode, _plain_heads, read_chunks, read_records
+
+NV = "0000:01:00.0"
+GAP = 37  # lines between two damaged ones: each lands inside an 8 KiB replay chunk
+OLD = b'"old":"nvidia"'
+
+#: How each damaged line is stored: a function of its seq, or None for a line lost whole.
+DAMAGE: dict[str, bytes | None] = {
+    "nan": OLD.replace(b'"nvidia"', b"NaN"),
+    "infinity": OLD.replace(b'"nvidia"', b"Infinity"),
+    "minus-infinity": OLD.replace(b'"nvidia"', b"-Infinity"),
+    "overflow": OLD.replace(b'"nvidia"', b"1e999"),
+    "bad-utf8": OLD.replace(b"nvidia", b"nv\xff\xfeidia"),
+    "lone-surrogate": OLD.replace(b"nvidia", b"nv\\ud800idia"),
+    "lost-quote": OLD.replace(b'"old"', b'"old'),
+    "seq-out-of-step": b"",  # the line of another seq (written again, or garbled digits)
+    "nul-bytes": OLD.replace(b"nvidia", b"nv\x00idia"),
+    "missing": None,
+}
+#: Lines that look unusual but are events: replayed as stored, with no hole.
+BENIGN: dict[str, bytes] = {
+    "non-ascii": OLD.replace(b"nvidia", "nvïdia".encode()),
+    "control-escape": OLD.replace(b"nvidia", b"nv\\u0007idia"),
+    "surrogate-pair": OLD.replace(b"nvidia", b"nv\\ud83d\\ude00idia"),
+    "string-nan": OLD.replace(b"nvidia", b"NaN Infinity"),
+}
+
+
+def good_line(seq: int, old: bytes = OLD) -> bytes:
+    return (b'{"seq":%d,"time":"2026-01-01T00:00:00.000000Z","type":"driver-changed",'
+            b'"addr":"%s",%s,"new":"vfio-pci"}\n' % (seq, NV.encode(), old))
+
+
+def damaged_line(seq: int, kind: str) -> bytes:
+    damage = DAMAGE[kind]
+    if damage is None:
+        return b""
+    if kind == "nul-bytes":  # a zeroed block: nothing of the line left but its length
+        return b"\x00" * (len(good_line(seq)) - 1) + b"\n"
+    if kind == "seq-out-of-step":
+        return good_line(seq - 1)
+    return good_line(seq, damage)
+
+
+def write_damaged_log(path: Path) -> tuple[dict[int, str], dict[int, bytes], int]:
+    """One log file with a damaged line every `GAP` lines and the benign oddities between:
+    ({damaged seq: kind}, {seq: stored line} of the events, last seq)."""
+    damaged: dict[int, str] = {}
+    stored: dict[int, bytes] = {}
+    out = []
+    seq = 0
+    kinds = list(DAMAGE)
+    benign = list(BENIGN.values())
+    for index in range(len(kinds) + 1):
+        for offset in range(1, GAP):
+            seq += 1
+            old = benign[(index + offset) % len(benign)] if offset % 9 == 0 else OLD
+            stored[seq] = good_line(seq, old)
+            out.append(stored[seq])
+        if index < len(kinds):
+            seq += 1
+            damaged[seq] = kinds[index]
+            out.append(damaged_line(seq, kinds[index]))
+    path.write_bytes(b"".join(out))
+    return damaged, stored, seq
+
+
+def test_the_damaged_lines_are_damaged_and_the_benign_ones_events() -> None:
+    """The premise: the strict decoder refuses each damaged line and takes each benign one."""
+    for kind, damage in DAMAGE.items():
+        if damage:
+            with pytest.raises(ValueError):
+                strictjson.loads(damaged_line(7, kind).rstrip(b"\n"))
+    for old in BENIGN.values():
+        assert strictjson.loads(good_line(7, old))["seq"] == 7
+
+
+def test_read_chunks_never_hands_out_a_damaged_line_nor_spans_a_hole(tmp_path: Path) -> None:
+    """Every chunk of a replay holds exactly the lines of its seq range, each one the strict
+    decoder accepts, stored bytes unchanged; a damaged or missing line ends a chunk, so the
+    next one starts after a jump (what the server reads as a hole). Was: the chunk that held
+    it was forwarded whole (a NaN or a garbled line went out as stored) or covered the hole
+    (``first``…``last`` spanning a seq it did not hold)."""
+    log = tmp_path / "events.jsonl"
+    damaged, stored, _ = write_damaged_log(log)
+    for wants in (None, lambda etype, addr: True):
+        sent: list[int] = []
+        for chunk in read_chunks(log, since_seq=0, wants=wants):
+            lines = chunk.data.splitlines(keepends=True)
+            seqs = [strictjson.loads(line)["seq"] for line in lines]
+            assert seqs == list(range(chunk.first, chunk.last + 1)), (chunk.first, chunk.last)
+            assert all(line == stored[seq] for seq, line in zip(seqs, lines, strict=True))
+            sent += seqs
+        assert sent == sorted(stored)
+        assert not set(sent) & set(damaged)
+
+
+def test_read_records_takes_no_damaged_line_for_an_event(tmp_path: Path) -> None:
+    """What the in-process replay and ``gpuwatch events`` read: the damaged lines are not
+    events (was: ``NaN``, ``1e999`` and a lone surrogate passed), nor is a line with a key
+    twice over, which the strict decoder refuses too."""
+    log = tmp_path / "events.jsonl"
+    _, stored, last = write_damaged_log(log)
+    with log.open("ab") as f:
+        f.write(good_line(last + 1, OLD + b',"old":"nouveau"') + good_line(last + 2))
+    records = list(read_records(log))
+    assert [r.event["seq"] for r in records] == [*sorted(stored), last + 2]
+    assert all(r.line.encode() + b"\n" == stored[r.event["seq"]] for r in records[:-1])
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    with short_socket_dir() as path:
+        yield path
+
+
+def raw_line(lines: Lines) -> bytes:
+    """The next line as sent, undecoded."""
+    while b"\n" not in lines.buf:
+        chunk = lines.sock.recv(65536)
+        if not chunk:
+            raise EOFError("connection closed")
+        lines.buf += chunk
+    raw, _, lines.buf = lines.buf.partition(b"\n")
+    return raw + b"\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("filtered", [False, True], ids=["as-stored", "filtered"])
+def test_a_socket_replay_stops_at_each_damaged_line_and_sends_none(
+    host: SysRoot, tmp_path: Path, sockdir: str, filtered: bool
+) -> None:
+    """A real daemon replays a log with a damaged line every few dozen: each replay sends
+    the events before the damaged line as stored, then the `lagged` line naming its seq,
+    and resuming from there is ``complete: false`` and runs to the next one. No line sent
+    is refused by the strict decoder. Was: a ``NaN``/``Infinity``/invalid UTF-8/lone
+    surrogate line went out verbatim on the fast path, and a garbled or missing line inside
+    one chunk was skipped silently under ``complete: true``."""
+    damaged, stored, last = write_damaged_log(tmp_path / "events.jsonl")
+    params: dict[str, Any] = {"types": ["driver-changed"]} if filtered else {}
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--log-max-bytes", str(64 << 20))
+    with d:
+        since = 0
+        for hole, kind in sorted(damaged.items()):
+            with connect(d.sock) as s:
+                lines = Lines(s)
+                reply = lines.request("subscribe", {**params, "since_seq": since})
+                assert reply["result"]["complete"] is (since == 0), (kind, reply)
+                start = since + 1 if since == 0 else since + 2
+                for seq in range(start, hole):
+                    raw = raw_line(lines)
+                    assert raw == stored[seq], (kind, seq, raw)
+                lagged = json.loads(raw_line(lines))
+                assert lagged == {"type": "lagged", "missed": 1, "first_missed_seq": hole,
+                                  "resume_since_seq": hole - 1, "outbox_limit": 4 << 20}, kind
+                assert lines.eof(), kind
+            since = hole - 1
+        with connect(d.sock) as s:  # after the last one: to the end, then `ready`
+            lines = Lines(s)
+            reply = lines.request("subscribe", {**params, "since_seq": since})
+            assert reply["result"] == {"seq": last + 1, "complete": False}, reply
+            for seq in range(since + 2, last + 1):
+                assert raw_line(lines) == stored[seq], seq
+            if not filtered:
+                ready = P.loads(raw_line(lines))
+                assert (ready["seq"], ready["type"]) == (last + 1, "ready")
+            s.shutdown(socket.SHUT_WR)
+    assert d.proc is not None and d.proc.returncode == 0, d.stderr
+    assert "Traceback" not in d.stderr, d.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("filtered", [False, True], ids=["all", "filtered"])
+async def test_an_in_process_replay_stops_at_each_damaged_line(
+    host: SysRoot, tmp_path: Path, filtered: bool
+) -> None:
+    """The same log replayed in process: `SubscriberLagged` at each damaged line, naming its
+    seq, and never an event made of one. Was: a line that ``json`` decodes but the event
+    model refuses (``NaN``, ``1e999``, a lone surrogate) was passed over while the seqs
+    went on, so the subscriber never learnt that seq was missing."""
+    log = tmp_path / "events.jsonl"
+    damaged, _, last = write_damaged_log(log)
+    types = {"driver-changed"} if filtered else None
+    async with open_host(host.root, source=MemorySource(), log=str(log), reconcile_interval=0,
+                         cdi_poll_interval=0) as gpu_host:
+        since = 0
+        for hole, kind in sorted(damaged.items()):
+            got: list[int] = []
+            async with gpu_host.subscribe(types=types, since_seq=since) as sub:
+                assert sub.complete is (since == 0), kind
+                with anyio.fail_after(10), pytest.raises(SubscriberLagged) as caught:
+                    while True:
+                        got.append((await sub.receive()).seq)
+            start = since + 1 if since == 0 else since + 2
+            assert got == list(range(start, hole)), kind
+            assert (caught.value.first_missed_seq, caught.value.missed) == (hole, 1), kind
+            since = hole - 1
+        async with gpu_host.subscribe(types=types, since_seq=since) as sub:
+            assert not sub.complete
+            got = []
+            with anyio.fail_after(10):
+                while len(got) < last - since - 1:
+                    got.append((await sub.receive()).seq)
+        assert got == list(range(since + 2, last + 1))
+
+
+def _has_duplicate_key(line: bytes) -> bool:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        if len({k for k, _ in items}) != len(items):
+            raise KeyError("duplicate")
+        return dict(items)
+    try:
+        json.loads(line, object_pairs_hook=pairs)
+    except KeyError:
+        return True
+    except ValueError:
+        return False
+    return False
+
+
+SWITCH = (b'{"seq":7,"time":"2026-01-01T00:00:00.000000Z","type":"switch-completed",'
+          b'"members":[{"addr":"0000:01:00.0","old":"nvidia","new":"vfio-pci"}],'
+          b'"duration_ms":12.5,"ok":true,"notes":null,"n":[1,-2,3.25e-7,[{}],{"a":[]}]}\n')
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.sampled_from([good_line(7), SWITCH]), st.lists(
+    st.tuples(st.integers(0, 300), st.integers(0, 3), st.binary(min_size=1, max_size=3)),
+    min_size=1, max_size=3))
+def test_a_line_the_fast_path_vouches_for_is_one_the_strict_decoder_takes(
+        line: bytes, edits: list[tuple[int, int, bytes]]) -> None:
+    """The replay's fast path sends a line as stored when `_plain_heads` gives its seq: that
+    must never be a line `_decode` (strict JSON, a whole seq, a string type) refuses,
+    whatever bytes a damage flips, drops or inserts. (A key twice over is the one thing
+    the pattern cannot see: documented, and left out here.)"""
+    body = bytearray(line[:-1])
+    for at, drop, insert in edits:
+        at = min(at, len(body))
+        body[at:at + drop] = insert.replace(b"\n", b"")
+    damaged = bytes(body) + b"\n"
+    heads = _plain_heads(good_line(6) + damaged + good_line(8))
+    if heads is None:
+        return  # the whole run is decoded line by line
+    assert len(heads) == 3
+    head = heads[1]
+    if head and not _has_duplicate_key(damaged):
+        decoded = _decode(damaged[:-1])
+        assert decoded is not None, damaged
+        assert decoded[0]["seq"] == int(head), damaged
+        strictjson.loads(damaged)
+
+
+def test_the_fast_path_takes_the_lines_the_writer_writes() -> None:
+    """What the writer writes (nested lists and objects, floats, true/null) is vouched
+    for by the pattern: the fast path is the path real logs take."""
+    assert _plain_heads(good_line(7) + SWITCH + good_line(8)) == [b"7", b"7", b"8"]
