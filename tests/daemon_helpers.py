@@ -152,13 +152,17 @@ class Lines:
         self.buf = b""
 
     def line(self) -> Any:
+        return P.loads(self.raw()[:-1], max_depth=64)
+
+    def raw(self) -> bytes:
+        """The next line as sent, undecoded, with its newline."""
         while b"\n" not in self.buf:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise EOFError("connection closed")
             self.buf += chunk
         raw, _, self.buf = self.buf.partition(b"\n")
-        return P.loads(raw, max_depth=64)
+        return raw + b"\n"
 
     def eof(self) -> bool:
         """True when the daemon closes the connection (after any lines left)."""

@@ -146,17 +146,6 @@ def sockdir() -> Iterator[str]:
         yield path
 
 
-def raw_line(lines: Lines) -> bytes:
-    """The next line as sent, undecoded."""
-    while b"\n" not in lines.buf:
-        chunk = lines.sock.recv(65536)
-        if not chunk:
-            raise EOFError("connection closed")
-        lines.buf += chunk
-    raw, _, lines.buf = lines.buf.partition(b"\n")
-    return raw + b"\n"
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("filtered", [False, True], ids=["as-stored", "filtered"])
 def test_a_socket_replay_stops_at_each_damaged_line_and_sends_none(
@@ -180,9 +169,9 @@ def test_a_socket_replay_stops_at_each_damaged_line_and_sends_none(
                 assert reply["result"]["complete"] is (since == 0), (kind, reply)
                 start = since + 1 if since == 0 else since + 2
                 for seq in range(start, hole):
-                    raw = raw_line(lines)
+                    raw = lines.raw()
                     assert raw == stored[seq], (kind, seq, raw)
-                lagged = json.loads(raw_line(lines))
+                lagged = json.loads(lines.raw())
                 assert lagged == {"type": "lagged", "missed": 1, "first_missed_seq": hole,
                                   "resume_since_seq": hole - 1, "outbox_limit": 4 << 20}, kind
                 assert lines.eof(), kind
@@ -192,9 +181,9 @@ def test_a_socket_replay_stops_at_each_damaged_line_and_sends_none(
             reply = lines.request("subscribe", {**params, "since_seq": since})
             assert reply["result"] == {"seq": last + 1, "complete": False}, reply
             for seq in range(since + 2, last + 1):
-                assert raw_line(lines) == stored[seq], seq
+                assert lines.raw() == stored[seq], seq
             if not filtered:
-                ready = P.loads(raw_line(lines))
+                ready = P.loads(lines.raw())
                 assert (ready["seq"], ready["type"]) == (last + 1, "ready")
             s.shutdown(socket.SHUT_WR)
     assert d.proc is not None and d.proc.returncode == 0, d.stderr

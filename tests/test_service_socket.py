@@ -11,7 +11,7 @@ import resource
 import socket
 import stat
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -778,18 +778,23 @@ async def test_a_switch_is_finished_when_its_client_leaves(
         await c.aclose()
 
 
+def _hangs(started: anyio.Event) -> Callable[[Any, Any, Any], Awaitable[Any]]:
+    """An op that says it started and never answers (until the stop cancels it)."""
+
+    async def never(w: Any, p: Any, peer: Any) -> Any:
+        started.set()
+        await anyio.sleep_forever()
+
+    return never
+
+
 async def test_a_request_in_flight_when_the_daemon_stops_is_told_so(
     host: SysRoot, sockdir: str, tmp_path: Path
 ) -> None:
     """A stop (SIGTERM) cancels what is not a switch; the request it cut off gets one
     `unavailable` line saying why, not a connection reset with no reply."""
     started = anyio.Event()
-
-    async def never(w: Any, p: Any, peer: Any) -> Any:
-        started.set()
-        await anyio.sleep_forever()
-
-    async with daemon(host, sockdir, tmp_path, ops={"holders": never}) as served:
+    async with daemon(host, sockdir, tmp_path, ops={"holders": _hangs(started)}) as served:
         c = await Raw.connect(served.path)
         await c.send(P.encode_request(7, "holders", {}))
         with anyio.fail_after(5):
@@ -835,12 +840,7 @@ async def test_requests_queued_behind_one_in_flight_are_each_told_the_daemon_sto
     were dropped at a stop with no reply: each now gets the same `unavailable` line as the
     one in flight, in order (a line that is no request gets its own error, as ever)."""
     started = anyio.Event()
-
-    async def never(w: Any, p: Any, peer: Any) -> Any:
-        started.set()
-        await anyio.sleep_forever()
-
-    async with daemon(host, sockdir, tmp_path, ops={"holders": never}) as served:
+    async with daemon(host, sockdir, tmp_path, ops={"holders": _hangs(started)}) as served:
         c = await Raw.connect(served.path)
         # One write: read by the daemon in one go, the rest queued behind request 7.
         await c.send(P.encode_request(7, "holders", {}) + P.encode_request(8, "holders", {})
