@@ -44,6 +44,7 @@ from gpuwatch.core.reporttext import (
     vf_ready,
 )
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.hostfs.bootvga import listed_boot_vga
 from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
@@ -160,9 +161,12 @@ class Remote:
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         addrs = [g["addr"] for g in self.gpus]
         if self._boot_vga is None:  # once per report, not once per GPU
-            from gpuwatch.hostfs.scan import read_boot_vga
+            listed = listed_boot_vga(self.root, addrs)
+            if listed is None:  # a tree without the bus listing: the scan's walk finds them
+                from gpuwatch.hostfs.scan import read_boot_vga
 
-            self._boot_vga = set(read_boot_vga(self.root, addrs))
+                listed = read_boot_vga(self.root, addrs)
+            self._boot_vga = set(listed)
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
                                     console_devices=self.tables.get(

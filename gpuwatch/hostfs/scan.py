@@ -41,6 +41,7 @@ from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_gro
 from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.hostfs.bootvga import listed_boot_vga
 from gpuwatch.hostfs.files import (
     driver_name,
     group_name,
@@ -736,6 +737,9 @@ def read_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str]:
     """Those of ``addrs`` whose ``boot_vga`` is 1, for a report that holds no scan (a
     daemon's answers carry no ``boot_vga``): each read in its folder (`function_dir`), a
     tree without the bus listing walked once for all."""
+    listed = listed_boot_vga(root, addrs)
+    if listed is not None:
+        return listed
     paths = HostPaths(root)
     if addrs and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
         paths.walked = dict(walk_functions(paths.sys))
