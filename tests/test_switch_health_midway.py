@@ -4,6 +4,7 @@ write then: never a bind, an unbind or an override to a device that is not healt
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -43,6 +44,38 @@ def _touches(record: list[tuple[str, ...]], addr: str) -> list[tuple[str, ...]]:
     """The writes of ``record`` that act on ``addr`` (a bind, an unbind, an override, a
     probe)."""
     return [r for r in record if r[0] == "write" and (r[2] == addr or f"/{addr}/" in r[1])]
+
+
+def _troubled(w: Any, host: SysRoot, what: str) -> Callable[[], Awaitable[None]]:
+    """Sends the uevent of ``what`` (`_trouble`) and waits until the model holds its health."""
+
+    async def send() -> None:
+        uevent, addr, health = _trouble(host, what)
+        w.source.push(uevent)
+        await _health(w, addr, health)
+
+    return send
+
+
+async def _recover_meanwhile(w: Any, sim: SimKernel, match: str, started: Callable[[], bool],
+                             trouble: Callable[[], Awaitable[None]]) -> int:
+    """`recover` of the card, which must fail with ``match``; once ``started()`` says it is
+    under way, ``trouble()`` runs. Returns how many steps the kernel had seen by then (the
+    steps are instant after it, so recover's last writes, if any, come at once)."""
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def recover() -> None:
+                with pytest.raises(SwitchFailed, match=match):
+                    await w.recover(NV, timeout=20)
+
+            tg.start_soon(recover)
+            while not started():
+                await anyio.sleep(0.005)
+            await trouble()
+            seen = len(sim.record)
+            sim.step_delay = 0.0
+    return seen
 
 
 # --------------------------------------------------------------------------- 1: mid-switch
@@ -112,20 +145,9 @@ async def test_recover_stops_on_a_new_failure_of_another_function(host: SysRoot)
         await _health(w, NV, "failed")
         before = len(sim.record)
         sim.step_delay = 1.0
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-
-                async def recover() -> None:
-                    with pytest.raises(SwitchFailed, match=rf"{ROOT_PORT}.*failed"):
-                        await w.recover(NV, timeout=20)
-
-                tg.start_soon(recover)
-                while len(sim.record) == before:
-                    await anyio.sleep(0.01)
-                w.source.push(_trouble(host, "bridge")[0])
-                await _health(w, ROOT_PORT, "failed")
-                seen = len(sim.record)
-                sim.step_delay = 0.0
+        seen = await _recover_meanwhile(
+            w, sim, rf"{ROOT_PORT}.*failed", lambda: len(sim.record) > before,
+            _troubled(w, host, "bridge"))
         assert not [r for r in sim.record[seen:] if r[0] == "write"], sim.record[seen:]
 
 
@@ -138,21 +160,14 @@ async def test_recover_stops_when_the_card_wedges_again_after_its_bind(host: Sys
         await _health(w, NV, "wedged")
         probe = ("write", "/sys/bus/pci/drivers_probe", NV)
         sim.step_delay = 0.5
-        with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
+        wedge_again = _troubled(w, host, "wedge")
 
-                async def recover() -> None:
-                    with pytest.raises(SwitchFailed, match=rf"{NV} is wedged: .*during the "):
-                        await w.recover(NV, timeout=20)
+        async def after_its_bind() -> None:
+            await _health(w, NV, "ok")  # its bind, seen
+            await wedge_again()
 
-                tg.start_soon(recover)
-                while probe not in sim.record:
-                    await anyio.sleep(0.005)
-                await _health(w, NV, "ok")  # its bind, seen
-                w.source.push(_trouble(host, "wedge")[0])
-                await _health(w, NV, "wedged")
-                seen = len(sim.record)
-                sim.step_delay = 0.0
+        seen = await _recover_meanwhile(w, sim, rf"{NV} is wedged: .*during the ",
+                                        lambda: probe in sim.record, after_its_bind)
         assert _touches(sim.record[seen:], NV) == [], sim.record[seen:]
 
 
