@@ -35,16 +35,25 @@ SWITCHERS = 424202  # the --switch-group
 NV = "0000:01:00.0"
 
 
-def _peergroups_work() -> bool:
+def _peer_option_works(option: int, size: int = 0) -> bool:
+    """Whether this kernel answers the socket option ``option`` on a connected pair (an
+    option of the value's size, 0 for an int; a pidfd it hands out is closed again)."""
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        a.getsockopt(socket.SOL_SOCKET, getattr(socket, "SO_PEERGROUPS", 59), 256)
+        value = a.getsockopt(socket.SOL_SOCKET, option, size) if size else (
+            a.getsockopt(socket.SOL_SOCKET, option))
+        if isinstance(value, int):
+            os.close(value)
     except OSError:
         return False
     finally:
         a.close()
         b.close()
     return True
+
+
+def _peergroups_work() -> bool:
+    return _peer_option_works(getattr(socket, "SO_PEERGROUPS", 59), 256)
 
 
 pytestmark = pytest.mark.skipif(
@@ -315,19 +324,8 @@ def test_peer_credentials_of_a_socketpair() -> None:
     assert cred.still_there()
 
 
-def _peerpidfd_works() -> bool:
-    a, b = socket.socketpair(socket.AF_UNIX)
-    try:
-        os.close(a.getsockopt(socket.SOL_SOCKET, 77))
-    except OSError:
-        return False
-    finally:
-        a.close()
-        b.close()
-    return True
-
-
-@pytest.mark.skipif(not _peerpidfd_works(), reason="the kernel lacks SO_PEERPIDFD (Linux 6.5+)")
+@pytest.mark.skipif(not _peer_option_works(77),  # SO_PEERPIDFD
+                    reason="the kernel lacks SO_PEERPIDFD (Linux 6.5+)")
 def test_a_peer_gone_before_the_accept_is_not_vouched_for_by_whoever_has_its_pid(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The peer connects and exits before the daemon accepts; its pid goes to another
