@@ -51,6 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import anyio  # noqa: E402
+
 from gpuwatch.testing import example_gpu_host  # noqa: E402
 from gpuwatch.watch.eventlog import rotated_path  # noqa: E402
 
@@ -58,13 +60,44 @@ PROBE = b'{"id":1,"method":"probe","params":{"action":"detect-gpu"}}\n'
 FLIP = "0000:01:00.1"
 
 
+def flip_lines(root: Path) -> list[bytes]:
+    """The lines a real watcher logs for the two flips of `FLIP` (the GPU's HDMI audio)
+    between ``snd_hda_intel`` and ``vfio-pci``, each less its ``seq`` and ``time``: a
+    `driver-changed` and the ``detect-vfio`` `probe-changed` it brings (the GPU entry with
+    its group members, old and new), the deepest and biggest lines a real log holds."""
+    from gpuwatch.sources.memory import MemorySource
+    from gpuwatch.watch.watcher import open_watcher
+
+    host = example_gpu_host(root / "host")
+    log = root / "flips.jsonl"
+
+    async def flip() -> None:
+        source = MemorySource()
+        async with open_watcher(host.root, source, log=str(log), reconcile_interval=0,
+                                cdi_poll_interval=0) as w:
+            for driver in ("vfio-pci", "snd_hda_intel"):
+                host.bind(FLIP, driver)
+                source.push(host.uevent_props("bind", FLIP, DRIVER=driver))
+                await w.wait_for(lambda e: getattr(e, "type", "") == "probe-changed",
+                                 timeout=10)
+
+    anyio.run(flip)
+    lines = [ln for ln in log.read_bytes().splitlines(keepends=True)
+             if b'"type":"driver-changed"' in ln or b'"action":"detect-vfio"' in ln]
+    if len(lines) != 4:
+        raise RuntimeError(f"expected 4 flip lines, the watcher logged {len(lines)}")
+    return [ln[ln.index(b',"type":'):] for ln in lines]
+
+
 def write_log(path: Path, total_bytes: int, file_bytes: int) -> tuple[int, int]:
     """Rotated log files holding about ``total_bytes`` of events, oldest (``PATH.K``) first.
-    Returns (number of files, last seq). Lines are real `driver-changed` events."""
+    Returns (number of files, last seq). The lines are the real ones of `flip_lines`, over
+    and over, with their seqs running on."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gw-flips-") as where:
+        flips = flip_lines(Path(where))
     files = max(1, -(-total_bytes // file_bytes))
     seq = 0
-    drivers = ("snd_hda_intel", "vfio-pci")
     for index in range(files - 1, -1, -1):  # PATH.(files-1) … PATH.1, then PATH
         size = file_bytes if index else min(file_bytes, total_bytes - file_bytes * (files - 1))
         written = 0
@@ -73,12 +106,9 @@ def write_log(path: Path, total_bytes: int, file_bytes: int) -> tuple[int, int]:
                 chunk = []
                 for _ in range(2048):
                     seq += 1
-                    old, new = drivers[seq % 2], drivers[(seq + 1) % 2]
-                    chunk.append(
-                        f'{{"seq":{seq},"time":"2026-01-01T00:00:{seq % 60:02d}.'
-                        f'{seq % 999999:06d}Z","type":"driver-changed","addr":"{FLIP}",'
-                        f'"old":"{old}","new":"{new}"}}\n')
-                data = "".join(chunk).encode()
+                    chunk.append(b'{"seq":%d,"time":"2026-01-01T00:00:%02d.%06dZ"%s' % (
+                        seq, seq % 60, seq % 999999, flips[(seq - 1) % len(flips)]))
+                data = b"".join(chunk)
                 fh.write(data)
                 written += len(data)
     return files, seq
@@ -126,9 +156,12 @@ def read_replay(path: str, since_seq: int, until_seq: int, pause: float) -> int:
             if not data:
                 raise RuntimeError("the daemon closed the replay")
             total += len(data)
-            if needle in tail + data[-512:]:
+            # The last event's seq opens its line, up to a few KiB before the end (a
+            # `detect-vfio` line is ~1.5 KiB), maybe split across two reads.
+            window = tail + data[-(1 << 13):]
+            if needle in window:
                 return total
-            tail = data[-64:]
+            tail = window[-(1 << 13):]
             if pause:
                 time.sleep(pause)
 

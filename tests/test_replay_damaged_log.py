@@ -11,8 +11,10 @@ every line it sends is one the strict JSON decoder accepts, whichever path it to
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from daemon_helpers import Daemon, Lines, connect
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gpuwatch
 from gpuwatch.core import strictjson
 from gpuwatch.errors import SubscriberLagged
 from gpuwatch.host import open_host
@@ -30,6 +33,8 @@ from gpuwatch.service import protocol as P
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot
+from gpuwatch.testing.machines import FLEX_PF, intel_flex_sriov_host
+from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import _decode, _plain_heads, read_chunks, read_records
 
 NV = "0000:01:00.0"
@@ -244,10 +249,49 @@ SWITCH = (b'{"seq":7,"time":"2026-01-01T00:00:00.000000Z","type":"switch-complet
           b'"duration_ms":12.5,"ok":true,"notes":null,"n":[1,-2,3.25e-7,[{}],{"a":[]}]}\n')
 
 
+@functools.cache
+def real_log() -> bytes:
+    """What the writer writes while an SR-IOV GPU's PF goes to vfio-pci, back to i915 and
+    off its driver: among it the deepest lines a real log holds, `probe-changed`
+    ``detect-vfio`` (its GPUs, their group members, the PF's VFs), made by a real watcher."""
+
+    async def run(root: Path) -> bytes:
+        host = intel_flex_sriov_host(root / "host", vfs=2)
+        log = root / "events.jsonl"
+        source = MemorySource()
+        async with gpuwatch.open_watcher(host.root, source, log=str(log),
+                                         reconcile_interval=0, cdi_poll_interval=0) as w:
+            for driver in ("vfio-pci", "i915", ""):
+                if driver:
+                    host.bind(FLEX_PF, driver)
+                    source.push(host.uevent_props("bind", FLEX_PF, DRIVER=driver))
+                else:
+                    host.unbind(FLEX_PF)
+                    source.push(host.uevent_props("unbind", FLEX_PF))
+                await w.wait_for(lambda e: getattr(e, "type", "") == "driver-changed",
+                                 timeout=10)
+        return log.read_bytes()
+
+    with tempfile.TemporaryDirectory() as where:
+        return anyio.run(run, Path(where))
+
+
+def depth(line: bytes) -> int:
+    return strictjson.json_depth(line.decode())
+
+
+def deepest_line() -> bytes:
+    """The real log's deepest line (see `real_log`), its seq made 7."""
+    deep = max(real_log().splitlines(keepends=True), key=depth)
+    return b'{"seq":7,' + deep.split(b",", 1)[1]
+
+
 @settings(max_examples=3000, deadline=None)
-@given(st.sampled_from([good_line(7), SWITCH]), st.lists(
-    st.tuples(st.integers(0, 300), st.integers(0, 3), st.binary(min_size=1, max_size=3)),
-    min_size=1, max_size=3))
+@given(st.sampled_from([lambda: good_line(7), lambda: SWITCH, deepest_line]).map(lambda f: f()),
+       st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 3), st.one_of(
+           st.binary(min_size=1, max_size=3),
+           st.text(alphabet='[]{},:"0123456789eE+-. nultrfsa', min_size=1,
+                   max_size=4).map(str.encode))), min_size=1, max_size=3))
 def test_a_line_the_fast_path_vouches_for_is_one_the_strict_decoder_takes(
         line: bytes, edits: list[tuple[int, int, bytes]]) -> None:
     """The replay's fast path sends a line as stored when `_plain_heads` gives its seq: that
@@ -275,3 +319,47 @@ def test_the_fast_path_takes_the_lines_the_writer_writes() -> None:
     """What the writer writes (nested lists and objects, floats, true/null) is vouched
     for by the pattern: the fast path is the path real logs take."""
     assert _plain_heads(good_line(7) + SWITCH + good_line(8)) == [b"7", b"7", b"8"]
+
+
+def test_a_real_log_replays_as_stored_without_a_line_decoded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real log, its `detect-vfio` lines nested seven deep (a GPU, its group members,
+    the PF's VFs) included, goes out as stored through the fast path: the socket replay
+    decodes none of its lines (each decode is ~3x the bytes' cost of vouching)."""
+    data = real_log()
+    lines = data.splitlines(keepends=True)
+    deep = [ln for ln in lines if b'"action":"detect-vfio"' in ln]
+    assert deep and all(b'"group_members"' in ln for ln in deep)
+    assert max(map(depth, deep)) >= 7  # deeper than `_PLAIN_LINE` reaches
+    assert _plain_heads(data) == [str(json.loads(ln)["seq"]).encode() for ln in lines]
+    decoded: list[bytes] = []
+
+    def counted(raw: bytes) -> Any:
+        decoded.append(raw)
+        return _decode(raw)
+
+    monkeypatch.setattr(eventlog, "_decode", counted)
+    # Forty rounds of it, seqs running on, so that the replay reads many 8 KiB chunks.
+    stored = b"".join(b'{"seq":%d,%s' % (k * len(lines) + n, ln.split(b",", 1)[1])
+                      for k in range(40) for n, ln in enumerate(lines, 1))
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(stored)
+    chunks = list(read_chunks(path))  # from the start: no search for a seq (which decodes)
+    assert len(chunks) > 10
+    assert b"".join(c.data for c in chunks) == stored
+    assert (chunks[0].first, chunks[-1].last) == (1, 40 * len(lines))
+    assert decoded == []
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1E+400", b"1" * 400 + b".5", b"NaN"])
+def test_a_deep_line_with_a_number_no_float_holds_is_left_to_the_strict_decoder(
+        number: bytes) -> None:
+    """A deep line is vouched for by pydantic-core's parser, which reads ``1e999`` as
+    infinity: the bytes of such a number keep the line from being vouched for, and the
+    strict decoder refuses it."""
+    line = deepest_line()
+    damaged = line.replace(b'"iommu_group":', b'"iommu_group":' + number + b',"x":', 1)
+    assert damaged != line
+    assert _plain_heads(line) == [b"7"]
+    assert _plain_heads(damaged) == [b""]
+    assert _decode(damaged[:-1]) is None
