@@ -462,23 +462,23 @@ def _plain_heads(lines: bytes) -> list[bytes] | None:
     return heads
 
 
-#: Digits as ``0``: a number that may not be finite then shows as a few byte runs.
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
-#: What a number needs to overflow a float: an exponent of three digits or more, or 200
-#: digits in a row (with an exponent of two, ``1e199`` times ``1e99`` is still finite).
-_LONG_EXPONENTS = (b"0e000", b"0E000", b"0e+000", b"0E+000")
+#: Digits as ``0`` (and ``E`` as ``e``, ``+`` as ``0``): a number that may not be finite
+#: then shows as one of two byte runs.
+_NUMBERS_AS_ZEROS = bytes.maketrans(b"123456789E+", b"000000000e0")
+#: What a number needs to overflow a float: an exponent of three digits or more (``+`` read
+#: as a digit: ``1e+99`` counts too), or 200 digits in a row (with an exponent of two,
+#: ``1e199`` times ``1e99`` is still finite).
+_LONG_EXPONENT = b"0e000"
 _LONG_DIGITS = b"0" * 200
 
 
 def _may_overflow(raw: bytes) -> bool:
     """Whether ``raw`` may hold a number a float cannot hold (conservative: a string with
-    such a run of digits counts too, and its line is then decoded, not vouched for)."""
-    digits = raw.translate(_DIGITS_AS_ZERO)
-    if _LONG_DIGITS in digits:
-        return True
-    if b"0e" not in digits and b"0E" not in digits:
-        return False
-    return any(run in digits for run in _LONG_EXPONENTS)
+    such a run counts too, and its line is then decoded, not vouched for)."""
+    zeros = raw.translate(_NUMBERS_AS_ZEROS)
+    return _LONG_EXPONENT in zeros or _LONG_DIGITS in zeros
+
+
 #: Nesting `strictjson` refuses (its default), checked only for lines that open more.
 _MAX_DEPTH = strictjson.MAX_DEPTH
 
@@ -498,15 +498,16 @@ def _vouch_deep(lines: bytes, heads: list[bytes]) -> None:
     key twice over (not seen, as by the pattern: `_plain_line_pattern`)."""
     from_json = _from_json()
     split = lines.split(b"\n")
-    for index, head in enumerate(heads):
-        if head:
-            continue
+    index = -1
+    while True:
+        try:
+            index = heads.index(b"", index + 1)
+        except ValueError:
+            return
         raw = split[index]
-        if not raw.startswith(b'{"seq":'):
-            continue  # no line the writer writes
-        if _may_overflow(raw):
-            continue
-        if raw.count(b"[") + raw.count(b"{") > _MAX_DEPTH and _too_deep(raw):
+        if (not raw.startswith(b'{"seq":')  # no line the writer writes
+                or _may_overflow(raw)
+                or (raw.count(b"[") + raw.count(b"{") > _MAX_DEPTH and _too_deep(raw))):
             continue
         try:
             obj = from_json(raw, allow_inf_nan=False)
