@@ -38,7 +38,7 @@ from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import _decode, _plain_heads, read_chunks, read_records
 
 NV = "0000:01:00.0"
-GAP = 37  # lines between two damaged ones: each lands inside an 8 KiB replay chunk
+GAP = 17  # lines between two damaged ones: each lands inside a 4 KiB replay chunk
 OLD = b'"old":"nvidia"'
 
 #: How each damaged line is stored: a function of its seq, or None for a line lost whole.
@@ -339,7 +339,7 @@ def test_a_real_log_replays_as_stored_without_a_line_decoded(
         return _decode(raw)
 
     monkeypatch.setattr(eventlog, "_decode", counted)
-    # Forty rounds of it, seqs running on, so that the replay reads many 8 KiB chunks.
+    # Forty rounds of it, seqs running on, so that the replay reads many 4 KiB chunks.
     stored = b"".join(b'{"seq":%d,%s' % (k * len(lines) + n, ln.split(b",", 1)[1])
                       for k in range(40) for n, ln in enumerate(lines, 1))
     path = tmp_path / "events.jsonl"

@@ -1661,7 +1661,7 @@ class SocketServer:
         handover = Handover(since_seq)
         expected: int | None = None  # the seq the log must hold next (None: not judged yet)
         try:
-            # One chunk (one read of at most 8 KiB, sent as stored) per trip round the loop:
+            # One chunk (one read of at most 4 KiB, sent as stored) per trip round the loop:
             # a replay of a huge log never holds up other clients' requests.
             for chunk in history:
                 if conn.closed:

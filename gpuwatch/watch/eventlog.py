@@ -65,10 +65,11 @@ _log = logging.getLogger(__name__)
 # holding the event loop for a whole backlog, and bounds memory per batch.
 _POLL_BUDGET = 256 * 1024
 _CHUNK = 64 * 1024
-# One slice of a socket replay (`read_chunks`): ~50 µs of work (most of it `_plain_heads`
-# vouching for its lines), so a request that arrives meanwhile waits no longer than that
-# for its turn of the event loop.
-_REPLAY_CHUNK = 8 * 1024
+# One slice of a socket replay (`read_chunks`): ~50 µs of work on a real log (most of it
+# `_plain_heads` vouching for its lines; `detect-vfio` lines cost twice a `driver-changed`'s
+# per byte), so a request that arrives meanwhile waits no longer than that for its turn of
+# the event loop. 8 KiB doubled a probe's p99 during a paced replay of a real log.
+_REPLAY_CHUNK = 4 * 1024
 # A rotation renames one file at a time, so a directory scan can meet one hole (the name
 # just vacated); two consecutive missing names mean the end of the rotated set.
 _MAX_GAP = 2
@@ -1515,7 +1516,7 @@ def read_chunks(
     wants: Callable[[str, Any], bool] | None = None,
 ) -> Iterator[RawChunk]:
     """The log after ``since_seq`` as `RawChunk` runs of stored lines (a replay to a socket):
-    each ``next`` is one read of at most 8 KiB, so a caller on an event loop can yield
+    each ``next`` is one read of at most 4 KiB, so a caller on an event loop can yield
     between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
     each chunk still covers what was read. Where the log lacks a seq (a line damaged or
     lost, a file missing) one chunk ends and the next starts after it: a caller finds
