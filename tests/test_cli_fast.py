@@ -21,7 +21,8 @@ from gpuwatch.testing import SysRoot
 
 NV, IGPU, NIC = "0000:01:00.0", "0000:00:02.0", "0000:02:00.0"
 # The scan too: the daemon answers, so a report reads no more than a few files itself.
-HEAVY = ("pydantic", "pydantic_core", "yaml", "anyio", "pyudev", "gpuwatch.hostfs.scan")
+HEAVY = ("pydantic", "pydantic_core", "yaml", "anyio", "pyudev", "gpuwatch.hostfs.scan",
+         "dataclasses")
 REPO = Path(__file__).resolve().parents[1]
 
 #: Runs the command as the installed script does, and reports which heavy modules were loaded

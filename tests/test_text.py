@@ -31,3 +31,19 @@ def test_each_line_reads_back_as_what_it_was(text: str) -> None:
 def test_printable_text_is_the_very_same_object() -> None:
     text = "0000:01:00.0  VGA  nvidia → vfio-pci"
     assert terminal_safe(text) is text
+
+
+@given(st.text(alphabet=st.sampled_from("ab é\n\r\t\x1b\u202e\u2028")), st.sampled_from(
+    ["\n", "", "\n\t", "\t"]))
+def test_the_text_is_escaped_character_by_character_whatever_it_holds(text: str,
+                                                                      keep: str) -> None:
+    """However `terminal_safe` gets there (the whole text printable, each part between kept
+    characters printable, or neither), the result is the escape of each character that is
+    neither printable nor kept."""
+    expected = "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
+    assert terminal_safe(text, keep=keep) == expected
+
+
+def test_a_report_of_printable_lines_comes_back_as_it_is() -> None:
+    report = "\n".join(f"  0000:{i:02x}:00.0  VGA controller  nvidia" for i in range(200))
+    assert terminal_safe(report) is report

@@ -14,4 +14,9 @@ def terminal_safe(text: str, *, keep: str = "\n") -> str:
     between lines)."""
     if text.isprintable():
         return text
+    parts = [text]
+    for kept in keep:
+        parts = [piece for part in parts for piece in part.split(kept)]
+    if all(part.isprintable() for part in parts):
+        return text  # only kept characters (a report's newlines): no walk over every one
     return "".join(c if c.isprintable() or c in keep else ascii(c)[1:-1] for c in text)
