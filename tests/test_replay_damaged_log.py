@@ -363,3 +363,23 @@ def test_a_deep_line_with_a_number_no_float_holds_is_left_to_the_strict_decoder(
     assert _plain_heads(line) == [b"7"]
     assert _plain_heads(damaged) == [b""]
     assert _decode(damaged[:-1]) is None
+
+
+@pytest.mark.parametrize(("levels", "opener", "closer"), [
+    *((d, b"[", b"]") for d in (31, 32, 33, 34)),
+    *((d, b'{"a":', b"}") for d in (31, 32, 33, 34)),
+    *((d, b'[{"a":', b"}]") for d in (31, 33)),  # two levels a step
+])
+def test_a_deep_line_is_vouched_for_exactly_as_deep_as_the_strict_decoder_goes(
+        levels: int, opener: bytes, closer: bytes) -> None:
+    """Nesting up to `strictjson`'s limit is vouched for, one level more is left to the
+    strict decoder, which refuses it: arrays, objects, and the two taking turns (one pass
+    of taking away the innermost pairs must take one level, not an array and then the
+    object around it)."""
+    steps = (levels - 1) // (2 if opener == b'[{"a":' else 1)
+    line = (b'{"seq":5,"time":"t","type":"x","v":' + opener * steps + b"1" + closer * steps
+            + b"}")
+    assert depth(line) == levels
+    strict = _decode(line) is not None
+    assert strict == (levels <= strictjson.MAX_DEPTH)
+    assert _plain_heads(line + b"\n") == ([b"5"] if strict else [b""])

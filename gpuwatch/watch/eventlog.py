@@ -527,11 +527,12 @@ def _too_deep(raw: bytes) -> bool:
     for _ in range(_MAX_DEPTH):
         if not brackets:
             return False
-        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        brackets = _EMPTY_PAIR.sub(b"", brackets)  # both kinds at once: one level a pass
     return bool(brackets)
 
 
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 
 
 def _from_json() -> Callable[..., Any]:
