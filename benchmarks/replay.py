@@ -26,7 +26,7 @@ client that reads as it processes; ``fast_ratio``: the fast reader), and the rep
 machine a busy CPU can answer faster than an idle one (no wake-up from a deep idle state),
 so the busy p99 may sit below the idle one. Phases alternate over
 ``--rounds``; p99s are over all their samples. Standard library plus gpuwatch's own test
-tree builder.
+tree builder, and a real watcher for the log's lines.
 """
 
 from __future__ import annotations
