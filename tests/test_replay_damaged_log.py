@@ -383,3 +383,17 @@ def test_a_deep_line_is_vouched_for_exactly_as_deep_as_the_strict_decoder_goes(
     strict = _decode(line) is not None
     assert strict == (levels <= strictjson.MAX_DEPTH)
     assert _plain_heads(line + b"\n") == ([b"5"] if strict else [b""])
+
+
+@pytest.mark.parametrize("levels", [31, 32, 33])
+@pytest.mark.parametrize("text", ["]]]]][[[[[", "[[", "}{", "a[b]c"])
+def test_brackets_inside_strings_do_not_count_as_nesting(levels: int, text: str) -> None:
+    """A string's brackets are no nesting: wherever they sit, a line is vouched for exactly
+    when the strict decoder takes it (they could otherwise make a line look shallower)."""
+    steps = levels - 3  # the line's own object, and the list and object around the text
+    line = (b'{"seq":5,"time":"t","type":"x","v":' + b'{"a":' * steps
+            + b'["%s",{"b":"%s"}]' % (text.encode(), text.encode()) + b"}" * steps + b"}")
+    assert depth(line) == levels
+    strict = _decode(line) is not None
+    assert strict == (depth(line) <= strictjson.MAX_DEPTH)
+    assert _plain_heads(line + b"\n") == ([b"5"] if strict else [b""])

@@ -523,7 +523,11 @@ def _too_deep(raw: bytes) -> bool:
     """Whether a screened line (no escapes, so no quote inside a string) nests deeper than
     `_MAX_DEPTH` (or is unbalanced): its brackets outside strings, innermost pairs taken
     away a level at a time."""
-    brackets = b"".join(raw.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
+    # Quotes and brackets only, a string without a bracket is then ``""``: when every such
+    # pair goes, no quote is left and what is left are the brackets outside strings.
+    brackets = raw.translate(None, _NOT_QUOTES_OR_BRACKETS).replace(b'""', b"")
+    if b'"' in brackets:  # a string holds a bracket: drop every string the long way
+        brackets = b"".join(raw.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
     for _ in range(_MAX_DEPTH):
         if not brackets:
             return False
@@ -532,6 +536,7 @@ def _too_deep(raw: bytes) -> bool:
 
 
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_NOT_QUOTES_OR_BRACKETS = bytes(set(range(256)) - set(b'"[]{}'))
 _EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
 
 
