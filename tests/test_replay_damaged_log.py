@@ -379,10 +379,7 @@ def test_a_deep_line_is_vouched_for_exactly_as_deep_as_the_strict_decoder_goes(
     steps = (levels - 1) // (2 if opener == b'[{"a":' else 1)
     line = (b'{"seq":5,"time":"t","type":"x","v":' + opener * steps + b"1" + closer * steps
             + b"}")
-    assert depth(line) == levels
-    strict = _decode(line) is not None
-    assert strict == (levels <= strictjson.MAX_DEPTH)
-    assert _plain_heads(line + b"\n") == ([b"5"] if strict else [b""])
+    assert_vouched_as_deep_as_strict(line, levels)
 
 
 @pytest.mark.parametrize("levels", [31, 32, 33])
@@ -393,7 +390,13 @@ def test_brackets_inside_strings_do_not_count_as_nesting(levels: int, text: str)
     steps = levels - 3  # the line's own object, and the list and object around the text
     line = (b'{"seq":5,"time":"t","type":"x","v":' + b'{"a":' * steps
             + b'["%s",{"b":"%s"}]' % (text.encode(), text.encode()) + b"}" * steps + b"}")
+    assert_vouched_as_deep_as_strict(line, levels)
+
+
+def assert_vouched_as_deep_as_strict(line: bytes, levels: int) -> None:
+    """``line`` (seq 5) nests ``levels`` deep; the strict decoder takes it up to its limit,
+    and the replay's fast path vouches for it exactly when the strict decoder takes it."""
     assert depth(line) == levels
     strict = _decode(line) is not None
-    assert strict == (depth(line) <= strictjson.MAX_DEPTH)
+    assert strict == (levels <= strictjson.MAX_DEPTH)
     assert _plain_heads(line + b"\n") == ([b"5"] if strict else [b""])
