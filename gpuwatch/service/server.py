@@ -56,6 +56,7 @@ from gpuwatch.service.peers import (
     peer_memlock,
     with_groups,
 )
+from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
 from gpuwatch.watch.watcher import event_filters
@@ -97,6 +98,10 @@ FLUSH_WINDOW = 0.01
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
 _LINES_PER_TURN = 64
+# A history replay writes its chunks in blocks of this many bytes, or of what this many
+# turns read (`_ReplayBlock`).
+_REPLAY_BLOCK = 64 * 1024
+_REPLAY_BLOCK_TURNS = 16
 # Descriptors kept for the daemon's own use (log, sources, sysfs reads, /proc scans)
 # beyond one per client and the log files of the replays that run at once.
 _FD_HEADROOM = 256
@@ -603,6 +608,48 @@ class Connection:
         self.last_seq = seq
         if self.sub.wants(etype, addr):
             self.deliver(line(), seq, 1)
+
+
+class _ReplayBlock:
+    """Replayed chunks held to go out in one write: a replay reads and checks 4 KiB a turn
+    (so that it holds up other requests for a short while only), but a write per chunk
+    would wake a client that reads as fast as it can sixteen times as often, each wake-up
+    taking a CPU from someone else on a small machine. A block goes out once it holds
+    `_REPLAY_BLOCK` bytes or `_REPLAY_BLOCK_TURNS` turns went into it (a filtered replay
+    that finds little still arrives as it goes), and before anything else is said to the
+    client. Until then the client's ``last_seq`` stays at what it was sent, so a `lagged`
+    line meanwhile names the first seq it has not had."""
+
+    __slots__ = ("first", "last", "parts", "size", "turns")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.turns = 0
+        self.first = 0  # the first seq of the data held
+        self.last = 0  # the last seq the chunks held cover (0: none held)
+
+    def add(self, chunk: RawChunk) -> bool:
+        """Hold ``chunk``; whether the block is now due."""
+        if chunk.data:
+            if not self.parts:
+                self.first = chunk.first
+            self.parts.append(chunk.data)
+            self.size += len(chunk.data)
+        self.last = chunk.last
+        self.turns += 1
+        return self.size >= _REPLAY_BLOCK or self.turns >= _REPLAY_BLOCK_TURNS
+
+    async def send(self, conn: Connection) -> None:
+        """Write what is held (paced by the client) and move its ``last_seq`` past it."""
+        if not self.last:
+            return
+        data, first, last = b"".join(self.parts), self.first, self.last
+        self.parts.clear()
+        self.size = self.turns = self.last = 0
+        conn.last_seq = last
+        if data:
+            await conn.paced(data, first)
 
 
 class _StreamConnection(Connection):
@@ -1660,22 +1707,26 @@ class SocketServer:
         for a whole one."""
         handover = Handover(since_seq)
         expected: int | None = None  # the seq the log must hold next (None: not judged yet)
+        block = _ReplayBlock()
         try:
-            # One chunk (one read of at most 4 KiB, sent as stored) per trip round the loop:
-            # a replay of a huge log never holds up other clients' requests.
+            # One chunk (one read of at most 4 KiB) per turn, and the requests that came in
+            # meanwhile answered before the next (`end_turn`): a replay of a huge log never
+            # holds up other clients' requests. The chunks go out as stored, a block of
+            # them per write (`_ReplayBlock`).
             for chunk in history:
                 if conn.closed:
                     return
                 if handover.fresh(chunk.last):
                     if expected is not None and chunk.first > expected:
+                        await block.send(conn)
                         conn.lag(expected, chunk.first - expected,
                                  hole=f"the log jumps from seq {expected - 1} to {chunk.first}")
                         return
                     expected = chunk.last + 1
-                    conn.last_seq = chunk.last
-                    if chunk.data:
-                        await conn.paced(chunk.data, chunk.first)
-                await anyio.lowlevel.checkpoint()
+                    if block.add(chunk):
+                        await block.send(conn)
+                await end_turn()
+            await block.send(conn)
             if conn.closed:
                 return
             if expected is not None and expected <= now:

@@ -18,12 +18,12 @@ from types import MappingProxyType
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import CallerError
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
+from gpuwatch.sources.turns import end_turn
 
 __all__ = ["JsonlFileSource", "parse_jsonl_line", "uevent_to_json"]
 
@@ -182,7 +182,7 @@ class JsonlFileSource:
         flowing = False
         while self._fd >= 0:
             if self._pollable and flowing:
-                await anyio.lowlevel.checkpoint()  # let other tasks run between chunks
+                await end_turn()  # let other tasks and requests in between chunks
                 if self._fd < 0:
                     return
                 try:
@@ -209,7 +209,7 @@ class JsonlFileSource:
                     continue
                 flowing = bool(chunk)
             else:
-                await anyio.lowlevel.checkpoint()  # let other tasks run between chunks
+                await end_turn()  # let other tasks and requests in between chunks
                 if self._fd < 0:
                     return
                 chunk = os.read(self._fd, self._chunk_size)

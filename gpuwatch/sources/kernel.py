@@ -20,6 +20,7 @@ import anyio
 
 from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
 from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
+from gpuwatch.sources.turns import end_turn
 
 __all__ = [
     "DEFAULT_RECEIVE_BUFFER",
@@ -208,7 +209,7 @@ class KernelSource:
                 if not more:
                     break
                 # Let requests and other tasks in between batches of a backlog.
-                await anyio.lowlevel.checkpoint()
+                await end_turn()
 
     def _drain(self) -> tuple[list[UEvent], SourceOverflow | None, bool]:
         """Receive until empty, `MAX_BATCH` events, `MAX_READ` messages, or an error.

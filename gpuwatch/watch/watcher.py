@@ -46,6 +46,7 @@ from gpuwatch.hostfs.scan import HostPaths, observe_batch, read_cdi, read_vgpus,
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
+from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
 from gpuwatch.watch.handover import first_is_next
 from gpuwatch.watch.subscription import Subscription
@@ -465,7 +466,7 @@ class Watcher:
                 reads = self._collapse(batch)
                 for start in range(0, max(1, len(reads)), PUMP_SLICE):
                     if start:
-                        await anyio.lowlevel.checkpoint()
+                        await end_turn()
                     async with self._lock:
                         observations = self._observe(reads[start : start + PUMP_SLICE])
                         if start + PUMP_SLICE >= len(reads):
