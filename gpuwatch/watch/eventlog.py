@@ -31,11 +31,11 @@ from types import TracebackType
 from typing import IO, Any, NamedTuple
 
 import anyio
-import anyio.lowlevel
 
 from gpuwatch.core import strictjson
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
+from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.handover import Handover
 
 __all__ = [
@@ -1606,7 +1606,7 @@ async def afollow_records(
             for record in batch:
                 yield record
             if more:
-                await anyio.lowlevel.checkpoint()
+                await end_turn()  # a long backlog of records: let requests in between
             else:
                 follower.caught_up()
                 await anyio.sleep(poll_interval)
