@@ -563,7 +563,7 @@ class Connection:
                     return
                 with anyio.move_on_after(left):
                     await self._drained()
-        self.deliver(data, first_seq, 1)
+        self.deliver(data, first_seq, data.count(b"\n"))
 
     # -- subscription
 
@@ -615,22 +615,30 @@ class _ReplayBlock:
     (so that it holds up other requests for a short while only), but a write per chunk
     would wake a client that reads as fast as it can sixteen times as often, each wake-up
     taking a CPU from someone else on a small machine. A block goes out once it holds
-    `_REPLAY_BLOCK` bytes or `_REPLAY_BLOCK_TURNS` turns went into it (a filtered replay
-    that finds little still arrives as it goes), and before anything else is said to the
-    client. Until then the client's ``last_seq`` stays at what it was sent, so a `lagged`
-    line meanwhile names the first seq it has not had."""
+    `_REPLAY_BLOCK` bytes (less when the output limit is small: a block must fit in what
+    `Connection.paced` leaves room for) or `_REPLAY_BLOCK_TURNS` turns went into it (a
+    filtered replay that finds little still arrives as it goes), and before anything else
+    is said to the client. The client's ``last_seq`` moves past a block only once the block
+    is queued, so a `lagged` line meanwhile names the first seq it has not had."""
 
-    __slots__ = ("first", "last", "parts", "size", "turns")
+    __slots__ = ("cap", "conn", "first", "last", "parts", "size", "turns")
 
-    def __init__(self) -> None:
+    def __init__(self, conn: Connection, outbox_limit: int) -> None:
+        self.conn = conn
+        # `paced` queues once at most half the limit is unread, and a subscriber's queue
+        # keeps `_LAG_RESERVE` for its `lagged` line.
+        self.cap = max(1, min(_REPLAY_BLOCK, outbox_limit // 2 - _LAG_RESERVE))
         self.parts: list[bytes] = []
         self.size = 0
         self.turns = 0
         self.first = 0  # the first seq of the data held
         self.last = 0  # the last seq the chunks held cover (0: none held)
 
-    def add(self, chunk: RawChunk) -> bool:
-        """Hold ``chunk``; whether the block is now due."""
+    async def add(self, chunk: RawChunk) -> None:
+        """Hold ``chunk``, sending what is held first if it would pass the cap, and after if
+        the block is then due."""
+        if self.parts and self.size + len(chunk.data) > self.cap:
+            await self.send()
         if chunk.data:
             if not self.parts:
                 self.first = chunk.first
@@ -638,18 +646,19 @@ class _ReplayBlock:
             self.size += len(chunk.data)
         self.last = chunk.last
         self.turns += 1
-        return self.size >= _REPLAY_BLOCK or self.turns >= _REPLAY_BLOCK_TURNS
+        if self.size >= self.cap or self.turns >= _REPLAY_BLOCK_TURNS:
+            await self.send()
 
-    async def send(self, conn: Connection) -> None:
-        """Write what is held (paced by the client) and move its ``last_seq`` past it."""
+    async def send(self) -> None:
+        """Queue what is held (paced by the client), then move its ``last_seq`` past it."""
         if not self.last:
             return
         data, first, last = b"".join(self.parts), self.first, self.last
         self.parts.clear()
         self.size = self.turns = self.last = 0
-        conn.last_seq = last
         if data:
-            await conn.paced(data, first)
+            await self.conn.paced(data, first)
+        self.conn.last_seq = last
 
 
 class _StreamConnection(Connection):
@@ -1707,7 +1716,7 @@ class SocketServer:
         for a whole one."""
         handover = Handover(since_seq)
         expected: int | None = None  # the seq the log must hold next (None: not judged yet)
-        block = _ReplayBlock()
+        block = _ReplayBlock(conn, self.outbox_limit)
         try:
             # One chunk (one read of at most 4 KiB) per turn, and the requests that came in
             # meanwhile answered before the next (`end_turn`): a replay of a huge log never
@@ -1718,15 +1727,14 @@ class SocketServer:
                     return
                 if handover.fresh(chunk.last):
                     if expected is not None and chunk.first > expected:
-                        await block.send(conn)
+                        await block.send()
                         conn.lag(expected, chunk.first - expected,
                                  hole=f"the log jumps from seq {expected - 1} to {chunk.first}")
                         return
                     expected = chunk.last + 1
-                    if block.add(chunk):
-                        await block.send(conn)
+                    await block.add(chunk)
                 await end_turn()
-            await block.send(conn)
+            await block.send()
             if conn.closed:
                 return
             if expected is not None and expected <= now:
