@@ -1745,8 +1745,8 @@ class SocketServer:
                 if conn.closed:
                     return
                 if handover.fresh(seq):
-                    conn.last_seq = seq
                     await conn.paced(data, seq)
+                    conn.last_seq = seq  # once queued (see `_ReplayBlock.send`)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
         except OSError as exc:  # a log file failed under the replay: resume from here
             self.client_log.warning("replay of the log to %s failed: %s",
