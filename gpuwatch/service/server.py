@@ -548,11 +548,17 @@ class Connection:
         self._write(lagged_line(missed, first_missed_seq, self.server.outbox_limit))
         self._shut(_LAG_GRACE)
 
-    async def paced(self, data: bytes, first_seq: int) -> None:
-        """Queue, waiting first while half the limit is unread (history replay): a long
-        replay is fed at the client's pace instead of overflowing it. The wait is bounded:
-        a client that leaves half its limit unread for ``stall_timeout`` seconds gets the
-        `lagged` notice and is closed, so the log files the replay holds are let go."""
+    async def paced(self, data: bytes, first_seq: int, last_seq: int) -> None:
+        """Queue the events ``first_seq`` … ``last_seq`` (those of them in ``data``),
+        waiting first while half the limit is unread (history replay): a long replay is fed
+        at the client's pace instead of overflowing it. The wait is bounded: a client that
+        leaves half its limit unread for ``stall_timeout`` seconds gets the `lagged` notice
+        and is closed, so the log files the replay holds are let go. ``last_seq`` moves past
+        them only once they are queued: a `lagged` line during the wait (live events held
+        meanwhile that overflow) names ``first_seq``, not a seq after events never sent."""
+        if not data:  # none of them wanted: nothing to wait for
+            self.last_seq = max(self.last_seq, last_seq)
+            return
         half = self.server.outbox_limit // 2
         if not self.closed and self.buffered() > half:
             deadline = anyio.current_time() + self.server.stall_timeout
@@ -564,6 +570,7 @@ class Connection:
                 with anyio.move_on_after(left):
                     await self._drained()
         self.deliver(data, first_seq, data.count(b"\n"))
+        self.last_seq = max(self.last_seq, last_seq)
 
     # -- subscription
 
@@ -618,8 +625,7 @@ class _ReplayBlock:
     `_REPLAY_BLOCK` bytes (less when the output limit is small: a block must fit in what
     `Connection.paced` leaves room for) or `_REPLAY_BLOCK_TURNS` turns went into it (a
     filtered replay that finds little still arrives as it goes), and before anything else
-    is said to the client. The client's ``last_seq`` moves past a block only once the block
-    is queued, so a `lagged` line meanwhile names the first seq it has not had."""
+    is said to the client."""
 
     __slots__ = ("cap", "conn", "first", "last", "parts", "size", "turns")
 
@@ -650,15 +656,13 @@ class _ReplayBlock:
             await self.send()
 
     async def send(self) -> None:
-        """Queue what is held (paced by the client), then move its ``last_seq`` past it."""
+        """Queue what is held, paced by the client (`Connection.paced`)."""
         if not self.last:
             return
         data, first, last = b"".join(self.parts), self.first, self.last
         self.parts.clear()
         self.size = self.turns = self.last = 0
-        if data:
-            await self.conn.paced(data, first)
-        self.conn.last_seq = last
+        await self.conn.paced(data, first if data else last, last)
 
 
 class _StreamConnection(Connection):
@@ -1745,8 +1749,7 @@ class SocketServer:
                 if conn.closed:
                     return
                 if handover.fresh(seq):
-                    await conn.paced(data, seq)
-                    conn.last_seq = seq  # once queued (see `_ReplayBlock.send`)
+                    await conn.paced(data, seq, seq)
             conn.last_seq = max(conn.last_seq, conn.held_seq)
         except OSError as exc:  # a log file failed under the replay: resume from here
             self.client_log.warning("replay of the log to %s failed: %s",
