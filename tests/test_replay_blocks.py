@@ -31,10 +31,11 @@ NV = "0000:01:00.0"
 
 
 async def read_until_seq(stream: Any, seq: int) -> bytes:
+    """What ``stream`` sends up to and including the whole line of event ``seq``."""
     got = b""
     needle = b'"seq":%d,' % seq
     with anyio.fail_after(20):
-        while needle not in got:
+        while needle not in got or b"\n" not in got[got.index(needle):]:
             got += await stream.receive()
     return got
 
