@@ -662,7 +662,7 @@ class _ReplayBlock:
         data, first, last = b"".join(self.parts), self.first, self.last
         self.parts.clear()
         self.size = self.turns = self.last = 0
-        await self.conn.paced(data, first if data else last, last)
+        await self.conn.paced(data, first, last)
 
 
 class _StreamConnection(Connection):
