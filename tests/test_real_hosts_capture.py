@@ -613,3 +613,22 @@ def test_vfs_beside_the_pf_at_any_offset_and_stride(tmp_path: Path, offset: int,
     model = gpuwatch.scan(s.root)
     assert model.function("0000:41:00.0").sriov.vfs == want  # type: ignore[union-attr]
     assert {model.function(vf).physfn for vf in want} == {"0000:41:00.0"}
+
+
+def test_a_capture_that_kept_only_the_class_shows_unknown_ids(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # As a topology gatherer copies a POWER host's GPUs: the bus listing flattened into
+    # folders that hold `class` and `local_cpus` and nothing else (no ids, no uevent).
+    for addr in ("0004:05:00.0", "0035:04:00.0"):
+        fn = tmp_path / "sys/bus/pci/devices" / addr
+        fn.mkdir(parents=True)
+        (fn / "class").write_text("0x030000\n")
+        (fn / "local_cpus").write_text("0000,0000ffff\n")
+    gpus = jsonable(gpuwatch.scan(tmp_path).probe("detect-vfio"))["gpus"]
+    assert [(g["addr"], g["vendor_id"], g["device_id"], g["class_label"]) for g in gpus] == [
+        ("0004:05:00.0", "", "", "VGA controller"), ("0035:04:00.0", "", "", "VGA controller")]
+    code, out, _ = cli(capsys, "status", "--root", str(tmp_path), "--no-daemon")
+    assert code == 0
+    assert "GPU 0004:05:00.0  unknown (VGA controller)  no IOMMU group  mode: unbound" in out
+    assert "  0004:05:00.0  VGA controller       unknown  driver: (none)" in out
+    assert " :  " not in out and "unknown  (" not in out

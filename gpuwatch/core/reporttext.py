@@ -129,14 +129,14 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append("")
         variant = f" ({gpu['vfio_variant']})" if gpu["vfio_variant"] else ""
         lines.append(
-            f"GPU {gpu['addr']}  {gpu['vendor']} {gpu['device_id']} ({gpu['class_label']})  "
-            f"{group}  mode: {gpu['mode']}{variant}"
+            f"GPU {gpu['addr']}  {_card(gpu['vendor'], gpu['device_id'])} "
+            f"({gpu['class_label']})  {group}  mode: {gpu['mode']}{variant}"
         )
         if gpu["kept_for_host"]:
             lines.append(f"  kept for the host: {gpu['reason']}")
         for m in gpu["members"]:
             lines.append(
-                f"  {m['addr']}  {m['class_label']:<20} {m['vendor_id']}:{m['device_id']}  "
+                f"  {m['addr']}  {m['class_label']:<20} {_ids(m['vendor_id'], m['device_id'])}  "
                 f"driver: {m['driver'] or '(none)'}"
                 + (f"  health: {m['health']}" if m["health"] != "ok" else "")
             )
@@ -242,6 +242,18 @@ def vf_ready(fn: PciFunction, variants: frozenset[str] = frozenset()) -> bool:
     return fn.vgpu is not None and fn.vgpu.type != 0
 
 
+def _card(vendor: str, device_id: str) -> str:
+    """A GPU's vendor and device id as a heading names them; a capture that copied only some
+    of a function's files leaves the id empty, and the heading then shows no gap for it."""
+    return f"{vendor} {device_id}" if device_id else vendor
+
+
+def _ids(vendor_id: str, device_id: str) -> str:
+    """``vendor:device`` of a member line, or ``unknown`` when a capture kept neither file
+    (not a bare ``:``)."""
+    return f"{vendor_id}:{device_id}" if vendor_id or device_id else "unknown"
+
+
 def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
     """``gpuwatch list``'s text of the passthrough GPUs in their JSON form."""
     offered = [g for g in gpus if not g["kept_for_host"]]
@@ -254,15 +266,15 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
         # Its own section, before the blocks, so that copying the blocks never takes it along.
         blocks.append("kept for the host (not offered for passthrough):")
         for gpu in kept:
-            blocks.append(f"  GPU {gpu['addr']} {gpu['vendor']} {gpu['device_id']}, IOMMU group "
-                          f"{gpu['iommu_group']}: {gpu['reason']}")
+            blocks.append(f"  GPU {gpu['addr']} {_card(gpu['vendor'], gpu['device_id'])}, "
+                          f"IOMMU group {gpu['iommu_group']}: {gpu['reason']}")
     for gpu in offered:
         # The note is prose, not an XML comment: it names flags, and "--" may not appear
         # inside one. The blocks and their comments below stay valid XML to paste.
         blocks.append(f"note: {gpu['note']}")
         vf = f" (SR-IOV VF of {gpu['physfn']})" if gpu["physfn"] else ""
         blocks.append(
-            f"<!-- GPU {gpu['addr']}{vf} {gpu['vendor']} {gpu['device_id']}, IOMMU group "
+            f"<!-- GPU {gpu['addr']}{vf} {_card(gpu['vendor'], gpu['device_id'])}, IOMMU group "
             f"{gpu['iommu_group']}: pass every function below together -->"
         )
         blocks.extend(f["hostdev_xml"] for f in gpu["functions"] if f["hostdev_xml"] is not None)
