@@ -17,6 +17,7 @@ from cli_helpers import run_main
 import gpuwatch
 from gpuwatch.cli.main import main
 from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.plan import switch_guard
 from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import SwitchRefused
 from gpuwatch.report import passthrough_gpus, render_list
@@ -262,3 +263,17 @@ async def test_engine_refuses_kept_group_with_an_event(tmp_path: Path) -> None:
 
 def test_example_workstation_unchanged(host: SysRoot) -> None:
     assert gpuwatch.scan(host.root).kept_for_host("0000:01:00.0") == ""
+
+
+@pytest.mark.parametrize(("group", "subject"), [
+    (12, "IOMMU group 12 is kept for the host: "),
+    # The IOMMU off (a capture of a PA-RISC host's boot display): no group to name.
+    (-1, "0000:00:02.0 (no IOMMU group) is kept for the host: "),
+])
+def test_a_kept_refusal_names_the_group_or_the_card(group: int, subject: str) -> None:
+    display = fn("0000:00:02.0", "cirrus", group=group)
+    refusal = switch_guard(display, "vfio", kept_for_host="the host's only console")
+    assert refusal is not None
+    assert refusal.reason == subject + "the host's only console (--force passes it through anyway)"
+    assert switch_guard(display, "vfio", kept_for_host="the host's only console",
+                        force=True) is None

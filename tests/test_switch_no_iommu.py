@@ -6,12 +6,14 @@ Every switch runs against a fixture root with the simulated kernel.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.errors import GroupPoisoned, SwitchRefused, SwitchWedged
+from gpuwatch.errors import GroupBusy, GroupPoisoned, SwitchRefused, SwitchWedged
 from gpuwatch.switch.poison import DEFAULT_POISON_FILE, PoisonEntry, PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
@@ -128,3 +130,42 @@ def test_a_wedged_card_without_a_group_in_its_mode_is_refused_not_ready(
                               "--root", str(host.root))
     assert code == 1, (out, err)
     assert "write to unbind did not return" in err and "reboot" in err
+
+
+def test_text_outputs_say_no_iommu_group_not_group_minus_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The JSON keeps ``-1`` (its placeholder for "none"); the text a person reads names
+    the card without a group instead of "IOMMU group -1"."""
+    host = iommu_off_host(tmp_path / "h")
+    root = str(host.root)
+    outputs = []
+    for argv in (("mode", "--addr", CARD_A), ("plan", "nvidia", "--addr", CARD_A),
+                 ("holders", "--addr", CARD_B)):
+        code, out, err = run_main(capsys, *argv, "--no-daemon", "--root", root)
+        assert code == 0, (argv, out, err)
+        outputs.append(out.splitlines()[0])
+    assert outputs == [
+        f"{CARD_A} (no IOMMU group): host driver",
+        f"plan: {CARD_A} (no IOMMU group) host driver -> nvidia",
+        f"no process holds a node of {CARD_B} (no IOMMU group)",
+    ]
+    code, out, _ = run_main(capsys, "plan", "nvidia", "--addr", CARD_A, "--json",
+                            "--no-daemon", "--root", root)
+    assert json.loads(out)["group"] == -1
+
+
+async def test_a_busy_card_without_a_group_is_named_by_its_address(tmp_path: Path) -> None:
+    host = iommu_off_host(tmp_path / "h")
+    lock_dir = host.root / "run/gpuwatch"
+    lock_dir.mkdir(parents=True)
+    fd = os.open(lock_dir / f"switch-{CARD_A}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process switching card A
+        async with simulated_switch(host) as (w, sim, _e, _ev):
+            with pytest.raises(GroupBusy) as info:
+                await w.switch(CARD_A, "nvidia", timeout=5)
+            assert str(info.value) == (f"{CARD_A} (no IOMMU group) is being switched by "
+                                       "another process")
+            assert sim.record == []
+    finally:
+        os.close(fd)

@@ -20,7 +20,7 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
-from gpuwatch.core.pci import canonical_addr
+from gpuwatch.core.pci import canonical_addr, card_in_group
 from gpuwatch.core.strictjson import loads as strict_loads
 from gpuwatch.core.text import terminal_safe
 
@@ -276,7 +276,7 @@ def describe_step(step: dict[str, Any]) -> str:
 
 def render_plan(plan: dict[str, Any]) -> str:
     """Text of a plan in its JSON form, so a plan from the daemon reads the same as ours."""
-    lines = [f"plan: {plan['addr']} (IOMMU group {plan['group']}) {plan['from_mode']} -> "
+    lines = [f"plan: {card_in_group(plan['addr'], plan['group'])} {plan['from_mode']} -> "
              f"{plan['to_mode']}" + (" [example card]" if plan["example"] else "")]
     for member in plan["members"]:
         alias = member.get("alias", "")
@@ -308,7 +308,7 @@ def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], 
     else:
         holders = report["holders"]
         if not holders:
-            print(f"no process holds a node of {report['addr']} (IOMMU group {report['group']})")
+            print(f"no process holds a node of {card_in_group(report['addr'], report['group'])}")
         for h in holders:
             node = h.get("node") or ("(its open files could not be read: it may hold one)"
                                      if h.get("unreadable") else "")

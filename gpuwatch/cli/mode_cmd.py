@@ -29,7 +29,7 @@ from gpuwatch.cli.common import (
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
 from gpuwatch.core.modes import MODES, Mode, driver_key, group_mode, target_driver
-from gpuwatch.core.pci import parse_addr
+from gpuwatch.core.pci import card_in_group, parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
     already_in_mode,
@@ -124,7 +124,7 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
     if as_json:
         print(dumps(result.as_result()))
     else:
-        where = f"{result.addr} (IOMMU group {result.group})"
+        where = card_in_group(result.addr, result.group)
         if result.changed:
             print(f"{where}: {result.from_mode} -> {result.to_mode} in "
                   f"{result.duration_ms:.0f} ms")
@@ -265,7 +265,7 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
                         for m in members],
         }))
         return
-    print(f"{card.addr} (IOMMU group {card.iommu_group}): {mode}")
+    print(f"{card_in_group(card.addr, card.iommu_group)}: {mode}")
     for m in members:
         print(terminal_safe(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}"))
     if poisoned is not None:

@@ -23,6 +23,12 @@ def is_pci_addr(name: str) -> bool:
     return PCI_ADDR_RE.fullmatch(name) is not None
 
 
+def card_in_group(addr: str, group: int) -> str:
+    """``0000:01:00.0 (IOMMU group 13)`` as the text outputs name a card, or ``(no IOMMU
+    group)`` where the IOMMU is off: the JSON's ``-1`` is a placeholder, not a group."""
+    return f"{addr} (IOMMU group {group})" if group >= 0 else f"{addr} (no IOMMU group)"
+
+
 def canonical_addr(text: str) -> str | None:
     """The one parser of user-given addresses: the sysfs spelling of ``text``, or None.
 

@@ -786,7 +786,6 @@ def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
     (before "already in mode", before any privilege check): a poisoned group, in either
     direction; ``nvidia`` (and ``recover``) for a card that is not NVIDIA's; ``vfio`` for a
     group kept for the host, unless ``force``."""
-    group = display.iommu_group
     what = action or f"mode {mode}"
     if poisoned:
         key = poison_key(display)
@@ -799,8 +798,8 @@ def switch_guard(display: PciFunction, mode: Mode, *, poisoned: str = "",
                        f"{display.vendor_id or 'unknown'}): {what} acts on NVIDIA GPUs "
                        f"({NVIDIA_VENDOR}) only; nothing was written")
     if mode == "vfio" and kept_for_host and not force and action != "recover":
-        return Refusal(f"IOMMU group {group} is kept for the host: {kept_for_host} "
-                       "(--force passes it through anyway)")
+        return Refusal(f"{poison_subject(poison_key(display))} is kept for the host: "
+                       f"{kept_for_host} (--force passes it through anyway)")
     return None
 
 

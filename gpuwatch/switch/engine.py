@@ -65,6 +65,7 @@ from gpuwatch.core.plan import (
     parse_vfio_driver,
     plan_switch,
     poison_key,
+    poison_subject,
     poisoned_until,
     satisfied,
     switch_guard,
@@ -962,8 +963,8 @@ class SwitchEngine:
         failure = self._new_failure(plan, advice=True)
         if failure is not None:
             self._fail(plan, f"{failure} (seen during the switch, which stopped {where}: "
-                             f"nothing more is written to IOMMU group {plan.group}, left for "
-                             "its recovery)")
+                             f"nothing more is written to {poison_subject(plan.poison_key)}, "
+                             "left for its recovery)")
 
     async def _guard_unbind(self, plan: SwitchPlan, facts: HostFacts, step: WriteStep,
                             deadline: float) -> None:
@@ -1187,7 +1188,7 @@ class SwitchEngine:
 
     def _claim(self, key: int | str) -> None:
         if key in self._busy:
-            raise GroupBusy(f"IOMMU group {key} is already being switched")
+            raise GroupBusy(f"{poison_subject(key)} is already being switched")
         if self._exclusive is not None:
             raise GroupBusy(f"group {self._exclusive} is unloading the nvidia module: retry "
                             "after it")
@@ -1205,7 +1206,8 @@ class SwitchEngine:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise GroupBusy(f"IOMMU group {key} is being switched by another process") from None
+            raise GroupBusy(f"{poison_subject(key)} is being switched by another "
+                            "process") from None
         return fd
 
     def _open_lock(self, path: str) -> int:
