@@ -741,6 +741,8 @@ class HostState:
                     self._published_gpus = {gpu.addr: gpu for gpu in new.gpus}
                     self._gpu_touched.clear()
                 continue
+            # A scalar answer's delta is the two values themselves (bool, str), not dicts.
+            delta: tuple[Any, Any] | None
             if action == "detect-vfio":
                 delta = self._vfio_delta(old, new)
             elif isinstance(new, BaseModel):
