@@ -59,6 +59,7 @@ TINY = Settings(
     ratio_cli_reps=1,
     ratio_trips=5,
     ratio_fanout_events=64,
+    ratio_fanout_pairs=1,
     ratio_replay_mib=2,
     ratio_replay_probes=20,
     ratio_replay_rounds=1,
