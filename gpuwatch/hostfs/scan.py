@@ -141,6 +141,10 @@ class HostPaths:
         #: Address → devpath of the functions the last `function_entries` found by walking
         #: ``sys/devices`` (a captured tree without the bus listing); empty when it had one.
         self.walked: dict[str, str] = {}
+        #: Address → devpath from a walk of ``sys/devices``, made the first time a listed
+        #: entry of one `function_entries` leads to no function (`read_bus_entry`); None
+        #: until then.
+        self.rewalked: dict[str, str] | None = None
         #: Parent folder → {VF: PF} of the VFs there whose links a capture dropped
         #: (`pf_beside`), for the reads of one `function_entries`.
         self.beside: dict[str, dict[str, str]] = {}
@@ -625,8 +629,21 @@ def function_entries(paths: HostPaths) -> list[tuple[str, str]]:
     listed = [(name, _devpath_of_bus_entry(paths, name))
               for name in sorted(list_dir(paths.bus_pci)) if is_pci_addr(name)]
     paths.walked = {} if listed else dict(walk_functions(paths.sys))
+    paths.rewalked = None if listed else paths.walked
     paths.beside.clear()
+    for i, (name, devpath) in enumerate(listed):
+        if devpath.rpartition("/")[2] != name:
+            # A link to another address's folder, which no kernel makes: the folder of
+            # this address, where a damaged tree still holds one (`read_bus_entry`).
+            listed[i] = (name, _rewalk(paths).get(name, devpath))
     return listed or sorted(paths.walked.items())
+
+
+def _rewalk(paths: HostPaths) -> dict[str, str]:
+    """`walk_functions`, once per `function_entries`, for a listing that misleads."""
+    if paths.rewalked is None:
+        paths.rewalked = dict(walk_functions(paths.sys))
+    return paths.rewalked
 
 
 #: PCI root buses (``pci0000:00``, VMD's ``pci10000:00``, Hyper-V's ``pci7d0c:00``): what
@@ -711,12 +728,34 @@ def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
 def read_bus_entry(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     """A listed function whose resolved directory held nothing: a root whose components are
     links themselves (the resolution is lexical), or a dangling link (None). Checked only
-    then, not with a stat up front."""
+    then, not with a stat up front.
+
+    The kernel adds the bus entry after the function's folder and removes it before, so an
+    entry that leads nowhere (dangling, a file, a loop, a link to another folder) while a
+    folder of that address sits in ``sys/devices`` is a damaged tree, not a function going
+    away: that folder is read, as the watcher reads it by the DEVPATH of its uevents
+    (`_walked_elsewhere`)."""
     entry = in_root(paths.root, paths.bus_pci + "/" + name)
     seen = _read_function_dir(entry, name, devpath)
-    if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(entry):
+    if seen.vendor_id or seen.device_id or seen.klass:
+        return seen
+    elsewhere = _walked_elsewhere(paths, name, devpath)
+    if elsewhere is not None:
+        return elsewhere
+    if not os.path.isdir(entry):
         return None  # dangling link: the function went away under us
     return seen
+
+
+def _walked_elsewhere(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
+    """The function ``name`` read in the folder a walk of ``sys/devices`` finds for it
+    (walked once per `function_entries`, and only for a tree whose listing misleads), when
+    that is not ``devpath`` and holds its ids."""
+    found = _rewalk(paths).get(name)
+    if found is None or found == devpath:
+        return None
+    seen = _read_function_dir(paths.sys + found, name, found)
+    return seen if seen.vendor_id or seen.device_id or seen.klass else None
 
 
 def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutline | PciSeen | None:
