@@ -128,7 +128,8 @@ class ModuleSeen:
 
 @dataclass(frozen=True, slots=True)
 class KfdSeen:
-    """Every KFD topology node as ``(node_id, gfx_target_version)``; 0 for CPU or garbage."""
+    """KFD topology nodes as ``(node_id, gfx_target_version)`` in numeric order, 0 for CPU or
+    garbage: those up to the first GPU's (`gpuwatch.hostfs.scan.read_kfd`)."""
 
     nodes: tuple[tuple[int, int], ...]
 

@@ -113,6 +113,13 @@ class RecoveryMark:
     at: float | None
 
 
+#: Drivers that build AMD's KFD topology (``sys/class/kfd/kfd/topology/nodes``) as they bind
+#: a GPU and take its node down as they let it go. amdkfd sends no uevent for either (its
+#: arrival and removal notice is still a stub), so the topology is read again with the bind or
+#: unbind (`HostState.kfd_touched`), or a probe would keep the old gfx version until a rescan.
+KFD_DRIVERS = frozenset(("amdgpu",))
+
+
 class HostState:
     """The in-memory model of one host. Build it from a `Snapshot`, then `apply` changes."""
 
@@ -207,6 +214,36 @@ class HostState:
             self._apply_one(obs, events)
         events.extend(self._refresh_answers())
         return events
+
+    def kfd_touched(self, observations: Iterable[Observation]) -> bool:
+        """Whether ``observations`` bind a function to a driver that builds AMD's KFD topology
+        (`KFD_DRIVERS`), let one go of it, or bring or take away a function bound to one. The
+        topology changes then and sends no uevent of its own, so the watcher reads it again
+        with them; a re-read of a function that changes nothing does not ask for that."""
+        functions = self.functions
+        for obs in observations:
+            kind = type(obs)
+            if kind is DriversSeen:
+                for addr, driver in cast(DriversSeen, obs).entries:
+                    fn = functions.get(addr)
+                    was = fn.driver if fn is not None else ""
+                    if was != driver and (was in KFD_DRIVERS or driver in KFD_DRIVERS):
+                        return True
+            elif kind is PciSeen:
+                seen = cast(PciSeen, obs)
+                fn = functions.get(seen.addr)
+                if fn is None:
+                    if seen.driver in KFD_DRIVERS:
+                        return True
+                elif ((fn.driver in KFD_DRIVERS or seen.driver in KFD_DRIVERS)
+                      and (fn.driver != seen.driver or fn.device_id != seen.device_id
+                           or fn.vendor_id != seen.vendor_id)):
+                    return True  # bound, let go, or another card in the slot
+            elif kind is PciGone:
+                fn = functions.get(cast(PciGone, obs).addr)
+                if fn is not None and fn.driver in KFD_DRIVERS:
+                    return True
+        return False
 
     def apply_snapshot(self, snapshot: Snapshot) -> list[BaseModel]:
         """Diff a full scan against the model (initial build, overflow resync, reconcile).

@@ -900,16 +900,20 @@ def scan_drm(paths: HostPaths) -> list[DrmSeen]:
 
 
 def read_kfd(paths: HostPaths) -> KfdSeen:
+    """The KFD topology nodes in numeric order up to the first with a gfx target version:
+    the only one any answer takes (`first_gfx_version`). The watcher reads the topology again
+    with every bind and unbind by amdgpu, so the nodes after it are not read at all."""
     nodes: list[tuple[int, int]] = []
     base = in_root(paths.root, paths.sys + "/class/kfd/kfd")
     if not os.path.isdir(base):  # a copy without the class link (or with it dangling)
         base = paths.sys + "/devices/virtual/kfd/kfd"
     base += "/topology/nodes"
-    for name in list_dir(base):
-        if name.isascii() and name.isdigit():
-            text = read_text(os.path.join(base, name, "properties"))
-            nodes.append((int(name), parse_gfx_target_version(text or "")))
-    return KfdSeen(nodes=tuple(sorted(nodes)))
+    for name in sorted((n for n in list_dir(base) if n.isascii() and n.isdigit()), key=int):
+        version = parse_gfx_target_version(read_text(f"{base}/{name}/properties") or "")
+        nodes.append((int(name), version))
+        if version:
+            break
+    return KfdSeen(nodes=tuple(nodes))
 
 
 def read_modules(paths: HostPaths) -> frozenset[str]:

@@ -42,7 +42,14 @@ from gpuwatch.core.tables import Tables
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.core.uevent_facts import batch_facts
 from gpuwatch.errors import CallerError, UsageError
-from gpuwatch.hostfs.scan import HostPaths, observe_batch, read_cdi, read_vgpus, scan
+from gpuwatch.hostfs.scan import (
+    HostPaths,
+    observe_batch,
+    read_cdi,
+    read_kfd,
+    read_vgpus,
+    scan,
+)
 from gpuwatch.model import HostModel
 from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
@@ -390,8 +397,12 @@ class Watcher:
         return False
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
-        """Fold observations into the model and publish what changed."""
-        events = self.model.state.apply(observations)
+        """Fold observations into the model and publish what changed. A bind or unbind by
+        amdgpu brings the KFD topology it changed along (`HostState.kfd_touched`)."""
+        state = self.model.state
+        if state.kfd_touched(observations):
+            observations = [*observations, read_kfd(self.paths)]
+        events = state.apply(observations)
         self.publish(events)
         return events
 
