@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from pydantic import BaseModel
 
@@ -116,8 +116,15 @@ class RecoveryMark:
 #: Drivers that build AMD's KFD topology (``sys/class/kfd/kfd/topology/nodes``) as they bind
 #: a GPU and take its node down as they let it go. amdkfd sends no uevent for either (its
 #: arrival and removal notice is still a stub), so the topology is read again with the bind or
-#: unbind (`HostState.kfd_touched`), or a probe would keep the old gfx version until a rescan.
+#: unbind (`HostState.rereads`), or a probe would keep the old gfx version until a rescan.
 KFD_DRIVERS = frozenset(("amdgpu",))
+
+
+class Rereads(NamedTuple):
+    """Parts of the tree a batch changed without a uevent of their own (`HostState.rereads`)."""
+
+    kfd: bool = False
+    iommu: bool = False
 
 
 class HostState:
@@ -215,35 +222,48 @@ class HostState:
         events.extend(self._refresh_answers())
         return events
 
-    def kfd_touched(self, observations: Iterable[Observation]) -> bool:
-        """Whether ``observations`` bind a function to a driver that builds AMD's KFD topology
-        (`KFD_DRIVERS`), let one go of it, or bring or take away a function bound to one. The
-        topology changes then and sends no uevent of its own, so the watcher reads it again
-        with them; a re-read of a function that changes nothing does not ask for that."""
+    def rereads(self, observations: Iterable[Observation]) -> Rereads:
+        """What else in the tree ``observations`` change that sends no uevent of its own, for
+        the watcher to read along with them (the model reads nothing itself):
+
+        - ``kfd``: a function bound to a driver that builds AMD's KFD topology
+          (`KFD_DRIVERS`) or let go of by one, or one bound to it coming or going;
+        - ``iommu``: a function gaining or losing an IOMMU group, or one with a group coming
+          or going: ``sys/kernel/iommu_groups`` (detect-vfio's ``iommu_enabled``) can change
+          then, as it does when vfio-pci binds a card on a host in no-IOMMU mode.
+
+        A re-read of a function that changes neither asks for nothing."""
         functions = self.functions
+        kfd = iommu = False
         for obs in observations:
             kind = type(obs)
-            if kind is DriversSeen:
+            if kind is DriversSeen:  # the plain lane: only the driver changed, never a group
+                if kfd:
+                    continue
                 for addr, driver in cast(DriversSeen, obs).entries:
                     fn = functions.get(addr)
                     was = fn.driver if fn is not None else ""
                     if was != driver and (was in KFD_DRIVERS or driver in KFD_DRIVERS):
-                        return True
+                        kfd = True
+                        break
             elif kind is PciSeen:
                 seen = cast(PciSeen, obs)
                 fn = functions.get(seen.addr)
                 if fn is None:
-                    if seen.driver in KFD_DRIVERS:
-                        return True
-                elif ((fn.driver in KFD_DRIVERS or seen.driver in KFD_DRIVERS)
-                      and (fn.driver != seen.driver or fn.device_id != seen.device_id
-                           or fn.vendor_id != seen.vendor_id)):
-                    return True  # bound, let go, or another card in the slot
+                    kfd = kfd or seen.driver in KFD_DRIVERS
+                    iommu = iommu or seen.iommu_group >= 0
+                    continue
+                if ((fn.driver in KFD_DRIVERS or seen.driver in KFD_DRIVERS)
+                        and (fn.driver != seen.driver or fn.device_id != seen.device_id
+                             or fn.vendor_id != seen.vendor_id)):
+                    kfd = True  # bound, let go, or another card in the slot
+                iommu = iommu or (fn.iommu_group >= 0) != (seen.iommu_group >= 0)
             elif kind is PciGone:
                 fn = functions.get(cast(PciGone, obs).addr)
-                if fn is not None and fn.driver in KFD_DRIVERS:
-                    return True
-        return False
+                if fn is not None:
+                    kfd = kfd or fn.driver in KFD_DRIVERS
+                    iommu = iommu or fn.iommu_group >= 0
+        return Rereads(kfd, iommu)
 
     def apply_snapshot(self, snapshot: Snapshot) -> list[BaseModel]:
         """Diff a full scan against the model (initial build, overflow resync, reconcile).

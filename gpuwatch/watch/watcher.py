@@ -46,6 +46,7 @@ from gpuwatch.hostfs.scan import (
     HostPaths,
     observe_batch,
     read_cdi,
+    read_iommu,
     read_kfd,
     read_vgpus,
     scan,
@@ -397,11 +398,17 @@ class Watcher:
         return False
 
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
-        """Fold observations into the model and publish what changed. A bind or unbind by
-        amdgpu brings the KFD topology it changed along (`HostState.kfd_touched`)."""
+        """Fold observations into the model and publish what changed, with what they change
+        in the tree that sends no uevent (`HostState.rereads`): the KFD topology after a bind
+        or unbind by amdgpu, the IOMMU groups after a function gains or loses one."""
         state = self.model.state
-        if state.kfd_touched(observations):
-            observations = [*observations, read_kfd(self.paths)]
+        rereads = state.rereads(observations)
+        if rereads.kfd or rereads.iommu:
+            observations = list(observations)
+            if rereads.kfd:
+                observations.append(read_kfd(self.paths))
+            if rereads.iommu:
+                observations.append(read_iommu(self.paths))
         events = state.apply(observations)
         self.publish(events)
         return events
