@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from watch_helpers import count_reads, until_driver, watching
 
 import gpuwatch
-from gpuwatch.hostfs import scan as scan_mod
-from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import vfio_noiommu_host
-from gpuwatch.watch import watcher as watcher_mod
-from gpuwatch.watch.watcher import Watcher, open_watcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,32 +39,6 @@ def take(host: SysRoot) -> None:
     host.set_iommu_group(T4, 0)
     (host.root / "sys/kernel/iommu_groups/0/name").write_text("vfio-noiommu\n")
     host.add_dev_node("/dev/vfio/noiommu-0")
-
-
-@asynccontextmanager
-async def watching(host: SysRoot) -> AsyncIterator[tuple[Watcher, MemorySource, list[Any]]]:
-    source = MemorySource()
-    async with open_watcher(host.root, source, reconcile_interval=0,
-                            cdi_poll_interval=0) as w:
-        got: list[Any] = []
-        async with w.subscribe() as sub:
-            async def collect() -> None:
-                async for event in sub:
-                    got.append(event)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(collect)
-                yield w, source, got
-                tg.cancel_scope.cancel()
-
-
-async def until_driver(got: list[Any], addr: str, driver: str) -> list[Any]:
-    with anyio.fail_after(10):
-        while not any(e.type == "driver-changed" and e.addr == addr and e.new == driver
-                      for e in got):
-            await anyio.sleep(0.005)
-    await anyio.sleep(0.05)  # the rest of that batch (its probe-changed comes last)
-    return list(got)
 
 
 def enabled(answer: Any) -> bool:
@@ -107,18 +76,13 @@ async def test_the_unbind_drops_it_again(host: SysRoot) -> None:
         assert w.model.probe("detect-vfio") == gpuwatch.scan(host.root).probe("detect-vfio")
 
 
-async def test_binds_that_touch_no_group_read_nothing_more(
+async def test_binds_that_touch_no_group_and_not_amdgpu_read_nothing_more(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     host = example_gpu_host(tmp_path / "host")
-    reads: list[str] = []
-    real = scan_mod.read_iommu
-
-    def counting(paths: Any) -> Any:
-        reads.append(paths.root)
-        return real(paths)
-
-    monkeypatch.setattr(watcher_mod, "read_iommu", counting)
+    host.add_kfd_node(0, 0)
+    reads = count_reads(monkeypatch, "read_iommu")
+    kfd_reads = count_reads(monkeypatch, "read_kfd")
     nv = "0000:01:00.0"
     async with watching(host) as (w, source, got):
         host.unbind(nv)
@@ -127,9 +91,9 @@ async def test_binds_that_touch_no_group_read_nothing_more(
         host.bind(nv, "vfio-pci")  # the IOMMU's group stays as it was: nothing to read
         source.push(host.uevent_props("bind", nv))
         await until_driver(got, nv, "vfio-pci")
-        source.push(host.uevent_props("change", nv))
+        source.push(host.uevent_props("change", nv))  # a re-read that changes nothing
         await anyio.sleep(0.05)
-        assert reads == []
+        assert reads == [] and kfd_reads == []
         host.remove_function("0000:02:00.0")  # a function with a group goes: read again
         source.push(host.uevent_props("remove", "0000:02:00.0"))
         with anyio.fail_after(10):
