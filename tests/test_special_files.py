@@ -17,7 +17,7 @@ import pytest
 from daemon_helpers import Daemon, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import ConfigError
-from gpuwatch.hostfs.files import read_bytes, read_text, write_atomic
+from gpuwatch.hostfs.files import present, read_bytes, read_text, write_atomic
 from gpuwatch.hostfs.scan import HostPaths, scan
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.settings import CONFIG_MAX_BYTES, load_settings, load_tables, read_config_file
@@ -241,3 +241,17 @@ def test_the_atomic_write_never_opens_what_is_planted_and_never_loses_a_writer(
     with pytest.raises(OSError):
         write_atomic(str(target_dir), b"x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-directory", "record.json"]
+
+
+def test_present_asks_without_reading(tmp_path: Path) -> None:
+    """What a scan asks before it reads what most functions lack: a link counts as itself
+    only when not followed, and a path no file can have is simply absent."""
+    (tmp_path / "sriov_totalvfs").write_text("8\n")
+    (tmp_path / "physfn").symlink_to("../nowhere")
+    plant(tmp_path / "fifo", "fifo")
+    assert present(str(tmp_path / "sriov_totalvfs"))
+    assert present(str(tmp_path / "fifo"))  # there; what it is, the read decides
+    assert not present(str(tmp_path / "physfn"))  # dangling, followed
+    assert present(str(tmp_path / "physfn"), follow_symlinks=False)
+    assert not present(str(tmp_path / "vfio-dev"))
+    assert not present(str(tmp_path) + "/vendor\0")

@@ -49,6 +49,7 @@ from gpuwatch.hostfs.files import (
     in_tree,
     link_name,
     list_dir,
+    present,
     read_attr,
     read_bytes,
     read_text,
@@ -299,10 +300,7 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
                     run.append((known.seen.addr, driver))
                     continue
                 # A driver that may bring a VFIO device or a vGPU: look for them.
-                vfio_dev, vfio_cdev = (
-                    read_vfio_dev(directory) if access(directory + "/vfio-dev", F_OK)
-                    else _NO_VFIO_DEV
-                )
+                vfio_dev, vfio_cdev = read_vfio_dev(directory)
                 vgpu = read_vgpu(directory) if driver == "nvidia" else None
                 if not vfio_dev and vgpu is None:
                     run.append((known.seen.addr, driver))  # it brought none (yet)
@@ -361,12 +359,7 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
                 may_go = seen_group >= 0 and vfio
                 group = seen_group
                 paths.links[candidate] = (group, may_go)
-            vfio_dev, vfio_cdev = (
-                read_vfio_dev(candidate)
-                # Asked first: a missing directory costs a listdir an exception, not so here.
-                if vfio and os.access(candidate + "/vfio-dev", os.F_OK)
-                else _NO_VFIO_DEV
-            )
+            vfio_dev, vfio_cdev = read_vfio_dev(candidate) if vfio else _NO_VFIO_DEV
             # PciSeen(...) without the NamedTuple's Python-level __new__ (all 13 fields given).
             seen: PciSeen = _tuple_new(PciSeen, (
                 addr,
@@ -434,6 +427,8 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
 def link_addr(path: str) -> str:
     """The PCI address a link such as ``physfn`` or ``virtfn0`` names (a directory copied in
     its place too, see `link_name`); ``""`` when absent or not an address."""
+    if not present(path, follow_symlinks=False):
+        return ""
     name = link_name(path)
     return name if is_pci_addr(name) else ""
 
@@ -441,6 +436,8 @@ def link_addr(path: str) -> str:
 def read_vfio_dev(directory: str) -> tuple[str, str]:
     """``(vfio_dev, cdev path)``: ``vfio-dev/vfioN`` and, when that entry has a ``dev`` file
     (a kernel built with the VFIO device cdev), ``/dev/vfio/devices/vfioN``."""
+    if not present(directory + "/vfio-dev"):
+        return _NO_VFIO_DEV
     names = sorted(n for n in list_dir(directory + "/vfio-dev") if _VFIO_DEV_RE.match(n))
     if not names:
         return "", ""
@@ -457,7 +454,8 @@ def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
     (a scan of any tree): with no ``virtfnN`` link, the VFs a capture kept without their
     links are found beside the PF (`vfs_beside`).
     """
-    total = read_text(directory + "/sriov_totalvfs")
+    path = directory + "/sriov_totalvfs"
+    total = read_text(path) if present(path) else None
     if total is None:
         return None
     vfs: list[tuple[int, str]] = []
