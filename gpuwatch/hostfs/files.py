@@ -167,9 +167,24 @@ def in_root(root: str, path: str) -> str:
         target = os.readlink(path)
     except (OSError, ValueError):
         return path
+    return rooted_target(root, path, target)
+
+
+def rooted_target(root: str, path: str, target: str) -> str:
+    """`in_root` of the link ``path`` whose target, already read, is ``target``."""
     if not target.startswith("/"):
         return path
     return os.path.join(root, os.path.normpath(target).lstrip("/"))
+
+
+def link_in_root(root: str, path: str) -> tuple[str, str]:
+    """(`link_name`, `in_root`) of ``path`` from one ``readlink``: the name a link stands
+    for and where its files are read, as a DRM node's ``device`` link is used."""
+    try:
+        target = os.readlink(path)
+    except (OSError, ValueError):
+        return link_name(path), path  # a folder copied in its place, or nothing there
+    return name_text(target.rstrip("/").rpartition("/")[2]), rooted_target(root, path, target)
 
 
 def resolve_in_root(root: str, path: str, *, max_links: int = 40,

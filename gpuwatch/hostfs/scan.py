@@ -47,12 +47,14 @@ from gpuwatch.hostfs.files import (
     group_name,
     in_root,
     in_tree,
+    link_in_root,
     link_name,
     list_dir,
     present,
     read_attr,
     read_bytes,
     read_text,
+    rooted_target,
     small_count,
 )
 
@@ -797,17 +799,16 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
         directory = paths.sys + devpath
     else:
         entry = os.path.join(paths.class_drm, name)
-        rooted = in_root(paths.root, entry)
+        rooted, class_devpath = _class_entry(paths, entry)
         if os.path.isdir(rooted):
             directory = rooted
-            devpath = _class_devpath(paths, entry)
+            devpath = class_devpath
         else:
-            devpath = devpath or _class_devpath(paths, entry)
+            devpath = devpath or class_devpath
             directory = _drm_on_bus(paths, devpath) if devpath else ""
     if not directory:
         return DrmGone(name)
-    device_name = link_name(directory + "/device")
-    device = in_root(paths.root, directory + "/device")
+    device_name, device = link_in_root(paths.root, directory + "/device")
     if not device_name and not os.path.lexists(directory + "/device"):
         device_name, device = _drm_parent(paths, name, devpath or "")
     vendor = pci_id(read_attr(device + "/vendor")) if device_name else ""
@@ -860,14 +861,17 @@ def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
     return "", ""
 
 
-def _class_devpath(paths: HostPaths, entry: str) -> str:
+def _class_entry(paths: HostPaths, entry: str) -> tuple[str, str]:
+    """A ``sys/class`` entry read once: where it leads (`in_root`), and the devpath its link
+    spells (``""`` for one that is no link or leads out of ``sys``)."""
     try:
         target = os.readlink(entry)
-    except OSError:
-        return ""
+    except (OSError, ValueError):
+        return entry, ""
     resolved = os.path.normpath(os.path.join(
         os.path.dirname(entry) if target[:1] != "/" else paths.root, target.lstrip("/")))
-    return resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
+    devpath = resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
+    return rooted_target(paths.root, entry, target), devpath
 
 
 def scan_drm(paths: HostPaths) -> list[DrmSeen]:
