@@ -17,6 +17,7 @@ import pytest
 
 import gpuwatch
 from gpuwatch.cli.direct import run_direct
+from gpuwatch.core.observations import PciGone
 from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.model import WATCHED_PROBES, HostModel
 from gpuwatch.sources.memory import MemorySource
@@ -26,7 +27,17 @@ from gpuwatch.watch.watcher import open_watcher
 pytestmark = pytest.mark.timeout(120)
 
 NV, NV_AUDIO = "0000:01:00.0", "0000:01:00.1"
-DAMAGES = ["dangling", "file", "fifo", "loop", "out-of-tree", "another-function", "empty-folder"]
+DAMAGES = ["dangling", "file", "fifo", "loop", "out-of-tree", "another-function", "empty-folder",
+           "climbs-out-to-a-function", "absolute-out-to-a-function"]
+
+
+def function_outside(host: SysRoot) -> Path:
+    """A folder of the address outside the tree, holding another function's files (the
+    HD-audio function's ids): what a link leading out of the tree would read on this host."""
+    outside = host.root.parent / "outside" / NV
+    if not outside.exists():
+        shutil.copytree(host.device_dir(NV_AUDIO), outside, symlinks=True)
+    return outside
 
 
 def damage(host: SysRoot, addr: str, how: str) -> None:
@@ -44,6 +55,10 @@ def damage(host: SysRoot, addr: str, how: str) -> None:
         os.symlink("/", entry)
     elif how == "another-function":
         os.symlink(os.path.relpath(host.device_dir(NV_AUDIO), entry.parent), entry)
+    elif how == "climbs-out-to-a-function":  # ../../../../../outside/ADDR: past the root
+        os.symlink(os.path.relpath(function_outside(host), entry.parent), entry)
+    elif how == "absolute-out-to-a-function":  # /tmp/…/outside/ADDR: the host's path
+        os.symlink(function_outside(host), entry)
     else:
         entry.mkdir()
 
@@ -88,6 +103,22 @@ def test_a_function_whose_folder_is_gone_too_is_gone(host: SysRoot) -> None:
     model = gpuwatch.scan(host.root)
     assert NV_AUDIO not in {f.addr for f in model.functions()}
     assert NV in {f.addr for f in model.functions()}
+
+
+@pytest.mark.parametrize("how", ["climbs-out-to-a-function", "absolute-out-to-a-function"])
+def test_nothing_is_read_outside_the_tree(host: SysRoot, how: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A bus entry leading out of the tree is read as in a chroot at the root: what it names
+    outside is never read, whether the function's own folder is there or gone."""
+    damage(host, NV, how)
+    shutil.rmtree(host.device_dir(NV))
+    model = gpuwatch.scan(host.root)
+    assert NV not in {f.addr for f in model.functions()}
+    assert NV_AUDIO in {f.addr for f in model.functions()}
+    assert run_direct(["probe", "detect-vfio", "--root", str(host.root), "--no-daemon"]) == 0
+    assert NV not in capsys.readouterr().out
+    paths = scan_mod.HostPaths(host.root)
+    assert isinstance(scan_mod.read_function(paths, NV), PciGone)
 
 
 def test_sys_devices_is_walked_once_and_only_for_a_listing_that_misleads(

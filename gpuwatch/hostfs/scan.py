@@ -54,6 +54,7 @@ from gpuwatch.hostfs.files import (
     read_attr,
     read_bytes,
     read_text,
+    resolve_in_root,
     rooted_target,
     small_count,
 )
@@ -194,9 +195,10 @@ def read_function(paths: HostPaths, addr: str, devpath: str | None = None) -> Pc
                 return seen
             return seen if os.path.isdir(candidate) else PciGone(addr)
     directory = function_dir(paths, addr)
-    if not os.path.isdir(directory):
-        return PciGone(addr)
-    seen = _read_function_dir(directory, addr, _devpath_of_bus_entry(paths, addr), told=False)
+    devpath = _devpath_of_bus_entry(paths, addr)
+    if not devpath or not os.path.isdir(directory):
+        return PciGone(addr)  # no folder, or its bus entry leads out of the tree
+    seen = _read_function_dir(directory, addr, devpath, told=False)
     if not (seen.vendor_id or seen.device_id or seen.klass) and not os.path.isdir(directory):
         return PciGone(addr)  # vanished while we read it
     return seen
@@ -560,7 +562,12 @@ def read_vgpus(paths: HostPaths, addrs: list[str] | tuple[str, ...]) -> VgpusSee
 
 
 def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
-    """``/devices/pci0000:00/…/<addr>`` from the bus symlink; the bus path itself when flat."""
+    """``/devices/pci0000:00/…/<addr>`` from the bus symlink; the bus path itself when flat.
+
+    ``""`` for a link that leads out of ``sys`` when read as in a chroot at the root
+    (`resolve_in_root`: ``..`` stops at the root, an absolute target starts there): only a
+    damaged tree has one, nothing of the function is there, and a read through the link
+    would read wherever it leads in the host running us."""
     entry = os.path.join(paths.bus_pci, addr)
     try:
         target = os.readlink(entry)
@@ -570,9 +577,13 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
     # An absolute spelling names a place under the root (`in_root`).
     resolved = os.path.normpath(os.path.join(paths.bus_pci if target[:1] != "/" else paths.root,
                                              target.lstrip("/")))
-    if resolved.startswith(paths.sys + "/"):
-        return resolved[len(paths.sys) :]
-    return "/bus/pci/devices/" + addr
+    if not resolved.startswith(paths.sys + "/"):
+        # Spelled to climb past the root or to a place outside sys: where it leads in the tree.
+        try:
+            resolved = resolve_in_root(paths.root, entry, follow_last=True)
+        except (OSError, ValueError):
+            return ""
+    return resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
 
 
 def scan_functions(paths: HostPaths) -> list[PciSeen]:
@@ -633,10 +644,11 @@ def function_entries(paths: HostPaths) -> list[tuple[str, str]]:
     paths.beside.clear()
     for i, (name, devpath) in enumerate(listed):
         if devpath.rpartition("/")[2] != name:
-            # A link to another address's folder, which no kernel makes: the folder of
-            # this address, where a damaged tree still holds one (`read_bus_entry`).
+            # A link to another address's folder or out of the tree, which no kernel makes:
+            # the folder of this address, where a damaged tree still holds one
+            # (`read_bus_entry`); none, and the function is not there.
             listed[i] = (name, _rewalk(paths).get(name, devpath))
-    return listed or sorted(paths.walked.items())
+    return [entry for entry in listed if entry[1]] or sorted(paths.walked.items())
 
 
 def _rewalk(paths: HostPaths) -> dict[str, str]:
