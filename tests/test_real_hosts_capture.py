@@ -242,6 +242,26 @@ def test_absolute_links_lead_inside_the_root(tmp_path: Path, kind: str,
     assert answers(copied.root, capsys) == answers(live.root, capsys)
 
 
+def test_relative_links_that_climb_past_the_root_lead_inside_it(tmp_path: Path) -> None:
+    """A relative link spelled with more ``..`` than it is deep (only a damaged or hostile
+    tree has one) is read as in a chroot too: ``..`` stops at the root. Followed by the
+    kernel, ``sys/class/drm/card1`` would lead into another tree of this host, here an
+    Instinct host's AMD card; read in the tree, it leads nowhere."""
+    host = example_gpu_host(tmp_path / "host")
+    other = MACHINES["instinct"](tmp_path / "other")
+    outside = other.root / "sys/devices/pci0000:00/0000:10:01.0/0000:11:00.0/drm/card1"
+    assert gpuwatch.scan(other.root).state.drm["card1"].device_vendor == "0x1002"
+    entry = host.root / "sys/class/drm/card1"
+    entry.unlink()
+    entry.symlink_to(os.path.relpath(outside, entry.parent))
+    assert str(entry.readlink()).startswith("../../../../other/")
+    assert (entry / "device/vendor").read_text().strip() == "0x1002"  # as the kernel follows it
+    model = gpuwatch.scan(host.root)
+    assert "card1" not in model.state.drm
+    assert all(node.device_vendor != "0x1002" for node in model.state.drm.values())
+    assert model.state.drm["card0"].device_addr == "0000:00:02.0"  # the intact links still lead
+
+
 # ------------------------------------------------------------ links a capture dropped
 
 

@@ -171,10 +171,18 @@ def in_root(root: str, path: str) -> str:
 
 
 def rooted_target(root: str, path: str, target: str) -> str:
-    """`in_root` of the link ``path`` whose target, already read, is ``target``."""
-    if not target.startswith("/"):
+    """`in_root` of the link ``path`` whose target, already read, is ``target``. A relative
+    target spelled to climb past ``root`` (only a damaged or hostile tree's) is resolved as
+    in a chroot (`resolve_in_root`): followed by the kernel it would lead into the host."""
+    if target.startswith("/"):
+        return os.path.join(root, os.path.normpath(target).lstrip("/"))
+    lexical = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    if lexical.startswith(root.rstrip("/") + "/") or lexical == root:
         return path
-    return os.path.join(root, os.path.normpath(target).lstrip("/"))
+    try:
+        return resolve_in_root(root, path, follow_last=True)
+    except (OSError, ValueError):  # a chain of links past any bound: nothing to read there
+        return os.path.join(root, ".gpuwatch-no-such-place")
 
 
 def link_in_root(root: str, path: str) -> tuple[str, str]:
