@@ -84,6 +84,25 @@ def test_the_scan_reads_the_function_in_its_own_folder(host: SysRoot, how: str) 
     assert damaged.state.devpaths[NV] == intact.state.devpaths[NV]
 
 
+@pytest.mark.parametrize("spelling",
+                         ["{}/", "{}/.", "{}/../{leaf}", "/sys/{rest}", "{dots}/{rest}"])
+def test_a_bus_link_spelled_otherwise_leads_where_the_kernels_does(host: SysRoot,
+                                                                   spelling: str) -> None:
+    """The kernel's own spelling (``../../../devices/…``) is taken as it stands; any other
+    that names the same folder (a trailing slash, ``.``, ``x/..``, absolute, a ``..`` too
+    many stopping at the root) is resolved, to the same devpath."""
+    intact = gpuwatch.scan(host.root)
+    entry = host.root / "sys/bus/pci/devices" / NV
+    kernels = os.readlink(entry)
+    assert kernels.startswith("../../../devices/")
+    rest = kernels.removeprefix("../../../")
+    entry.unlink()
+    os.symlink(spelling.format(kernels, leaf=NV, rest=rest, dots="../" * 8), entry)
+    damaged = gpuwatch.scan(host.root)
+    assert damaged.state.devpaths[NV] == intact.state.devpaths[NV] == "/" + rest
+    assert same_host(damaged, intact)
+
+
 @pytest.mark.parametrize("how", ["dangling", "fifo", "another-function"])
 def test_the_direct_probe_says_what_the_scan_says(
     host: SysRoot, how: str, capsys: pytest.CaptureFixture[str]

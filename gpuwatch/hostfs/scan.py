@@ -574,6 +574,10 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
     except OSError:
         # No link: a flat layout's folder, or a tree without the listing (`function_entries`)
         return paths.walked.get(addr) or "/bus/pci/devices/" + addr
+    devpath = target[8:]
+    if (target.startswith("../../../devices/") and "/." not in devpath and "//" not in devpath
+            and devpath[-1] != "/"):
+        return devpath  # the kernel's spelling: under sys/devices, no path arithmetic
     # An absolute spelling names a place under the root (`in_root`).
     resolved = os.path.normpath(os.path.join(paths.bus_pci if target[:1] != "/" else paths.root,
                                              target.lstrip("/")))
