@@ -14,9 +14,10 @@ at the end, and printed as one JSON object:
   notices, and any gap without a notice fails the run;
 - the daemon's RSS after warm-up (10 % of the uevents) grew by at most 5 %.
 
-``--stall K`` makes the last K subscribers read nothing for ``--stall-seconds`` (with a small
-``--max-output-bytes`` they overflow): they must come out ``lagged``, with a notice, never
-with a silent gap.
+``--stall K`` makes the last K subscribers read nothing for ``--stall-seconds``, and until
+the first subscriber has read ``--stall-bytes`` (with a small ``--max-output-bytes`` they
+overflow, once more than the kernel's socket buffer has been published to them): they must
+come out ``lagged``, with a notice, never with a silent gap.
 
 Standard library plus gpuwatch's own test tree builder; nothing here is timed against a
 baseline: the figures go to docs/performance.md.
@@ -107,12 +108,21 @@ class Subscribers(threading.Thread):
     """``count`` subscribed connections read in one thread, each with its `Tally` (events
     of every type are asked for)."""
 
-    def __init__(self, path: str, count: int, stall: int = 0, stall_s: float = 0.0) -> None:
+    def __init__(self, path: str, count: int, stall: int = 0, stall_s: float = 0.0,
+                 stall_bytes: int = 0) -> None:
         super().__init__(daemon=True)
-        #: The last ``stall`` connections read nothing for ``stall_s`` seconds (a client that
-        #: stops reading for a while: it must get a `lagged` notice, not a silent gap).
+        #: The last ``stall`` connections read nothing for ``stall_s`` seconds and until the
+        #: first has read ``stall_bytes`` (a client that stops reading for a while: it must
+        #: get a `lagged` notice, not a silent gap). Bytes as well as seconds: on a slow or
+        #: busy machine fewer events come in the seconds, and the kernel's socket buffer
+        #: (~200 KiB) may hold them all, so that no client of the daemon ever overflows.
         self.stalled = set(range(count - stall, count))
         self.resume_at = time.monotonic() + stall_s
+        self.stall_bytes = stall_bytes
+        self.resumed = threading.Event()
+        if not self.stalled:
+            self.resumed.set()
+        self.lead_bytes = 0  # what the first connection has read
         self.socks: list[socket.socket] = []
         self.tallies: dict[int, Tally] = {}
         self.closed: set[int] = set()
@@ -139,6 +149,8 @@ class Subscribers(threading.Thread):
 
     def _feed(self, i: int, data: bytes) -> None:
         self.bytes += len(data)
+        if i == 0:
+            self.lead_bytes += len(data)
         self.tallies[i].feed(data)
 
     def run(self) -> None:
@@ -151,10 +163,13 @@ class Subscribers(threading.Thread):
             wait = 0.2
             if self.stalled:
                 wait = min(wait, max(0.0, self.resume_at - time.monotonic()))
-                if wait == 0.0:
+                if wait == 0.0 and self.lead_bytes < self.stall_bytes:
+                    wait = 0.02  # the time is up, the bytes not yet
+                elif wait == 0.0:
                     for i in self.stalled:
                         sel.register(self.socks[i], selectors.EVENT_READ, i)
                     self.stalled = set()
+                    self.resumed.set()
             for key, _ in sel.select(wait):
                 i = key.data
                 try:
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall", type=int, default=0, metavar="K",
                     help="K subscribers (never the first) read nothing for --stall-seconds")
     ap.add_argument("--stall-seconds", type=float, default=2.0)
+    ap.add_argument("--stall-bytes", type=int, default=0, metavar="N",
+                    help="and until the first subscriber has read N bytes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -207,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(0.3)
     if not 0 <= args.stall < args.subscribers:
         ap.error("--stall must be less than --subscribers (the first one paces the writer)")
-    subs = Subscribers(sock, args.subscribers, args.stall, args.stall_seconds)
+    subs = Subscribers(sock, args.subscribers, args.stall, args.stall_seconds,
+                       args.stall_bytes)
     subs.start()
 
     props = host.uevent_props("change", FLIP)
@@ -236,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             rss_warm = rss_kib(daemon.pid)
         if k % 100_000 == 0 and k:
             rss_samples.append(rss_kib(daemon.pid))
+    writer.flush()
+    subs.resumed.wait(timeout=60)  # a stalled reader reads again before the daemon stops
     while args.stall and time.monotonic() < subs.resume_at + 1:
-        time.sleep(0.05)  # a stalled reader reads again before the daemon stops
+        time.sleep(0.05)
     writer.close()  # EOF: the daemon finishes the file, writes `stopped` and exits 0
     daemon_rc = daemon.wait(timeout=3600)
     elapsed = time.monotonic() - started

@@ -232,14 +232,16 @@ def test_the_soak_runs_small_and_holds_its_invariants(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_the_soak_counts_the_lagged_notices_of_stalled_subscribers(tmp_path: Path) -> None:
-    """Two of four subscribers read nothing for 3 s while a 4 KiB output limit overflows:
-    each ends `lagged`, its notice naming the next seq it was owed; nobody loses silently."""
+    """Two of four subscribers read nothing for 3 s, and until 512 KiB have gone to the
+    others (more than the kernel's socket buffer holds, however slowly the events come),
+    while a 4 KiB output limit overflows: each ends `lagged`, its notice naming the next seq
+    it was owed; nobody loses silently."""
     from benchmarks import soak
 
     out = tmp_path / "soak.json"
     code = soak.main(["--uevents", "6000", "--subscribers", "4", "--log-max-bytes", "20000",
                       "--max-output-bytes", "4096", "--stall", "2", "--stall-seconds", "3",
-                      "--out", str(out)])
+                      "--stall-bytes", str(512 << 10), "--out", str(out)])
     result = json.loads(out.read_text())
     assert code == 0 and result["log_gapless"], result
     assert result["subscribers_silent_loss"] == 0
