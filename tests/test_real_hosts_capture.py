@@ -16,6 +16,7 @@ import pytest
 from cli_helpers import run_main as cli
 
 import gpuwatch
+from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
@@ -260,6 +261,25 @@ def test_relative_links_that_climb_past_the_root_lead_inside_it(tmp_path: Path) 
     assert "card1" not in model.state.drm
     assert all(node.device_vendor != "0x1002" for node in model.state.drm.values())
     assert model.state.drm["card0"].device_addr == "0000:00:02.0"  # the intact links still lead
+
+
+@pytest.mark.parametrize("captured", [False, True])
+# The kinds with a DRM node on a PCI function (not a virtio device, nor none at all).
+@pytest.mark.parametrize("kind", ["apu", "bmc", "bochs-guest", "example", "flex", "hgx",
+                                  "instinct", "laptop", "mi300x", "noiommu", "turing"])
+def test_drm_nodes_take_their_devices_from_the_functions_just_scanned(
+        tmp_path: Path, kind: str, captured: bool) -> None:
+    """A scan gives each DRM node its device's vendor and driver from the function it has
+    just read instead of reading them again: the nodes come out as a scan without them reads
+    them, on the kernel's layout and on a copy with its links flattened."""
+    host = MACHINES[kind](tmp_path / "h")
+    if captured:
+        host.capture()
+    paths = scan_mod.HostPaths(host.root)
+    functions = {f.addr: f for f in scan_mod.scan_functions(paths)}
+    alone = scan_mod.scan_drm(paths)
+    assert scan_mod.scan_drm(paths, functions) == alone
+    assert any(node.device_addr in functions and node.device_vendor for node in alone)
 
 
 # ------------------------------------------------------------ links a capture dropped

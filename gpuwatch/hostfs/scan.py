@@ -805,9 +805,12 @@ def read_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str]:
 # --------------------------------------------------------------------------- DRM
 
 
-def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen | DrmGone:
+def read_drm(paths: HostPaths, name: str, devpath: str | None = None,
+             functions: Mapping[str, PciSeen] | None = None) -> DrmSeen | DrmGone:
     """One DRM minor: at the uevent's DEVPATH (when spelled as the kernel's,
-    `kernel_devpath`), else through its ``sys/class/drm`` entry."""
+    `kernel_devpath`), else through its ``sys/class/drm`` entry. ``functions``: the PCI
+    functions a scan has just read, whose vendor and driver its nodes' devices are (a card
+    and its render node name one function: its files are not read again for each)."""
     directory = ""
     if devpath and not kernel_devpath(devpath):
         devpath = None
@@ -827,8 +830,12 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None) -> DrmSeen
     device_name, device = link_in_root(paths.root, directory + "/device")
     if not device_name and not os.path.lexists(directory + "/device"):
         device_name, device = _drm_parent(paths, name, devpath or "")
-    vendor = pci_id(read_attr(device + "/vendor")) if device_name else ""
-    driver = driver_name(device) if device_name else ""
+    function = functions.get(device_name) if functions is not None else None
+    if function is not None:
+        vendor, driver = function.vendor_id, function.driver
+    else:
+        vendor = pci_id(read_attr(device + "/vendor")) if device_name else ""
+        driver = driver_name(device) if device_name else ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
@@ -890,14 +897,15 @@ def _class_entry(paths: HostPaths, entry: str) -> tuple[str, str]:
     return rooted_target(paths.root, entry, target), devpath
 
 
-def scan_drm(paths: HostPaths) -> list[DrmSeen]:
+def scan_drm(paths: HostPaths, functions: Mapping[str, PciSeen] | None = None
+             ) -> list[DrmSeen]:
     """Every node ``sys/class/drm`` lists; in a tree that had no bus listing either (a
     capture that left out every link, `function_entries`), every node folder in the
-    ``drm/`` folder of a function the walk found."""
+    ``drm/`` folder of a function the walk found. ``functions``: as for `read_drm`."""
     found: list[DrmSeen] = []
     for name in sorted(list_dir(paths.class_drm)):
         if _DRM_NODE_RE.match(name):
-            seen = read_drm(paths, name)
+            seen = read_drm(paths, name, functions=functions)
             if isinstance(seen, DrmSeen):
                 found.append(seen)
     if found or not paths.walked:
@@ -908,7 +916,7 @@ def scan_drm(paths: HostPaths) -> list[DrmSeen]:
             if _DRM_NODE_RE.match(name):
                 nodes.setdefault(name, f"{devpath}/drm/{name}")
     for name, devpath in sorted(nodes.items()):
-        seen = read_drm(paths, name, devpath)
+        seen = read_drm(paths, name, devpath, functions)
         if isinstance(seen, DrmSeen):
             found.append(seen)
     return found
@@ -1040,7 +1048,7 @@ def scan_host(paths: HostPaths, tables: TablesView, functions: tuple[PciSeen, ..
     """The whole host read now but for the PCI functions, which are ``functions``."""
     return Snapshot(
         functions=functions,
-        drm=tuple(scan_drm(paths)),
+        drm=tuple(scan_drm(paths, {f.addr: f for f in functions})),
         modules=read_modules(paths),
         kfd=read_kfd(paths),
         nodes=scan_nodes(paths, tables),
