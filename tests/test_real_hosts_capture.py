@@ -17,6 +17,8 @@ from cli_helpers import run_main as cli
 
 import gpuwatch
 from gpuwatch.hostfs import scan as scan_mod
+from gpuwatch.hostfs.bootvga import listed_boot_vga
+from gpuwatch.hostfs.noiommu import read_iommu_groups
 from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
@@ -261,6 +263,27 @@ def test_relative_links_that_climb_past_the_root_lead_inside_it(tmp_path: Path) 
     assert "card1" not in model.state.drm
     assert all(node.device_vendor != "0x1002" for node in model.state.drm.values())
     assert model.state.drm["card0"].device_addr == "0000:00:02.0"  # the intact links still lead
+
+
+@pytest.mark.parametrize("spelling", ["./host", "host", "../{cwd}/host", "host/../host"])
+@pytest.mark.parametrize("kind", ["example", "laptop", "noiommu"])
+def test_a_root_given_relative_reads_as_given_absolute(
+        tmp_path: Path, kind: str, spelling: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--root ./host`` is the tree at ``$PWD/host``: every link is read in it as when the
+    root is spelled absolute, in the scan and in what the reports read with the root as
+    given (a daemon's answers carry no ``boot_vga``; the no-IOMMU groups). A relative root
+    once made `in_root` take every link for one that leads out of the tree."""
+    MACHINES[kind](tmp_path / "host")
+    whole = str(tmp_path / "host")
+    gpus = [g.addr for g in gpuwatch.scan(whole).probe("detect-vfio").gpus]
+    absolute = (answers(Path(whole), capsys), listed_boot_vga(whole, gpus),
+                read_iommu_groups(whole))
+    assert absolute[1]  # the boot GPU's boot_vga, read through its bus entry
+    monkeypatch.chdir(tmp_path)
+    root = spelling.format(cwd=tmp_path.name)
+    assert (answers(Path(root), capsys), listed_boot_vga(root, gpus),
+            read_iommu_groups(root)) == absolute
 
 
 @pytest.mark.parametrize("captured", [False, True])

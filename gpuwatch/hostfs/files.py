@@ -176,13 +176,16 @@ def rooted_target(root: str, path: str, target: str) -> str:
     in a chroot (`resolve_in_root`): followed by the kernel it would lead into the host."""
     if target.startswith("/"):
         return os.path.join(root, os.path.normpath(target).lstrip("/"))
-    lexical = os.path.normpath(os.path.join(os.path.dirname(path), target))
-    if lexical.startswith(root.rstrip("/") + "/") or lexical == root:
+    # Compared absolute (`abspath` only normalises an absolute path; a root given relative,
+    # ``./host`` or ``../x/host``, asks for the working directory once).
+    top = os.path.abspath(root)
+    lexical = os.path.abspath(os.path.join(os.path.dirname(path), target))
+    if lexical.startswith(top.rstrip("/") + "/") or lexical == top:
         return path
     try:
-        return resolve_in_root(root, path, follow_last=True)
+        return resolve_in_root(top, os.path.abspath(path), follow_last=True)
     except (OSError, ValueError):  # a chain of links past any bound: nothing to read there
-        return os.path.join(root, ".gpuwatch-no-such-place")
+        return os.path.join(top, ".gpuwatch-no-such-place")
 
 
 def link_in_root(root: str, path: str) -> tuple[str, str]:
