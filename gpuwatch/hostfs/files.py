@@ -362,8 +362,8 @@ def _group_listing(device_dir: str) -> str:
 def present(path: str, *, follow_symlinks: bool = True) -> bool:
     """Whether anything is at ``path`` (with ``follow_symlinks`` False, a link itself, dangling
     or not). Asked before reading what most functions lack (``physfn``, ``sriov_totalvfs``,
-    ``vfio-dev``): a failed read costs an exception, about twice the cost of asking, and an
-    initial scan made three of them per function."""
+    ``vfio-dev``): a failed read costs its syscall and an exception, about twice the cost of
+    asking, and an initial scan made three of them per function."""
     try:
         return os.access(path, os.F_OK, follow_symlinks=follow_symlinks)
     except ValueError:  # a NUL in the path: nothing can be there
