@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -18,7 +19,7 @@ from daemon_helpers import Daemon, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import ConfigError
 from gpuwatch.hostfs.files import present, read_bytes, read_text, write_atomic
-from gpuwatch.hostfs.scan import HostPaths, scan
+from gpuwatch.hostfs.scan import HostPaths, on_path, scan
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.settings import CONFIG_MAX_BYTES, load_settings, load_tables, read_config_file
 from gpuwatch.testing import SysRoot
@@ -255,3 +256,35 @@ def test_present_asks_without_reading(tmp_path: Path) -> None:
     assert present(str(tmp_path / "physfn"), follow_symlinks=False)
     assert not present(str(tmp_path / "vfio-dev"))
     assert not present(str(tmp_path) + "/vendor\0")
+
+
+def _executable(path: Path) -> None:
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("search", [None, "", "{a}", "{b}:{a}", "{b}::{a}", "{a}:{a}", "{c}",
+                                    "{d}:{b}", "{e}", "{f}", "relative", ":", "{b}:{c}:{d}"])
+def test_on_path_is_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          search: str | None) -> None:
+    """What the CDI probe asks of ``$PATH`` answers as ``shutil.which`` does: an executable
+    file (a link to one too), never a folder, a plain file or a dangling link; an empty entry
+    is the working directory; an unset ``PATH`` is the system's default path."""
+    name = "nvidia-ctk"
+    folders = {k: tmp_path / k for k in "abcdef"}
+    for folder in folders.values():
+        folder.mkdir()
+    _executable(folders["a"] / name)  # found
+    (folders["b"] / name).write_text("not executable\n")
+    (folders["c"] / name).mkdir()  # a folder of that name
+    (folders["d"] / name).symlink_to(folders["a"] / name)  # a link to an executable
+    (folders["e"] / name).symlink_to(tmp_path / "nowhere")  # dangling
+    (folders["f"] / name).mkdir(mode=0o755)
+    (tmp_path / "relative").mkdir()
+    _executable(tmp_path / name)  # in the working directory: what an empty entry finds
+    monkeypatch.chdir(tmp_path)
+    if search is None:
+        monkeypatch.delenv("PATH", raising=False)
+    else:
+        monkeypatch.setenv("PATH", search.format(**{k: str(v) for k, v in folders.items()}))
+    assert on_path(name) == (shutil.which(name) is not None)
