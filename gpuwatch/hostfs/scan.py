@@ -577,13 +577,19 @@ def _devpath_of_bus_entry(paths: HostPaths, addr: str) -> str:
     if (target.startswith("../../../devices/") and "/." not in devpath and "//" not in devpath
             and devpath[-1] != "/"):
         return devpath  # the kernel's spelling: under sys/devices, no path arithmetic
-    # An absolute spelling names a place under the root (`in_root`).
-    resolved = os.path.normpath(os.path.join(paths.bus_pci if target[:1] != "/" else paths.root,
-                                             target.lstrip("/")))
+    return _devpath_of_link(paths, entry, target)
+
+
+def _devpath_of_link(paths: HostPaths, link: str, target: str) -> str:
+    """The devpath (the path under ``sys``) that ``link``, whose target is ``target``, names
+    when read as in a chroot at the root: an absolute spelling names a place under the root
+    (`in_root`), one that climbs past the root is followed there (`resolve_in_root`). ``""``
+    when it leads out of ``sys``."""
+    resolved = os.path.normpath(os.path.join(
+        os.path.dirname(link) if target[:1] != "/" else paths.root, target.lstrip("/")))
     if not resolved.startswith(paths.sys + "/"):
-        # Spelled to climb past the root or to a place outside sys: where it leads in the tree.
         try:
-            resolved = resolve_in_root(paths.root, entry, follow_last=True)
+            resolved = resolve_in_root(paths.root, link, follow_last=True)
         except (OSError, ValueError):
             return ""
     return resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
@@ -890,10 +896,7 @@ def _class_entry(paths: HostPaths, entry: str) -> tuple[str, str]:
         target = os.readlink(entry)
     except (OSError, ValueError):
         return entry, ""
-    resolved = os.path.normpath(os.path.join(
-        os.path.dirname(entry) if target[:1] != "/" else paths.root, target.lstrip("/")))
-    devpath = resolved[len(paths.sys) :] if resolved.startswith(paths.sys + "/") else ""
-    return rooted_target(paths.root, entry, target), devpath
+    return rooted_target(paths.root, entry, target), _devpath_of_link(paths, entry, target)
 
 
 def scan_drm(paths: HostPaths, functions: Mapping[str, PciSeen] | None = None
