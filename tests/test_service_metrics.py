@@ -76,6 +76,7 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             assert value(s, "gpuwatch_nvidia_gpu_usable") == 1
             assert value(s, "gpuwatch_events_total", type="ready") == 1
             assert value(s, "gpuwatch_last_event_seq") == 1
+            assert value(s, "gpuwatch_uevent_losses_total") == 0
 
             # The NVIDIA card's group goes to vfio-pci: the gauge moves from nvidia to vfio.
             await rebind(source, host, NV_AUDIO, "vfio-pci", w)
@@ -135,6 +136,23 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             # speed: no event came after the switch events published above.
             assert age is not None and 0 <= age <= time.time() - published
             assert value(s, "gpuwatch_socket_clients") == 0
+
+            # Two losses: the first rescanned at once, the second held for a rescan a gap
+            # later. Both count as losses from the start; the rescans as they come.
+            source.overflow()
+            source.overflow()
+            with anyio.fail_after(5):
+                while w.uevent_losses < 2 or w.resyncs < 2:
+                    await anyio.sleep(0.005)
+            s = await scrape(*bound)
+            assert value(s, "gpuwatch_uevent_losses_total") == 2
+            assert value(s, "gpuwatch_resyncs_total", reason="overflow") in (1, 2)
+            with anyio.fail_after(5):
+                while w.resyncs < 3:
+                    await anyio.sleep(0.01)
+            s = await scrape(*bound)
+            assert value(s, "gpuwatch_uevent_losses_total") == 2
+            assert value(s, "gpuwatch_resyncs_total", reason="overflow") == 2
         finally:
             metrics.close()
 

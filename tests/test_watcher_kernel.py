@@ -246,3 +246,45 @@ def test_five_overflows_in_a_row_never_deafen_a_real_daemon(tmp_path: Path) -> N
             driver = after
         resyncs = [e for e in d.events() if e["type"] == "resync"]
         assert len(resyncs) >= 5
+
+
+def test_a_sustained_real_storm_shares_its_rescans(tmp_path: Path) -> None:
+    """Two seconds of real uevents into a tiny receive buffer, which overflows again as soon
+    as it is drained: a rescan a gap (at most one a second), not one a loss, and one journal
+    line each; the change made in the storm is found, and the daemon hears on after it."""
+    from daemon_helpers import Daemon
+
+    from gpuwatch.service.testing import short_socket_dir
+
+    addr, devpath = real_device()
+    root = tmp_path / "root"
+    mirror(root, addr, devpath, "virtio-pci")
+    with short_socket_dir() as sockdir:
+        d = Daemon(root, tmp_path, f"{sockdir}/gw.sock", "--receive-buffer", "4096",
+                   source="auto").start()
+        try:
+            set_driver(root, devpath, "vfio-pci")
+            kicks, began = 0, time.monotonic()
+            while time.monotonic() - began < 2.0:
+                kick(addr)
+                kicks += 1
+            deadline = time.monotonic() + 20
+            while not any(e["type"] == "driver-changed" and e.get("new") == "vfio-pci"
+                          for e in d.events()):
+                assert time.monotonic() < deadline, "the storm's change was never found"
+                time.sleep(0.05)
+            time.sleep(2.5)  # a rescan held for the storm's last losses comes in this time
+            set_driver(root, devpath, "")
+            kick(addr, "change")
+            while not any(e["type"] == "driver-changed" and e.get("new") == "" for e in d.events()):
+                assert time.monotonic() < deadline, "deaf after the storm"
+                time.sleep(0.05)
+        finally:
+            d.stop()
+    resyncs = [e for e in d.events() if e["type"] == "resync"]
+    assert resyncs, "the buffer never overflowed"
+    assert all(e["reason"] == "overflow" for e in resyncs)
+    assert len(resyncs) <= 6, (len(resyncs), kicks)  # 2 s of storm, a rescan a second
+    lost = [line for line in d.stderr.splitlines() if "events lost" in line]
+    assert len(lost) == len(resyncs), d.stderr[-2000:]
+    assert any("more time(s) since the last rescan" in line for line in lost), lost

@@ -247,6 +247,10 @@ class Metrics:
         r.register(_ReadCounter(
             "gpuwatch_log_write_failures", "Event log writes that failed (each retry counts)",
             lambda: self._watcher.log_write_failures if self._watcher is not None else 0))
+        r.register(_ReadCounter(
+            "gpuwatch_uevent_losses", "Times the uevent source lost events (receive buffer "
+            "overflow); losses close together share one rescan",
+            lambda: self._watcher.uevent_losses if self._watcher is not None else 0))
         ProcessCollector(registry=r)
         self._server: _Server | None = None
 

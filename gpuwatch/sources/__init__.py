@@ -51,9 +51,14 @@ class InvalidSourceSpec(CallerError, SourceUnavailable, ValueError):
 
 @dataclass(frozen=True)
 class SourceOverflow:
-    """Events were lost (the socket buffer overflowed): the model is stale, rescan."""
+    """Events were lost (the socket buffer overflowed): the model is stale, rescan.
+
+    ``dropped``: the queued messages the source discarded after the loss (the rescan covers
+    them). The watcher says it in the journal, at most so often (`OverflowGate`), so a
+    source does not: in a storm each loss would be a line."""
 
     error: str
+    dropped: int = 0
 
 
 #: After an overflow, at most this many queued messages are dropped before giving up (a

@@ -244,20 +244,15 @@ class KernelSource:
         return batch, None, True
 
     def _lost(self, exc: OSError) -> SourceOverflow:
-        """Events were lost: drain what is queued (the rescan covers it) and say so once."""
+        """Events were lost: drain what is queued (the rescan covers it) and say how many."""
         code = exc.errno or 0
         dropped = 0
         sock = self._sock
         if code == errno.ENOBUFS and sock is not None:
             dropped = drain_to_eagain(sock, _MAX_MESSAGE)
         text = describe_errno(code) if code else f"receive failed: {exc}"
-        log.warning(
-            "kernel uevent source lost events (%s; %d queued dropped); the model must be "
-            "rescanned",
-            text,
-            dropped,
-        )
-        return SourceOverflow(error=text)
+        log.debug("kernel uevent source lost events (%s; %d queued dropped)", text, dropped)
+        return SourceOverflow(error=text, dropped=dropped)
 
     def close(self) -> None:
         """Close the socket; a ``batches`` waiting on it ends (idempotent)."""

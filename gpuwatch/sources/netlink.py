@@ -232,11 +232,9 @@ class NetlinkSource:
         if code == errno.ENOBUFS and self._sock is not None:
             dropped = drain_to_eagain(self._sock)  # the rescan covers what was queued
         text = describe_errno(code) if code else f"receive failed: {exc}"
-        log.warning(
-            "%s uevent source lost events (%s; %d queued dropped); the model must be "
-            "rescanned", self.name, text, dropped,
-        )
-        return SourceOverflow(error=text), explained
+        log.debug("%s uevent source lost events (%s; %d queued dropped)", self.name, text,
+                  dropped)
+        return SourceOverflow(error=text, dropped=dropped), explained
 
     def close(self) -> None:
         """Close the socket; a ``batches`` waiting on it ends (idempotent)."""

@@ -57,6 +57,7 @@ from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
 from gpuwatch.watch.handover import first_is_next
+from gpuwatch.watch.overflow import OverflowGate
 from gpuwatch.watch.subscription import Subscription
 
 _log = logging.getLogger("gpuwatch.watch")
@@ -185,6 +186,11 @@ class Watcher:
         self.stop_waits_for: Callable[[], bool] | None = None
         self.source_ended = anyio.Event()
         self.resyncs = 0
+        #: Times the source lost uevents (each one a rescan, or a share of one: see
+        #: `OverflowGate`).
+        self.uevent_losses = 0
+        self._overflows = OverflowGate()
+        self._overflow_held = anyio.Event()
         #: Observers called with every stamped event (metrics, NFD).
         self.listeners: list[Callable[[BaseModel], None]] = []
         #: Observers called once per published batch with the stamped events and their JSON
@@ -475,8 +481,13 @@ class Watcher:
                 if isinstance(batch, SourceOverflow):
                     if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
                         return
-                    _log.warning("events lost (%s): rescanning", batch.error)
-                    await self.resync("overflow")
+                    self.uevent_losses += 1
+                    if self._overflows.admit(anyio.current_time(), batch.error, batch.dropped):
+                        _log.warning("events lost (%s; %d queued dropped): rescanning",
+                                     batch.error, batch.dropped)
+                        await self._resync_overflow()
+                    else:  # one rescan covers every loss until it starts
+                        self._overflow_held.set()
                     continue
                 # A source may hand over a whole backlog at once: read each device it names once,
                 # then apply in slices, letting socket requests and subscribers run between
@@ -495,6 +506,32 @@ class Watcher:
                         self.apply(observations)
         finally:
             self.source_ended.set()
+
+    async def _resync_overflow(self) -> None:
+        """The rescan after lost uevents, timed for `OverflowGate`'s schedule."""
+        gate = self._overflows
+        gate.started()
+        began = anyio.current_time()
+        try:
+            await self.resync("overflow")
+        finally:
+            gate.finished(began, anyio.current_time())
+
+    async def _resync_held_overflows(self) -> None:
+        """One rescan, once the gap after the last is over, for every loss held meanwhile:
+        a storm that overflows the buffer as fast as it is drained costs a rescan a gap."""
+        gate = self._overflows
+        while True:
+            await self._overflow_held.wait()
+            self._overflow_held = anyio.Event()
+            while gate.held:
+                await anyio.sleep_until(gate.due)
+                if self._closed:
+                    return
+                losses, dropped, error = gate.take_held()
+                _log.warning("events lost %d more time(s) since the last rescan (last: %s; %d "
+                             "queued dropped): rescanning", losses, error, dropped)
+                await self._resync_overflow()
 
     @staticmethod
     def _collapse(batch: Sequence[UEvent]) -> list[UEvent]:
@@ -563,6 +600,7 @@ class Watcher:
 
     def _start_tasks(self, tg: TaskGroup) -> None:
         tg.start_soon(self._pump, name="gpuwatch-pump")
+        tg.start_soon(self._resync_held_overflows, name="gpuwatch-overflow")
         if self._cdi_poll_interval > 0:
             tg.start_soon(self._poll_cdi, name="gpuwatch-cdi")
         if self._reconcile_interval > 0:
