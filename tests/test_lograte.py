@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from gpuwatch.service.lograte import RateLimitedLog
+from gpuwatch.lograte import RateLimitedLog
 
 
 class Clock:

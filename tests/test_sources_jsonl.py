@@ -167,6 +167,32 @@ async def test_malformed_lines_are_skipped_and_the_rest_delivered(
     assert any(f"{path}:13:" in m for m in skipped)
 
 
+async def test_a_file_of_garbage_is_a_bounded_number_of_warnings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Twenty thousand malformed lines around two good ones: the first ten are named, the
+    rest held back (a line per line would flood the journal, and block a daemon whose
+    stderr is a full pipe), the total comes at the end, and the good lines still count."""
+    good = [props(0), props(1)]
+    garbage = [f"not json {i}" for i in range(20_000)]
+    path = tmp_path / "garbage.jsonl"
+    path.write_text("\n".join([*garbage[:10_000], json.dumps(good[0]), *garbage[10_000:],
+                               json.dumps(good[1])]) + "\n")
+    src = JsonlFileSource(path)
+    caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
+    try:
+        got = flat(await collect(src))
+    finally:
+        src.close()
+    assert got == good
+    messages = [r.getMessage() for r in caplog.records]
+    named = [m for m in messages if "malformed uevent line skipped" in m]
+    assert named[:10] == [f"{path}:{n}: malformed uevent line skipped: not JSON: Expecting "
+                          "value: line 1 column 1 (char 0)" for n in range(1, 11)]
+    assert len(messages) <= 20  # a burst of ten, then one a second of a run this short
+    assert messages[-1] == f"{path}: 20000 malformed line(s) skipped"
+
+
 async def test_over_long_line_is_skipped_without_holding_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

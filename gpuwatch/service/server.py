@@ -42,10 +42,10 @@ from pydantic import BaseModel
 
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.errors import SERVICE, HostError, UsageError
+from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.model import check_params, may_read_write
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
-from gpuwatch.service.lograte import RateLimitedLog
 from gpuwatch.service.ops import OpHandler, default_ops
 from gpuwatch.service.peers import (
     AccessPolicy,

@@ -2,7 +2,8 @@
 
 This is what ``gpuwatch record`` writes, so a recording replays through the same model
 as live events. It reads big chunks and yields each chunk's complete lines as one batch,
-which keeps replay fast (well above 50k events/s). A bad line is skipped and logged:
+which keeps replay fast (well above 50k events/s). A bad line is skipped and logged (the
+first ten one by one, then at most one a second, and the total at the end):
 one corrupt record must not throw away the rest of a recording.
 """
 
@@ -22,6 +23,7 @@ import anyio
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import CallerError
+from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.sources import SourceOverflow, SourceUnavailable
 from gpuwatch.sources.turns import end_turn
 
@@ -32,6 +34,8 @@ log = logging.getLogger("gpuwatch.sources")
 CHUNK_SIZE = 1 << 20
 #: A "line" longer than this is garbage (a binary file, a missing newline): drop it.
 MAX_LINE = 16 << 20
+#: Malformed lines named one by one before the rest are held back to one a second.
+SKIPS_SHOWN = 10
 
 
 def uevent_to_json(ev: UEvent) -> str:
@@ -88,6 +92,9 @@ class _LineSplitter:
         self._framer = LineFramer(MAX_LINE)
         self.lineno = 0
         self.skipped = 0
+        #: A file of garbage is a line per line: bounded, and the total comes at the end.
+        self._warnings = RateLimitedLog(log, burst=SKIPS_SHOWN, per_second=1.0,
+                                        subject="about malformed uevent lines")
 
     def feed(self, chunk: bytes) -> list[UEvent]:
         return self._parse(self._framer.feed(chunk))
@@ -131,7 +138,8 @@ class _LineSplitter:
 
     def _skip(self, lineno: int, why: str) -> None:
         self.skipped += 1
-        log.warning("%s:%d: malformed uevent line skipped: %s", self._origin, lineno, why)
+        self._warnings.warning("%s:%d: malformed uevent line skipped: %s", self._origin,
+                               lineno, why)
 
 
 class JsonlFileSource:

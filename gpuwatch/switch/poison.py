@@ -20,13 +20,11 @@ from typing import Any
 
 from gpuwatch.core.pci import PCI_ADDR_RE
 from gpuwatch.core.plan import PoisonKey
-from gpuwatch.hostfs.bootstate import BOOT_ID_FILE, RECORD_MAX_BYTES, read_record, write_record
+from gpuwatch.hostfs.bootstate import BOOT_ID_FILE, read_record, write_record
 from gpuwatch.hostfs.bootstate import boot_id as read_boot_id
 
 #: Default location, under the host root (tests keep it inside their tmp root).
 DEFAULT_POISON_FILE = "var/lib/gpuwatch/poison.json"
-#: The file holds a few entries; one longer than this is not ours.
-POISON_MAX_BYTES = RECORD_MAX_BYTES
 #: A group number as `_store` writes it (anything else in the file is ignored).
 _GROUP_KEY_RE = re.compile(r"-?[0-9]{1,9}", re.ASCII)
 

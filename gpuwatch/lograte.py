@@ -1,8 +1,9 @@
-"""Warnings a client can cause, bounded like everything else a client can cause.
+"""Warnings the outside world can cause, bounded like everything else it can cause.
 
-Every refused connection, every client closed for a bad line or for not reading, is worth a
-line in the journal, until a hostile peer opens connections by the thousand: then the lines
-would flood the journal, and a daemon whose stderr is a full pipe would block writing them.
+Every refused connection, every client closed for a bad line or for not reading, every
+malformed line of a uevent file, is worth a line in the journal, until a hostile peer opens
+connections by the thousand or the file is garbage from end to end: then the lines would
+flood the journal, and a daemon whose stderr is a full pipe would block writing them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Callable
 
 class RateLimitedLog:
     """At most ``burst`` warnings at once and ``per_second`` after that (a token bucket);
-    what is held back is counted, and the next warning let through says how many."""
+    what is held back is counted, and the next warning let through says how many of what
+    (``subject``: "about clients")."""
 
     def __init__(self, log: logging.Logger, *, burst: int = 20, per_second: float = 1.0,
+                 subject: str = "about clients",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._log = log
+        self._subject = subject
         self._burst = float(burst)
         self._rate = per_second
         self._clock = clock
@@ -39,8 +43,8 @@ class RateLimitedLog:
             return
         self._tokens -= 1.0
         if self.held_back:
-            self._log.warning("%d more warning(s) about clients held back (at most %g a "
-                              "second after a burst of %d)", self.held_back, self._rate,
+            self._log.warning("%d more warning(s) %s held back (at most %g a second after a "
+                              "burst of %d)", self.held_back, self._subject, self._rate,
                               int(self._burst))
             self.held_back = 0
         self._log.warning(msg, *args)
