@@ -57,6 +57,15 @@ def flat(batches: list[list[UEvent]]) -> list[dict[str, str]]:
     return [dict(ev.properties) for batch in batches for ev in batch]
 
 
+async def read_all(path: Path) -> list[dict[str, str]]:
+    """Every event of the file at ``path``, through a source of its own."""
+    src = JsonlFileSource(path)
+    try:
+        return flat(await collect(src))
+    finally:
+        src.close()
+
+
 # --- regular files -------------------------------------------------------------------------
 
 
@@ -147,12 +156,8 @@ async def test_malformed_lines_are_skipped_and_the_rest_delivered(
     path = tmp_path / "ev.jsonl"
     data = "\n".join(lines).encode() + b"\n" + b'{"ACTION": "\xff\xfe"}\n'  # bad UTF-8
     path.write_bytes(data)
-    src = JsonlFileSource(path)
     caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
-    try:
-        got = flat(await collect(src))
-    finally:
-        src.close()
+    got = await read_all(path)
     numbers = {
         "ACTION": "add",
         "DEVPATH": "/devices/x",
@@ -178,12 +183,8 @@ async def test_a_file_of_garbage_is_a_bounded_number_of_warnings(
     path = tmp_path / "garbage.jsonl"
     path.write_text("\n".join([*garbage[:10_000], json.dumps(good[0]), *garbage[10_000:],
                                json.dumps(good[1])]) + "\n")
-    src = JsonlFileSource(path)
     caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
-    try:
-        got = flat(await collect(src))
-    finally:
-        src.close()
+    got = await read_all(path)
     assert got == good
     messages = [r.getMessage() for r in caplog.records]
     named = [m for m in messages if "malformed uevent line skipped" in m]
