@@ -34,17 +34,27 @@ class RateLimitedLog:
         self.held_back_total = 0
 
     def warning(self, msg: str, *args: object) -> None:
+        if self._admit():
+            self._log.warning(msg, *args)
+
+    def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        """An error (with its traceback, ``exc_info``) from the same budget: a request that
+        hits a bug of ours, asked again and again, is not a traceback each time."""
+        if self._admit():
+            self._log.error(msg, *args, exc_info=exc_info)
+
+    def _admit(self) -> bool:
         now = self._clock()
         self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
         self._last = now
         if self._tokens < 1.0:
             self.held_back += 1
             self.held_back_total += 1
-            return
+            return False
         self._tokens -= 1.0
         if self.held_back:
             self._log.warning("%d more warning(s) %s held back (at most %g a second after a "
                               "burst of %d)", self.held_back, self._subject, self._rate,
                               int(self._burst))
             self.held_back = 0
-        self._log.warning(msg, *args)
+        return True

@@ -59,3 +59,23 @@ def test_a_quiet_spell_refills_the_burst_but_no_further(
             limited_log.warning("y")
     assert [r.getMessage() for r in caplog.records] == ["x"] * 3 + ["y"] * 3
     assert limited_log.held_back == 7
+
+
+def test_errors_share_the_warnings_budget_and_keep_their_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    limited_log, clock, name = limited(2, 1.0)
+    with caplog.at_level(logging.WARNING, logger=name):
+        for i in range(5):
+            limited_log.error("request %d failed", i, exc_info=ValueError(f"bug {i}"))
+        limited_log.warning("refusing a client")
+        assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+            (logging.ERROR, "request 0 failed"), (logging.ERROR, "request 1 failed")]
+        assert caplog.records[0].exc_info is not None
+        assert str(caplog.records[0].exc_info[1]) == "bug 0"
+        assert limited_log.held_back == 4
+        clock.now += 1.0
+        caplog.clear()
+        limited_log.warning("refusing a client later")
+        assert [r.getMessage() for r in caplog.records] == [
+            "4 more warning(s) about clients held back (at most 1 a second after a burst of 2)",
+            "refusing a client later"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import resource
 import socket
@@ -776,6 +777,31 @@ async def test_a_switch_is_finished_when_its_client_leaves(
         reply = await c.request("switch", {"addr": NV, "mode": "vfio"}, rid=2)
         assert reply == {"id": 2, "result": _switched(NV, "vfio").as_result()}
         await c.aclose()
+
+
+async def test_a_bug_asked_for_again_and_again_is_a_bounded_number_of_tracebacks(
+    host: SysRoot, sockdir: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that hits a bug of ours is answered `internal-error` every time; its
+    traceback goes to the journal a burst of times, then the rest are counted, not printed
+    (a client asking for it in a loop would otherwise flood the journal)."""
+
+    async def buggy(w: Any, p: Any, peer: Any) -> Any:
+        raise ZeroDivisionError("a bug")
+
+    caplog.set_level(logging.WARNING, logger="gpuwatch.service")
+    async with daemon(host, sockdir, tmp_path, ops={"holders": buggy}) as served:
+        c = await Raw.connect(served.path)
+        for rid in range(300):
+            reply = await c.request("holders", {"addr": NV}, rid=rid)
+            assert reply == {"id": rid, "error": {"code": P.INTERNAL,
+                                                  "message": "ZeroDivisionError: a bug"}}
+        await c.aclose()
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert 1 <= len(tracebacks) <= 25  # a burst of 20, and about one a second after it
+    assert tracebacks[0].getMessage().startswith("holders failed for ")
+    assert tracebacks[0].exc_info is not None
+    assert tracebacks[0].exc_info[0] is ZeroDivisionError
 
 
 def _hangs(started: anyio.Event) -> Callable[[Any, Any, Any], Awaitable[Any]]:

@@ -1560,8 +1560,8 @@ class SocketServer:
         self._count(req.method, "ok")
 
     def _internal(self, conn: Connection, req: P.Request, exc: Exception) -> None:
-        _log.error("%s failed for %s", req.method, conn.peer.describe(),
-                   exc_info=(type(exc), exc, exc.__traceback__))
+        self.client_log.error("%s failed for %s", req.method, conn.peer.describe(),
+                              exc_info=exc)
         conn.reply(P.encode_error(req.id, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
         self._count(req.method, P.INTERNAL)
 
