@@ -410,6 +410,35 @@ async def test_record_stops_at_the_limit(tmp_path: Path) -> None:
     assert [json.loads(line) for line in out.getvalue().splitlines()] == [props(0), props(1)]
 
 
+async def test_record_says_a_storm_of_losses_in_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """500 losses between the events of a recording: every event is recorded, and the
+    gaps are named a burst of times, then held back (a line per loss would flood stderr)."""
+    from gpuwatch.sources.memory import MemorySource
+
+    src = MemorySource()
+    maps = [props(i) for i in range(50)]
+    for i, m in enumerate(maps):
+        src.push(m)
+        for _ in range(10 if i % 2 else 0):
+            src.overflow()
+    src.end()
+    out = io.StringIO()
+    caplog.set_level(logging.WARNING, logger="gpuwatch.sources")
+    try:
+        with anyio.fail_after(10):
+            written = await record(src, out)
+    finally:
+        src.close()
+    assert written == 50
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == maps
+    gaps = [r.getMessage() for r in caplog.records if "the recording has a gap" in r.getMessage()]
+    assert 1 <= len(gaps) <= 25, len(gaps)  # of 250 losses
+    assert gaps[0] == ("record: events were lost (ENOBUFS: No buffer space available; 0 queued "
+                       "dropped); the recording has a gap")
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpuwatch")
     record_cmd.register(parser.add_subparsers(dest="command"))

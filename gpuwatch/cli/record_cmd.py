@@ -21,6 +21,7 @@ from typing import TextIO
 import anyio
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
+from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
 from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
 from gpuwatch.watch.eventlog import ThreadedWriter
@@ -61,18 +62,22 @@ async def record(source: EventSource, out: TextIO | ThreadedWriter, *,
     """Write the source's events to ``out`` until it ends or ``limit`` events are written.
 
     Returns how many were written. Lost events (an overflow) cannot be recorded; they are
-    logged so the gap in the recording is not silent. A `ThreadedWriter` as ``out`` writes
+    logged so the gap in the recording is not silent (a burst of lines, then one a second
+    with a count of the rest). A `ThreadedWriter` as ``out`` writes
     from its own thread: a reader that stops reading pauses the recording (the kernel then
     queues, or drops and says so) but never the event loop, so a signal still ends it.
     """
     written = 0
     if limit is not None and limit <= 0:
         return 0
+    # A storm against a small receive buffer is a loss per drain: a line each would flood.
+    gaps = RateLimitedLog(log, subject="about lost uevents")
     batches = source.batches()
     try:
         async for item in batches:
             if isinstance(item, SourceOverflow):
-                log.warning("record: events were lost (%s); the recording has a gap", item.error)
+                gaps.warning("record: events were lost (%s; %d queued dropped); the recording "
+                             "has a gap", item.error, item.dropped)
                 continue
             for ev in item:
                 line = uevent_to_json(ev) + "\n"
