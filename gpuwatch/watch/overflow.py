@@ -27,8 +27,8 @@ class OverflowGate:
 
     min_gap: float = MIN_GAP
     max_share: float = MAX_SHARE
-    #: When the next rescan may start (the loop clock).
-    not_before: float = 0.0
+    #: When the next rescan may start (the loop clock): the held losses' rescan is due then.
+    due: float = 0.0
     #: Losses waiting for a rescan, the queued uevents their sources dropped, the last error.
     held: int = 0
     dropped: int = 0
@@ -38,17 +38,12 @@ class OverflowGate:
     def admit(self, now: float, error: str, dropped: int = 0) -> bool:
         """True: rescan for this loss now (`started`, then `finished`). False: it is held
         for the rescan due at `due` (one already held, one running, or one just ended)."""
-        if not self.running and not self.held and now >= self.not_before:
+        if not self.running and not self.held and now >= self.due:
             return True
         self.held += 1
         self.dropped += dropped
         self.error = error
         return False
-
-    @property
-    def due(self) -> float:
-        """When the rescan of the held losses may start."""
-        return self.not_before
 
     def take_held(self) -> tuple[int, int, str]:
         """``(losses, dropped, last error)`` of the held losses, now covered by a rescan."""
@@ -65,7 +60,7 @@ class OverflowGate:
         """A rescan that ``began`` ended at ``now``: the next may start after the gap."""
         self.running = False
         took = max(0.0, now - began)
-        self.not_before = now + max(self.min_gap, took * (1.0 - self.max_share) / self.max_share)
+        self.due = now + max(self.min_gap, took * (1.0 - self.max_share) / self.max_share)
 
 
 __all__ = ["MAX_SHARE", "MIN_GAP", "OverflowGate"]
