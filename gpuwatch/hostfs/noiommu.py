@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
-from gpuwatch.hostfs.files import in_root, list_dir, read_attr
+from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr
 
 #: The name VFIO gives the group it makes for a device on a host without an IOMMU.
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
@@ -41,15 +41,17 @@ class IommuGroups(NamedTuple):
 
 
 def read_iommu_groups(root: str) -> IommuGroups:
-    """Every entry of ``sys/kernel/iommu_groups`` under ``root``, by its ``name`` (which only
-    groups that were given one have: reading the others fails fast)."""
+    """Every entry of ``sys/kernel/iommu_groups`` under ``root``, by its ``name``. Only groups
+    that were given one have it (VFIO's no-IOMMU groups): each is asked first, as a failed
+    read costs an exception, and a host with a group per function has a thousand."""
     base = in_root(root, os.path.join(root, "sys/kernel/iommu_groups"))
     noiommu: set[int] = set()
     real = False
     for entry in list_dir(base):
         if not (entry.isascii() and entry.isdigit()):
             continue
-        if read_attr(os.path.join(base, entry, "name")) == NOIOMMU_GROUP_NAME:
+        name = os.path.join(base, entry, "name")
+        if present(name) and read_attr(name) == NOIOMMU_GROUP_NAME:
             noiommu.add(int(entry))
         else:
             real = True
