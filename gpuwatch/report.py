@@ -22,7 +22,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
-from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
 from gpuwatch.model import HostModel
 
 
@@ -209,15 +209,17 @@ class PassthroughGpu(BaseModel):
     reason: str = ""
 
 
-def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[PassthroughGpu]:
+def passthrough_gpus(model: HostModel, managed: str = "yes",
+                     groups: IommuGroups | None = None) -> list[PassthroughGpu]:
     """GPUs in an IOMMU group; every non-bridge function of the group must go to the guest.
 
     Bridges share groups with endpoints on some boards but stay with the host (pcieport).
     A VFIO no-IOMMU group is no IOMMU group to a VM (no VMM opens one): not offered.
+    ``groups``: the host's groups when the caller has read them already.
     """
     out: list[PassthroughGpu] = []
     variants: frozenset[str] = getattr(model.state, "vfio_variants", frozenset())
-    noiommu = read_iommu_groups(model.root).noiommu
+    noiommu = (groups if groups is not None else read_iommu_groups(model.root)).noiommu
     recovery = getattr(model.state, "wedge_recovery", {})
     for gpu in model.probe("detect-vfio").gpus:
         if gpu.iommu_group < 0 or gpu.iommu_group in noiommu:
@@ -258,11 +260,12 @@ def passthrough_gpus(model: HostModel, managed: str = "yes") -> list[Passthrough
     return out
 
 
-def iommu_enabled(model: HostModel) -> bool:
+def iommu_enabled(model: HostModel, groups: IommuGroups | None = None) -> bool:
     """Whether an IOMMU isolates anything: `status`'s ``iommu.enabled`` (detect-vfio's answer,
     except on a host whose only groups are VFIO no-IOMMU groups)."""
     vfio = model.probe("detect-vfio")
-    groups = read_iommu_groups(model.root)
+    if groups is None:
+        groups = read_iommu_groups(model.root)
     return iommu_isolates(vfio.iommu_enabled, groups.noiommu, groups.real)
 
 

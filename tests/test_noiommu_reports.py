@@ -48,6 +48,30 @@ def test_list_offers_no_noiommu_group(tmp_path: Path,
     assert "<hostdev" not in out and "the IOMMU is off" in out
 
 
+@pytest.mark.parametrize("flags", [("--json",), ()])
+def test_list_reads_the_groups_names_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          flags: tuple[str, ...]) -> None:
+    """The list and its header (is there an IOMMU at all?) share one read of every group's
+    name: a host with a group per function has a thousand."""
+    from gpuwatch import report
+    from gpuwatch.cli import fast_report, list_cmd
+    from gpuwatch.hostfs.noiommu import IommuGroups
+
+    s = vfio_noiommu_host(tmp_path / "h")
+    reads: list[str] = []
+
+    def counted(root: str) -> IommuGroups:
+        reads.append(root)
+        return read_iommu_groups(root)
+
+    for module in (fast_report, list_cmd, report):  # the stdlib path and the full one
+        monkeypatch.setattr(module, "read_iommu_groups", counted)
+    code, out, _ = run_main(capsys, "list", *flags, "--no-daemon", "--root", str(s.root))
+    assert code == 0 and ("[]" in out or "the IOMMU is off" in out)
+    assert reads == [str(s.root)]
+
+
 def mixed_host(root: Path) -> SysRoot:
     """A real IOMMU (group 7: an A2 on vfio-pci) beside a device it does not cover, bound in
     no-IOMMU mode (group 8, named vfio-noiommu)."""

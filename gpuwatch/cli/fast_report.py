@@ -45,7 +45,7 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import listed_boot_vga
-from gpuwatch.hostfs.noiommu import read_iommu_groups, vfio_open
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
@@ -251,10 +251,11 @@ def status_report(remote: Remote) -> dict[str, Any]:
     }
 
 
-def list_report(remote: Remote, managed: str) -> list[dict[str, Any]]:
+def list_report(remote: Remote, managed: str,
+                groups: IommuGroups | None = None) -> list[dict[str, Any]]:
     """`gpuwatch.report.passthrough_gpus` on the daemon's model, as the dicts of its JSON."""
     out: list[dict[str, Any]] = []
-    noiommu = read_iommu_groups(remote.root).noiommu
+    noiommu = (groups if groups is not None else read_iommu_groups(remote.root)).noiommu
     for gpu in remote.gpus:
         if gpu["iommu_group"] < 0 or gpu["iommu_group"] in noiommu:
             continue
@@ -307,8 +308,8 @@ def run_report(argv: list[str]) -> int | None:
             text = compact(report) if as_json else render_status(report)
         else:
             assert listing is not None
-            gpus = list_report(remote, listing[1])
-            groups = read_iommu_groups(remote.root)
+            groups = read_iommu_groups(remote.root)  # once for the list and its header
+            gpus = list_report(remote, listing[1], groups)
             text = compact(gpus) if as_json else render_list(gpus, iommu_isolates(
                 bool(remote.vfio["iommu_enabled"]), groups.noiommu, groups.real))
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,

@@ -8,6 +8,7 @@ from typing import cast
 from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.reporttext import MANAGED_VALUES
+from gpuwatch.hostfs.noiommu import read_iommu_groups
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.report import PassthroughGpu, iommu_enabled, passthrough_gpus, render_list
@@ -43,4 +44,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gpus(model: HostModel, managed: str) -> tuple[list[PassthroughGpu], bool]:
-    return passthrough_gpus(model, managed), iommu_enabled(model)
+    groups = read_iommu_groups(model.root)  # once for both: a host may have a thousand
+    return passthrough_gpus(model, managed, groups), iommu_enabled(model, groups)
