@@ -194,7 +194,8 @@ class NetlinkSource:
                 if batch:
                     items.append(batch)
                     batch = []
-                log.warning("%s uevent source: undecodable uevent skipped: %s", self.name, exc)
+                # The watcher says it (as a loss, at most so often): not a line per uevent.
+                log.debug("%s uevent source: undecodable uevent skipped: %s", self.name, exc)
                 items.append(SourceOverflow(error=f"undecodable uevent: {exc}"))
                 continue
             if event is not None:
