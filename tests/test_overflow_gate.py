@@ -62,48 +62,59 @@ def test_a_slow_rescan_widens_the_gap_to_keep_its_share() -> None:
     assert 3.0 / (gate.due - 50.0) == pytest.approx(0.2)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     gaps=st.lists(st.floats(min_value=0.0, max_value=3.0), min_size=1, max_size=200),
     scan=st.floats(min_value=0.0, max_value=2.0),
 )
 def test_every_loss_is_covered_by_a_later_rescan_and_rescans_keep_their_share(
         gaps: list[float], scan: float) -> None:
-    """A watcher's use of the gate, simulated: losses at any times, rescans of a fixed
-    length. Each loss has a rescan that starts at or after it; no two rescans start within
-    the gap after the earlier one ended."""
+    """The watcher's use of the gate, simulated: losses at any times, rescans of a fixed
+    length. The first of a quiet spell is rescanned inline (the pump reads nothing until it
+    ends); held ones by the helper once due, while the pump reads on, so losses also come
+    while that rescan runs. Each loss has a rescan that starts at or after it, and no
+    rescan starts within the gap after the one before it ended."""
     gate = OverflowGate(min_gap=1.0, max_share=0.2)
     rescans: list[tuple[float, float]] = []  # (start, end)
-    clock = 0.0
-    pending: list[float] = []  # times of the losses the held rescan is to cover
+    covered: list[tuple[float, float]] = []  # (loss, start of the rescan that covers it)
+    held: list[float] = []  # losses waiting for the helper's rescan
+    helper_ends: float | None = None  # the helper's rescan running until then
 
-    def rescan(start: float) -> float:
+    def begin(start: float) -> float:
         gate.started()
         rescans.append((start, start + scan))
-        gate.finished(start, start + scan)
         return start + scan
 
-    covered: list[tuple[float, float]] = []  # (loss, start of the rescan that covers it)
-    for gap in gaps:
-        loss = clock + gap
-        # The held rescan runs when it is due, if that is before this loss.
-        if pending and gate.due <= loss:
-            gate.take_held()
+    def helper_until(now: float) -> None:
+        """What the helper does up to ``now``: finish its rescan, start the next when due."""
+        nonlocal helper_ends
+        while True:
+            if helper_ends is not None:
+                if helper_ends > now:
+                    return
+                gate.finished(helper_ends - scan, helper_ends)
+                helper_ends = None
+            if not held or gate.due > now:
+                return
             start = gate.due
-            covered.extend((t, start) for t in pending)
-            pending.clear()
-            clock = rescan(start)
-        loss = max(loss, clock)  # the pump reads no loss while it rescans inline
-        if gate.admit(loss, "ENOBUFS"):
-            covered.append((loss, loss))
-            clock = rescan(loss)
+            assert gate.take_held()[0] == len(held)
+            covered.extend((t, start) for t in held)
+            held.clear()
+            helper_ends = begin(start)
+
+    clock = 0.0
+    for gap in gaps:
+        clock += gap
+        helper_until(clock)
+        if gate.admit(clock, "ENOBUFS"):
+            covered.append((clock, clock))
+            end = begin(clock)
+            gate.finished(clock, end)
+            clock = end  # inline: the pump reads no loss until the rescan is done
         else:
-            pending.append(loss)
-            clock = loss
-    if pending:
-        gate.take_held()
-        covered.extend((t, gate.due) for t in pending)
-        rescan(gate.due)
+            held.append(clock)
+    helper_until(float("inf"))
+    assert not held
     assert len(covered) == len(gaps)
     assert all(start >= loss for loss, start in covered)
     for (_, end), (start, _) in itertools.pairwise(rescans):
