@@ -37,6 +37,11 @@ class RateLimitedLog:
         if self._admit():
             self._log.warning(msg, *args)
 
+    def info(self, msg: str, *args: object) -> None:
+        """What a client's connection met that is nobody's fault (the daemon stopping)."""
+        if self._admit():
+            self._log.info(msg, *args)
+
     def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
         """An error (with its traceback, ``exc_info``) from the same budget: a request that
         hits a bug of ours, asked again and again, is not a traceback each time."""

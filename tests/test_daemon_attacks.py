@@ -68,11 +68,18 @@ HOSTILE = [
     (b"\xff\xfe{}", P.PARSE_ERROR),
     (b'{"id": 7, "method": "probe", "params": {"action": "detect-gpu", "x": [[[[1]]]]}}',
      P.INVALID_PARAMS),
-    # Valid JSON, but no double holds it: a parameter error, not an internal one.
+    # Valid JSON, but no double holds it: refused as the out-of-range float literal is,
+    # below CPython's own limit on digits (4,300) and above it.
     (b'{"id": 8, "method": "switch", "params": {"mode": "vfio", "timeout": 1' + b"0" * 400
-     + b"}}", P.INVALID_PARAMS),
+     + b"}}", P.BAD_REQUEST),
     (b'{"id": 9, "method": "recover", "params": {"timeout": 9' + b"9" * 4000 + b"}}",
+     P.BAD_REQUEST),
+    (b'{"id": 1' + b"0" * 5000 + b', "method": "probe"}', P.BAD_REQUEST),
+    (b'{"id": -1' + b"0" * 309 + b', "method": "probe"}', P.BAD_REQUEST),
+    # A switch the daemon would have to finish at a stop, past the service's stop timeout.
+    (b'{"id": 10, "method": "switch", "params": {"mode": "vfio", "timeout": 1e308}}',
      P.INVALID_PARAMS),
+    (b'{"id": 11, "method": "recover", "params": {"timeout": 90.5}}', P.INVALID_PARAMS),
 ]
 
 
@@ -172,7 +179,7 @@ def test_descriptors_and_credentials_sent_by_a_client_are_never_taken(daemon: Da
         with connect(daemon.sock) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             forged = struct.pack("3i", os.getpid(), 70005, 70005)  # root may claim any uid
-            s.sendmsg([P.encode_request(2, "switch", {"mode": "vfio", "timeout": 10**400})],
+            s.sendmsg([P.encode_request(2, "switch", {"mode": "vfio", "timeout": 10**4})],
                       [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, forged)])
             reply = Lines(s).line()  # answered as root, the connecting process
             assert reply["id"] == 2 and reply["error"]["code"] == P.INVALID_PARAMS, reply
@@ -954,3 +961,11 @@ def test_memlock_is_not_answered_for_a_process_that_took_the_peers_pid(daemon: D
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     assert probe(daemon.sock, "memlock")["result"]["soft"] == (
         None if soft == resource.RLIM_INFINITY else soft)
+
+
+def test_the_daemon_bounds_a_switch_by_the_switch_s_own_default() -> None:
+    """The cap a socket switch's `timeout` gets is the bound service.md promises a stop."""
+    from gpuwatch.service.ops import MAX_SWITCH_TIMEOUT
+    from gpuwatch.switch.engine import DEFAULT_TIMEOUT
+
+    assert MAX_SWITCH_TIMEOUT == DEFAULT_TIMEOUT

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,22 @@ def test_depth_is_measured_outside_strings_only(tmp_path: Path) -> None:
     with pytest.raises(P.UnsafeJson):
         P.loads("[" * 33 + "]" * 33)
     assert P.loads("[" * 32 + "]" * 32) is not None
+
+
+@pytest.mark.parametrize("text", [
+    "1" + "0" * 309,  # 310 digits: more than any double
+    "-" + "9" * 309,  # 309 digits, past the largest double
+    "1" + "0" * 5000,  # past CPython's own limit on digits, which would speak of its settings
+], ids=["310-digits", "past-the-largest-double", "5001-digits"])
+def test_an_integer_no_double_holds_is_refused_as_a_float_literal_is(text: str) -> None:
+    with pytest.raises(P.UnsafeJson, match="out of range"):
+        P.loads(f'{{"id": {text}}}')
+    with pytest.raises(P.UnsafeJson, match="out of range"):
+        P.loads(f'{{"id": {text}e0}}')  # the same number as a float literal
+
+
+def test_integers_a_double_holds_are_kept_exact() -> None:
+    largest = int(sys.float_info.max)  # 309 digits
+    assert P.loads(str(largest)) == largest
+    assert P.loads(str(-largest)) == -largest
+    assert P.loads("[0, -0, 12, 9007199254740993]") == [0, 0, 12, 9007199254740993]

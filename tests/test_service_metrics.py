@@ -361,3 +361,66 @@ def test_what_prometheus_asks_for_first_parses_as_openmetrics(endpoint: tuple[st
     assert families["gpuwatch_log_write_failures"] == "counter"
     assert families["gpuwatch_switch_duration_seconds"] == "histogram"
     assert families["gpuwatch_gpus"] == "gauge"
+
+
+# --------------------------------------------------------------------------- shared renders
+
+
+class _CountingApp:
+    """A WSGI app that says how often it rendered, slowly (as a 3,000-function host does)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls = 0
+        self.delay = delay
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        self.calls += 1
+        time.sleep(self.delay)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"render {self.calls} for {environ.get('QUERY_STRING', '')}\n".encode()]
+
+
+def _get(app: Any, query: str = "", accept: str = "") -> tuple[str, bytes]:
+    taken: list[str] = []
+    body = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics",
+                         "QUERY_STRING": query, "HTTP_ACCEPT": accept},
+                        lambda status, headers: taken.append(status)))
+    return taken[0], body
+
+
+def test_scrapers_that_come_together_share_one_render() -> None:
+    """Sixteen scrapers at once were sixteen renders, each holding the interpreter the event
+    loop needs (a probe then waited 50-600 ms): one renders now, the rest take its answer."""
+    from gpuwatch.service.metrics import _SharedRenders
+
+    inner = _CountingApp(delay=0.05)
+    app = _SharedRenders(inner, clock=lambda: 100.0)  # no time passes
+    import threading
+
+    bodies: list[bytes] = []
+    threads = [threading.Thread(target=lambda: bodies.append(_get(app)[1])) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert bodies == [b"render 1 for \n"] * 16
+    assert inner.calls == app.rendered == 1
+
+
+def test_a_render_is_shared_only_with_requests_that_came_before_it_began() -> None:
+    """No answer is older than its request: a scrape after a change sees the change."""
+    from gpuwatch.service.metrics import RENDERS_KEPT, _SharedRenders
+
+    now = [0.0]
+    inner = _CountingApp()
+    app = _SharedRenders(inner, clock=lambda: now[0])
+    assert _get(app) == ("200 OK", b"render 1 for \n")
+    assert _get(app)[1] == b"render 1 for \n"  # the same instant: it began no earlier
+    now[0] += 0.001
+    assert _get(app)[1] == b"render 2 for \n"
+    assert _get(app, query="name[]=gpuwatch_gpus")[1] == b"render 3 for name[]=gpuwatch_gpus\n"
+    assert _get(app, accept="application/openmetrics-text")[1] == b"render 4 for \n"
+    assert _get(app)[1] == b"render 2 for \n"  # each request shape its own
+    for i in range(2 * RENDERS_KEPT):  # request shapes a client makes up are not all kept
+        _get(app, query=f"name[]=x{i}")
+    assert len(app._renders) == RENDERS_KEPT

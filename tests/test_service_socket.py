@@ -502,7 +502,10 @@ async def test_slow_reader_is_disconnected_and_holds_up_no_one(
 async def test_a_client_that_never_reads_replies_is_dropped(
     host: SysRoot, sockdir: str, tmp_path: Path
 ) -> None:
-    async with daemon(host, sockdir, tmp_path, outbox_limit=64 << 10) as served:
+    """Its requests wait while half its output is unread (reading stops too, so what it
+    sends stays in the kernel), and after the stall timeout it is closed."""
+    async with daemon(host, sockdir, tmp_path, outbox_limit=64 << 10,
+                      stall_timeout=0.5) as served:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.connect(served.path)
@@ -522,6 +525,99 @@ async def test_a_client_that_never_reads_replies_is_dropped(
         probe = await Raw.connect(served.path)  # the daemon is fine
         assert (await probe.request("probe", {"action": "detect-gpu"}))["result"] is True
         await probe.aclose()
+
+
+async def test_a_client_that_asks_much_at_once_and_reads_gets_every_reply(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """Sixty snapshots in one write, eight times the output limit together: they were
+    answered in one turn until the unread replies passed the limit, and the client was cut
+    off with none. Now each next answer waits until the client has read its replies down."""
+    async with daemon(host, sockdir, tmp_path, outbox_limit=16 << 10) as served:
+        c = await Raw.connect(served.path)
+        snapshot = await c.request("snapshot", rid=0)
+        size = len(json.dumps(snapshot))
+        count = 60
+        assert size * count > 8 * (16 << 10)
+        await c.send(b"".join(P.encode_request(i, "snapshot") for i in range(1, count + 1)))
+        replies = [await c.line() for _ in range(count)]
+        assert [r["id"] for r in replies] == list(range(1, count + 1))
+        assert all(r["result"] == snapshot["result"] for r in replies)
+        assert (await c.request("probe", {"action": "detect-gpu"}))["result"] is True
+        await c.aclose()
+
+
+async def _read_to_eof(c: Raw, into: list[bytes]) -> None:
+    into.append(await c.eof(timeout=20))
+
+
+def _publish_driver_changes(served: ServedWatcher, count: int) -> None:
+    from gpuwatch.core.events import driver_changed
+
+    for first in range(0, count, 500):
+        served.watcher.publish([driver_changed(NIC, "igb", "") if i % 2 else
+                                driver_changed(NIC, "", "igb")
+                                for i in range(first, min(first + 500, count))])
+
+
+async def test_a_subscriber_that_reads_gets_every_event_and_stopped_before_the_close(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """At a stop each connection was aborted: what the kernel had not taken yet was thrown
+    away, so a subscriber reading on saw a line cut in half and no `stopped`. Each is now
+    closed once it has what it was sent (at most 2 s for all together)."""
+    count = 20_000  # ~2.4 MB: far more than a socket buffer holds, within the output limit
+    got: list[bytes] = []
+    # The reader outlives the daemon: its task group is entered first, left last.
+    async with anyio.create_task_group() as tg, daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        assert (await c.request("subscribe"))["result"]["seq"] == 1
+        _publish_driver_changes(served, count)
+        served.watcher.stop("signal SIGTERM")  # what the daemon publishes at a stop
+        tg.start_soon(_read_to_eof, c, got)
+    await c.aclose()
+    lines = got[0].splitlines()
+    assert got[0].endswith(b"\n")
+    events = [json.loads(line) for line in lines]
+    assert [e["seq"] for e in events] == list(range(2, count + 3))
+    assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
+
+
+async def test_a_subscriber_still_replaying_at_the_stop_is_told_where_to_resume(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A stop during a subscriber's history replay dropped the requests queued behind its
+    subscribe and the live events held meanwhile, with no word. Now the queued requests are
+    answered, and the `lagged` line, last, names the first seq it was not sent."""
+    got: list[bytes] = []
+    async with anyio.create_task_group() as tg, daemon(
+            host, sockdir, tmp_path, outbox_limit=64 << 10) as served:
+        _publish_driver_changes(served, 5_000)  # into the log: ~600 KB to replay
+        c = await Raw.connect(served.path)
+        await c.send(P.encode_request("sub", "subscribe", {"since_seq": 0})
+                     + P.encode_request("p", "probe", {"action": "detect-gpu"})
+                     + b"not json\n")
+        with anyio.fail_after(5):  # the replay waits for us to read
+            while not served.server._replays:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.2)
+        _publish_driver_changes(served, 10)  # live events, held behind the replay
+        served.watcher.stop("signal SIGTERM")
+        tg.start_soon(_read_to_eof, c, got)
+    await c.aclose()
+    lines = [json.loads(line) for line in got[0].splitlines()]
+    assert lines[0] == {"id": "sub", "result": {"seq": 5_001, "complete": True}}
+    events = [x for x in lines[1:] if "seq" in x]
+    assert events and [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert len(events) < 5_001  # cut off mid-replay, as the test means
+    rest = [x for x in lines[1:] if "seq" not in x]
+    assert rest[0] == {"id": "p", "error": {"code": P.UNAVAILABLE,
+                                            "message": "probe: the daemon is stopping; retry"}}
+    assert rest[1]["error"]["code"] == P.PARSE_ERROR
+    assert rest[2] == {"type": "lagged", "missed": 5_012 - len(events),
+                       "first_missed_seq": len(events) + 1, "resume_since_seq": len(events),
+                       "outbox_limit": 64 << 10}
+    assert lines[-1] == rest[2]
 
 
 async def test_hundreds_of_concurrent_clients(host: SysRoot, sockdir: str, tmp_path: Path) -> None:
@@ -911,7 +1007,7 @@ async def test_all_clients_together_cannot_hold_more_unread_output_than_the_budg
         server._send_result = counting  # type: ignore[method-assign]
         clients: list[Raw] = []
         most = 0
-        for _ in range(8):  # each fills 3/4 of its own limit, reading nothing
+        for _ in range(8):  # each fills half its own limit, reading nothing
             before = set(server.connections)
             c = await Raw.connect(served.path)
             clients.append(c)
@@ -920,11 +1016,12 @@ async def test_all_clients_together_cannot_hold_more_unread_output_than_the_budg
                     await anyio.sleep(0.005)
             (conn,) = set(server.connections) - before
             sent = 0
-            while not conn.closed and conn.buffered() < 3 * limit // 4:
+            while not conn.closed and conn.buffered() <= limit // 2:
                 await c.send(b"".join(P.encode_request(sent + i, "snapshot") for i in range(2)))
                 sent += 2
-                with anyio.fail_after(5):
-                    while not conn.closed and answered.get(conn, 0) < sent:
+                with anyio.fail_after(5):  # answered, or held while half its limit is unread
+                    while (not conn.closed and answered.get(conn, 0) < sent
+                           and conn.buffered() <= limit // 2):
                         await anyio.sleep(0.005)
                 most = max(most, sum(x.buffered() for x in server.connections))
         assert most <= 4 * limit + 65536, most  # + one write to a client that kept up

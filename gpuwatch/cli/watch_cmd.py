@@ -85,10 +85,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="of --socket-max-clients, slots only root may take (default 64)")
     p.add_argument("--socket-stall-timeout", type=non_negative_seconds, default=None,
                    metavar="S", help="close a connection whose partial request line waits S "
-                                     "seconds for its newline (default 30)")
+                                     "seconds for its newline, or that leaves half its output "
+                                     "unread that long (default 30)")
     p.add_argument("--socket-max-output-bytes", type=positive_int, default=None, metavar="N",
                    help="output a client may leave unread; past it a subscriber gets a "
-                        "'lagged' line and is disconnected (default 4194304)")
+                        "'lagged' line and is disconnected, and past half of it a client's "
+                        "next requests wait (default 4194304)")
     p.add_argument("--metrics", default=None, metavar="ADDR",
                    help="serve Prometheus metrics at http://ADDR/metrics (HOST:PORT, :PORT)")
     p.add_argument("--nfd-features", default=None, metavar="PATH",

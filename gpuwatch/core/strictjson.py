@@ -23,8 +23,8 @@ MAX_DEPTH: Final = 32
 
 
 class UnsafeJson(CallerError, ValueError):
-    """Well-formed JSON we still refuse: nesting too deep, a non-finite number, a duplicate
-    key or a lone surrogate. Each would break a reader somewhere down the line."""
+    """Well-formed JSON we still refuse: nesting too deep, a number no double holds, a
+    duplicate key or a lone surrogate. Each would break a reader somewhere down the line."""
 
 
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
@@ -58,6 +58,25 @@ def _finite(text: str) -> float:
     return value
 
 
+#: Digits of the largest integer a double holds (1.8e308 has 309). A longer one is refused
+#: before `int` sees it: CPython's own limit (4,300 digits) would refuse it in words about
+#: its settings, and every integer this side reads ends up a double or an index anyway.
+_MAX_INT_DIGITS: Final = 309
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > _MAX_INT_DIGITS:
+        raise UnsafeJson(f"integer of {digits} digits is out of range")
+    value = int(text)
+    if digits == _MAX_INT_DIGITS:
+        try:
+            float(value)
+        except OverflowError:
+            raise UnsafeJson(f"integer {text[:40]}… is out of range") from None
+    return value
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
@@ -69,7 +88,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 # One decoder for every line: ``json.loads`` with hooks would build a new one per call.
 _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite,
-                           object_pairs_hook=_unique_keys)
+                           parse_int=_bounded_int, object_pairs_hook=_unique_keys)
 
 
 def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:

@@ -29,6 +29,11 @@ OpHandler = Callable[["Host", P.Params, PeerCred], Awaitable[Any]]
 DEFAULT_VENDOR = "0x10de"
 #: Bound on one /proc scan (holders, wedge): a task stuck in the kernel can block its reads.
 READ_TIMEOUT = 10.0
+#: The longest ``timeout`` a switch or recover may ask of the daemon: the switch's default
+#: bound (`gpuwatch.switch.engine.DEFAULT_TIMEOUT`). A stopping daemon finishes a switch under
+#: way, and the service gives a stop 120 s (docs/service.md): a longer switch would be
+#: killed half way, its group in neither mode.
+MAX_SWITCH_TIMEOUT = 90.0
 
 
 def error_for(exc: BaseException) -> P.RpcError:
@@ -58,6 +63,15 @@ def _mode(params: P.Params, *, required: bool) -> str | None:
     if mode is not None and mode not in MODES:
         raise P.RpcError(P.INVALID_PARAMS, f"mode must be vfio or nvidia, not {mode!r}")
     return mode
+
+
+def _timeout(params: P.Params) -> float | None:
+    timeout = params.opt_float("timeout")
+    if timeout is not None and timeout > MAX_SWITCH_TIMEOUT:
+        raise P.RpcError(P.INVALID_PARAMS, f"{params.method}: timeout must be at most "
+                         f"{MAX_SWITCH_TIMEOUT:g} seconds, not {timeout:g}: a stopping daemon "
+                         "finishes a switch under way, within its service's stop timeout")
+    return timeout
 
 
 async def _guarded(call: Callable[[], Any]) -> Any:
@@ -103,7 +117,7 @@ async def plan_probe(host: Host, mode: str | None, addr: str | None,
 async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
     mode = _mode(params, required=True) or ""
-    timeout = params.opt_float("timeout")
+    timeout = _timeout(params)
     tolerant = params.opt_bool("tolerant")
     force = params.opt_bool("force")
     vfio_driver = params.opt_str("vfio_driver")
@@ -122,7 +136,7 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
 
 async def op_recover(host: Host, params: P.Params, peer: PeerCred) -> Any:
     addr, vendor = _target(params)
-    timeout = params.opt_float("timeout")
+    timeout = _timeout(params)
     params.done()
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     target = addr if addr is not None else vendor or DEFAULT_VENDOR

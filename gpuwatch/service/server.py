@@ -82,6 +82,10 @@ DEFAULT_ROOT_RESERVE = 64
 DEFAULT_STALL_TIMEOUT = 30.0
 # How long a connection being closed for cause gets to take its last (error) line.
 _FLUSH_BEFORE_CLOSE = 5.0
+# How long, all clients together, a stopping daemon waits for them to take what it sent
+# (service.md: a stop is bounded), and how often it looks.
+_FLUSH_AT_STOP = 2.0
+_FLUSH_POLL = 0.01
 _RECV = 64 * 1024
 # How often a half-closed subscriber (it sent EOF but still reads) is checked for hang-up.
 _HUP_POLL = 1.0
@@ -525,18 +529,25 @@ class Connection:
                 self.peer.describe(), self.buffered())
             self.close()
 
-    def lag(self, first_missed_seq: int, missed: int, *, hole: str | None = None) -> None:
+    def lag(self, first_missed_seq: int, missed: int, *, hole: str | None = None,
+            stopping: bool = False) -> None:
         """The subscriber stopped reading (or reads too slowly): tell it what it missed
         and from where to resume, then close (best effort: it may not read even that).
 
         With ``hole`` (why), it is the log that lacks those seqs, not the client that was
-        slow: the same line, so that resuming from it is answered ``complete: false``."""
+        slow: the same line, so that resuming from it is answered ``complete: false``.
+        With ``stopping``, the daemon stops while the subscriber's replay is under way: the
+        same line tells it where to resume once a daemon is back."""
         if self.closed:
             return
         self.closed = True
         self.held.clear()
-        self.server._lag_drop(self, counted=hole is None)
-        if hole is not None:
+        self.server._lag_drop(self, counted=hole is None and not stopping)
+        if stopping:
+            self.server.client_log.info(
+                "ending the replay to %s: the daemon is stopping; it resumes from seq %d",
+                self.peer.describe(), first_missed_seq)
+        elif hole is not None:
             self.server.client_log.warning(
                 "ending the replay to %s: %s; %d seq(s) from %d are not in the log",
                 self.peer.describe(), hole, missed, first_missed_seq)
@@ -882,6 +893,13 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
                 self._pause()
                 self.loop.call_soon(self._resume)
                 return
+            if self._drain is not None and not self._drain.done():
+                # Half the output limit unread (`pause_writing`): the next answer waits
+                # until the client has read down to a quarter, so a pipelining client that
+                # reads gets every reply, however large, instead of a cut-off.
+                self._pause()
+                server._spawn(self, self._room_for_replies)
+                return
             budget -= 1
             line = todo.popleft()
             if line is TOO_LONG:
@@ -901,6 +919,17 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
                 self._poller.register(transport.get_extra_info("socket").fileno(),
                                       select.POLLHUP | select.POLLERR)
                 self._check_hangup()
+
+    async def _room_for_replies(self) -> None:
+        """Wait while the client leaves half its output limit unread, for at most
+        ``stall_timeout`` seconds: one that reads nothing in that time is closed."""
+        with anyio.move_on_after(self.server.stall_timeout):
+            await self._drained()
+            return
+        self.server.client_log.warning(
+            "disconnecting %s: %d bytes of replies unread for %g s (client stopped reading)",
+            self.peer.describe(), self.buffered(), self.server.stall_timeout)
+        self.close()
 
     def refuse_queued(self) -> None:
         """The daemon stops: every line read and not answered gets `unavailable`."""
@@ -926,6 +955,10 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
             with anyio.CancelScope() as self.scope:
                 if not self.closed:
                     await later()
+        except anyio.get_cancelled_exc_class():
+            if not self.closed:  # not this connection's end, so the daemon's: it stops
+                self.server.stopping = True
+            raise
         finally:
             self.scope = None
             self._resume()
@@ -1071,15 +1104,27 @@ class SocketServer:
                 self.watcher.batch_listeners.remove(self._on_batch)
             with contextlib.suppress(Exception):
                 self._flush()  # the last events (`stopped`) to whoever can take them now
-            for conn in tuple(self.connections):
-                if isinstance(conn, _ProtocolConnection):
-                    with contextlib.suppress(Exception):
-                        conn.refuse_queued()
-                    conn.close()
+            closing = [conn for conn in self.connections if isinstance(conn, _ProtocolConnection)]
+            for conn in closing:
+                with contextlib.suppress(Exception):
+                    conn.refuse_queued()
+                conn._shut(_FLUSH_AT_STOP)  # what each was sent, `stopped` last, then the close
             with contextlib.suppress(RuntimeError):
                 anyio.notify_closing(lsock)
             self._unlink()  # while PATH.lock is still ours: no successor has bound yet
             lsock.close()  # lets go of PATH.lock
+            if closing:
+                await self._flushed_at_stop(closing)
+
+    async def _flushed_at_stop(self, closing: list[_ProtocolConnection]) -> None:
+        """Wait (shielded from the stop, at most `_FLUSH_AT_STOP` seconds in all) while the
+        clients take what they were sent: a reader that keeps up loses nothing to the stop,
+        not the tail of a line nor its `stopped`. One that does not read is cut off then."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_FLUSH_AT_STOP):
+            while any(not conn.gone for conn in closing):
+                await anyio.sleep(_FLUSH_POLL)
+        for conn in closing:
+            conn.close()
 
     def _fd_budget(self) -> int:
         """Lift RLIMIT_NOFILE to fit every client, each replaying the log at once, and
@@ -1755,6 +1800,18 @@ class SocketServer:
             self.client_log.warning("replay of the log to %s failed: %s",
                                     conn.peer.describe(), exc)
             conn.lag(conn.last_seq + 1, 0)
+        except anyio.get_cancelled_exc_class():
+            # The daemon is stopping (a lost connection is closed already): the requests
+            # queued behind the subscribe are answered, then the `lagged` line says where
+            # to resume, the replay's last line. The live events held meanwhile, `stopped`
+            # among them, cannot follow it without the history between.
+            if not conn.closed:
+                self.stopping = True
+                if isinstance(conn, _ProtocolConnection):
+                    conn.refuse_queued()
+                conn.lag(conn.last_seq + 1, max(0, conn.held_seq - conn.last_seq),
+                         stopping=True)
+            raise
         finally:
             self._replays.discard(conn)
             close = getattr(raw, "close", None)
