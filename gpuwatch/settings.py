@@ -20,10 +20,11 @@ import os
 import re
 import reprlib
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from gpuwatch.core.limits import MAX_SECONDS
 from gpuwatch.core.tabledata import TABLE_KEYS
 from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
 
@@ -52,6 +53,7 @@ class Setting:
     default: Any
     optional: bool = False  # None ("off") allowed: null in the file, "" in the environment
     minimum: float | None = None
+    maximum: float | None = None
     check: Callable[[Any], str | None] | None = None  # returns why a value is bad
 
     @property
@@ -117,7 +119,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log", "str", "-", check=_check_nonempty),
     Setting("log_max_bytes", "int", None, optional=True, minimum=1),
     Setting("log_keep", "int", 5, minimum=1),
-    Setting("reconcile_interval", "float", 300.0, minimum=0),
+    Setting("reconcile_interval", "float", 300.0, minimum=0, maximum=MAX_SECONDS),
     Setting("receive_buffer", "int", None, optional=True, minimum=4096),
     Setting("socket", "str", None, optional=True),
     Setting("socket_group", "str", None, optional=True),
@@ -126,15 +128,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket_max_clients", "int", 1024, minimum=1),
     Setting("socket_max_per_uid", "int", 16, minimum=1),
     Setting("socket_root_reserve", "int", 64, minimum=0),
-    Setting("socket_stall_timeout", "float", 30.0, minimum=0.001),
+    Setting("socket_stall_timeout", "float", 30.0, minimum=0.001, maximum=MAX_SECONDS),
     Setting("socket_max_output_bytes", "int", 4 << 20, minimum=4096),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
-    Setting("nfd_expiry", "float", 3600.0, minimum=0),
+    Setting("nfd_expiry", "float", 3600.0, minimum=0, maximum=MAX_SECONDS),
     Setting("verbose", "bool", False),
     # The whole budget of one /proc scan (holders, plan, switch, wedge-detected): a process
     # stuck in the kernel can block a read of its fd, maps or stack for ever.
-    Setting("proc_read_timeout", "float", 2.0, minimum=0.01),
+    Setting("proc_read_timeout", "float", 2.0, minimum=0.01, maximum=MAX_SECONDS),
 )
 BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
 
@@ -228,6 +230,8 @@ def _validate(s: Setting, value: Any) -> Any:
     if s.minimum is not None and value < s.minimum:
         least = int(s.minimum) if s.kind == "int" else s.minimum
         raise _Bad(f"must be at least {least:g}, not {_describe(value)}")
+    if s.maximum is not None and value > s.maximum:
+        raise _Bad(f"must be at most {s.maximum:g}, not {_describe(value)}")
     if s.check is not None:
         why = s.check(value)
         if why is not None:
@@ -306,15 +310,25 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
     if root is not None:
         return os.fspath(root)
     env = os.environ if env is None else env
-    if env.get(ROOT_ENV, "").strip():
-        return env[ROOT_ENV]
+    s = BY_KEY["root"]
+    # Each read as the daemon reads it (`load_settings`), so that neither a blank variable
+    # nor ``root: 5`` in the file sends a direct command to ``/`` while the daemon refuses
+    # the one and watches ``5`` for the other.
+    if ROOT_ENV in env:
+        try:
+            return str(_validate(s, _from_text(s, env[ROOT_ENV])))
+        except _Bad as exc:
+            raise ConfigError(f"environment {ROOT_ENV}: {exc}") from None
     if config is not None and not isinstance(config, str | os.PathLike):
         return "/"  # tables given as such name no file
     path = config_file_path(config, env)
     if path is not None:
-        value = read_config_file(path).get("root")
-        if isinstance(value, str) and value.strip():
-            return value
+        raw = read_config_file(path)
+        if "root" in raw:
+            try:
+                return str(_validate(s, _typed(s, raw["root"])))
+            except _Bad as exc:
+                raise ConfigError(f"{path}: root: {exc}") from None
     return "/"
 
 
@@ -424,16 +438,26 @@ class GroupNotFound(CallerError, LookupError):
 def resolve_group(name: str | int) -> int:
     """A group name or number as a gid; numbers need not exist in the database."""
     if isinstance(name, int):
-        return name
+        return _gid(name)
     text = name.strip()
-    if text.isdigit():
-        return int(text)
+    if text.isascii() and text.isdigit():
+        return _gid(int(text))
     import grp  # here: only the daemon resolves groups
 
     try:
         return grp.getgrnam(text).gr_gid
     except KeyError:
         raise GroupNotFound(f"group {text!r} does not exist on this host") from None
+
+
+#: The largest gid: (gid_t)-1 means "no change" to chown.
+_MAX_GID = 2**32 - 2
+
+
+def _gid(number: int) -> int:
+    if not 0 <= number <= _MAX_GID:
+        raise GroupNotFound(f"group {number} is no gid (0-{_MAX_GID})")
+    return number
 
 
 def default_socket_gid() -> int | None:
@@ -465,20 +489,16 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
     import yaml  # first use only: a lean `import gpuwatch`
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    opening = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
-    closing = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
     try:
-        depth = 0
-        for event in yaml.parse(text, Loader=loader):
-            if isinstance(event, opening):
-                depth += 1
-                if depth > CONFIG_MAX_DEPTH:
-                    raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels")
-            elif isinstance(event, closing):
-                depth -= 1
+        _check_events(yaml, yaml.parse(text, Loader=loader), where)
         data = yaml.load(text, Loader=loader)
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
+    except (ValueError, OverflowError, TypeError) as exc:
+        # A scalar the parser took but no Python value holds (``2001-02-30``, ``!!int 0x``,
+        # an integer of 5,000 digits): the file is wrong, so it is the file's error.
+        reason = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{where}: a value YAML cannot read ({reason})") from None
     except yaml.YAMLError as exc:
         if "nesting depth" in str(getattr(exc, "problem", "")):
             # libyaml >= 0.2.5 (PyYAML 6.0.4 wheels) refuses deep flow nesting while scanning,
@@ -495,6 +515,39 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: more than {CONFIG_MAX_VALUES} values once its aliases "
                           "are expanded")
     return data
+
+
+def _check_events(yaml: Any, events: Iterable[Any], where: str) -> None:
+    """Nesting and duplicate keys, from the parser's flat event stream (no recursion): a
+    file nested too deep is refused before the recursive constructor could overflow the
+    stack, and a key given twice (two ``root:`` lines), which YAML would settle silently by
+    keeping the last, is the mistake it most likely is."""
+    # One entry per open collection: the keys a mapping has seen and whether its next node
+    # is a key (None for a sequence).
+    open_: list[tuple[set[str], list[bool]] | None] = []
+
+    def node_done() -> None:  # a value (or a key) of the enclosing mapping is complete
+        if open_ and open_[-1] is not None:
+            expecting = open_[-1][1]
+            expecting[0] = not expecting[0]
+
+    for event in events:
+        if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
+            if len(open_) >= CONFIG_MAX_DEPTH:
+                raise ConfigError(f"{where}: nested deeper than {CONFIG_MAX_DEPTH} levels")
+            open_.append((set(), [True]) if isinstance(event, yaml.MappingStartEvent)
+                         else None)
+        elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
+            open_.pop()
+            node_done()
+        elif isinstance(event, yaml.ScalarEvent | yaml.AliasEvent):
+            top = open_[-1] if open_ else None
+            if top is not None and top[1][0] and isinstance(event, yaml.ScalarEvent):
+                key = event.value
+                if key in top[0] and key != "<<":
+                    raise ConfigError(f"{where}: key {key[:60]!r} given twice")
+                top[0].add(key)
+            node_done()
 
 
 def _expanded_size(data: Any) -> int:

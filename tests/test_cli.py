@@ -65,6 +65,11 @@ def test_missing_root_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFix
     code, _, err = run_cli(capsys, "status", "--root", str(tmp_path / "nope"))
     assert code == 2
     assert "not a directory" in err
+    # `record` too, even with a file source that reads nothing of the root.
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    code, _, err = run_cli(capsys, "record", "--root", str(events), "--source", f"file:{events}")
+    assert (code, err) == (2, f"gpuwatch: --root {str(events)!r} is not a directory\n")
 
 
 def test_config_overrides_tables(

@@ -125,6 +125,8 @@ def test_only_plain_status_and_list_command_lines_are_taken(
         assert (parse_list(argv) if argv[0] == "list" else parse_status(argv)) is None, argv
     monkeypatch.setenv(ROOT_ENV, "/elsewhere")  # the full command's root, not /
     assert parse_status(["status"]) is None
+    monkeypatch.setenv(ROOT_ENV, "  ")  # blank: the full command refuses it, as the daemon does
+    assert parse_status(["status"]) is None
     assert parse_status(["status", "--root", "/r"]) == (False, "/r", None)
     monkeypatch.setenv(CONFIG_ENV, "/etc/x.yaml")  # its tables: the full command's business
     assert parse_status(["status", "--root", "/r"]) is None

@@ -13,7 +13,7 @@ import pytest
 from daemon_helpers import env, gpuwatch_cmd
 
 from gpuwatch.errors import ConfigError
-from gpuwatch.settings import _describe, load_settings, load_tables
+from gpuwatch.settings import _describe, load_settings, load_tables, root_in_force
 from gpuwatch.testing import SysRoot
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,6 +79,21 @@ def test_the_cli_refuses_a_bomb_in_one_line(host: SysRoot, tmp_path: Path,
     ("reconcile_interval: .nan\n", "reconcile_interval: must be a finite number, not nan"),
     ("metrics: 'x:99999'\n", "metrics: 'x:99999' is not HOST:PORT"),
     ("verbose: maybe\n", "verbose: must be true or false, not 'maybe'"),
+    # Scalars the parser takes but no Python value holds: the file's error, not ours.
+    ("log: 2001-02-30\n", "a value YAML cannot read (day is out of range for month)"),
+    ("log_keep: " + "9" * 5000 + "\n", "a value YAML cannot read (Exceeds the limit"),
+    ("root: !!float abc\n", "a value YAML cannot read (could not convert string to float"),
+    ("root: !!int 0x\n", "a value YAML cannot read (invalid literal for int()"),
+    # Waits a thread or a date cannot hold.
+    ("proc_read_timeout: 1.0e+300\n", "proc_read_timeout: must be at most 604800, not 1e+300"),
+    ("nfd_expiry: 1.0e+12\n", "nfd_expiry: must be at most 604800, not 1000000000000.0"),
+    # A key given twice (YAML keeps the last, silently); a table key that is no id.
+    ("root: /a\nlog_keep: 2\nroot: /b\n", "key 'root' given twice"),
+    ("gpu_vendors: {0x10de: A, 0x1002: B, 0x10de: C}\n", "key '0x10de' given twice"),
+    ("gpu_vendors: {'zz': Acme}\n", "gpu_vendors: Value error, 'zz' is not a hex id"),
+    # A device pattern names nodes in /dev, nothing else of the host.
+    ("device_patterns: ['/dev/../../etc/pass*']\n",
+     "device_patterns: Value error, pattern '/dev/../../etc/pass*' must stay in /dev/"),
 ])
 @pytest.mark.parametrize("words", [["status"], ["probe", "detect-vfio"], ["mode"]],
                          ids=" ".join)
@@ -105,3 +120,41 @@ def test_a_bad_value_is_described_in_bounded_time() -> None:
     text = _describe(value)
     assert len(text) <= 60 and text.startswith("[[[")
     assert _describe("a" * 50) == repr("a" * 50)  # short ones read as before
+
+
+def test_a_root_the_file_spells_as_a_number_is_the_root_everywhere(tmp_path: Path) -> None:
+    """``root: 5`` is the folder ``5`` to the daemon: a direct command read ``/`` (the host
+    running it) instead. Both now say there is no such folder."""
+    file = tmp_path / "config.yaml"
+    file.write_text("root: 5\n")
+    assert root_in_force(None, str(file), env={}) == "5"
+    for words in (["probe", "detect-host-devices"], ["status"],
+                  ["watch", "--source", "file:/dev/null", "--log", str(tmp_path / "l")]):
+        done = subprocess.run(gpuwatch_cmd(*words, "--config", str(file)), capture_output=True,
+                              text=True, env=env(), timeout=60, cwd=tmp_path)
+        assert (done.returncode, done.stdout, done.stderr) == (
+            2, "", "gpuwatch: --root '5' is not a directory\n"), words
+
+
+@pytest.mark.parametrize("words", [["probe", "detect-host-devices"], ["status"], ["list"]],
+                         ids=" ".join)
+def test_a_blank_root_variable_is_refused_as_the_daemon_refuses_it(
+        tmp_path: Path, words: list[str]) -> None:
+    """A blank ``$GPUWATCH_ROOT`` read as unset sent a direct command to the host running it,
+    while the daemon refuses to start on it."""
+    with pytest.raises(ConfigError, match="environment GPUWATCH_ROOT: must not be empty"):
+        root_in_force(None, env={"GPUWATCH_ROOT": "  "})
+    done = subprocess.run(gpuwatch_cmd(*words), capture_output=True, text=True,
+                          env={**env(), "GPUWATCH_ROOT": "  "}, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", "gpuwatch: environment GPUWATCH_ROOT: must not be empty\n")
+
+
+def test_a_table_key_is_spelled_as_the_model_spells_ids(tmp_path: Path) -> None:
+    """``10DE`` (no ``0x``, upper case) could never match the model's ``0x10de``."""
+    file = tmp_path / "config.yaml"
+    file.write_text("gpu_vendors: {'10DE': Acme, 0x1002: AMD}\n"
+                    "pci_class_labels: {'0X0300': VGA}\n")
+    tables = load_tables(str(file))
+    assert dict(tables.gpu_vendors) == {"0x10de": "Acme", "0x1002": "AMD"}
+    assert dict(tables.pci_class_labels) == {"0x0300": "VGA"}

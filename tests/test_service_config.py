@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,10 +173,15 @@ def test_bad_file_values_name_the_key(tmp_path: Path, text: str, message: str) -
         ({"GPUWATCH_VERBOSE": "2"}, "GPUWATCH_VERBOSE: must be true or false"),
         ({"GPUWATCH_SWITCH_GROUP": "no-such-group-gw"}, "GPUWATCH_SWITCH_GROUP: group"),
         ({"GPUWATCH_SOURCE": ""}, "GPUWATCH_SOURCE: must be auto"),
+        # A wait past what a thread's timer or a date holds; a gid past what chown takes.
+        ({"GPUWATCH_PROC_READ_TIMEOUT": "1e300"}, "must be at most 604800, not 1e+300"),
+        ({"GPUWATCH_SOCKET_STALL_TIMEOUT": "1e10"}, "must be at most 604800"),
+        ({"GPUWATCH_SOCKET_GROUP": "99999999999999999999"},
+         "GPUWATCH_SOCKET_GROUP: group 99999999999999999999 is no gid (0-4294967294)"),
     ],
 )
 def test_bad_environment_values_name_the_variable(env: dict[str, str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         settings(env=env)
 
 

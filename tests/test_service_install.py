@@ -371,6 +371,27 @@ def test_a_link_out_of_the_root_is_never_followed(fixture_root: Path, tmp_path: 
     assert not (fixture_root / "etc/systemd").exists()
 
 
+@pytest.mark.parametrize("name", ["etc/group", "etc/gshadow"])
+def test_a_group_file_that_is_a_link_out_of_the_root_is_refused(
+        fixture_root: Path, tmp_path: Path, name: str) -> None:
+    """``etc/group -> /etc/group`` in a tree being built: its text was read from the host
+    and written, with the new group, into the tree. Now the link is what it is: refused."""
+    outside = tmp_path / "outside-group"
+    outside.write_text("root:x:0:\nbuilder:x:4242:\n")
+    target = fixture_root / name
+    target.unlink(missing_ok=True)
+    target.symlink_to(outside)
+    before = sorted((p.relative_to(fixture_root), p.is_symlink())
+                    for p in fixture_root.rglob("*"))
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.endswith(f"{target} is a link out of {fixture_root} (to {outside}): "
+                                "cannot add the group to it\n"), proc.stderr
+    assert target.is_symlink() and outside.read_text() == "root:x:0:\nbuilder:x:4242:\n"
+    assert sorted((p.relative_to(fixture_root), p.is_symlink())
+                  for p in fixture_root.rglob("*")) == before
+
+
 def test_group_files_keep_their_mode_and_owner(fixture_root: Path) -> None:
     gshadow = fixture_root / "etc/gshadow"
     gshadow.write_text("root:*::\nkvm:!::\ngpuwatch:!::\n")  # left by an earlier groupdel

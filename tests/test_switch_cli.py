@@ -129,6 +129,8 @@ def test_mode_refused_names_the_holders(cli: Run, sim: SimKernel) -> None:
     (["mode", "vfio", "--addr", NV, "--vendor", "0x10de"], 2, "not allowed with"),
     (["mode", "host"], 2, "invalid choice"),
     (["mode", "vfio", "--timeout", "0"], 2, "must be positive"),
+    (["mode", "vfio", "--timeout", "1e300"], 2, "must be at most 604800 (a week)"),
+    (["recover", "--timeout", "1e12"], 2, "must be at most 604800 (a week)"),
     (["plan", "vfio", "--addr", "0000:01:00.0;x"], 2, "not a PCI address"),
     (["recover", "--addr", "bad"], 2, "not a PCI address"),
     (["holders", "--vendor", "0x1002"], 1, "no card of vendor"),

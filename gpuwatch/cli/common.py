@@ -11,6 +11,7 @@ from typing import NoReturn
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
 # request was fine but the host said no (not found, not root, refused, failed), 2 the
 # request was wrong (bad flag, bad address, bad config).
+from gpuwatch.core.limits import MAX_SECONDS
 from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
@@ -68,6 +69,8 @@ def seconds(text: str, *, allow_zero: bool) -> float:
     if not (value >= 0 if allow_zero else value > 0):
         bound = "non-negative" if allow_zero else "positive"
         raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at most {MAX_SECONDS:g} (a week)")
     return value
 
 

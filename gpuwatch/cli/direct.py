@@ -57,7 +57,10 @@ def parse_direct(argv: Sequence[str]) -> tuple[str, dict[str, Any], str] | None:
         return None  # the full command says why, in its words
     if not direct_settings_plain():
         return None  # a config file's tables, or a setting the full command validates
-    root = values["--root"] if "--root" in values else root_in_force(None)
+    try:
+        root = values["--root"] if "--root" in values else root_in_force(None)
+    except GpuwatchError:
+        return None  # (a blank $GPUWATCH_ROOT) the full command says why
     if not os.path.isdir(root):
         return None
     if not _FLAGS & values.keys() and daemon_socket(root, values.get("--socket")) is not None:

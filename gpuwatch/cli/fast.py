@@ -48,6 +48,8 @@ _MODES = ("vfio", "nvidia")
 DEFAULT_VENDOR = "0x10de"
 #: Answered by the full command itself (its own limits, a live plan), never by the daemon.
 _LOCAL_ACTIONS = frozenset({"memlock", "plan"})
+#: The daemon's root (`gpuwatch.settings`): set, it is the full command's to read and check.
+ROOT_ENV = "GPUWATCH_ROOT"
 
 
 def _split(
@@ -388,6 +390,8 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
 
 def run_fast(argv: Sequence[str]) -> int | None:
     """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here."""
+    if ROOT_ENV in os.environ and "--root" not in argv:
+        return None  # the host it names may not be the one the default socket's daemon watches
     probe = parse_probe(argv)
     holders = parse_holders(argv) if probe is None else None
     plan = parse_plan(argv) if probe is None and holders is None else None

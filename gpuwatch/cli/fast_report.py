@@ -20,6 +20,7 @@ from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK
 from gpuwatch.cli.fast import (
+    ROOT_ENV,
     _split,
     ask,
     ask_many,
@@ -45,11 +46,12 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import listed_boot_vga
+from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
-CONFIG_ENV, ROOT_ENV = "GPUWATCH_CONFIG", "GPUWATCH_ROOT"
+CONFIG_ENV = "GPUWATCH_CONFIG"
 DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
 
 
@@ -91,8 +93,8 @@ def _plain(argv: list[str], command: str, options: frozenset[str]
     values = split[1]
     if os.environ.get(CONFIG_ENV) or os.path.isfile(DEFAULT_CONFIG_PATH):
         return None  # a config file's tables (and root): the full command reads it
-    if "--root" not in values and os.environ.get(ROOT_ENV, "").strip():
-        return None
+    if "--root" not in values and ROOT_ENV in os.environ:
+        return None  # the full command reads it (and refuses a blank one)
     return values, values.get("--root", "/"), values.get("--socket")
 
 
@@ -238,7 +240,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
     return {
         "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
                               groups.real),
-        "vfio_pci_loaded": os.path.isdir(os.path.join(remote.root, "sys/module", "vfio_pci")),
+        "vfio_pci_loaded": os.path.isdir(os.path.join(tree_dir(remote.root, "sys"),
+                                                    "module/vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),
         "memlock": _memlock(),
         "gpus": gpus,

@@ -20,7 +20,14 @@ from typing import TextIO
 
 import anyio
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_root_args, fail
+from gpuwatch.cli.common import (
+    EXIT_FAILURE,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_root_args,
+    check_root,
+    fail,
+)
 from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
 from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
@@ -187,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.root is not None:  # as every command: a root that is no folder is a usage error
+        check_root(args.root)
     try:
         source = open_source(args.source, args.root)
         source.start()

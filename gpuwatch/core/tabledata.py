@@ -16,15 +16,21 @@ TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_varian
 _ID_RE = re.compile(r"(?:0x)?([0-9a-f]{4}):(?:0x)?([0-9a-f]{4})")
 
 
+_HEX_RE = re.compile(r"(?:0x)?([0-9a-f]{1,8})")
+
+
 def hex_key(key: object) -> str:
-    """YAML turns an unquoted 0x10de into the int 4318; give the user the key they meant."""
+    """YAML turns an unquoted 0x10de into the int 4318; give the user the key they meant,
+    spelled as the model spells ids (``0x10de``; ``10DE`` too). Anything else is no id: a
+    key that could never match is refused, not kept to do nothing."""
     if isinstance(key, bool):
         raise ValueError(f"{key!r} is not a hex id")
-    if isinstance(key, int):
+    if isinstance(key, int) and key >= 0:
         return f"0x{key:04x}"
-    if isinstance(key, str):
-        return key.strip().lower()
-    raise ValueError(f"{key!r} is not a hex id")
+    match = _HEX_RE.fullmatch(key.strip().lower()) if isinstance(key, str) else None
+    if match is None:
+        raise ValueError(f"{key!r} is not a hex id (like 0x10de)")
+    return "0x" + match.group(1)
 
 
 def hex_keyed(value: Mapping[Any, Any]) -> dict[str, Any]:

@@ -54,6 +54,9 @@ class Tables(BaseModel):
         for pattern in value:
             if not pattern.startswith("/dev/"):
                 raise ValueError(f"pattern {pattern!r} must start with /dev/")
+            if any(part in (".", "..") for part in pattern.split("/")):
+                # `/dev/../etc/passwd`: a pattern names device nodes, in /dev, nothing else.
+                raise ValueError(f"pattern {pattern!r} must stay in /dev/ (no . or .. parts)")
         return value
 
     @field_validator("gpu_vendors", "pci_class_labels", mode="before")

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from gpuwatch.hostfs.files import read_attr, read_bytes, write_atomic
+from gpuwatch.hostfs.files import in_tree, place_in_root, read_attr, read_bytes, write_atomic
 
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 #: Such a file holds a few entries; one longer than this is not ours.
@@ -23,7 +23,7 @@ DEFAULT_STOPPED_FILE = "var/lib/gpuwatch/stopped.json"
 
 
 def boot_id(root: str) -> str:
-    return read_attr(os.path.join(root, BOOT_ID_FILE))
+    return read_attr(in_tree(root, BOOT_ID_FILE))
 
 
 def read_record(path: str, boot: str) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def write_record(path: str, data: dict[str, Any]) -> None:
 def stopped_services(root: str) -> frozenset[str]:
     """The units a switch stopped in this boot and nobody has started again through a
     switch since (``nvidia-persistenced``): the switch back to nvidia starts them."""
-    data = read_record(os.path.join(root, DEFAULT_STOPPED_FILE), boot_id(root))
+    data = read_record(in_tree(root, DEFAULT_STOPPED_FILE), boot_id(root))
     units = data.get("services")
     if not isinstance(units, list):
         return frozenset()
@@ -57,7 +57,7 @@ def stopped_services(root: str) -> frozenset[str]:
 def set_service_stopped(root: str, unit: str, stopped: bool) -> None:
     """Remember (or forget) that a switch stopped ``unit``; `OSError` when it cannot be
     written (then the switch back does not start it: the caller says so)."""
-    path = os.path.join(root, DEFAULT_STOPPED_FILE)
+    path = place_in_root(root, DEFAULT_STOPPED_FILE)
     units = set(stopped_services(root))
     if (unit in units) == stopped:
         return

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 
-from gpuwatch.hostfs.files import in_root, read_attr
+from gpuwatch.hostfs.files import in_root, read_attr, tree_dir
 
 
 def listed_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str] | None:
     """Those of ``addrs`` whose ``boot_vga`` is 1, each read through its bus entry; None
     when one has no entry (a capture without the listing: the scan walks ``sys/devices``)."""
-    bus = os.path.join(root, "sys/bus/pci/devices")
+    bus = os.path.join(tree_dir(root, "sys"), "bus/pci/devices")
     entries = [(a, in_root(root, f"{bus}/{a}")) for a in addrs]
     if not all(os.path.lexists(entry) for _, entry in entries):
         return None

@@ -50,6 +50,7 @@ from gpuwatch.hostfs.files import (
     read_bytes,
     read_text,
     small_count,
+    tree_dir,
 )
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
 from gpuwatch.hostfs.scan import (
@@ -102,7 +103,7 @@ class ProcScan:
 def scan_procs(root: str, scope: NodeScope, *,
                deadline: float = DEFAULT_PROC_DEADLINE) -> ProcScan:
     """Read every process's comm, fds and maps, all within ``deadline`` (`read_each`)."""
-    proc = os.path.join(root, "proc")
+    proc = tree_dir(root, "proc")
 
     def read(pid: int) -> tuple[str, set[str], int]:
         comm = read_comm(proc, pid)
@@ -146,7 +147,8 @@ def persistenced_running(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) 
 
 def nvidia_minor(root: str, addr: str) -> int | None:
     """This card's ``/dev/nvidiaN`` from the driver's own ``information`` file."""
-    text = read_text(os.path.join(root, "proc/driver/nvidia/gpus", addr, "information"))
+    text = read_text(os.path.join(tree_dir(root, "proc"), "driver/nvidia/gpus", addr,
+                                  "information"))
     m = _MINOR_RE.search(text or "")
     return int(m.group(1)) if m else None
 
@@ -319,7 +321,7 @@ _alias_cache: dict[str, tuple[tuple[int, int], tuple[VfioAlias, ...]]] = {}
 def modules_alias_path(paths: HostPaths) -> str:
     """``lib/modules/<release>/modules.alias`` for the release in ``proc/sys/kernel/osrelease``
     (``""`` when the release is unreadable or not a plain name)."""
-    release = read_attr(os.path.join(paths.root, "proc/sys/kernel/osrelease"))
+    release = read_attr(os.path.join(paths.proc, "sys/kernel/osrelease"))
     if not release or "/" in release or release in (".", "..") or not release.isprintable():
         return ""
     # ``lib`` is a link to ``usr/lib`` on merged-/usr systems, spelled absolute on some.

@@ -159,6 +159,10 @@ def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
             os.close(dfd)
 
 
+#: Where a path whose links loop leads: a name no tree holds, so every read finds nothing.
+NOWHERE = ".gpuwatch-no-such-place"
+
+
 def in_root(root: str, path: str) -> str:
     """``path`` itself, or, when it is a link spelled absolute (``/sys/devices/…``), the place
     under ``root`` it names: a copied tree may hold the kernel's relative links so, and as
@@ -185,7 +189,7 @@ def rooted_target(root: str, path: str, target: str) -> str:
     try:
         return resolve_in_root(top, os.path.abspath(path), follow_last=True)
     except (OSError, ValueError):  # a chain of links past any bound: nothing to read there
-        return os.path.join(top, ".gpuwatch-no-such-place")
+        return os.path.join(top, NOWHERE)
 
 
 def link_in_root(root: str, path: str) -> tuple[str, str]:
@@ -249,10 +253,29 @@ def in_tree(root: str, rel: str) -> str:
     ``var/run`` is a link to ``/run`` (and ``lib`` may be one to ``/usr/lib``), which, with
     the host's root mounted at ``/host`` and ``--root /host``, would otherwise lead to the
     ``/run`` of the container running gpuwatch. ``""`` when the links loop."""
+    top = os.path.abspath(root)  # a root given relative (``./host``) is that folder
     try:
-        return resolve_in_root(root, os.path.join(root, rel.lstrip("/")), follow_last=True)
+        return resolve_in_root(top, os.path.join(top, rel.lstrip("/")), follow_last=True)
     except (OSError, ValueError):
         return ""
+
+
+def tree_dir(root: str, rel: str) -> str:
+    """`in_tree` for a folder every read goes through (``sys``, ``proc``, ``dev``): the root's
+    own link there is read as in a chroot too. A fixture whose ``sys`` is a link to ``/sys``
+    leads back to itself (nowhere), never to the sysfs of the host running us."""
+    return in_tree(root, rel) or os.path.join(os.path.abspath(root), NOWHERE)
+
+
+def place_in_root(root: str, rel: str) -> str:
+    """``root/rel`` for a write: every link on the way read as in a chroot at ``root``, the
+    last name left as it is (the write opens it without following, or renames over it).
+    A path whose links loop leads nowhere (`NOWHERE`): the write fails there, in the tree."""
+    top = os.path.abspath(root)
+    try:
+        return resolve_in_root(top, os.path.join(top, rel.lstrip("/")))
+    except (OSError, ValueError):
+        return os.path.join(top, NOWHERE, rel.lstrip("/"))
 
 
 def uevent_value(directory: str, key: str) -> str:

@@ -19,7 +19,15 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
-from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr
+from gpuwatch.hostfs.files import (
+    NOWHERE,
+    in_root,
+    in_tree,
+    list_dir,
+    present,
+    read_attr,
+    tree_dir,
+)
 
 #: The name VFIO gives the group it makes for a device on a host without an IOMMU.
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
@@ -44,7 +52,7 @@ def read_iommu_groups(root: str) -> IommuGroups:
     """Every entry of ``sys/kernel/iommu_groups`` under ``root``, by its ``name``. Only groups
     that were given one have it (VFIO's no-IOMMU groups): each is asked first, as a failed
     read costs an exception, and a host with a group per function has a thousand."""
-    base = in_root(root, os.path.join(root, "sys/kernel/iommu_groups"))
+    base = in_root(root, os.path.join(tree_dir(root, "sys"), "kernel/iommu_groups"))
     noiommu: set[int] = set()
     real = False
     for entry in list_dir(base):
@@ -67,7 +75,7 @@ def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
     which no probe answers, the file system's."""
 
     def under(node: str) -> str:
-        return in_root(root, os.path.join(root, node.lstrip("/")))
+        return in_tree(root, node) or os.path.join(root, NOWHERE)
 
     present = bool(vfio_node) and os.path.exists(under(vfio_node))
     nodes = vfio_open_nodes(vfio_node, present, iommufd, cdevs)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from gpuwatch.core.results import Holder, MemlockResult
-from gpuwatch.hostfs.files import list_dir, read_bytes
+from gpuwatch.hostfs.files import list_dir, read_bytes, tree_dir
 
 T = TypeVar("T")
 
@@ -172,7 +172,7 @@ def holders(root: str, matches: Callable[[str], bool], *,
                                                                list[tuple[int, str]]]:
     """``(pid, comm, node)`` for every fd whose target ``matches``, sorted by pid then node,
     and ``(pid, comm)`` of every process whose fds could not be read within ``deadline``."""
-    proc = os.path.join(root, "proc")
+    proc = tree_dir(root, "proc")
 
     def read(pid: int) -> list[str]:
         return sorted({t for t in fd_targets(proc, pid) if matches(t)})

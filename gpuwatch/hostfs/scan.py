@@ -42,6 +42,7 @@ from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.bootvga import listed_boot_vga
 from gpuwatch.hostfs.files import (
+    NOWHERE,
     driver_name,
     group_name,
     in_root,
@@ -56,6 +57,7 @@ from gpuwatch.hostfs.files import (
     resolve_in_root,
     rooted_target,
     small_count,
+    tree_dir,
 )
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
@@ -120,14 +122,16 @@ class HostPaths:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        self.sys = os.path.join(self.root, "sys")
+        # The root's own links read as in a chroot (`tree_dir`): never the host's sysfs.
+        self.sys = tree_dir(self.root, "sys")
         self.bus_pci = os.path.join(self.sys, "bus/pci/devices")
         self.class_drm = os.path.join(self.sys, "class/drm")
         self.module = os.path.join(self.sys, "module")
         self.iommu_groups = os.path.join(self.sys, "kernel/iommu_groups")
         self.class_iommu = os.path.join(self.sys, "class/iommu")
-        self.dev = os.path.join(self.root, "dev")
-        self.cmdline = os.path.join(self.root, "proc/cmdline")
+        self.dev = tree_dir(self.root, "dev")
+        self.proc = tree_dir(self.root, "proc")
+        self.cmdline = os.path.join(self.proc, "cmdline")
         #: Function directory → (st_dev, st_ino, vendor, device, class, is a PF, physfn,
         #: boot_vga) from its
         #: last full read.
@@ -161,8 +165,10 @@ class HostPaths:
         return self._stable_inodes
 
     def under(self, host_path: str) -> str:
-        """``/dev/kvm`` → ``<root>/dev/kvm``."""
-        return os.path.join(self.root, host_path.lstrip("/"))
+        """``/dev/kvm`` → ``<root>/dev/kvm``, every link on the way (the node's own too) read
+        as in a chroot at the root: a link spelled absolute leads into the tree, never to
+        this host's node."""
+        return in_tree(self.root, host_path) or os.path.join(self.root, NOWHERE)
 
 
 # --------------------------------------------------------------------------- PCI
@@ -1000,15 +1006,15 @@ def scan_nodes(paths: HostPaths, tables: TablesView) -> NodesSeen:
     """Every device path matching a pattern, plus the VFIO nodes: ``/dev/vfio/<N>`` groups,
     ``/dev/vfio/devices/vfio<N>`` device cdevs and ``/dev/iommu``."""
     found: dict[str, NodeStat] = {}
-    escaped_root = glob.escape(paths.root)
-    for pattern in tables.device_patterns:
+    escaped_dev = glob.escape(paths.dev)
+    for pattern in tables.device_patterns:  # each "/dev/…", no "." or ".." part (`Tables`)
         if not glob.has_magic(pattern):  # one path (/dev/kvm): its stat says it all
             st = node_stat(paths, pattern)
             if st is not None:
                 found[pattern] = st
             continue
-        for hit in glob.glob(escaped_root + pattern):
-            host_path = hit[len(paths.root) :]
+        for hit in glob.glob(escaped_dev + pattern[len("/dev"):]):
+            host_path = "/dev" + hit[len(paths.dev) :]
             st = node_stat(paths, host_path)
             if st is not None:
                 found[host_path] = st

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from gpuwatch.hostfs.files import read_bytes
+from gpuwatch.hostfs.files import read_bytes, tree_dir
 from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, pids, read_comm, read_each
 
 _log = logging.getLogger("gpuwatch.switch")
@@ -115,7 +115,7 @@ def _stack_hit(proc: str, pid: int) -> tuple[bool, str, str]:
 def scan_wedge(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> WedgeScan:
     """Every task in D state whose kernel stack shows the nvidia remove path; all of it
     within ``deadline`` (a stack read can block too: that task is counted unreadable)."""
-    proc = os.path.join(root, "proc")
+    proc = tree_dir(root, "proc")
     stuck: list[tuple[int, str, str]] = []
     removing: list[tuple[int, str, str]] = []
     seen, timed_out = read_each(pids(proc), lambda pid: _stack_hit(proc, pid),

@@ -332,10 +332,12 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def inspect_path(path: str, *, folder: bool = False) -> tuple[str | None, str | None]:
+def inspect_path(path: str, *, folder: bool = False,
+                 inside: str | None = None) -> tuple[str | None, str | None]:
     """``(text, odd)`` of what stands at ``path``: the text of a regular file (links
     followed; ``""`` for a directory when ``folder``), else None and, unless nothing is
-    there, what it is.
+    there, what it is. With ``inside`` (a tree being installed into), a link that leads
+    out of it is what it is, not the host's file it names (``etc/group -> /etc/group``).
 
     Opened without blocking and only when regular: a FIFO planted where the unit goes must
     not hang the installer, and a device node's open runs its driver."""
@@ -353,6 +355,10 @@ def inspect_path(path: str, *, folder: bool = False) -> tuple[str | None, str | 
             st = os.stat(path)
         except OSError:
             return None, f"a link to {target}, which does not exist"
+        if inside is not None:
+            top, lands = os.path.realpath(inside), os.path.realpath(path)
+            if os.path.commonpath([top, lands]) != top:
+                return None, f"a link out of {inside} (to {target})"
     if stat.S_ISDIR(st.st_mode):
         return ("", None) if folder else (None, "a directory")
     for test, what in _KINDS:
@@ -376,7 +382,8 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
     odd: dict[str, str] = {}
     files = [UNIT_FILE, RULES_FILE, CONFIG_FILE] + ([] if host else [GROUP_FILE, GSHADOW_FILE])
     for path in [*files, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]:
-        existing[path], what = inspect_path(under(root, path), folder=path not in files)
+        existing[path], what = inspect_path(under(root, path), folder=path not in files,
+                                            inside=None if host else root)
         if what is not None:
             odd[path] = what
     wants: list[str] = []

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuwatch.core.results import DetectVfioResult, PciFunction
 from gpuwatch.core.tables import Tables
+from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.service.client import Client
 
 
@@ -58,7 +59,7 @@ class RemoteModel:
 
     def module_loaded(self, name: str) -> bool:
         # Module state is not in any probe answer; sysfs says it directly and cheaply.
-        return os.path.isdir(os.path.join(self.root, "sys/module", name))
+        return os.path.isdir(os.path.join(tree_dir(self.root, "sys"), "module", name))
 
 
 __all__ = ["RemoteModel"]

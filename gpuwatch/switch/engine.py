@@ -98,6 +98,7 @@ from gpuwatch.hostfs.facts import (
     model_facts,
     scan_holders,
 )
+from gpuwatch.hostfs.files import place_in_root
 from gpuwatch.hostfs.scan import CDI_SPECS, cdi_spec_exists, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
@@ -1196,7 +1197,7 @@ class SwitchEngine:
 
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
-        folder = os.path.join(self.root, _LOCK_DIR)
+        folder = place_in_root(self.root, _LOCK_DIR)
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
@@ -1225,7 +1226,7 @@ class SwitchEngine:
     def _host_flock(self) -> int:
         """The host-wide lock, shared by every switch under way in any process; a switch
         that unloads the nvidia module takes it alone (`_host_exclusive`)."""
-        fd = self._open_lock(os.path.join(self.root, _LOCK_DIR, _HOST_LOCK))
+        fd = self._open_lock(os.path.join(place_in_root(self.root, _LOCK_DIR), _HOST_LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:

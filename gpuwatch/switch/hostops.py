@@ -27,7 +27,7 @@ import anyio.to_thread
 
 from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
 from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
-from gpuwatch.hostfs.files import resolve_in_root
+from gpuwatch.hostfs.files import resolve_in_root, tree_dir
 from gpuwatch.sources import EventSource
 
 _ADDR = PCI_ADDR_PATTERN
@@ -249,7 +249,9 @@ def _unescape_mount(text: str) -> str:
 def is_real_sysfs(root: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """True when ``<root>/sys`` is a mounted sysfs: ``root`` is a view of a live host (``/``,
     or the host's root mounted into a container), not a fixture tree."""
-    want = os.path.realpath(os.path.join(root, "sys"))
+    # Its own link read as in a chroot (`tree_dir`): a fixture whose ``sys`` is a link to
+    # ``/sys`` is no view of this host, and may never run a command on it.
+    want = os.path.realpath(tree_dir(root, "sys"))
     try:
         with open(mountinfo, encoding="utf-8", errors="replace") as fh:
             lines = fh.readlines()

@@ -22,6 +22,7 @@ from gpuwatch.core.pci import PCI_ADDR_RE
 from gpuwatch.core.plan import PoisonKey
 from gpuwatch.hostfs.bootstate import BOOT_ID_FILE, read_record, write_record
 from gpuwatch.hostfs.bootstate import boot_id as read_boot_id
+from gpuwatch.hostfs.files import place_in_root
 
 #: Default location, under the host root (tests keep it inside their tmp root).
 DEFAULT_POISON_FILE = "var/lib/gpuwatch/poison.json"
@@ -42,7 +43,7 @@ class PoisonStore:
 
     def __init__(self, root: str, path: str | os.PathLike[str] | None = None) -> None:
         self.root = os.path.abspath(root)
-        self.path = os.fspath(path) if path is not None else os.path.join(
+        self.path = os.fspath(path) if path is not None else place_in_root(
             self.root, DEFAULT_POISON_FILE)
 
     def boot_id(self) -> str:
