@@ -547,6 +547,27 @@ async def test_a_client_that_asks_much_at_once_and_reads_gets_every_reply(
         await c.aclose()
 
 
+async def test_a_subscriber_that_asks_much_and_never_reads_gets_its_resume_point(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """Its requests wait while half its output is unread; after the stall timeout it is cut
+    off as a subscriber is: with the `lagged` line naming where to resume."""
+    async with daemon(host, sockdir, tmp_path, outbox_limit=16 << 10,
+                      stall_timeout=0.5) as served:
+        c = await Raw.connect(served.path)
+        assert (await c.request("subscribe"))["result"]["seq"] == 1
+        await c.send(b"".join(P.encode_request(i, "snapshot") for i in range(1, 61)))
+        with anyio.fail_after(10):
+            while not served.server.lag_drops:
+                await anyio.sleep(0.05)
+        lines = [json.loads(line) for line in (await c.eof()).splitlines()]
+        await c.aclose()
+    answered = [x["id"] for x in lines if "id" in x]
+    assert answered == list(range(1, len(answered) + 1)) and len(answered) < 60
+    assert lines[-1] == {"type": "lagged", "missed": 0, "first_missed_seq": 2,
+                         "resume_since_seq": 1, "outbox_limit": 16 << 10}
+
+
 async def _read_to_eof(c: Raw, into: list[bytes]) -> None:
     into.append(await c.eof(timeout=20))
 

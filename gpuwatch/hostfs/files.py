@@ -261,9 +261,10 @@ def in_tree(root: str, rel: str) -> str:
 
 
 def tree_dir(root: str, rel: str) -> str:
-    """`in_tree` for a folder every read goes through (``sys``, ``proc``, ``dev``): the root's
-    own link there is read as in a chroot too. A fixture whose ``sys`` is a link to ``/sys``
-    leads back to itself (nowhere), never to the sysfs of the host running us."""
+    """`in_tree` for a place every read goes through (``sys``, ``proc``, ``dev``, a node to
+    stat), with a path where nothing is (`NOWHERE`) instead of ``""`` when the links loop.
+    The root's own link is read as in a chroot too: a fixture whose ``sys`` is a link to
+    ``/sys`` leads back to itself (nowhere), never to the sysfs of the host running us."""
     return in_tree(root, rel) or os.path.join(os.path.abspath(root), NOWHERE)
 
 

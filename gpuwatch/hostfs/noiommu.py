@@ -20,9 +20,7 @@ from typing import NamedTuple
 
 from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
 from gpuwatch.hostfs.files import (
-    NOWHERE,
     in_root,
-    in_tree,
     list_dir,
     present,
     read_attr,
@@ -75,7 +73,7 @@ def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
     which no probe answers, the file system's."""
 
     def under(node: str) -> str:
-        return in_tree(root, node) or os.path.join(root, NOWHERE)
+        return tree_dir(root, node)
 
     present = bool(vfio_node) and os.path.exists(under(vfio_node))
     nodes = vfio_open_nodes(vfio_node, present, iommufd, cdevs)

@@ -42,7 +42,6 @@ from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.bootvga import listed_boot_vga
 from gpuwatch.hostfs.files import (
-    NOWHERE,
     driver_name,
     group_name,
     in_root,
@@ -168,7 +167,7 @@ class HostPaths:
         """``/dev/kvm`` → ``<root>/dev/kvm``, every link on the way (the node's own too) read
         as in a chroot at the root: a link spelled absolute leads into the tree, never to
         this host's node."""
-        return in_tree(self.root, host_path) or os.path.join(self.root, NOWHERE)
+        return tree_dir(self.root, host_path)
 
 
 # --------------------------------------------------------------------------- PCI

@@ -926,6 +926,9 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         with anyio.move_on_after(self.server.stall_timeout):
             await self._drained()
             return
+        if self.sub is not None:  # a subscriber: its `lagged` line, which says where to resume
+            self.lag(self.last_seq + 1, 0)
+            return
         self.server.client_log.warning(
             "disconnecting %s: %d bytes of replies unread for %g s (client stopped reading)",
             self.peer.describe(), self.buffered(), self.server.stall_timeout)
