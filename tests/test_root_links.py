@@ -49,7 +49,7 @@ def test_top_links_to_this_hosts_folders_lead_back_into_the_tree(tmp_path: Path)
     """``sys -> /sys`` names the tree's own ``sys`` in a chroot: a loop, so nothing. Neither
     the host's sysfs nor its /dev is read, and the tree is no live host to run commands on."""
     root = linked_root(tmp_path, {"sys": "/sys", "proc": "/proc", "dev": "/dev"})
-    assert tree_dir(str(root), "sys") == os.path.join(str(root), NOWHERE)
+    assert tree_dir(str(root), "sys") == NOWHERE
     assert is_real_sysfs(str(root)) is False
     model = gpuwatch.scan(str(root))
     assert model.functions() == []
@@ -82,10 +82,17 @@ def test_switch_records_are_written_in_the_tree_whatever_its_links_spell(
     assert Path(store.path).is_relative_to(root)
 
 
-def test_a_write_place_whose_links_loop_stays_in_the_tree(tmp_path: Path) -> None:
-    root = linked_root(tmp_path, {"var": "/var"})  # var names itself
-    place = place_in_root(str(root), "var/lib/gpuwatch/poison.json")
-    assert place.startswith(str(root) + "/" + NOWHERE + "/")
+def test_a_write_whose_links_loop_fails_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """``var`` naming itself: the write fails (ENOTDIR), and makes no folder anywhere that a
+    later read of another looping path could find (a node would then seem present)."""
+    root = linked_root(tmp_path, {"var": "/var", "dev": "/dev"})  # each names itself
+    place = place_in_root(str(root), "var/lib/gpuwatch/stopped.json")
+    assert place.startswith(NOWHERE + "/")
+    with pytest.raises(NotADirectoryError):
+        set_service_stopped(str(root), "nvidia-persistenced.service", True)
+    assert sorted(p.name for p in root.iterdir()) == ["dev", "var"]
+    assert stopped_services(str(root)) == frozenset()
+    assert gpuwatch.scan(str(root)).probe("detect-host-devices").devices == ()
 
 
 def test_a_root_given_relative_is_the_folder_it_names(

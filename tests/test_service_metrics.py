@@ -390,7 +390,8 @@ def _get(app: Any, query: str = "", accept: str = "") -> tuple[str, bytes]:
 
 def test_scrapers_that_come_together_share_one_render() -> None:
     """Sixteen scrapers at once were sixteen renders, each holding the interpreter the event
-    loop needs (a probe then waited 50-600 ms): one renders now, the rest take its answer."""
+    loop needs (a probe then waited 50-600 ms). Requests that all came before a render began
+    share it (here the clock stands still, so all of them came before the first)."""
     from gpuwatch.service.metrics import _SharedRenders
 
     inner = _CountingApp(delay=0.05)
@@ -424,3 +425,20 @@ def test_a_render_is_shared_only_with_requests_that_came_before_it_began() -> No
     for i in range(2 * RENDERS_KEPT):  # request shapes a client makes up are not all kept
         _get(app, query=f"name[]=x{i}")
     assert len(app._renders) == RENDERS_KEPT
+
+
+def test_each_request_gets_its_own_header_list() -> None:
+    """wsgiref adds to the header list it is given (Content-Length): a shared render's list
+    handed to every request would be changed by one thread while another reads it."""
+    from gpuwatch.service.metrics import _SharedRenders
+
+    app = _SharedRenders(_CountingApp(), clock=lambda: 0.0)
+    lists: list[list[tuple[str, str]]] = []
+    for _ in range(2):
+        b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics"},
+                     lambda status, headers: lists.append(headers)))
+    assert lists[0] == lists[1] == [("Content-Type", "text/plain")]
+    assert lists[0] is not lists[1]
+    lists[0].append(("Content-Length", "9"))
+    assert _get(app) == ("200 OK", b"render 1 for \n")
+    assert lists[1] == [("Content-Type", "text/plain")]

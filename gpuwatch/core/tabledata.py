@@ -34,8 +34,16 @@ def hex_key(key: object) -> str:
 
 
 def hex_keyed(value: Mapping[Any, Any]) -> dict[str, Any]:
-    """A table keyed by PCI ids, every key in `hex_key` spelling."""
-    return {hex_key(k): v for k, v in value.items()}
+    """A table keyed by PCI ids, every key in `hex_key` spelling. Two spellings of one id
+    (``0x10de`` and ``"10DE"``) are one key given twice: refused, not settled silently."""
+    out: dict[str, Any] = {}
+    spelled: dict[str, object] = {}
+    for key, item in value.items():
+        name = hex_key(key)
+        if name in out:
+            raise ValueError(f"{spelled[name]!r} and {key!r} are the same id, {name}")
+        out[name], spelled[name] = item, key
+    return out
 
 
 def device_id_key(text: object) -> str:

@@ -159,8 +159,10 @@ def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
             os.close(dfd)
 
 
-#: Where a path whose links loop leads: a name no tree holds, so every read finds nothing.
-NOWHERE = ".gpuwatch-no-such-place"
+#: Where a path whose links loop leads: under a file that is no folder (``/dev/null``), so
+#: every read there fails (ENOTDIR) and so does every write, a ``makedirs`` included: no
+#: tree can hold it, nor be made to by a write that lands there.
+NOWHERE = os.path.join(os.devnull, ".gpuwatch-links-loop")
 
 
 def in_root(root: str, path: str) -> str:
@@ -189,7 +191,7 @@ def rooted_target(root: str, path: str, target: str) -> str:
     try:
         return resolve_in_root(top, os.path.abspath(path), follow_last=True)
     except (OSError, ValueError):  # a chain of links past any bound: nothing to read there
-        return os.path.join(top, NOWHERE)
+        return NOWHERE
 
 
 def link_in_root(root: str, path: str) -> tuple[str, str]:
@@ -265,18 +267,18 @@ def tree_dir(root: str, rel: str) -> str:
     stat), with a path where nothing is (`NOWHERE`) instead of ``""`` when the links loop.
     The root's own link is read as in a chroot too: a fixture whose ``sys`` is a link to
     ``/sys`` leads back to itself (nowhere), never to the sysfs of the host running us."""
-    return in_tree(root, rel) or os.path.join(os.path.abspath(root), NOWHERE)
+    return in_tree(root, rel) or NOWHERE
 
 
 def place_in_root(root: str, rel: str) -> str:
     """``root/rel`` for a write: every link on the way read as in a chroot at ``root``, the
     last name left as it is (the write opens it without following, or renames over it).
-    A path whose links loop leads nowhere (`NOWHERE`): the write fails there, in the tree."""
+    A path whose links loop leads nowhere (`NOWHERE`): the write fails there (ENOTDIR)."""
     top = os.path.abspath(root)
     try:
         return resolve_in_root(top, os.path.join(top, rel.lstrip("/")))
     except (OSError, ValueError):
-        return os.path.join(top, NOWHERE, rel.lstrip("/"))
+        return os.path.join(NOWHERE, rel.lstrip("/"))
 
 
 def uevent_value(directory: str, key: str) -> str:

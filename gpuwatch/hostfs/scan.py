@@ -164,10 +164,11 @@ class HostPaths:
         return self._stable_inodes
 
     def under(self, host_path: str) -> str:
-        """``/dev/kvm`` → ``<root>/dev/kvm``, every link on the way (the node's own too) read
-        as in a chroot at the root: a link spelled absolute leads into the tree, never to
-        this host's node."""
-        return tree_dir(self.root, host_path)
+        """``/dev/kvm`` → ``<root>/dev/kvm``, through the tree's own ``dev`` (`tree_dir`, read
+        once): a string join, as a node uevent asks it each time."""
+        if host_path.startswith("/dev/"):
+            return self.dev + host_path[len("/dev"):]
+        return os.path.join(self.root, host_path.lstrip("/"))
 
 
 # --------------------------------------------------------------------------- PCI

@@ -175,12 +175,12 @@ _Render = tuple[float, str, list[tuple[str, str]], bytes]
 
 
 class _SharedRenders:
-    """prometheus_client's WSGI app, one render at a time, and a render shared by the
-    requests that arrived before it began (they waited for it). On a host of thousands of
-    functions a render takes a tenth of a second of the interpreter the event loop needs:
-    sixteen scrapers at once were sixteen renders, and the loop (probes, the socket) got a
-    seventeenth of it. Now it shares it with one render at most, and no answer is older than
-    its request."""
+    """prometheus_client's WSGI app, one render at a time, and a render shared by every
+    request that arrived before it began (they waited for the one before to end). On a host
+    of thousands of functions a render takes a tenth of a second of the interpreter the
+    event loop needs: sixteen scrapers at once were sixteen renders, and the loop (probes,
+    the socket) got a seventeenth of it. Now it shares it with one render at most, and no
+    answer is older than its request."""
 
     def __init__(self, app: Callable[..., Any], clock: Callable[[], float] = time.monotonic,
                  ) -> None:
@@ -205,7 +205,7 @@ class _SharedRenders:
                     del self._renders[next(iter(self._renders))]  # the oldest
                 self._renders[key] = render
         _, status, headers, body = render
-        start_response(status, headers)
+        start_response(status, list(headers))  # each its own: wsgiref adds to the list
         return [body]
 
     def _render(self, environ: dict[str, Any]) -> _Render:
