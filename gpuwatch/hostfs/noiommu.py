@@ -19,13 +19,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
-from gpuwatch.hostfs.files import (
-    in_root,
-    list_dir,
-    present,
-    read_attr,
-    tree_dir,
-)
+from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
 #: The name VFIO gives the group it makes for a device on a host without an IOMMU.
 NOIOMMU_GROUP_NAME = "vfio-noiommu"

@@ -1197,7 +1197,7 @@ class SwitchEngine:
 
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
-        folder = place_in_root(self.root, _LOCK_DIR)
+        folder = self._lock_dir()
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
@@ -1210,6 +1210,10 @@ class SwitchEngine:
             raise GroupBusy(f"{poison_subject(key)} is being switched by another "
                             "process") from None
         return fd
+
+    def _lock_dir(self) -> str:
+        """``run/gpuwatch`` in the tree, its links read as in a chroot (`place_in_root`)."""
+        return place_in_root(self.root, _LOCK_DIR)
 
     def _open_lock(self, path: str) -> int:
         try:
@@ -1226,7 +1230,7 @@ class SwitchEngine:
     def _host_flock(self) -> int:
         """The host-wide lock, shared by every switch under way in any process; a switch
         that unloads the nvidia module takes it alone (`_host_exclusive`)."""
-        fd = self._open_lock(os.path.join(place_in_root(self.root, _LOCK_DIR), _HOST_LOCK))
+        fd = self._open_lock(os.path.join(self._lock_dir(), _HOST_LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
