@@ -7,13 +7,17 @@ the metrics read the group by its endpoints."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from cli_helpers import run_main as cli
 
 import gpuwatch
+from gpuwatch.switch import hostops
+from gpuwatch.switch.hostops import Backend
 from gpuwatch.testing import SysRoot
+from gpuwatch.testing.simkernel import SimKernel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,3 +93,68 @@ def test_plan_and_mode_agree_the_group_is_in_mode(tmp_path: Path,
     assert {m["addr"]: m["target"] for m in plan["members"]}[PORT] == "pcieport"
     code, out, err = cli(capsys, "mode", "vfio", "--addr", GPU, *root)
     assert (code, err) == (0, "") and "nothing to do" in out
+
+
+@pytest.fixture
+def switch_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+               ) -> Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]:
+    """`gpuwatch` commands against a host whose kernel is simulated (never the real one)."""
+
+    def make(s: SysRoot) -> tuple[SimKernel, Callable[..., tuple[int, str, str]]]:
+        sim = SimKernel(s)
+
+        def backend(root: str) -> Backend:
+            assert Path(root).resolve() == s.root.resolve()  # never the real host
+            return Backend(sim, sim.new_source(), lambda: 0)
+
+        monkeypatch.setattr(hostops, "backend_factory", backend)
+
+        def run(*argv: str) -> tuple[int, str, str]:
+            return cli(capsys, *argv, "--root", str(s.root), "--no-daemon")
+
+        return sim, run
+
+    return make
+
+
+@pytest.mark.parametrize("port", ["pcieport", None])
+def test_a_group_with_its_port_switches_both_ways_leaving_the_port(
+        tmp_path: Path, port: str | None,
+        switch_cli: Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]
+) -> None:
+    """The group a consumer board gives its GPU (root port, display, audio): `mode` brings
+    the card to vfio-pci and back, completes, and never writes a thing for the port, which
+    stays where it was."""
+    s = bridge_host(tmp_path / "h", gpu="nvidia", audio="snd_hda_intel", port=port)
+    s.add_module("nvidia")
+    s.add_module("snd_hda_intel")
+    sim, run = switch_cli(s)
+    code, out, err = run("plan", "vfio", "--addr", GPU, "--json")
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["refused"] is None and plan["steps"]
+    assert {m["addr"]: m["target"] for m in plan["members"]}[PORT] == "pcieport"
+    for direction, drivers in (("vfio", ["vfio-pci", "vfio-pci"]),
+                               ("nvidia", ["nvidia", "snd_hda_intel"])):
+        code, out, err = run("mode", direction, "--addr", GPU, "--json", "--timeout", "5")
+        assert (code, err) == (0, ""), err
+        result = json.loads(out)
+        assert result["changed"] is True and result["to_mode"] == direction
+        members = {m["addr"]: m["driver"] for m in result["members"]}
+        assert [members[GPU], members[AUDIO]] == drivers
+        assert members[PORT] == (port or "")
+    assert sim.writes and not [w for w in sim.writes if PORT in w[0] or w[1] == PORT]
+
+
+def test_a_group_whose_bridge_is_on_another_driver_is_refused_naming_it(
+        tmp_path: Path,
+        switch_cli: Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]
+) -> None:
+    s = bridge_host(tmp_path / "h", gpu="nvidia", audio="snd_hda_intel", port="shpchp")
+    s.add_module("nvidia")
+    sim, run = switch_cli(s)
+    code, out, err = run("mode", "vfio", "--addr", GPU)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"gpuwatch: IOMMU group 1 also holds PCI bridge {PORT} (on shpchp): ")
+    assert "bind it to pcieport first" in err and len(err.splitlines()) == 1
+    assert sim.record == []

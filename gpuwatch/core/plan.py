@@ -18,11 +18,14 @@ from typing import Any, Literal, assert_never
 
 from gpuwatch.core.health import RECOVERY_STALE_AFTER, UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
+    BRIDGE_CLASS,
+    BRIDGE_DRIVER,
     VFIO_DRIVER,
     Mode,
     driver_key,
     group_in_mode,
     group_mode,
+    host_bridge,
     is_vfio_driver,
     parse_mode,
     same_driver,
@@ -51,7 +54,6 @@ EXAMPLE_GROUP = 1
 NVIDIA_DEPENDENTS = ("nvidia_drm", "nvidia_modeset", "nvidia_uvm", "nvidia_peermem")
 PERSISTENCED_UNIT = "nvidia-persistenced"
 CDI_OUTPUT = "etc/cdi/nvidia.yaml"
-BRIDGE_CLASS = "0x0604"
 AUDIO_CLASS = "0x0403"
 SND_DRIVER = "snd_hda_intel"
 NVIDIA_DRIVER = "nvidia"
@@ -445,7 +447,10 @@ def target_of(fn: PciFunction, mode: Mode, facts: HostFacts) -> VfioTarget:
 
 def satisfied(current: str, fn: PciFunction, target: VfioTarget, facts: HostFacts) -> bool:
     """Is a function on ``current`` where it should be? Any VFIO driver counts for a VFIO
-    target, unless that driver was asked for by name."""
+    target, unless that driver was asked for by name. A bridge left on pcieport, or on no
+    driver (`host_bridge`), is where every mode wants it: nothing is written for it."""
+    if target.driver == BRIDGE_DRIVER and fn.class_ == BRIDGE_CLASS:
+        return current in ("", BRIDGE_DRIVER)
     if not current:
         return False
     if same_driver(current, target.driver):
@@ -648,18 +653,26 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     stale = recovery_notes(fns, facts)
     if stale:
         base["notes"] = (*base.get("notes", ()), *stale)
+    # A bridge is never rebound: its unbind would tear down the port every function of the
+    # group hangs from.
     rebinds = tuple(fn.addr for fn in fns
-                    if recovering and rebind and needs_recovery(fn, facts))
+                    if recovering and rebind and not host_bridge(fn) and needs_recovery(fn, facts))
     base["rebinds"] = rebinds
     if not rebinds and all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
         return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
                                                f"already in mode {mode}: nothing to write")})
 
     group = display.iommu_group
-    bridges = [f.addr for f in fns if f.class_.startswith(BRIDGE_CLASS)]
+    # A bridge on pcieport (or none) stays there (`satisfied`): the kernel's VFIO takes the
+    # group with it. One on another driver would keep the group from VFIO, and vfio-pci never
+    # binds a bridge: say so rather than switch the endpoints into a group no VM can open.
+    bridges = [f"{f.addr} (on {f.driver})" for f in fns
+               if f.class_ == BRIDGE_CLASS and not host_bridge(f)]
     if bridges:
-        return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: the "
-                      "bridge stays on its host driver, so this group cannot be switched whole")
+        return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: a "
+                      f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "
+                      f"driver, and gpuwatch does not move bridges; bind it to {BRIDGE_DRIVER} "
+                      "first")
     with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
                 and (f.addr in rebinds or not satisfied(f.driver, f, chosen[f.addr], facts))]
     if with_vfs:
