@@ -390,9 +390,15 @@ def test_turing_desktop_root_port_shares_the_group(tmp_path: Path,
                                                       "0000:01:00.3"]
     # The iGPU has boot_vga 1 but is not the only display function: not kept.
     assert listed["0000:00:02.0"].kept_for_host is False
+    # The port stays on pcieport: the plan moves the card's four functions and nothing else.
     code, out, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", NV,
                        "--root", str(s.root))
-    assert code == 1 and "PCI bridge 0000:00:01.0" in out + err
+    assert (code, err) == (0, "")
+    overrides = [step["path"].split("/")[-2] for step in json.loads(out)["result"]
+                 if step["kind"] == "write" and step["path"].endswith("/driver_override")
+                 and step["value"] == "vfio-pci"]
+    assert overrides == [NV, "0000:01:00.1", "0000:01:00.2", "0000:01:00.3"]
+    assert "0000:00:01.0" not in out
 
 
 def test_turing_desktop_captured_answers_like_the_host(tmp_path: Path) -> None:

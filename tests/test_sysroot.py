@@ -266,6 +266,12 @@ def test_modules_kfd_iommu_vfio_cdi_proc_files(tmp_path: Path) -> None:
     assert os.path.realpath(r / "sys/class/iommu/dmar0") == str(
         r / "sys/devices/virtual/iommu/dmar0"
     )
+    s.add_iommu_unit("smmu3.0x0000000009050000", at="arm-smmu-v3.0.auto")
+    assert os.path.realpath(r / "sys/class/iommu/smmu3.0x0000000009050000") == str(
+        r / "sys/devices/platform/arm-smmu-v3.0.auto/iommu/smmu3.0x0000000009050000")
+    s.remove_iommu_unit("smmu3.0x0000000009050000")
+    assert not (r / "sys/devices/platform/arm-smmu-v3.0.auto/iommu/smmu3.0x0000000009050000"
+                ).exists()
 
     assert s.add_vfio_group(13, mode=0o660) == "/devices/virtual/vfio/13"
     assert stat.S_IMODE(os.stat(r / "dev/vfio/13").st_mode) == 0o660

@@ -956,10 +956,32 @@ def read_modules(paths: HostPaths) -> frozenset[str]:
 
 def read_iommu(paths: HostPaths) -> IommuSeen:
     enabled = bool(list_dir(paths.iommu_groups))
-    # A copy without the class links: the units where they lead (Intel's and the virtual
-    # ones in ``devices/virtual/iommu``).
-    units = list_dir(paths.class_iommu) or list_dir(paths.sys + "/devices/virtual/iommu")
+    units = list_dir(paths.class_iommu) or iommu_units_in_devices(paths.sys + "/devices")
     return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)))
+
+
+def iommu_units_in_devices(devices: str) -> list[str]:
+    """The hardware IOMMUs of a copy without the ``class/iommu`` links, where the kernel
+    registers them: Intel's DMAR units with no parent (``virtual/iommu/dmar0``), AMD's under
+    the IOMMU's own PCI function on a root bus (``pci0000:00/0000:00:00.2/iommu/ivhd0``), an
+    ARM SMMU under its platform device (``platform/arm-smmu-v3.0.auto/iommu/smmu3.0x…``, one
+    level deeper on a device-tree ``soc``). A few directory listings, not a walk."""
+    units = list_dir(devices + "/virtual/iommu")
+    if units:
+        return units
+    parents: list[str] = []
+    for top in list_dir(devices):
+        if top.startswith("pci"):
+            parents.extend(f"{devices}/{top}/{fn}" for fn in list_dir(f"{devices}/{top}")
+                           if is_pci_addr(fn))
+    for dev in list_dir(devices + "/platform"):
+        parents.append(f"{devices}/platform/{dev}")
+        if dev == "soc" or dev.startswith(("soc@", "soc.")):
+            parents.extend(f"{devices}/platform/{dev}/{sub}"
+                           for sub in list_dir(f"{devices}/platform/{dev}"))
+    for parent in parents:
+        units.extend(list_dir(parent + "/iommu"))
+    return units
 
 
 def iommu_kind(units: list[str], cmdline: str) -> str:

@@ -13,6 +13,17 @@ from pathlib import Path
 from gpuwatch.testing.sysroot import SysRoot
 
 NVIDIA, AMD, INTEL, ASPEED, MATROX, HPE = "0x10de", "0x1002", "0x8086", "0x1a03", "0x102b", "0x103c"
+#: AMD's CPU side (its IOMMU, host bridges); ``AMD`` above is the GPUs' vendor id (ATI's).
+AMD_CPU = "0x1022"
+
+
+def _add_amd_iommu(s: SysRoot, unit: str = "ivhd0", addr: str = "0000:00:00.2",
+                   root: str = "pci0000:00") -> None:
+    """An AMD IOMMU as the kernel registers it: its own PCI function (``0x1022:0x1481``, class
+    0x0806, no driver, no group) on a root bus, and its unit below it (``…/iommu/ivhd0``)."""
+    s.add_function(addr, parent=root, vendor=AMD_CPU, device="0x1481", klass="0x080600",
+                   subsystem_vendor=AMD_CPU)
+    s.add_iommu_unit(unit, at=addr)
 
 
 def bmc_server_host(root: str | os.PathLike[str]) -> SysRoot:
@@ -40,7 +51,7 @@ def bmc_server_host(root: str | os.PathLike[str]) -> SysRoot:
     s.add_module("ast")
     s.add_dev_node("/dev/nvidiactl")
     s.add_cdi_spec("etc")
-    s.add_iommu_unit("ivhd0")
+    _add_amd_iommu(s)
     return s
 
 
@@ -107,7 +118,7 @@ def instinct_host(root: str | os.PathLike[str], *, gfx: int = 90010, device: str
                        drm_render_minor=128 + i)
     s.add_dev_node("/dev/kfd")
     s.add_module("amdgpu")
-    s.add_iommu_unit("ivhd0")
+    _add_amd_iommu(s)
     return s
 
 
@@ -239,8 +250,8 @@ def mi300x_cpx_host(root: str | os.PathLike[str], *, partitions: int = 8) -> Sys
     s.add_dev_node("/dev/kfd")
     s.add_module("amdgpu")
     s.add_module("amdxcp")
-    s.add_iommu_unit("ivhd0")
-    s.add_iommu_unit("ivhd1")
+    _add_amd_iommu(s, "ivhd0", "0000:00:00.2", "pci0000:00")
+    _add_amd_iommu(s, "ivhd1", "0000:80:00.2", "pci0000:80")
     return s
 
 
@@ -422,7 +433,7 @@ def amd_apu_dgpu_host(root: str | os.PathLike[str]) -> SysRoot:
     s.add_dev_node("/dev/kfd")
     for name in ("amdgpu", "snd_hda_intel", "ccp"):
         s.add_module(name)
-    s.add_iommu_unit("ivhd0")
+    _add_amd_iommu(s)
     s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-linux root=UUID=77aa rw amd_iommu=on iommu=pt")
     return s
 
@@ -559,7 +570,7 @@ def mxgpu_host(root: str | os.PathLike[str], *, vfs: int = 4) -> SysRoot:
         s.add_vfio_group(11 + i)
     for name in ("gim", "vfio", "vfio_pci"):
         s.add_module(name)
-    s.add_iommu_unit("ivhd0")
+    _add_amd_iommu(s)
     s.set_cmdline("BOOT_IMAGE=/vmlinuz-5.15.0-100-generic ro amd_iommu=on iommu=pt")
     return s
 

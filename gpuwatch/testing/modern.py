@@ -55,7 +55,7 @@ def grace_hopper_host(root: str | os.PathLike[str], *, cdev: bool = True,
     (``cdev``: the kernel has the VFIO device cdev) and ``/dev/iommu`` (``iommufd``).
     With ``bound=False`` the function is on ``nvidia`` and has no VFIO entry."""
     s = SysRoot(root)
-    s.add_iommu_unit("smmu3.0x0000000016000000")
+    s.add_iommu_unit("smmu3.0x0000000016000000", at="arm-smmu-v3.0.auto")
     s.set_cmdline("BOOT_IMAGE=/vmlinuz iommu.passthrough=0 init_on_alloc=0")
     s.add_bridge("0009:00:00.0", domain_root="pci0009:00", iommu_group=18,
                  vendor="0x10de", device="0x22b2")

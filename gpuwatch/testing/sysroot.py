@@ -316,6 +316,7 @@ class SysRoot:
         self._drm: dict[str, str] = {}  # name → devpath
         self._modules: set[str] = set()
         self._roots: dict[str, str] = {}  # root complex name → its devpath
+        self._iommu_units: dict[str, str] = {}  # unit name → its root-relative folder
         self._seqnum = 0
         self._vfio_minor = 0
         for rel in _ROOT_DIRS:
@@ -922,21 +923,36 @@ class SysRoot:
             ignore_errors=True,
         )
 
-    def add_iommu_unit(self, name: str) -> None:
-        """A hardware IOMMU (``dmar0``, ``ivhd0``, ``smmu3.0x…``) in sys/class/iommu."""
+    def add_iommu_unit(self, name: str, *, at: str | None = None) -> None:
+        """A hardware IOMMU (``dmar0``, ``ivhd0``, ``smmu3.0x…``) in sys/class/iommu, its
+        folder where the kernel registers it: with no parent (``at`` None: Intel's DMAR units,
+        ``devices/virtual/iommu``), under the IOMMU's own PCI function (``at`` an address
+        added before: AMD's ``0000:00:00.2/iommu/ivhd0``), or under a platform device
+        (``at`` its name, made here: an ARM SMMU's ``platform/arm-smmu-v3.0.auto/iommu/…``)."""
         _check_name(name, "IOMMU unit name")
-        rel = f"sys/devices/virtual/iommu/{name}"
+        if at is None:
+            parent = "sys/devices/virtual"
+        elif at in self._fns:
+            parent = self._fns[at].rel
+        else:
+            _check_name(at, "platform device name")
+            parent = f"sys/devices/platform/{at}"
+            os.makedirs(self._abs(parent), exist_ok=True)
+            self._ensure_file(parent + "/uevent", b"")
+        rel = f"{parent}/iommu/{name}"
         os.makedirs(self._abs(rel + "/devices"), exist_ok=True)
         _write(self._abs(rel + "/uevent"), b"")
         self._link("sys/class/iommu", rel + "/subsystem")
         self._link(rel, f"sys/class/iommu/{name}")
-        self._register(_Node(f"/devices/virtual/iommu/{name}", rel, {"SUBSYSTEM": "iommu"}))
+        self._iommu_units[name] = rel
+        self._register(_Node("/" + rel[len("sys/"):], rel, {"SUBSYSTEM": "iommu"}))
 
     def remove_iommu_unit(self, name: str) -> None:
         _check_name(name, "IOMMU unit name")
+        rel = self._iommu_units.pop(name, f"sys/devices/virtual/iommu/{name}")
         self._unlink(f"sys/class/iommu/{name}")
-        shutil.rmtree(self._abs(f"sys/devices/virtual/iommu/{name}"), ignore_errors=True)
-        self._retire(f"/devices/virtual/iommu/{name}")
+        shutil.rmtree(self._abs(rel), ignore_errors=True)
+        self._retire("/" + rel[len("sys/"):])
 
     # ----------------------------------------------------------------- modules
 
