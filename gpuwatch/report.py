@@ -169,7 +169,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
         )
     return StatusReport(
         iommu=IommuReport(**iommu_status(vfio.iommu_enabled, vfio.iommu_kind,
-                                         groups.noiommu, groups.real)),
+                                         groups.noiommu, groups.real, groups.emulated)),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
         nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
@@ -266,7 +266,7 @@ def iommu_enabled(model: HostModel, groups: IommuGroups | None = None) -> bool:
     vfio = model.probe("detect-vfio")
     if groups is None:
         groups = read_iommu_groups(model.root)
-    return iommu_isolates(vfio.iommu_enabled, groups.noiommu, groups.real)
+    return iommu_isolates(vfio.iommu_enabled, groups.noiommu, groups.real, groups.emulated)
 
 
 def render_list(gpus: list[PassthroughGpu], iommu_enabled: bool) -> str:

@@ -135,3 +135,102 @@ async def test_a_userspace_driver_on_the_noiommu_node_refuses_the_switch(
             await w.switch(T4, "nvidia", timeout=5)
         assert w.probe("display-driver", addr=T4) == "vfio-pci"
     assert sim.record == []
+
+
+# --------------------------------------------------------------------------- mediated devices
+
+MDEV = "a297db4a-f4c2-11e6-90f6-d3b88d6c9525"
+IGPU = "0000:00:02.0"
+
+
+def gvtg_host(root: Path, *, iommu: bool, member_links: bool = True) -> SysRoot:
+    """An Intel GVT-g host with one vGPU (an mdev under the iGPU): VFIO gives the mdev an
+    emulated-IOMMU group of its own, named ``vfio-noiommu`` like a no-IOMMU group, but its node
+    is ``/dev/vfio/N``. ``iommu``: VT-d on (the iGPU in group 1 and the mdev's group 12), or off
+    (the mdev's group 0 is the only one). ``member_links`` False: a copy that lost the group's
+    ``devices/`` links."""
+    s = SysRoot(root)
+    group = 12 if iommu else 0
+    if iommu:
+        s.add_iommu_unit("dmar0")
+    s.add_function(IGPU, vendor="0x8086", device="0x3e92", klass="0x030000", driver="i915",
+                   iommu_group=1 if iommu else None, subsystem_vendor="0x8086")
+    mdev = s.root / f"sys/devices/pci0000:00/{IGPU}/{MDEV}"
+    mdev.mkdir()
+    (mdev / "uevent").write_text("MDEV_TYPE=i915-GVTg_V5_4\n")
+    gdir = s.root / f"sys/kernel/iommu_groups/{group}"
+    (gdir / "devices").mkdir(parents=True)
+    (gdir / "name").write_text("vfio-noiommu\n")
+    (mdev / "iommu_group").symlink_to(f"../../../kernel/iommu_groups/{group}")
+    if member_links:
+        (gdir / "devices" / MDEV).symlink_to(f"../../../../devices/pci0000:00/{IGPU}/{MDEV}")
+    s.add_dev_node(f"/dev/vfio/{group}")
+    return s
+
+
+@pytest.mark.parametrize("member_links", [True, False])
+def test_a_mediated_devices_group_is_no_noiommu_group(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], member_links: bool) -> None:
+    """VT-d on and a vGPU created: its group is a VM's to open, and nothing says no-IOMMU
+    mode, whether the group lists its member or only its node tells."""
+    s = gvtg_host(tmp_path / "h", iommu=True, member_links=member_links)
+    assert read_iommu_groups(str(s.root)) == (frozenset(), True, frozenset({12}))
+    code, out, _ = run_main(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    assert code == 0
+    assert json.loads(out)["iommu"] == {"enabled": True, "kind": "intel", "hint": ""}
+
+
+def test_a_mediated_devices_group_is_no_iommu_either(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """VT-d off: the vGPU's group is the only one. detect-vfio keeps its rule (a group
+    exists), status says there is no IOMMU, and names no no-IOMMU mode that is not on."""
+    s = gvtg_host(tmp_path / "h", iommu=False)
+    assert gpuwatch.scan(s.root).probe("detect-vfio").iommu_enabled is True
+    code, out, _ = run_main(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    iommu = json.loads(out)["iommu"]
+    assert (code, iommu["enabled"]) == (0, False)
+    assert "no-IOMMU" not in iommu["hint"] and iommu["hint"].startswith("enable VT-d")
+
+
+def test_a_group_without_member_links_is_told_by_its_node(tmp_path: Path) -> None:
+    """A copy without the group's ``devices/`` links: ``/dev/vfio/noiommu-N`` is no-IOMMU
+    VFIO's, ``/dev/vfio/N`` a mediated device's."""
+    s = vfio_noiommu_host(tmp_path / "h")
+    os.unlink(s.root / "sys/kernel/iommu_groups/0/devices" / T4)
+    assert read_iommu_groups(str(s.root)).noiommu == frozenset({0})
+
+
+def test_a_noiommu_device_cdev_is_seen_and_offered_to_no_vmm(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A kernel with the VFIO device cdev names a no-IOMMU group's device ``noiommu-vfioN``:
+    the function has it, and vfio-backend recommends neither it nor the group to a VMM."""
+    s = vfio_noiommu_host(tmp_path / "h", cdev=True)
+    model = gpuwatch.scan(s.root)
+    fn = next(f for f in model.functions() if f.addr == T4)
+    assert (fn.vfio_dev, fn.vfio_cdev) == ("noiommu-vfio0", "/dev/vfio/devices/noiommu-vfio0")
+    backend = model.probe("vfio-backend", addr=T4)
+    assert (backend.cdev_node, backend.iommufd, backend.group_node, backend.recommended) == (
+        "/dev/vfio/devices/noiommu-vfio0", True, "", "none")
+    code, out, _ = run_main(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
+    gpu = next(g for g in json.loads(out)["gpus"] if g["addr"] == T4)
+    assert code == 0 and gpu["vfio_open"] == []
+    assert gpu["members"][0]["vfio_cdev"] == "/dev/vfio/devices/noiommu-vfio0"
+
+
+async def test_a_noiommu_device_cdev_follows_its_uevents(tmp_path: Path) -> None:
+    from tests.test_watcher import harness_for, strip
+
+    s = vfio_noiommu_host(tmp_path / "h")
+    async with harness_for(s) as h:
+        devpath = s.add_vfio_dev(T4, 0, noiommu=True)
+        start = len(h.events)
+        h.source.push(s.uevent_props("add", devpath))
+        got = strip(await h.collect(start, 3))
+        assert got[0] == {"type": "node-added", "path": "/dev/vfio/devices/noiommu-vfio0"}
+        assert got[1]["type"] == "device-changed"
+        assert got[1]["changed"] == ["vfio_dev", "vfio_cdev"]
+        assert (got[1]["device"]["vfio_dev"], got[1]["device"]["vfio_cdev"]) == (
+            "noiommu-vfio0", "/dev/vfio/devices/noiommu-vfio0")
+        assert got[2]["type"] == "probe-changed" and got[2]["action"] == "detect-vfio"
+        assert h.watcher.probe("vfio-backend", addr=T4).cdev_node == \
+            "/dev/vfio/devices/noiommu-vfio0"

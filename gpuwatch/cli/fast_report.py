@@ -239,7 +239,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
     vfio = remote.vfio
     return {
         "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
-                              groups.real),
+                              groups.real, groups.emulated),
         "vfio_pci_loaded": os.path.isdir(os.path.join(tree_dir(remote.root, "sys"),
                                                     "module/vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),
@@ -314,7 +314,8 @@ def run_report(argv: list[str]) -> int | None:
             groups = read_iommu_groups(remote.root)  # once for the list and its header
             gpus = list_report(remote, listing[1], groups)
             text = compact(gpus) if as_json else render_list(gpus, iommu_isolates(
-                bool(remote.vfio["iommu_enabled"]), groups.noiommu, groups.real))
+                bool(remote.vfio["iommu_enabled"]), groups.noiommu, groups.real,
+                groups.emulated))
     except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
             GpuwatchError):
         return None  # no answer, an error reply or an unexpected one: the full command

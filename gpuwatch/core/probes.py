@@ -64,7 +64,9 @@ WATCHED_PROBES = (
 
 VFIO_NODE_RE = re.compile(r"^/dev/vfio/[0-9]+$")
 #: A VFIO device cdev (``vfio-dev/vfioN`` of a function) and the iommufd node.
-VFIO_CDEV_RE = re.compile(r"^/dev/vfio/devices/vfio[0-9]+$")
+VFIO_CDEV_RE = re.compile(r"^/dev/vfio/devices/(?:noiommu-)?vfio[0-9]+$")
+#: A no-IOMMU group's device cdev: it isolates nothing, no VMM opens it.
+NOIOMMU_CDEV_PREFIX = "/dev/vfio/devices/noiommu-"
 IOMMU_NODE = "/dev/iommu"
 RENDER_PREFIX = "/dev/dri/renderD"
 _VFIO_PREFIX = "/dev/vfio/"
@@ -211,14 +213,15 @@ def group_access(nodes: Mapping[str, NodeStat], uid: int,
 def vfio_backend_fields(fn: FunctionView, nodes: Collection[str],
                         variants: frozenset[str]) -> dict[str, Any]:
     """The ``vfio-backend`` answer's fields: the cdev with iommufd when both exist, else the
-    group node, else nothing (a function not on VFIO has neither to offer)."""
+    group node, else nothing (a function not on VFIO has neither to offer, nor one in a
+    no-IOMMU group: its ``noiommu-`` cdev and node are for no VMM)."""
     group_node = f"/dev/vfio/{fn.iommu_group}" if fn.iommu_group >= 0 else ""
     if group_node not in nodes:
         group_node = ""
     vfio = on_vfio(fn, variants)
     iommufd = IOMMU_NODE in nodes
     recommended: Literal["iommufd", "group", "none"]
-    if vfio and fn.vfio_cdev and iommufd:
+    if vfio and fn.vfio_cdev and iommufd and not fn.vfio_cdev.startswith(NOIOMMU_CDEV_PREFIX):
         recommended = "iommufd"
     elif vfio and group_node:
         recommended = "group"

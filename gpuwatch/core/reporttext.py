@@ -53,20 +53,23 @@ def iommu_hint(enabled: bool, kind: str) -> str:
     )
 
 
-def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = False) -> bool:
+def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = False,
+                   emulated: Collection[int] = ()) -> bool:
     """Whether an IOMMU isolates anything: detect-vfio's ``iommu_enabled`` (groups exist),
-    except where the only groups are VFIO no-IOMMU groups (``real``: another group exists)."""
-    return enabled and (real or not noiommu)
+    except where the only groups are VFIO's own, no-IOMMU (``noiommu``) or mediated devices'
+    (``emulated``) (``real``: another group exists)."""
+    return enabled and (real or not (noiommu or emulated))
 
 
 def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
-                 real: bool = False) -> dict[str, Any]:
+                 real: bool = False, emulated: Collection[int] = ()) -> dict[str, Any]:
     """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
 
     ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
-    whose only groups are VFIO no-IOMMU groups (``noiommu``; ``real``: another group exists):
-    there is no IOMMU there, and the operator is told so rather than "enabled"."""
-    on = iommu_isolates(enabled, noiommu, real)
+    whose only groups are VFIO's own (``noiommu``, ``emulated``; ``real``: another group
+    exists): there is no IOMMU there, and the operator is told so rather than "enabled". Only
+    no-IOMMU groups are named: a mediated device's group is safe for its VM."""
+    on = iommu_isolates(enabled, noiommu, real, emulated)
     hint = iommu_hint(on, kind)
     if noiommu:
         said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "

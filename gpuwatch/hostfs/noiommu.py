@@ -8,6 +8,11 @@ userspace drivers (DPDK) use it, but no VMM does (QEMU, libvirt and cloud-hyperv
 it). So it is an entry of ``sys/kernel/iommu_groups`` (``detect-vfio``'s ``iommu_enabled`` counts
 it, by that probe's rule) but no IOMMU to an operator, and no passthrough candidate.
 
+VFIO gives the same name to the groups it makes for mediated devices (mdev: an Intel GVT-g
+or NVIDIA vGPU instance, vfio-ap, vfio-ccw), whose "emulated IOMMU" is the parent driver's own
+translation: those are told apart by their members (an mdev is named by its UUID) or, failing
+that, by their node (``/dev/vfio/N``). They are usable by a VM, but they are no IOMMU either.
+
 The group's name is in no probe answer, so the reports read it here, as they read
 ``boot_vga``: one small attribute per group, only for ``status`` and ``list``.
 """
@@ -15,14 +20,19 @@ The group's name is in no probe answer, so the reports read it here, as they rea
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
 from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
-#: The name VFIO gives the group it makes for a device on a host without an IOMMU.
+#: The name VFIO gives the group it makes for a device on a host without an IOMMU (and for
+#: a mediated device's emulated-IOMMU group).
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
+#: A mediated device's name: the UUID it was created with.
+_MDEV_NAME_RE = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                           r"[0-9a-fA-F]{12}$")
 
 
 class IommuGroups(NamedTuple):
@@ -32,6 +42,8 @@ class IommuGroups(NamedTuple):
 
     noiommu: frozenset[int] = frozenset()
     real: bool = False
+    #: Mediated devices' groups (VFIO's emulated IOMMU): a VM's to open, but no IOMMU.
+    emulated: frozenset[int] = frozenset()
 
     def node(self, group: int) -> str:
         """The VFIO node of ``group`` as the kernel names it (``""`` for no group)."""
@@ -42,20 +54,35 @@ class IommuGroups(NamedTuple):
 
 def read_iommu_groups(root: str) -> IommuGroups:
     """Every entry of ``sys/kernel/iommu_groups`` under ``root``, by its ``name``. Only groups
-    that were given one have it (VFIO's no-IOMMU groups): each is asked first, as a failed
-    read costs an exception, and a host with a group per function has a thousand."""
+    that were given one have it (VFIO's): each is asked first, as a failed read costs an
+    exception, and a host with a group per function has a thousand."""
     base = in_root(root, os.path.join(tree_dir(root, "sys"), "kernel/iommu_groups"))
     noiommu: set[int] = set()
+    emulated: set[int] = set()
     real = False
     for entry in list_dir(base):
         if not (entry.isascii() and entry.isdigit()):
             continue
         name = os.path.join(base, entry, "name")
-        if present(name) and read_attr(name) == NOIOMMU_GROUP_NAME:
-            noiommu.add(int(entry))
-        else:
+        if not (present(name) and read_attr(name) == NOIOMMU_GROUP_NAME):
             real = True
-    return IommuGroups(frozenset(noiommu), real)
+        elif _emulated(root, os.path.join(base, entry), entry):
+            emulated.add(int(entry))
+        else:
+            noiommu.add(int(entry))
+    return IommuGroups(frozenset(noiommu), real, frozenset(emulated))
+
+
+def _emulated(root: str, group_dir: str, group: str) -> bool:
+    """A ``vfio-noiommu`` group of mediated devices: its members are named by UUID; with no
+    member listed (a copy without the links), its node is ``/dev/vfio/N``, where a no-IOMMU
+    group's is ``/dev/vfio/noiommu-N``."""
+    members = list_dir(os.path.join(group_dir, "devices"))
+    if members:
+        return all(_MDEV_NAME_RE.match(m) for m in members)
+    dev = tree_dir(root, "dev")
+    return (os.path.exists(os.path.join(dev, "vfio", group))
+            and not os.path.exists(os.path.join(dev, "vfio", f"noiommu-{group}")))
 
 
 def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],

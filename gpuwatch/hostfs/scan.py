@@ -60,7 +60,8 @@ from gpuwatch.hostfs.files import (
 )
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
-_VFIO_DEV_RE = re.compile(r"^vfio[0-9]+$")
+#: A function's VFIO device: ``vfioN``, or ``noiommu-vfioN`` in a no-IOMMU group.
+_VFIO_DEV_RE = re.compile(r"^(?:noiommu-)?vfio[0-9]+$")
 _VIRTFN_RE = re.compile(r"^virtfn([0-9]+)$")
 _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
 _NO_VFIO_DEV = ("", "")
@@ -443,8 +444,9 @@ def link_addr(path: str) -> str:
 
 
 def read_vfio_dev(directory: str) -> tuple[str, str]:
-    """``(vfio_dev, cdev path)``: ``vfio-dev/vfioN`` and, when that entry has a ``dev`` file
-    (a kernel built with the VFIO device cdev), ``/dev/vfio/devices/vfioN``."""
+    """``(vfio_dev, cdev path)``: ``vfio-dev/vfioN`` (``noiommu-vfioN`` in a no-IOMMU group)
+    and, when that entry has a ``dev`` file (a kernel built with the VFIO device cdev),
+    ``/dev/vfio/devices/`` and its name."""
     if not present(directory + "/vfio-dev"):
         return _NO_VFIO_DEV
     names = sorted(n for n in list_dir(directory + "/vfio-dev") if _VFIO_DEV_RE.match(n))

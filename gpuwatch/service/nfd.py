@@ -206,7 +206,7 @@ class NfdFeatureFile:
             return False
         if groups is None:
             groups = read_iommu_groups(w.model.root)
-        return iommu_isolates(True, groups.noiommu, groups.real)
+        return iommu_isolates(True, groups.noiommu, groups.real, groups.emulated)
 
     async def update(self, *, force: bool = False) -> bool:
         """Write if the labels changed (or ``force``, or the expiry needs refreshing)."""

@@ -438,11 +438,13 @@ def amd_apu_dgpu_host(root: str | os.PathLike[str]) -> SysRoot:
     return s
 
 
-def vfio_noiommu_host(root: str | os.PathLike[str]) -> SysRoot:
+def vfio_noiommu_host(root: str | os.PathLike[str], *, cdev: bool = False) -> SysRoot:
     """A host without an IOMMU (none in firmware, or a VM guest without a vIOMMU) that loaded
     vfio with ``enable_unsafe_noiommu_mode=1`` and bound its NVIDIA T4 to vfio-pci: VFIO made
     the function a group of its own (0, named ``vfio-noiommu``) and its node is
-    ``/dev/vfio/noiommu-0``, not ``/dev/vfio/0``. No IOMMU unit, no other group."""
+    ``/dev/vfio/noiommu-0``, not ``/dev/vfio/0``. No IOMMU unit, no other group. ``cdev``: a
+    kernel with the VFIO device cdev and iommufd, which names the device ``noiommu-vfio0``
+    (``/dev/vfio/devices/noiommu-vfio0``)."""
     s = SysRoot(root)
     s.add_function("0000:00:01.0", vendor="0x1234", device="0x1111", klass="0x030000",
                    driver="bochs-drm", subsystem_vendor="0x1af4")
@@ -453,6 +455,9 @@ def vfio_noiommu_host(root: str | os.PathLike[str]) -> SysRoot:
     (s.root / "sys/kernel/iommu_groups/0/name").write_text("vfio-noiommu\n")
     s.add_dev_node("/dev/vfio/vfio")
     s.add_dev_node("/dev/vfio/noiommu-0")
+    if cdev:
+        s.add_vfio_dev("0000:00:05.0", 0, noiommu=True)
+        s.add_dev_node("/dev/iommu")
     for name in ("vfio", "vfio_pci", "vfio_pci_core"):
         s.add_module(name)
     s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0 ro console=ttyS0 "

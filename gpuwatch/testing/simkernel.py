@@ -397,7 +397,8 @@ class SimKernel:
             group = self._group(addr)
             names = [f"/dev/vfio/{group}", f"/dev/vfio/noiommu-{group}"]
             names += [f"/dev/vfio/devices/{n}" for n in list_dir(
-                os.path.join(self.paths.bus_pci, addr, "vfio-dev")) if n.startswith("vfio")]
+                os.path.join(self.paths.bus_pci, addr, "vfio-dev"))
+                if n.startswith(("vfio", "noiommu-vfio"))]
             return self._held(re.compile("^(" + "|".join(map(re.escape, names)) + ")$"))
         if driver == "snd_hda_intel":
             return self._held(re.compile(r"^/dev/snd/"))

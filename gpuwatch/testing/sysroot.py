@@ -679,16 +679,18 @@ class SysRoot:
 
     # ----------------------------------------------------------------- VFIO cdev, SR-IOV, vGPU
 
-    def add_vfio_dev(self, addr: str, index: int, *, cdev: bool = True) -> str:
+    def add_vfio_dev(self, addr: str, index: int, *, cdev: bool = True,
+                     noiommu: bool = False) -> str:
         """``<function>/vfio-dev/vfio<index>`` as vfio registers it; with ``cdev`` (a kernel
         built with CONFIG_VFIO_DEVICE_CDEV) its ``dev`` file and ``/dev/vfio/devices/vfioN``.
+        ``noiommu``: a device of a no-IOMMU group, which the kernel names ``noiommu-vfioN``.
         Returns the entry's devpath (its uevent: `uevent_props`)."""
         fn = self._fn(addr)
         if index < 0:
             raise ValueError(f"negative vfio device index: {index}")
         if fn.vfio_dev is not None:
             raise DeviceExistsError(f"{addr} already has {fn.vfio_dev}")
-        name = f"vfio{int(index)}"
+        name = f"{'noiommu-' if noiommu else ''}vfio{int(index)}"
         rel = f"{fn.rel}/vfio-dev/{name}"
         path = self._abs(rel)
         os.makedirs(path)
