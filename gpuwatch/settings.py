@@ -24,7 +24,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from gpuwatch.core.limits import MAX_SECONDS
+from gpuwatch.core.limits import (
+    MAX_LOG_KEEP,
+    MAX_RECEIVE_BUFFER,
+    MAX_SECONDS,
+    MIN_RECEIVE_BUFFER,
+)
 from gpuwatch.core.tabledata import TABLE_KEYS
 from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
 
@@ -118,9 +123,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("source", "str", "auto", check=_check_source),
     Setting("log", "str", "-", check=_check_nonempty),
     Setting("log_max_bytes", "int", None, optional=True, minimum=1),
-    Setting("log_keep", "int", 5, minimum=1),
+    Setting("log_keep", "int", 5, minimum=1, maximum=MAX_LOG_KEEP),
     Setting("reconcile_interval", "float", 300.0, minimum=0, maximum=MAX_SECONDS),
-    Setting("receive_buffer", "int", None, optional=True, minimum=4096),
+    Setting("receive_buffer", "int", None, optional=True, minimum=MIN_RECEIVE_BUFFER,
+            maximum=MAX_RECEIVE_BUFFER),
     Setting("socket", "str", None, optional=True),
     Setting("socket_group", "str", None, optional=True),
     Setting("switch_group", "str", None, optional=True),
@@ -224,14 +230,18 @@ def _typed(s: Setting, value: Any) -> Any:
     return float(value)
 
 
+def _bound(s: Setting, bound: float) -> str:
+    """A bound as the setting's values are written: 2147483647, not 2.14748e+09."""
+    return str(int(bound)) if s.kind == "int" else f"{bound:g}"
+
+
 def _validate(s: Setting, value: Any) -> Any:
     if value is None:
         return None
     if s.minimum is not None and value < s.minimum:
-        least = int(s.minimum) if s.kind == "int" else s.minimum
-        raise _Bad(f"must be at least {least:g}, not {_describe(value)}")
+        raise _Bad(f"must be at least {_bound(s, s.minimum)}, not {_describe(value)}")
     if s.maximum is not None and value > s.maximum:
-        raise _Bad(f"must be at most {s.maximum:g}, not {_describe(value)}")
+        raise _Bad(f"must be at most {_bound(s, s.maximum)}, not {_describe(value)}")
     if s.check is not None:
         why = s.check(value)
         if why is not None:

@@ -87,6 +87,10 @@ def test_the_cli_refuses_a_bomb_in_one_line(host: SysRoot, tmp_path: Path,
     # Waits a thread or a date cannot hold.
     ("proc_read_timeout: 1.0e+300\n", "proc_read_timeout: must be at most 604800, not 1e+300"),
     ("nfd_expiry: 1.0e+12\n", "nfd_expiry: must be at most 604800, not 1000000000000.0"),
+    # A socket option is a C int; each rotation looks at every slot it keeps.
+    ("receive_buffer: 3000000000\n",
+     "receive_buffer: must be at most 2147483647, not 3000000000"),
+    ("log_keep: 1000000000\n", "log_keep: must be at most 1000, not 1000000000"),
     # A key given twice (YAML keeps the last, silently); a table key that is no id.
     ("root: /a\nlog_keep: 2\nroot: /b\n", "key 'root' given twice"),
     ("gpu_vendors: {0x10de: A, 0x1002: B, 0x10de: C}\n", "key '0x10de' given twice"),

@@ -176,6 +176,8 @@ def test_bad_file_values_name_the_key(tmp_path: Path, text: str, message: str) -
         # A wait past what a thread's timer or a date holds; a gid past what chown takes.
         ({"GPUWATCH_PROC_READ_TIMEOUT": "1e300"}, "must be at most 604800, not 1e+300"),
         ({"GPUWATCH_SOCKET_STALL_TIMEOUT": "1e10"}, "must be at most 604800"),
+        ({"GPUWATCH_RECEIVE_BUFFER": "4294967296"},
+         "GPUWATCH_RECEIVE_BUFFER: must be at most 2147483647, not 4294967296"),
         ({"GPUWATCH_SOCKET_GROUP": "99999999999999999999"},
          "GPUWATCH_SOCKET_GROUP: group 99999999999999999999 is no gid (0-4294967294)"),
     ],
@@ -240,3 +242,37 @@ def test_watch_takes_its_options_from_env_and_file(host: SysRoot, tmp_path: Path
     )
     assert proc.returncode == 0 and flag_log.exists()
     assert len(env_log.read_text().splitlines()) == 2  # the flag won: nothing more went there
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--receive-buffer", "2147483648", "--receive-buffer: must be at most 2147483647"),
+    ("--receive-buffer", "0", "'0' must be at least 4096"),
+    ("--receive-buffer", "1", "'1' must be at least 4096"),
+    ("--log-keep", "100000", "--log-keep: must be at most 1000"),
+    ("--socket-max-output-bytes", "1", "'1' must be at least 4096"),
+])
+def test_watch_flags_past_their_bounds_exit_2_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
+        message: str) -> None:
+    """A receive buffer past the socket option's C int once reached the kernel as a
+    TypeError; every flag gets its setting's bounds, the least one from argparse alike."""
+    try:
+        code = main(["watch", "--root", str(tmp_path), flag, value])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_library_sources_refuse_a_buffer_no_socket_takes() -> None:
+    from gpuwatch.errors import UsageError
+    from gpuwatch.sources.kernel import KernelSource
+    from gpuwatch.watch.eventlog import EventLog
+
+    for size in (2**31, 4095, -1):
+        with pytest.raises(UsageError, match="receive_buffer must be an integer from 4096"):
+            KernelSource(receive_buffer=size)
+    assert KernelSource(receive_buffer=2**31 - 1).receive_buffer == 2**31 - 1
+    with pytest.raises(UsageError, match="keep must be from 0 to 1000"):
+        EventLog("-", keep=1001)

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
@@ -48,15 +49,22 @@ def check_root(root: str) -> None:
         raise UsageProblem(f"--root {root!r} is not a directory")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1 (sizes, counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer ≥ ``minimum`` (sizes, counts); the settings check the rest."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def seconds(text: str, *, allow_zero: bool) -> float:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -21,9 +22,9 @@ from gpuwatch.cli.common import (
     EXIT_USAGE,
     check_root,
     fail,
+    int_at_least,
     non_negative_seconds,
     one_line,
-    positive_int,
     positive_seconds,
 )
 from gpuwatch.errors import EXIT_RETRY
@@ -35,6 +36,13 @@ from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
 
 if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
+
+
+def _int_flag(name: str) -> Callable[[str], int]:
+    """A flag's argparse type with its setting's least value, so ``0`` and ``1`` get the same
+    message; the settings check everything else (the most, for one)."""
+    least = next(s.minimum for s in SETTINGS if s.key == name)
+    return int_at_least(int(least) if least is not None else 1)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,13 +64,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="where uevents come from (default auto = kernel; udev needs udevd)")
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="event log file, - for stdout (default)")
-    p.add_argument("--log-max-bytes", type=positive_int, default=None, metavar="N",
+    p.add_argument("--log-max-bytes", type=_int_flag("log_max_bytes"),
+                   default=None, metavar="N",
                    help="rotate the log before it grows past N bytes")
-    p.add_argument("--log-keep", type=positive_int, default=None, metavar="K",
+    p.add_argument("--log-keep", type=_int_flag("log_keep"),
+                   default=None, metavar="K",
                    help="rotated files to keep, PATH.1 … PATH.K (default 5)")
     p.add_argument("--reconcile-interval", type=non_negative_seconds, default=None, metavar="S",
                    help="full rescan every S seconds to catch drift (default 300, 0 = off)")
-    p.add_argument("--receive-buffer", type=positive_int, default=None, metavar="BYTES",
+    p.add_argument("--receive-buffer", type=_int_flag("receive_buffer"),
+                   default=None, metavar="BYTES",
                    help="uevent netlink receive buffer (default 128 MiB; the kernel caps it at "
                         "net.core.rmem_max without CAP_NET_ADMIN)")
     p.add_argument("--socket", nargs="?", const=DEFAULT_SOCKET_PATH, default=None, metavar="PATH",
@@ -74,12 +85,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--switch-group", default=None, metavar="GROUP",
                    help="group that may also switch and recover through the socket "
                         "(default: root only)")
-    p.add_argument("--socket-max-request-bytes", type=positive_int, default=None, metavar="N",
+    p.add_argument("--socket-max-request-bytes", type=_int_flag("socket_max_request_bytes"),
+                   default=None, metavar="N",
                    help="longest request line; a longer one is refused and its connection "
                         "closed (default 65536)")
-    p.add_argument("--socket-max-clients", type=positive_int, default=None, metavar="N",
+    p.add_argument("--socket-max-clients", type=_int_flag("socket_max_clients"),
+                   default=None, metavar="N",
                    help="connections served at once (default 1024)")
-    p.add_argument("--socket-max-per-uid", type=positive_int, default=None, metavar="N",
+    p.add_argument("--socket-max-per-uid", type=_int_flag("socket_max_per_uid"),
+                   default=None, metavar="N",
                    help="connections one non-root user may hold (default 16)")
     p.add_argument("--socket-root-reserve", type=int, default=None, metavar="N",
                    help="of --socket-max-clients, slots only root may take (default 64)")
@@ -87,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    metavar="S", help="close a connection whose partial request line waits S "
                                      "seconds for its newline, or that leaves half its output "
                                      "unread that long (default 30)")
-    p.add_argument("--socket-max-output-bytes", type=positive_int, default=None, metavar="N",
+    p.add_argument("--socket-max-output-bytes", type=_int_flag("socket_max_output_bytes"),
+                   default=None, metavar="N",
                    help="output a client may leave unread; past it a subscriber gets a "
                         "'lagged' line and is disconnected, and past half of it a client's "
                         "next requests wait (default 4194304)")

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import anyio
 
+from gpuwatch.core.limits import MAX_RECEIVE_BUFFER, MIN_RECEIVE_BUFFER
 from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
+from gpuwatch.errors import UsageError
 from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
 from gpuwatch.sources.turns import end_turn
 
@@ -30,6 +32,7 @@ __all__ = [
     "SUBSYSTEMS",
     "KernelSource",
     "describe_errno",
+    "receive_buffer_size",
     "set_receive_buffer",
     "user_namespace_warning",
 ]
@@ -107,6 +110,16 @@ def _force(sock: socket.socket) -> Callable[[int], None]:
     return force
 
 
+def receive_buffer_size(size: int | None) -> int:
+    """The size to ask for: the default, or ``size`` where a socket can take it."""
+    if size is None:
+        return DEFAULT_RECEIVE_BUFFER
+    if type(size) is not int or not MIN_RECEIVE_BUFFER <= size <= MAX_RECEIVE_BUFFER:
+        raise UsageError(f"receive_buffer must be an integer from "
+                                   f"{MIN_RECEIVE_BUFFER} to {MAX_RECEIVE_BUFFER}, not {size!r}")
+    return size
+
+
 def set_receive_buffer(
     sock: socket.socket, size: int, force: Callable[[int], None] | None = None
 ) -> int:
@@ -145,7 +158,7 @@ class KernelSource:
         subsystems: Iterable[str] = SUBSYSTEMS,
         uid_map_path: str = UID_MAP_PATH,
     ) -> None:
-        self.receive_buffer = DEFAULT_RECEIVE_BUFFER if receive_buffer is None else receive_buffer
+        self.receive_buffer = receive_buffer_size(receive_buffer)
         self.subsystems = frozenset(subsystems)
         self._wanted = frozenset(s.encode() for s in self.subsystems)
         #: Receive buffer size the kernel granted (0 until started).

@@ -33,6 +33,7 @@ from gpuwatch.sources.kernel import (
     UID_MAP_PATH,
     describe_errno,
     namespace_warnings,
+    receive_buffer_size,
     user_namespace_warning,
 )
 from gpuwatch.sources.kernel import set_receive_buffer as _set_receive_buffer
@@ -89,7 +90,7 @@ class NetlinkSource:
         if kind not in ("udev", "kernel"):
             raise ValueError(f"netlink source kind must be 'udev' or 'kernel', not {kind!r}")
         self.name: str = kind
-        self.receive_buffer = DEFAULT_RECEIVE_BUFFER if receive_buffer is None else receive_buffer
+        self.receive_buffer = receive_buffer_size(receive_buffer)
         self.subsystems = frozenset(subsystems)
         #: Receive buffer size the kernel granted (0 until started).
         self.obtained_buffer = 0

@@ -33,6 +33,7 @@ from typing import IO, Any, NamedTuple
 import anyio
 
 from gpuwatch.core import strictjson
+from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.sources.turns import end_turn
@@ -768,8 +769,8 @@ class EventLog:
     ) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise UsageError(f"max_bytes must be positive, got {max_bytes}")
-        if keep < 0:
-            raise UsageError(f"keep must be >= 0, got {keep}")
+        if not 0 <= keep <= MAX_LOG_KEEP:
+            raise UsageError(f"keep must be from 0 to {MAX_LOG_KEEP}, got {keep}")
         self._stdout = os.fspath(path) == "-"
         self._path = os.fspath(path)
         self._max_bytes = None if self._stdout else max_bytes
