@@ -279,6 +279,22 @@ async def test_failed_clears_on_rebind_in_one_batch(tmp_path: Path) -> None:
         assert got[0]["device"]["health"] == "ok"
 
 
+@pytest.mark.parametrize("action", ["bind", "add"])
+async def test_a_synthetic_bind_or_add_clears_no_health(tmp_path: Path, action: str) -> None:
+    """What `udevadm trigger --action=add` (or `echo bind > …/uevent`) sends: the kernel
+    marks it with SYNTH_UUID, nothing was bound or added, and a failed or wedged card stays
+    so; a real bind after it still clears it."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", NV, expect=2, ERROR_EVENT="FAILED_RECOVERY")
+        await h.send(action, NV, expect=0, SYNTH_UUID="0")
+        await h.send(action, NV, expect=0, SYNTH_UUID="6f1d3b2e-8c1a-4c6e-9f3d-1a2b3c4d5e6f",
+                     SYNTH_ARG_ERROR_EVENT="SUCCESSFUL_RECOVERY")
+        assert h.watcher.model.function(NV).health == "failed"
+        got = strip(await h.send("bind", NV, expect=2))
+        assert got[0]["type"] == "device-changed" and got[0]["device"]["health"] == "ok"
+
+
 async def test_drm_wedge(tmp_path: Path) -> None:
     host = example_gpu_host(tmp_path)
     async with harness_for(host) as h:

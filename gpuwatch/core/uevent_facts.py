@@ -15,8 +15,11 @@ from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.core.uevent import UEvent
 
 _CARD_RE = re.compile(r"^card[0-9]+$")
-#: Uevent actions after which a function starts afresh (its bad health is cleared).
+#: Uevent actions after which a function starts afresh (its bad health is cleared)...
 FRESH_ACTIONS = frozenset(("bind", "add"))
+#: ...unless the kernel marks the uevent synthetic: one written into the device's ``uevent``
+#: file (``udevadm trigger``, a coldplug) carries this key and tells of no new start.
+SYNTHETIC = "SYNTH_UUID"
 #: Bounds on what one uevent may make us keep: WEDGED methods and their length, TASK.
 MAX_METHODS = 8
 MAX_WORD = 64
@@ -34,7 +37,7 @@ def uevent_facts(event: UEvent) -> list[Observation]:
         if not is_pci_addr(addr):
             return []
         out: list[Observation] = []
-        if event.action in FRESH_ACTIONS:
+        if event.action in FRESH_ACTIONS and SYNTHETIC not in props:
             out.append(PciRebound(addr))
         error_event = props.get("ERROR_EVENT")
         if error_event:
@@ -61,6 +64,8 @@ def batch_facts(batch: Iterable[UEvent]) -> list[Observation]:
         action, devpath, subsystem, props = event
         if subsystem == "pci":
             if action == "bind" and "ERROR_EVENT" not in props:
+                if SYNTHETIC in props:
+                    continue  # a `udevadm trigger`: nothing bound
                 name = devpath[devpath.rfind("/") + 1:]
                 if is_pci_addr(name):
                     # PciRebound(name) without the NamedTuple's Python-level __new__.
