@@ -77,6 +77,9 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             assert value(s, "gpuwatch_events_total", type="ready") == 1
             assert value(s, "gpuwatch_last_event_seq") == 1
             assert value(s, "gpuwatch_uevent_losses_total") == 0
+            assert value(s, "gpuwatch_uevents_forged_total") == 0
+            source.rejected = 3  # type: ignore[attr-defined]  # as the kernel source counts
+            assert value(await scrape(*bound), "gpuwatch_uevents_forged_total") == 3
 
             # The NVIDIA card's group goes to vfio-pci: the gauge moves from nvidia to vfio.
             await rebind(source, host, NV_AUDIO, "vfio-pci", w)

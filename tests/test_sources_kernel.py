@@ -6,6 +6,7 @@ alike in test_sources_netlink.py; these are the parts only the raw socket has.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -231,3 +232,79 @@ def test_the_default_source_never_imports_pyudev(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+async def test_an_overflows_drain_lets_other_tasks_run_between_slices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ENOBUFS a source discards what is queued; a full 128 MiB queue holds a million
+    messages, so it does that a slice a turn and a probe waiting meanwhile is served between
+    slices. A datagram socket stands in for the netlink one (the drain reads any socket)."""
+    from gpuwatch import sources
+
+    monkeypatch.setattr(sources, "DRAIN_SLICE", 10)
+    reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reader.setblocking(False)
+    for i in range(95):
+        writer.send(b"uevent %d" % i)
+    ticks = 0
+    seen_at_slice: list[int] = []
+    real_drain = sources.drain_to_eagain
+
+    def counted(sock: socket.socket, max_message: int = 65536, limit: int = 1) -> int:
+        seen_at_slice.append(ticks)
+        return real_drain(sock, max_message, limit)
+
+    monkeypatch.setattr(sources, "drain_to_eagain", counted)
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await anyio.lowlevel.checkpoint()
+                dropped = await sources.drain_lost(lambda: reader)
+                tg.cancel_scope.cancel()
+    finally:
+        reader.close()
+        writer.close()
+    assert dropped == 95
+    assert len(seen_at_slice) == 10  # nine full slices and the one that found the end
+    assert all(b > a for a, b in itertools.pairwise(seen_at_slice))
+
+
+def test_a_capped_receive_buffer_is_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Without CAP_NET_ADMIN (SO_RCVBUFFORCE refused here) the kernel caps the buffer at
+    net.core.rmem_max: said as a warning, since a storm then overflows it; a granted one is
+    only an info line."""
+    import logging
+
+    from gpuwatch.sources import kernel
+
+    def refused(sock: socket.socket) -> object:
+        def force(size: int) -> None:
+            raise PermissionError(1, "Operation not permitted")
+        return force
+
+    caplog.set_level(logging.INFO, logger="gpuwatch.sources")
+    granted = started()
+    granted.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    monkeypatch.setattr(kernel, "_force", refused)
+    capped = KernelSource(receive_buffer=2**31 - 1)
+    try:
+        capped.start()
+    except SourceUnavailable as exc:
+        pytest.skip(f"no kernel uevent socket here: {exc}")
+    finally:
+        capped.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        f"kernel uevent source: receive buffer capped at {capped.obtained_buffer} bytes, "
+        "not the 2147483647 asked for")

@@ -304,6 +304,11 @@ class Metrics:
             "gpuwatch_uevent_losses", "Times the uevent source lost events (receive buffer "
             "overflow); losses close together share one rescan",
             lambda: self._watcher.uevent_losses if self._watcher is not None else 0))
+        r.register(_ReadCounter(
+            "gpuwatch_uevents_forged", "Messages on the kernel uevent socket that did not come "
+            "from the kernel (another process's forgery), dropped unread",
+            lambda: int(getattr(self._watcher.source, "rejected", 0))
+            if self._watcher is not None else 0))
         ProcessCollector(registry=r)
         self._server: _Server | None = None
 

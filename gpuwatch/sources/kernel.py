@@ -21,7 +21,7 @@ import anyio
 from gpuwatch.core.limits import MAX_RECEIVE_BUFFER, MIN_RECEIVE_BUFFER
 from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
 from gpuwatch.errors import UsageError
-from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_lost
 from gpuwatch.sources.turns import end_turn
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "KernelSource",
     "describe_errno",
     "receive_buffer_size",
+    "report_buffer",
     "set_receive_buffer",
     "user_namespace_warning",
 ]
@@ -120,6 +121,19 @@ def receive_buffer_size(size: int | None) -> int:
     return size
 
 
+def report_buffer(source: str, obtained: int, asked: int) -> None:
+    """Say the receive buffer obtained: a warning where the kernel capped it (no
+    CAP_NET_ADMIN: ``net.core.rmem_max``, 208 KiB by default), as a storm then overflows it."""
+    if obtained < asked:
+        log.warning("%s uevent source: receive buffer capped at %d bytes, not the %d asked "
+                    "for (without CAP_NET_ADMIN the kernel allows net.core.rmem_max): a uevent "
+                    "storm may overflow it, and each overflow costs a rescan", source,
+                    obtained, asked)
+    else:
+        log.info("%s uevent source: receive buffer %d bytes (asked for %d)", source, obtained,
+                 asked)
+
+
 def set_receive_buffer(
     sock: socket.socket, size: int, force: Callable[[int], None] | None = None
 ) -> int:
@@ -187,11 +201,7 @@ class KernelSource:
         except (OSError, OverflowError) as exc:
             sock.close()
             raise SourceUnavailable(f"cannot bind the kernel uevent netlink socket: {exc}") from exc
-        log.info(
-            "kernel uevent source: receive buffer %d bytes (asked for %d)",
-            self.obtained_buffer,
-            self.receive_buffer,
-        )
+        report_buffer(self.name, self.obtained_buffer, self.receive_buffer)
         self._sock, self._fd = sock, sock.fileno()
 
     async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
@@ -212,6 +222,12 @@ class KernelSource:
                 if batch:
                     yield batch
                 if overflow is not None:
+                    if overflow.error.startswith("ENOBUFS"):
+                        # Discard what is queued (the rescan covers it), a slice a turn.
+                        dropped = await drain_lost(lambda: self._sock, _MAX_MESSAGE)
+                        overflow = SourceOverflow(overflow.error, dropped)
+                        log.debug("kernel uevent source lost events (%s; %d queued dropped)",
+                                  overflow.error, dropped)
                     yield overflow
                     if overflow.error.startswith("ENOBUFS"):
                         failures = 0
@@ -256,16 +272,11 @@ class KernelSource:
                 batch.append(event)
         return batch, None, True
 
-    def _lost(self, exc: OSError) -> SourceOverflow:
-        """Events were lost: drain what is queued (the rescan covers it) and say how many."""
+    @staticmethod
+    def _lost(exc: OSError) -> SourceOverflow:
+        """Events were lost (``batches`` drains what is queued after an ENOBUFS)."""
         code = exc.errno or 0
-        dropped = 0
-        sock = self._sock
-        if code == errno.ENOBUFS and sock is not None:
-            dropped = drain_to_eagain(sock, _MAX_MESSAGE)
-        text = describe_errno(code) if code else f"receive failed: {exc}"
-        log.debug("kernel uevent source lost events (%s; %d queued dropped)", text, dropped)
-        return SourceOverflow(error=text, dropped=dropped)
+        return SourceOverflow(error=describe_errno(code) if code else f"receive failed: {exc}")
 
     def close(self) -> None:
         """Close the socket; a ``batches`` waiting on it ends (idempotent)."""

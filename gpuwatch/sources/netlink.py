@@ -14,7 +14,6 @@ A receive error never ends the source: lost events are reported as
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -25,7 +24,7 @@ import anyio
 import pyudev
 
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_to_eagain
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_lost
 from gpuwatch.sources.kernel import (
     DEFAULT_RECEIVE_BUFFER,
     MAX_BATCH,
@@ -34,6 +33,7 @@ from gpuwatch.sources.kernel import (
     describe_errno,
     namespace_warnings,
     receive_buffer_size,
+    report_buffer,
     user_namespace_warning,
 )
 from gpuwatch.sources.kernel import set_receive_buffer as _set_receive_buffer
@@ -126,12 +126,7 @@ class NetlinkSource:
             raise SourceUnavailable(
                 f"cannot bind the {self.name} uevent netlink socket: {exc}"
             ) from exc
-        log.info(
-            "%s uevent source: receive buffer %d bytes (asked for %d)",
-            self.name,
-            self.obtained_buffer,
-            self.receive_buffer,
-        )
+        report_buffer(self.name, self.obtained_buffer, self.receive_buffer)
         self._monitor, self._sock, self._fd = monitor, sock, fd
 
     async def batches(self) -> AsyncIterator[list[UEvent] | SourceOverflow]:
@@ -151,6 +146,12 @@ class NetlinkSource:
             while more and self._monitor is not None:
                 items, more, unexplained = self._drain()
                 for item in items:
+                    if isinstance(item, SourceOverflow) and item.error.startswith("ENOBUFS"):
+                        # Discard what is queued (the rescan covers it), a slice a turn.
+                        dropped = await drain_lost(lambda: self._sock)
+                        log.debug("%s uevent source lost events (%s; %d queued dropped)",
+                                  self.name, item.error, dropped)
+                        item = SourceOverflow(item.error, dropped)
                     yield item
                 if unexplained:
                     # An error we could not clear: back off instead of spinning on it.
@@ -230,13 +231,8 @@ class NetlinkSource:
         if not code and isinstance(exc, OSError) and exc.errno:
             code = exc.errno
             explained = True
-        dropped = 0
-        if code == errno.ENOBUFS and self._sock is not None:
-            dropped = drain_to_eagain(self._sock)  # the rescan covers what was queued
         text = describe_errno(code) if code else f"receive failed: {exc}"
-        log.debug("%s uevent source lost events (%s; %d queued dropped)", self.name, text,
-                  dropped)
-        return SourceOverflow(error=text, dropped=dropped), explained
+        return SourceOverflow(error=text), explained  # `batches` drains after an ENOBUFS
 
     def close(self) -> None:
         """Close the socket; a ``batches`` waiting on it ends (idempotent)."""

@@ -439,7 +439,7 @@ class Watcher:
             self.publish(events)
             self.resyncs += 1
             self.publish([Resync(reason=reason, changes=len(events))])
-        if events or reason == "overflow":
+        if events and reason != "overflow":  # an overflow's rescan says it in its own line
             _log.warning("resync (%s): %d change(s) found", reason, len(events))
         return len(events)
 
@@ -483,9 +483,9 @@ class Watcher:
                         return
                     self.uevent_losses += 1
                     if self._overflows.admit(anyio.current_time(), batch.error, batch.dropped):
-                        _log.warning("events lost (%s; %d queued dropped): rescanning",
-                                     batch.error, batch.dropped)
-                        await self._resync_overflow()
+                        changes = await self._resync_overflow()
+                        _log.warning("events lost (%s; %d queued dropped): rescanned, %d "
+                                     "change(s) found", batch.error, batch.dropped, changes)
                     else:  # one rescan covers every loss until it starts
                         self._overflow_held.set()
                     continue
@@ -507,13 +507,14 @@ class Watcher:
         finally:
             self.source_ended.set()
 
-    async def _resync_overflow(self) -> None:
-        """The rescan after lost uevents, timed for `OverflowGate`'s schedule."""
+    async def _resync_overflow(self) -> int:
+        """The rescan after lost uevents, timed for `OverflowGate`'s schedule; how many
+        changes it found."""
         gate = self._overflows
         gate.started()
         began = anyio.current_time()
         try:
-            await self.resync("overflow")
+            return await self.resync("overflow")
         finally:
             gate.finished(began, anyio.current_time())
 
@@ -529,9 +530,10 @@ class Watcher:
                 if self._closed:
                     return
                 losses, dropped, error = gate.take_held()
+                changes = await self._resync_overflow()
                 _log.warning("events lost %d more time(s) since the last rescan (last: %s; %d "
-                             "queued dropped): rescanning", losses, error, dropped)
-                await self._resync_overflow()
+                             "queued dropped): rescanned, %d change(s) found", losses, error,
+                             dropped, changes)
 
     @staticmethod
     def _collapse(batch: Sequence[UEvent]) -> list[UEvent]:
