@@ -429,3 +429,27 @@ def test_a_process_stuck_in_the_kernel_costs_one_thread_not_one_per_scan() -> No
         time.sleep(0.01)
     results, stuck = read_each([1, 424242, 3], read, deadline=5, scope="/a/proc")
     assert results == {1: 1, 424242: 424242, 3: 3} and stuck == []
+
+
+@pytest.mark.parametrize("others_grouped", [True, False])
+def test_a_card_without_a_group_is_refused_for_what_the_host_shows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], others_grouped: bool) -> None:
+    """No group for the card: on a host with no IOMMU group at all the IOMMU is off (say how
+    to turn it on); where other functions have groups it is on, and the card is its exception
+    or the tree lost the card's link (a capture): telling the operator to turn it on would be
+    wrong."""
+    s = SysRoot(tmp_path / "h")
+    s.add_function(NV, klass="0x030000", driver="nvidia", iommu_group=None)
+    s.add_function("0000:02:00.0", vendor="0x8086", device="0x1533", klass="0x020000",
+                   driver="igb", iommu_group=7 if others_grouped else None)
+    s.add_module("nvidia")
+    run, kernel = runner(s, monkeypatch, capsys)
+    code, out, err = run("mode", "vfio", "--addr", NV)
+    assert (code, out, kernel.record) == (1, "", [])
+    line = one_line(err)
+    assert line.startswith(f"gpuwatch: {NV} has no IOMMU group")
+    if others_grouped:
+        assert "though this host has IOMMU groups" in line and "intel_iommu=on" not in line
+    else:
+        assert "vfio-pci needs the IOMMU (intel_iommu=on" in line

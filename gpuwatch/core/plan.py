@@ -231,6 +231,9 @@ class HostFacts:
     #: of life (its own recovery uevent, a bind): the kernel reports the failure on the bridge
     #: alone, so the function's health reads ``ok`` while the link to it is down.
     failed_bridge: Mapping[str, str] = field(default_factory=dict)
+    #: The host has IOMMU groups: a function without one is the IOMMU's exception (or a
+    #: copy's lost link), not a host whose IOMMU is off.
+    iommu_groups: bool = False
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -678,6 +681,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     if with_vfs:
         return refuse(virtual_functions_reason(with_vfs[0]))
     if mode == "vfio" and group < 0:
+        if facts.iommu_groups:
+            return refuse(f"{display.addr} has no IOMMU group, though this host has IOMMU "
+                          "groups: the IOMMU does not cover it, or the tree lacks its "
+                          "iommu_group link (a copy that dropped its links)")
         return refuse(f"{display.addr} has no IOMMU group: vfio-pci needs the IOMMU "
                       "(intel_iommu=on or amd_iommu=on, and VT-d/AMD-Vi in the firmware)")
     if facts.holders:

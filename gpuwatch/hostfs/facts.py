@@ -193,6 +193,8 @@ class ModelFacts:
     recovery_failed_above: dict[str, str] = dataclasses.field(default_factory=dict)
     recovery_above: dict[str, str] = dataclasses.field(default_factory=dict)
     failed_bridge: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: ``sys/kernel/iommu_groups`` has entries (detect-vfio's ``iommu_enabled``).
+    iommu_groups: bool = False
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
@@ -211,6 +213,7 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         recovery_failed_above=found.failed_above,
         recovery_above=found.above,
         failed_bridge=found.failed_bridge,
+        iommu_groups=state.iommu.enabled,
     )
 
 
@@ -433,6 +436,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         recovery_failed_above=known.recovery_failed_above,
         recovery_above=known.recovery_above,
         failed_bridge=known.failed_bridge,
+        iommu_groups=known.iommu_groups,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"
