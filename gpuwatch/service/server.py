@@ -1721,41 +1721,59 @@ class SocketServer:
         conn.sub = sub
         conn.last_seq = now
         complete = True
-        history: Iterator[RawChunk] | None = None
-        raw: Iterator[RawChunk] | None = None
         if since_seq is not None and since_seq < now:
             # Live events are held from here on; the log covers (since_seq, now] and more.
+            # The reply waits for the log's first chunk (`_first_chunk`), the connection's
+            # next requests with it.
             conn.replaying = True
             conn.last_seq = since_seq
-            raw = self._history(since_seq, sub)
-            try:
-                first = next(raw, None)
-            except BaseException as exc:
-                conn.replaying = False
-                conn.sub = None  # not subscribed: the client may ask again
-                conn.held.clear()
-                conn.held_bytes = 0
-                if isinstance(exc, OSError):
-                    self.client_log.warning("cannot replay the log to %s: %s",
-                                            conn.peer.describe(), exc)
-                    raise P.RpcError(P.UNAVAILABLE, f"subscribe: cannot read the event log: "
-                                                    f"{exc.strerror or exc}") from None
-                raise
             if replay:
                 self._replays.add(conn)
-            complete = first_is_next(None if first is None else first.first, since_seq)
-            history = _chain(first, raw) if first is not None else raw
-        elif since_seq is not None and since_seq > now:
+            self._subscribers.append(conn)
+            raw = self._history(since_seq, sub)
+            return functools.partial(self._replay, conn, req, since_seq, now, raw)
+        if since_seq is not None and since_seq > now:
             complete = False  # a seq from another log: what the client missed is unknown
         self._subscribers.append(conn)
         conn.reply(P.encode_result(req.id, {"seq": now, "complete": complete}))
-        if history is None:
-            return None
-        assert raw is not None and since_seq is not None
-        return functools.partial(self._replay, conn, sub, since_seq, now, history, raw)
+        return None
 
-    async def _replay(self, conn: Connection, sub: _Subscription, since_seq: int, now: int,
-                      history: Iterator[RawChunk], raw: Iterator[RawChunk]) -> None:
+    async def _first_chunk(self, conn: Connection, req: P.Request, since_seq: int, now: int,
+                           raw: Iterator[RawChunk]) -> Iterator[RawChunk] | None:
+        """Reply to the subscribe once the log's first chunk after ``since_seq`` says
+        whether it is ``complete``; the chunks to replay, or None when there are none to
+        send (the connection closed, or the log could not be read: an error reply, and the
+        client is not subscribed).
+
+        Finding ``since_seq`` (a directory scan, a bisection: a few reads, more across a
+        crash's NULs) runs in a thread; the reads after it, one per turn of the loop."""
+        try:
+            first = await anyio.to_thread.run_sync(next, raw, None)
+            while first is not None and not first.first and not conn.closed:
+                await end_turn()  # a read that completed no line: others' turn
+                first = next(raw, None)
+        except OSError as exc:
+            self._replays.discard(conn)
+            if conn in self._subscribers:
+                self._subscribers.remove(conn)
+            conn.replaying = False
+            conn.sub = None  # not subscribed: the client may ask again
+            conn.held.clear()
+            conn.held_bytes = 0
+            self.client_log.warning("cannot replay the log to %s: %s",
+                                    conn.peer.describe(), exc)
+            conn.reply(P.encode_error(req.id, P.UNAVAILABLE, f"subscribe: cannot read the "
+                                                             f"event log: {exc.strerror or exc}"))
+            return None
+        if conn.closed:
+            return None
+        complete = first is not None and first_is_next(first.first, since_seq,
+                                                       gap=bool(first.gap))
+        conn.reply(P.encode_result(req.id, {"seq": now, "complete": complete}))
+        return _chain(first, raw) if first is not None else raw
+
+    async def _replay(self, conn: Connection, req: P.Request, since_seq: int, now: int,
+                      raw: Iterator[RawChunk]) -> None:
         """The same hand-over as in-process subscriptions (gpuwatch.watch.subscription): the
         log's lines after since_seq, then what was held live, each seq once.
 
@@ -1769,7 +1787,12 @@ class SocketServer:
         handover = Handover(since_seq)
         expected: int | None = None  # the seq the log must hold next (None: not judged yet)
         block = _ReplayBlock(conn, self.outbox_limit)
+        replied = False
         try:
+            history = await self._first_chunk(conn, req, since_seq, now, raw)
+            replied = True
+            if history is None:
+                return
             # One chunk (one read of at most 4 KiB) per turn, and the requests that came in
             # meanwhile answered before the next (`end_turn`): a replay of a huge log never
             # holds up other clients' requests. The chunks go out as stored, a block of
@@ -1778,6 +1801,13 @@ class SocketServer:
                 if conn.closed:
                     return
                 if handover.fresh(chunk.last):
+                    if expected is not None and chunk.gap:
+                        # A log-gap record: the seqs it names are a hole, whoever sent it.
+                        await block.send()
+                        conn.lag(expected, chunk.last + 1 - expected,
+                                 hole=f"a log-gap record: seqs {chunk.gap}..{chunk.last} "
+                                      "were never written")
+                        return
                     if expected is not None and chunk.first > expected:
                         await block.send()
                         conn.lag(expected, chunk.first - expected,
@@ -1810,10 +1840,13 @@ class SocketServer:
             # among them, cannot follow it without the history between.
             if not conn.closed:
                 self.stopping = True
+                if not replied:  # no reply yet: the subscribe is answered as stopping
+                    self._stopping_reply(conn, req.id, req.method)
                 if isinstance(conn, _ProtocolConnection):
                     conn.refuse_queued()
-                conn.lag(conn.last_seq + 1, max(0, conn.held_seq - conn.last_seq),
-                         stopping=True)
+                if replied:
+                    conn.lag(conn.last_seq + 1, max(0, conn.held_seq - conn.last_seq),
+                             stopping=True)
             raise
         finally:
             self._replays.discard(conn)
@@ -1828,7 +1861,7 @@ class SocketServer:
         if self.log_path is None:
             return iter(())
         wants = None if sub.types is None and sub.addrs is None else sub.wants
-        return read_chunks(self.log_path, since_seq=since_seq, wants=wants)
+        return read_chunks(self.log_path, since_seq=since_seq, wants=wants, progress=True)
 
     # ------------------------------------------------------------------ fan-out
 

@@ -37,7 +37,7 @@ from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.sources.turns import end_turn
-from gpuwatch.watch.handover import Handover
+from gpuwatch.watch.handover import Handover, gap_span
 
 __all__ = [
     "EventLog",
@@ -111,10 +111,13 @@ class EventLogLocked(EventLogUnavailable):
 
 
 class EventLogWriteError(HostError, OSError):
-    """A write failed (ENOSPC, EIO, …); nothing of the failed batch is known to be on disk
-    in full. The log stays usable: the next write tries again."""
+    """A write failed (ENOSPC, EIO, …); of the failed batch, only its first
+    ``lines_written`` lines are known to be on disk in full (a short write can land whole
+    lines before the disk fills). The log stays usable: the next write tries again."""
 
     code = EVENT_LOG
+    #: How many whole lines of the batch reached the file before the failure.
+    lines_written = 0
 
 
 def lock_path(path: str | os.PathLike[str]) -> str:
@@ -352,10 +355,27 @@ def _take_lock(path: str) -> int:
         raise EventLogUnavailable(
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
     with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
-        pid = f"{os.getpid()}\n".encode()
-        os.ftruncate(fd, 0)
+        # Padded, not truncated: the seq record after it (`_SEQ_AT`) outlives the writer.
+        pid = f"{os.getpid()}\n".ljust(_SEQ_AT).encode()
         os.pwrite(fd, pid, 0)
     return fd
+
+
+#: Where ``PATH.lock`` holds the highest seq published while the log could not be written
+#: (`EventLog.hold_seq`): after the pid, a fixed-size record overwritten in place, so a
+#: full disk (which refused the log's lines) cannot refuse it once the file has it.
+_SEQ_AT = 32
+_SEQ_RECORD = 32
+
+
+def _read_held_seq(fd: int) -> int:
+    """The seq record of a lock file (0: none, or not a file: the directory fallback)."""
+    with contextlib.suppress(OSError, ValueError):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            text = os.pread(fd, _SEQ_RECORD, _SEQ_AT).decode("ascii").strip()
+            if text.isdigit() and len(text) <= 20:
+                return int(text)
+    return 0
 
 
 class RawChunk(NamedTuple):
@@ -367,6 +387,19 @@ class RawChunk(NamedTuple):
     first: int
     last: int
     data: bytes
+    #: A ``log-gap`` record's chunk (it holds that one line, ``first`` = ``last`` = its
+    #: seq): the first seq of the hole it names (`gap_span`), which the log lacks up to
+    #: ``last``. 0 for any other chunk.
+    gap: int = 0
+
+
+#: What `_Follower.read_chunk` returns after a read that completed no event line (inside a
+#: long line, a crash's NULs): no seqs (``first`` 0), so that a caller ends its turn
+#: between any two reads however much such a log holds.
+_PROGRESS = RawChunk(0, 0, b"")
+
+#: Bytes every ``log-gap`` line the writer writes holds (`_plain_line_pattern`'s spelling).
+_GAP_MARK = b'"type":"log-gap"'
 
 
 class EventRecord(NamedTuple):
@@ -783,6 +816,11 @@ class EventLog:
         self._closed = False
         self._last_seq: int | None = None
         self._lock_fd: int | None = None
+        #: The seq `hold_seq` last stored in ``PATH.lock`` (0: none).
+        self._held_seq = 0
+        #: Seqs an earlier writer published and never wrote (`unwritten`).
+        self._unwritten: tuple[int, int] | None = None
+        self._lines_written = 0  # whole lines of the batch under way on disk
         #: Why the last write failed (None while writes succeed): a full disk, EIO, …
         self.error: str | None = None
         self._check_tail = True  # before the next write: end a torn last line
@@ -821,6 +859,15 @@ class EventLog:
             self.error = _describe_os_error(exc)
             _log.warning("event log %s: %s; starting without it", self._path, self.error)
         self._last_seq = None if self._stream else last_seq_in(self._path)
+        if self._lock_fd is not None:
+            # A writer that stopped while its disk was full published seqs past the file's
+            # end: number after them too, or a seq would name two events.
+            held = _read_held_seq(self._lock_fd)
+            if held > (self._last_seq or 0):
+                self._unwritten = ((self._last_seq or 0) + 1, held)
+                self._last_seq = held
+            # Written now, while the disk may have room: later ones overwrite it in place.
+            self._store_seq(held if self._unwritten else 0)
 
     @property
     def path(self) -> str:
@@ -834,8 +881,37 @@ class EventLog:
 
     @property
     def last_seq(self) -> int | None:
-        """The last ``seq`` already in the log when it was opened (None: empty or stdout)."""
+        """The last ``seq`` already in the log when it was opened (None: empty or stdout),
+        or, when higher, the last one an earlier writer published and could not write
+        (`hold_seq`)."""
         return self._last_seq
+
+    @property
+    def unwritten(self) -> tuple[int, int] | None:
+        """(first, last) seqs an earlier writer published but never wrote (its disk was
+        full when it stopped): what the next ``log-gap`` record names. None: no such seqs."""
+        return self._unwritten
+
+    def hold_seq(self, seq: int) -> bool:
+        """Remember ``seq`` (published, not written) in ``PATH.lock``, in place, where a
+        full disk cannot refuse it: the next writer numbers after it (`last_seq`). 0 clears
+        it; the next successful write does so too. False: not stored (no lock file)."""
+        with self._lock:
+            return self._store_seq(seq)
+
+    def _store_seq(self, seq: int) -> bool:
+        fd = self._lock_fd
+        if fd is None:
+            return False
+        record = (f"{seq}" if seq else "").ljust(_SEQ_RECORD - 1).encode() + b"\n"
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False  # the directory fallback of `_take_lock`
+            os.pwrite(fd, record, _SEQ_AT)
+        except OSError:
+            return False
+        self._held_seq = seq
+        return True
 
     def _open(self) -> None:
         # O_NONBLOCK for the open only: a FIFO planted at PATH fails with ENXIO instead of
@@ -882,11 +958,14 @@ class EventLog:
         assert self._fd is not None
         fd = self._fd
         view = memoryview(data)
+        done = 0
         while view:  # one write in practice; the loop only matters for a short write
             written = os.write(fd, view)
             if written:
                 self._tail_newline = view[written - 1] == 0x0A
+                self._lines_written += data.count(b"\n", done, done + written)
             view = view[written:]
+            done += written
             self._size += written
 
     def write_line(self, line: str) -> None:
@@ -919,6 +998,7 @@ class EventLog:
         with self._lock:
             if self._closed:
                 raise EventLogClosedError(f"event log {self._path} is closed")
+            self._lines_written = 0
             try:
                 self._append(lines, text)
             except OSError as exc:
@@ -926,8 +1006,12 @@ class EventLog:
                 # tail before the next write. The caller decides what to retry and when.
                 self._check_tail = True
                 self.error = _describe_os_error(exc)
-                raise EventLogWriteError(exc.errno, self.error) from None
+                error = EventLogWriteError(exc.errno, self.error)
+                error.lines_written = self._lines_written
+                raise error from None
             self.error = None
+            if self._held_seq:
+                self._store_seq(0)  # the log holds what it vouched for: nothing is held
 
     def _write_stdout(self, text: str) -> None:
         """``text`` to stdout: straight to its descriptor when it has one, through the
@@ -955,6 +1039,7 @@ class EventLog:
         if self._fd is None:
             self._open()  # resuming after a failure (or a failed rotation's reopen)
         self._end_torn_line()
+        self._lines_written = 0  # the lines of this batch, not the torn line's end
         if not lines:
             return
         limit = None if self._stream else self._rotate_at
@@ -1265,8 +1350,9 @@ class _Follower:
 
     def read_chunk(self, wants: Callable[[str, Any], bool] | None = None) -> RawChunk | None:
         """One read (at most ``_REPLAY_CHUNK`` bytes) of the files the first scan found, as a
-        `RawChunk`; None at their end. For a replay that must not hold the loop: each call
-        is one bounded slice of work, and the lines go out as stored.
+        `RawChunk`; None at their end, `_PROGRESS` (``first`` 0) when the read completed
+        no line. For a replay that must not hold the loop: each call is one bounded slice
+        of work, and the lines go out as stored.
 
         A run of whole lines whose seqs follow one another, each line one the writer writes
         and whose bytes prove it strict JSON (`_plain_heads`), is passed on as it is:
@@ -1302,8 +1388,8 @@ class _Follower:
             else:
                 return None
             chunk = self._next_chunk(src, data, wants)
-            if chunk is not None:
-                return chunk
+            # Nothing whole yet (a long line, a crash's NULs): still one read, one call.
+            return chunk if chunk is not None else _PROGRESS
 
     def _next_chunk(self, src: _Source, data: bytes,
                     wants: Callable[[str, Any], bool] | None) -> RawChunk | None:
@@ -1325,7 +1411,7 @@ class _Follower:
         complete = buf[:cut] if cut < len(buf) else buf
         if wants is None:
             heads = _plain_heads(complete)  # one per line: its seq, or b"" (see there)
-            if heads is not None and b"" not in heads:
+            if heads is not None and b"" not in heads and _GAP_MARK not in complete:
                 first = int(heads[0])
                 if (first > self._handover.last_seq
                         and list(map(int, heads)) == list(range(first, first + len(heads)))):
@@ -1348,7 +1434,7 @@ class _Follower:
         last = 0
         for index, raw in enumerate(lines):
             event: dict[str, Any] | None = None
-            if heads is not None and heads[index]:
+            if heads is not None and heads[index] and _GAP_MARK not in raw:
                 seq = int(heads[index])
             else:
                 decoded = _decode(raw)
@@ -1358,9 +1444,16 @@ class _Follower:
                 seq = event["seq"]
             if seq <= self._handover.last_seq:
                 continue  # the duplicate guard of `_feed`
-            if start is not None and seq != last + 1:
+            gap = None if event is None else gap_span(event)
+            if start is not None and (seq != last + 1 or gap is not None):
                 self._after_jump = lines[index:]
                 break
+            if gap is not None:  # a hole, not an event: a chunk of its own (`RawChunk.gap`)
+                assert event is not None
+                self._after_jump = lines[index + 1 :]
+                self._handover.last_seq = seq
+                wanted = wants is None or wants(event["type"], event.get("addr"))
+                return RawChunk(seq, seq, raw + b"\n" if wanted else b"", gap)
             self._handover.last_seq = seq
             last = seq
             start = seq if start is None else start
@@ -1521,17 +1614,24 @@ def read_chunks(
     *,
     since_seq: int | None = None,
     wants: Callable[[str, Any], bool] | None = None,
+    progress: bool = False,
 ) -> Iterator[RawChunk]:
     """The log after ``since_seq`` as `RawChunk` runs of stored lines (a replay to a socket):
-    each ``next`` is one read of at most 4 KiB, so a caller on an event loop can yield
-    between chunks. ``wants(type, addr)`` keeps only the lines it accepts; the seq range of
-    each chunk still covers what was read. Where the log lacks a seq (a line damaged or
-    lost, a file missing) one chunk ends and the next starts after it: a caller finds
-    every hole as a jump between two chunks. Close the iterator to release the files."""
+    with ``progress``, each ``next`` is one read of at most 4 KiB, so a caller on an event
+    loop can yield between chunks (a read that completed no line, inside a long line or a
+    crash's NULs, gives a chunk with ``first`` 0 and no data, which holds no seq; the first
+    ``next`` also finds where ``since_seq`` is, a few reads that a caller on an event loop
+    runs in a thread). Without it such chunks are left out. ``wants(type, addr)`` keeps
+    only the lines it accepts; the seq range of each chunk still covers what was read.
+    Where the log lacks a seq (a line damaged or lost, a file missing) one chunk ends and
+    the next starts after it: a caller finds every hole as a jump between two chunks (or
+    as a ``log-gap`` record's chunk, `RawChunk.gap`). Close the iterator to release the
+    files."""
     follower = _Follower(path, since_seq, None, warned=_replay_warned)
     try:
         while (chunk := follower.read_chunk(wants)) is not None:
-            yield chunk
+            if chunk.first or progress:
+                yield chunk
     finally:
         follower.close()
 

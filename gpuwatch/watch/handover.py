@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Handover", "first_is_next"]
+__all__ = ["LOG_GAP", "Handover", "first_is_next", "gap_span"]
 
 
 class Handover:
@@ -33,7 +33,26 @@ class Handover:
         return True
 
 
-def first_is_next(first_seq: int | None, since_seq: int) -> bool:
+#: The record a log resumes with after failed writes: it stands for the seqs
+#: ``first_seq`` … ``last_seq`` (its own seq) that the log lacks, not for an event.
+LOG_GAP = "log-gap"
+
+
+def first_is_next(first_seq: int | None, since_seq: int, *, gap: bool = False) -> bool:
     """Whether a replay starting at ``first_seq`` covers everything after ``since_seq``
-    (False when the log rotated those events away, or has none)."""
-    return first_seq == since_seq + 1
+    (False when the log rotated those events away, or has none, or when that first record
+    is a ``log-gap`` (``gap``): the seq after ``since_seq`` is one the log lacks)."""
+    return not gap and first_seq == since_seq + 1
+
+
+def gap_span(event: dict[str, object]) -> int | None:
+    """For a ``log-gap`` record, the first seq of the hole it stands for (up to its own
+    seq); None for any other record. A malformed ``first_seq`` counts as its own seq."""
+    if event.get("type") != LOG_GAP:
+        return None
+    seq = event["seq"]
+    first = event.get("first_seq")
+    assert isinstance(seq, int)
+    if isinstance(first, int) and not isinstance(first, bool) and 1 <= first <= seq:
+        return first
+    return seq

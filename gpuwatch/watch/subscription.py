@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from gpuwatch.core.events import parse_event
 from gpuwatch.errors import SubscriberLagged, UsageError
 from gpuwatch.watch.eventlog import EventRecord
-from gpuwatch.watch.handover import Handover, first_is_next
+from gpuwatch.watch.handover import Handover, first_is_next, gap_span
 
 __all__ = ["Handover", "Subscription", "first_is_next", "matches"]
 
@@ -96,8 +96,11 @@ class Subscription:
                 break  # from here on the live stream has it
             if not self._handover.fresh(seq):
                 continue
-            if self._expected is not None and seq > self._expected:
-                self.hole = (self._expected, seq - self._expected)
+            gap = self._expected is not None and gap_span(record.event) is not None
+            if self._expected is not None and (seq > self._expected or gap):
+                # A jump, or a log-gap record (its seqs, its own among them, were never
+                # written): the reader is owed everything from the expected seq on.
+                self.hole = (self._expected, seq + gap - self._expected)
                 self._end_replay()
                 return out
             self._expected = seq + 1

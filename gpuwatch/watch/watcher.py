@@ -56,7 +56,7 @@ from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
-from gpuwatch.watch.handover import first_is_next
+from gpuwatch.watch.handover import first_is_next, gap_span
 from gpuwatch.watch.overflow import OverflowGate
 from gpuwatch.watch.subscription import Subscription
 
@@ -72,6 +72,9 @@ PUMP_SLICE = 64
 _DRIVER_ACTIONS = frozenset(("bind", "unbind"))
 #: A failed log write is retried after 1 s, doubling up to a minute, with the next event.
 LOG_RETRY_FIRST = 1.0
+#: The ``error`` of a ``log-gap`` record naming seqs an earlier run published and could not
+#: write before it stopped (`EventLog.unwritten`).
+UNWRITTEN_BY_EARLIER_RUN = "not written before the previous run stopped"
 LOG_RETRY_MAX = 60.0
 #: The reasons a `resync` event may give.
 RESYNC_REASONS = ("overflow", "reconcile")
@@ -197,8 +200,10 @@ class Watcher:
         #: lines, serialised once for the log and every reader (the socket server).
         self.batch_listeners: list[Callable[[Sequence[BaseModel], Sequence[str]], None]] = []
         self._announced = anyio.Event()
-        # Event log health: the unwritten seq range and when to try again.
-        self._gap: tuple[int, int] | None = None
+        # Event log health: the unwritten seq range and when to try again. A range an
+        # earlier run published and never wrote (its disk full when it stopped) is named by
+        # this run's first write.
+        self._gap: tuple[int, int] | None = log.unwritten if log is not None else None
         self._log_retry_at = 0.0
         self._log_backoff = LOG_RETRY_FIRST
         self.log_write_failures = 0
@@ -212,7 +217,7 @@ class Watcher:
     @property
     def log_degraded(self) -> str | None:
         """Why the event log is not being written (None: it is)."""
-        return self._log_error if self._gap is not None else None
+        return self._log_error if self._gap is not None and self._log_error else None
 
     @property
     def replay_log_path(self) -> str | None:
@@ -327,7 +332,8 @@ class Watcher:
             sub.complete = False
             return
         sub.start_replay(itertools.chain((first,), records), since_seq, now,
-                         first_is_next(first.event["seq"], since_seq))
+                         first_is_next(first.event["seq"], since_seq,
+                                       gap=gap_span(first.event) is not None))
 
     async def wait_for(
         self,
@@ -378,24 +384,36 @@ class Watcher:
         last = int(getattr(events[-1], "seq", 0))
         if self._gap is not None and time.monotonic() < self._log_retry_at:
             self._gap = (self._gap[0], last)
+            self._log.hold_seq(last)  # a restart numbers after it, whatever the disk says
             return False
+        told = False  # whether a log-gap record leads the lines
         if self._gap is not None and self._gap[0] < first:
-            gap = LogGap(first_seq=self._gap[0], last_seq=first - 1, error=self._log_error,
+            gap = LogGap(first_seq=self._gap[0], last_seq=first - 1,
+                         error=self._log_error or UNWRITTEN_BY_EARLIER_RUN,
                          seq=first - 1, time=getattr(events[0], "time", ""))
             lines = [gap.model_dump_json(), *lines]
+            told = True
         try:
             self._log.write_lines(lines)
         except EventLogWriteError as exc:
             self.log_write_failures += 1
             fresh = self._gap is None
-            self._gap = (first, last) if self._gap is None else (self._gap[0], last)
+            # Whole lines may have landed before the disk filled: the gap starts after them
+            # (a log-gap record that landed has named the earlier range).
+            written = exc.lines_written
+            if told and written:
+                self._gap, written = None, written - 1
+            start = first + written
             self._log_error = exc.strerror or str(exc)
             self._log_retry_at = time.monotonic() + self._log_backoff
             self._log_backoff = min(self._log_backoff * 2, LOG_RETRY_MAX)
+            if start <= last:
+                self._gap = (start, last) if self._gap is None else (self._gap[0], last)
+                self._log.hold_seq(last)
             if fresh:
                 _log.error("event log %s: %s; events go on, the log resumes when it can",
                            self._log.path, self._log_error)
-            return fresh
+            return fresh and self._gap is not None
         if self._gap is not None:
             _log.warning("event log %s resumed; seqs %d..%d are not in it", self._log.path,
                          self._gap[0], first - 1)
@@ -466,13 +484,25 @@ class Watcher:
         if self.stop_waits_for is not None and self.stop_waits_for():
             self._stop_reason = reason
             return
-        self.publish([Stopped(reason=reason)])
+        self._publish_stopped(reason)
 
     def finish_stop(self) -> None:
         """Publish a ``stopped`` record that `stop` held back (once; nothing if none was)."""
         reason, self._stop_reason = self._stop_reason, None
         if reason is not None and not self._closed:
-            self.publish([Stopped(reason=reason)])
+            self._publish_stopped(reason)
+
+    def _publish_stopped(self, reason: str) -> None:
+        """``stopped``, with one last try of a degraded log whatever its backoff says (the
+        ``log-gap`` record, then ``stopped``); what still does not reach it is said on
+        stderr, and its last seq stays in ``PATH.lock`` for the next run to number after."""
+        self._log_retry_at = 0.0
+        self.publish([Stopped(reason=reason)])
+        if self._gap is not None and self._log is not None:
+            _log.error("event log %s: %s; seqs %d..%d were published but never written to "
+                       "it (a restart numbers after %d)", self._log.path,
+                       self._log_error or UNWRITTEN_BY_EARLIER_RUN, self._gap[0],
+                       self._gap[1], self._gap[1])
 
     async def _pump(self) -> None:
         await self._announced.wait()
