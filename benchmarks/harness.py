@@ -29,7 +29,7 @@ import anyio
 
 import gpuwatch
 from gpuwatch.core.pci import is_gpu_class
-from gpuwatch.core.state import WATCHED_PROBES
+from gpuwatch.core.probes import WATCHED_PROBES
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.files import link_name, read_text
 from gpuwatch.hostfs.scan import HostPaths, scan_functions

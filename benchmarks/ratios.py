@@ -90,7 +90,7 @@ def measure_probe_vs_empty(root: str, s: Settings) -> dict[str, float]:
 
 async def _toggle_with_log(hosts: list[SysRoot], samples: int, work: str) -> list[list[float]]:
     async with contextlib.AsyncExitStack() as stack:
-        rigs = []
+        rigs: list[tuple[SysRoot, MemorySource, Any, list[str], dict[str, str], list[float]]] = []
         for i, host in enumerate(hosts):
             source = MemorySource()
             w = await stack.enter_async_context(open_watcher(

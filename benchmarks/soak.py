@@ -26,6 +26,7 @@ baseline: the figures go to docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -39,8 +40,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.service import protocol as P
 from gpuwatch.testing import example_gpu_host
 from gpuwatch.watch.eventlog import read_events
@@ -188,6 +190,24 @@ class Subscribers(threading.Thread):
                 self._feed(i, buf[:cut])
 
 
+def open_writer(fifo: Path, daemon: subprocess.Popen[str]) -> TextIO:
+    """The FIFO's writing end, once the daemon opened its reading end: a plain open would
+    wait for ever for a daemon that refused its arguments and exited."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet
+                raise
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the daemon did not start: {daemon.communicate()[1].strip()}")
+        time.sleep(0.05)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "w", buffering=1 << 20)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--uevents", type=int, default=1_000_000)
@@ -212,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
          f"file:{fifo}", "--log", str(log), "--log-max-bytes", str(args.log_max_bytes),
-         "--log-keep", "10000", "--reconcile-interval", "0", "--socket", sock,
+         "--log-keep", str(MAX_LOG_KEEP), "--reconcile-interval", "0", "--socket", sock,
          *([] if args.max_output_bytes is None
            else ["--socket-max-output-bytes", str(args.max_output_bytes)])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    writer = open(fifo, "w", buffering=1 << 20)  # noqa: SIM115 - closed below
+    writer = open_writer(fifo, daemon)
     deadline = time.monotonic() + 60
     while not os.path.exists(sock):
         assert time.monotonic() < deadline and daemon.poll() is None, "daemon did not start"

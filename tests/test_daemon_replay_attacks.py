@@ -273,3 +273,35 @@ def test_a_fifo_log_gives_a_subscriber_live_events_marked_incomplete(
         assert "Traceback" not in d.stderr, d.stderr
     finally:
         os.close(reader)
+
+
+@pytest.mark.timeout(120)
+def test_a_replay_across_a_crashs_nuls_leaves_other_clients_answered(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A crash can leave a run of NULs in the log (blocks the file system allocated, never
+    written). A replay that must cross 64 MiB of them reads them 4 KiB a turn of the event
+    loop, as any replay reads: another client's probe is answered while it has not got its
+    reply yet (was: the whole region in one go on the loop, every client waiting ~20 s)."""
+    log = tmp_path / "events.jsonl"
+    lines = [json.dumps({"seq": seq, "time": "2026-01-01T00:00:00.000000Z",
+                         "type": "driver-changed", "addr": NV, "old": "nvidia",
+                         "new": "vfio-pci"}, separators=(",", ":")) + "\n" for seq in (1, 2, 3)]
+    with log.open("w") as fh:
+        fh.write(lines[0] + lines[1])
+        fh.truncate(fh.tell() + (64 << 20))  # sparse: NULs that cost no disk
+        fh.seek(0, os.SEEK_END)
+        fh.write("\n" + lines[2])  # the torn line ended, as the next writer ends it
+    d = Daemon(host.root, tmp_path, f"{sockdir}/gw.sock")
+    with d, connect(d.sock) as replaying:
+        replaying.sendall(P.encode_request(1, "subscribe", {"since_seq": 2}))
+        time.sleep(0.05)
+        assert probe(d.sock)["result"] is True
+        replaying.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            replaying.recv(1)  # its reply waits for the seq after 2, past the NULs
+        replaying.setblocking(True)
+        got = Lines(replaying)
+        assert got.line()["result"] == {"seq": 4, "complete": True}
+        assert [got.line()["seq"] for _ in range(2)] == [3, 4]  # then `ready`, live
+    check_exit(d)

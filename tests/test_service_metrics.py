@@ -445,3 +445,34 @@ def test_each_request_gets_its_own_header_list() -> None:
     lists[0].append(("Content-Length", "9"))
     assert _get(app) == ("200 OK", b"render 1 for \n")
     assert lists[1] == [("Content-Type", "text/plain")]
+
+
+async def test_a_subscribe_is_counted_by_the_reply_it_gets(host: SysRoot, sockdir: str,
+                                                          tmp_path: Any) -> None:
+    """A replaying subscribe is answered once the log's first lines are found: it counts
+    then, as ``ok``, or as ``unavailable`` when the log cannot be read, never as both."""
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"seq":1,"time":"2026-01-01T00:00:00.000000Z","type":"stopped",'
+                   '"reason":"signal"}\n')
+    (tmp_path / "events.jsonl.1").symlink_to("/proc/self/mem")  # a read fails with EIO
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", log=str(log)) as served:
+        metrics.attach(served.watcher)
+        served.server.metrics = metrics
+        bound = metrics.serve("127.0.0.1:0")
+        try:
+            async with await anyio.connect_unix(served.path) as c:
+                await c.send(P.encode_request(1, "subscribe", {"since_seq": 0}))
+                reply = P.loads((await c.receive()).split(b"\n")[0])
+                assert reply["error"]["code"] == P.UNAVAILABLE, reply
+                (tmp_path / "events.jsonl.1").unlink()
+                await c.send(P.encode_request(2, "subscribe", {"since_seq": 1}))
+                reply = P.loads((await c.receive()).split(b"\n")[0])
+                assert reply["result"]["complete"] is True, reply
+            s = await scrape(*bound)
+            assert value(s, "gpuwatch_socket_requests_total", method="subscribe",
+                         outcome="ok") == 1
+            assert value(s, "gpuwatch_socket_requests_total", method="subscribe",
+                         outcome=P.UNAVAILABLE) == 1
+        finally:
+            metrics.close()

@@ -1541,7 +1541,8 @@ class SocketServer:
                 result = self.watcher.snapshot()
             elif method == "subscribe":
                 replay = self._subscribe(conn, req)
-                self._count(method, "ok")
+                if replay is None:  # a replay counts once its reply goes (`_first_chunk`)
+                    self._count(method, "ok")
                 return replay
             else:
                 return functools.partial(self._answer_later, conn, req)
@@ -1764,12 +1765,14 @@ class SocketServer:
                                     conn.peer.describe(), exc)
             conn.reply(P.encode_error(req.id, P.UNAVAILABLE, f"subscribe: cannot read the "
                                                              f"event log: {exc.strerror or exc}"))
+            self._count(req.method, P.UNAVAILABLE)
             return None
         if conn.closed:
             return None
         complete = first is not None and first_is_next(first.first, since_seq,
                                                        gap=bool(first.gap))
         conn.reply(P.encode_result(req.id, {"seq": now, "complete": complete}))
+        self._count(req.method, "ok")
         return _chain(first, raw) if first is not None else raw
 
     async def _replay(self, conn: Connection, req: P.Request, since_seq: int, now: int,
