@@ -779,6 +779,11 @@ class EventLog:
         self._keep = keep
         self._lock = threading.Lock()
         self._fd: int | None = None
+        #: (st_dev, st_ino) of the file ``_fd`` writes: PATH naming another (or none) means
+        #: the file was deleted or renamed away under the writer (`_follow_path`).
+        self._ident: _Ident | None = None
+        #: PATH was a regular file when first opened: a reopen must find one there again.
+        self._regular = False
         self._size = 0
         self._closed = False
         self._last_seq: int | None = None
@@ -849,10 +854,18 @@ class EventLog:
         except OSError:
             os.close(fd)
             raise
+        if self._regular and not stat.S_ISREG(st.st_mode):
+            # The log was a file: what replaced it (a FIFO, a device) is not the log's, and
+            # is not written; the write fails and the log degrades until a file is back.
+            os.close(fd)
+            why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
+            raise OSError(errno.EINVAL, f"{why}: not written")
         self._stream = not stat.S_ISREG(st.st_mode)
         if not self._stream:
             os.set_blocking(fd, True)
+            self._regular = True
         self._fd = fd
+        self._ident = (st.st_dev, st.st_ino)
         self._size = st.st_size
 
     def _end_torn_line(self) -> None:
@@ -954,6 +967,8 @@ class EventLog:
         """``text`` is ``lines`` joined by newlines."""
         if self._fd is None:
             self._open()  # resuming after a failure (or a failed rotation's reopen)
+        elif not self._stream:
+            self._follow_path()
         self._end_torn_line()
         if not lines:
             return
@@ -980,6 +995,28 @@ class EventLog:
             pending_size += len(data)
         if pending:
             self._write_all(b"".join(pending))
+
+    def _follow_path(self) -> None:
+        """Reopen PATH when it no longer names the file written (deleted, or renamed away
+        as by logrotate's ``create`` mode): lines written to that file would reach no
+        reader. One ``stat`` a batch; what PATH holds now is opened as at the start."""
+        try:
+            st = os.stat(self._path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return  # cannot tell (no search permission…): keep the file in hand
+            now: _Ident | None = None
+        else:
+            now = (st.st_dev, st.st_ino)
+        if now == self._ident:
+            return
+        assert self._fd is not None
+        os.close(self._fd)
+        self._fd = self._ident = None
+        self._check_tail = True  # a file already there may end in a torn line
+        _log.warning("event log %s: %s under the writer; reopening %s", self._path,
+                     "deleted" if now is None else "replaced", self._path)
+        self._open()
 
     def _rotate(self) -> None:
         assert self._fd is not None and self._max_bytes is not None

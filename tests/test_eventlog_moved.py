@@ -1,0 +1,110 @@
+"""The event log under outside hands: PATH deleted or renamed away under the writer (it
+reopens PATH), two writers reaching one log by other names, unreadable rotated files, and a
+junk tail that must not make finding the last seq slow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.watch import eventlog
+from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_events
+
+TIME = "2026-12-02T17:20:41.123456Z"
+
+
+def line(seq: int, type_: str = "ready", **extra: Any) -> str:
+    return json.dumps({"seq": seq, "time": TIME, "type": type_, **extra}, separators=(",", ":"))
+
+
+def write_events(log: EventLog, first: int, last: int) -> None:
+    for seq in range(first, last + 1):
+        log.write_line(line(seq))
+
+
+def seqs_in(path: Path) -> list[int]:
+    return [event["seq"] for event in read_events(path)]
+
+
+def test_a_log_deleted_under_the_writer_is_made_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rm PATH`` under a running watcher: its later events went to the deleted file, where
+    no reader could see them. Now the next batch recreates PATH, said in one warning."""
+    path = tmp_path / "ev.jsonl"
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"), EventLog(path) as log:
+        write_events(log, 1, 3)
+        path.unlink()
+        write_events(log, 4, 6)
+        assert seqs_in(path) == [4, 5, 6]
+    warnings = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage()]
+    assert len(warnings) == 1 and "reopening" in warnings[0]
+
+
+def test_a_log_renamed_away_like_logrotate_create_is_followed_to_the_new_file(
+    tmp_path: Path,
+) -> None:
+    """logrotate's ``create`` mode (``mv PATH PATH.old; touch PATH``): the writer moves to
+    the new PATH instead of filling PATH.old, and a torn line found there is ended first."""
+    path = tmp_path / "ev.jsonl"
+    old = tmp_path / "ev.jsonl.old"
+    with EventLog(path) as log:
+        write_events(log, 1, 3)
+        path.rename(old)
+        path.write_text('{"theirs":1}\n{"seq":9')  # someone else's, torn
+        write_events(log, 4, 5)
+    assert seqs_in(old) == [1, 2, 3]
+    assert path.read_text().splitlines() == ['{"theirs":1}', '{"seq":9', line(4), line(5)]
+
+
+def test_what_replaces_the_log_that_is_no_file_is_not_written(tmp_path: Path) -> None:
+    """A FIFO (with a reader) put where the log file was is not the log's: the write fails
+    (the watcher degrades the log) and the FIFO's reader gets nothing; once a file is back
+    the writes go on there."""
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:
+        write_events(log, 1, 2)
+        path.unlink()
+        os.mkfifo(path)
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            with pytest.raises(EventLogWriteError, match="is a FIFO"):
+                write_events(log, 3, 3)
+            with pytest.raises(EventLogWriteError, match="is a FIFO"):  # the retry too
+                write_events(log, 3, 3)
+            try:
+                received = os.read(reader, 100)
+            except BlockingIOError:
+                received = b""
+            assert received == b""  # nothing was written into it
+        finally:
+            os.close(reader)
+        path.unlink()
+        write_events(log, 3, 4)
+    assert seqs_in(path) == [3, 4]
+
+
+def test_noticing_a_moved_log_costs_one_stat_a_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write path is hot: PATH is looked at once per batch, not once per line."""
+    path = tmp_path / "ev.jsonl"
+    calls: list[object] = []
+    real_stat = os.stat
+
+    def counting_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        calls.append(name)
+        return real_stat(name, *args, **kwargs)
+
+    with EventLog(path) as log:
+        write_events(log, 1, 1)
+        monkeypatch.setattr(eventlog.os, "stat", counting_stat)
+        log.write_lines([line(seq) for seq in range(2, 202)])
+        monkeypatch.undo()
+    assert calls == [os.fspath(path)]
+    assert seqs_in(path) == list(range(1, 202))
