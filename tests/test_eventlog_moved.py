@@ -4,6 +4,7 @@ junk tail that must not make finding the last seq slow."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpuwatch.watch import eventlog
-from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_events
+from gpuwatch.watch.eventlog import EventLog, EventLogLocked, EventLogWriteError, read_events
 
 TIME = "2026-12-02T17:20:41.123456Z"
 
@@ -108,3 +109,84 @@ def test_noticing_a_moved_log_costs_one_stat_a_batch(
         monkeypatch.undo()
     assert calls == [os.fspath(path)]
     assert seqs_in(path) == list(range(1, 202))
+
+
+def test_a_second_writer_through_a_link_to_the_log_is_refused(tmp_path: Path) -> None:
+    """The lock was taken beside the name given: a watcher naming the same file through a
+    link locked ``link.lock`` and both wrote one file (interleaved, seqs repeated). Now the
+    lock is beside the file the log really is."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    real = tmp_path / "a" / "ev.jsonl"
+    link = tmp_path / "b" / "ev.jsonl"
+    link.symlink_to(real)  # dangling until the first writer makes the file
+    with EventLog(link) as first:
+        write_events(first, 1, 1)
+        with pytest.raises(EventLogLocked) as refused:
+            EventLog(real)
+        assert str(refused.value) == (
+            f"event log {real} is written by pid {os.getpid()} (it holds {real}.lock); "
+            "one log has one writer")
+        assert not (tmp_path / "b" / "ev.jsonl.lock").exists()
+    with EventLog(real) as again:  # released with the first writer
+        assert again.last_seq == 1
+
+
+def no_lock_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lock files cannot be made (a disk out of space or inodes), as for the fallback."""
+    real_open = os.open
+
+    def full_disk_open(name: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(name).endswith(".lock") and flags & os.O_CREAT and not os.path.exists(name):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(eventlog.os, "open", full_disk_open)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("fallback_first", [True, False])
+def test_the_full_disk_directory_lock_conflicts_with_the_lock_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback_first: bool
+) -> None:
+    """A writer that could not make ``PATH.lock`` locks the directory instead; a second
+    writer of that log that could make ``PATH.lock`` later ran beside it. Every writer now
+    holds its directory shared, so either one comes first and the other is refused, each
+    in words that name what is locked (no lock file that does not exist) and its holder."""
+    path = tmp_path / "ev.jsonl"
+    other = tmp_path / "other.jsonl"
+    fds = open_fds()
+    with monkeypatch.context() as patch:
+        if fallback_first:
+            no_lock_file(patch)
+        first = EventLog(path)
+    try:
+        assert (path.with_name("ev.jsonl.lock").exists()) is not fallback_first
+        with monkeypatch.context() as patch:
+            if not fallback_first:
+                no_lock_file(patch)
+                os.unlink(f"{path}.lock")  # removed under its holder: only the directory is left
+            with pytest.raises(EventLogLocked) as refused:
+                EventLog(path)
+        message = str(refused.value)
+        if fallback_first:
+            assert message == (
+                f"event log {path}: its directory {tmp_path} is locked by pid {os.getpid()}, "
+                "a writer there that could not make its lock file (a full disk); one log "
+                "has one writer")
+            with pytest.raises(EventLogLocked, match=r"its directory .* is locked by pid"):
+                EventLog(other)  # the fallback's price: the directory's other logs wait
+        else:
+            assert message == (
+                f"event log {path}: its lock {path}.lock cannot be made (ENOSPC: "
+                f"{os.strerror(errno.ENOSPC)}), and {tmp_path}, locked instead, has another "
+                f"writer (pid {os.getpid()}); one log has one writer")
+            EventLog(other).close()  # lock files side by side: no conflict
+    finally:
+        first.close()
+    assert open_fds() == fds  # the refused writers closed what they opened
+    with EventLog(path) as again:
+        write_events(again, 1, 1)

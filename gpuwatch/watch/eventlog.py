@@ -321,14 +321,22 @@ def _wait_writable(fd: int, timeout: float) -> None:
         poller.poll(timeout * 1000)
 
 
-def _take_lock(path: str) -> int:
-    """Hold ``PATH.lock`` exclusively for the life of the writer; the file names our pid.
+def _take_lock(path: str) -> tuple[int | None, int | None]:
+    """Hold ``PATH.lock`` exclusively, and the log's directory shared, for the life of the
+    writer: (the lock file's descriptor, the directory's). The lock file names our pid.
 
-    flock, not a pid file alone: the kernel drops the lock when the holder dies (even by
-    kill -9), so a stale file never blocks a restart. On a full disk the lock file may not
-    be creatable; the directory itself is locked instead (flock works on directories).
+    Both are taken where the log really is (PATH's links resolved), so two writers that
+    name one log by two names (a link to it) meet on one lock. flock, not a pid file
+    alone: the kernel drops the lock when the holder dies (even by kill -9), so a stale
+    file never blocks a restart. On a full disk the lock file may not be creatable; the
+    directory is then locked exclusively instead, which conflicts with every writer's
+    shared hold of it: the same log's (whoever comes first), and, the price of the
+    fallback, other logs' in that directory.
     """
-    name = lock_path(path)
+    real = os.path.realpath(path)
+    name = lock_path(real)
+    directory = os.path.dirname(real)
+    fd: int | None = None
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
@@ -336,26 +344,75 @@ def _take_lock(path: str) -> int:
             raise EventLogUnavailable(
                 f"event log {path}: cannot open its lock {name}: {_describe_os_error(exc)}"
             ) from None
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+        no_lock_file = _describe_os_error(exc)
+    dir_fd: int | None = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
     except OSError as exc:
-        holder = ""
-        with contextlib.suppress(OSError, ValueError):
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        os.close(fd)
+        if fd is None:
+            raise EventLogUnavailable(
+                f"event log {path}: cannot make its lock {name} ({no_lock_file}) nor open "
+                f"{directory} to lock it instead: {_describe_os_error(exc)}") from None
+        # A directory we may not read: the lock file alone (no fallback writer can lock
+        # that directory either: it could not open it).
+    try:
+        if fd is not None:
+            _flock(fd, fcntl.LOCK_EX, path, name,
+                   lambda who: f"event log {path} is written by {who} (it holds {name}); "
+                               "one log has one writer")
+        if dir_fd is not None and fd is not None:
+            _flock(dir_fd, fcntl.LOCK_SH, path, directory,
+                   lambda who: f"event log {path}: its directory {directory} is locked by "
+                               f"{who}, a writer there that could not make its lock file "
+                               "(a full disk); one log has one writer")
+        elif dir_fd is not None:
+            _flock(dir_fd, fcntl.LOCK_EX, path, directory,
+                   lambda who: f"event log {path}: its lock {name} cannot be made "
+                               f"({no_lock_file}), and {directory}, locked instead, has "
+                               f"another writer ({who}); one log has one writer")
+    except BaseException:
+        for held in (fd, dir_fd):
+            if held is not None:
+                os.close(held)
+        raise
+    if fd is not None:
+        with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
+            pid = f"{os.getpid()}\n".encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, pid, 0)
+    return fd, dir_fd
+
+
+def _flock(fd: int, how: int, path: str, name: str, refusal: Callable[[str], str]) -> None:
+    """``flock(fd, how)`` without waiting, or `EventLogLocked` with ``refusal(holder)``."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            who = f"pid {holder}" if holder.isdigit() else "another process"
-            raise EventLogLocked(
-                f"event log {path} is written by {who} (it holds {name}); "
-                "one log has one writer") from None
+            holder = _lock_holder(fd)
+            who = f"pid {holder}" if holder else "another process"
+            raise EventLogLocked(refusal(who)) from None
         raise EventLogUnavailable(
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
-    with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
-        pid = f"{os.getpid()}\n".encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, pid, 0)
-    return fd
+
+
+def _lock_holder(fd: int) -> str | None:
+    """The pid holding a flock on ``fd``'s file: the pid a lock file holds, else (a
+    directory) the first holder /proc/locks names."""
+    with contextlib.suppress(OSError, ValueError):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return holder if holder.isdigit() else None
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for entry in locks:
+                fields = entry.split()
+                # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter has "->")
+                if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
+                        and fields[4].isdigit()):
+                    return fields[4]
+    return None
 
 
 class RawChunk(NamedTuple):
@@ -788,6 +845,7 @@ class EventLog:
         self._closed = False
         self._last_seq: int | None = None
         self._lock_fd: int | None = None
+        self._dir_lock_fd: int | None = None  # the log's directory, held shared (`_take_lock`)
         #: Why the last write failed (None while writes succeed): a full disk, EIO, …
         self.error: str | None = None
         self._check_tail = True  # before the next write: end a torn last line
@@ -811,7 +869,7 @@ class EventLog:
                     f"event log {self._path}: cannot create {parent}: "
                     f"{_describe_os_error(exc)}") from None
         if lock and not _names_a_stream(self._path):
-            self._lock_fd = _take_lock(self._path)  # before anything is written
+            self._lock_fd, self._dir_lock_fd = _take_lock(self._path)  # before any write
         try:
             self._open()
             self._end_torn_line()
@@ -881,9 +939,10 @@ class EventLog:
             self._check_tail = False
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in (self._lock_fd, self._dir_lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._lock_fd = self._dir_lock_fd = None
 
     def _ends_with_newline(self) -> bool:
         with open(self._path, "rb") as f:
