@@ -190,3 +190,62 @@ def test_the_full_disk_directory_lock_conflicts_with_the_lock_file(
     assert open_fds() == fds  # the refused writers closed what they opened
     with EventLog(path) as again:
         write_events(again, 1, 1)
+
+
+def unreadable(monkeypatch: pytest.MonkeyPatch, *names: Path) -> None:
+    """Opening ``names`` for reading fails with EACCES (a file of another user, as a root
+    without DAC override meets it), whoever runs the tests."""
+    real_open = os.open
+    denied = {os.fspath(name) for name in names}
+
+    def open_denied(name: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(name) in denied and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(eventlog.os, "open", open_denied)
+
+
+def rotated_log(tmp_path: Path) -> Path:
+    """PATH.2 with seqs 1-3, PATH.1 with 4-5, PATH with 6-8."""
+    path = tmp_path / "ev.jsonl"
+    for name, first, last in ((f"{path}.2", 1, 3), (f"{path}.1", 4, 5), (path, 6, 8)):
+        Path(name).write_text("".join(line(seq) + "\n" for seq in range(first, last + 1)))
+    return path
+
+
+def test_an_unreadable_rotated_file_is_a_hole_not_the_end_of_every_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """EACCES on PATH.1 stopped every reader with a bare PermissionError: a one-shot read,
+    a socket replay (answered ``unavailable``, even for seqs PATH alone holds) and
+    ``gpuwatch events --since-seq``. It is a hole: the files around it are read, with one
+    warning, and a replay's chunks jump over it as over a missing file."""
+    from test_eventlog import run_cli
+
+    path = rotated_log(tmp_path)
+    unreadable(monkeypatch, Path(f"{path}.1"))
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        assert seqs_in(path) == [1, 2, 3, 6, 7, 8]
+        chunks = [(c.first, c.last) for c in eventlog.read_chunks(path, since_seq=1)]
+        assert chunks == [(2, 3), (6, 8)]
+        assert [(c.first, c.last) for c in eventlog.read_chunks(path, since_seq=6)] == [(7, 8)]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings and all(f"{path}.1 cannot be read: EACCES" in w for w in warnings)
+    caplog.clear()
+    capsys.readouterr()
+    assert run_cli([str(path), "--since-seq", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(text)["seq"] for text in out.splitlines()] == [7, 8]
+    assert err.count("\n") == 1 and "cannot be read" in err
+
+
+def test_an_unreadable_log_file_itself_is_still_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a rotated file is read around: PATH itself unreadable is said, not skipped."""
+    path = rotated_log(tmp_path)
+    unreadable(monkeypatch, path)
+    with pytest.raises(PermissionError):
+        list(read_events(path))

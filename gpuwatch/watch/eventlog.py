@@ -1564,11 +1564,14 @@ class _Follower:
                 _close_sources(live, rotated)  # not the follower's yet: close them here
                 raise
             except OSError as exc:
-                if index > 1 and exc.errno == errno.ELOOP:  # a link that leads nowhere
+                if index > 1 and exc.errno in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                    # A link that leads nowhere, or a rotated file we may not read: a hole
+                    # in the log, read around like what is no log file (PATH itself is not).
+                    why = (f"{name} is a link that loops, not an event log file"
+                           if exc.errno == errno.ELOOP
+                           else f"{name} cannot be read: {_describe_os_error(exc)}")
                     with contextlib.suppress(OSError):
-                        _warn_skipped(self._warned, name,
-                                      f"{name} is a link that loops, not an event log file",
-                                      os.lstat(name))
+                        _warn_skipped(self._warned, name, why, os.lstat(name))
                     misses = 0
                     continue
                 _close_sources(live, rotated)  # not the follower's yet: close them here
