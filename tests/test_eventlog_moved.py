@@ -249,3 +249,68 @@ def test_an_unreadable_log_file_itself_is_still_an_error(
     unreadable(monkeypatch, path)
     with pytest.raises(PermissionError):
         list(read_events(path))
+
+
+def test_finding_the_last_seq_decodes_no_line_of_a_junk_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 MiB of ``{}`` lines after the last event took 10 s (each line decoded) and held a
+    starting daemon that long. Only lines that start as records are decoded now."""
+    path = tmp_path / "ev.jsonl"
+    with path.open("wb") as f:
+        f.write((line(6) + "\n" + line(7) + "\n").encode())
+        f.write(b"{}\n" * ((16 << 20) // 3))
+    decoded: list[bytes] = []
+    real_decode = eventlog._decode
+
+    def counting_decode(raw: bytes) -> Any:
+        decoded.append(raw)
+        return real_decode(raw)
+
+    monkeypatch.setattr(eventlog, "_decode", counting_decode)
+    assert eventlog.last_seq_in(path) == 7
+    assert decoded == [line(7).encode()]
+
+
+def test_past_the_scan_bound_the_last_seq_is_given_up_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The search backwards is bounded (`LAST_SEQ_SCAN`): past it the log is taken to hold
+    no event (numbering from 1, said once) instead of reading on."""
+    path = tmp_path / "ev.jsonl"
+    path.write_bytes((line(7) + "\n").encode() + b"\n" * (1 << 20))
+    monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 256 << 10)
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        assert eventlog.last_seq_in(path) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"event log {path}: no event in the last 0 MiB of {path}; numbering as if the log "
+        "held none"]
+    monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 2 << 20)
+    assert eventlog.last_seq_in(path) == 7
+
+
+@pytest.mark.parametrize("pad", [0, 1, 5, 6, 7, 100, 65_530, 65_536, 70_000, 200_000])
+def test_the_last_seq_is_the_last_decodable_line_wherever_chunks_cut(
+    pad: int,
+) -> None:
+    """The search finds what decoding every line backwards found: record starts cut by a
+    chunk's edge, a line longer than a chunk, damaged records, a torn tail, a record as
+    the file's first line."""
+    import io
+
+    cases = [
+        b"x" * pad + b"\n" + line(5).encode() + b"\n",
+        (line(3) + "\n" + line(4, pad="y" * pad) + "\n").encode() + b'{"seq":9,"ty\n',
+        line(2).encode() + b"\n" + b"z" * pad + b'\n{"seq":8,"time":"t","type":"x"}' ,
+        b'{"seq": 11, "time": "t", "type": "ready"}\n' + b"{}\n" * pad,
+        b"q" * pad,
+        (line(12) + "\n").encode() + b"\n" * pad + b'{"seq":13}\n',
+    ]
+    for data in cases:
+        expected = None
+        for raw in eventlog._reverse_lines(io.BytesIO(data)):
+            found = eventlog._decode(raw)
+            if found is not None:
+                expected = found[0]["seq"]
+                break
+        assert eventlog._last_seq_of(io.BytesIO(data)) == expected, data[:80]

@@ -694,13 +694,72 @@ def _last_seq_of_file(path: str) -> int | None:
         return _last_seq_of(f)
 
 
+#: How far back from a file's end the search for its last event goes (`_last_seq_of`):
+#: past it, the file's tail is taken as unreadable (`_TailTooLong`).
+LAST_SEQ_SCAN = 64 << 20
+#: And how many lines that start like a record but are none it decodes before that.
+_LAST_SEQ_CANDIDATES = 65536
+#: How each line the writer writes starts (``{"seq":N,…``; ``{"seq": N`` too).
+_RECORD_START = b'{"seq"'
+_LINE_START = b"\n" + _RECORD_START
+
+
+class _TailTooLong(Exception):
+    """The last event of a file was not found within `LAST_SEQ_SCAN` bytes of its end."""
+
+
 def _last_seq_of(f: IO[bytes]) -> int | None:
-    """The seq of the last event line in ``f`` (read backwards from its end)."""
-    for raw in _reverse_lines(f):
-        decoded = _decode(raw)
-        if decoded is not None:
-            seq: int = decoded[0]["seq"]
-            return seq
+    """The seq of the last event line in ``f`` (None: no event in it), searched backwards
+    from its end for a line that starts ``{"seq"`` (``rfind``, in C), decoding only those:
+    a tail of lines that are no event costs a read, not a decode a line. Raises
+    `_TailTooLong` past `LAST_SEQ_SCAN` bytes (or `_LAST_SEQ_CANDIDATES` lines that look
+    like records) without one, so that the cost is bounded however long the junk."""
+    pos = f.seek(0, os.SEEK_END)
+    line_end: int | None = None  # just past the first newline at or after ``pos`` (None:
+    # none yet: what is there is a torn tail)
+    after = b""  # the first bytes of the chunk read before (a marker may cross into them)
+    scanned = candidates = 0
+    while pos > 0:
+        if scanned >= LAST_SEQ_SCAN:
+            raise _TailTooLong
+        step = min(_CHUNK, pos)
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        if len(chunk) != step:  # shrunk under us: what is read is not where it was
+            return None
+        scanned += step
+        buf = chunk + after
+        hi = len(buf)
+        while True:
+            at = buf.rfind(_LINE_START, 0, hi)
+            start = at + 1
+            if at < 0:
+                if pos > 0 or not buf.startswith(_RECORD_START):
+                    break
+                start = 0  # the file's first line
+            hi = max(at, 0)
+            candidates += 1
+            if candidates > _LAST_SEQ_CANDIDATES:
+                raise _TailTooLong
+            nl = buf.find(b"\n", start)
+            if nl >= 0:
+                raw = buf[start:nl]
+            elif line_end is None or line_end - 1 - (pos + start) > MAX_EVENT_LINE:
+                raw = b""  # a torn tail, or a line no event is that long
+            else:
+                f.seek(pos + start)
+                raw = f.read(line_end - 1 - (pos + start))
+            decoded = _decode(raw) if len(raw) <= MAX_EVENT_LINE else None
+            if decoded is not None:
+                seq: int = decoded[0]["seq"]
+                return seq
+            if at < 0:
+                break
+        first_nl = chunk.find(b"\n")
+        if first_nl >= 0:
+            line_end = pos + first_nl + 1
+        after = chunk[: len(_LINE_START) - 1]
     return None
 
 
@@ -786,7 +845,9 @@ def _offset_after_seq(f: IO[bytes], since_seq: int) -> int:
 def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
-    Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log.
+    Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log, and
+    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up (None,
+    with a warning) rather than hold a starting daemon for a tail of junk.
     """
     index, misses = 0, 0
     while misses < _MAX_GAP:
@@ -796,7 +857,12 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
             misses += 1
             continue
         misses = 0
-        seq = _last_seq_of_file(name)
+        try:
+            seq = _last_seq_of_file(name)
+        except _TailTooLong:
+            _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if "
+                         "the log held none", path, LAST_SEQ_SCAN >> 20, name)
+            return None
         if seq is not None:
             return seq
     return None
@@ -1511,12 +1577,10 @@ class _Follower:
         """
         while self._pending:
             src = self._pending[0]
-            last = None
-            for raw in _reverse_lines(src.file):
-                decoded = _decode(raw)
-                if decoded is not None:
-                    last = decoded[0]["seq"]
-                    break
+            try:
+                last = _last_seq_of(src.file)
+            except _TailTooLong:  # its end is junk: enter it by bisection (below)
+                last = None
             if last is None or last > since_seq:
                 break
             self._pending.popleft()
