@@ -324,14 +324,22 @@ def _wait_writable(fd: int, timeout: float) -> None:
         poller.poll(timeout * 1000)
 
 
-def _take_lock(path: str) -> int:
-    """Hold ``PATH.lock`` exclusively for the life of the writer; the file names our pid.
+def _take_lock(path: str) -> tuple[int | None, int | None]:
+    """Hold ``PATH.lock`` exclusively, and the log's directory shared, for the life of the
+    writer: (the lock file's descriptor, the directory's). The lock file names our pid.
 
-    flock, not a pid file alone: the kernel drops the lock when the holder dies (even by
-    kill -9), so a stale file never blocks a restart. On a full disk the lock file may not
-    be creatable; the directory itself is locked instead (flock works on directories).
+    Both are taken where the log really is (PATH's links resolved), so two writers that
+    name one log by two names (a link to it) meet on one lock. flock, not a pid file
+    alone: the kernel drops the lock when the holder dies (even by kill -9), so a stale
+    file never blocks a restart. On a full disk the lock file may not be creatable; the
+    directory is then locked exclusively instead, which conflicts with every writer's
+    shared hold of it: the same log's (whoever comes first), and, the price of the
+    fallback, other logs' in that directory.
     """
-    name = lock_path(path)
+    real = os.path.realpath(path)
+    name = lock_path(real)
+    directory = os.path.dirname(real)
+    fd: int | None = None
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
@@ -339,26 +347,75 @@ def _take_lock(path: str) -> int:
             raise EventLogUnavailable(
                 f"event log {path}: cannot open its lock {name}: {_describe_os_error(exc)}"
             ) from None
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+        no_lock_file = _describe_os_error(exc)
+    dir_fd: int | None = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
     except OSError as exc:
-        holder = ""
-        with contextlib.suppress(OSError, ValueError):
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        os.close(fd)
+        if fd is None:
+            raise EventLogUnavailable(
+                f"event log {path}: cannot make its lock {name} ({no_lock_file}) nor open "
+                f"{directory} to lock it instead: {_describe_os_error(exc)}") from None
+        # A directory we may not read: the lock file alone (no fallback writer can lock
+        # that directory either: it could not open it).
+    try:
+        if fd is not None:
+            _flock(fd, fcntl.LOCK_EX, path, name,
+                   lambda who: f"event log {path} is written by {who} (it holds {name}); "
+                               "one log has one writer")
+        if dir_fd is not None and fd is not None:
+            _flock(dir_fd, fcntl.LOCK_SH, path, directory,
+                   lambda who: f"event log {path}: its directory {directory} is locked by "
+                               f"{who}, a writer there that could not make its lock file "
+                               "(a full disk); one log has one writer")
+        elif dir_fd is not None:
+            _flock(dir_fd, fcntl.LOCK_EX, path, directory,
+                   lambda who: f"event log {path}: its lock {name} cannot be made "
+                               f"({no_lock_file}), and {directory}, locked instead, has "
+                               f"another writer ({who}); one log has one writer")
+    except BaseException:
+        for held in (fd, dir_fd):
+            if held is not None:
+                os.close(held)
+        raise
+    if fd is not None:
+        with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
+            # Padded, not truncated: the seq record after it (`_SEQ_AT`) outlives the writer.
+            pid = f"{os.getpid()}\n".ljust(_SEQ_AT).encode()
+            os.pwrite(fd, pid, 0)
+    return fd, dir_fd
+
+
+def _flock(fd: int, how: int, path: str, name: str, refusal: Callable[[str], str]) -> None:
+    """``flock(fd, how)`` without waiting, or `EventLogLocked` with ``refusal(holder)``."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            who = f"pid {holder}" if holder.isdigit() else "another process"
-            raise EventLogLocked(
-                f"event log {path} is written by {who} (it holds {name}); "
-                "one log has one writer") from None
+            holder = _lock_holder(fd)
+            who = f"pid {holder}" if holder else "another process"
+            raise EventLogLocked(refusal(who)) from None
         raise EventLogUnavailable(
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
-    with contextlib.suppress(OSError):  # the pid is a courtesy: a full disk may refuse it
-        # Padded, not truncated: the seq record after it (`_SEQ_AT`) outlives the writer.
-        pid = f"{os.getpid()}\n".ljust(_SEQ_AT).encode()
-        os.pwrite(fd, pid, 0)
-    return fd
+
+
+def _lock_holder(fd: int) -> str | None:
+    """The pid holding a flock on ``fd``'s file: the pid a lock file holds, else (a
+    directory) the first holder /proc/locks names."""
+    with contextlib.suppress(OSError, ValueError):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            return holder if holder.isdigit() else None
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for entry in locks:
+                fields = entry.split()
+                # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter has "->")
+                if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
+                        and fields[4].isdigit()):
+                    return fields[4]
+    return None
 
 
 #: Where ``PATH.lock`` holds the highest seq published while the log could not be written
@@ -670,13 +727,72 @@ def _last_seq_of_file(path: str) -> int | None:
         return _last_seq_of(f)
 
 
+#: How far back from a file's end the search for its last event goes (`_last_seq_of`):
+#: past it, the file's tail is taken as unreadable (`_TailTooLong`).
+LAST_SEQ_SCAN = 64 << 20
+#: And how many lines that start like a record but are none it decodes before that.
+_LAST_SEQ_CANDIDATES = 65536
+#: How each line the writer writes starts (``{"seq":N,…``; ``{"seq": N`` too).
+_RECORD_START = b'{"seq"'
+_LINE_START = b"\n" + _RECORD_START
+
+
+class _TailTooLong(Exception):
+    """The last event of a file was not found within `LAST_SEQ_SCAN` bytes of its end."""
+
+
 def _last_seq_of(f: IO[bytes]) -> int | None:
-    """The seq of the last event line in ``f`` (read backwards from its end)."""
-    for raw in _reverse_lines(f):
-        decoded = _decode(raw)
-        if decoded is not None:
-            seq: int = decoded[0]["seq"]
-            return seq
+    """The seq of the last event line in ``f`` (None: no event in it), searched backwards
+    from its end for a line that starts ``{"seq"`` (``rfind``, in C), decoding only those:
+    a tail of lines that are no event costs a read, not a decode a line. Raises
+    `_TailTooLong` past `LAST_SEQ_SCAN` bytes (or `_LAST_SEQ_CANDIDATES` lines that look
+    like records) without one, so that the cost is bounded however long the junk."""
+    pos = f.seek(0, os.SEEK_END)
+    line_end: int | None = None  # just past the first newline at or after ``pos`` (None:
+    # none yet: what is there is a torn tail)
+    after = b""  # the first bytes of the chunk read before (a marker may cross into them)
+    scanned = candidates = 0
+    while pos > 0:
+        if scanned >= LAST_SEQ_SCAN:
+            raise _TailTooLong
+        step = min(_CHUNK, pos)
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        if len(chunk) != step:  # shrunk under us: what is read is not where it was
+            return None
+        scanned += step
+        buf = chunk + after
+        hi = len(buf)
+        while True:
+            at = buf.rfind(_LINE_START, 0, hi)
+            start = at + 1
+            if at < 0:
+                if pos > 0 or not buf.startswith(_RECORD_START):
+                    break
+                start = 0  # the file's first line
+            hi = max(at, 0)
+            candidates += 1
+            if candidates > _LAST_SEQ_CANDIDATES:
+                raise _TailTooLong
+            nl = buf.find(b"\n", start)
+            if nl >= 0:
+                raw = buf[start:nl]
+            elif line_end is None or line_end - 1 - (pos + start) > MAX_EVENT_LINE:
+                raw = b""  # a torn tail, or a line no event is that long
+            else:
+                f.seek(pos + start)
+                raw = f.read(line_end - 1 - (pos + start))
+            decoded = _decode(raw) if len(raw) <= MAX_EVENT_LINE else None
+            if decoded is not None:
+                seq: int = decoded[0]["seq"]
+                return seq
+            if at < 0:
+                break
+        first_nl = chunk.find(b"\n")
+        if first_nl >= 0:
+            line_end = pos + first_nl + 1
+        after = chunk[: len(_LINE_START) - 1]
     return None
 
 
@@ -762,7 +878,9 @@ def _offset_after_seq(f: IO[bytes], since_seq: int) -> int:
 def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
-    Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log.
+    Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log, and
+    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up (None,
+    with a warning) rather than hold a starting daemon for a tail of junk.
     """
     index, misses = 0, 0
     while misses < _MAX_GAP:
@@ -772,7 +890,12 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
             misses += 1
             continue
         misses = 0
-        seq = _last_seq_of_file(name)
+        try:
+            seq = _last_seq_of_file(name)
+        except _TailTooLong:
+            _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if "
+                         "the log held none", path, LAST_SEQ_SCAN >> 20, name)
+            return None
         if seq is not None:
             return seq
     return None
@@ -812,6 +935,11 @@ class EventLog:
         self._keep = keep
         self._lock = threading.Lock()
         self._fd: int | None = None
+        #: (st_dev, st_ino) of the file ``_fd`` writes: PATH naming another (or none) means
+        #: the file was deleted or renamed away under the writer (`_follow_path`).
+        self._ident: _Ident | None = None
+        #: PATH was a regular file when first opened: a reopen must find one there again.
+        self._regular = False
         self._size = 0
         self._closed = False
         self._last_seq: int | None = None
@@ -821,6 +949,7 @@ class EventLog:
         #: Seqs an earlier writer published and never wrote (`unwritten`).
         self._unwritten: tuple[int, int] | None = None
         self._lines_written = 0  # whole lines of the batch under way on disk
+        self._dir_lock_fd: int | None = None  # the log's directory, held shared (`_take_lock`)
         #: Why the last write failed (None while writes succeed): a full disk, EIO, …
         self.error: str | None = None
         self._check_tail = True  # before the next write: end a torn last line
@@ -844,7 +973,7 @@ class EventLog:
                     f"event log {self._path}: cannot create {parent}: "
                     f"{_describe_os_error(exc)}") from None
         if lock and not _names_a_stream(self._path):
-            self._lock_fd = _take_lock(self._path)  # before anything is written
+            self._lock_fd, self._dir_lock_fd = _take_lock(self._path)  # before any write
         try:
             self._open()
             self._end_torn_line()
@@ -925,10 +1054,18 @@ class EventLog:
         except OSError:
             os.close(fd)
             raise
+        if self._regular and not stat.S_ISREG(st.st_mode):
+            # The log was a file: what replaced it (a FIFO, a device) is not the log's, and
+            # is not written; the write fails and the log degrades until a file is back.
+            os.close(fd)
+            why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
+            raise OSError(errno.EINVAL, f"{why}: not written")
         self._stream = not stat.S_ISREG(st.st_mode)
         if not self._stream:
             os.set_blocking(fd, True)
+            self._regular = True
         self._fd = fd
+        self._ident = (st.st_dev, st.st_ino)
         self._size = st.st_size
 
     def _end_torn_line(self) -> None:
@@ -944,9 +1081,10 @@ class EventLog:
             self._check_tail = False
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for fd in (self._lock_fd, self._dir_lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._lock_fd = self._dir_lock_fd = None
 
     def _ends_with_newline(self) -> bool:
         with open(self._path, "rb") as f:
@@ -1038,6 +1176,8 @@ class EventLog:
         """``text`` is ``lines`` joined by newlines."""
         if self._fd is None:
             self._open()  # resuming after a failure (or a failed rotation's reopen)
+        elif not self._stream:
+            self._follow_path()
         self._end_torn_line()
         self._lines_written = 0  # the lines of this batch, not the torn line's end
         if not lines:
@@ -1065,6 +1205,28 @@ class EventLog:
             pending_size += len(data)
         if pending:
             self._write_all(b"".join(pending))
+
+    def _follow_path(self) -> None:
+        """Reopen PATH when it no longer names the file written (deleted, or renamed away
+        as by logrotate's ``create`` mode): lines written to that file would reach no
+        reader. One ``stat`` a batch; what PATH holds now is opened as at the start."""
+        try:
+            st = os.stat(self._path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return  # cannot tell (no search permission…): keep the file in hand
+            now: _Ident | None = None
+        else:
+            now = (st.st_dev, st.st_ino)
+        if now == self._ident:
+            return
+        assert self._fd is not None
+        os.close(self._fd)
+        self._fd = self._ident = None
+        self._check_tail = True  # a file already there may end in a torn line
+        _log.warning("event log %s: %s under the writer; reopening %s", self._path,
+                     "deleted" if now is None else "replaced", self._path)
+        self._open()
 
     def _rotate(self) -> None:
         assert self._fd is not None and self._max_bytes is not None
@@ -1508,12 +1670,10 @@ class _Follower:
         """
         while self._pending:
             src = self._pending[0]
-            last = None
-            for raw in _reverse_lines(src.file):
-                decoded = _decode(raw)
-                if decoded is not None:
-                    last = decoded[0]["seq"]
-                    break
+            try:
+                last = _last_seq_of(src.file)
+            except _TailTooLong:  # its end is junk: enter it by bisection (below)
+                last = None
             if last is None or last > since_seq:
                 break
             self._pending.popleft()
@@ -1561,11 +1721,14 @@ class _Follower:
                 _close_sources(live, rotated)  # not the follower's yet: close them here
                 raise
             except OSError as exc:
-                if index > 1 and exc.errno == errno.ELOOP:  # a link that leads nowhere
+                if index > 1 and exc.errno in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                    # A link that leads nowhere, or a rotated file we may not read: a hole
+                    # in the log, read around like what is no log file (PATH itself is not).
+                    why = (f"{name} is a link that loops, not an event log file"
+                           if exc.errno == errno.ELOOP
+                           else f"{name} cannot be read: {_describe_os_error(exc)}")
                     with contextlib.suppress(OSError):
-                        _warn_skipped(self._warned, name,
-                                      f"{name} is a link that loops, not an event log file",
-                                      os.lstat(name))
+                        _warn_skipped(self._warned, name, why, os.lstat(name))
                     misses = 0
                     continue
                 _close_sources(live, rotated)  # not the follower's yet: close them here
