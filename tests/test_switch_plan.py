@@ -155,10 +155,19 @@ def test_a_kernel_user_of_the_nvidia_module_refuses() -> None:
     assert refused is not None and "by module gdrdrv" in refused.reason
 
 
-def test_a_group_with_a_bridge_is_refused() -> None:
+def test_a_bridge_on_pcieport_stays_and_one_on_another_driver_is_refused() -> None:
+    """The kernel's VFIO takes a group whose bridge is on pcieport (or none): the plan
+    switches the card and writes nothing for the bridge. A bridge some other driver holds
+    keeps the group from VFIO, and gpuwatch does not move bridges: refused, naming it."""
     members = (*card("nvidia", "snd_hda_intel"), fn("0000:00:01.0", "0x0604", "pcieport"))
     plan = plan_switch(members, "vfio", single_gpu())
-    assert plan.refusal is not None and "bridge" in plan.refusal.reason
+    assert plan.refusal is None and plan.steps
+    assert dict(plan.targets)["0000:00:01.0"] == "pcieport"
+    assert not [s for s in plan.steps if "0000:00:01.0" in str(s)]
+    members = (*card("nvidia", "snd_hda_intel"), fn("0000:00:01.0", "0x0604", "shpchp"))
+    plan = plan_switch(members, "vfio", single_gpu())
+    assert plan.refusal is not None
+    assert "PCI bridge 0000:00:01.0 (on shpchp)" in plan.refusal.reason
 
 
 def test_vfio_without_an_iommu_group_is_refused() -> None:
