@@ -108,6 +108,9 @@ class _Handler(WSGIRequestHandler):
     tracebacks on stderr for clients that go away or stall."""
 
     timeout = HTTP_TIMEOUT
+    #: What an error reply to a request line that names no usable version speaks: the
+    #: stdlib's HTTP/0.9 would send the body alone, no status line a client can read.
+    default_request_version = "HTTP/1.0"
     error_message_format = "%(code)d %(message)s\n"
     error_content_type = "text/plain; charset=utf-8"
 
