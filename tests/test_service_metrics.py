@@ -266,11 +266,14 @@ def test_a_client_that_never_finishes_its_request_is_cut_off(
 def test_connections_at_once_are_bounded(endpoint: tuple[str, int]) -> None:
     """Idle connections hold at most HTTP_MAX_CONNECTIONS threads; the rest are told so in
     one line and closed; once the idle ones go, scrapes are served again."""
-    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS
+    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS, HTTP_MAX_PER_ADDRESS
 
     extra = 6
-    idle = [socket.create_connection(endpoint, timeout=30)
-            for _ in range(HTTP_MAX_CONNECTIONS + extra)]
+    # From as many loopback addresses as the per-address bound asks (127.0.0.0/8 is all
+    # this host's), so the bound met is the one on all connections.
+    idle = [socket.create_connection(
+        endpoint, timeout=30, source_address=(f"127.0.0.{1 + i // HTTP_MAX_PER_ADDRESS}", 0))
+        for i in range(HTTP_MAX_CONNECTIONS + extra)]
     try:
         answers: list[bytes] = []
         pending = list(idle)
@@ -293,6 +296,32 @@ def test_connections_at_once_are_bounded(endpoint: tuple[str, int]) -> None:
             break
         time.sleep(0.02)
     assert status.startswith("HTTP/1.0 200") and b"gpuwatch_pci_functions" in body
+
+
+def test_one_address_cannot_hold_every_connection(endpoint: tuple[str, int]) -> None:
+    """A client reopening idle connections holds HTTP_MAX_PER_ADDRESS slots at most: its
+    next is told so in one line, and a scraper elsewhere is served meanwhile."""
+    from gpuwatch.service.metrics import HTTP_MAX_PER_ADDRESS
+
+    idle = [socket.create_connection(endpoint, timeout=30, source_address=("127.0.0.9", 0))
+            for _ in range(HTTP_MAX_PER_ADDRESS + 1)]
+    try:
+        ready, _, _ = select.select(idle, [], [], 30)
+        assert len(ready) == 1 and ready[0] is idle[-1]  # the held ones answer nothing yet
+        answer = ready[0].recv(4096)
+        assert answer.startswith(b"HTTP/1.0 503 Service Unavailable")
+        assert answer.endswith(b"\r\n\r\n503 Service Unavailable: too many connections from "
+                               b"this address\n")
+        with socket.create_connection(endpoint, timeout=30,
+                                      source_address=("127.0.0.10", 0)) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.0 200") and b"gpuwatch_pci_functions" in data
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_bad_requests_get_one_plain_line(endpoint: tuple[str, int]) -> None:

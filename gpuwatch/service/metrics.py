@@ -47,6 +47,9 @@ SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 1
 #: The endpoint is open to the network (``:9464`` in a pod), so every client is bounded:
 #: connections served at once (more get a one-line 503 and are closed at once), ...
 HTTP_MAX_CONNECTIONS = 16
+#: ... of them from one address (a scraper needs one: one client reopening idle connections
+#: must not hold every slot and leave each scrape a 503) ...
+HTTP_MAX_PER_ADDRESS = 4
 #: ... seconds for a request's line and headers to arrive, and for a reply to be taken ...
 HTTP_TIMEOUT = 10.0
 #: ... and bytes of request line and headers (a scrape sends a few hundred).
@@ -145,6 +148,8 @@ class _Server(ThreadingMixIn, WSGIServer):
     def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
         self.address_family = family
         self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        self._per_address: Tally[str] = Tally()
+        self._per_address_lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -154,7 +159,17 @@ class _Server(ThreadingMixIn, WSGIServer):
         super().server_bind()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        peer = str(client_address[0])
+        with self._per_address_lock:
+            crowded = self._per_address[peer] >= HTTP_MAX_PER_ADDRESS
+            if not crowded:
+                self._per_address[peer] += 1
+        if crowded:
+            _answer(request, "503 Service Unavailable: too many connections from this address")
+            self.shutdown_request(request)
+            return
         if not self._slots.acquire(blocking=False):
+            self._leave(peer)
             _answer(request, "503 Service Unavailable: too many connections")
             self.shutdown_request(request)
             return
@@ -162,6 +177,7 @@ class _Server(ThreadingMixIn, WSGIServer):
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
+            self._leave(peer)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -169,6 +185,13 @@ class _Server(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            self._leave(str(client_address[0]))
+
+    def _leave(self, peer: str) -> None:
+        with self._per_address_lock:
+            self._per_address[peer] -= 1
+            if self._per_address[peer] <= 0:
+                del self._per_address[peer]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         _log.debug("metrics client %s failed", client_address, exc_info=True)
