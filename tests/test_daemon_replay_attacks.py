@@ -305,3 +305,55 @@ def test_a_replay_across_a_crashs_nuls_leaves_other_clients_answered(
         assert got.line()["result"] == {"seq": 4, "complete": True}
         assert [got.line()["seq"] for _ in range(2)] == [3, 4]  # then `ready`, live
     check_exit(d)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("since_seq", [2, 1], ids=["before-its-reply", "after-its-reply"])
+async def test_a_client_that_hangs_up_inside_the_nuls_ends_its_replay(
+        host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, since_seq: int,
+) -> None:
+    """A replay inside a crash's NULs sends nothing and the connection reads nothing, so
+    only the socket can tell that its client went: it is asked at each read, and the replay
+    ends at the next one (was: it read on to the end of the region, a core busy for
+    seconds a client, and one reconnecting in a loop kept the daemon at it). Before its
+    reply (the seq after ``since_seq`` is past the NULs) and after it alike."""
+    import anyio
+
+    from gpuwatch.service import server as server_module
+    from gpuwatch.service.testing import served_watcher
+
+    log = tmp_path / "events.jsonl"
+    with log.open("w") as fh:
+        fh.write("".join(json.dumps({"seq": seq, "time": "2026-01-01T00:00:00.000000Z",
+                                     "type": "resync", "reason": "reconcile", "changes": 0},
+                                    separators=(",", ":")) + "\n" for seq in (1, 2)))
+        fh.truncate(fh.tell() + (32 << 20))  # sparse: 8,192 reads of NULs
+        fh.seek(0, os.SEEK_END)
+        fh.write("\n" + json.dumps({"seq": 3, "time": "2026-01-01T00:00:00.000000Z",
+                                    "type": "resync", "reason": "reconcile", "changes": 0},
+                                   separators=(",", ":")) + "\n")
+    reads = 0
+    real = server_module.read_chunks
+
+    def counted(*args: object, **kwargs: object) -> Iterator[object]:
+        nonlocal reads
+        for chunk in real(*args, **kwargs):  # type: ignore[arg-type]
+            reads += 1
+            yield chunk
+
+    monkeypatch.setattr(server_module, "read_chunks", counted)
+    with short_socket_dir() as sockdir:
+        async with served_watcher(host.root, f"{sockdir}/gw.sock", log=str(log)) as served:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.connect(served.path)
+            client.sendall(P.encode_request(1, "subscribe", {"since_seq": since_seq}))
+            with anyio.fail_after(30):
+                while reads < 50:  # well inside the NULs
+                    await anyio.sleep(0.01)
+            client.close()
+            at_hangup = reads
+            with anyio.fail_after(30):
+                while served.server._replays or any(
+                        c.replaying for c in served.server.connections):
+                    await anyio.sleep(0.01)
+            assert reads - at_hangup < 1000, (at_hangup, reads)  # of 8,192

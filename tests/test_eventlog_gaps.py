@@ -96,3 +96,44 @@ def test_a_replay_across_nuls_reads_at_most_4_kib_per_chunk(tmp_path: Path) -> N
     assert [(c.first, c.last) for c in chunks if c.first] == [(1, 2), (3, 3)]
     assert len(chunks) >= (1 << 20) // (4 << 10)
     assert [c for c in read_chunks(path, since_seq=0) if not c.first] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_across_a_long_line_copies_it_once(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading across 2 MiB of NULs feeds the line framer each read once: taking the
+    unfinished line back out of the framer at every read fed it all again each time
+    (quadratic: hundreds of MiB copied for a 2 MiB stretch, seconds of the event loop)."""
+    from gpuwatch.core.ndjson import LineFramer
+
+    fed = 0
+    real_feed = LineFramer.feed
+
+    def counted(self: LineFramer, data: bytes) -> list[bytes]:
+        nonlocal fed
+        fed += len(data)
+        return real_feed(self, data)
+
+    monkeypatch.setattr(LineFramer, "feed", counted)
+    path = tmp_path / "events.jsonl"
+    region = 2 << 20
+    with path.open("wb") as f:
+        f.write((line(1) + "\n" + line(2) + "\n").encode())
+        f.write(b"\0" * region + b"\n")
+        f.write((line(3) + "\n").encode())
+    chunks = list(read_chunks(path, since_seq=0, progress=True))
+    assert [(c.first, c.last) for c in chunks if c.first] == [(1, 2), (3, 3)]
+    assert fed <= 2 * region, fed
+
+
+@pytest.mark.timeout(30)
+def test_a_log_gap_record_spaced_by_hand_is_a_hole_too(tmp_path: Path) -> None:
+    """A hand-edited (or another tool's) log-gap line, spaced as JSON allows: decoded, not
+    vouched for as an event by its seq."""
+    path = tmp_path / "events.jsonl"
+    gap = ('{"seq": 6, "time": "2026-01-01T00:00:00.000000Z", "type": "log-gap", '
+           '"first_seq": 4, "last_seq": 6, "error": "ENOSPC"}')
+    path.write_text("\n".join([line(1), line(2), line(3), gap, line(7)]) + "\n")
+    chunks = list(read_chunks(path, since_seq=5))
+    assert (chunks[0].first, chunks[0].last, chunks[0].gap) == (6, 6, 4)
+    assert (chunks[1].first, chunks[1].last, chunks[1].gap) == (7, 7, 0)

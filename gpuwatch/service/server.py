@@ -463,6 +463,22 @@ class Connection:
         (at once, dropping what is unsent, when ``grace`` is 0)."""
         raise NotImplementedError
 
+    def fileno(self) -> int:
+        """The client's socket (-1 when gone)."""
+        raise NotImplementedError
+
+    def hung_up(self) -> bool:
+        """Whether the client closed its end, asked of the socket itself: while a replay
+        reads a stretch that sends nothing (a crash's NULs) the connection reads nothing
+        either, so nothing else would tell. A half-close (the client still reads) is no
+        hang-up."""
+        fd = self.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
+
     async def _drained(self) -> None:
         """Return once at most half the output limit is unread (or the client is gone)."""
         raise NotImplementedError
@@ -698,6 +714,9 @@ class _StreamConnection(Connection):
     def buffered(self) -> int:
         return self.pending
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def _write(self, data: bytes) -> None:
         if self.gone:
             return
@@ -842,6 +861,10 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         self._wake_drain()
 
     # -- moving bytes
+
+    def fileno(self) -> int:
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        return sock.fileno() if sock is not None else -1
 
     def buffered(self) -> int:
         transport = self.transport
@@ -1751,6 +1774,9 @@ class SocketServer:
         try:
             first = await anyio.to_thread.run_sync(next, raw, None)
             while first is not None and not first.first and not conn.closed:
+                if conn.hung_up():  # no reply yet, nor a line read: only the socket tells
+                    conn.close()
+                    return None
                 await end_turn()  # a read that completed no line: others' turn
                 first = next(raw, None)
         except OSError as exc:
@@ -1802,6 +1828,9 @@ class SocketServer:
             # them per write (`_ReplayBlock`).
             for chunk in history:
                 if conn.closed:
+                    return
+                if not chunk.first and conn.hung_up():  # a read that completed no line:
+                    conn.close()  # nothing was sent whose failure would have told
                     return
                 if handover.fresh(chunk.last):
                     if expected is not None and chunk.gap:
