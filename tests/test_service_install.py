@@ -485,3 +485,76 @@ def test_a_replaced_fifo_is_put_back_by_a_roll_back(fixture_root: Path) -> None:
     assert f"rolled back {unit} (restored)" in proc.stdout
     st = unit.lstat()
     assert stat.S_ISFIFO(st.st_mode) and st.st_mode & 0o777 == 0o640
+
+
+# --------------------------------------------------------------------------- output that fails
+
+
+def run_into_closed_pipe(*args: str, unbuffered: bool = True) -> subprocess.CompletedProcess[str]:
+    """The command with a stdout whose reader has left (``| head -1`` once head is done):
+    unbuffered, its first line fails; buffered, its flush at exit."""
+    read, write = os.pipe()
+    os.close(read)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return subprocess.run([*gpuwatch_cmd(), *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120, check=False, cwd="/")
+    finally:
+        os.close(write)
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_that_leaves_never_stops_an_install_half_way(
+        fixture_root: Path, tmp_path: Path) -> None:
+    """``service install | head -1`` used to stop at its second line, exit 0, with the unit
+    and rules written and no config, /etc/cdi or group, and nothing rolled back."""
+    whole = tmp_path / "whole"
+    shutil.copytree(fixture_root, whole)
+    assert run("service", "install", "--root", str(whole)).returncode == 0
+    proc = run_into_closed_pipe("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "warning" not in proc.stderr
+    assert tree(fixture_root) == tree(whole)  # every file, as a full install writes it
+    assert (fixture_root / "etc/cdi").is_dir()
+    assert (fixture_root / "etc/group").read_text().endswith("gpuwatch:x:997:\n")
+
+    proc = run_into_closed_pipe("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert set(tree(fixture_root)) == {"/etc/group", "/etc/gshadow"}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_reader_that_leaves_never_hides_a_failed_install(
+        fixture_root: Path, unbuffered: bool) -> None:
+    """The install that fails is rolled back and exits 1 with its error whether its lines
+    failed as they went (unbuffered) or at exit (buffered, where the exit was 0)."""
+    (fixture_root / "etc/udev").mkdir()
+    (fixture_root / "etc/udev/rules.d").write_text("not a directory\n")
+    before = tree(fixture_root)
+    proc = run_into_closed_pipe("service", "install", "--root", str(fixture_root),
+                                unbuffered=unbuffered)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("gpuwatch: cannot write"), proc.stderr
+    assert tree(fixture_root) == before
+    assert not (fixture_root / "etc/systemd").exists()
+
+
+def test_a_stdout_that_fails_never_stops_an_install(fixture_root: Path) -> None:
+    """A full disk under stdout: the install runs to its end, exit 0, and says once on
+    stderr that its lines were lost."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this machine")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*gpuwatch_cmd(), "service", "install", "--root",
+                               str(fixture_root)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120, check=False, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "cannot write stdout" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("gpuwatch: warning:"), proc.stderr
+    assert (fixture_root / "etc/gpuwatch/config.yaml").is_file()
+    assert (fixture_root / "etc/group").read_text().endswith("gpuwatch:x:997:\n")
