@@ -558,3 +558,29 @@ def test_a_stdout_that_fails_never_stops_an_install(fixture_root: Path) -> None:
     assert len(warnings) == 1 and warnings[0].startswith("gpuwatch: warning:"), proc.stderr
     assert (fixture_root / "etc/gpuwatch/config.yaml").is_file()
     assert (fixture_root / "etc/group").read_text().endswith("gpuwatch:x:997:\n")
+
+
+def test_a_roll_back_names_only_what_it_put_back(
+        fixture_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules' write fails before the file exists (a read-only rules.d): the unit written
+    before it is removed and said so; the rules file, never made, is not "removed"."""
+    import gpuwatch.service.install as install
+
+    real = install.write_atomic
+
+    def refuse_rules(path: str, *args: object, **kwargs: object) -> None:
+        if path.endswith(RULES_FILE):
+            raise OSError(30, "Read-only file system")
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(install, "write_atomic", refuse_rules)
+    (fixture_root / "etc/udev/rules.d").mkdir(parents=True)
+    steps = plan_install(install.gather_facts(str(fixture_root), ("/usr/bin/gpuwatch",)),
+                         now=False)
+    said: list[str] = []
+    with pytest.raises(InstallError, match="Read-only file system"):
+        install.execute(steps, str(fixture_root), dry_run=False, say=said.append)
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    assert said == [f"wrote {unit} (the systemd unit)", f"rolled back {unit} (removed)"]
+    assert not unit.exists() and not (fixture_root / "etc/systemd").exists()
+    assert list((fixture_root / "etc/udev/rules.d").iterdir()) == []

@@ -494,8 +494,9 @@ class _Undo:
                 st.st_dev, st.st_ino):
             return ""  # never replaced (a directory stays one): nothing to put back
         if st is None:
-            if now is not None:
-                os.unlink(path)
+            if now is None:
+                return ""  # the write that failed never made it: nothing was, nothing is
+            os.unlink(path)
             return "removed"
         if now is not None:
             os.unlink(path)
