@@ -584,3 +584,35 @@ def test_a_roll_back_names_only_what_it_put_back(
     assert said == [f"wrote {unit} (the systemd unit)", f"rolled back {unit} (removed)"]
     assert not unit.exists() and not (fixture_root / "etc/systemd").exists()
     assert list((fixture_root / "etc/udev/rules.d").iterdir()) == []
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["there", "dangling"])
+@pytest.mark.parametrize("absolute", [True, False], ids=["absolute", "relative"])
+@pytest.mark.parametrize("name", [UNIT_FILE, RULES_FILE], ids=["unit", "rules"])
+def test_a_link_out_of_the_root_where_a_file_goes_is_refused(
+        fixture_root: Path, tmp_path: Path, name: str, absolute: bool, there: bool) -> None:
+    """As at config.yaml and at a parent directory: refused in one line, nothing changed.
+    The link at the unit or the rules used to be replaced in silence (``wrote …``)."""
+    outside = tmp_path / "outside" / "file"
+    outside.parent.mkdir()
+    if there:
+        outside.write_text("the builder's own\n")
+    link = fixture_root / name.lstrip("/")
+    link.parent.mkdir(parents=True)
+    target = str(outside) if absolute else os.path.relpath(outside, link.parent)
+    link.symlink_to(target)
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--now")
+    assert proc.returncode == 1, proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "PYTHONPATH" not in ln]
+    assert lines == [f"gpuwatch: {link} is a link out of {fixture_root} (to {target}), never "
+                     "followed nor replaced: remove it, then run this again"]
+    assert proc.stdout == "" and tree(fixture_root) == before
+    assert [p.name for p in outside.parent.iterdir()] == (["file"] if there else [])
+    assert not there or outside.read_text() == "the builder's own\n"
+
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"kept {link} (a link out of {fixture_root} (to {target}): never followed nor " \
+           "removed)" in proc.stdout
+    assert tree(fixture_root) == before
