@@ -20,9 +20,11 @@ from gpuwatch.service.install import (
     UNIT_FILE,
     Facts,
     InstallError,
+    Keep,
     Run,
     Write,
     check_program,
+    describe,
     plan_install,
     plan_uninstall,
     render_unit,
@@ -616,3 +618,65 @@ def test_a_link_out_of_the_root_where_a_file_goes_is_refused(
     assert f"kept {link} (a link out of {fixture_root} (to {target}): never followed nor " \
            "removed)" in proc.stdout
     assert tree(fixture_root) == before
+
+
+def test_the_right_text_with_the_wrong_mode_or_owner_is_rewritten(fixture_root: Path) -> None:
+    """A rerun used to keep a unit made world-writable, or rules given to another user, as
+    "unchanged": the text alone was compared. Now mode and owner are too, and a file that
+    differs is rewritten as install writes it, saying why."""
+    assert run("service", "install", "--root", str(fixture_root)).returncode == 0
+    unit = fixture_root / UNIT_FILE.lstrip("/")
+    rules = fixture_root / RULES_FILE.lstrip("/")
+    unit.chmod(0o666)
+    me = os.geteuid()
+    other = 65534 if me == 0 else None  # nobody; a user cannot give a file away
+    if other is not None:
+        os.chown(rules, other, -1)
+    else:
+        rules.chmod(0o4644)
+    rules_why = f"owner uid {other}, not {me}" if other is not None else "mode 4644, not 0644"
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert f"would rewrite {unit} (mode 0666, not 0644)" in proc.stdout.splitlines()
+    assert f"would rewrite {rules} ({rules_why})" in proc.stdout.splitlines()
+    assert unit.stat().st_mode & 0o7777 == 0o666 and tree(fixture_root) == before
+
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"rewrote {unit} (mode 0666, not 0644)" in proc.stdout.splitlines()
+    assert f"rewrote {rules} ({rules_why})" in proc.stdout.splitlines()
+    for path in (unit, rules):
+        st = path.lstat()
+        assert (stat.S_ISREG(st.st_mode), st.st_mode & 0o7777, st.st_uid) == (True, 0o644, me)
+    assert tree(fixture_root) == before  # the same text
+
+    # A link (inside the tree) to the right text is no file of install's either.
+    moved = fixture_root / "usr/lib/gpuwatch.service"
+    moved.parent.mkdir(parents=True)
+    unit.rename(moved)
+    unit.symlink_to(os.path.relpath(moved, unit.parent))
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"rewrote {unit} (a link, not a regular file)" in proc.stdout.splitlines()
+    assert not unit.is_symlink() and unit.read_text() == moved.read_text()
+
+    again = run("service", "install", "--root", str(fixture_root))
+    assert again.returncode == 0 and "wrote" not in again.stdout
+    assert f"kept {unit} (unchanged)" in again.stdout
+    assert f"kept {rules} (unchanged)" in again.stdout
+
+
+def test_on_the_running_host_what_install_writes_is_roots() -> None:
+    unit = render_unit(["/opt/gpuwatch/bin/gpuwatch"])
+    facts = Facts(root="/", exec_argv=("/opt/gpuwatch/bin/gpuwatch",),
+                  existing={UNIT_FILE: unit, RULES_FILE: render_rules()},
+                  attrs={UNIT_FILE: (stat.S_IFREG | 0o644, 1000),
+                         RULES_FILE: (stat.S_IFREG | 0o644, 0)})
+    steps = plan_install(facts, now=False)
+    first = steps[0]
+    assert isinstance(first, Write) and first.rewrite
+    assert (first.path, first.content, first.mode, first.why) == (
+        UNIT_FILE, unit, 0o644, "owner uid 1000, not 0")
+    assert describe(first, "/", dry_run=False) == f"rewrote {UNIT_FILE} (owner uid 1000, not 0)"
+    assert steps[1] == Keep(RULES_FILE, "unchanged")

@@ -120,6 +120,8 @@ class Write:
     #: Replacing a file of the system's (/etc/group, /etc/gshadow): the new one gets the old
     #: one's mode and owner (gshadow is root:shadow 0640 on Debian), not ours.
     keep_attrs: bool = False
+    #: The text there is already this, but not its mode or owner (``why`` says which).
+    rewrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,11 @@ class Facts:
     #: Host paths in a ``--root`` tree that are links leading out of it, there or not (an
     #: absolute ``/etc/...``, or ``../`` enough times), and where each points.
     links_out: dict[str, str] = field(default_factory=dict)
+    #: Host path -> (lstat ``st_mode``, ``st_uid``) of what stands there (the files only).
+    attrs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Who owns what install writes: root on the running host; in a ``--root`` tree, the
+    #: user running it (a new file is its writer's, and install does not chown its own).
+    owner: int = 0
     group_exists: bool = False
     group_file: str | None = None  # <root>/etc/group text (fixture roots only)
     gshadow_file: str | None = None
@@ -199,12 +206,34 @@ def _add_group_line(text: str, name: str) -> tuple[str, int]:
     return text + f"{name}:x:{gid}:\n", gid
 
 
-def _write_if_changed(facts: Facts, path: str, content: str, why: str) -> Write | Keep:
+def _write_if_changed(facts: Facts, path: str, content: str, why: str,
+                      mode: int = 0o644) -> Write | Keep:
     """Installing again writes nothing that is already so: a rerun changes no file, and
-    works on a tree that has since been made read-only (an image)."""
-    if facts.existing.get(path) == content:
-        return Keep(path, "unchanged")
-    return Write(path, content, why=why)
+    works on a tree that has since been made read-only (an image). The right text with
+    the wrong mode or owner is not so: a unit root runs, writable by anyone (0666, another
+    owner), runs what anyone puts in it; so is a link, whose target may change under it."""
+    if facts.existing.get(path) != content:
+        return Write(path, content, mode=mode, why=why)
+    wrong = _wrong_attrs(facts, path, mode)
+    if wrong:
+        return Write(path, content, mode=mode, why=wrong, rewrite=True)
+    return Keep(path, "unchanged")
+
+
+def _wrong_attrs(facts: Facts, path: str, mode: int) -> str:
+    """How what stands at ``path`` differs from what install writes there ("" if not, or
+    if unknown)."""
+    if path not in facts.attrs:
+        return ""
+    st_mode, uid = facts.attrs[path]
+    if stat.S_ISLNK(st_mode):
+        return "a link, not a regular file"
+    wrong = []
+    if stat.S_IMODE(st_mode) != mode:
+        wrong.append(f"mode {stat.S_IMODE(st_mode):04o}, not {mode:04o}")
+    if uid != facts.owner:
+        wrong.append(f"owner uid {uid}, not {facts.owner}")
+    return "; ".join(wrong)
 
 
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
@@ -408,6 +437,7 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
     existing: dict[str, str | None] = {}
     odd: dict[str, str] = {}
     links_out: dict[str, str] = {}
+    attrs: dict[str, tuple[int, int]] = {}
     files = [UNIT_FILE, RULES_FILE, CONFIG_FILE] + ([] if host else [GROUP_FILE, GSHADOW_FILE])
     for path in [*files, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]:
         existing[path], what = inspect_path(under(root, path), folder=path not in files,
@@ -417,6 +447,10 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
         target = None if host else link_out(under(root, path), root)
         if target is not None:
             links_out[path] = target
+        if path in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(under(root, path))
+                attrs[path] = (st.st_mode, st.st_uid)
     wants: list[str] = []
     sysdir = under(root, "/etc/systemd/system")
     try:
@@ -445,7 +479,8 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
                            for line in (group_file or "").splitlines())
     return Facts(
         root=root, exec_argv=tuple(exec_argv), program_paths=tuple(program_paths),
-        existing=existing, odd=odd, links_out=links_out, group_exists=group_exists,
+        existing=existing, odd=odd, links_out=links_out, attrs=attrs,
+        owner=0 if host else os.geteuid(), group_exists=group_exists,
         group_file=group_file, gshadow_file=gshadow, wants_links=tuple(wants),
         have_systemctl=shutil.which("systemctl") is not None,
         systemd_running=os.path.isdir("/run/systemd/system"),
@@ -546,7 +581,8 @@ def describe(step: Step, root: str, *, dry_run: bool) -> str:
     """One output line per step: what was (or would be) done, to which real path."""
     would = "would " if dry_run else ""
     if isinstance(step, Write):
-        verb = "write" if dry_run else "wrote"
+        verb = ("rewrite" if dry_run else "rewrote") if step.rewrite else (
+            "write" if dry_run else "wrote")
         line = f"{would}{verb} {under(root, step.path)}"
     elif isinstance(step, MakeDir):
         verb = "create" if dry_run else "created"
