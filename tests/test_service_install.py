@@ -20,9 +20,11 @@ from gpuwatch.service.install import (
     UNIT_FILE,
     Facts,
     InstallError,
+    Keep,
     Run,
     Write,
     check_program,
+    describe,
     plan_install,
     plan_uninstall,
     render_unit,
@@ -485,3 +487,196 @@ def test_a_replaced_fifo_is_put_back_by_a_roll_back(fixture_root: Path) -> None:
     assert f"rolled back {unit} (restored)" in proc.stdout
     st = unit.lstat()
     assert stat.S_ISFIFO(st.st_mode) and st.st_mode & 0o777 == 0o640
+
+
+# --------------------------------------------------------------------------- output that fails
+
+
+def run_into_closed_pipe(*args: str, unbuffered: bool = True) -> subprocess.CompletedProcess[str]:
+    """The command with a stdout whose reader has left (``| head -1`` once head is done):
+    unbuffered, its first line fails; buffered, its flush at exit."""
+    read, write = os.pipe()
+    os.close(read)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    try:
+        return subprocess.run([*gpuwatch_cmd(), *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120, check=False, cwd="/")
+    finally:
+        os.close(write)
+
+
+@pytest.mark.timeout(240)
+def test_a_reader_that_leaves_never_stops_an_install_half_way(
+        fixture_root: Path, tmp_path: Path) -> None:
+    """``service install | head -1`` used to stop at its second line, exit 0, with the unit
+    and rules written and no config, /etc/cdi or group, and nothing rolled back."""
+    whole = tmp_path / "whole"
+    shutil.copytree(fixture_root, whole)
+    assert run("service", "install", "--root", str(whole)).returncode == 0
+    proc = run_into_closed_pipe("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert "Exception ignored" not in proc.stderr and "warning" not in proc.stderr
+    assert tree(fixture_root) == tree(whole)  # every file, as a full install writes it
+    assert (fixture_root / "etc/cdi").is_dir()
+    assert (fixture_root / "etc/group").read_text().endswith("gpuwatch:x:997:\n")
+
+    proc = run_into_closed_pipe("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert set(tree(fixture_root)) == {"/etc/group", "/etc/gshadow"}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_reader_that_leaves_never_hides_a_failed_install(
+        fixture_root: Path, unbuffered: bool) -> None:
+    """The install that fails is rolled back and exits 1 with its error whether its lines
+    failed as they went (unbuffered) or at exit (buffered, where the exit was 0)."""
+    (fixture_root / "etc/udev").mkdir()
+    (fixture_root / "etc/udev/rules.d").write_text("not a directory\n")
+    before = tree(fixture_root)
+    proc = run_into_closed_pipe("service", "install", "--root", str(fixture_root),
+                                unbuffered=unbuffered)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("gpuwatch: cannot write"), proc.stderr
+    assert tree(fixture_root) == before
+    assert not (fixture_root / "etc/systemd").exists()
+
+
+def test_a_stdout_that_fails_never_stops_an_install(fixture_root: Path) -> None:
+    """A full disk under stdout: the install runs to its end, exit 0, and says once on
+    stderr that its lines were lost."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this machine")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*gpuwatch_cmd(), "service", "install", "--root",
+                               str(fixture_root)], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120, check=False, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "cannot write stdout" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("gpuwatch: warning:"), proc.stderr
+    assert (fixture_root / "etc/gpuwatch/config.yaml").is_file()
+    assert (fixture_root / "etc/group").read_text().endswith("gpuwatch:x:997:\n")
+
+
+def test_a_roll_back_names_only_what_it_put_back(
+        fixture_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules' write fails before the file exists (a read-only rules.d): the unit written
+    before it is removed and said so; the rules file, never made, is not "removed"."""
+    import gpuwatch.service.install as install
+
+    real = install.write_atomic
+
+    def refuse_rules(path: str, *args: object, **kwargs: object) -> None:
+        if path.endswith(RULES_FILE):
+            raise OSError(30, "Read-only file system")
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(install, "write_atomic", refuse_rules)
+    (fixture_root / "etc/udev/rules.d").mkdir(parents=True)
+    steps = plan_install(install.gather_facts(str(fixture_root), ("/usr/bin/gpuwatch",)),
+                         now=False)
+    said: list[str] = []
+    with pytest.raises(InstallError, match="Read-only file system"):
+        install.execute(steps, str(fixture_root), dry_run=False, say=said.append)
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    assert said == [f"wrote {unit} (the systemd unit)", f"rolled back {unit} (removed)"]
+    assert not unit.exists() and not (fixture_root / "etc/systemd").exists()
+    assert list((fixture_root / "etc/udev/rules.d").iterdir()) == []
+
+
+@pytest.mark.parametrize("there", [True, False], ids=["there", "dangling"])
+@pytest.mark.parametrize("absolute", [True, False], ids=["absolute", "relative"])
+@pytest.mark.parametrize("name", [UNIT_FILE, RULES_FILE], ids=["unit", "rules"])
+def test_a_link_out_of_the_root_where_a_file_goes_is_refused(
+        fixture_root: Path, tmp_path: Path, name: str, absolute: bool, there: bool) -> None:
+    """As at config.yaml and at a parent directory: refused in one line, nothing changed.
+    The link at the unit or the rules used to be replaced in silence (``wrote …``)."""
+    outside = tmp_path / "outside" / "file"
+    outside.parent.mkdir()
+    if there:
+        outside.write_text("the builder's own\n")
+    link = fixture_root / name.lstrip("/")
+    link.parent.mkdir(parents=True)
+    target = str(outside) if absolute else os.path.relpath(outside, link.parent)
+    link.symlink_to(target)
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--now")
+    assert proc.returncode == 1, proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "PYTHONPATH" not in ln]
+    assert lines == [f"gpuwatch: {link} is a link out of {fixture_root} (to {target}), never "
+                     "followed nor replaced: remove it, then run this again"]
+    assert proc.stdout == "" and tree(fixture_root) == before
+    assert [p.name for p in outside.parent.iterdir()] == (["file"] if there else [])
+    assert not there or outside.read_text() == "the builder's own\n"
+
+    proc = run("service", "uninstall", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"kept {link} (a link out of {fixture_root} (to {target}): never followed nor " \
+           "removed)" in proc.stdout
+    assert tree(fixture_root) == before
+
+
+def test_the_right_text_with_the_wrong_mode_or_owner_is_rewritten(fixture_root: Path) -> None:
+    """A rerun used to keep a unit made world-writable, or rules given to another user, as
+    "unchanged": the text alone was compared. Now mode and owner are too, and a file that
+    differs is rewritten as install writes it, saying why."""
+    assert run("service", "install", "--root", str(fixture_root)).returncode == 0
+    unit = fixture_root / UNIT_FILE.lstrip("/")
+    rules = fixture_root / RULES_FILE.lstrip("/")
+    unit.chmod(0o666)
+    me = os.geteuid()
+    other = 65534 if me == 0 else None  # nobody; a user cannot give a file away
+    if other is not None:
+        os.chown(rules, other, -1)
+    else:
+        rules.chmod(0o4644)
+    rules_why = f"owner uid {other}, not {me}" if other is not None else "mode 4644, not 0644"
+    before = tree(fixture_root)
+    proc = run("service", "install", "--root", str(fixture_root), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert f"would rewrite {unit} (mode 0666, not 0644)" in proc.stdout.splitlines()
+    assert f"would rewrite {rules} ({rules_why})" in proc.stdout.splitlines()
+    assert unit.stat().st_mode & 0o7777 == 0o666 and tree(fixture_root) == before
+
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"rewrote {unit} (mode 0666, not 0644)" in proc.stdout.splitlines()
+    assert f"rewrote {rules} ({rules_why})" in proc.stdout.splitlines()
+    for path in (unit, rules):
+        st = path.lstat()
+        assert (stat.S_ISREG(st.st_mode), st.st_mode & 0o7777, st.st_uid) == (True, 0o644, me)
+    assert tree(fixture_root) == before  # the same text
+
+    # A link (inside the tree) to the right text is no file of install's either.
+    moved = fixture_root / "usr/lib/gpuwatch.service"
+    moved.parent.mkdir(parents=True)
+    unit.rename(moved)
+    unit.symlink_to(os.path.relpath(moved, unit.parent))
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert f"rewrote {unit} (a link, not a regular file)" in proc.stdout.splitlines()
+    assert not unit.is_symlink() and unit.read_text() == moved.read_text()
+
+    again = run("service", "install", "--root", str(fixture_root))
+    assert again.returncode == 0 and "wrote" not in again.stdout
+    assert f"kept {unit} (unchanged)" in again.stdout
+    assert f"kept {rules} (unchanged)" in again.stdout
+
+
+def test_on_the_running_host_what_install_writes_is_roots() -> None:
+    unit = render_unit(["/opt/gpuwatch/bin/gpuwatch"])
+    facts = Facts(root="/", exec_argv=("/opt/gpuwatch/bin/gpuwatch",),
+                  existing={UNIT_FILE: unit, RULES_FILE: render_rules()},
+                  attrs={UNIT_FILE: (stat.S_IFREG | 0o644, 1000),
+                         RULES_FILE: (stat.S_IFREG | 0o644, 0)})
+    steps = plan_install(facts, now=False)
+    first = steps[0]
+    assert isinstance(first, Write) and first.rewrite
+    assert (first.path, first.content, first.mode, first.why) == (
+        UNIT_FILE, unit, 0o644, "owner uid 1000, not 0")
+    assert describe(first, "/", dry_run=False) == f"rewrote {UNIT_FILE} (owner uid 1000, not 0)"
+    assert steps[1] == Keep(RULES_FILE, "unchanged")

@@ -7,10 +7,12 @@ venv put it, so the unit never points at a program that is not there (docs/servi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 from gpuwatch.cli.common import EXIT_OK, check_root
+from gpuwatch.errors import OutputFailed
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,6 +68,44 @@ def running_gpuwatch() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return argv, tuple(dict.fromkeys(seen))
 
 
+class _Progress:
+    """The steps' lines on stdout for as long as it takes them. A reader that leaves
+    (``| head -1``) or a stdout that fails (a full disk) must not stop an install or an
+    uninstall half way, nor skip its roll-back: the lines stop, the work runs to its end,
+    and the exit status is the work's."""
+
+    def __init__(self) -> None:
+        #: Why stdout stopped taking lines ("" for a reader that left), None while it takes them.
+        self.lost: str | None = None
+
+    def __call__(self, line: str) -> None:
+        if self.lost is not None:
+            return
+        try:
+            print(line, flush=True)  # flushed: a failure shows here, not at exit
+        except BrokenPipeError:
+            self._stop("")
+        except OutputFailed as exc:
+            self._stop(str(exc))
+
+    def _stop(self, why: str) -> None:
+        """What stdout still holds goes to /dev/null (Python's advice for EPIPE), so the
+        flush at exit neither fails nor turns the work's exit status into 0."""
+        self.lost = why
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+
+    def warn(self) -> None:
+        """A write failure is said once on stderr; a reader that left is no failure."""
+        if self.lost:
+            print(f"gpuwatch: warning: {self.lost} (the steps went on, unreported)",
+                  file=sys.stderr)
+
+
 def _prepare(args: argparse.Namespace) -> tuple[str, bool]:
     from gpuwatch.service.install import InstallError
 
@@ -102,10 +142,14 @@ def run_install(args: argparse.Namespace) -> int:
               file=sys.stderr)
     facts = gather_facts(root, (*exec_argv, ), seen)
     steps = plan_install(facts, now=args.now)
-    execute(steps, root, dry_run=args.dry_run)
-    if not args.now and host:
-        print("next: systemctl daemon-reload && systemctl enable --now gpuwatch "
-              "(or run this again with --now)")
+    say = _Progress()
+    try:
+        execute(steps, root, dry_run=args.dry_run, say=say)
+        if not args.now and host:
+            say("next: systemctl daemon-reload && systemctl enable --now gpuwatch "
+                "(or run this again with --now)")
+    finally:
+        say.warn()
     return EXIT_OK
 
 
@@ -113,5 +157,9 @@ def run_uninstall(args: argparse.Namespace) -> int:
     from gpuwatch.service.install import execute, gather_facts, plan_uninstall
 
     root, _ = _prepare(args)
-    execute(plan_uninstall(gather_facts(root)), root, dry_run=args.dry_run)
+    say = _Progress()
+    try:
+        execute(plan_uninstall(gather_facts(root)), root, dry_run=args.dry_run, say=say)
+    finally:
+        say.warn()
     return EXIT_OK

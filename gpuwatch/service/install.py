@@ -120,6 +120,8 @@ class Write:
     #: Replacing a file of the system's (/etc/group, /etc/gshadow): the new one gets the old
     #: one's mode and owner (gshadow is root:shadow 0640 on Debian), not ours.
     keep_attrs: bool = False
+    #: The text there is already this, but not its mode or owner (``why`` says which).
+    rewrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,14 @@ class Facts:
     #: Host paths where something other than a regular file or directory stands: what it is
     #: ("a FIFO", "a link to /x, which does not exist", "masked (a link to /dev/null)").
     odd: dict[str, str] = field(default_factory=dict)
+    #: Host paths in a ``--root`` tree that are links leading out of it, there or not (an
+    #: absolute ``/etc/...``, or ``../`` enough times), and where each points.
+    links_out: dict[str, str] = field(default_factory=dict)
+    #: Host path -> (lstat ``st_mode``, ``st_uid``) of what stands there (the files only).
+    attrs: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Who owns what install writes: root on the running host; in a ``--root`` tree, the
+    #: user running it (a new file is its writer's, and install does not chown its own).
+    owner: int = 0
     group_exists: bool = False
     group_file: str | None = None  # <root>/etc/group text (fixture roots only)
     gshadow_file: str | None = None
@@ -196,12 +206,34 @@ def _add_group_line(text: str, name: str) -> tuple[str, int]:
     return text + f"{name}:x:{gid}:\n", gid
 
 
-def _write_if_changed(facts: Facts, path: str, content: str, why: str) -> Write | Keep:
+def _write_if_changed(facts: Facts, path: str, content: str, why: str,
+                      mode: int = 0o644) -> Write | Keep:
     """Installing again writes nothing that is already so: a rerun changes no file, and
-    works on a tree that has since been made read-only (an image)."""
-    if facts.existing.get(path) == content:
-        return Keep(path, "unchanged")
-    return Write(path, content, why=why)
+    works on a tree that has since been made read-only (an image). The right text with
+    the wrong mode or owner is not so: a unit root runs, writable by anyone (0666, another
+    owner), runs what anyone puts in it; so is a link, whose target may change under it."""
+    if facts.existing.get(path) != content:
+        return Write(path, content, mode=mode, why=why)
+    wrong = _wrong_attrs(facts, path, mode)
+    if wrong:
+        return Write(path, content, mode=mode, why=wrong, rewrite=True)
+    return Keep(path, "unchanged")
+
+
+def _wrong_attrs(facts: Facts, path: str, mode: int) -> str:
+    """How what stands at ``path`` differs from what install writes there ("" if not, or
+    if unknown)."""
+    if path not in facts.attrs:
+        return ""
+    st_mode, uid = facts.attrs[path]
+    if stat.S_ISLNK(st_mode):
+        return "a link, not a regular file"
+    wrong = []
+    if stat.S_IMODE(st_mode) != mode:
+        wrong.append(f"mode {stat.S_IMODE(st_mode):04o}, not {mode:04o}")
+    if uid != facts.owner:
+        wrong.append(f"owner uid {uid}, not {facts.owner}")
+    return "; ".join(wrong)
 
 
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
@@ -210,11 +242,18 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
 
     Refused before anything is written: a masked unit (the admin's ``systemctl mask``), and a
     config path holding something the daemon would refuse to read (a FIFO, a directory, a
-    dangling link): it is never overwritten, so the service could not start."""
+    dangling link): it is never overwritten, so the service could not start. So is a link
+    out of a ``--root`` tree where the unit or the rules go: replacing it would be following
+    it as much as writing through it is (what it names is the host's, not the tree's)."""
     root_hint = "" if facts.host else f" --root={facts.root}"
     if facts.odd.get(UNIT_FILE, "").startswith("masked"):
         raise InstallError(f"{under(facts.root, UNIT_FILE)} is {facts.odd[UNIT_FILE]}: run "
                            f"`systemctl{root_hint} unmask {UNIT_NAME}` first if it should run")
+    for path in (UNIT_FILE, RULES_FILE):
+        if path in facts.links_out:
+            raise InstallError(f"{under(facts.root, path)} is a link out of {facts.root} (to "
+                               f"{facts.links_out[path]}), never followed nor replaced: "
+                               "remove it, then run this again")
     if CONFIG_FILE in facts.odd:
         raise InstallError(f"{under(facts.root, CONFIG_FILE)} is {facts.odd[CONFIG_FILE]}, "
                            "not a config file the daemon can read, and it is never "
@@ -276,6 +315,10 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     return steps
 
 
+def _out_of(facts: Facts, path: str) -> str:
+    return f"a link out of {facts.root} (to {facts.links_out[path]}): never followed nor removed"
+
+
 def plan_uninstall(facts: Facts) -> list[Step]:
     """Stop and disable, remove what install wrote (an edited config stays), keep the log,
     the state and the group."""
@@ -293,10 +336,14 @@ def plan_uninstall(facts: Facts) -> list[Step]:
         steps.append(Remove(UNIT_FILE, "the systemd unit"))
     elif facts.odd.get(UNIT_FILE, "").startswith("masked"):
         steps.append(Keep(UNIT_FILE, f"{facts.odd[UNIT_FILE]}: `systemctl unmask` removes it"))
+    elif UNIT_FILE in facts.links_out:
+        steps.append(Keep(UNIT_FILE, _out_of(facts, UNIT_FILE)))
     else:
         steps.append(Skip(UNIT_FILE, "not installed"))
     rules = facts.existing.get(RULES_FILE)
-    if rules is None:
+    if RULES_FILE in facts.links_out:
+        steps.append(Keep(RULES_FILE, _out_of(facts, RULES_FILE)))
+    elif rules is None:
         steps.append(Skip(RULES_FILE, "not installed"))
     elif "gpuwatch udev-rules" in rules:
         steps.append(Remove(RULES_FILE, "the udev rules"))
@@ -355,10 +402,8 @@ def inspect_path(path: str, *, folder: bool = False,
             st = os.stat(path)
         except OSError:
             return None, f"a link to {target}, which does not exist"
-        if inside is not None:
-            top, lands = os.path.realpath(inside), os.path.realpath(path)
-            if os.path.commonpath([top, lands]) != top:
-                return None, f"a link out of {inside} (to {target})"
+        if inside is not None and link_out(path, inside) is not None:
+            return None, f"a link out of {inside} (to {target})"
     if stat.S_ISDIR(st.st_mode):
         return ("", None) if folder else (None, "a directory")
     for test, what in _KINDS:
@@ -375,17 +420,37 @@ def inspect_path(path: str, *, folder: bool = False,
     return data.decode("utf-8", errors="replace"), None
 
 
+def link_out(path: str, inside: str) -> str | None:
+    """Where ``path`` points when it is a link whose chain leaves ``inside`` (whether what
+    it names exists or not), else None."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None  # not a link (or not there)
+    top, lands = os.path.realpath(inside), os.path.realpath(path)
+    return target if os.path.commonpath([top, lands]) != top else None
+
+
 def gather_facts(root: str, exec_argv: Sequence[str] = (),
                  program_paths: Sequence[str] = ()) -> Facts:
     host = os.path.normpath(root) == "/"
     existing: dict[str, str | None] = {}
     odd: dict[str, str] = {}
+    links_out: dict[str, str] = {}
+    attrs: dict[str, tuple[int, int]] = {}
     files = [UNIT_FILE, RULES_FILE, CONFIG_FILE] + ([] if host else [GROUP_FILE, GSHADOW_FILE])
     for path in [*files, CDI_DIR, UNIT_DROPINS, *KEPT_DIRS]:
         existing[path], what = inspect_path(under(root, path), folder=path not in files,
                                             inside=None if host else root)
         if what is not None:
             odd[path] = what
+        target = None if host else link_out(under(root, path), root)
+        if target is not None:
+            links_out[path] = target
+        if path in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(under(root, path))
+                attrs[path] = (st.st_mode, st.st_uid)
     wants: list[str] = []
     sysdir = under(root, "/etc/systemd/system")
     try:
@@ -414,7 +479,8 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
                            for line in (group_file or "").splitlines())
     return Facts(
         root=root, exec_argv=tuple(exec_argv), program_paths=tuple(program_paths),
-        existing=existing, odd=odd, group_exists=group_exists,
+        existing=existing, odd=odd, links_out=links_out, attrs=attrs,
+        owner=0 if host else os.geteuid(), group_exists=group_exists,
         group_file=group_file, gshadow_file=gshadow, wants_links=tuple(wants),
         have_systemctl=shutil.which("systemctl") is not None,
         systemd_running=os.path.isdir("/run/systemd/system"),
@@ -494,8 +560,9 @@ class _Undo:
                 st.st_dev, st.st_ino):
             return ""  # never replaced (a directory stays one): nothing to put back
         if st is None:
-            if now is not None:
-                os.unlink(path)
+            if now is None:
+                return ""  # the write that failed never made it: nothing was, nothing is
+            os.unlink(path)
             return "removed"
         if now is not None:
             os.unlink(path)
@@ -514,7 +581,8 @@ def describe(step: Step, root: str, *, dry_run: bool) -> str:
     """One output line per step: what was (or would be) done, to which real path."""
     would = "would " if dry_run else ""
     if isinstance(step, Write):
-        verb = "write" if dry_run else "wrote"
+        verb = ("rewrite" if dry_run else "rewrote") if step.rewrite else (
+            "write" if dry_run else "wrote")
         line = f"{would}{verb} {under(root, step.path)}"
     elif isinstance(step, MakeDir):
         verb = "create" if dry_run else "created"
@@ -614,6 +682,7 @@ __all__ = [
     "execute",
     "gather_facts",
     "inspect_path",
+    "link_out",
     "plan_install",
     "plan_uninstall",
     "render_unit",
