@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "directory gets the file 'gpuwatch')")
     p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
-                        "(default 3600, 0 = never)")
+                        "(default 3600, 0 = never, else at least 120)")
     p.add_argument("--proc-read-timeout", type=positive_seconds, default=None, metavar="S",
                    help="budget of one /proc scan for holders and stuck tasks, in seconds "
                         "(default 2); a process not read in time counts as a holder")
