@@ -246,9 +246,12 @@ _SETUP_ERRORS: tuple[type[BaseException], ...] = (SourceUnavailable, EventLogUna
 
 def _setup_errors() -> tuple[type[BaseException], ...]:
     from gpuwatch.service.daemon import ServiceSetupError
+    from gpuwatch.service.nfd import NfdDirectoryLocked
     from gpuwatch.service.server import SocketInUse, SocketSetupError
 
-    return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse)
+    # NfdDirectoryLocked: exit 2, as for the event log's lock (EventLogLocked).
+    return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse,
+            NfdDirectoryLocked)
 
 
 def _setup_status(exc: BaseException) -> int:
