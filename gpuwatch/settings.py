@@ -118,6 +118,20 @@ def _check_nonempty(value: Any) -> str | None:
     return None if str(value).strip() else "must not be empty"
 
 
+#: The least non-zero ``nfd_expiry`` (also gpuwatch.service.nfd.MIN_EXPIRY).
+MIN_NFD_EXPIRY = 120.0
+
+
+def _check_nfd_expiry(value: Any) -> str | None:
+    """0 (no expiry) or long enough for NFD, which re-reads ``features.d`` about once a
+    minute: a shorter expiry could lapse between two of its reads of a file kept current,
+    and would have the writer rewrite (and fsync) the file over and over."""
+    if value == 0 or value >= MIN_NFD_EXPIRY:
+        return None
+    return (f"must be 0 (labels never expire) or at least {MIN_NFD_EXPIRY:g} (NFD reads "
+            f"features.d about once a minute), not {value:g}")
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", "str", "/", check=_check_nonempty),
     Setting("source", "str", "auto", check=_check_source),
@@ -138,7 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket_max_output_bytes", "int", 4 << 20, minimum=4096),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
-    Setting("nfd_expiry", "float", 3600.0, minimum=0, maximum=MAX_SECONDS),
+    Setting("nfd_expiry", "float", 3600.0, minimum=0, maximum=MAX_SECONDS,
+            check=_check_nfd_expiry),
     Setting("verbose", "bool", False),
     # The whole budget of one /proc scan (holders, plan, switch, wedge-detected): a process
     # stuck in the kernel can block a read of its fd, maps or stack for ever.
@@ -691,6 +706,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_SOCKET_GROUP",
     "ENV_PREFIX",
+    "MIN_NFD_EXPIRY",
     "ROOT_ENV",
     "SETTINGS",
     "SETTING_KEYS",

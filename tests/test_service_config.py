@@ -142,6 +142,10 @@ def test_tables_and_settings_share_one_file(tmp_path: Path) -> None:
         ("log_max_bytes: -5\n", "log_max_bytes: must be at least 1"),
         ("reconcile_interval: fast\n", "reconcile_interval: must be a number"),
         ("reconcile_interval: -1\n", "reconcile_interval: must be at least 0"),
+        # NFD re-reads features.d about once a minute; a shorter expiry wrote files already
+        # expired, rewritten without pause.
+        ("nfd_expiry: 0.001\n", "nfd_expiry: must be 0 (labels never expire) or at least 120"),
+        ("nfd_expiry: 119.5\n", "nfd_expiry: must be 0 (labels never expire) or at least 120"),
         ("verbose: maybe\n", "verbose: must be true or false"),
         ("source: netlink\n", "source: must be auto, udev, kernel or file:PATH"),
         ("metrics: 'localhost:http'\n", "metrics: 'localhost:http' is not HOST:PORT"),
@@ -250,6 +254,7 @@ def test_watch_takes_its_options_from_env_and_file(host: SysRoot, tmp_path: Path
     ("--receive-buffer", "1", "'1' must be at least 4096"),
     ("--log-keep", "100000", "--log-keep: must be at most 1000"),
     ("--socket-max-output-bytes", "1", "'1' must be at least 4096"),
+    ("--nfd-expiry", "0.001", "--nfd-expiry: must be 0 (labels never expire) or at least 120"),
 ])
 def test_watch_flags_past_their_bounds_exit_2_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
@@ -263,6 +268,14 @@ def test_watch_flags_past_their_bounds_exit_2_in_one_line(
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert message in err and err.count("\n") == 1, err
+
+
+def test_nfd_expiry_is_0_or_at_least_120() -> None:
+    """0 keeps its meaning (no expiry directive); 120 s is the least NFD can honour."""
+    assert settings({"nfd_expiry": 0}).nfd_expiry == 0
+    assert settings(env={"GPUWATCH_NFD_EXPIRY": "120"}).nfd_expiry == 120
+    with pytest.raises(ConfigError, match=r"GPUWATCH_NFD_EXPIRY: must be 0 .* at least 120"):
+        settings(env={"GPUWATCH_NFD_EXPIRY": "60"})
 
 
 def test_library_sources_refuse_a_buffer_no_socket_takes() -> None:

@@ -11,7 +11,13 @@ import anyio
 import pytest
 
 from gpuwatch.hostfs.scan import read_cdi
-from gpuwatch.service.nfd import NfdFeatureFile, feature_labels, render, resolve_path
+from gpuwatch.service.nfd import (
+    NfdDirectoryLocked,
+    NfdFeatureFile,
+    feature_labels,
+    render,
+    resolve_path,
+)
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, machines
 from gpuwatch.watch.watcher import Watcher, open_watcher
@@ -56,7 +62,7 @@ async def test_rewritten_on_a_change_and_only_then(host: SysRoot, tmp_path: Path
         open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w,
         anyio.create_task_group() as tg,
     ):
-        nfd = NfdFeatureFile(str(features) + "/", expiry=3600)
+        nfd = NfdFeatureFile(str(features) + "/", expiry=3600, min_interval=0.05)
         nfd.attach(w)
         tg.start_soon(nfd.run)
         path = features / "gpuwatch"
@@ -289,3 +295,149 @@ async def test_a_no_iommu_vfio_host_is_labelled_without_an_iommu(tmp_path: Path)
     async with open_watcher(tree.root, MemorySource()) as w:
         nfd.attach(w)
         assert nfd.labels()["gpuwatch.iommu"] == "true"
+
+
+def stamp_of(path: Path) -> float:
+    """The file's ``# +expiry-time`` as a POSIX time."""
+    from datetime import UTC, datetime
+
+    (directive,) = parse(path)[1]
+    text = directive.removeprefix("expiry-time=")
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+async def wait_writes(nfd: NfdFeatureFile, count: int) -> None:
+    with anyio.fail_after(10):
+        while nfd.writes < count:
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+async def test_a_wall_clock_step_is_seen_at_the_next_look_not_half_an_expiry_later(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """NTP steps the clock at boot (the unit runs before kubelet): the refresh was timed on
+    the monotonic clock from the wall clock before the step, so the file's expiry stayed in
+    the past for up to half the expiry. The writer now looks at the wall clock every
+    ``recheck`` (60 s at most) and refreshes a stamp the step made stale, either way."""
+    now = [1_000_000.0]
+    path = tmp_path / "gpuwatch"
+    async with (
+        open_watcher(host.root, MemorySource(), reconcile_interval=0, cdi_poll_interval=0) as w,
+        anyio.create_task_group() as tg,
+    ):
+        nfd = NfdFeatureFile(path, expiry=3600, clock=lambda: now[0], recheck=0.02,
+                             min_interval=0.01)
+        nfd.attach(w)
+        tg.start_soon(nfd.run)
+        await wait_writes(nfd, 1)
+        assert stamp_of(path) == 1_000_000 + 3600
+        await anyio.sleep(0.2)  # many looks at a clock that did not move: nothing written
+        assert nfd.writes == 1
+        now[0] += 2 * 3600  # stepped forward past the expiry: the labels would be dropped
+        await wait_writes(nfd, 2)
+        assert stamp_of(path) == now[0] + 3600
+        now[0] -= 24 * 3600  # stepped back: the stamp would keep dead labels a day too long
+        await wait_writes(nfd, 3)
+        assert stamp_of(path) == now[0] + 3600
+        tg.cancel_scope.cancel()
+    nfd.detach()
+
+
+@pytest.mark.timeout(60)
+async def test_a_tiny_expiry_is_rounded_up_and_never_spins(host: SysRoot, tmp_path: Path) -> None:
+    """An expiry of a millisecond once wrote files already expired (the stamp truncated to
+    the second), in a loop that fsynced without pause. The stamp is rounded up, and two
+    writes are at least ``min_interval`` apart, whatever the clock says."""
+    assert "expiry-time=1970-01-12T13:46:41Z" in render({}, 1_000_000.2)
+    ticks = [1_000_000.5]
+
+    def clock() -> float:  # half the expiry passes between any two looks: always due
+        ticks[0] += 1.0
+        return ticks[0]
+
+    path = tmp_path / "gpuwatch"
+    async with (
+        open_watcher(host.root, MemorySource(), reconcile_interval=0, cdi_poll_interval=0) as w,
+        anyio.create_task_group() as tg,
+    ):
+        nfd = NfdFeatureFile(path, expiry=0.001, clock=clock, min_interval=0.1)
+        nfd.attach(w)
+        started = anyio.current_time()
+        tg.start_soon(nfd.run)
+        await anyio.sleep(0.5)
+        tg.cancel_scope.cancel()
+    elapsed = anyio.current_time() - started
+    # A slow machine writes fewer times, never more: one now, then one per min_interval.
+    assert 1 <= nfd.writes <= elapsed / 0.1 + 2, (nfd.writes, elapsed)
+    assert stamp_of(path) >= ticks[0] - 3  # the last write's stamp was not in its past
+    nfd.detach()
+
+
+def test_one_writer_per_features_directory(tmp_path: Path) -> None:
+    """Two daemons on one node (the systemd unit and the DaemonSet) once overwrote each
+    other's file unseen. The writer holds the directory's flock (no lock file: NFD would read
+    it as features); a second one is refused, naming the directory and the holder."""
+    features = tmp_path / "features.d"
+    first = NfdFeatureFile(str(features) + "/")
+    second = NfdFeatureFile(features / "gpuwatch")
+    assert first.lock() and first.lock()  # taken once, held
+    with pytest.raises(NfdDirectoryLocked) as refused:
+        second.lock()
+    message = str(refused.value)
+    assert str(features) in message and f"pid {os.getpid()}" in message
+    assert list(features.iterdir()) == []  # nothing NFD could read was made
+    first.close()
+    assert second.lock()
+    second.close()
+
+
+async def test_a_writer_without_the_lock_never_writes(host: SysRoot, tmp_path: Path) -> None:
+    """A directory missing at start (``lock`` then says False, no refusal) is locked before
+    the first write; held by another writer by then, the write is a failed one."""
+    features = tmp_path / "features.d"
+    late = NfdFeatureFile(str(features) + "/")
+    features.write_text("not yet a directory")
+    assert late.lock() is False
+    features.unlink()
+    holder = NfdFeatureFile(str(features) + "/")
+    assert holder.lock()
+    async with open_watcher(host.root, MemorySource(), reconcile_interval=0,
+                            cdi_poll_interval=0) as w:
+        late.attach(w)
+        assert await late.update(force=True) is False
+        assert late.failures == 1 and list(features.iterdir()) == []
+        holder.close()
+        assert await late.update(force=True) is True
+        late.detach()
+    late.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_second_daemon_on_a_features_directory_exits_2_naming_the_holder(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    import fcntl
+    import subprocess
+    import sys
+
+    features = tmp_path / "features.d"
+    features.mkdir()
+    events = tmp_path / "uevents.jsonl"
+    events.write_text("")
+    command = [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root),
+               "--source", f"file:{events}", "--log", str(tmp_path / "log.jsonl"),
+               "--reconcile-interval", "0", "--nfd-features", f"{features}/"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
+    fd = os.open(features, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another writer, as far as the daemon can tell
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert f"{features}" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
+    assert list(features.iterdir()) == []
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr  # the holder gone: it runs

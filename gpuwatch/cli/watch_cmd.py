@@ -113,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "directory gets the file 'gpuwatch')")
     p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
-                        "(default 3600, 0 = never)")
+                        "(default 3600, 0 = never, else at least 120)")
     p.add_argument("--proc-read-timeout", type=positive_seconds, default=None, metavar="S",
                    help="budget of one /proc scan for holders and stuck tasks, in seconds "
                         "(default 2); a process not read in time counts as a holder")
@@ -246,9 +246,12 @@ _SETUP_ERRORS: tuple[type[BaseException], ...] = (SourceUnavailable, EventLogUna
 
 def _setup_errors() -> tuple[type[BaseException], ...]:
     from gpuwatch.service.daemon import ServiceSetupError
+    from gpuwatch.service.nfd import NfdDirectoryLocked
     from gpuwatch.service.server import SocketInUse, SocketSetupError
 
-    return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse)
+    # NfdDirectoryLocked: exit 2, as for the event log's lock (EventLogLocked).
+    return (*_SETUP_ERRORS, ServiceSetupError, SocketSetupError, SocketInUse,
+            NfdDirectoryLocked)
 
 
 def _setup_status(exc: BaseException) -> int:

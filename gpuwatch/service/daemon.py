@@ -80,6 +80,9 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 from gpuwatch.service.nfd import NfdFeatureFile
 
                 nfd = NfdFeatureFile(settings.nfd_features, expiry=settings.nfd_expiry)
+                # Before anything is written: a second writer of the directory (the unit and
+                # the DaemonSet on one node) refuses to start, naming the holder.
+                nfd.lock()
                 nfd.attach(watcher.watcher)
                 if metrics is not None:
                     metrics.track_nfd(nfd)
@@ -121,6 +124,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 metrics.close()
             if nfd is not None:
                 nfd.detach()
+                nfd.close()
 
 
 def freeze_startup_heap() -> None:

@@ -6,12 +6,18 @@ it takes for a scheduler to see this host's GPUs and their modes: no poller, no 
 
 The file is rewritten (atomically: temporary file, fsync, rename) only when a label changes,
 plus once per half ``expiry`` so that the ``# +expiry-time`` directive never lapses while the
-daemon runs; if the daemon dies, NFD drops the labels at that time.
+daemon runs; if the daemon dies, NFD drops the labels at that time. The writer looks at the wall
+clock at least once a minute, so a clock stepped forward (NTP at boot) or back is caught, and
+it holds an exclusive flock on the features directory for life, so that two daemons on one
+node (the systemd unit and the DaemonSet) cannot overwrite each other's file unseen.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
+import math
 import os
 import re
 import time
@@ -25,8 +31,10 @@ from pydantic import BaseModel
 
 from gpuwatch.core.modes import group_mode
 from gpuwatch.core.reporttext import iommu_isolates
+from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.hostfs.files import write_atomic
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups
+from gpuwatch.settings import MIN_NFD_EXPIRY
 
 if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
@@ -41,6 +49,17 @@ DEFAULT_EXPIRY = 3600.0
 #: After a failed write: wait 1 s, doubling, until at most one attempt a minute.
 RETRY_FIRST = 1.0
 RETRY_MAX = 60.0
+#: The writer re-reads the wall clock at least this often (a quarter of the expiry when that
+#: is shorter): a clock stepped forward by NTP would otherwise leave the expiry in the past
+#: until the next timed refresh, computed from the clock before the step.
+RECHECK_MAX = 60.0
+#: At least this long between two writes, whatever asks for them: the loop can never spin
+#: (a tiny expiry from a library caller, a clock gone wrong), and a burst of changes is
+#: written once. NFD itself reads ``features.d`` about once a minute.
+MIN_WRITE_INTERVAL = 1.0
+#: The least non-zero ``nfd_expiry`` the settings accept: NFD re-reads ``features.d`` about
+#: every 60 s, so a shorter expiry could lapse between two of its reads of a live file.
+MIN_EXPIRY = MIN_NFD_EXPIRY
 #: The probe answers the labels are made of: a change to any other one cannot alter them.
 LABEL_PROBES = frozenset({"detect-vfio", "detect-gpu", "detect-amd-gpu", "amd-gfx-version",
                           "amd-gfx-target"})
@@ -51,6 +70,13 @@ _SLUG_RE = re.compile(r"[^a-z0-9]+")
 _VENDOR_MAX = 63 - len("gpuwatch.gpu.") - len(".count")
 #: Vendor segments that would land on another label (``gpuwatch.gpu.vfio.count``).
 _TAKEN = frozenset({"vfio", "unhealthy"})
+
+
+class NfdDirectoryLocked(HostError):
+    """Another process writes this features directory (it holds its flock): two writers
+    would overwrite each other's file, the last one winning, so the second one stops."""
+
+    code = SERVICE
 
 
 def _slug(name: str) -> str:
@@ -126,10 +152,13 @@ def _as_functions(members: Any) -> list[Any]:
 
 
 def render(labels: Mapping[str, str], expires: float | None) -> str:
-    """The file's text: a header, the expiry directive (NFD >= 0.14 honours it), the labels."""
+    """The file's text: a header, the expiry directive (NFD >= 0.14 honours it), the labels.
+
+    The stamp is rounded up to the second: truncated, it would be up to a second earlier than
+    asked, already past when the expiry is short."""
     lines = ["# Written by gpuwatch; rewritten on every change, do not edit."]
     if expires is not None:
-        stamp = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = datetime.fromtimestamp(math.ceil(expires), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         lines.append(f"# +expiry-time={stamp}")
     lines.extend(f"{name}={value}" for name, value in labels.items())
     return "\n".join(lines) + "\n"
@@ -149,14 +178,47 @@ def write_atomically(path: str, text: str) -> None:
     write_atomic(path, text, 0o644, sync_dir=True)
 
 
+def lock_directory(directory: str) -> int:
+    """The features directory opened and flocked exclusively (no waiting): its descriptor.
+
+    The directory itself, not a lock file: NFD reads every file in ``features.d`` as
+    features. Raises `NfdDirectoryLocked` naming the holder's pid when another process holds
+    it, OSError when the directory cannot be made or opened."""
+    from gpuwatch.watch.eventlog import _lock_holder
+
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _lock_holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        # /proc/locks shows 0 for a holder outside our PID namespace (the host's daemon,
+        # seen from the DaemonSet's pod, or the other way round).
+        who = (f"pid {holder}" if holder and holder != "0" else
+               "a process in another PID namespace" if holder else "another process")
+        raise NfdDirectoryLocked(
+            f"NFD features directory {directory} is written by {who} (it holds the "
+            "directory's lock); one features directory has one gpuwatch writer") from None
+    return fd
+
+
 class NfdFeatureFile:
     """Keeps one features file in step with a watcher. ``attach`` then run ``run`` as a task."""
 
     def __init__(self, path: str | os.PathLike[str], *, expiry: float = DEFAULT_EXPIRY,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, recheck: float = RECHECK_MAX,
+                 min_interval: float = MIN_WRITE_INTERVAL) -> None:
         self.path = resolve_path(path)
+        self.directory = os.path.dirname(self.path) or "."
         self.expiry = expiry
         self._clock = clock
+        #: Seconds between looks at the wall clock; writes at least ``min_interval`` apart.
+        self.recheck = min(recheck, expiry / 4) if expiry > 0 else recheck
+        self.min_interval = min_interval
+        self._dir_fd: int | None = None  # the features directory, flocked (`lock`)
         self._watcher: Watcher | None = None
         self._labels: dict[str, str] | None = None
         self._written_at = 0.0
@@ -174,6 +236,32 @@ class NfdFeatureFile:
     def detach(self) -> None:
         if self._watcher is not None and self.on_event in self._watcher.listeners:
             self._watcher.listeners.remove(self.on_event)
+
+    def lock(self) -> bool:
+        """Take the features directory's flock for the writer's life (`close` drops it).
+
+        Raises `NfdDirectoryLocked` when another writer holds it: the daemon refuses to
+        start. A directory that cannot be made or opened yet is no refusal (as a failed
+        write is none): False, and every write tries again first, writing only once held."""
+        if self._dir_fd is not None:
+            return True
+        try:
+            self._dir_fd = lock_directory(self.directory)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Drop the directory's flock: another writer may take over."""
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def _write(self, text: str) -> None:
+        """Lock (when not yet held), then write: never a write without the lock."""
+        if self._dir_fd is None:
+            self._dir_fd = lock_directory(self.directory)
+        write_atomically(self.path, text)
 
     def on_event(self, event: BaseModel) -> None:
         """Watcher listener: only mark and wake; the writer task does the I/O."""
@@ -218,15 +306,15 @@ class NfdFeatureFile:
             groups = await anyio.to_thread.run_sync(read_iommu_groups, w.model.root)
         labels = self.labels(groups)
         now = self._clock()
-        refresh_due = self.expiry > 0 and now >= self._written_at + self.expiry / 2
+        refresh_due = self.expiry > 0 and self._refresh_due(now)
         if not force and labels == self._labels and not refresh_due:
             self._backoff = 0.0
             return False
         expires = now + self.expiry if self.expiry > 0 else None
         text = render(labels, expires)
         try:
-            await anyio.to_thread.run_sync(write_atomically, self.path, text)
-        except OSError as exc:
+            await anyio.to_thread.run_sync(self._write, text)
+        except (OSError, NfdDirectoryLocked) as exc:
             # Said once per outage, not per try: a read-only directory stays read-only.
             if self._backoff == 0:
                 _log.warning("cannot write NFD features file %s: %s; retrying at most once "
@@ -243,29 +331,52 @@ class NfdFeatureFile:
         self.writes += 1
         return True
 
+    def _refresh_due(self, now: float) -> bool:
+        """Half the expiry gone by the wall clock, or the clock stepped back past the last
+        write (the file's expiry would then be further away than ``expiry``)."""
+        return now >= self._written_at + self.expiry / 2 or now < self._written_at
+
     async def run(self) -> None:
-        """Write now, then on every change and before the expiry lapses."""
+        """Write now, then on every change and before the expiry lapses.
+
+        The wait for the refresh is never longer than ``recheck``: it is measured on the
+        monotonic clock, and only a fresh look at the wall clock sees a step. Two writes are
+        at least ``min_interval`` apart, so no clock and no expiry can make this loop spin."""
         self._wake = anyio.Event()
         await self.update(force=True)
+        last_write = anyio.current_time()
         while True:
             if self._backoff:
                 await anyio.sleep(self._backoff)  # changes meanwhile are picked up after
             elif not self._dirty:
                 wait = None
                 if self.expiry > 0:
-                    wait = max(self._written_at + self.expiry / 2 - self._clock(), 0.0)
+                    due = self._written_at + self.expiry / 2 - self._clock()
+                    wait = min(max(due, 0.0), self.recheck)
                 with anyio.move_on_after(wait):
                     await self._wake.wait()
                 self._wake = anyio.Event()
+                if (not self._dirty and self.expiry > 0
+                        and not self._refresh_due(self._clock())):
+                    continue  # a look at the clock only: nothing to write
+            gap = last_write + self.min_interval - anyio.current_time()
+            if gap > 0:
+                await anyio.sleep(gap)  # changes meanwhile are written together
+            writes = self.writes
             await self.update()
+            if self.writes != writes:
+                last_write = anyio.current_time()
 
 
 __all__ = [
     "DEFAULT_EXPIRY",
+    "MIN_EXPIRY",
     "NFD_FEATURES_DIR",
     "NFD_FILE_NAME",
+    "NfdDirectoryLocked",
     "NfdFeatureFile",
     "feature_labels",
+    "lock_directory",
     "render",
     "resolve_path",
     "write_atomically",
