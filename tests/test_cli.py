@@ -250,3 +250,34 @@ def test_python_dash_m_entry_point(host: SysRoot) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"action": "display-driver", "result": "nvidia"}
+
+
+def _with_stderr_gone(*argv: str) -> subprocess.CompletedProcess[bytes]:
+    """``gpuwatch ARGV 2>&1 | head -0``, as a shell leaves it: stderr a pipe nobody reads."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "gpuwatch", *argv], stdout=subprocess.PIPE,
+                              stderr=write_end, timeout=60, check=False)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_nobody_reads_still_fails(tmp_path: Path) -> None:
+    """The error line lost with its reader (``2>&1 | head``) is no success: the status
+    stays the error's (was 0, the lost line's BrokenPipeError taken for a reader of stdout
+    that left)."""
+    assert _with_stderr_gone("probe", "bogus-action", "--no-daemon").returncode == 2
+    assert _with_stderr_gone("probe", "detect-vfio", "--root",
+                             str(tmp_path / "missing")).returncode == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_note_nobody_reads_does_not_end_the_command() -> None:
+    """A note to stderr that cannot be said leaves the output and the status as they were."""
+    done = _with_stderr_gone("udev-rules", "--group", "no-such-group-gw")
+    assert done.returncode == 0
+    assert b'SUBSYSTEM=="vfio"' in done.stdout and b"no-such-group-gw" in done.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -100,8 +101,21 @@ __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE"]
 
 
 def fail(message: str, code: int) -> int:
-    print(f"gpuwatch: {one_line(message)}", file=sys.stderr)
+    """Say why in one line on stderr, and return ``code``: the status says it whether or
+    not anyone reads stderr (``2>&1 | head`` may have left; a lost line is no success)."""
+    to_stderr(f"gpuwatch: {one_line(message)}")
     return code
+
+
+def to_stderr(line: str) -> None:
+    """One line to stderr, never an error of its own: a note or a warning that cannot be
+    said (stderr closed, or its reader gone) must not end the command, nor change its
+    status. Nothing more goes to stderr then, nor at exit's flush."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError):
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
 
 
 def one_line(text: str) -> str:

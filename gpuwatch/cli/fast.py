@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, fail, to_stderr
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.pci import canonical_addr, card_in_group
 from gpuwatch.core.strictjson import loads as strict_loads
@@ -297,7 +297,7 @@ def print_plan(plan: dict[str, Any], as_json: bool, dumps: Callable[[Any], str])
     """``gpuwatch plan``'s output and exit code, for the full command and this path alike."""
     print(dumps(plan) if as_json else terminal_safe(render_plan(plan)))
     for note in plan["notes"]:
-        print(f"gpuwatch: note: {note}", file=sys.stderr)
+        to_stderr(f"gpuwatch: note: {note}")
     if plan["refused"] is not None:
         return fail(f"the switch would be refused: {plan['refused']['reason']}", EXIT_FAILURE)
     return EXIT_OK
@@ -317,7 +317,7 @@ def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], 
             # Each field escaped alone: a tab in a name cannot shift the columns either.
             print("\t".join(terminal_safe(str(v), keep="") for v in (h["pid"], h["comm"], node)))
     if report["note"]:
-        print(f"gpuwatch: note: {report['note']}", file=sys.stderr)
+        to_stderr(f"gpuwatch: note: {report['note']}")
 
 
 def compact(value: Any) -> str:

@@ -25,6 +25,7 @@ from gpuwatch.cli.common import (
     check_root,
     fail,
     positive_seconds,
+    to_stderr,
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
@@ -133,7 +134,7 @@ def print_result(result: SwitchResult, as_json: bool) -> None:
         for m in result.members:
             print(terminal_safe(f"  {m.addr}  {m.driver or '(no driver)'}"))
     for note in result.notes:
-        print(f"gpuwatch: note: {note}", file=sys.stderr)
+        to_stderr(f"gpuwatch: note: {note}")
 
 
 class _Signalled(BaseException):

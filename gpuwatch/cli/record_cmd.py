@@ -27,6 +27,7 @@ from gpuwatch.cli.common import (
     add_root_args,
     check_root,
     fail,
+    to_stderr,
 )
 from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
@@ -203,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"record: {exc}", EXIT_USAGE)
     try:
         for warning in source.warnings:
-            print(f"gpuwatch: record: warning: {warning}", file=sys.stderr)
+            to_stderr(f"gpuwatch: record: warning: {warning}")
         if args.out == "-":
             if sys.stdout is None:
                 return fail("record: stdout is closed; name a file with --out PATH", EXIT_USAGE)

@@ -6,7 +6,7 @@ import argparse
 import grp
 import sys
 
-from gpuwatch.cli.common import EXIT_OK, UsageProblem
+from gpuwatch.cli.common import EXIT_OK, UsageProblem, to_stderr
 from gpuwatch.service.udev_rules import DEFAULT_GROUP, RULES_FILE, InvalidGroupName, render_rules
 
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         grp.getgrnam(args.group)
     except KeyError:
         # Still print: the rules may be meant for another host. udev ignores an unknown group.
-        print(f"gpuwatch: note: group {args.group!r} does not exist on this host "
-              f"(create it before installing the rules)", file=sys.stderr)
+        to_stderr(f"gpuwatch: note: group {args.group!r} does not exist on this host "
+                  "(create it before installing the rules)")
     sys.stdout.write(text)
     return EXIT_OK
