@@ -399,12 +399,13 @@ def _flock(fd: int, how: int, path: str, name: str, refusal: Callable[[str], str
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
 
 
-def _lock_holder(fd: int) -> str | None:
+def _lock_holder(fd: int, *, pid_file: bool = True) -> str | None:
     """The pid holding a flock on ``fd``'s file: the pid a lock file holds, else (a
-    directory) the first holder /proc/locks names."""
+    directory, or the log file itself: ``pid_file`` False) the first holder /proc/locks
+    names."""
     with contextlib.suppress(OSError, ValueError):
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode):
+        if pid_file and stat.S_ISREG(st.st_mode):
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             return holder if holder.isdigit() else None
         key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
@@ -708,6 +709,15 @@ def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
     return os.fdopen(fd, "rb", buffering=0), st
 
 
+class _WrittenByAnother(OSError):
+    """The log file opened is flocked by another writer (`EventLog._open`): not ours to
+    write. ``who`` names the holder (``pid N``)."""
+
+    def __init__(self, code: int, text: str, who: str) -> None:
+        super().__init__(code, text)
+        self.who = who
+
+
 class _NotALogFile(OSError):
     """A directory, FIFO, socket or device where a log file should be (its stat kept)."""
 
@@ -959,6 +969,12 @@ class EventLog:
         self._tail_newline = True
         #: The thread that writes stdout's lines (`--log -`), made at the first write.
         self._stdout_writer: ThreadedWriter | None = None
+        #: Each log file opened is flocked too (`_open`): PATH.lock guards a name, and a
+        #: name can come to mean another writer's file (a link, a rotated or re-made dir).
+        self._locking = lock
+        #: Past the first open: a file another writer holds is then a failed write, said once.
+        self._started = False
+        self._told_held = False
         if self._stdout:
             if sys.stdout is None:  # started with fd 1 closed: every event would fail
                 raise EventLogUnavailable("event log -: stdout is closed")
@@ -977,6 +993,11 @@ class EventLog:
         try:
             self._open()
             self._end_torn_line()
+        except _WrittenByAnother as exc:
+            self._release_lock()
+            raise EventLogLocked(
+                f"event log {self._path} is written by {exc.who} (it holds the file itself "
+                "locked); one log has one writer") from None
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                              errno.EROFS, errno.ELOOP, errno.ENOENT, errno.ENXIO):
@@ -987,6 +1008,7 @@ class EventLog:
             # A full or failing disk: serve anyway, the writes are retried (degraded start).
             self.error = _describe_os_error(exc)
             _log.warning("event log %s: %s; starting without it", self._path, self.error)
+        self._started = True
         self._last_seq = None if self._stream else last_seq_in(self._path)
         if self._lock_fd is not None:
             # A writer that stopped while its disk was full published seqs past the file's
@@ -1051,15 +1073,18 @@ class EventLog:
         fd = os.open(self._path, flags, 0o644)
         try:
             st = os.fstat(fd)
-        except OSError:
+            if self._regular and not stat.S_ISREG(st.st_mode):
+                # The log was a file: what replaced it (a FIFO, a device) is not the log's,
+                # and is not written; the write fails and the log degrades until a file is
+                # back.
+                why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
+                raise OSError(errno.EINVAL, f"{why}: not written")
+            if self._locking and stat.S_ISREG(st.st_mode):
+                self._lock_file(fd)
+        except BaseException:
             os.close(fd)
             raise
-        if self._regular and not stat.S_ISREG(st.st_mode):
-            # The log was a file: what replaced it (a FIFO, a device) is not the log's, and
-            # is not written; the write fails and the log degrades until a file is back.
-            os.close(fd)
-            why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
-            raise OSError(errno.EINVAL, f"{why}: not written")
+        self._told_held = False
         self._stream = not stat.S_ISREG(st.st_mode)
         if not self._stream:
             os.set_blocking(fd, True)
@@ -1067,6 +1092,27 @@ class EventLog:
         self._fd = fd
         self._ident = (st.st_dev, st.st_ino)
         self._size = st.st_size
+
+    def _lock_file(self, fd: int) -> None:
+        """flock the file about to be written, held while it is: PATH.lock alone guards a
+        name, and after a reopen or a rotation PATH may name a file another writer holds (a
+        link put at PATH, a hard link, a rotated link, a directory re-made). Readers take
+        no flock: they are never held up. Raises `_WrittenByAnother` when refused; past the
+        start that is a failed write (the log degrades), warned about once."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            holder = _lock_holder(fd, pid_file=False)
+            who = f"pid {holder}" if holder else "another process"
+            if self._started and not self._told_held:
+                self._told_held = True
+                _log.warning("event log %s: the file it names now is written by %s, "
+                             "another writer; not written while it is", self._path, who)
+            raise _WrittenByAnother(
+                exc.errno, f"{self._path} is written by {who}, another writer: not written",
+                who) from None
 
     def _end_torn_line(self) -> None:
         if self._check_tail:
