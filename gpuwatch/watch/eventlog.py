@@ -426,13 +426,23 @@ _SEQ_AT = 32
 _SEQ_RECORD = 32
 
 
-def _read_held_seq(fd: int) -> int:
-    """The seq record of a lock file (0: none, or not a file: the directory fallback)."""
+#: The highest seq a lock file's record may hold: a JSON number past it is no exact
+#: integer to many readers (doubles), and numbering after it would leave int64.
+MAX_HELD_SEQ = 2**53 - 1
+
+
+def _read_held_seq(fd: int, path: str = "") -> int:
+    """The seq record of a lock file (0: none, or not a file: the directory fallback). A
+    record above `MAX_HELD_SEQ` is damage, not a seq: ignored, with a warning."""
     with contextlib.suppress(OSError, ValueError):
         if stat.S_ISREG(os.fstat(fd).st_mode):
             text = os.pread(fd, _SEQ_RECORD, _SEQ_AT).decode("ascii").strip()
-            if text.isdigit() and len(text) <= 20:
-                return int(text)
+            if text.isdigit():
+                seq = int(text)
+                if seq <= MAX_HELD_SEQ:
+                    return seq
+                _log.warning("event log %s: the seq held in its lock file (%s) is above "
+                             "2**53 - 1; ignored", path, text)
     return 0
 
 
@@ -1013,7 +1023,7 @@ class EventLog:
         if self._lock_fd is not None:
             # A writer that stopped while its disk was full published seqs past the file's
             # end: number after them too, or a seq would name two events.
-            held = _read_held_seq(self._lock_fd)
+            held = _read_held_seq(self._lock_fd, self._path)
             if held > (self._last_seq or 0):
                 self._unwritten = ((self._last_seq or 0) + 1, held)
                 self._last_seq = held
