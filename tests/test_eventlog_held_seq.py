@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import EventLog, lock_path
 
 
@@ -50,3 +51,49 @@ def test_a_held_seq_of_2_53_minus_1_is_kept(tmp_path: Path) -> None:
     lock_with_record(path, b"9007199254740991")
     with EventLog(path) as log:
         assert log.last_seq == 2**53 - 1 and log.unwritten == (6, 2**53 - 1)
+
+
+def junk_tail(path: Path, head: bytes, junk: int) -> None:
+    """``head`` and then ``junk`` bytes of NULs and a newline: a crash's tail."""
+    with path.open("wb") as f:
+        f.write(head)
+        f.write(b"\0" * junk + b"\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_given_up_tail_numbers_after_the_older_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PATH's tail is junk past the search bound: the log was taken to hold no event, the
+    new run numbered from 1, and a subscriber got the old run's events under the new run's
+    seqs. Now the older files (and PATH's head) bound the numbering from below."""
+    monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 256 << 10)
+    path = tmp_path / "events.jsonl"
+    Path(f"{path}.1").write_bytes(lines(1, 1000))
+    junk_tail(path, b"x" * 70_000 + b"\n" + lines(1001, 1010), 300 << 10)  # head: no event
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        assert eventlog.last_seq_in(path) == 1000
+    assert [r.getMessage() for r in caplog.records] == [
+        f"event log {path}: no event in the last 0 MiB of {path}; numbering after seq 1000, "
+        "the newest found before it (the log may hold later ones)"]
+    junk_tail(path, lines(1001, 1010), 300 << 10)  # its head's events count too
+    with EventLog(path) as log:
+        assert log.last_seq == 1010
+
+
+@pytest.mark.timeout(60)
+def test_every_file_given_up_numbers_from_1_or_after_the_held_seq(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 256 << 10)
+    path = tmp_path / "events.jsonl"
+    junk_tail(path, b"", 300 << 10)
+    junk_tail(Path(f"{path}.1"), b"", 300 << 10)
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
+        assert eventlog.last_seq_in(path) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"event log {path}: no event in the last 0 MiB of {path}, {path}.1; numbering as if "
+        "the log held none"]
+    lock_with_record(path, b"40")
+    with EventLog(path) as log:
+        assert log.last_seq == 40 and log.unwritten == (1, 40)

@@ -361,10 +361,11 @@ def test_finding_the_last_seq_decodes_no_line_of_a_junk_tail(
 def test_past_the_scan_bound_the_last_seq_is_given_up_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The search backwards is bounded (`LAST_SEQ_SCAN`): past it the log is taken to hold
-    no event (numbering from 1, said once) instead of reading on."""
+    """The search backwards is bounded (`LAST_SEQ_SCAN`): past it, with no event in the
+    file's first 64 KiB nor in an older file either, the log is taken to hold no event
+    (numbering from 1, said once) instead of reading on."""
     path = tmp_path / "ev.jsonl"
-    path.write_bytes((line(7) + "\n").encode() + b"\n" * (1 << 20))
+    path.write_bytes(b"x" * 70_000 + b"\n" + (line(7) + "\n").encode() + b"\n" * (1 << 20))
     monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 256 << 10)
     with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
         assert eventlog.last_seq_in(path) is None

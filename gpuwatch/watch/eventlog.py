@@ -899,10 +899,16 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
     Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log, and
-    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up (None,
-    with a warning) rather than hold a starting daemon for a tail of junk.
+    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up on that
+    file's tail rather than hold a starting daemon for a tail of junk. Giving up is not
+    "no event": the file's head and the older files still hold seqs a new run must not
+    reuse, so the newest of those is taken (a lower bound, with a warning); None (number
+    from 1, with a warning) only when none of them holds one.
     """
     index, misses = 0, 0
+    gave_up: list[str] = []
+    floor = 0  # the newest seq at the head of a file whose tail was given up
+    found: int | None = None
     while misses < _MAX_GAP:
         name = rotated_path(path, index)
         index += 1
@@ -911,14 +917,47 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
             continue
         misses = 0
         try:
-            seq = _last_seq_of_file(name)
+            found = _last_seq_of_file(name)
         except _TailTooLong:
-            _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if "
-                         "the log held none", path, LAST_SEQ_SCAN >> 20, name)
-            return None
-        if seq is not None:
-            return seq
+            gave_up.append(name)
+            floor = max(floor, _head_seq_of_file(name))
+            continue
+        if found is not None:
+            break
+    if not gave_up:
+        return found
+    best = max(found or 0, floor)
+    if best:
+        _log.warning("event log %s: no event in the last %d MiB of %s; numbering after seq "
+                     "%d, the newest found before it (the log may hold later ones)", path,
+                     LAST_SEQ_SCAN >> 20, ", ".join(gave_up), best)
+        return best
+    _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if the log "
+                 "held none", path, LAST_SEQ_SCAN >> 20, ", ".join(gave_up))
     return None
+
+
+def _head_seq_of_file(path: str) -> int:
+    """The newest seq among the whole lines of ``path``'s first `_CHUNK` bytes (0: none):
+    one read, for a file whose tail `_last_seq_of` gave up on."""
+    try:
+        opened = _open_log_file(path)
+    except OSError:
+        return 0
+    if opened is None:
+        return 0
+    with opened[0] as f:
+        try:
+            head = f.read(_CHUNK)
+        except OSError:
+            return 0
+    newest = 0
+    for raw in head.split(b"\n")[:-1]:  # the last piece may be cut by the read
+        if raw.startswith(_RECORD_START):
+            decoded = _decode(raw)
+            if decoded is not None:
+                newest = max(newest, int(decoded[0]["seq"]))
+    return newest
 
 
 # --------------------------------------------------------------------------- writer
