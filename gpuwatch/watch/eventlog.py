@@ -1005,6 +1005,9 @@ class EventLog:
         self._lock_fd: int | None = None
         #: The seq `hold_seq` last stored in ``PATH.lock`` (0: none).
         self._held_seq = 0
+        #: ``PATH.lock`` ends before its seq record (made on a full disk: its pid and record
+        #: could not be written): a hold cannot be kept until both are (`_store_seq`).
+        self._lock_short = False
         #: Seqs an earlier writer published and never wrote (`unwritten`).
         self._unwritten: tuple[int, int] | None = None
         self._lines_written = 0  # whole lines of the batch under way on disk
@@ -1062,6 +1065,10 @@ class EventLog:
         if self._lock_fd is not None:
             # A writer that stopped while its disk was full published seqs past the file's
             # end: number after them too, or a seq would name two events.
+            with contextlib.suppress(OSError):
+                st = os.fstat(self._lock_fd)
+                self._lock_short = (stat.S_ISREG(st.st_mode)
+                                    and st.st_size < _SEQ_AT + _SEQ_RECORD)
             held = _read_held_seq(self._lock_fd, self._path)
             if held > (self._last_seq or 0):
                 self._unwritten = ((self._last_seq or 0) + 1, held)
@@ -1095,7 +1102,8 @@ class EventLog:
     def hold_seq(self, seq: int) -> bool:
         """Remember ``seq`` (published, not written) in ``PATH.lock``, in place, where a
         full disk cannot refuse it: the next writer numbers after it (`last_seq`). 0 clears
-        it; the next successful write does so too. False: not stored (no lock file)."""
+        it; the next successful write does so too. False: not stored (no lock file, or
+        one made on a full disk that cannot take the record yet): a restart may reuse it."""
         with self._lock:
             return self._store_seq(seq)
 
@@ -1104,12 +1112,17 @@ class EventLog:
         if fd is None:
             return False
         record = (f"{seq}" if seq else "").ljust(_SEQ_RECORD - 1).encode() + b"\n"
+        at = _SEQ_AT
+        if self._lock_short:  # the pid too: a record after a hole names no holder
+            record, at = f"{os.getpid()}\n".ljust(_SEQ_AT).encode() + record, 0
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return False  # the directory fallback of `_take_lock`
-            os.pwrite(fd, record, _SEQ_AT)
+            if os.pwrite(fd, record, at) != len(record):
+                return False
         except OSError:
             return False
+        self._lock_short = False
         self._held_seq = seq
         return True
 
@@ -1243,8 +1256,11 @@ class EventLog:
                 error.lines_written = self._lines_written
                 raise error from None
             self.error = None
-            if self._held_seq:
-                self._store_seq(0)  # the log holds what it vouched for: nothing is held
+            if self._held_seq or self._lock_short:
+                # The log holds what it vouched for: nothing is held. A lock file made on a
+                # full disk gets its pid and record now there is room, so a later hold can
+                # be kept.
+                self._store_seq(0)
 
     def _write_stdout(self, text: str) -> None:
         """``text`` to stdout: straight to its descriptor when it has one, through the
