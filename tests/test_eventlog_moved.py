@@ -132,6 +132,92 @@ def test_a_second_writer_through_a_link_to_the_log_is_refused(tmp_path: Path) ->
         assert again.last_seq == 1
 
 
+def refused_as_held(tmp_path: Path, name: Path) -> str:
+    with pytest.raises(EventLogLocked) as refused:
+        EventLog(name)
+    return str(refused.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_rotation_of_a_linked_log_keeps_one_writer(tmp_path: Path) -> None:
+    """``--log`` names a link: the first rotation renames the link itself and makes a
+    regular PATH, whose ``PATH.lock`` nobody held, so a second watcher ran beside the
+    first. The file written is flocked too now: the second one is refused."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "logs").mkdir()
+    real = tmp_path / "real" / "ev.jsonl"
+    real.touch()
+    link = tmp_path / "logs" / "ev.jsonl"
+    link.symlink_to(real)
+    with EventLog(link, max_bytes=300, keep=3) as first:
+        write_events(first, 1, 8)
+        assert not link.is_symlink()  # rotated: the link is ev.jsonl.1 now
+        message = refused_as_held(tmp_path, link)
+        assert message == (f"event log {link} is written by pid {os.getpid()} (it holds the "
+                           "file itself locked); one log has one writer")
+        write_events(first, 9, 9)
+    assert seqs_in(link)[-1] == 9
+
+
+@pytest.mark.timeout(30)
+def test_a_log_swapped_for_a_link_to_another_writers_log_is_not_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``a.jsonl`` replaced by a link to ``b.jsonl``, which another writer holds: the reopen
+    followed the link and both wrote ``b.jsonl``. Now the write fails (the log degrades),
+    said once, and goes on once ``a.jsonl`` is a file of its own again."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"), \
+            EventLog(a) as writer_a, EventLog(b) as writer_b:
+        write_events(writer_a, 1, 2)
+        write_events(writer_b, 1, 2)
+        (tmp_path / "tmp").symlink_to("b.jsonl")
+        (tmp_path / "tmp").replace(a)
+        for _ in range(3):  # the retries fail too, silently
+            with pytest.raises(EventLogWriteError, match=f"written by pid {os.getpid()}"):
+                write_events(writer_a, 3, 3)
+        write_events(writer_b, 3, 3)
+        assert seqs_in(b) == [1, 2, 3]
+        a.unlink()
+        write_events(writer_a, 4, 4)
+    assert seqs_in(a) == [4]
+    held = [r.getMessage() for r in caplog.records if "another writer" in r.getMessage()]
+    assert held == [f"event log {a}: the file it names now is written by pid {os.getpid()}, "
+                    "another writer; not written while it is"]
+
+
+@pytest.mark.timeout(30)
+def test_a_log_directory_made_anew_keeps_one_writer(tmp_path: Path) -> None:
+    """The log's directory renamed away and made again: the writer reopens PATH there, where
+    no ``PATH.lock`` is held, and a second watcher on PATH ran. Now it is refused."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "ev.jsonl"
+    with EventLog(path) as first:
+        write_events(first, 1, 2)
+        logs.rename(tmp_path / "logs.old")
+        logs.mkdir()
+        write_events(first, 3, 3)
+        assert "is written by pid" in refused_as_held(tmp_path, path)
+    assert seqs_in(path) == [3]
+
+
+@pytest.mark.timeout(30)
+def test_one_log_file_under_two_hard_linked_names_has_one_writer(tmp_path: Path) -> None:
+    """Two names in two directories for one file: each name's ``PATH.lock`` differs, and
+    both wrote the one file. The file's own flock refuses the second, exit 2's error."""
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    one = tmp_path / "d1" / "a.jsonl"
+    one.touch()
+    os.link(one, tmp_path / "d2" / "b.jsonl")
+    with EventLog(one) as first:
+        write_events(first, 1, 1)
+        refused_as_held(tmp_path, tmp_path / "d2" / "b.jsonl")
+    with EventLog(tmp_path / "d2" / "b.jsonl") as again:  # released with the first writer
+        assert again.last_seq == 1
+
+
 def no_lock_file(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lock files cannot be made (a disk out of space or inodes), as for the fallback."""
     real_open = os.open
@@ -275,10 +361,11 @@ def test_finding_the_last_seq_decodes_no_line_of_a_junk_tail(
 def test_past_the_scan_bound_the_last_seq_is_given_up_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The search backwards is bounded (`LAST_SEQ_SCAN`): past it the log is taken to hold
-    no event (numbering from 1, said once) instead of reading on."""
+    """The search backwards is bounded (`LAST_SEQ_SCAN`): past it, with no event in the
+    file's first 64 KiB nor in an older file either, the log is taken to hold no event
+    (numbering from 1, said once) instead of reading on."""
     path = tmp_path / "ev.jsonl"
-    path.write_bytes((line(7) + "\n").encode() + b"\n" * (1 << 20))
+    path.write_bytes(b"x" * 70_000 + b"\n" + (line(7) + "\n").encode() + b"\n" * (1 << 20))
     monkeypatch.setattr(eventlog, "LAST_SEQ_SCAN", 256 << 10)
     with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"):
         assert eventlog.last_seq_in(path) is None

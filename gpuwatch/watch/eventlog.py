@@ -399,12 +399,13 @@ def _flock(fd: int, how: int, path: str, name: str, refusal: Callable[[str], str
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
 
 
-def _lock_holder(fd: int) -> str | None:
+def _lock_holder(fd: int, *, pid_file: bool = True) -> str | None:
     """The pid holding a flock on ``fd``'s file: the pid a lock file holds, else (a
-    directory) the first holder /proc/locks names."""
+    directory, or the log file itself: ``pid_file`` False) the first holder /proc/locks
+    names."""
     with contextlib.suppress(OSError, ValueError):
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode):
+        if pid_file and stat.S_ISREG(st.st_mode):
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             return holder if holder.isdigit() else None
         key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
@@ -425,13 +426,23 @@ _SEQ_AT = 32
 _SEQ_RECORD = 32
 
 
-def _read_held_seq(fd: int) -> int:
-    """The seq record of a lock file (0: none, or not a file: the directory fallback)."""
+#: The highest seq a lock file's record may hold: a JSON number past it is no exact
+#: integer to many readers (doubles), and numbering after it would leave int64.
+MAX_HELD_SEQ = 2**53 - 1
+
+
+def _read_held_seq(fd: int, path: str = "") -> int:
+    """The seq record of a lock file (0: none, or not a file: the directory fallback). A
+    record above `MAX_HELD_SEQ` is damage, not a seq: ignored, with a warning."""
     with contextlib.suppress(OSError, ValueError):
         if stat.S_ISREG(os.fstat(fd).st_mode):
             text = os.pread(fd, _SEQ_RECORD, _SEQ_AT).decode("ascii").strip()
-            if text.isdigit() and len(text) <= 20:
-                return int(text)
+            if text.isdigit():
+                seq = int(text)
+                if seq <= MAX_HELD_SEQ:
+                    return seq
+                _log.warning("event log %s: the seq held in its lock file (%s) is above "
+                             "2**53 - 1; ignored", path, text)
     return 0
 
 
@@ -713,6 +724,15 @@ def _open_log_file(path: str) -> tuple[IO[bytes], os.stat_result] | None:
     return os.fdopen(fd, "rb", buffering=0), st
 
 
+class _WrittenByAnother(OSError):
+    """The log file opened is flocked by another writer (`EventLog._open`): not ours to
+    write. ``who`` names the holder (``pid N``)."""
+
+    def __init__(self, code: int, text: str, who: str) -> None:
+        super().__init__(code, text)
+        self.who = who
+
+
 class _NotALogFile(OSError):
     """A directory, FIFO, socket or device where a log file should be (its stat kept)."""
 
@@ -884,10 +904,16 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
     Read backwards from the end, so it costs the same for a 1 KiB and a 1 GiB log, and
-    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up (None,
-    with a warning) rather than hold a starting daemon for a tail of junk.
+    at most `LAST_SEQ_SCAN` bytes a file: past them without an event it gives up on that
+    file's tail rather than hold a starting daemon for a tail of junk. Giving up is not
+    "no event": the file's head and the older files still hold seqs a new run must not
+    reuse, so the newest of those is taken (a lower bound, with a warning); None (number
+    from 1, with a warning) only when none of them holds one.
     """
     index, misses = 0, 0
+    gave_up: list[str] = []
+    floor = 0  # the newest seq at the head of a file whose tail was given up
+    found: int | None = None
     while misses < _MAX_GAP:
         name = rotated_path(path, index)
         index += 1
@@ -896,14 +922,47 @@ def last_seq_in(path: str | os.PathLike[str]) -> int | None:
             continue
         misses = 0
         try:
-            seq = _last_seq_of_file(name)
+            found = _last_seq_of_file(name)
         except _TailTooLong:
-            _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if "
-                         "the log held none", path, LAST_SEQ_SCAN >> 20, name)
-            return None
-        if seq is not None:
-            return seq
+            gave_up.append(name)
+            floor = max(floor, _head_seq_of_file(name))
+            continue
+        if found is not None:
+            break
+    if not gave_up:
+        return found
+    best = max(found or 0, floor)
+    if best:
+        _log.warning("event log %s: no event in the last %d MiB of %s; numbering after seq "
+                     "%d, the newest found before it (the log may hold later ones)", path,
+                     LAST_SEQ_SCAN >> 20, ", ".join(gave_up), best)
+        return best
+    _log.warning("event log %s: no event in the last %d MiB of %s; numbering as if the log "
+                 "held none", path, LAST_SEQ_SCAN >> 20, ", ".join(gave_up))
     return None
+
+
+def _head_seq_of_file(path: str) -> int:
+    """The newest seq among the whole lines of ``path``'s first `_CHUNK` bytes (0: none):
+    one read, for a file whose tail `_last_seq_of` gave up on."""
+    try:
+        opened = _open_log_file(path)
+    except OSError:
+        return 0
+    if opened is None:
+        return 0
+    with opened[0] as f:
+        try:
+            head = f.read(_CHUNK)
+        except OSError:
+            return 0
+    newest = 0
+    for raw in head.split(b"\n")[:-1]:  # the last piece may be cut by the read
+        if raw.startswith(_RECORD_START):
+            decoded = _decode(raw)
+            if decoded is not None:
+                newest = max(newest, int(decoded[0]["seq"]))
+    return newest
 
 
 # --------------------------------------------------------------------------- writer
@@ -951,6 +1010,9 @@ class EventLog:
         self._lock_fd: int | None = None
         #: The seq `hold_seq` last stored in ``PATH.lock`` (0: none).
         self._held_seq = 0
+        #: ``PATH.lock`` ends before its seq record (made on a full disk: its pid and record
+        #: could not be written): a hold cannot be kept until both are (`_store_seq`).
+        self._lock_short = False
         #: Seqs an earlier writer published and never wrote (`unwritten`).
         self._unwritten: tuple[int, int] | None = None
         self._lines_written = 0  # whole lines of the batch under way on disk
@@ -964,6 +1026,12 @@ class EventLog:
         self._tail_newline = True
         #: The thread that writes stdout's lines (`--log -`), made at the first write.
         self._stdout_writer: ThreadedWriter | None = None
+        #: Each log file opened is flocked too (`_open`): PATH.lock guards a name, and a
+        #: name can come to mean another writer's file (a link, a rotated or re-made dir).
+        self._locking = lock
+        #: Past the first open: a file another writer holds is then a failed write, said once.
+        self._started = False
+        self._told_held = False
         if self._stdout:
             if sys.stdout is None:  # started with fd 1 closed: every event would fail
                 raise EventLogUnavailable("event log -: stdout is closed")
@@ -982,6 +1050,11 @@ class EventLog:
         try:
             self._open()
             self._end_torn_line()
+        except _WrittenByAnother as exc:
+            self._release_lock()
+            raise EventLogLocked(
+                f"event log {self._path} is written by {exc.who} (it holds the file itself "
+                "locked); one log has one writer") from None
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
                              errno.EROFS, errno.ELOOP, errno.ENOENT, errno.ENXIO):
@@ -992,11 +1065,16 @@ class EventLog:
             # A full or failing disk: serve anyway, the writes are retried (degraded start).
             self.error = _describe_os_error(exc)
             _log.warning("event log %s: %s; starting without it", self._path, self.error)
+        self._started = True
         self._last_seq = None if self._stream else last_seq_in(self._path)
         if self._lock_fd is not None:
             # A writer that stopped while its disk was full published seqs past the file's
             # end: number after them too, or a seq would name two events.
-            held = _read_held_seq(self._lock_fd)
+            with contextlib.suppress(OSError):
+                st = os.fstat(self._lock_fd)
+                self._lock_short = (stat.S_ISREG(st.st_mode)
+                                    and st.st_size < _SEQ_AT + _SEQ_RECORD)
+            held = _read_held_seq(self._lock_fd, self._path)
             if held > (self._last_seq or 0):
                 self._unwritten = ((self._last_seq or 0) + 1, held)
                 self._last_seq = held
@@ -1029,7 +1107,8 @@ class EventLog:
     def hold_seq(self, seq: int) -> bool:
         """Remember ``seq`` (published, not written) in ``PATH.lock``, in place, where a
         full disk cannot refuse it: the next writer numbers after it (`last_seq`). 0 clears
-        it; the next successful write does so too. False: not stored (no lock file)."""
+        it; the next successful write does so too. False: not stored (no lock file, or
+        one made on a full disk that cannot take the record yet): a restart may reuse it."""
         with self._lock:
             return self._store_seq(seq)
 
@@ -1038,12 +1117,17 @@ class EventLog:
         if fd is None:
             return False
         record = (f"{seq}" if seq else "").ljust(_SEQ_RECORD - 1).encode() + b"\n"
+        at = _SEQ_AT
+        if self._lock_short:  # the pid too: a record after a hole names no holder
+            record, at = f"{os.getpid()}\n".ljust(_SEQ_AT).encode() + record, 0
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return False  # the directory fallback of `_take_lock`
-            os.pwrite(fd, record, _SEQ_AT)
+            if os.pwrite(fd, record, at) != len(record):
+                return False
         except OSError:
             return False
+        self._lock_short = False
         self._held_seq = seq
         return True
 
@@ -1056,15 +1140,18 @@ class EventLog:
         fd = os.open(self._path, flags, 0o644)
         try:
             st = os.fstat(fd)
-        except OSError:
+            if self._regular and not stat.S_ISREG(st.st_mode):
+                # The log was a file: what replaced it (a FIFO, a device) is not the log's,
+                # and is not written; the write fails and the log degrades until a file is
+                # back.
+                why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
+                raise OSError(errno.EINVAL, f"{why}: not written")
+            if self._locking and stat.S_ISREG(st.st_mode):
+                self._lock_file(fd)
+        except BaseException:
             os.close(fd)
             raise
-        if self._regular and not stat.S_ISREG(st.st_mode):
-            # The log was a file: what replaced it (a FIFO, a device) is not the log's, and
-            # is not written; the write fails and the log degrades until a file is back.
-            os.close(fd)
-            why = not_a_log_file(self._path) or f"{self._path} is not a regular file"
-            raise OSError(errno.EINVAL, f"{why}: not written")
+        self._told_held = False
         self._stream = not stat.S_ISREG(st.st_mode)
         if not self._stream:
             os.set_blocking(fd, True)
@@ -1072,6 +1159,27 @@ class EventLog:
         self._fd = fd
         self._ident = (st.st_dev, st.st_ino)
         self._size = st.st_size
+
+    def _lock_file(self, fd: int) -> None:
+        """flock the file about to be written, held while it is: PATH.lock alone guards a
+        name, and after a reopen or a rotation PATH may name a file another writer holds (a
+        link put at PATH, a hard link, a rotated link, a directory re-made). Readers take
+        no flock: they are never held up. Raises `_WrittenByAnother` when refused; past the
+        start that is a failed write (the log degrades), warned about once."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            holder = _lock_holder(fd, pid_file=False)
+            who = f"pid {holder}" if holder else "another process"
+            if self._started and not self._told_held:
+                self._told_held = True
+                _log.warning("event log %s: the file it names now is written by %s, "
+                             "another writer; not written while it is", self._path, who)
+            raise _WrittenByAnother(
+                exc.errno, f"{self._path} is written by {who}, another writer: not written",
+                who) from None
 
     def _end_torn_line(self) -> None:
         if self._check_tail:
@@ -1153,8 +1261,11 @@ class EventLog:
                 error.lines_written = self._lines_written
                 raise error from None
             self.error = None
-            if self._held_seq:
-                self._store_seq(0)  # the log holds what it vouched for: nothing is held
+            if self._held_seq or self._lock_short:
+                # The log holds what it vouched for: nothing is held. A lock file made on a
+                # full disk gets its pid and record now there is room, so a later hold can
+                # be kept.
+                self._store_seq(0)
 
     def _write_stdout(self, text: str) -> None:
         """``text`` to stdout: straight to its descriptor when it has one, through the

@@ -208,6 +208,9 @@ class Watcher:
         self._log_backoff = LOG_RETRY_FIRST
         self.log_write_failures = 0
         self._log_error = ""
+        #: This run said the log is failing (log-degraded, one error line): apart from
+        #: ``_gap``, which a restart on a still-full disk inherits before any write failed.
+        self._degraded_told = False
 
     @property
     def announced(self) -> bool:
@@ -397,7 +400,7 @@ class Watcher:
             self._log.write_lines(lines)
         except EventLogWriteError as exc:
             self.log_write_failures += 1
-            fresh = self._gap is None
+            fresh = not self._degraded_told
             # Whole lines may have landed before the disk filled: the gap starts after them
             # (a log-gap record that landed has named the earlier range).
             written = exc.lines_written
@@ -411,6 +414,7 @@ class Watcher:
                 self._gap = (start, last) if self._gap is None else (self._gap[0], last)
                 self._log.hold_seq(last)
             if fresh:
+                self._degraded_told = True
                 _log.error("event log %s: %s; events go on, the log resumes when it can",
                            self._log.path, self._log_error)
             return fresh and self._gap is not None
@@ -418,6 +422,7 @@ class Watcher:
             _log.warning("event log %s resumed; seqs %d..%d are not in it", self._log.path,
                          self._gap[0], first - 1)
         self._gap = None
+        self._degraded_told = False
         self._log_backoff = LOG_RETRY_FIRST
         return False
 
@@ -495,14 +500,20 @@ class Watcher:
     def _publish_stopped(self, reason: str) -> None:
         """``stopped``, with one last try of a degraded log whatever its backoff says (the
         ``log-gap`` record, then ``stopped``); what still does not reach it is said on
-        stderr, and its last seq stays in ``PATH.lock`` for the next run to number after."""
+        stderr, and its last seq stays in ``PATH.lock`` for the next run to number after,
+        when the lock file can keep it (one made on a full disk, or none, cannot: then the
+        line says a restart may reuse those seqs, not a promise the restart breaks)."""
         self._log_retry_at = 0.0
         self.publish([Stopped(reason=reason)])
         if self._gap is not None and self._log is not None:
+            first, last = self._gap
+            if self._log.hold_seq(last):
+                after = f"a restart numbers after {last}"
+            else:
+                after = f"not kept: a restart may reuse {first}..{last}"
             _log.error("event log %s: %s; seqs %d..%d were published but never written to "
-                       "it (a restart numbers after %d)", self._log.path,
-                       self._log_error or UNWRITTEN_BY_EARLIER_RUN, self._gap[0],
-                       self._gap[1], self._gap[1])
+                       "it (%s)", self._log.path, self._log_error or UNWRITTEN_BY_EARLIER_RUN,
+                       first, last, after)
 
     async def _pump(self) -> None:
         await self._announced.wait()
