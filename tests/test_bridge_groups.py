@@ -11,11 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_helpers import Run, simulated_cli
 from cli_helpers import run_main as cli
 
 import gpuwatch
-from gpuwatch.switch import hostops
-from gpuwatch.switch.hostops import Backend
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel
 
@@ -97,22 +96,12 @@ def test_plan_and_mode_agree_the_group_is_in_mode(tmp_path: Path,
 
 @pytest.fixture
 def switch_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-               ) -> Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]:
+               ) -> Callable[[SysRoot], tuple[SimKernel, Run]]:
     """`gpuwatch` commands against a host whose kernel is simulated (never the real one)."""
 
-    def make(s: SysRoot) -> tuple[SimKernel, Callable[..., tuple[int, str, str]]]:
-        sim = SimKernel(s)
-
-        def backend(root: str) -> Backend:
-            assert Path(root).resolve() == s.root.resolve()  # never the real host
-            return Backend(sim, sim.new_source(), lambda: 0)
-
-        monkeypatch.setattr(hostops, "backend_factory", backend)
-
-        def run(*argv: str) -> tuple[int, str, str]:
-            return cli(capsys, *argv, "--root", str(s.root), "--no-daemon")
-
-        return sim, run
+    def make(s: SysRoot) -> tuple[SimKernel, Run]:
+        run, sim = simulated_cli(s, monkeypatch, capsys)
+        return sim, lambda *argv: run(*argv, "--no-daemon")
 
     return make
 
@@ -120,7 +109,7 @@ def switch_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize("port", ["pcieport", None])
 def test_a_group_with_its_port_switches_both_ways_leaving_the_port(
         tmp_path: Path, port: str | None,
-        switch_cli: Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]
+        switch_cli: Callable[[SysRoot], tuple[SimKernel, Run]]
 ) -> None:
     """The group a consumer board gives its GPU (root port, display, audio): `mode` brings
     the card to vfio-pci and back, completes, and never writes a thing for the port, which
@@ -148,7 +137,7 @@ def test_a_group_with_its_port_switches_both_ways_leaving_the_port(
 
 def test_a_group_whose_bridge_is_on_another_driver_is_refused_naming_it(
         tmp_path: Path,
-        switch_cli: Callable[[SysRoot], tuple[SimKernel, Callable[..., tuple[int, str, str]]]]
+        switch_cli: Callable[[SysRoot], tuple[SimKernel, Run]]
 ) -> None:
     s = bridge_host(tmp_path / "h", gpu="nvidia", audio="snd_hda_intel", port="shpchp")
     s.add_module("nvidia")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_main
+from cli_helpers import run_main, simulated_cli
 
 import gpuwatch
 from gpuwatch.cli.main import main
@@ -21,8 +21,6 @@ from gpuwatch.core.plan import switch_guard
 from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import SwitchRefused
 from gpuwatch.report import passthrough_gpus, render_list
-from gpuwatch.switch import hostops
-from gpuwatch.switch.hostops import Backend
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import (
     bmc_server_host,
@@ -30,27 +28,13 @@ from gpuwatch.testing.machines import (
     single_gpu_desktop,
     vm_guest_host,
 )
-from gpuwatch.testing.simkernel import SimKernel, simulated_switch
+from gpuwatch.testing.simkernel import simulated_switch
 
 Run = Callable[..., tuple[int, str, str]]
 ASPEED_VGA = "0000:03:00.0"
 
 
-def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch,
-           capsys: pytest.CaptureFixture[str]) -> tuple[Run, SimKernel]:
-    """The CLI on ``s`` with the simulated kernel behind every host write, run as root."""
-    sim = SimKernel(s)
-
-    def backend(root: str) -> Backend:
-        assert Path(root).resolve() == s.root.resolve()  # never the real host
-        return Backend(sim, sim.new_source(), lambda: 0)
-
-    monkeypatch.setattr(hostops, "backend_factory", backend)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        return run_main(capsys, *argv, "--root", str(s.root))
-
-    return run, sim
+runner = simulated_cli
 
 
 def fn(addr: str, driver: str, klass: str = "0x0300", group: int = 1) -> PciFunction:

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import run_main
+from cli_helpers import simulated_cli
 
 import gpuwatch
 from gpuwatch.errors import DeviceNotFound, GroupPoisoned, SwitchRefused
 from gpuwatch.hostfs.procfs import nvidia_holders, read_each
-from gpuwatch.switch import hostops
-from gpuwatch.switch.hostops import Backend
 from gpuwatch.switch.poison import PoisonEntry, PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import instinct_host, single_gpu_desktop
@@ -28,20 +26,7 @@ NV, AUDIO = "0000:01:00.0", "0000:01:00.1"
 Run = Callable[..., tuple[int, str, str]]
 
 
-def runner(s: SysRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-           *, euid: int = 0, sim: SimKernel | None = None) -> tuple[Run, SimKernel]:
-    kernel = sim or SimKernel(s)
-
-    def backend(root: str) -> Backend:
-        assert Path(root).resolve() == s.root.resolve()  # never the real host
-        return Backend(kernel, kernel.new_source(), lambda: euid)
-
-    monkeypatch.setattr(hostops, "backend_factory", backend)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        return run_main(capsys, *argv, "--root", str(s.root))
-
-    return run, kernel
+runner = simulated_cli
 
 
 def one_line(err: str) -> str:

@@ -65,8 +65,6 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-positive_int = int_at_least(1)
-
 
 def seconds(text: str, *, allow_zero: bool) -> float:
     try:
