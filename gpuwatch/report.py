@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.modes import group_mode, vfio_variant
 from gpuwatch.core.reporttext import (
-    BRIDGE_CLASS,
+    BRIDGE_CLASSES,
     hostdev_xml,
     iommu_isolates,
     iommu_status,
@@ -226,7 +226,8 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
             continue
         if gpu.physfn and not vf_ready(gpu, variants):
             continue
-        members: list[PciFunction] = [m for m in gpu.group_members if m.class_ != BRIDGE_CLASS]
+        members: list[PciFunction] = [m for m in gpu.group_members
+                                      if m.class_ not in BRIDGE_CLASSES]
         kept = model.kept_for_host(gpu.addr)
         out.append(
             PassthroughGpu(
@@ -241,9 +242,11 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
                     managed, gpu.addr, gpu.vendor_id,
                     [(m.addr, m.sriov.numvfs) for m in members
                      if m.sriov is not None and m.sriov.numvfs > 0],
+                    # Every function's health, a bridge's too: no hostdev line, but a
+                    # failed port leaves the group unusable all the same.
                     [(m.addr, m.health, health_advice(m.health, m.addr, m.driver,
                                                       recovery.get(m.addr, ())))
-                     for m in members if m.health != "ok"]),
+                     for m in gpu.group_members if m.health != "ok"]),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[

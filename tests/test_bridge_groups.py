@@ -15,6 +15,7 @@ from cli_helpers import Run, simulated_cli
 from cli_helpers import run_main as cli
 
 import gpuwatch
+from gpuwatch.core.observations import PciErrorSeen
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel
 
@@ -147,3 +148,133 @@ def test_a_group_whose_bridge_is_on_another_driver_is_refused_naming_it(
     assert err.startswith(f"gpuwatch: IOMMU group 1 also holds PCI bridge {PORT} (on shpchp): ")
     assert "bind it to pcieport first" in err and len(err.splitlines()) == 1
     assert sim.record == []
+
+
+async def _health(w: object, addr: str, health: str) -> None:
+    import anyio
+
+    with anyio.fail_after(5):
+        while w.model.function(addr).health != health:  # type: ignore[attr-defined]
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_port_of_the_group_refuses_switch_and_recover_naming_it(
+        tmp_path: Path) -> None:
+    """The group's own root port failed its PCI error recovery: no switch and no `recover`
+    helps (gpuwatch rebinds no bridge), so each refuses, nothing written, and says what does
+    (was: the refusal offered `recover`, which rebound the card, said done, and left the
+    group refused for ever)."""
+    from gpuwatch.errors import SwitchRefused
+    from gpuwatch.testing.simkernel import simulated_switch
+
+    s = bridge_host(tmp_path / "h", gpu="nvidia", audio="snd_hda_intel")
+    s.add_module("nvidia")
+    s.add_module("snd_hda_intel")
+    async with simulated_switch(s) as (w, sim, _engine, _events):
+        w.source.push(s.uevent_props("change", PORT, ERROR_EVENT="FAILED_RECOVERY",
+                                     DEVICE_ONLINE="0"))
+        await _health(w, PORT, "failed")
+        for attempt in (lambda: w.switch(GPU, "vfio", timeout=5),
+                        lambda: w.switch(GPU, "nvidia", timeout=5),
+                        lambda: w.recover(GPU, timeout=5)):
+            with pytest.raises(SwitchRefused) as refused:
+                await attempt()
+            reason = str(refused.value)
+            assert f"{PORT} is failed: it is the group's own bridge" in reason
+            assert "remove and rescan it" in reason and "gpuwatch recover" not in reason
+        assert sim.writes == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("newcomer", ["shpchp", None])
+@pytest.mark.parametrize("direction", ["vfio", "nvidia"])
+async def test_a_port_taken_by_another_driver_mid_switch_fails_it_at_once(
+        tmp_path: Path, direction: str, newcomer: str | None) -> None:
+    """The plan leaves the port on pcieport; another driver taking it meanwhile will not
+    give it back, so the switch fails at once, naming it (was: a wait for the whole
+    --timeout). A port that merely loses its driver is still where both modes want it."""
+    import time
+
+    import anyio
+
+    from gpuwatch.errors import SwitchFailed
+    from gpuwatch.testing.simkernel import simulated_switch
+
+    start = ("nvidia", "snd_hda_intel") if direction == "vfio" else ("vfio-pci", "vfio-pci")
+    s = bridge_host(tmp_path / "h", gpu=start[0], audio=start[1])
+    s.add_module("nvidia")
+    s.add_module("snd_hda_intel")
+    outcome: list[object] = []
+    async with simulated_switch(s) as (w, sim, _engine, _events):
+        sim.step_delay = 0.3
+
+        async def switch() -> None:
+            began = time.monotonic()
+            try:
+                outcome.append(await w.switch(GPU, direction, timeout=30))
+            except SwitchFailed as exc:
+                outcome.append(exc)
+            outcome.append(time.monotonic() - began)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(switch)
+            with anyio.fail_after(10):
+                while not sim.record:
+                    await anyio.sleep(0.01)
+            s.unbind(PORT)
+            w.source.push(s.uevent_props("unbind", PORT))
+            if newcomer:
+                s.bind(PORT, newcomer)
+                w.source.push(s.uevent_props("bind", PORT))
+            sim.step_delay = 0.0
+    result, took = outcome
+    assert isinstance(took, float) and took < 15  # far from the 30 s timeout
+    if newcomer:
+        assert isinstance(result, SwitchFailed)
+        assert f"PCI bridge {PORT} (now on shpchp) left pcieport" in str(result)
+    else:
+        assert not isinstance(result, SwitchFailed), result
+    assert not [w for w in sim.writes if PORT in w[0] or w[1] == PORT]
+
+
+@pytest.mark.parametrize(("klass", "driver", "refused"), [
+    ("0x060900", None, False),       # semi-transparent PCI-to-PCI bridge, no driver
+    ("0x060400", None, False),
+    ("0x080700", "pcieport", False),  # a root complex event collector: pcieport drives it
+    ("0x060700", "yenta_cardbus", True),  # CardBus: vfio-pci takes no bridge header
+    ("0x060900", "shpchp", True),
+])
+def test_every_kind_of_bridge_is_left_or_refused_never_rebound(
+        tmp_path: Path, switch_cli: Callable[[SysRoot], tuple[SimKernel, Run]],
+        klass: str, driver: str | None, refused: bool) -> None:
+    s = SysRoot(tmp_path / "h")
+    s.add_iommu_unit("dmar0")
+    s.add_bridge(PORT, iommu_group=1, driver="pcieport")
+    s.add_function("0000:00:01.1", klass=klass, driver=driver, iommu_group=1,
+                   vendor="0x8086", device="0x1234")
+    s.add_function(GPU, parent=PORT, klass="0x030000", driver="nvidia", iommu_group=1)
+    s.add_module("nvidia")
+    sim, run = switch_cli(s)
+    code, out, err = run("mode", "vfio", "--addr", GPU, "--json", "--timeout", "5")
+    if refused:
+        assert code == 1 and "also holds PCI bridge 0000:00:01.1" in err, err
+        assert sim.record == []
+    else:
+        assert (code, err) == (0, ""), err
+        assert json.loads(out)["changed"] is True
+    assert not [w for w in sim.writes if "0000:00:01.1" in w[0] or w[1] == "0000:00:01.1"]
+
+
+def test_list_names_a_failed_port_though_it_gets_no_hostdev_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bridge has no <hostdev> line, but its failure still leaves the group unusable:
+    `list`'s note says so, as `status` does."""
+    import gpuwatch.report as report
+
+    s = bridge_host(tmp_path / "h", gpu="vfio-pci", audio="vfio-pci")
+    model = gpuwatch.scan(s.root)
+    model.state.apply([PciErrorSeen(PORT, "FAILED_RECOVERY", False)])
+    listed = {g.addr: g for g in report.passthrough_gpus(model)}[GPU]
+    assert [f.addr for f in listed.functions] == [GPU, AUDIO]
+    assert f"{PORT} is failed" in listed.note or PORT in listed.note, listed.note

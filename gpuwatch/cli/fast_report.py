@@ -33,7 +33,7 @@ from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.modes import group_mode, vfio_variant
 from gpuwatch.core.reporttext import (
-    BRIDGE_CLASS,
+    BRIDGE_CLASSES,
     MANAGED_VALUES,
     hostdev_xml,
     iommu_isolates,
@@ -265,7 +265,7 @@ def list_report(remote: Remote, managed: str,
         if gpu.get("physfn") and not vf_ready(Fn(gpu)):  # type: ignore[arg-type]
             continue
         kept = remote.kept_for_host(gpu)
-        members = [m for m in gpu["group_members"] if m["class"] != BRIDGE_CLASS]
+        members = [m for m in gpu["group_members"] if m["class"] not in BRIDGE_CLASSES]
         with_vfs = [(m["addr"], m["sriov"]["numvfs"]) for m in members
                     if m.get("sriov") and m["sriov"]["numvfs"] > 0]
         out.append({
@@ -276,7 +276,7 @@ def list_report(remote: Remote, managed: str,
                 managed, gpu["addr"], gpu["vendor_id"], with_vfs,
                 [(m["addr"], m.get("health", "ok"),
                   health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
-                 for m in members if m.get("health", "ok") != "ok"]),
+                 for m in gpu["group_members"] if m.get("health", "ok") != "ok"]),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}

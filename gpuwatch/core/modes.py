@@ -78,17 +78,23 @@ def vfio_variant(members: Iterable[FunctionLike],
 
 
 #: A PCI-to-PCI bridge (a root or downstream port): header type 1, which vfio-pci never
-#: binds (it refuses any header but a normal one).
+#: binds (it refuses any header but a normal one) ...
 BRIDGE_CLASS = "0x0604"
+#: ... and the other bridges it never binds either: semi-transparent PCI-to-PCI (0x0609,
+#: header type 1) and CardBus (0x0607, header type 2).
+BRIDGE_CLASSES = frozenset({BRIDGE_CLASS, "0x0607", "0x0609"})
 #: The bridge's own driver: it sets ``driver_managed_dma``, so the kernel lets a group holding
 #: a bridge on it (or on none) be used through VFIO with the bridge left where it is.
 BRIDGE_DRIVER = "pcieport"
 
 
 def host_bridge(function: FunctionLike) -> bool:
-    """A PCI bridge on ``pcieport`` or on no driver: in every mode as it is (the kernel's VFIO
-    ignores it when it decides whether the group is usable), so it makes no group mixed."""
-    return function.class_ == BRIDGE_CLASS and function.driver in ("", BRIDGE_DRIVER)
+    """A bridge (`BRIDGE_CLASSES`) on ``pcieport`` or on no driver, or whatever else
+    pcieport drives (a root complex event collector, class 0x0807): in every mode as it is
+    (the kernel's VFIO ignores it when it decides whether the group is usable), so it makes
+    no group mixed."""
+    driver = function.driver
+    return driver == BRIDGE_DRIVER or (not driver and function.class_ in BRIDGE_CLASSES)
 
 
 def target_driver(function: FunctionLike, mode: Mode) -> str:

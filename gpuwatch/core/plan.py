@@ -18,7 +18,7 @@ from typing import Any, Literal, assert_never
 
 from gpuwatch.core.health import RECOVERY_STALE_AFTER, UNSWITCHABLE, health_advice
 from gpuwatch.core.modes import (
-    BRIDGE_CLASS,
+    BRIDGE_CLASSES,
     BRIDGE_DRIVER,
     VFIO_DRIVER,
     Mode,
@@ -452,7 +452,7 @@ def satisfied(current: str, fn: PciFunction, target: VfioTarget, facts: HostFact
     """Is a function on ``current`` where it should be? Any VFIO driver counts for a VFIO
     target, unless that driver was asked for by name. A bridge left on pcieport, or on no
     driver (`host_bridge`), is where every mode wants it: nothing is written for it."""
-    if target.driver == BRIDGE_DRIVER and fn.class_ == BRIDGE_CLASS:
+    if target.driver == BRIDGE_DRIVER:  # only a `host_bridge` is given it
         return current in ("", BRIDGE_DRIVER)
     if not current:
         return False
@@ -526,6 +526,12 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
     nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
     hint = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
     for fn in fns:
+        if host_bridge(fn) and failure_reason(fn, facts, advice=False) is not None:
+            # The group's own port: no switch, nor `recover`, rebinds a bridge.
+            return (f"{failure_reason(fn, facts, advice=False)}: it is the group's own "
+                    "bridge, which gpuwatch never rebinds; remove and rescan it (echo 1 > "
+                    f"/sys/bus/pci/devices/{fn.addr}/remove; echo 1 > /sys/bus/pci/rescan) "
+                    "or reboot")
         failure = failure_reason(fn, facts)
         if failure is not None and not recover:
             return f"{failure}; a switch would only add to it{hint}"
@@ -670,7 +676,7 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     # group with it. One on another driver would keep the group from VFIO, and vfio-pci never
     # binds a bridge: say so rather than switch the endpoints into a group no VM can open.
     bridges = [f"{f.addr} (on {f.driver})" for f in fns
-               if f.class_ == BRIDGE_CLASS and not host_bridge(f)]
+               if f.class_ in BRIDGE_CLASSES and not host_bridge(f)]
     if bridges:
         return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: a "
                       f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "

@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.health import UNSWITCHABLE
-from gpuwatch.core.modes import on_vfio
+from gpuwatch.core.modes import BRIDGE_CLASSES, on_vfio
 from gpuwatch.core.text import terminal_safe
 
 if TYPE_CHECKING:
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 #: Enough locked memory to pin a 16 GiB guest: vfio pins all guest RAM.
 MEMLOCK_ENOUGH = 16 * 1024**3
-BRIDGE_CLASS = "0x0604"
 #: The node VFIO gives a no-IOMMU group N: ``/dev/vfio/noiommu-N`` (`status`'s ``vfio_node``).
 NOIOMMU_NODE = "/dev/vfio/noiommu-"
 #: The iommufd character device a VMM binds VFIO device cdevs to (``vfio-backend``'s).
@@ -284,6 +283,6 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
     return terminal_safe("\n".join(blocks))
 
 
-__all__ = ["BRIDGE_CLASS", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
+__all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
            "iommu_hint", "iommu_isolates", "iommu_status", "managed_note", "memlock_verdict",
            "render_list", "render_status", "vf_ready"]

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 from gpuwatch.core import events as ev
 from gpuwatch.core.events import format_event_time
 from gpuwatch.core.modes import (
+    BRIDGE_DRIVER,
     Mode,
     group_mode,
 )
@@ -1020,6 +1021,7 @@ class SwitchEngine:
         events_open = True
         while not self._reached(plan, facts):
             self._stop_on_failure(plan, "while it waited for the binds")
+            self._stop_on_a_moved_bridge(plan)
             now = time.monotonic()
             if now >= check_at:
                 await self._reread(plan, deadline)
@@ -1056,6 +1058,20 @@ class SwitchEngine:
             if any(a not in self.model.state.functions for a in targets):
                 check_at = time.monotonic()  # a function was removed: confirm from the tree
         self._check_gained(plan, facts)
+
+    def _stop_on_a_moved_bridge(self, plan: SwitchPlan) -> None:
+        """A bridge the plan leaves on pcieport (or on none) that another driver took
+        meanwhile will not come back by itself, and keeps the group from VFIO: fail now,
+        naming it, rather than wait out ``--timeout`` for it."""
+        functions = self.model.state.functions
+        moved = [fn for a, t in plan.targets if t == BRIDGE_DRIVER
+                 and (fn := functions.get(a)) is not None and fn.driver not in ("", t)]
+        if moved:
+            names = ", ".join(f"{fn.addr} (now on {fn.driver})" for fn in moved)
+            self._fail(plan, f"PCI bridge {names} left {BRIDGE_DRIVER} during the switch: a "
+                             f"group VFIO takes needs its bridges on {BRIDGE_DRIVER} or on no "
+                             f"driver, and gpuwatch does not move bridges; bind it to "
+                             f"{BRIDGE_DRIVER}, then switch again")
 
     def _check_gained(self, plan: SwitchPlan, facts: HostFacts) -> None:
         """The planned functions are there; but a function that joined the group meanwhile
