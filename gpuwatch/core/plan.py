@@ -526,12 +526,12 @@ def unhealthy_reason(members: Iterable[PciFunction], facts: HostFacts, *,
     nvidia = any(is_gpu_class(f.class_) and f.vendor_id == NVIDIA_VENDOR for f in fns)
     hint = " (`gpuwatch recover` rebinds it to vfio-pci)" if nvidia else ""
     for fn in fns:
-        if host_bridge(fn) and failure_reason(fn, facts, advice=False) is not None:
+        port_failed = failure_reason(fn, facts, advice=False) if host_bridge(fn) else None
+        if port_failed is not None:
             # The group's own port: no switch, nor `recover`, rebinds a bridge.
-            return (f"{failure_reason(fn, facts, advice=False)}: it is the group's own "
-                    "bridge, which gpuwatch never rebinds; remove and rescan it (echo 1 > "
-                    f"/sys/bus/pci/devices/{fn.addr}/remove; echo 1 > /sys/bus/pci/rescan) "
-                    "or reboot")
+            return (f"{port_failed}: it is the group's own bridge, which gpuwatch never "
+                    "rebinds; remove and rescan it (echo 1 > /sys/bus/pci/devices/"
+                    f"{fn.addr}/remove; echo 1 > /sys/bus/pci/rescan) or reboot")
         failure = failure_reason(fn, facts)
         if failure is not None and not recover:
             return f"{failure}; a switch would only add to it{hint}"
