@@ -402,3 +402,30 @@ def list_dir(path: str) -> list[str]:
         return os.listdir(path)
     except (OSError, ValueError):
         return []
+
+
+def flock_holder(fd: int, *, pid_file: bool = True) -> str:
+    """Who holds a flock on ``fd``'s file, for a refusal: ``pid N`` from the pid a lock file
+    holds, else (a directory, a log file itself: ``pid_file`` False) from the first holder
+    ``/proc/locks`` names; ``a process in another PID namespace`` where it names pid 0 (the
+    host's daemon seen from a pod, or the other way round); ``another process`` when
+    neither says."""
+    holder = ""
+    with contextlib.suppress(OSError, ValueError):
+        st = os.fstat(fd)
+        if pid_file and stat.S_ISREG(st.st_mode):
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            holder = text if text.isdigit() else ""
+        else:
+            key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+            with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+                for entry in locks:
+                    fields = entry.split()
+                    # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter: "->")
+                    if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
+                            and fields[4].isdigit()):
+                        holder = fields[4]
+                        break
+    if not holder:
+        return "another process"
+    return "a process in another PID namespace" if int(holder) == 0 else f"pid {holder}"

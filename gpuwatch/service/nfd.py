@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from gpuwatch.core.modes import group_mode
 from gpuwatch.core.reporttext import iommu_isolates
 from gpuwatch.errors import SERVICE, HostError
-from gpuwatch.hostfs.files import write_atomic
+from gpuwatch.hostfs.files import flock_holder, write_atomic
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups
 from gpuwatch.settings import MIN_NFD_EXPIRY
 
@@ -184,21 +184,15 @@ def lock_directory(directory: str) -> int:
     The directory itself, not a lock file: NFD reads every file in ``features.d`` as
     features. Raises `NfdDirectoryLocked` naming the holder's pid when another process holds
     it, OSError when the directory cannot be made or opened."""
-    from gpuwatch.watch.eventlog import _lock_holder
-
     os.makedirs(directory, mode=0o755, exist_ok=True)
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        holder = _lock_holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+        who = flock_holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else ""
         os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+        if not who:
             raise
-        # /proc/locks shows 0 for a holder outside our PID namespace (the host's daemon,
-        # seen from the DaemonSet's pod, or the other way round).
-        who = (f"pid {holder}" if holder and holder != "0" else
-               "a process in another PID namespace" if holder else "another process")
         raise NfdDirectoryLocked(
             f"NFD features directory {directory} is written by {who} (it holds the "
             "directory's lock); one features directory has one gpuwatch writer") from None

@@ -36,6 +36,7 @@ from gpuwatch.core import strictjson
 from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
+from gpuwatch.hostfs.files import flock_holder
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.handover import Handover, gap_span
 
@@ -392,31 +393,9 @@ def _flock(fd: int, how: int, path: str, name: str, refusal: Callable[[str], str
         fcntl.flock(fd, how | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            holder = _lock_holder(fd)
-            who = f"pid {holder}" if holder else "another process"
-            raise EventLogLocked(refusal(who)) from None
+            raise EventLogLocked(refusal(flock_holder(fd))) from None
         raise EventLogUnavailable(
             f"event log {path}: cannot lock {name}: {_describe_os_error(exc)}") from None
-
-
-def _lock_holder(fd: int, *, pid_file: bool = True) -> str | None:
-    """The pid holding a flock on ``fd``'s file: the pid a lock file holds, else (a
-    directory, or the log file itself: ``pid_file`` False) the first holder /proc/locks
-    names."""
-    with contextlib.suppress(OSError, ValueError):
-        st = os.fstat(fd)
-        if pid_file and stat.S_ISREG(st.st_mode):
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            return holder if holder.isdigit() else None
-        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
-            for entry in locks:
-                fields = entry.split()
-                # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter has "->")
-                if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
-                        and fields[4].isdigit()):
-                    return fields[4]
-    return None
 
 
 #: Where ``PATH.lock`` holds the highest seq published while the log could not be written
@@ -1171,8 +1150,7 @@ class EventLog:
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-            holder = _lock_holder(fd, pid_file=False)
-            who = f"pid {holder}" if holder else "another process"
+            who = flock_holder(fd, pid_file=False)
             if self._started and not self._told_held:
                 self._told_held = True
                 _log.warning("event log %s: the file it names now is written by %s, "
