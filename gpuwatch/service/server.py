@@ -806,7 +806,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         self.scope: anyio.CancelScope | None = None  # the running task's
         self._stall: asyncio.TimerHandle | None = None
         self._timer: asyncio.TimerHandle | None = None  # the close deadline, the hang-up poll
-        self._poller: select.poll | None = None
+        self._watching_hangup = False  # a subscriber's EOF came: its socket is polled
         self._drain: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol
@@ -937,10 +937,8 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         if self.eof and not self.closed:
             if self.sub is None:
                 self._shut(_FLUSH_AFTER_EOF)  # its replies are out (or get a minute)
-            elif self._poller is None:
-                self._poller = select.poll()
-                self._poller.register(transport.get_extra_info("socket").fileno(),
-                                      select.POLLHUP | select.POLLERR)
+            elif not self._watching_hangup:
+                self._watching_hangup = True
                 self._check_hangup()
 
     async def _room_for_replies(self) -> None:
@@ -1008,9 +1006,9 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def _check_hangup(self) -> None:
         """A subscriber that sent EOF may still read: stream on until it hangs up."""
         self._timer = None
-        if self.closed or self._poller is None:
+        if self.closed or not self._watching_hangup:
             return
-        if self._poller.poll(0):
+        if self.hung_up():
             self.close()
             return
         self._timer = self.loop.call_later(_HUP_POLL, self._check_hangup)
@@ -1462,10 +1460,8 @@ class SocketServer:
 
     async def _await_hangup(self, conn: _StreamConnection) -> None:
         """A subscriber that sent EOF may still read: stream on until it hangs up."""
-        poller = select.poll()
-        poller.register(conn.sock, select.POLLHUP | select.POLLERR)
         while not conn.closed:
-            if poller.poll(0):
+            if conn.hung_up():
                 return
             await anyio.sleep(_HUP_POLL)
 
