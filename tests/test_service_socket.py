@@ -1286,3 +1286,34 @@ def test_client_refuses_a_reply_longer_than_its_cap(monkeypatch: pytest.MonkeyPa
         finally:
             listener.close()
             thread.join(10)
+
+
+@pytest.mark.timeout(60)
+async def test_a_subscriber_that_sent_eof_is_streamed_to_until_it_hangs_up(
+        host: SysRoot, sockdir: str, tmp_path: Path) -> None:
+    """A subscriber may close its sending side (``SHUT_WR``) and go on reading: events still
+    reach it; once it closes the socket too, the daemon lets the connection go."""
+    async with daemon(host, sockdir, tmp_path) as served:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(served.path)
+        client.sendall(P.encode_request(1, "subscribe", {"types": ["driver-changed"]}))
+        client.setblocking(False)
+
+        async def line() -> dict[str, Any]:
+            data = b""
+            with anyio.fail_after(10):
+                while not data.endswith(b"\n"):
+                    await anyio.wait_readable(client)
+                    data += client.recv(65536)
+            return dict(P.loads(data.split(b"\n")[0]))
+
+        assert "result" in await line()
+        client.shutdown(socket.SHUT_WR)
+        await anyio.sleep(0.1)  # its EOF read by the daemon
+        await toggle(served, host, NIC, "igb")
+        event = await line()
+        assert (event["type"], event["addr"]) == ("driver-changed", NIC)
+        client.close()
+        with anyio.fail_after(10):  # polled once a second
+            while served.server.connections:
+                await anyio.sleep(0.05)
