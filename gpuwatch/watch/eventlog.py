@@ -38,7 +38,7 @@ from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.hostfs.files import flock_holder
 from gpuwatch.sources.turns import end_turn
-from gpuwatch.watch.handover import Handover, gap_span
+from gpuwatch.watch.handover import LOG_GAP, Handover, gap_span
 
 __all__ = [
     "EventLog",
@@ -447,7 +447,7 @@ _PROGRESS = RawChunk(0, 0, b"")
 
 #: Bytes every ``log-gap`` line holds, however it is spaced (the writer's own spelling, or a
 #: hand-edited line's ``"type": "log-gap"``): a line with them is decoded, never vouched for.
-_GAP_MARK = b'"log-gap"'
+_GAP_MARK = f'"{LOG_GAP}"'.encode()
 
 
 class EventRecord(NamedTuple):
