@@ -435,7 +435,11 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
     for key in ("socket_group", "switch_group"):
         name = getattr(settings, key)
         if name is None:
-            gids[key] = default_socket_gid() if key == "socket_group" else None
+            # Only a group nobody named falls back to `gpuwatch`: one set empty (a blank
+            # GPUWATCH_SOCKET_GROUP, a null in the file, --socket-group '') is turned off, as
+            # every optional setting is, so an operator can keep the socket to root.
+            unnamed = settings.origins.get(key, "default") == "default"
+            gids[key] = default_socket_gid() if key == "socket_group" and unnamed else None
             continue
         try:
             gids[key] = resolve_group(name)
