@@ -357,6 +357,16 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
     return "/"
 
 
+def check_config_in_force(config: str | os.PathLike[str] | None = None,
+                          env: Mapping[str, str] | None = None) -> None:
+    """The config file in force (``config``, ``$GPUWATCH_CONFIG``, the default one), checked
+    whole as the daemon checks it: a command the daemon answers uses none of it, yet a file
+    the daemon would refuse is refused by every command that reads it (exit 2)."""
+    path = config_file_path(config, env)
+    if path is not None:
+        load_tables(path)
+
+
 def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | None = None,
                                env: Mapping[str, str] | None = None) -> float:
     """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
