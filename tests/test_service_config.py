@@ -144,6 +144,22 @@ def test_the_shipped_example_config_loads() -> None:
     assert (s.log_max_bytes, s.log_keep) == (64 << 20, 5)
 
 
+def test_the_shipped_example_config_has_every_key_and_each_example_loads(
+        tmp_path: Path) -> None:
+    """docs/service.md: ``contrib/config.yaml`` is "every key, commented"; ``proc_read_timeout``
+    and five of the six tables were missing from it. Each commented example, uncommented, is
+    a value the daemon takes."""
+    from gpuwatch.core.tabledata import TABLE_KEYS
+
+    text = (REPO / "contrib/config.yaml").read_text()
+    keys = set(re.findall(r"^#? ?([a-z_]+):", text, re.M))
+    assert set(SETTING_KEYS) | set(TABLE_KEYS) <= keys
+    uncommented = re.sub(r"^# ?(?=[a-z_]+:|  )", "", text, flags=re.M)
+    s = settings(file=write(tmp_path, uncommented), resolve_groups=False)  # no such groups here
+    assert (s.proc_read_timeout, s.socket, dict(s.tables().gpu_vendors)["0x1af4"]) == (
+        2.0, "/run/gpuwatch/gpuwatch.sock", "Virtio")
+
+
 def test_tables_and_settings_share_one_file(tmp_path: Path) -> None:
     file = write(tmp_path, "gpu_vendors:\n  0x1af4: Virtio\nlog_keep: 2\nsocket_group: '0'\n")
     assert dict(load_tables(file).gpu_vendors) == {"0x1af4": "Virtio"}  # options accepted here
