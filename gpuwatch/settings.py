@@ -357,6 +357,16 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
     return "/"
 
 
+def check_config_in_force(config: str | os.PathLike[str] | None = None,
+                          env: Mapping[str, str] | None = None) -> None:
+    """The config file in force (``config``, ``$GPUWATCH_CONFIG``, the default one), checked
+    whole as the daemon checks it: a command the daemon answers uses none of it, yet a file
+    the daemon would refuse is refused by every command that reads it (exit 2)."""
+    path = config_file_path(config, env)
+    if path is not None:
+        load_tables(path)
+
+
 def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | None = None,
                                env: Mapping[str, str] | None = None) -> float:
     """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
@@ -435,7 +445,11 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
     for key in ("socket_group", "switch_group"):
         name = getattr(settings, key)
         if name is None:
-            gids[key] = default_socket_gid() if key == "socket_group" else None
+            # Only a group nobody named falls back to `gpuwatch`: one set empty (a blank
+            # GPUWATCH_SOCKET_GROUP, a null in the file, --socket-group '') is turned off, as
+            # every optional setting is, so an operator can keep the socket to root.
+            unnamed = settings.origins.get(key, "default") == "default"
+            gids[key] = default_socket_gid() if key == "socket_group" and unnamed else None
             continue
         try:
             gids[key] = resolve_group(name)

@@ -18,6 +18,7 @@ from gpuwatch.cli.fast import parse_holders, parse_plan, parse_probe, socket_pat
 from gpuwatch.cli.main import build_parser
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
+from gpuwatch.testing.machines import headless_host
 
 NV, IGPU, NIC = "0000:01:00.0", "0000:00:02.0", "0000:02:00.0"
 # The scan too: the daemon answers, so a report reads no more than a few files itself.
@@ -46,9 +47,10 @@ def sockdir() -> Iterator[str]:
         yield path
 
 
-def run_spied(argv: list[str]) -> tuple[int, bytes, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("GPUWATCH_SOCKET", None)
+def run_spied(argv: list[str], extra_env: dict[str, str] | None = None
+              ) -> tuple[int, bytes, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWATCH_")}
+    env.update({"PYTHONPATH": str(REPO), **(extra_env or {})})
     done = subprocess.run(
         [sys.executable, "-c", SPY.format(heavy=HEAVY), *argv],
         capture_output=True, env=env, timeout=60,
@@ -132,6 +134,53 @@ async def test_what_the_fast_path_cannot_answer_gets_the_full_commands_words(
         code, _, err = await anyio.to_thread.run_sync(
             run_spied, ["probe", "display-driver", "--addr", "nonsense", *sock])
         assert code == 2 and "not a PCI address" in err
+
+
+async def test_a_config_file_naming_another_root_is_never_answered_by_the_daemon(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """``$GPUWATCH_CONFIG`` naming a fixture root: `status` scanned that root, while `probe`,
+    `holders` and `plan` took the stdlib path to the daemon at ``$GPUWATCH_SOCKET`` (another
+    host) and answered for it."""
+    other = headless_host(tmp_path / "headless")  # no GPU at all
+    config = tmp_path / "config.yaml"
+    config.write_text(f"root: {other.root}\n")
+    async with served_watcher(str(host.root), f"{sockdir}/gw.sock") as served:
+        env = {"GPUWATCH_CONFIG": str(config), "GPUWATCH_SOCKET": served.path}
+        code, out, _ = await anyio.to_thread.run_sync(run_spied, ["probe", "detect-gpu"], env)
+        assert (code, out) == (0, b'{"action":"detect-gpu","result":false}\n')  # the config's
+        for argv in (["holders"], ["plan", "vfio"]):
+            code, out, err = await anyio.to_thread.run_sync(run_spied, argv, env)
+            assert code == 1 and "no card of vendor 0x10de" in err, argv
+        # The file `service install` writes names no root: the daemon answers, the fast way.
+        # So does another release's (other comments), while an edited one is read in full.
+        shipped = (REPO / "gpuwatch/data/config.yaml").read_text()
+        older = shipped.replace("log_keep: 5 ", "log_keep: 5 # kept ") + "# socket: /s\n"
+        for text, fast in ((shipped, True), (older, True), (shipped + "verbose: true\n", False)):
+            config.write_text(text)
+            code, out, err = await anyio.to_thread.run_sync(
+                run_spied, ["probe", "detect-gpu"], env)
+            assert (code, out) == (0, b'{"action":"detect-gpu","result":true}\n')
+            assert ("HEAVY=\n" in err) == fast, text
+
+
+async def test_a_config_file_the_daemon_would_refuse_is_refused_when_the_daemon_answers(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """``log_keep: 0`` made `status` exit 2, while `probe`, `holders` and `plan` answered
+    from the daemon, the file half used (docs/service.md: refused everywhere)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("log_keep: 0\n")
+    root = str(host.root)
+    async with served_watcher(root, f"{sockdir}/gw.sock") as served:
+        sock = ["--socket", served.path, "--root", root]
+        for argv in (["probe", "detect-gpu", *sock], ["holders", *sock],
+                     ["plan", "vfio", *sock], ["status", *sock]):
+            code, out, err = await anyio.to_thread.run_sync(
+                run_spied, argv, {"GPUWATCH_CONFIG": str(config)})
+            assert (code, out) == (2, b""), argv
+            said = [line for line in err.splitlines() if not line.startswith("HEAVY=")]
+            assert said == [f"gpuwatch: {config}: log_keep: must be at least 1, not 0"], argv
 
 
 def test_only_plain_probe_command_lines_are_taken() -> None:

@@ -100,6 +100,26 @@ def test_empty_environment_value_turns_an_optional_setting_off(tmp_path: Path) -
     assert (s.socket, s.log_max_bytes) == (None, None)
 
 
+@pytest.mark.parametrize(("flags", "env", "text"), [
+    ({}, {"GPUWATCH_SOCKET_GROUP": ""}, "socket_group: admins\n"),
+    ({}, {}, "socket_group:\n"),
+    ({}, {}, "socket_group: ''\n"),
+    ({"socket_group": ""}, {}, "socket_group: admins\n"),
+])
+def test_a_socket_group_set_empty_is_root_only_not_the_default_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: dict[str, Any],
+        env: dict[str, str], text: str) -> None:
+    """On a host with a ``gpuwatch`` group, an empty ``socket_group`` once fell back to it,
+    so an operator turning readers off (as an empty value turns every optional setting off)
+    still gave the whole group the socket."""
+    import gpuwatch.settings as settings_module
+
+    monkeypatch.setattr(settings_module, "default_socket_gid", lambda: 4242)
+    assert settings().socket_gid == 4242  # nobody named a group: the default group reads
+    s = settings(flags, env=env, file=write(tmp_path, text))
+    assert s.socket_gid is None  # root (and the daemon's user) only
+
+
 def test_which_config_file(tmp_path: Path) -> None:
     default = write(tmp_path, "log_keep: 2\n", "default.yaml")
     from_env = write(tmp_path, "log_keep: 3\n", "env.yaml")
@@ -122,6 +142,22 @@ def test_which_config_file(tmp_path: Path) -> None:
 def test_the_shipped_example_config_loads() -> None:
     s = settings(file=str(REPO / "contrib/config.yaml"))
     assert (s.log_max_bytes, s.log_keep) == (64 << 20, 5)
+
+
+def test_the_shipped_example_config_has_every_key_and_each_example_loads(
+        tmp_path: Path) -> None:
+    """docs/service.md: ``contrib/config.yaml`` is "every key, commented"; ``proc_read_timeout``
+    and five of the six tables were missing from it. Each commented example, uncommented, is
+    a value the daemon takes."""
+    from gpuwatch.core.tabledata import TABLE_KEYS
+
+    text = (REPO / "contrib/config.yaml").read_text()
+    keys = set(re.findall(r"^#? ?([a-z_]+):", text, re.M))
+    assert set(SETTING_KEYS) | set(TABLE_KEYS) <= keys
+    uncommented = re.sub(r"^# ?(?=[a-z_]+:|  )", "", text, flags=re.M)
+    s = settings(file=write(tmp_path, uncommented), resolve_groups=False)  # no such groups here
+    assert (s.proc_read_timeout, s.socket, dict(s.tables().gpu_vendors)["0x1af4"]) == (
+        2.0, "/run/gpuwatch/gpuwatch.sock", "Virtio")
 
 
 def test_tables_and_settings_share_one_file(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,6 +51,13 @@ DEFAULT_VENDOR = "0x10de"
 _LOCAL_ACTIONS = frozenset({"memlock", "plan"})
 #: The daemon's root (`gpuwatch.settings`): set, it is the full command's to read and check.
 ROOT_ENV = "GPUWATCH_ROOT"
+#: The config file (`gpuwatch.settings.config_file_path`): ``$GPUWATCH_CONFIG``, else the
+#: default one when it exists.
+CONFIG_ENV = "GPUWATCH_CONFIG"
+DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
+#: What `service install` writes there (``gpuwatch/data/config.yaml``).
+SHIPPED_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "data", "config.yaml")
 
 
 def _split(
@@ -388,10 +396,54 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
     return results
 
 
+def _read_small(path: str) -> bytes | None:
+    """A regular file's bytes (at most 1 MiB, opened without blocking), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except (OSError, ValueError):
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, (1 << 20) + 1)
+        return data if len(data) <= 1 << 20 else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def config_as_shipped() -> bool:
+    """No config file in force, or the one `service install` writes, unedited: its root is
+    ``/`` and every value in it is valid. Any other file may name another root, or hold a
+    value the full command refuses (exit 2, docs/service.md): reading it takes PyYAML, so it
+    is the full command's to read, never skipped here."""
+    path = os.environ.get(CONFIG_ENV) or (
+        DEFAULT_CONFIG_PATH if os.path.isfile(DEFAULT_CONFIG_PATH) else None)
+    if path is None:
+        return True
+    text, shipped = _read_small(path), _read_small(SHIPPED_CONFIG)
+    return text is not None and shipped is not None and \
+        _settings_lines(text) == _settings_lines(shipped)
+
+
+def _settings_lines(text: bytes) -> list[bytes]:
+    """The lines that set something, each without its trailing comment: the file of another
+    release of gpuwatch (other comments, more keys commented out) reads as the same."""
+    lines = []
+    for line in text.split(b"\n"):
+        bare = line.split(b" #", 1)[0].rstrip()
+        if bare and not bare.lstrip().startswith(b"#"):
+            lines.append(bare)
+    return lines
+
+
 def run_fast(argv: Sequence[str]) -> int | None:
     """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here."""
     if ROOT_ENV in os.environ and "--root" not in argv:
         return None  # the host it names may not be the one the default socket's daemon watches
+    if not config_as_shipped():
+        return None  # a root of its own, or a bad value: the full command reads the file
     probe = parse_probe(argv)
     holders = parse_holders(argv) if probe is None else None
     plan = parse_plan(argv) if probe is None and holders is None else None

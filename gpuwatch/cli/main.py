@@ -276,11 +276,14 @@ def _main(words: list[str]) -> int:
     parser = build_parser(() if chosen is None else (chosen,))
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "resolve_root", False) and args.root is None:
-            # The daemon's root: a direct run and the daemon must look at the same host.
-            from gpuwatch.settings import root_in_force
+        if getattr(args, "resolve_root", False):
+            from gpuwatch.settings import check_config_in_force, root_in_force
 
-            args.root = root_in_force(None, getattr(args, "config", None))
+            # Checked whole even when the daemon answers and nothing of it is used.
+            check_config_in_force(getattr(args, "config", None))
+            if args.root is None:
+                # The daemon's root: a direct run and the daemon must look at the same host.
+                args.root = root_in_force(None, getattr(args, "config", None))
         code: int = args.func(args)
         return code
     except (BrokenPipeError, OutputFailed):
