@@ -23,11 +23,13 @@ from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
     amd_apu_dgpu_host,
+    arc_desktop_host,
     bmc_server_host,
     bochs_guest_with_l4,
     headless_host,
     hgx_h100_host,
     hybrid_laptop_host,
+    igpu_sriov_host,
     instinct_host,
     intel_flex_sriov_host,
     mi300x_cpx_host,
@@ -51,6 +53,9 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "hgx": lambda r: hgx_h100_host(r, gpus=2),
     "laptop": hybrid_laptop_host,
     "flex": lambda r: intel_flex_sriov_host(r, vfs=2),
+    "arc": arc_desktop_host,
+    "arc-xe-no-acs": lambda r: arc_desktop_host(r, driver="xe", acs=False),
+    "igpu-sriov": igpu_sriov_host,
     "apu": amd_apu_dgpu_host,
     "noiommu": vfio_noiommu_host,
     "virtio-guest": virtio_gpu_guest,
