@@ -12,19 +12,22 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_main, simulated_cli
+from cli_helpers import run_cli, run_main, simulated_cli
 
 import gpuwatch
+from gpuwatch.cli import fast_report
 from gpuwatch.cli.main import main
-from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.plan import switch_guard
 from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import SwitchRefused
 from gpuwatch.report import passthrough_gpus, render_list
+from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import (
     bmc_server_host,
     hpe_ilo_host,
+    igpu_sriov_host,
     single_gpu_desktop,
     vm_guest_host,
 )
@@ -137,6 +140,67 @@ def test_laptop_and_vm_offer_their_dgpu(host: SysRoot, tmp_path: Path) -> None:
     assert not listed["0000:01:00.0"].kept_for_host
     vm = vm_guest_host(tmp_path / "vm")
     assert passthrough_gpus(gpuwatch.scan(vm.root)) == []  # no IOMMU groups in the guest
+
+
+IGPU, IGPU_VFS = "0000:00:02.0", ("0000:00:02.1", "0000:00:02.2")
+
+
+def test_rule_counts_no_virtual_function_as_a_display_of_the_host() -> None:
+    igpu = fn(IGPU, "i915", group=0)
+    assert list(own_displays([(IGPU, ""), (IGPU_VFS[0], IGPU), (IGPU_VFS[1], IGPU)])) == [IGPU]
+    assert "only display" in kept_for_host_reason(
+        [igpu], console_drivers=(), boot_vga={IGPU},
+        host_displays=own_displays([(IGPU, ""), (IGPU_VFS[0], IGPU)]))
+
+
+@pytest.mark.parametrize("captured", [False, True])
+async def test_an_igpu_split_with_sriov_stays_the_hosts_console(
+        tmp_path: Path, captured: bool, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mini PC whose only display is its iGPU, split into VFs for VMs: the VFs are display
+    functions with no output of their own, so the PF is still the host's only console. Kept
+    by the model, by `list` and `status` with and without a daemon (the stdlib reports and
+    the full ones), and by the switch; each VF on vfio-pci is offered."""
+    s = igpu_sriov_host(tmp_path / "h", vfs=2)
+    if captured:
+        s.capture()
+    model = gpuwatch.scan(s.root)
+    assert model.function(IGPU).sriov is not None
+    assert model.function(IGPU).sriov.vfs == IGPU_VFS  # type: ignore[union-attr]
+    assert "only display function" in model.kept_for_host(IGPU)
+    assert [model.kept_for_host(vf) for vf in IGPU_VFS] == ["", ""]
+    root = str(s.root)
+
+    def kept(listed: list[dict[str, object]]) -> dict[object, object]:
+        return {g["addr"]: g["kept_for_host"] for g in listed}
+
+    expected = {IGPU: True, **dict.fromkeys(IGPU_VFS, False)}
+    with short_socket_dir() as sockdir:
+        sock = f"{sockdir}/gw.sock"
+        async with served_watcher(s.root, sock):
+            # No daemon for a fixture root (the stdlib's one scan, `Local`), none asked
+            # for, and the daemon's answers.
+            for where in ((), ("--no-daemon",), ("--socket", sock)):
+                for full in (False, True):
+                    with monkeypatch.context() as m:
+                        if full:  # the full commands (the model, or RemoteModel)
+                            m.setattr(fast_report, "run_report", lambda argv: None)
+                        code, out, err = await run_cli(capsys, "list", "--json", "--root",
+                                                       root, *where)
+                        assert (code, err) == (0, ""), (where, full)
+                        listed = json.loads(out)
+                        assert kept(listed) == expected, (where, full)
+                        pf = next(g for g in listed if g["addr"] == IGPU)
+                        assert "only display function" in pf["reason"]
+                        assert pf["functions"][0]["hostdev_xml"] is None
+                        code, out, err = await run_cli(capsys, "status", "--json", "--root",
+                                                       root, *where)
+                        assert (code, err) == (0, ""), (where, full)
+                        assert kept(json.loads(out)["gpus"]) == expected, (where, full)
+    run, sim = runner(s, monkeypatch, capsys)
+    code, out, err = run("plan", "vfio", "--addr", IGPU, "--json", "--no-daemon")
+    assert code == 1 and "kept for the host" in json.loads(out)["refused"]["reason"]
+    assert sim.record == []
 
 
 def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_main as cli
+from cli_helpers import simulated_cli
 
 import gpuwatch
 from gpuwatch.hostfs import scan as scan_mod
@@ -23,11 +24,13 @@ from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
     amd_apu_dgpu_host,
+    arc_desktop_host,
     bmc_server_host,
     bochs_guest_with_l4,
     headless_host,
     hgx_h100_host,
     hybrid_laptop_host,
+    igpu_sriov_host,
     instinct_host,
     intel_flex_sriov_host,
     mi300x_cpx_host,
@@ -51,6 +54,9 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "hgx": lambda r: hgx_h100_host(r, gpus=2),
     "laptop": hybrid_laptop_host,
     "flex": lambda r: intel_flex_sriov_host(r, vfs=2),
+    "arc": arc_desktop_host,
+    "arc-xe-no-acs": lambda r: arc_desktop_host(r, driver="xe", acs=False),
+    "igpu-sriov": igpu_sriov_host,
     "apu": amd_apu_dgpu_host,
     "noiommu": vfio_noiommu_host,
     "virtio-guest": virtio_gpu_guest,
@@ -178,6 +184,41 @@ def test_intel_flex_vfs_are_gpus_of_their_own(tmp_path: Path,
     code, _, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", "0000:4d:00.0",
                        "--root", str(s.root))
     assert code == 1 and "virtual function" in err
+
+
+@pytest.mark.parametrize("driver", ["i915", "xe"])
+def test_arc_behind_its_own_switch(tmp_path: Path, driver: str,
+                                   capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Arc A770 with its audio on another bus and in another IOMMU group: the GPU's group
+    is the GPU alone, listed and switched alone; the audio is no card of its own. The switch
+    unbinds the Arc from its driver and unloads nothing: the iGPU (the boot display, not the
+    only one) stays on i915. Both are Intel's, so the render node is the first, the iGPU's."""
+    s = arc_desktop_host(tmp_path / "h", driver=driver)
+    gpus = probe_gpus(s)
+    assert [(a, g["driver"], g["iommu_group"]) for a, g in gpus.items()] == [
+        ("0000:00:02.0", "i915", 0), ("0000:03:00.0", driver, 4)]
+    assert [m["addr"] for m in gpus["0000:03:00.0"]["group_members"]] == ["0000:03:00.0"]
+    hd = probe_value(s, "detect-host-devices")
+    assert hd["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    listed = {g["addr"]: g for g in json.loads(out)}
+    assert [f["addr"] for f in listed["0000:03:00.0"]["functions"]] == ["0000:03:00.0"]
+    assert not listed["0000:00:02.0"]["kept_for_host"]  # the Arc is a display too
+    s.set_osrelease("6.8.0")
+    run, sim = simulated_cli(s, monkeypatch, capsys)
+    code, _, err = run("mode", "vfio", "--addr", "0000:04:00.0", "--no-daemon")
+    assert code == 2 and "shares no IOMMU group" in err
+    code, out, err = run("mode", "vfio", "--addr", "0000:03:00.0", "--json", "--no-daemon",
+                         "--timeout", "20")
+    assert code == 0, err
+    assert json.loads(out)["members"] == [{"addr": "0000:03:00.0", "driver": "vfio-pci"}]
+    assert sim.commands == [("modprobe", "vfio_pci")]  # no module unloaded
+    assert sim.writes[0] == (f"/sys/bus/pci/drivers/{driver}/unbind", "0000:03:00.0")
+    assert not [w for w in sim.writes if "0000:04:00.0" in w[1] or "00:02.0" in w[0]]
+    model = gpuwatch.scan(s.root)
+    assert (model.function("0000:00:02.0").driver, model.function("0000:04:00.0").driver) == (
+        "i915", "snd_hda_intel")
 
 
 def test_apu_beside_a_dgpu(tmp_path: Path) -> None:

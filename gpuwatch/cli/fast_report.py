@@ -30,7 +30,7 @@ from gpuwatch.cli.fast import (
     reader_may_leave,
 )
 from gpuwatch.core.health import health_advice
-from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.modes import group_mode, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASSES,
@@ -173,7 +173,8 @@ class Remote:
                                     console_drivers=self.tables["host_console_drivers"],
                                     console_devices=self.tables.get(
                                         "host_console_devices", ()),
-                                    boot_vga=self._boot_vga, host_displays=addrs)
+                                    boot_vga=self._boot_vga, host_displays=own_displays(
+                                        (g["addr"], g["physfn"]) for g in self.gpus))
 
 
 class Local(Remote):

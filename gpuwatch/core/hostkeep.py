@@ -7,7 +7,7 @@ groups apart and `mode vfio` refuses them unless forced; both ask this one rule.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatch.core.pci import is_gpu_class
@@ -30,7 +30,8 @@ def kept_for_host_reason(
     BMC/console device by its ids (``host_console_devices``, ``0x1a03:0x2000``: the BMC's VGA
     with its driver blacklisted or not loaded yet is still the BMC's), or when its display
     function has ``boot_vga`` 1 and is the only display function on the host
-    (``host_displays``: every display-class address).
+    (``host_displays``: every display-class address that is no SR-IOV virtual function, see
+    `own_displays`).
     """
     ordered = sorted(members, key=lambda m: m.addr)
     consoles = [f"{fn.addr} ({fn.driver})" for fn in ordered
@@ -54,4 +55,12 @@ def kept_for_host_reason(
     return ""
 
 
-__all__ = ["kept_for_host_reason"]
+def own_displays(gpus: Iterable[tuple[str, str]]) -> Iterator[str]:
+    """The addresses of ``gpus`` (``(addr, physfn)`` of every display-class function) that
+    can be a display of the host's own: not an SR-IOV virtual function. A VF (an iGPU split
+    with SR-IOV for VMs, ``0000:00:02.1``…) has no output of its own: the host whose only
+    display is that iGPU still boots on it and keeps it, however many VFs it made."""
+    return (addr for addr, physfn in gpus if not physfn)
+
+
+__all__ = ["kept_for_host_reason", "own_displays"]

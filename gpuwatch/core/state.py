@@ -33,7 +33,7 @@ from gpuwatch.core.events import (
     VgpuChanged,
     driver_changed,
 )
-from gpuwatch.core.hostkeep import kept_for_host_reason
+from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.observations import (
@@ -943,7 +943,7 @@ class HostState:
             console_drivers=self.tables.host_console_drivers,
             console_devices=self.tables.host_console_devices,
             boot_vga=self.boot_vga,
-            host_displays=self._gpu_addrs,
+            host_displays=own_displays((a, self.functions[a].physfn) for a in self._gpu_addrs),
         )
 
     def gpu_addrs(self) -> Sequence[str]:

@@ -47,7 +47,7 @@ class RemoteModel:
     def kept_for_host(self, addr: str) -> str:
         """The same rule as the model's; ``boot_vga`` is in no probe answer, so it is read
         from sysfs here, as `module_loaded` reads modules."""
-        from gpuwatch.core.hostkeep import kept_for_host_reason
+        from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
         from gpuwatch.hostfs.scan import read_boot_vga
 
         gpus = [g.addr for g in self._vfio.gpus]
@@ -55,7 +55,8 @@ class RemoteModel:
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
                                     console_devices=self.tables.host_console_devices,
-                                    boot_vga=boot_vga, host_displays=gpus)
+                                    boot_vga=boot_vga, host_displays=own_displays(
+                                        (g.addr, g.physfn) for g in self._vfio.gpus))
 
     def module_loaded(self, name: str) -> bool:
         # Module state is not in any probe answer; sysfs says it directly and cheaply.

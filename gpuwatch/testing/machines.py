@@ -398,6 +398,68 @@ def intel_flex_sriov_host(root: str | os.PathLike[str], *, vfs: int = 4,
     return s
 
 
+#: Intel Arc A770 (DG2): the GPU, its HDMI/DP audio, and the ports of the switch on the card.
+ARC_A770, ARC_AUDIO, DG2_UPSTREAM, DG2_DOWNSTREAM = "0x56a0", "0x4f90", "0x4fa1", "0x4fa4"
+
+
+def arc_desktop_host(root: str | os.PathLike[str], *, driver: str = "i915",
+                     acs: bool = True) -> SysRoot:
+    """A Raptor Lake desktop with an Intel Arc A770 (``0x8086:0x56a0``, VGA, on ``driver``:
+    ``i915`` or ``xe``) as DG2 cards lay out: the card carries its own PCIe switch, upstream
+    port 0000:01:00.0 behind the CPU's root port, downstream ports 0000:02:01.0 (the GPU at
+    0000:03:00.0, card1/renderD129) and 0000:02:04.0 (its audio, ``0x4f90``, at 0000:04:00.0
+    on ``snd_hda_intel``: another bus). With ``acs`` (as these ports report it) the GPU and its
+    audio are in IOMMU groups of their own, 4 and 6; without it the downstream ports, the GPU
+    and the audio share group 4. The iGPU (``i915``, boot_vga 1) keeps card0/renderD128."""
+    s = SysRoot(root)
+    _add_console_igpu(s, "0xa780", subsystem_vendor="0x1043")
+    s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0xa70d")
+    s.add_bridge("0000:01:00.0", parent="0000:00:01.0", vendor=INTEL, device=DG2_UPSTREAM,
+                 iommu_group=2)
+    s.add_bridge("0000:02:01.0", parent="0000:01:00.0", vendor=INTEL, device=DG2_DOWNSTREAM,
+                 iommu_group=3 if acs else 4)
+    s.add_bridge("0000:02:04.0", parent="0000:01:00.0", vendor=INTEL, device=DG2_DOWNSTREAM,
+                 iommu_group=5 if acs else 4)
+    s.add_function("0000:03:00.0", parent="0000:02:01.0", vendor=INTEL, device=ARC_A770,
+                   klass="0x030000", driver=driver, iommu_group=4, subsystem_vendor=INTEL,
+                   subsystem_device="0x1020")
+    s.add_function("0000:04:00.0", parent="0000:02:04.0", vendor=INTEL, device=ARC_AUDIO,
+                   klass="0x040300", driver="snd_hda_intel", iommu_group=6 if acs else 4,
+                   subsystem_vendor=INTEL, subsystem_device="0x1020")
+    s.add_drm("card1", "0000:03:00.0")
+    s.add_drm("renderD129", "0000:03:00.0")
+    for name in dict.fromkeys(("i915", driver, "snd_hda_intel")):
+        s.add_module(name)
+    s.add_iommu_unit("dmar0")
+    s.add_iommu_unit("dmar1")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-45-generic root=UUID=3a1f ro intel_iommu=on "
+                  "iommu=pt")
+    return s
+
+
+IGPU = "0000:00:02.0"
+
+
+def igpu_sriov_host(root: str | os.PathLike[str], *, vfs: int = 2) -> SysRoot:
+    """A mini PC whose only display is its Alder Lake iGPU (``0x8086:0x46a6``, ``i915``,
+    boot_vga 1), split with SR-IOV for VMs as i915's SR-IOV support does it (``sriov_totalvfs``
+    7, offset 1, stride 1): ``vfs`` VFs at 0000:00:02.1… (VGA class, the PF's device id, no
+    ``boot_vga`` of their own but 0), each in its own IOMMU group from 20 on, on vfio-pci.
+    The PF is still the host's console: the VFs have no output."""
+    s = SysRoot(root)
+    _add_console_igpu(s, "0x46a6", subsystem_vendor="0x8086")
+    s.enable_sriov(IGPU, 7)
+    s.add_vfs(IGPU, vfs, driver="vfio-pci", first_group=20)
+    for i in range(vfs):
+        s.add_vfio_group(20 + i)
+    for name in ("i915", "vfio", "vfio_pci"):
+        s.add_module(name)
+    s.add_iommu_unit("dmar0")
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz-6.8.0-45-generic ro intel_iommu=on iommu=pt "
+                  "i915.enable_guc=3 i915.max_vfs=7")
+    return s
+
+
 def amd_apu_dgpu_host(root: str | os.PathLike[str]) -> SysRoot:
     """A Ryzen 9 7950X desktop: the Raphael iGPU (``0x1002:0x164e``, amdgpu, gfx 100306) and a
     Radeon RX 7900 XTX (``0x1002:0x744c``, amdgpu, gfx 110000, boot_vga 1: the firmware's
@@ -609,12 +671,14 @@ def headless_host(root: str | os.PathLike[str], *, iommu: str = "off") -> SysRoo
 
 __all__ = [
     "amd_apu_dgpu_host",
+    "arc_desktop_host",
     "bmc_server_host",
     "bochs_guest_with_l4",
     "headless_host",
     "hgx_h100_host",
     "hpe_ilo_host",
     "hybrid_laptop_host",
+    "igpu_sriov_host",
     "instinct_host",
     "intel_flex_sriov_host",
     "mi300x_cpx_host",
