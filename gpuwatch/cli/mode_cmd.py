@@ -29,7 +29,14 @@ from gpuwatch.cli.common import (
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
-from gpuwatch.core.modes import MODES, Mode, driver_key, group_mode, target_driver
+from gpuwatch.core.modes import (
+    MODES,
+    Mode,
+    card_slots,
+    driver_key,
+    group_mode,
+    target_driver,
+)
 from gpuwatch.core.pci import card_in_group, parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
@@ -255,13 +262,15 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
     poisoned = PoisonStore(model.root).load().get(poison_key(card))
     mode = group_mode(members, model.state.vfio_variants)
     kept = model.kept_for_host(card.addr)
+    slots = card_slots(members)
     if as_json:
         print(dumps({
             "addr": card.addr, "group": card.iommu_group, "mode": mode,
             "poisoned": poisoned.error if poisoned is not None else None,
             "kept_for_host": bool(kept), "reason": kept,
             "members": [{"addr": m.addr, "class": m.class_, "driver": m.driver,
-                         "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia"),
+                         "vfio": target_driver(m, "vfio", slots),
+                         "nvidia": target_driver(m, "nvidia", slots),
                          "health": m.health}
                         for m in members],
         }))

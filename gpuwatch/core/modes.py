@@ -11,7 +11,7 @@ modprobe compares module names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Literal, Protocol
 
 from gpuwatch.errors import UsageError
@@ -21,6 +21,8 @@ class FunctionLike(Protocol):
     """What these rules read of a function: a `gpuwatch.core.results.PciFunction`, or the
     plain record of a cold direct probe (`gpuwatch.core.probes.FreshFunction`)."""
 
+    @property
+    def addr(self) -> str: ...
     @property
     def driver(self) -> str: ...
     @property
@@ -97,15 +99,53 @@ def host_bridge(function: FunctionLike) -> bool:
     return driver == BRIDGE_DRIVER or (not driver and function.class_ in BRIDGE_CLASSES)
 
 
-def target_driver(function: FunctionLike, mode: Mode) -> str:
+def slot_of(addr: str) -> str:
+    """The slot (``DDDD:BB:DD``) of a function's address: a card's functions share one."""
+    return addr.rsplit(".", 1)[0]
+
+
+def card_slots(members: Iterable[FunctionLike]) -> frozenset[str] | None:
+    """The slots of a group's display functions (``0x03…``): a function in one of them is
+    part of a card (its HDMI audio, USB-C, UCSI), whatever its class. None for a group with
+    no display function: there every function counts as the card's (the rules as they were
+    before a group was told apart from its bystanders)."""
+    slots = frozenset(slot_of(fn.addr) for fn in members if fn.class_.startswith("0x03"))
+    return slots or None
+
+
+def bystander(function: FunctionLike, slots: Collection[str] | None) -> bool:
+    """A function of a GPU's IOMMU group that is no part of any card in it: not a bridge
+    (they have rules of their own, `host_bridge`) and not in a display function's slot. A
+    PCIe switch without ACS (HGX boards turn it off for GPUDirect RDMA) puts the NIC, the
+    NVMe drive or the NVSwitch behind it in the GPU's group; they are the host's."""
+    return (slots is not None and function.class_ not in BRIDGE_CLASSES
+            and not host_bridge(function) and slot_of(function.addr) not in slots)
+
+
+def host_bystanders(members: Iterable[FunctionLike],
+                    variants: frozenset[str] = _NO_VARIANTS) -> list[FunctionLike]:
+    """The group's `bystander` functions on a host driver (not VFIO): what passing the group
+    to a VM takes from the host."""
+    fns = list(members)
+    slots = card_slots(fns)
+    return [fn for fn in fns
+            if bystander(fn, slots) and fn.driver and not on_vfio(fn, variants)]
+
+
+def target_driver(function: FunctionLike, mode: Mode,
+                  slots: Collection[str] | None = None) -> str:
     """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
-    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
-    A `host_bridge` stays on pcieport in both (vfio-pci never binds a bridge).
-    (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
+    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else of the card (USB-C,
+    UCSI). A `host_bridge` stays on pcieport in both (vfio-pci never binds a bridge), and in
+    ``nvidia`` a `bystander` (``slots``: `card_slots` of its group) stays on whatever driver
+    it is on (``""``: none). (The switch may bind a vfio-pci variant instead: see
+    `gpuwatch.core.plan`.)"""
     if host_bridge(function):
         return BRIDGE_DRIVER
     if mode == "vfio":
         return VFIO_DRIVER
+    if bystander(function, slots):
+        return function.driver
     if function.class_.startswith("0x03"):
         return "nvidia"
     if function.class_ == "0x0403":
@@ -113,10 +153,12 @@ def target_driver(function: FunctionLike, mode: Mode) -> str:
     return VFIO_DRIVER
 
 
-def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
+def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS,
+            slots: Collection[str] | None = None) -> bool:
     """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio,
-    and a `host_bridge` is in both modes."""
-    if host_bridge(function):
+    a `host_bridge` is in both modes and a `bystander` (``slots``) in ``nvidia`` on any
+    driver."""
+    if host_bridge(function) or (mode == "nvidia" and bystander(function, slots)):
         return True
     target = target_driver(function, mode)
     if target == VFIO_DRIVER:
@@ -126,7 +168,11 @@ def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_V
 
 def group_in_mode(members: Iterable[FunctionLike], mode: Mode,
                   variants: frozenset[str] = _NO_VARIANTS) -> bool:
-    return all(in_mode(fn, mode, variants) for fn in members)
+    """Every function of the group (all of them: its bystanders are told by the slots of
+    its display functions) where ``mode`` wants it."""
+    fns = list(members)
+    slots = card_slots(fns)
+    return all(in_mode(fn, mode, variants, slots) for fn in fns)
 
 
 def current_mode(function: FunctionLike) -> str:

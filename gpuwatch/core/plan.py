@@ -22,6 +22,8 @@ from gpuwatch.core.modes import (
     BRIDGE_DRIVER,
     VFIO_DRIVER,
     Mode,
+    bystander,
+    card_slots,
     driver_key,
     group_in_mode,
     group_mode,
@@ -285,6 +287,11 @@ class SwitchPlan:
         return group_in_mode(self.members, self.to_mode)
 
     @property
+    def slots(self) -> frozenset[str] | None:
+        """The slots of the group's cards (`card_slots`): what tells its bystanders."""
+        return card_slots(self.members)
+
+    @property
     def poison_key(self) -> PoisonKey:
         """What a wedge of this switch poisons (`poison_key`): the group, else the card."""
         return self.group if self.group >= 0 else self.addr
@@ -434,15 +441,19 @@ def holder_scope(members: Iterable[PciFunction], mode: Mode, facts: HostFacts) -
     """Every node whose holders block this switch: those of each function that must leave
     its current driver."""
     scope = NodeScope()
-    for fn in members:
-        if fn.driver and not satisfied(fn.driver, fn, target_of(fn, mode, facts), facts):
+    fns = tuple(members)
+    slots = card_slots(fns)
+    for fn in fns:
+        if fn.driver and not satisfied(fn.driver, fn, target_of(fn, mode, facts, slots), facts):
             scope = scope | unbind_scope(fn, facts)
     return scope
 
 
-def target_of(fn: PciFunction, mode: Mode, facts: HostFacts) -> VfioTarget:
-    """Where ``mode`` sends the function: its VFIO target, or the host driver and its module."""
-    driver = target_driver(fn, mode)
+def target_of(fn: PciFunction, mode: Mode, facts: HostFacts,
+              slots: frozenset[str] | None = None) -> VfioTarget:
+    """Where ``mode`` sends the function: its VFIO target, or the host driver and its module
+    (for a `bystander` of its group, ``slots`` its `card_slots`, in ``nvidia``: where it is)."""
+    driver = target_driver(fn, mode, slots)
     if driver == VFIO_DRIVER:
         return facts.vfio_targets.get(fn.addr, DEFAULT_VFIO_TARGET)
     return VfioTarget(driver=driver, module=module_of(driver))
@@ -455,7 +466,7 @@ def satisfied(current: str, fn: PciFunction, target: VfioTarget, facts: HostFact
     if target.driver == BRIDGE_DRIVER:  # only a `host_bridge` is given it
         return current in ("", BRIDGE_DRIVER)
     if not current:
-        return False
+        return not target.driver  # an unbound bystander, left where it is
     if same_driver(current, target.driver):
         return True
     vfio_target = is_vfio_driver(target.driver, facts.vfio_variants)
@@ -483,10 +494,12 @@ def check_names(members: Iterable[PciFunction], mode: Mode,
     ``fullmatch``: with ``re.match`` a ``$`` also matches before a trailing newline, and
     ``"nvidia\n"`` must not pass for ``nvidia``.
     """
-    for fn in members:
+    fns = tuple(members)
+    slots = card_slots(fns)
+    for fn in fns:
         if not PCI_ADDR_RE.fullmatch(fn.addr):
             raise UnsafeName(f"refusing to switch: {fn.addr!r} is not a canonical PCI address")
-        target = target_of(fn, mode, facts or HostFacts()).driver
+        target = target_of(fn, mode, facts or HostFacts(), slots).driver
         for driver in (fn.driver, target):
             if driver and (not DRIVER_NAME_RE.fullmatch(driver) or driver in (".", "..")):
                 raise UnsafeName(f"refusing to switch: driver name {driver!r} of {fn.addr} "
@@ -608,6 +621,16 @@ def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str
             for addr in dict.fromkeys(stale)]
 
 
+def bystanders_reason(group: int, taken: Sequence[PciFunction]) -> str:
+    """Why a switch to vfio does not take a group's bystanders from the host unasked."""
+    named = ", ".join(f"{f.addr} (class {f.class_ or 'unknown'}, {f.vendor_id or '?'}:"
+                      f"{f.device_id or '?'}, on {f.driver})" for f in taken)
+    return (f"IOMMU group {group} also holds {named}, no part of the card (a PCIe switch "
+            "without ACS shares its group): VFIO takes the whole group, so the switch would "
+            "unbind them from the host (its network, storage or NVLink fabric); enable ACS "
+            "to split the group, or pass --force to move them to VFIO too")
+
+
 def virtual_functions_reason(fn: PciFunction) -> str:
     """Why a physical function with SR-IOV virtual functions enabled is not rebound: its
     driver's unbind disables SR-IOV, and the VFs vanish under the VMs or containers that use
@@ -636,7 +659,8 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     fns = tuple(sorted(members, key=lambda f: f.addr))
     display = next((f for f in fns if is_gpu_class(f.class_)), fns[0])
     check_names(fns, mode, facts)
-    chosen = {fn.addr: target_of(fn, mode, facts) for fn in fns}
+    slots = card_slots(fns)
+    chosen = {fn.addr: target_of(fn, mode, facts, slots) for fn in fns}
     targets = {a: t.driver for a, t in chosen.items()}
     base: dict[str, Any] = {
         "addr": display.addr, "group": display.iommu_group,
@@ -682,6 +706,13 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                       f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "
                       f"driver, and gpuwatch does not move bridges; bind it to {BRIDGE_DRIVER} "
                       "first")
+    # A NIC, NVMe drive or NVSwitch sharing the group (a PCIe switch without ACS) goes with
+    # it to VFIO: the host loses it (its network, its storage, the NVLink fabric of the
+    # other GPUs). Never without being asked; the way to nvidia leaves it where it is.
+    taken = [f for f in fns if mode == "vfio" and bystander(f, slots) and f.driver
+             and not satisfied(f.driver, f, chosen[f.addr], facts)]
+    if taken and not force:
+        return refuse(bystanders_reason(group, taken))
     with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
                 and (f.addr in rebinds or not satisfied(f.driver, f, chosen[f.addr], facts))]
     if with_vfs:
@@ -872,6 +903,7 @@ __all__ = [
     "VfioTarget",
     "WriteStep",
     "already_in_mode",
+    "bystanders_reason",
     "canonical_addr",
     "card_scope",
     "cdi_steps",
