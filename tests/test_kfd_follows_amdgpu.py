@@ -91,3 +91,25 @@ async def test_a_change_uevent_of_a_bound_card_reads_nothing_more(
         source.push(host.uevent_props("bind", CARD1))
         await until_driver(got, CARD1, "amdgpu")
         assert len(reads) == 2
+
+
+async def test_a_rebind_in_one_batch_reads_the_renumbered_topology(host: SysRoot) -> None:
+    """amdkfd numbers its nodes by their place in its list: a card amdgpu lets go of leaves
+    the list, and binding it again appends it, so node 1 is now the other card's. An unbind
+    and a bind read together leave the card on amdgpu as before (one read of the device per
+    batch), and the topology must still be read again."""
+    async with watching(host) as (w, source, got):
+        assert w.probe("amd-gfx-target") == "gfx90a"
+        unbind = host.uevent_props("unbind", CARD1)
+        host.unbind(CARD1)
+        host.bind(CARD1, "amdgpu")
+        host.add_kfd_node(1, MI300_GFX)  # the second card moved up to node 1 ...
+        host.add_kfd_node(2, 90010)  # ... and the rebound card came in last
+        source.push(unbind)  # pushed together: the watcher drains them as one batch
+        source.push(host.uevent_props("bind", CARD1))
+        with anyio.fail_after(10):
+            while w.probe("amd-gfx-target") != "gfx942":
+                await anyio.sleep(0.005)
+        assert w.probe("amd-gfx-version") == "9.4.0"
+        assert w.model.probe("amd-gfx-target") == gpuwatch.scan(host.root).probe("amd-gfx-target")
+        assert "amd-gfx-target" in probe_changes(got)

@@ -22,6 +22,7 @@ from gpuwatch.service.nfd import feature_labels
 from gpuwatch.switch.hostops import check_write
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
+    amd_apu_dgpu_host,
     bmc_server_host,
     instinct_host,
     mi300x_cpx_host,
@@ -278,6 +279,28 @@ def test_mixed_is_for_drivers_of_different_modes(host: SysRoot) -> None:
     assert group_mode(members) == "mixed"
     host.unbind(NV)  # display unbound, audio on vfio-pci: not all unbound
     assert group_mode(gpuwatch.scan(host.root).state.group_members(NV)) == "mixed"
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_amd_card_half_on_vfio_is_mixed(tmp_path: Path, captured: bool,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Radeon's HDMI audio given to vfio-pci while the display stays on amdgpu is two modes
+    at once, as it is beside a display on nvidia: not `host driver`, which says the whole
+    group is the host's."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    dgpu, audio = "0000:03:00.0", "0000:03:00.1"
+    assert group_mode(gpuwatch.scan(s.root).state.group_members(dgpu)) == "host driver"
+    s.bind(audio, "vfio-pci")
+    if captured:
+        s.capture()
+    model = gpuwatch.scan(s.root)
+    assert group_mode(model.state.group_members(dgpu)) == "mixed"
+    modes = {g.addr: g.mode for g in build_status(model, model.probe("memlock")).gpus}
+    assert modes == {dgpu: "mixed", "0000:12:00.0": "host driver"}
+    code, out, _ = cli(capsys, "mode", "--addr", dgpu, "--root", str(s.root))
+    assert (code, out.splitlines()[0]) == (0, f"{dgpu} (IOMMU group 5): mixed")
+    code, out, _ = cli(capsys, "status", "--json", "--root", str(s.root))
+    assert {g["addr"]: g["mode"] for g in json.loads(out)["gpus"]}[dgpu] == "mixed"
 
 
 def test_usage_error_names_the_accepted_form(tmp_path: Path) -> None:

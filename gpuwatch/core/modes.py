@@ -182,7 +182,8 @@ def current_mode(function: FunctionLike) -> str:
 
 def group_mode(members: Iterable[FunctionLike], variants: frozenset[str] = _NO_VARIANTS) -> str:
     """The operator's view of a group: ``vfio``, ``nvidia``, ``unbound`` (no function has a
-    driver: nothing is mixed, it is simply free), ``host driver`` or ``mixed`` (functions on
+    driver: nothing is mixed, it is simply free), ``host driver`` (every display function on
+    a host driver such as amdgpu or i915, and no function on VFIO) or ``mixed`` (functions on
     drivers of different modes). A `host_bridge` in the group is left out: it stays where it
     is in every mode."""
     every = list(members)
@@ -194,7 +195,9 @@ def group_mode(members: Iterable[FunctionLike], variants: frozenset[str] = _NO_V
     if group_in_mode(fns, "nvidia", variants):
         return "nvidia"
     display = [fn for fn in fns if fn.class_.startswith("0x03")]
-    if display and all(fn.driver and not is_vfio_driver(fn.driver, variants)
-                       and fn.driver != "nvidia" for fn in display):
+    # A function on VFIO beside a display on amdgpu (the card's HDMI audio given to vfio-pci,
+    # a switch half done) is two modes at once, as it is beside a display on nvidia.
+    if (display and all(fn.driver and fn.driver != "nvidia" for fn in display)
+            and not any(on_vfio(fn, variants) for fn in fns)):
         return "host driver"
     return "mixed"

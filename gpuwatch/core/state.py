@@ -227,7 +227,8 @@ class HostState:
         the watcher to read along with them (the model reads nothing itself):
 
         - ``kfd``: a function bound to a driver that builds AMD's KFD topology
-          (`KFD_DRIVERS`) or let go of by one, or one bound to it coming or going;
+          (`KFD_DRIVERS`) or let go of by one, bound to it again (a `PciRebound` of a
+          function on it: the node came back last), or one bound to it coming or going;
         - ``iommu``: a function gaining or losing an IOMMU group, or one with a group coming
           or going: ``sys/kernel/iommu_groups`` (detect-vfio's ``iommu_enabled``) can change
           then, as it does when vfio-pci binds a card on a host in no-IOMMU mode.
@@ -263,6 +264,12 @@ class HostState:
                 if fn is not None:
                     kfd = kfd or fn.driver in KFD_DRIVERS
                     iommu = iommu or fn.iommu_group >= 0
+            elif kind is PciRebound and not kfd:
+                # A bind by amdgpu of a card it drove before: an unbind and a bind read in one
+                # batch leave the driver as it was, but amdkfd took the card's node out and
+                # appended it again, and numbers its nodes by their place in its list.
+                fn = functions.get(cast(PciRebound, obs).addr)
+                kfd = fn is not None and fn.driver in KFD_DRIVERS
         return Rereads(kfd, iommu)
 
     def apply_snapshot(self, snapshot: Snapshot) -> list[BaseModel]:
