@@ -29,14 +29,7 @@ from gpuwatch.cli.common import (
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
-from gpuwatch.core.modes import (
-    MODES,
-    Mode,
-    card_slots,
-    driver_key,
-    group_mode,
-    target_driver,
-)
+from gpuwatch.core.modes import MODES, Mode, driver_key, group_mode, target_driver
 from gpuwatch.core.pci import card_in_group, parse_addr
 from gpuwatch.core.plan import (
     NVIDIA_VENDOR,
@@ -111,7 +104,8 @@ def vfio_driver_of(args: argparse.Namespace, mode: Mode | None) -> str | None:
 def add_force_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="vfio: pass a group kept for the host (its BMC/console VGA, or its only "
-                        "boot display) through anyway")
+                        "boot display) through anyway; either mode: move a NIC, NVMe drive or "
+                        "NVSwitch sharing the group (no ACS) off its host driver too")
 
 
 def load_poison(model: HostModel) -> None:
@@ -262,15 +256,13 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
     poisoned = PoisonStore(model.root).load().get(poison_key(card))
     mode = group_mode(members, model.state.vfio_variants)
     kept = model.kept_for_host(card.addr)
-    slots = card_slots(members)
     if as_json:
         print(dumps({
             "addr": card.addr, "group": card.iommu_group, "mode": mode,
             "poisoned": poisoned.error if poisoned is not None else None,
             "kept_for_host": bool(kept), "reason": kept,
             "members": [{"addr": m.addr, "class": m.class_, "driver": m.driver,
-                         "vfio": target_driver(m, "vfio", slots),
-                         "nvidia": target_driver(m, "nvidia", slots),
+                         "vfio": target_driver(m, "vfio"), "nvidia": target_driver(m, "nvidia"),
                          "health": m.health}
                         for m in members],
         }))

@@ -12,7 +12,7 @@ modprobe compares module names.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from gpuwatch.errors import UsageError
 
@@ -122,30 +122,31 @@ def bystander(function: FunctionLike, slots: Collection[str] | None) -> bool:
             and not host_bridge(function) and slot_of(function.addr) not in slots)
 
 
-def host_bystanders(members: Iterable[FunctionLike],
-                    variants: frozenset[str] = _NO_VARIANTS) -> list[FunctionLike]:
+_F = TypeVar("_F", bound=FunctionLike)
+
+
+def host_bystanders(members: Iterable[_F], variants: frozenset[str] = _NO_VARIANTS) -> list[_F]:
     """The group's `bystander` functions on a host driver (not VFIO): what passing the group
-    to a VM takes from the host."""
+    to a VM takes from the host, and what a switch either way refuses to move unasked
+    (`gpuwatch.core.plan.bystanders_reason`)."""
     fns = list(members)
     slots = card_slots(fns)
     return [fn for fn in fns
             if bystander(fn, slots) and fn.driver and not on_vfio(fn, variants)]
 
 
-def target_driver(function: FunctionLike, mode: Mode,
-                  slots: Collection[str] | None = None) -> str:
+def target_driver(function: FunctionLike, mode: Mode) -> str:
     """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
-    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else of the card (USB-C,
-    UCSI). A `host_bridge` stays on pcieport in both (vfio-pci never binds a bridge), and in
-    ``nvidia`` a `bystander` (``slots``: `card_slots` of its group) stays on whatever driver
-    it is on (``""``: none). (The switch may bind a vfio-pci variant instead: see
+    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI). The
+    class rule is the public contract (`group-in-mode`, `mode --json`, `plan`) and holds for
+    a `bystander` too: the switch's safety for one is a refusal, not another target
+    (`gpuwatch.core.plan.bystanders_reason`). A `host_bridge` stays on pcieport in both
+    (vfio-pci never binds a bridge). (The switch may bind a vfio-pci variant instead: see
     `gpuwatch.core.plan`.)"""
     if host_bridge(function):
         return BRIDGE_DRIVER
     if mode == "vfio":
         return VFIO_DRIVER
-    if bystander(function, slots):
-        return function.driver
     if function.class_.startswith("0x03"):
         return "nvidia"
     if function.class_ == "0x0403":
@@ -153,12 +154,10 @@ def target_driver(function: FunctionLike, mode: Mode,
     return VFIO_DRIVER
 
 
-def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS,
-            slots: Collection[str] | None = None) -> bool:
+def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_VARIANTS) -> bool:
     """Whether one function is where ``mode`` wants it; any vfio-pci variant counts as vfio,
-    a `host_bridge` is in both modes and a `bystander` (``slots``) in ``nvidia`` on any
-    driver."""
-    if host_bridge(function) or (mode == "nvidia" and bystander(function, slots)):
+    and a `host_bridge` is in both modes."""
+    if host_bridge(function):
         return True
     target = target_driver(function, mode)
     if target == VFIO_DRIVER:
@@ -168,11 +167,7 @@ def in_mode(function: FunctionLike, mode: Mode, variants: frozenset[str] = _NO_V
 
 def group_in_mode(members: Iterable[FunctionLike], mode: Mode,
                   variants: frozenset[str] = _NO_VARIANTS) -> bool:
-    """Every function of the group (all of them: its bystanders are told by the slots of
-    its display functions) where ``mode`` wants it."""
-    fns = list(members)
-    slots = card_slots(fns)
-    return all(in_mode(fn, mode, variants, slots) for fn in fns)
+    return all(in_mode(fn, mode, variants) for fn in members)
 
 
 def current_mode(function: FunctionLike) -> str:

@@ -22,12 +22,11 @@ from gpuwatch.core.modes import (
     BRIDGE_DRIVER,
     VFIO_DRIVER,
     Mode,
-    bystander,
-    card_slots,
     driver_key,
     group_in_mode,
     group_mode,
     host_bridge,
+    host_bystanders,
     is_vfio_driver,
     parse_mode,
     same_driver,
@@ -287,11 +286,6 @@ class SwitchPlan:
         return group_in_mode(self.members, self.to_mode)
 
     @property
-    def slots(self) -> frozenset[str] | None:
-        """The slots of the group's cards (`card_slots`): what tells its bystanders."""
-        return card_slots(self.members)
-
-    @property
     def poison_key(self) -> PoisonKey:
         """What a wedge of this switch poisons (`poison_key`): the group, else the card."""
         return self.group if self.group >= 0 else self.addr
@@ -441,19 +435,15 @@ def holder_scope(members: Iterable[PciFunction], mode: Mode, facts: HostFacts) -
     """Every node whose holders block this switch: those of each function that must leave
     its current driver."""
     scope = NodeScope()
-    fns = tuple(members)
-    slots = card_slots(fns)
-    for fn in fns:
-        if fn.driver and not satisfied(fn.driver, fn, target_of(fn, mode, facts, slots), facts):
+    for fn in members:
+        if fn.driver and not satisfied(fn.driver, fn, target_of(fn, mode, facts), facts):
             scope = scope | unbind_scope(fn, facts)
     return scope
 
 
-def target_of(fn: PciFunction, mode: Mode, facts: HostFacts,
-              slots: frozenset[str] | None = None) -> VfioTarget:
-    """Where ``mode`` sends the function: its VFIO target, or the host driver and its module
-    (for a `bystander` of its group, ``slots`` its `card_slots`, in ``nvidia``: where it is)."""
-    driver = target_driver(fn, mode, slots)
+def target_of(fn: PciFunction, mode: Mode, facts: HostFacts) -> VfioTarget:
+    """Where ``mode`` sends the function: its VFIO target, or the host driver and its module."""
+    driver = target_driver(fn, mode)
     if driver == VFIO_DRIVER:
         return facts.vfio_targets.get(fn.addr, DEFAULT_VFIO_TARGET)
     return VfioTarget(driver=driver, module=module_of(driver))
@@ -466,7 +456,7 @@ def satisfied(current: str, fn: PciFunction, target: VfioTarget, facts: HostFact
     if target.driver == BRIDGE_DRIVER:  # only a `host_bridge` is given it
         return current in ("", BRIDGE_DRIVER)
     if not current:
-        return not target.driver  # an unbound bystander, left where it is
+        return False
     if same_driver(current, target.driver):
         return True
     vfio_target = is_vfio_driver(target.driver, facts.vfio_variants)
@@ -494,12 +484,10 @@ def check_names(members: Iterable[PciFunction], mode: Mode,
     ``fullmatch``: with ``re.match`` a ``$`` also matches before a trailing newline, and
     ``"nvidia\n"`` must not pass for ``nvidia``.
     """
-    fns = tuple(members)
-    slots = card_slots(fns)
-    for fn in fns:
+    for fn in members:
         if not PCI_ADDR_RE.fullmatch(fn.addr):
             raise UnsafeName(f"refusing to switch: {fn.addr!r} is not a canonical PCI address")
-        target = target_of(fn, mode, facts or HostFacts(), slots).driver
+        target = target_of(fn, mode, facts or HostFacts()).driver
         for driver in (fn.driver, target):
             if driver and (not DRIVER_NAME_RE.fullmatch(driver) or driver in (".", "..")):
                 raise UnsafeName(f"refusing to switch: driver name {driver!r} of {fn.addr} "
@@ -621,14 +609,19 @@ def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str
             for addr in dict.fromkeys(stale)]
 
 
-def bystanders_reason(group: int, taken: Sequence[PciFunction]) -> str:
-    """Why a switch to vfio does not take a group's bystanders from the host unasked."""
+def bystanders_reason(group: int, mode: Mode,
+                      taken: Sequence[tuple[PciFunction, VfioTarget]]) -> str:
+    """Why a switch, either way, does not take a group's bystanders (`host_bystanders`) off
+    their host drivers unasked: each mode has a target for every function of the group
+    (the class rule of `target_driver`), and a NIC, NVMe drive or NVSwitch moved to it is
+    lost to the host."""
     named = ", ".join(f"{f.addr} (class {f.class_ or 'unknown'}, {f.vendor_id or '?'}:"
-                      f"{f.device_id or '?'}, on {f.driver})" for f in taken)
+                      f"{f.device_id or '?'}, on {f.driver})" for f, _ in taken)
+    wanted = ", ".join(dict.fromkeys(t.driver for _, t in taken))
     return (f"IOMMU group {group} also holds {named}, no part of the card (a PCIe switch "
-            "without ACS shares its group): VFIO takes the whole group, so the switch would "
-            "unbind them from the host (its network, storage or NVLink fabric); enable ACS "
-            "to split the group, or pass --force to move them to VFIO too")
+            f"without ACS shares its group): mode {mode} wants them on {wanted}, so the "
+            "switch would unbind them from the host (its network, storage or NVLink fabric); "
+            "enable ACS to split the group, or pass --force to move them too")
 
 
 def virtual_functions_reason(fn: PciFunction) -> str:
@@ -659,8 +652,7 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     fns = tuple(sorted(members, key=lambda f: f.addr))
     display = next((f for f in fns if is_gpu_class(f.class_)), fns[0])
     check_names(fns, mode, facts)
-    slots = card_slots(fns)
-    chosen = {fn.addr: target_of(fn, mode, facts, slots) for fn in fns}
+    chosen = {fn.addr: target_of(fn, mode, facts) for fn in fns}
     targets = {a: t.driver for a, t in chosen.items()}
     base: dict[str, Any] = {
         "addr": display.addr, "group": display.iommu_group,
@@ -706,13 +698,14 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                       f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "
                       f"driver, and gpuwatch does not move bridges; bind it to {BRIDGE_DRIVER} "
                       "first")
-    # A NIC, NVMe drive or NVSwitch sharing the group (a PCIe switch without ACS) goes with
-    # it to VFIO: the host loses it (its network, its storage, the NVLink fabric of the
-    # other GPUs). Never without being asked; the way to nvidia leaves it where it is.
-    taken = [f for f in fns if mode == "vfio" and bystander(f, slots) and f.driver
-             and not satisfied(f.driver, f, chosen[f.addr], facts)]
+    # A NIC, NVMe drive or NVSwitch sharing the group (a PCIe switch without ACS) has a
+    # target in each mode like every function (vfio-pci for a NIC in both): moving it there
+    # takes it from the host (its network, its storage, the NVLink fabric of the other
+    # GPUs). Never without being asked. One unbound or on VFIO already loses the host nothing.
+    taken = [(f, chosen[f.addr]) for f in host_bystanders(fns, facts.vfio_variants)
+             if not satisfied(f.driver, f, chosen[f.addr], facts)]
     if taken and not force:
-        return refuse(bystanders_reason(group, taken))
+        return refuse(bystanders_reason(group, mode, taken))
     with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
                 and (f.addr in rebinds or not satisfied(f.driver, f, chosen[f.addr], facts))]
     if with_vfs:

@@ -27,7 +27,7 @@ from gpuwatch.core.modalias import (
     best_vfio_alias,
     parse_vfio_aliases,
 )
-from gpuwatch.core.modes import Mode, card_slots, driver_key, target_driver
+from gpuwatch.core.modes import Mode, driver_key, target_driver
 from gpuwatch.core.pci import PCI_ADDR_RE
 from gpuwatch.core.plan import (
     AUDIO_CLASS,
@@ -375,10 +375,8 @@ def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *
     ``modalias``, else vfio-pci."""
     aliases = read_vfio_aliases(paths)
     out: dict[str, VfioTarget] = {}
-    fns = tuple(members)
-    slots = card_slots(fns)
-    for fn in fns:
-        if target_driver(fn, mode, slots) != "vfio-pci":
+    for fn in members:
+        if target_driver(fn, mode) != "vfio-pci":
             continue
         if vfio_driver and fn.class_.startswith("0x03"):
             module = driver_key(vfio_driver)

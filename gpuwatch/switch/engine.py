@@ -222,7 +222,8 @@ class SwitchEngine:
                      tolerant: bool = False, force: bool = False,
                      vfio_driver: str | None = None) -> SwitchResult:
         """Switch the group of ``target`` (an address, or a vendor id naming one card).
-        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
+        ``force`` passes a group kept for the host (BMC/console) to vfio anyway, and moves
+        a bystander of the group off its host driver (`gpuwatch.core.plan.bystanders_reason`);
         ``vfio_driver`` names the VFIO driver for its display functions (else modules.alias
         chooses, as the kernel would)."""
         to_mode = parse_mode(mode)
@@ -1083,10 +1084,8 @@ class SwitchEngine:
         if plan.addr not in state.functions:
             return
         planned = {a for a, _ in plan.targets}
-        slots = plan.slots
         gained = [fn for fn in state.group_members(plan.addr) if fn.addr not in planned
-                  and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts, slots),
-                                    facts)]
+                  and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)]
         if gained:
             names = ", ".join(f"{fn.addr} (on {fn.driver or 'no driver'})" for fn in gained)
             self._fail(plan, f"IOMMU group {plan.group} gained {names} during the switch: it was "
@@ -1115,9 +1114,8 @@ class SwitchEngine:
         where it was (`SwitchPlan.rebinds`) counts once its bind is seen (its bad health
         cleared): before that, the model may not even have seen its unbind."""
         functions = self.model.state.functions
-        slots = plan.slots
         return all((fn := functions.get(a)) is not None
-                   and satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts, slots), facts)
+                   and satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)
                    for a, _ in plan.targets) and (drivers_only or not self._unrecovered(plan))
 
     def _unrecovered(self, plan: SwitchPlan) -> list[str]:
