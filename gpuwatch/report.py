@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gpuwatch.core.health import health_advice
-from gpuwatch.core.modes import group_mode, vfio_variant
+from gpuwatch.core.modes import group_mode, host_bystanders, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASSES,
     hostdev_xml,
@@ -246,7 +246,8 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
                     # failed port leaves the group unusable all the same.
                     [(m.addr, m.health, health_advice(m.health, m.addr, m.driver,
                                                       recovery.get(m.addr, ())))
-                     for m in gpu.group_members if m.health != "ok"]),
+                     for m in gpu.group_members if m.health != "ok"],
+                    [(m.addr, m.driver) for m in host_bystanders(gpu.group_members, variants)]),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[

@@ -28,6 +28,7 @@ from gpuwatch.settings import default_tables
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
     bmc_server_host,
+    hgx_h100_host,
     hpe_ilo_host,
     single_gpu_desktop,
     vfio_noiommu_host,
@@ -42,6 +43,7 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "bmc": bmc_server_host,
     "bmc-unbound": lambda root: bmc_server_host(root).unbind("0000:03:00.0"),  # ast blacklisted
     "ilo": hpe_ilo_host,
+    "hgx-noacs": lambda root: hgx_h100_host(root, gpus=2, acs=False),
     "desktop": single_gpu_desktop,
     "vmd": vmd_host,
     "guest": vm_guest_host,

@@ -52,6 +52,7 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "grace-hopper": grace_hopper_host,
     "sriov": lambda r: sriov_gpu_host(r, vfs=2),
     "hgx": lambda r: hgx_h100_host(r, gpus=2),
+    "hgx-noacs": lambda r: hgx_h100_host(r, gpus=2, acs=False),
     "laptop": hybrid_laptop_host,
     "flex": lambda r: intel_flex_sriov_host(r, vfs=2),
     "arc": arc_desktop_host,

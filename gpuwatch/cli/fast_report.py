@@ -31,7 +31,7 @@ from gpuwatch.cli.fast import (
 )
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
-from gpuwatch.core.modes import group_mode, vfio_variant
+from gpuwatch.core.modes import group_mode, host_bystanders, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASSES,
     MANAGED_VALUES,
@@ -277,7 +277,8 @@ def list_report(remote: Remote, managed: str,
                 managed, gpu["addr"], gpu["vendor_id"], with_vfs,
                 [(m["addr"], m.get("health", "ok"),
                   health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
-                 for m in gpu["group_members"] if m.get("health", "ok") != "ok"]),
+                 for m in gpu["group_members"] if m.get("health", "ok") != "ok"],
+                [(m.addr, m.driver) for m in host_bystanders(remote.members(gpu))]),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}

@@ -11,8 +11,8 @@ modprobe compares module names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal, Protocol
+from collections.abc import Collection, Iterable
+from typing import Literal, Protocol, TypeVar
 
 from gpuwatch.errors import UsageError
 
@@ -21,6 +21,8 @@ class FunctionLike(Protocol):
     """What these rules read of a function: a `gpuwatch.core.results.PciFunction`, or the
     plain record of a cold direct probe (`gpuwatch.core.probes.FreshFunction`)."""
 
+    @property
+    def addr(self) -> str: ...
     @property
     def driver(self) -> str: ...
     @property
@@ -97,11 +99,50 @@ def host_bridge(function: FunctionLike) -> bool:
     return driver == BRIDGE_DRIVER or (not driver and function.class_ in BRIDGE_CLASSES)
 
 
+def slot_of(addr: str) -> str:
+    """The slot (``DDDD:BB:DD``) of a function's address: a card's functions share one."""
+    return addr.rsplit(".", 1)[0]
+
+
+def card_slots(members: Iterable[FunctionLike]) -> frozenset[str] | None:
+    """The slots of a group's display functions (``0x03…``): a function in one of them is
+    part of a card (its HDMI audio, USB-C, UCSI), whatever its class. None for a group with
+    no display function: there every function counts as the card's (the rules as they were
+    before a group was told apart from its bystanders)."""
+    slots = frozenset(slot_of(fn.addr) for fn in members if fn.class_.startswith("0x03"))
+    return slots or None
+
+
+def bystander(function: FunctionLike, slots: Collection[str] | None) -> bool:
+    """A function of a GPU's IOMMU group that is no part of any card in it: not a bridge
+    (they have rules of their own, `host_bridge`) and not in a display function's slot. A
+    PCIe switch without ACS (HGX boards turn it off for GPUDirect RDMA) puts the NIC, the
+    NVMe drive or the NVSwitch behind it in the GPU's group; they are the host's."""
+    return (slots is not None and function.class_ not in BRIDGE_CLASSES
+            and not host_bridge(function) and slot_of(function.addr) not in slots)
+
+
+_F = TypeVar("_F", bound=FunctionLike)
+
+
+def host_bystanders(members: Iterable[_F], variants: frozenset[str] = _NO_VARIANTS) -> list[_F]:
+    """The group's `bystander` functions on a host driver (not VFIO): what passing the group
+    to a VM takes from the host, and what a switch either way refuses to move unasked
+    (`gpuwatch.core.plan.bystanders_reason`)."""
+    fns = list(members)
+    slots = card_slots(fns)
+    return [fn for fn in fns
+            if bystander(fn, slots) and fn.driver and not on_vfio(fn, variants)]
+
+
 def target_driver(function: FunctionLike, mode: Mode) -> str:
     """``vfio`` wants vfio-pci everywhere; ``nvidia`` wants nvidia for display functions,
-    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI).
-    A `host_bridge` stays on pcieport in both (vfio-pci never binds a bridge).
-    (The switch may bind a vfio-pci variant instead: see `gpuwatch.core.plan`.)"""
+    snd_hda_intel for HDMI audio (0x0403) and vfio-pci for anything else (USB-C, UCSI). The
+    class rule is the public contract (`group-in-mode`, `mode --json`, `plan`) and holds for
+    a `bystander` too: the switch's safety for one is a refusal, not another target
+    (`gpuwatch.core.plan.bystanders_reason`). A `host_bridge` stays on pcieport in both
+    (vfio-pci never binds a bridge). (The switch may bind a vfio-pci variant instead: see
+    `gpuwatch.core.plan`.)"""
     if host_bridge(function):
         return BRIDGE_DRIVER
     if mode == "vfio":

@@ -26,6 +26,7 @@ from gpuwatch.core.modes import (
     group_in_mode,
     group_mode,
     host_bridge,
+    host_bystanders,
     is_vfio_driver,
     parse_mode,
     same_driver,
@@ -608,6 +609,21 @@ def recovery_notes(members: Iterable[PciFunction], facts: HostFacts) -> list[str
             for addr in dict.fromkeys(stale)]
 
 
+def bystanders_reason(group: int, mode: Mode,
+                      taken: Sequence[tuple[PciFunction, VfioTarget]]) -> str:
+    """Why a switch, either way, does not take a group's bystanders (`host_bystanders`) off
+    their host drivers unasked: each mode has a target for every function of the group
+    (the class rule of `target_driver`), and a NIC, NVMe drive or NVSwitch moved to it is
+    lost to the host."""
+    named = ", ".join(f"{f.addr} (class {f.class_ or 'unknown'}, {f.vendor_id or '?'}:"
+                      f"{f.device_id or '?'}, on {f.driver})" for f, _ in taken)
+    wanted = ", ".join(dict.fromkeys(t.driver for _, t in taken))
+    return (f"IOMMU group {group} also holds {named}, no part of the card (a PCIe switch "
+            f"without ACS shares its group): mode {mode} wants them on {wanted}, so the "
+            "switch would unbind them from the host (its network, storage or NVLink fabric); "
+            "enable ACS to split the group, or pass --force to move them too")
+
+
 def virtual_functions_reason(fn: PciFunction) -> str:
     """Why a physical function with SR-IOV virtual functions enabled is not rebound: its
     driver's unbind disables SR-IOV, and the VFs vanish under the VMs or containers that use
@@ -682,6 +698,14 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                       f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "
                       f"driver, and gpuwatch does not move bridges; bind it to {BRIDGE_DRIVER} "
                       "first")
+    # A NIC, NVMe drive or NVSwitch sharing the group (a PCIe switch without ACS) has a
+    # target in each mode like every function (vfio-pci for a NIC in both): moving it there
+    # takes it from the host (its network, its storage, the NVLink fabric of the other
+    # GPUs). Never without being asked. One unbound or on VFIO already loses the host nothing.
+    taken = [(f, chosen[f.addr]) for f in host_bystanders(fns, facts.vfio_variants)
+             if not satisfied(f.driver, f, chosen[f.addr], facts)]
+    if taken and not force:
+        return refuse(bystanders_reason(group, mode, taken))
     with_vfs = [f for f in fns if f.sriov is not None and f.sriov.numvfs > 0
                 and (f.addr in rebinds or not satisfied(f.driver, f, chosen[f.addr], facts))]
     if with_vfs:
@@ -872,6 +896,7 @@ __all__ = [
     "VfioTarget",
     "WriteStep",
     "already_in_mode",
+    "bystanders_reason",
     "canonical_addr",
     "card_scope",
     "cdi_steps",

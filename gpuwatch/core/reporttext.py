@@ -196,13 +196,16 @@ _BACK_TO_HOST = {
 
 def managed_note(managed: str, addr: str, vendor_id: str,
                  with_vfs: Iterable[tuple[str, int]] = (),
-                 unhealthy: Iterable[tuple[str, str, str]] = ()) -> str:
+                 unhealthy: Iterable[tuple[str, str, str]] = (),
+                 bystanders: Iterable[tuple[str, str]] = ()) -> str:
     """What the blocks' managed attribute means for who detaches the group; for each member
     that is an SR-IOV physical function with virtual functions enabled (address, count), that
     detaching it takes them away (`gpuwatch mode` refuses it); and for each member that is not
     healthy (address, health, advice from `gpuwatch.core.health.health_advice`), that it
     needs its recovery before a guest can use it (`gpuwatch mode` refuses a wedged or failed
-    one)."""
+    one); and for each member that is no part of the card but on a host driver (address,
+    driver: a NIC behind the same PCIe switch without ACS), that the guest takes it from the
+    host (`gpuwatch mode` refuses to without --force)."""
     note = MANAGED_NOTES[managed].format(
         addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
     for pf, numvfs in with_vfs:
@@ -214,6 +217,10 @@ def managed_note(managed: str, addr: str, vendor_id: str,
         if health in UNSWITCHABLE:
             note += (": recover it before a guest takes it (`gpuwatch mode` refuses to switch "
                      "it until then)")
+    for member, driver in bystanders:
+        note += (f"; {member} (on {driver}) shares the IOMMU group but is no part of the "
+                 "card: passing the group through takes it from the host (`gpuwatch mode` "
+                 "refuses to without --force)")
     return note
 
 

@@ -281,7 +281,9 @@ def hgx_h100_host(root: str | os.PathLike[str], *, gpus: int = 8, acs: bool = Tr
     (``mlx5_core``); four NVSwitches (``0x10de:0x22a3``, class 0x0680, bound to
     ``nvidia-nvswitch``, the PCI driver nvidia.ko registers for them) on their own ports; the
     BMC's ASPEED VGA (``ast``, boot_vga 1). With ``acs`` every endpoint and port is alone in
-    its IOMMU group; without it a switch's downstream ports share the GPU's group."""
+    its IOMMU group; without it (HGX boards turn ACS off on the PCIe switches for GPUDirect
+    RDMA, so the GPU and the NIC talk peer to peer) the kernel puts the switch's upstream
+    and downstream ports, the GPU and the NIC behind it in one group."""
     s = SysRoot(root)
     s.add_bridge("0000:02:00.0", domain_root="pci0000:00", iommu_group=1, vendor=ASPEED,
                  device="0x1150")
@@ -294,20 +296,23 @@ def hgx_h100_host(root: str | os.PathLike[str], *, gpus: int = 8, acs: bool = Tr
         bus = 0x18 + 0x20 * i
         root_port, up, down_gpu, down_nic = (f"0000:{bus - 2:02x}:01.0", f"0000:{bus - 1:02x}:00.0",
                                              f"0000:{bus:02x}:00.0", f"0000:{bus:02x}:01.0")
+        # With ACS: each in a group of its own; without: all in the upstream port's.
+        up_group, down_gpu_group, down_nic_group, gpu_group, nic_group = (
+            (group + 1, group + 3, group + 4, group + 2, group + 5) if acs
+            else (group + 1,) * 5)
         s.add_bridge(root_port, domain_root=f"pci0000:{bus - 2:02x}", iommu_group=group)
         s.add_bridge(up, parent=root_port, vendor=BROADCOM, device=PEX89000,
-                     iommu_group=group + 1)
-        gpu_group = group + 2
+                     iommu_group=up_group)
         s.add_bridge(down_gpu, parent=up, vendor=BROADCOM, device=PEX89000,
-                     iommu_group=group + 2 if not acs else group + 3)
+                     iommu_group=down_gpu_group)
         s.add_bridge(down_nic, parent=up, vendor=BROADCOM, device=PEX89000,
-                     iommu_group=group + 4)
+                     iommu_group=down_nic_group)
         s.add_function(f"0000:{bus + 1:02x}:00.0", parent=down_gpu, vendor=NVIDIA,
                        device=H100_SXM, klass="0x030200", driver="nvidia",
                        iommu_group=gpu_group, subsystem_device="0x16c1")
         s.add_function(f"0000:{bus + 2:02x}:00.0", parent=down_nic, vendor="0x15b3",
                        device="0x1021", klass="0x020700", driver="mlx5_core",
-                       iommu_group=group + 5, subsystem_vendor="0x15b3")
+                       iommu_group=nic_group, subsystem_vendor="0x15b3")
         s.add_dev_node(f"/dev/nvidia{i}")
         group += 6
     for j in range(4):
