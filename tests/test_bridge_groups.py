@@ -278,3 +278,107 @@ def test_list_names_a_failed_port_though_it_gets_no_hostdev_line(
     listed = {g.addr: g for g in report.passthrough_gpus(model)}[GPU]
     assert [f.addr for f in listed.functions] == [GPU, AUDIO]
     assert f"{PORT} is failed" in listed.note or PORT in listed.note, listed.note
+
+
+NEW_PORT = "0000:00:01.1"  # a bridge hot-added into the group mid-switch
+
+
+class HotAddsABridge(SimKernel):
+    """After the switch's first ``drivers_probe``, a bridge joins IOMMU group 1 as a
+    hot-add does: on no driver (``add``), then bound by ``driver`` (``bind``), if any."""
+
+    newcomer: str | None = None
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        await super().write(path, value, timeout)
+        if path == "/sys/bus/pci/drivers_probe" and NEW_PORT not in self.sys.functions:
+            devpath = self.sys.add_bridge(NEW_PORT, iommu_group=1, driver=None)
+            self.source.push(self.sys.uevent_props("add", devpath))
+            if self.newcomer:
+                self.sys.bind(NEW_PORT, self.newcomer)
+                self.source.push(self.sys.uevent_props("bind", NEW_PORT))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("newcomer", ["pcieport", None, "shpchp"])
+@pytest.mark.parametrize("direction", ["vfio", "nvidia"])
+async def test_a_bridge_hot_added_mid_switch_follows_the_rules_of_one_there_at_the_start(
+        tmp_path: Path, direction: str, newcomer: str | None) -> None:
+    """A bridge that joins the group during the switch is judged as the plan judges one
+    present from the start: on pcieport or on no driver it is left where it is and the
+    switch completes; on another driver the switch fails naming it with what the plan's
+    refusal says (was: "switch again to include it", and every switch after it refused),
+    wedges nothing, and once the bridge is on pcieport the group is in mode. Nothing is
+    ever written for the bridge."""
+    import anyio
+
+    from gpuwatch.errors import SwitchFailed, SwitchRefused
+    from gpuwatch.testing.simkernel import simulated_switch
+
+    start = ("nvidia", "snd_hda_intel") if direction == "vfio" else ("vfio-pci", "vfio-pci")
+    s = bridge_host(tmp_path / "h", gpu=start[0], audio=start[1])
+    s.add_module("nvidia")
+    s.add_module("snd_hda_intel")
+    sim = HotAddsABridge(s)
+    sim.newcomer = newcomer
+    async with simulated_switch(s, sim=sim) as (w, _sim, _engine, events):
+        if newcomer != "shpchp":
+            done = await w.switch(GPU, direction, timeout=5)
+            assert done.changed
+            assert {m.addr: m.driver for m in done.members}[NEW_PORT] == (newcomer or "")
+        else:
+            with pytest.raises(SwitchFailed) as failed:
+                await w.switch(GPU, direction, timeout=5)
+            reason = str(failed.value)
+            assert reason.startswith(
+                f"IOMMU group 1 gained PCI bridge {NEW_PORT} (on shpchp) during the switch: "
+                "a bridge in a group VFIO takes must be on pcieport or on no driver, and "
+                "gpuwatch does not move bridges; bind it to pcieport, then switch again;")
+            assert "include it" not in reason
+            assert [e.wedged for e in events  # type: ignore[attr-defined]
+                    if getattr(e, "type", "") == "switch-failed"] == [False]
+            assert w.probe("wedge-detected") is False
+            with pytest.raises(SwitchRefused, match=rf"also holds PCI bridge {NEW_PORT} "
+                               r"\(on shpchp\): .*; bind it to pcieport first$"):
+                await w.switch(GPU, direction, timeout=5)
+            s.unbind(NEW_PORT)  # what the operator is told to do
+            w.source.push(s.uevent_props("unbind", NEW_PORT))
+            s.bind(NEW_PORT, "pcieport")
+            w.source.push(s.uevent_props("bind", NEW_PORT))
+            with anyio.fail_after(5):
+                while w.model.function(NEW_PORT).driver != "pcieport":
+                    await anyio.sleep(0.01)
+            await w.switch(GPU, direction, timeout=5)
+        assert w.probe("group-in-mode", addr=GPU, mode=direction) is True
+    assert not [x for x in sim.writes if NEW_PORT in x[0] or x[1] == NEW_PORT]
+
+
+@pytest.mark.timeout(60)
+async def test_a_bridge_and_an_endpoint_hot_added_together_are_both_named(
+        tmp_path: Path) -> None:
+    """With a USB controller joining beside the bridge, the failure names both: the bridge
+    by the bridge rule, the controller as not switched nor checked for holders."""
+    from gpuwatch.errors import SwitchFailed
+    from gpuwatch.testing.simkernel import simulated_switch
+
+    usb = "0000:01:00.2"
+
+    class AlsoAddsUsb(HotAddsABridge):
+        async def write(self, path: str, value: str, timeout: float) -> None:
+            await super().write(path, value, timeout)
+            if path == "/sys/bus/pci/drivers_probe" and usb not in self.sys.functions:
+                devpath = self.sys.add_function(usb, parent=PORT, device="0x1ad6",
+                                                klass="0x0c0330", driver="xhci_hcd",
+                                                iommu_group=1)
+                self.source.push(self.sys.uevent_props("add", devpath))
+
+    s = bridge_host(tmp_path / "h", gpu="nvidia", audio="snd_hda_intel")
+    s.add_module("nvidia")
+    sim = AlsoAddsUsb(s)
+    sim.newcomer = "shpchp"
+    async with simulated_switch(s, sim=sim) as (w, _sim, _engine, _events):
+        with pytest.raises(SwitchFailed) as failed:
+            await w.switch(GPU, "vfio", timeout=5)
+    assert (f"gained PCI bridge {NEW_PORT} (on shpchp) during the switch: " in str(failed.value))
+    assert (f"bind it to pcieport, then switch again; it also gained {usb} (on xhci_hcd), not "
+            "switched (nor checked for holders);" in str(failed.value))

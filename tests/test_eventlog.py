@@ -25,6 +25,7 @@ from typing import Any, cast
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from watch_helpers import count_log_reads
 
 from gpuwatch.cli import events_cmd
 from gpuwatch.core.events import format_event_time
@@ -495,27 +496,9 @@ def test_replay_since_seq_bisects_instead_of_reading_everything(
             if seq % 4_000 == 0:
                 log.write_line("not json")  # damage the bisection must step over
     assert len(log_files(path)) > 3
-    read_bytes = 0
-    real_init = eventlog._Source.__init__
-
-    class CountingFile:
-        def __init__(self, f: Any) -> None:
-            self._f = f
-
-        def read(self, n: int = -1) -> bytes:
-            nonlocal read_bytes
-            data = cast(bytes, self._f.read(n))
-            read_bytes += len(data)
-            return data
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._f, name)
-
-    def counting_init(self: Any, file: Any, ident: Any) -> None:
-        real_init(self, CountingFile(file), ident)
-
-    monkeypatch.setattr(eventlog._Source, "__init__", counting_init)
+    opened = count_log_reads(monkeypatch)
     got = seqs(read_events(path, since_seq=since))
+    read_bytes = sum(f.read_bytes for f in opened)
     assert got == list(range(since + 1, 30_001))
     total = sum(f.stat().st_size for f in log_files(path))
     wanted = sum(len(line(seq, pad=pad)) + 1 for seq in range(since + 1, 30_001))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from watch_helpers import count_calls
 
 from gpuwatch.watch import eventlog
 from gpuwatch.watch.eventlog import EventLog, EventLogLocked, EventLogWriteError, read_events
@@ -95,16 +96,9 @@ def test_noticing_a_moved_log_costs_one_stat_a_batch(
 ) -> None:
     """The write path is hot: PATH is looked at once per batch, not once per line."""
     path = tmp_path / "ev.jsonl"
-    calls: list[object] = []
-    real_stat = os.stat
-
-    def counting_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
-        calls.append(name)
-        return real_stat(name, *args, **kwargs)
-
     with EventLog(path) as log:
         write_events(log, 1, 1)
-        monkeypatch.setattr(eventlog.os, "stat", counting_stat)
+        calls = count_calls(monkeypatch, eventlog.os, "stat")
         log.write_lines([line(seq) for seq in range(2, 202)])
         monkeypatch.undo()
     assert calls == [os.fspath(path)]
@@ -346,14 +340,7 @@ def test_finding_the_last_seq_decodes_no_line_of_a_junk_tail(
     with path.open("wb") as f:
         f.write((line(6) + "\n" + line(7) + "\n").encode())
         f.write(b"{}\n" * ((16 << 20) // 3))
-    decoded: list[bytes] = []
-    real_decode = eventlog._decode
-
-    def counting_decode(raw: bytes) -> Any:
-        decoded.append(raw)
-        return real_decode(raw)
-
-    monkeypatch.setattr(eventlog, "_decode", counting_decode)
+    decoded = count_calls(monkeypatch, eventlog, "_decode")
     assert eventlog.last_seq_in(path) == 7
     assert decoded == [line(7).encode()]
 

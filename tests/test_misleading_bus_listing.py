@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
+from watch_helpers import count_calls
 
 import gpuwatch
 from gpuwatch.cli.direct import run_direct
@@ -143,14 +143,7 @@ def test_nothing_is_read_outside_the_tree(host: SysRoot, how: str,
 def test_sys_devices_is_walked_once_and_only_for_a_listing_that_misleads(
     host: SysRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    walks: list[str] = []
-    real = scan_mod.walk_functions
-
-    def counting(sysdir: str) -> Any:
-        walks.append(sysdir)
-        return real(sysdir)
-
-    monkeypatch.setattr(scan_mod, "walk_functions", counting)
+    walks = count_calls(monkeypatch, scan_mod, "walk_functions")
     gpuwatch.scan(host.root)
     assert walks == []
     damage(host, NV, "dangling")

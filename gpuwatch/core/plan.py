@@ -638,6 +638,24 @@ def virtual_functions_reason(fn: PciFunction) -> str:
             "created them), then switch")
 
 
+#: Why a bridge on a driver other than pcieport keeps a switch from its group: said alike
+#: when the plan finds one and when one joins the group during the switch.
+BRIDGE_RULE = (f"a bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no driver, "
+               "and gpuwatch does not move bridges")
+
+
+def foreign_bridges(functions: Iterable[PciFunction]) -> list[PciFunction]:
+    """The bridges (`BRIDGE_CLASSES`) of ``functions`` on a driver other than pcieport: the
+    kernel's VFIO will not take their group, vfio-pci never binds them, and gpuwatch moves
+    no bridge. (One on pcieport or on none is a `host_bridge`: left where it is.)"""
+    return [f for f in functions if f.class_ in BRIDGE_CLASSES and not host_bridge(f)]
+
+
+def bridge_names(bridges: Iterable[PciFunction]) -> str:
+    """``ADDR (on DRIVER), …``: the bridges a refusal or failure names."""
+    return ", ".join(f"{f.addr} (on {f.driver})" for f in bridges)
+
+
 def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
                 example: bool = False, force: bool = False,
                 recovering: bool = False, rebind: bool = True) -> SwitchPlan:
@@ -691,13 +709,10 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     # A bridge on pcieport (or none) stays there (`satisfied`): the kernel's VFIO takes the
     # group with it. One on another driver would keep the group from VFIO, and vfio-pci never
     # binds a bridge: say so rather than switch the endpoints into a group no VM can open.
-    bridges = [f"{f.addr} (on {f.driver})" for f in fns
-               if f.class_ in BRIDGE_CLASSES and not host_bridge(f)]
+    bridges = foreign_bridges(fns)
     if bridges:
-        return refuse(f"IOMMU group {group} also holds PCI bridge {', '.join(bridges)}: a "
-                      f"bridge in a group VFIO takes must be on {BRIDGE_DRIVER} or on no "
-                      f"driver, and gpuwatch does not move bridges; bind it to {BRIDGE_DRIVER} "
-                      "first")
+        return refuse(f"IOMMU group {group} also holds PCI bridge {bridge_names(bridges)}: "
+                      f"{BRIDGE_RULE}; bind it to {BRIDGE_DRIVER} first")
     # A NIC, NVMe drive or NVSwitch sharing the group (a PCIe switch without ACS) has a
     # target in each mode like every function (vfio-pci for a NIC in both): moving it there
     # takes it from the host (its network, its storage, the NVLink fabric of the other

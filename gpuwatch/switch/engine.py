@@ -43,6 +43,7 @@ from gpuwatch.core.modes import (
 )
 from gpuwatch.core.observations import Observation, PciRebound
 from gpuwatch.core.plan import (
+    BRIDGE_RULE,
     CLEAR_OVERRIDE,
     PERSISTENCED_UNIT,
     CommandStep,
@@ -54,9 +55,11 @@ from gpuwatch.core.plan import (
     SwitchPlan,
     WriteStep,
     already_in_mode,
+    bridge_names,
     cdi_steps,
     failure_reason,
     find_card,
+    foreign_bridges,
     holders_reason,
     needs_recovery,
     nvidia_scope,
@@ -1079,15 +1082,27 @@ class SwitchEngine:
         (hot-added, or made visible by a driver) was neither planned nor checked for holders,
         and one on a driver of another mode leaves the group unusable in ``to_mode`` (a VM
         cannot open a VFIO group one of whose devices is on a host driver). That is no
-        completion: fail, naming it, rather than rebind what nobody looked at."""
+        completion: fail, naming it, rather than rebind what nobody looked at.
+
+        A bridge that joined follows the plan's own rule for bridges: on pcieport or on no
+        driver it is where every mode wants it (`satisfied`), so the switch completes; on
+        another driver the next switch would refuse it by name (`foreign_bridges`), so the
+        failure says what that refusal says, not "switch again": gpuwatch moves no bridge."""
         state = self.model.state
         if plan.addr not in state.functions:
             return
         planned = {a for a, _ in plan.targets}
         gained = [fn for fn in state.group_members(plan.addr) if fn.addr not in planned
                   and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)]
+        bridges = foreign_bridges(gained)
+        names = ", ".join(f"{fn.addr} (on {fn.driver or 'no driver'})" for fn in gained
+                          if fn not in bridges)
+        if bridges:
+            also = f"; it also gained {names}, not switched (nor checked for holders)"
+            self._fail(plan, f"IOMMU group {plan.group} gained PCI bridge "
+                             f"{bridge_names(bridges)} during the switch: {BRIDGE_RULE}; bind "
+                             f"it to {BRIDGE_DRIVER}, then switch again{also if names else ''}")
         if gained:
-            names = ", ".join(f"{fn.addr} (on {fn.driver or 'no driver'})" for fn in gained)
             self._fail(plan, f"IOMMU group {plan.group} gained {names} during the switch: it was "
                              f"not switched (nor checked for holders), so the group is not in "
                              f"mode {plan.to_mode}; switch again to include it")

@@ -800,82 +800,123 @@ def _last_seq_of(f: IO[bytes]) -> int | None:
     return None
 
 
-def _first_line_after(f: IO[bytes], pos: int, end: int) -> tuple[int, int] | None:
-    """``(offset, seq)`` of the first decodable line that starts at or after ``pos``
-    (``pos`` itself counts only at 0: elsewhere it may be mid-line), before ``end``.
-    Holds at most `MAX_EVENT_LINE` bytes of a line: a longer one is passed over."""
-    at = pos
-    if pos > 0:  # skip to the start of the next line
-        skipped = _skip_line(f, at, end)
-        if skipped is None:
-            return None
-        at = skipped
-    carry = b""  # bytes read past the end of the previous line
-    while at < end:
-        parts = [carry] if carry else []
-        held = len(carry)
-        read_at = at + held
-        nl = carry.find(b"\n")
-        while nl < 0 and held <= MAX_EVENT_LINE and read_at < end:
-            f.seek(read_at)
-            chunk = f.read(min(_CHUNK, end - read_at))
-            if not chunk:
-                break
-            read_at += len(chunk)
-            found = chunk.find(b"\n")
-            nl = -1 if found < 0 else held + found
-            parts.append(chunk)
-            held += len(chunk)
+#: A bisection probe (`_probe`) looks for a line that starts in a window this wide, and
+#: reads as much again after it for that line to end in: one read of 64 KiB a probe,
+#: however long the junk around it (a longer line is passed over, as junk is).
+_PROBE_WINDOW = 32 * 1024
+
+_Found = tuple[int, int]  # an event line's (offset, seq)
+
+
+def _probe(f: IO[bytes], pos: int, limit: int, *, last: bool = False) -> _Found | None:
+    """The first (or ``last``) line that starts in ``[pos, min(pos + window, limit))``,
+    ends within a window after it and is an event (`_decode`); None: none.
+
+    ``pos`` is a line start at 0 or after a newline, so the byte before it is read too.
+    One read of at most twice `_PROBE_WINDOW` bytes, whatever is around it."""
+    base = pos - 1 if pos > 0 else 0
+    f.seek(base)
+    data = f.read(pos + 2 * _PROBE_WINDOW - base)
+    stop = min(pos + _PROBE_WINDOW, limit) - base  # lines that start before it count
+    at = 0 if pos == 0 else data.find(b"\n") + 1
+    if pos > 0 and at == 0:
+        return None  # no newline in all of it: no line starts here
+    found: _Found | None = None
+    while at < stop:
+        nl = data.find(b"\n", at)
         if nl < 0:
-            if held <= MAX_EVENT_LINE:
-                return None  # a torn tail: no complete line here
-            skipped = _skip_line(f, read_at, end)  # an over-long line: find its end
-            if skipped is None:
-                return None
-            at, carry = skipped, b""
-            continue
-        data = b"".join(parts)
-        decoded = _decode(data[:nl]) if nl <= MAX_EVENT_LINE else None
+            break  # it runs past what was read: no line a probe decodes
+        decoded = _decode(data[at:nl])
         if decoded is not None:
-            seq: int = decoded[0]["seq"]
-            return at, seq
-        at += nl + 1
-        carry = data[nl + 1 :]
-    return None
+            found = (base + at, decoded[0]["seq"])
+            if not last:
+                break
+        at = nl + 1
+    return found
 
 
-def _skip_line(f: IO[bytes], at: int, end: int) -> int | None:
-    """The offset after the next newline at or after ``at`` (None: none before ``end``),
-    reading without holding."""
-    while at < end:
-        f.seek(at)
-        chunk = f.read(min(_CHUNK, end - at))
-        if not chunk:
+def _event_after(f: IO[bytes], pos: int, limit: int) -> _Found | None:
+    """The first event that starts in ``[pos, limit)``, in O(log distance) probes however
+    much junk lies between: windows ever further out (1, 2, 4 … windows apart) until one
+    holds an event, then bisection between it and the last empty one for the first that
+    holds one. (An event alone between two empty windows far apart may be passed over for
+    a later one: the caller then starts its reader earlier than it might, never later.)"""
+    found = _probe(f, pos, limit)
+    if found is not None:
+        return found
+    empty, step = pos, _PROBE_WINDOW  # the window at `empty` holds no event
+    while True:
+        if empty + _PROBE_WINDOW >= limit:
             return None
-        nl = chunk.find(b"\n")
-        if nl >= 0:
-            return at + nl + 1
-        at += len(chunk)
-    return None
+        at = max(min(empty + step, limit - _PROBE_WINDOW), empty + _PROBE_WINDOW)
+        found = _probe(f, at, limit)
+        if found is not None:
+            break
+        empty, step = at, step * 2
+    while at - empty > _PROBE_WINDOW:
+        middle = (empty + at) // 2
+        nearer = _probe(f, middle, limit)
+        if nearer is None:
+            empty = middle
+        else:
+            at, found = middle, nearer
+    return found
+
+
+def _event_before(f: IO[bytes], pos: int, floor: int) -> _Found | None:
+    """The last event that starts in ``[floor, pos)``: `_event_after` the other way."""
+    empty, step = pos, _PROBE_WINDOW  # no event starts in [empty, pos)
+    while True:
+        if empty <= floor:
+            return None
+        at = max(empty - step, floor)
+        found = _probe(f, at, empty, last=True)
+        if found is not None:
+            break
+        empty, step = at, step * 2
+    while empty - at > _PROBE_WINDOW:
+        middle = (at + empty) // 2
+        nearer = _probe(f, middle, empty, last=True)
+        if nearer is None:
+            empty = middle
+        else:
+            at, found = middle, nearer
+    return found
 
 
 def _offset_after_seq(f: IO[bytes], since_seq: int) -> int:
     """Where in ``f`` a reader of ``seq > since_seq`` may start, found by bisection.
 
-    Seqs grow down a log, so this reads O(log size) windows instead of the whole file.
-    The offset is a line start at or before the first wanted line: the reader's own
-    ``seq`` filter drops the few earlier lines it may still meet.
+    Seqs grow down a log, so this reads O(log size) windows of 64 KiB, not the whole file.
+    The offset is that of an event whose seq is at most ``since_seq`` (or 0), so at or
+    before the first wanted line: the reader's own ``seq`` filter drops the few earlier
+    lines it may still meet, and it reads whatever junk lies between. An event whose seq is
+    ``since_seq + 1`` is the first wanted one (seqs grow by one an event): it starts there.
+
+    Junk (a crash's NULs, lines that are no event, a region without a newline) never makes
+    a step read through it: a probe that lands in it looks for the nearest event on each
+    side in O(log junk) windows (`_event_after`, `_event_before`), and when those two
+    bracket ``since_seq`` the search ends there.
     """
     end = f.seek(0, os.SEEK_END)
     start, lo, hi = 0, 0, end
-    while hi - lo > _CHUNK:
+    while hi - lo > _PROBE_WINDOW:
         mid = (lo + hi) // 2
-        found = _first_line_after(f, mid, hi)
-        if found is None or found[1] > since_seq:
-            hi = mid
-        else:
-            start = found[0]
-            lo = found[0] + 1
+        after = _event_after(f, mid, hi)
+        if after is not None and after[1] <= since_seq + 1:
+            if after[1] == since_seq + 1:
+                return after[0]
+            start, lo = after[0], after[0] + 1
+            continue
+        if after is not None and after[0] < mid + _PROBE_WINDOW:
+            hi = mid  # an event near mid, past since_seq: what is wanted is before it
+            continue
+        before = _event_before(f, mid, lo)  # mid is in junk: what ends it on the left?
+        if before is None or before[1] <= since_seq:
+            return start if before is None else before[0]
+        if before[1] == since_seq + 1:
+            return before[0]
+        hi = before[0]
     return start
 
 
