@@ -88,7 +88,7 @@ class Collector:
         self._thread = threading.Thread(target=target, daemon=True)
         self._thread.start()
 
-    def wait_for(self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 5) -> None:
+    def wait_for(self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while not pred(self.events):
             assert time.monotonic() < deadline, f"timed out; have {seqs(self.events)[-5:]}"
