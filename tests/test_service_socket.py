@@ -827,7 +827,12 @@ async def test_switch_delegates_and_maps_each_error(
         ("plan", {"mode": "vfio", "addr": NV, "vendor": "0x10de"}, "not both"),
         ("plan", {"mode": "host"}, "vfio or nvidia"),
         ("plan", {}, "'mode' is required"),
-        ("switch", {"mode": "vfio", "timeout": -1}, "non-negative"),
+        # Finite and above 0: -1 was called "not non-negative", as if 0 were allowed.
+        ("switch", {"mode": "vfio", "timeout": -1},
+         "switch: 'timeout' must be a positive number, not -1"),
+        ("switch", {"mode": "vfio", "timeout": 0},
+         "switch: 'timeout' must be a positive number, not 0"),
+        ("recover", {"timeout": 0.0}, "recover: 'timeout' must be a positive number, not 0.0"),
         ("switch", {"mode": "vfio", "tolerant": "yes"}, "true or false"),
         ("recover", {"addr": 13}, "a string"),
         ("holders", {"mode": "vfio"}, "unknown parameter 'mode'"),

@@ -195,13 +195,16 @@ class Params:
             return value
         raise self._bad(name, "an integer", value)
 
-    def opt_float(self, name: str) -> float | None:
+    def opt_positive_float(self, name: str) -> float | None:
+        """A number above 0 (a timeout: 0 would give up before trying). JSON holds no NaN
+        nor Infinity (refused while decoding), and a number a double cannot hold is refused
+        here, so what is returned is finite."""
         value = self._get(name)
         if value is None:
             return None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if value < 0:
-                raise self._bad(name, "a non-negative number", value)
+            if value <= 0:
+                raise self._bad(name, "a positive number", value)
             try:  # an integer of 400 digits is valid JSON but no float
                 return float(value)
             except OverflowError:
