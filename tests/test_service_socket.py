@@ -1322,3 +1322,42 @@ async def test_a_subscriber_that_sent_eof_is_streamed_to_until_it_hangs_up(
         with anyio.fail_after(10):  # polled once a second
             while served.server.connections:
                 await anyio.sleep(0.05)
+
+
+def test_config_names_the_file_the_daemon_read_and_where_its_root_came_from(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """``config``: the file a real daemon read and checked at start, by path and identity
+    (what `os.stat` of it shows while it is unchanged), and its root with where that came
+    from: what a command needs to know its own file is that one, without reading it."""
+    from daemon_helpers import Daemon, Lines, connect
+
+    from gpuwatch.settings import file_identity
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"log_keep: 3\nroot: {host.root}\n")
+    for root_flag, root_from in ((True, "flag"), (False, "file")):
+        with short_socket_dir() as sockdir:
+            work = tmp_path / f"work-{root_flag}"
+            work.mkdir()
+            sock = f"{sockdir}/gw.sock"
+            with Daemon(host.root, work, sock, "--config", str(config), root_flag=root_flag), \
+                    connect(sock) as s:
+                lines = Lines(s)
+                assert lines.request("config") == {"id": 1, "result": {
+                    "path": str(config), "identity": list(file_identity(config.stat())),
+                    "root": str(host.root), "root_from": root_from}}
+                reply = lines.request("config", {"path": "/etc"}, rid=2)
+                assert reply["error"]["code"] == P.INVALID_PARAMS, reply
+
+
+async def test_config_of_a_server_given_no_settings_names_no_file(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A server built in a program of its own read no file for it: none is named, and its
+    root is the caller's (``flag``), so no command takes a file's root from it."""
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        assert (await c.request("config"))["result"] == {
+            "path": None, "identity": None, "root": str(host.root), "root_from": "flag"}
+        await c.aclose()

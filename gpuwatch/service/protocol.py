@@ -25,7 +25,8 @@ MAX_LINE: Final = 64 << 10
 MAX_DEPTH: Final = strictjson.MAX_DEPTH
 
 #: Methods anyone allowed on the socket may call.
-READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders"})
+READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders",
+                                  "config"})
 #: Methods that change the host: root, or members of ``--switch-group``.
 SWITCH_METHODS: Final = frozenset({"switch", "recover"})
 METHODS: Final = READ_METHODS | SWITCH_METHODS
