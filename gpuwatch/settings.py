@@ -291,6 +291,8 @@ class WatchSettings:
     proc_read_timeout: float = 2.0
     #: The config file in force (tables and options), or None.
     config_path: str | None = None
+    #: `file_identity` of that file as it was read (from the descriptor read), or None.
+    config_identity: FileIdentity | None = None
     origins: Mapping[str, Origin] = field(default_factory=dict)
     #: gids resolved from the group settings (None: root only / no switch group).
     socket_gid: int | None = None
@@ -304,6 +306,26 @@ class WatchSettings:
         if self.loaded_tables is not None:
             return self.loaded_tables
         return load_tables(self.config_path)
+
+
+#: ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of a file: the same five numbers
+#: a second look finds only when it is the same file, unchanged (a rename over it is another
+#: inode, a write moves the size or the times).
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> FileIdentity:
+    """A file's `FileIdentity` (also spelt out in `gpuwatch.cli.fast`, which must stay stdlib
+    only: a test holds the two to the same order)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def where_set(key: str, origin: Origin | None, config_path: str | None) -> str:
+    """Where a setting's value came from, as an error names it: its flag, its environment
+    variable or the file and key."""
+    s = BY_KEY[key]
+    return {"flag": s.flag, "env": f"environment {s.env}",
+            "file": f"{config_path}: {key}"}.get(origin or "", key)
 
 
 def config_file_path(flag: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None,
@@ -332,8 +354,17 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
                   env: Mapping[str, str] | None = None) -> str:
     """The host root the daemon would watch: ``root`` when given, else ``$GPUWATCH_ROOT``,
     else the config file's ``root``, else ``/`` (the daemon's own precedence)."""
+    return root_and_where(root, config, env)[0]
+
+
+def root_and_where(root: str | os.PathLike[str] | None = None,
+                   config: str | os.PathLike[str] | Tables | None = None,
+                   env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """`root_in_force` and where it came from (``environment GPUWATCH_ROOT``, ``FILE: root``;
+    None for ``root`` given or the default ``/``): a root that is no folder is blamed on the
+    setting that named it, not on a ``--root`` nobody gave."""
     if root is not None:
-        return os.fspath(root)
+        return os.fspath(root), None
     env = os.environ if env is None else env
     s = BY_KEY["root"]
     # Each read as the daemon reads it (`load_settings`), so that neither a blank variable
@@ -341,20 +372,20 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
     # the one and watches ``5`` for the other.
     if ROOT_ENV in env:
         try:
-            return str(_validate(s, _from_text(s, env[ROOT_ENV])))
+            return str(_validate(s, _from_text(s, env[ROOT_ENV]))), f"environment {ROOT_ENV}"
         except _Bad as exc:
             raise ConfigError(f"environment {ROOT_ENV}: {exc}") from None
     if config is not None and not isinstance(config, str | os.PathLike):
-        return "/"  # tables given as such name no file
+        return "/", None  # tables given as such name no file
     path = config_file_path(config, env)
     if path is not None:
         raw = read_config_file(path)
         if "root" in raw:
             try:
-                return str(_validate(s, _typed(s, raw["root"])))
+                return str(_validate(s, _typed(s, raw["root"]))), f"{path}: root"
             except _Bad as exc:
                 raise ConfigError(f"{path}: root: {exc}") from None
-    return "/"
+    return "/", None
 
 
 def check_config_in_force(config: str | os.PathLike[str] | None = None,
@@ -410,8 +441,10 @@ def load_settings(
     path = config_file_path(config, env, default_config)
     raw: Mapping[str, Any] = {}
     tables: Tables | None = None
+    identity: FileIdentity | None = None
     if path is not None:
-        raw = read_config_file(path)  # read and parsed once, for the options and the tables
+        # Read and parsed once, for the options and the tables.
+        raw, identity = read_config_file_as_read(path)
         tables = build_tables(_only_table_keys(raw, path), path)  # rejects unknown keys too
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
@@ -432,7 +465,8 @@ def load_settings(
             raise ConfigError(f"{where}: {exc}") from None
         values[s.key] = value
         origins[s.key] = origin  # type: ignore[assignment]
-    settings = WatchSettings(**values, config_path=path, origins=origins, loaded_tables=tables)
+    settings = WatchSettings(**values, config_path=path, config_identity=identity,
+                             origins=origins, loaded_tables=tables)
     if not resolve_groups:
         return settings
     return _with_groups(settings)
@@ -454,10 +488,7 @@ def _with_groups(settings: WatchSettings) -> WatchSettings:
         try:
             gids[key] = resolve_group(name)
         except GroupNotFound as exc:
-            s = BY_KEY[key]
-            origin = settings.origins.get(key)
-            where = {"flag": s.flag, "env": f"environment {s.env}",
-                     "file": f"{settings.config_path}: {key}"}.get(origin or "", key)
+            where = where_set(key, settings.origins.get(key), settings.config_path)
             raise ConfigError(f"{where}: {exc}") from None
     return replace(settings, socket_gid=gids["socket_group"], switch_gid=gids["switch_group"])
 
@@ -628,13 +659,22 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     A regular file of at most `CONFIG_MAX_BYTES`, opened without blocking: a FIFO, socket
     or device node at the path is an error at once, never a hang.
     """
+    return read_config_file_as_read(path)[0]
+
+
+def read_config_file_as_read(path: str | os.PathLike[str]
+                             ) -> tuple[dict[str, Any], FileIdentity]:
+    """`read_config_file`, and the `file_identity` of what was read, taken from the open
+    descriptor before its first read: a file written or replaced since shows other
+    numbers, so nothing is taken for the file the daemon checked unless it is that file."""
     try:
         # Checked before the open (a device node's open runs its driver) and on the fd.
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise ConfigError(f"{path}: not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ConfigError(f"{path}: not a regular file")
             data = b""
             while len(data) <= CONFIG_MAX_BYTES:
@@ -653,7 +693,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
-    return _load_yaml_mapping(text, str(path))
+    return _load_yaml_mapping(text, str(path)), file_identity(st)
 
 
 def build_tables(overrides: Mapping[str, Any], where: str = "config") -> Tables:
@@ -726,6 +766,7 @@ __all__ = [
     "SETTING_KEYS",
     "TABLE_KEYS",
     "ConfigError",
+    "FileIdentity",
     "GroupNotFound",
     "InvalidListenAddress",
     "Setting",
@@ -734,12 +775,16 @@ __all__ = [
     "config_file_path",
     "default_socket_gid",
     "default_tables",
+    "file_identity",
     "load_settings",
     "load_tables",
     "parse_listen_address",
     "proc_read_timeout_in_force",
     "read_config_file",
+    "read_config_file_as_read",
     "resolve_group",
+    "root_and_where",
     "root_in_force",
     "tables_in_force",
+    "where_set",
 ]

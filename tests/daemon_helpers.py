@@ -41,7 +41,7 @@ class Daemon:
     def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
                  source: str = "fifo", log: Path | None = None,
                  ready_by_socket: bool = False, nofile: tuple[int, int] | None = None,
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, root_flag: bool = True) -> None:
         self.root, self.workdir, self.sock = root, workdir, sock
         self.log = log if log is not None else workdir / "events.jsonl"
         #: Ready when the socket answers (a daemon on a full disk logs no `ready`).
@@ -56,6 +56,8 @@ class Daemon:
         self.nofile = nofile
         #: What runs ``gpuwatch`` (default ``python -m gpuwatch``).
         self.launcher = launcher
+        #: False: no ``--root`` (the root comes from the config file in ``args``, or ``/``).
+        self.root_flag = root_flag
 
     def start(self, timeout: float = 30) -> Daemon:
         spec = self.source
@@ -66,7 +68,8 @@ class Daemon:
         before = self.seq()
         launcher = self.launcher if self.launcher is not None else gpuwatch_cmd()
         self.proc = subprocess.Popen(
-            [*launcher, "watch", "--root", str(self.root), "--source", spec, "--log",
+            [*launcher, "watch", *(("--root", str(self.root)) if self.root_flag else ()),
+             "--source", spec, "--log",
              str(self.log), "--reconcile-interval", "0", "--socket", self.sock, *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
             cwd=REPO, preexec_fn=self._limits if self.nofile is not None else None)

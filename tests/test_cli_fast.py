@@ -7,16 +7,27 @@ import io
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import anyio
 import pytest
+from daemon_helpers import Daemon
 
-from gpuwatch.cli.fast import parse_holders, parse_plan, parse_probe, socket_path
+from gpuwatch.cli.fast import (
+    config_identity,
+    parse_holders,
+    parse_plan,
+    parse_probe,
+    socket_path,
+)
 from gpuwatch.cli.main import build_parser
+from gpuwatch.service import protocol as P
+from gpuwatch.service.daemon import served_config
 from gpuwatch.service.testing import served_watcher, short_socket_dir
+from gpuwatch.settings import file_identity, load_settings, read_config_file_as_read
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import headless_host
 
@@ -152,16 +163,180 @@ async def test_a_config_file_naming_another_root_is_never_answered_by_the_daemon
         for argv in (["holders"], ["plan", "vfio"]):
             code, out, err = await anyio.to_thread.run_sync(run_spied, argv, env)
             assert code == 1 and "no card of vendor 0x10de" in err, argv
-        # The file `service install` writes names no root: the daemon answers, the fast way.
-        # So does another release's (other comments), while an edited one is read in full.
-        shipped = (REPO / "gpuwatch/data/config.yaml").read_text()
-        older = shipped.replace("log_keep: 5 ", "log_keep: 5 # kept ") + "# socket: /s\n"
-        for text, fast in ((shipped, True), (older, True), (shipped + "verbose: true\n", False)):
-            config.write_text(text)
-            code, out, err = await anyio.to_thread.run_sync(
-                run_spied, ["probe", "detect-gpu"], env)
+        # Even the file `service install` writes: this daemon read no file, so its answer
+        # proves nothing of this one, and the full command reads it (valid, no root: the
+        # daemon's answer). A daemon that read it is answered the fast way (below).
+        config.write_text(SHIPPED)
+        code, out, err = await anyio.to_thread.run_sync(run_spied, ["probe", "detect-gpu"], env)
+        assert (code, out) == (0, b'{"action":"detect-gpu","result":true}\n')
+        assert "HEAVY=\n" not in err
+
+
+async def test_the_shipped_file_with_a_comment_no_reader_takes_is_refused_everywhere(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """The shipped file's setting lines and a comment YAML refuses (a bell) or that is not
+    UTF-8 (Latin-1 ``café``): taken for the shipped file by its setting lines alone, it was
+    answered the fast way while every other command refused it (exit 2)."""
+    config = tmp_path / "config.yaml"
+    root = str(host.root)
+    async with served_watcher(root, f"{sockdir}/gw.sock") as served:
+        sock = ["--socket", served.path, "--root", root]
+        for tail, said in ((b"# caf\xe9\n", "not UTF-8 text"), (b"# \x07\n", "not valid YAML")):
+            config.write_bytes(SHIPPED.encode() + tail)
+            for argv in (["probe", "detect-gpu", *sock], ["holders", *sock], ["status", *sock]):
+                code, out, err = await anyio.to_thread.run_sync(
+                    run_spied, argv, {"GPUWATCH_CONFIG": str(config)})
+                lines = [line for line in err.splitlines() if not line.startswith("HEAVY=")]
+                assert (code, out, len(lines)) == (2, b"", 1), (argv, err)
+                assert lines[0].startswith(f"gpuwatch: {config}: {said}"), argv
+
+
+# ---------------------------------------------------------------- a daemon that read the file
+
+#: What `service install` writes: every setting commented out but two.
+SHIPPED = (REPO / "gpuwatch/data/config.yaml").read_text()
+#: The shipped file as an operator edits it: the socket to root alone, other values.
+EDITED = SHIPPED.replace("log_keep: 5", "log_keep: 3") + "socket_group: ''\nverbose: false\n"
+FAST_ARGVS = (["probe", "detect-vfio"], ["probe", "current-mode", "--addr", NV],
+              ["holders", "--addr", NV], ["plan", "vfio", "--json"])
+
+
+@contextmanager
+def daemon_with(host: SysRoot, tmp_path: Path, config: Path, *,
+                root_flag: bool = True) -> Iterator[str]:
+    """A real ``gpuwatch watch`` that read ``config`` at start (``--root`` the fixture's
+    unless ``root_flag`` is False); its socket."""
+    with short_socket_dir() as sockdir:
+        work = tmp_path / f"daemon-{len(list(tmp_path.glob('daemon-*')))}"
+        work.mkdir()
+        sock = f"{sockdir}/gw.sock"
+        with Daemon(host.root, work, sock, "--config", str(config), root_flag=root_flag):
+            yield sock
+
+
+def assert_fast(argv: list[str], env: dict[str, str], fast: bool,
+                full_argv: list[str] | None = None) -> None:
+    """``argv`` with ``env`` answers as the full command does (``full_argv``, run in this
+    process with no config file in force), nothing heavy imported when ``fast``."""
+    code, out, err = run_spied(argv, env)
+    full_out, full_err = run_full_both(full_argv or argv, code)
+    assert ("HEAVY=\n" in err) == fast, (argv, err)
+    assert out == full_out, argv
+    assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
+        full_err.splitlines(), argv
+
+
+def test_an_edited_config_the_daemon_read_is_answered_the_fast_way(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """An operator's edit of the config file (socket_group, log_keep…) sent every `probe`,
+    `holders` and `plan` the full way (about 10 times slower), though the daemon had read
+    and checked that very file: its identity now shows it is that file, unchanged."""
+    config = tmp_path / "config.yaml"
+    config.write_text(EDITED)
+    link = tmp_path / "link.yaml"
+    link.symlink_to(config)  # followed, as the full command opens it: the same file
+    with daemon_with(host, tmp_path, config) as sock:
+        where = ["--socket", sock, "--root", str(host.root)]
+        for path in (config, link):
+            for argv in FAST_ARGVS:
+                assert_fast([*argv, *where], {"GPUWATCH_CONFIG": str(path)}, True)
+        # Edited again after the daemon started, to a valid value of the same length: not
+        # the file the daemon read, so the full command reads and checks it.
+        time.sleep(0.01)  # past the file system's clock tick: the edit moves the times
+        config.write_text(EDITED.replace("log_keep: 3", "log_keep: 4"))
+        for argv in FAST_ARGVS:
+            assert_fast([*argv, *where], {"GPUWATCH_CONFIG": str(config)}, False)
+        # ... and to a value every command refuses: exit 2 and one line, never the answer.
+        config.write_text(EDITED.replace("log_keep: 3", "log_keep: 0"))
+        for argv in FAST_ARGVS:
+            code, out, err = run_spied([*argv, *where], {"GPUWATCH_CONFIG": str(config)})
+            assert (code, out) == (2, b""), argv
+            assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
+                [f"gpuwatch: {config}: log_keep: must be at least 1, not 0"], argv
+
+
+def test_a_config_file_the_daemon_did_not_read_is_the_full_commands(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """``$GPUWATCH_CONFIG`` naming another file than the daemon's, even a copy of it byte
+    for byte, is read by the full command; one it refuses is refused (exit 2, one line)."""
+    config, copy, bad = (tmp_path / name for name in ("config.yaml", "copy.yaml", "bad.yaml"))
+    config.write_text(EDITED)
+    copy.write_text(EDITED)
+    bad.write_text(EDITED.replace("verbose: false", "verbose: maybe"))
+    with daemon_with(host, tmp_path, config) as sock:
+        where = ["--socket", sock, "--root", str(host.root)]
+        for argv in FAST_ARGVS:
+            assert_fast([*argv, *where], {"GPUWATCH_CONFIG": str(copy)}, False)
+            code, out, err = run_spied([*argv, *where], {"GPUWATCH_CONFIG": str(bad)})
+            assert (code, out) == (2, b""), argv
+            assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
+                [f"gpuwatch: {bad}: verbose: must be true or false, not 'maybe'"], argv
+
+
+def test_the_root_a_config_file_names_is_the_one_the_daemon_took_from_it(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """Without ``--root`` the config file's ``root`` is the command's. The daemon that took
+    its root from the file it read says so: the fast way answers for that root. One whose
+    ``--root`` overrode the file (another host) is no proof of what the file names."""
+    config = tmp_path / "config.yaml"
+    config.write_text(EDITED + f"root: {host.root}\n")
+    with daemon_with(host, tmp_path, config, root_flag=False) as sock:
+        env = {"GPUWATCH_CONFIG": str(config)}
+        for argv in FAST_ARGVS:
+            assert_fast([*argv, "--socket", sock], env, True,
+                        [*argv, "--socket", sock, "--root", str(host.root)])
+        # The default socket ($GPUWATCH_SOCKET) is asked for the host root only: this root
+        # is a fixture, which the full command scans itself.
+        code, out, err = run_spied(["probe", "detect-gpu"], {**env, "GPUWATCH_SOCKET": sock})
+        assert (code, out) == (0, b'{"action":"detect-gpu","result":true}\n')
+        assert "HEAVY=\n" not in err
+    # The daemon's --root overrode the file's, which names no folder: every command
+    # refuses that root, however the daemon is asked for (--socket, $GPUWATCH_SOCKET).
+    gone = tmp_path / "gone"
+    config.write_text(EDITED + f"root: {gone}\n")
+    with daemon_with(host, tmp_path, config) as sock:  # --root the GPU host's
+        for argv in FAST_ARGVS:
+            for ask in ([*argv, "--socket", sock], argv):
+                code, out, err = run_spied(
+                    ask, {"GPUWATCH_CONFIG": str(config), "GPUWATCH_SOCKET": sock})
+                assert (code, out) == (2, b""), ask
+                assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
+                    [f"gpuwatch: {config}: root: '{gone}' is not a directory"], ask
+
+
+async def test_a_daemon_without_the_config_method_is_no_proof(
+    host: SysRoot, sockdir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon of an earlier release answers ``config`` with ``unknown-method``: the full
+    command reads the file. (This in-process daemon says it read the file, to show that the
+    method alone makes the difference.)"""
+    config = tmp_path / "config.yaml"
+    config.write_text(EDITED)
+    root = str(host.root)
+    said = served_config(load_settings(config=str(config), env={}, resolve_groups=False))
+    async with served_watcher(root, f"{sockdir}/gw.sock", config=said) as served:
+        argv = ["probe", "detect-gpu", "--socket", served.path, "--root", root]
+        env = {"GPUWATCH_CONFIG": str(config)}
+        for known, fast in ((P.METHODS, True), (P.METHODS - {"config"}, False)):
+            monkeypatch.setattr(P, "METHODS", known)
+            code, out, err = await anyio.to_thread.run_sync(run_spied, argv, env)
             assert (code, out) == (0, b'{"action":"detect-gpu","result":true}\n')
-            assert ("HEAVY=\n" in err) == fast, text
+            assert ("HEAVY=\n" in err) == fast, known
+
+
+def test_the_fast_path_and_the_loader_agree_on_a_files_identity(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(EDITED)
+    _, identity = read_config_file_as_read(config)
+    assert config_identity(str(config)) == list(identity) == list(file_identity(config.stat()))
+    assert config_identity(str(tmp_path)) is None  # a folder: the full command's to refuse
+    assert config_identity(str(tmp_path / "none.yaml")) is None
+    os.mkfifo(tmp_path / "fifo.yaml")  # never opened (no writer: an open could block)
+    assert config_identity(str(tmp_path / "fifo.yaml")) is None
 
 
 async def test_a_config_file_the_daemon_would_refuse_is_refused_when_the_daemon_answers(

@@ -137,7 +137,33 @@ def test_a_root_the_file_spells_as_a_number_is_the_root_everywhere(tmp_path: Pat
         done = subprocess.run(gpuwatch_cmd(*words, "--config", str(file)), capture_output=True,
                               text=True, env=env(), timeout=60, cwd=tmp_path)
         assert (done.returncode, done.stdout, done.stderr) == (
-            2, "", "gpuwatch: --root '5' is not a directory\n"), words
+            2, "", f"gpuwatch: {file}: root: '5' is not a directory\n"), words
+
+
+@pytest.mark.parametrize("words", [["probe", "detect-host-devices"], ["status"], ["list"],
+                                   ["holders"], ["plan", "vfio"],
+                                   ["watch", "--source", "file:/dev/null", "--log", "-"]],
+                         ids=" ".join)
+def test_a_root_that_is_no_folder_is_blamed_on_what_named_it(
+        tmp_path: Path, words: list[str]) -> None:
+    """``GPUWATCH_ROOT=/nonexist gpuwatch status`` said ``--root '/nonexist' is not a
+    directory``, a flag nobody gave: the line names the variable (or the file and key), as
+    every bad setting's does (docs/service.md)."""
+    gone = str(tmp_path / "nonexist")
+    done = subprocess.run(gpuwatch_cmd(*words), capture_output=True, text=True,
+                          env={**env(), "GPUWATCH_ROOT": gone}, timeout=60, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"gpuwatch: environment GPUWATCH_ROOT: {gone!r} is not a directory\n")
+    file = tmp_path / "config.yaml"
+    file.write_text(f"root: {gone}\n")
+    done = subprocess.run(gpuwatch_cmd(*words), capture_output=True, text=True,
+                          env={**env(), "GPUWATCH_CONFIG": str(file)}, timeout=60, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"gpuwatch: {file}: root: {gone!r} is not a directory\n")
+    done = subprocess.run(gpuwatch_cmd(*words, "--root", gone), capture_output=True, text=True,
+                          env={**env(), "GPUWATCH_CONFIG": str(file)}, timeout=60, cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"gpuwatch: --root {gone!r} is not a directory\n")
 
 
 @pytest.mark.parametrize("words", [["probe", "detect-host-devices"], ["status"], ["list"]],

@@ -366,8 +366,9 @@ def test_access_policy(uid: int, groups: set[int], read: bool, switch: bool) -> 
     policy = AccessPolicy(read_gid=READERS, switch_gid=SWITCHERS)
     peer = PeerCred(pid=1, uid=uid, gid=uid, groups=frozenset(groups | {uid}))
     assert [
-        policy.allows(m, peer) for m in ("probe", "snapshot", "subscribe", "plan", "holders")
-    ] == [read] * 5
+        policy.allows(m, peer)
+        for m in ("probe", "snapshot", "subscribe", "plan", "holders", "config")
+    ] == [read] * 6
     assert [policy.allows(m, peer) for m in ("switch", "recover")] == [switch] * 2
 
 

@@ -827,7 +827,12 @@ async def test_switch_delegates_and_maps_each_error(
         ("plan", {"mode": "vfio", "addr": NV, "vendor": "0x10de"}, "not both"),
         ("plan", {"mode": "host"}, "vfio or nvidia"),
         ("plan", {}, "'mode' is required"),
-        ("switch", {"mode": "vfio", "timeout": -1}, "non-negative"),
+        # Finite and above 0: -1 was called "not non-negative", as if 0 were allowed.
+        ("switch", {"mode": "vfio", "timeout": -1},
+         "switch: 'timeout' must be a positive number, not -1"),
+        ("switch", {"mode": "vfio", "timeout": 0},
+         "switch: 'timeout' must be a positive number, not 0"),
+        ("recover", {"timeout": 0.0}, "recover: 'timeout' must be a positive number, not 0.0"),
         ("switch", {"mode": "vfio", "tolerant": "yes"}, "true or false"),
         ("recover", {"addr": 13}, "a string"),
         ("holders", {"mode": "vfio"}, "unknown parameter 'mode'"),
@@ -1317,3 +1322,42 @@ async def test_a_subscriber_that_sent_eof_is_streamed_to_until_it_hangs_up(
         with anyio.fail_after(10):  # polled once a second
             while served.server.connections:
                 await anyio.sleep(0.05)
+
+
+def test_config_names_the_file_the_daemon_read_and_where_its_root_came_from(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """``config``: the file a real daemon read and checked at start, by path and identity
+    (what `os.stat` of it shows while it is unchanged), and its root with where that came
+    from: what a command needs to know its own file is that one, without reading it."""
+    from daemon_helpers import Daemon, Lines, connect
+
+    from gpuwatch.settings import file_identity
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"log_keep: 3\nroot: {host.root}\n")
+    for root_flag, root_from in ((True, "flag"), (False, "file")):
+        with short_socket_dir() as sockdir:
+            work = tmp_path / f"work-{root_flag}"
+            work.mkdir()
+            sock = f"{sockdir}/gw.sock"
+            with Daemon(host.root, work, sock, "--config", str(config), root_flag=root_flag), \
+                    connect(sock) as s:
+                lines = Lines(s)
+                assert lines.request("config") == {"id": 1, "result": {
+                    "path": str(config), "identity": list(file_identity(config.stat())),
+                    "root": str(host.root), "root_from": root_from}}
+                reply = lines.request("config", {"path": "/etc"}, rid=2)
+                assert reply["error"]["code"] == P.INVALID_PARAMS, reply
+
+
+async def test_config_of_a_server_given_no_settings_names_no_file(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """A server built in a program of its own read no file for it: none is named, and its
+    root is the caller's (``flag``), so no command takes a file's root from it."""
+    async with daemon(host, sockdir, tmp_path) as served:
+        c = await Raw.connect(served.path)
+        assert (await c.request("config"))["result"] == {
+            "path": None, "identity": None, "root": str(host.root), "root_from": "flag"}
+        await c.aclose()

@@ -45,9 +45,12 @@ def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> No
         )
 
 
-def check_root(root: str) -> None:
+def check_root(root: str, where: str | None = None) -> None:
+    """A root that is no folder is a usage error, blamed on what named it: ``--root``, or
+    ``where`` (``environment GPUWATCH_ROOT``, ``FILE: root``), as every bad setting is."""
     if not os.path.isdir(root):
-        raise UsageProblem(f"--root {root!r} is not a directory")
+        raise UsageProblem(f"--root {root!r} is not a directory" if where is None
+                           else f"{where}: {root!r} is not a directory")
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

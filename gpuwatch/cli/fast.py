@@ -55,9 +55,6 @@ ROOT_ENV = "GPUWATCH_ROOT"
 #: default one when it exists.
 CONFIG_ENV = "GPUWATCH_CONFIG"
 DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
-#: What `service install` writes there (``gpuwatch/data/config.yaml``).
-SHIPPED_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "data", "config.yaml")
 
 
 def _split(
@@ -396,54 +393,64 @@ def ask_many(path: str, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Any
     return results
 
 
-def _read_small(path: str) -> bytes | None:
-    """A regular file's bytes (at most 1 MiB, opened without blocking), else None."""
+def config_in_force() -> str | None:
+    """The config file the full command reads (`gpuwatch.settings.config_file_path` without
+    ``--config``, which this path never takes): ``$GPUWATCH_CONFIG``, else the default one
+    when it exists."""
+    return os.environ.get(CONFIG_ENV) or (
+        DEFAULT_CONFIG_PATH if os.path.isfile(DEFAULT_CONFIG_PATH) else None)
+
+
+def config_identity(path: str) -> list[int] | None:
+    """`gpuwatch.settings.file_identity` of the file at ``path``, as JSON carries it, taken
+    as the full command's loader opens it (links followed, a regular file checked before the
+    open, read access): None where the full command could not read it (it says why)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except (OSError, ValueError):
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, (1 << 20) + 1)
-        return data if len(data) <= 1 << 20 else None
+        st = os.fstat(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def config_as_shipped() -> bool:
-    """No config file in force, or the one `service install` writes, unedited: its root is
-    ``/`` and every value in it is valid. Any other file may name another root, or hold a
-    value the full command refuses (exit 2, docs/service.md): reading it takes PyYAML, so it
-    is the full command's to read, never skipped here."""
-    path = os.environ.get(CONFIG_ENV) or (
-        DEFAULT_CONFIG_PATH if os.path.isfile(DEFAULT_CONFIG_PATH) else None)
-    if path is None:
-        return True
-    text, shipped = _read_small(path), _read_small(SHIPPED_CONFIG)
-    return text is not None and shipped is not None and \
-        _settings_lines(text) == _settings_lines(shipped)
+def served_root(served: Any, identity: list[int]) -> tuple[bool, str | None]:
+    """What a daemon's ``config`` answer proves of the config file in force: whether it is
+    the very file the daemon read and checked at start, unchanged since (its identity; the
+    file is then valid: the daemon refuses to start on one a command would refuse), and if
+    so the root that file gives a command without ``--root``: the daemon's, where it took it
+    from the file, or ``/`` where the file names none (``root_from`` ``default``). A root
+    the daemon took from a flag or its environment says nothing of the file's: None."""
+    if not (isinstance(served, dict) and served.get("identity") == identity
+            and _str(served.get("root"))):
+        return False, None
+    root: str = served["root"]
+    return True, root if served.get("root_from") in ("file", "default") else None
 
 
-def _settings_lines(text: bytes) -> list[bytes]:
-    """The lines that set something, each without its trailing comment: the file of another
-    release of gpuwatch (other comments, more keys commented out) reads as the same."""
-    lines = []
-    for line in text.split(b"\n"):
-        bare = line.split(b" #", 1)[0].rstrip()
-        if bare and not bare.lstrip().startswith(b"#"):
-            lines.append(bare)
-    return lines
+def _gives_root(argv: Sequence[str]) -> bool:
+    return any(word == "--root" or word.startswith("--root=") for word in argv)
 
 
 def run_fast(argv: Sequence[str]) -> int | None:
-    """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here."""
-    if ROOT_ENV in os.environ and "--root" not in argv:
+    """Answer ``gpuwatch probe|holders …`` through the daemon with the stdlib; None: not here.
+
+    A config file in force is never read here (that takes PyYAML): the daemon is asked, on
+    the same connection, which file it read and checked at start (``config``). Only when it
+    is this very file, unchanged, is the answer printed: the file is valid, and its root is
+    known. Anything else (another file, an edit since, a daemon without that method) is the
+    full command's, which reads the file and refuses a bad one (docs/service.md)."""
+    root_given = _gives_root(argv)
+    if ROOT_ENV in os.environ and not root_given:
         return None  # the host it names may not be the one the default socket's daemon watches
-    if not config_as_shipped():
-        return None  # a root of its own, or a bad value: the full command reads the file
     probe = parse_probe(argv)
     holders = parse_holders(argv) if probe is None else None
     plan = parse_plan(argv) if probe is None and holders is None else None
@@ -455,11 +462,28 @@ def run_fast(argv: Sequence[str]) -> int | None:
         method, params, root, explicit = "plan", plan[0], plan[2], plan[3]
     else:
         return None
+    config = config_in_force()
+    identity = config_identity(config) if config is not None else None
+    if config is not None and identity is None:
+        return None  # no regular file there: the full command says so
     path = daemon_socket(root, explicit)
     if path is None:
         return None
     try:
-        result = ask(path, method, params)
+        calls: list[tuple[str, dict[str, Any]]] = [(method, params)]
+        if identity is not None:
+            calls.insert(0, ("config", {}))  # an older daemon: unknown-method, no answer
+        *served, result = ask_many(path, calls)
+        if identity is not None:
+            same, file_root = served_root(served[0], identity)
+            if not same:
+                return None  # not the file the daemon checked: the full command reads it
+            # Without --root the file's root is the command's (the full command's rule):
+            # known here only from the daemon's, and the socket the full command would ask
+            # for it must be the one just asked.
+            if not root_given and (file_root is None
+                                   or daemon_socket(file_root, explicit) != path):
+                return None
         if not (is_holders_report(result) if holders is not None
                 else is_plan(result) if plan is not None
                 else is_probe_result(params["action"], result)):
@@ -499,8 +523,9 @@ def reader_may_leave() -> Iterator[None]:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
-__all__ = ["PROBE_SHAPES", "UNANSWERED", "compact", "daemon_socket", "is_holders_report",
+__all__ = ["PROBE_SHAPES", "UNANSWERED", "compact", "config_identity", "config_in_force",
+           "daemon_socket", "is_holders_report",
            "is_plan", "is_probe_result",
            "parse_holders", "parse_plan",
            "parse_probe", "print_holders", "print_plan", "reader_may_leave", "render_plan",
-           "run_fast", "socket_path"]
+           "run_fast", "served_root", "socket_path"]

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, check_root, fail
 from gpuwatch.errors import (
     EXIT_INTERRUPTED,
     INVALID_PARAMS,
@@ -277,13 +277,15 @@ def _main(words: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "resolve_root", False):
-            from gpuwatch.settings import check_config_in_force, root_in_force
+            from gpuwatch.settings import check_config_in_force, root_and_where
 
             # Checked whole even when the daemon answers and nothing of it is used.
             check_config_in_force(getattr(args, "config", None))
             if args.root is None:
                 # The daemon's root: a direct run and the daemon must look at the same host.
-                args.root = root_in_force(None, getattr(args, "config", None))
+                args.root, where = root_and_where(None, getattr(args, "config", None))
+                if where is not None:
+                    check_root(args.root, where)  # named by the variable or the file
         code: int = args.func(args)
         return code
     except (BrokenPipeError, OutputFailed):

@@ -30,7 +30,7 @@ from gpuwatch.cli.common import (
 from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
-from gpuwatch.settings import SETTINGS, WatchSettings, load_settings
+from gpuwatch.settings import SETTINGS, WatchSettings, load_settings, where_set
 from gpuwatch.sources import SourceUnavailable
 from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
 
@@ -291,7 +291,9 @@ def run(args: argparse.Namespace) -> int:
     progress: dict[str, bool] = {}
     try:
         settings = settings_from_args(args)
-        check_root(settings.root)
+        origin = settings.origins.get("root")
+        check_root(settings.root, None if origin in (None, "flag") else
+                   where_set("root", origin, settings.config_path))
         setup_logging(settings.verbose)
         # Signals wait while the log is opened: one arriving then is handled (below) with
         # the log in hand, so even it leaves a `stopped` record.

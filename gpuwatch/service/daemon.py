@@ -14,7 +14,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -105,6 +105,7 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                     root_reserve=settings.socket_root_reserve, log_keep=settings.log_keep,
                     stall_timeout=settings.socket_stall_timeout,
                     outbox_limit=settings.socket_max_output_bytes,
+                    config=served_config(settings),
                 )
                 services.server = server
                 await tg.start(server.serve, name="gpuwatch-socket")
@@ -127,6 +128,19 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
                 nfd.close()
 
 
+def served_config(settings: WatchSettings) -> dict[str, Any]:
+    """What the socket's ``config`` method answers (docs/socket.md): the config file this
+    daemon read and checked at start, by path and `gpuwatch.settings.file_identity` (None
+    for none), and its root with where that came from. A command whose config file in
+    force shows the same identity knows, without reading it, that the file is valid and
+    what its ``root`` says (``root_from`` ``file`` or ``default``): the stdlib fast path's
+    proof (`gpuwatch.cli.fast`)."""
+    identity = settings.config_identity
+    return {"path": settings.config_path,
+            "identity": list(identity) if identity is not None else None,
+            "root": settings.root, "root_from": settings.origins.get("root", "default")}
+
+
 def freeze_startup_heap() -> None:
     """Move what start-up built (modules, schemas, the initial model) out of the collector's
     sight: a daemon keeps nearly all of it for life, and every full collection during a uevent
@@ -147,4 +161,5 @@ def _status(watcher: Host, settings: WatchSettings) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["ServiceSetupError", "Services", "freeze_startup_heap", "run_services"]
+__all__ = ["ServiceSetupError", "Services", "freeze_startup_heap", "run_services",
+           "served_config"]

@@ -66,7 +66,7 @@ def _mode(params: P.Params, *, required: bool) -> str | None:
 
 
 def _timeout(params: P.Params) -> float | None:
-    timeout = params.opt_float("timeout")
+    timeout = params.opt_positive_float("timeout")
     if timeout is not None and timeout > MAX_SWITCH_TIMEOUT:
         raise P.RpcError(P.INVALID_PARAMS, f"{params.method}: timeout must be at most "
                          f"{MAX_SWITCH_TIMEOUT:g} seconds, not {timeout:g}: a stopping daemon "

@@ -25,7 +25,8 @@ MAX_LINE: Final = 64 << 10
 MAX_DEPTH: Final = strictjson.MAX_DEPTH
 
 #: Methods anyone allowed on the socket may call.
-READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders"})
+READ_METHODS: Final = frozenset({"probe", "snapshot", "subscribe", "plan", "holders",
+                                  "config"})
 #: Methods that change the host: root, or members of ``--switch-group``.
 SWITCH_METHODS: Final = frozenset({"switch", "recover"})
 METHODS: Final = READ_METHODS | SWITCH_METHODS
@@ -195,13 +196,16 @@ class Params:
             return value
         raise self._bad(name, "an integer", value)
 
-    def opt_float(self, name: str) -> float | None:
+    def opt_positive_float(self, name: str) -> float | None:
+        """A number above 0 (a timeout: 0 would give up before trying). JSON holds no NaN
+        nor Infinity (refused while decoding), and a number a double cannot hold is refused
+        here, so what is returned is finite."""
         value = self._get(name)
         if value is None:
             return None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if value < 0:
-                raise self._bad(name, "a non-negative number", value)
+            if value <= 0:
+                raise self._bad(name, "a positive number", value)
             try:  # an integer of 400 digits is valid JSON but no float
                 return float(value)
             except OverflowError:

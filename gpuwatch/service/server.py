@@ -32,7 +32,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -1041,8 +1041,13 @@ class SocketServer:
         log_keep: int = 5,
         groups_timeout: float = GROUPS_TIMEOUT,
         output_budget: int = DEFAULT_OUTPUT_BUDGET,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self.watcher = watcher
+        #: What the ``config`` method answers (`served_config`): without it, no file, and a
+        #: root the caller named (a client whose root would come from its file asks itself).
+        self.config = dict(config) if config is not None else {
+            "path": None, "identity": None, "root": watcher.paths.root, "root_from": "flag"}
         self.path = os.fspath(path)
         self.policy = AccessPolicy(read_gid=read_gid, switch_gid=switch_gid,
                                    owner_uid=os.geteuid())
@@ -1558,6 +1563,9 @@ class SocketServer:
             elif method == "snapshot":
                 P.Params(method, req.params).done()
                 result = self.watcher.snapshot()
+            elif method == "config":
+                P.Params(method, req.params).done()
+                result = self.config
             elif method == "subscribe":
                 replay = self._subscribe(conn, req)
                 if replay is None:  # a replay counts once its reply goes (`_first_chunk`)
