@@ -157,13 +157,14 @@ def test_the_config_file_is_read_once(tmp_path: Path, monkeypatch: pytest.Monkey
     path = tmp_path / "config.yaml"
     path.write_text("log_keep: 3\ngpu_vendors:\n  '0x10de': NVIDIA\n")
     reads: list[object] = []
-    real = settings_module.read_config_file
+    # Every read of the file goes through `read_config_file_as_read` (`read_config_file` too).
+    real = settings_module.read_config_file_as_read
 
     def counting(p: object) -> object:
         reads.append(p)
         return real(p)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(settings_module, "read_config_file", counting)
+    monkeypatch.setattr(settings_module, "read_config_file_as_read", counting)
     settings = load_settings(config=str(path), env={}, resolve_groups=False)
     assert settings.log_keep == 3 and settings.tables().gpu_vendors == {"0x10de": "NVIDIA"}
     assert len(reads) == 1
