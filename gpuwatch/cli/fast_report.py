@@ -45,7 +45,7 @@ from gpuwatch.core.reporttext import (
     vf_ready,
 )
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.bootvga import listed_boot_vga
+from gpuwatch.hostfs.bootvga import listed_boot_vga, listed_framebuffers
 from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
 
@@ -131,6 +131,7 @@ class Remote:
         self.vfio: dict[str, Any] = _checked("detect-vfio", vfio)
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
         self._boot_vga: set[str] | None = None
+        self._framebuffers: set[str] = set()
         self._accessible: dict[int, bool] | None = None
 
     def members(self, gpu: dict[str, Any]) -> list[Fn]:
@@ -162,19 +163,25 @@ class Remote:
 
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         addrs = [g["addr"] for g in self.gpus]
+        displays = list(own_displays((g["addr"], g["physfn"]) for g in self.gpus))
         if self._boot_vga is None:  # once per report, not once per GPU
             listed = listed_boot_vga(self.root, addrs)
-            if listed is None:  # a tree without the bus listing: the scan's walk finds them
-                from gpuwatch.hostfs.scan import read_boot_vga
+            # Framebuffers count only for the host's one display (`kept_for_host_reason`).
+            only = displays if len(displays) == 1 else []
+            fbs = listed_framebuffers(self.root, only)
+            if listed is None or fbs is None:
+                # A tree without the bus listing: the scan's walk finds them.
+                from gpuwatch.hostfs.scan import read_boot_vga, read_framebuffers
 
-                listed = read_boot_vga(self.root, addrs)
-            self._boot_vga = set(listed)
+                listed = read_boot_vga(self.root, addrs) if listed is None else listed
+                fbs = read_framebuffers(self.root, only) if fbs is None else fbs
+            self._boot_vga, self._framebuffers = set(listed), set(fbs)
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables["host_console_drivers"],
                                     console_devices=self.tables.get(
                                         "host_console_devices", ()),
-                                    boot_vga=self._boot_vga, host_displays=own_displays(
-                                        (g["addr"], g["physfn"]) for g in self.gpus))
+                                    boot_vga=self._boot_vga, host_displays=displays,
+                                    framebuffers=self._framebuffers)
 
 
 class Local(Remote):

@@ -23,6 +23,7 @@ def kept_for_host_reason(
     boot_vga: Collection[str],
     host_displays: Iterable[str],
     console_devices: Collection[str] = (),
+    framebuffers: Collection[str] = (),
 ) -> str:
     """Why this IOMMU group stays with the host, or ``""`` when it may be passed through.
 
@@ -31,7 +32,11 @@ def kept_for_host_reason(
     with its driver blacklisted or not loaded yet is still the BMC's), or when its display
     function has ``boot_vga`` 1 and is the only display function on the host
     (``host_displays``: every display-class address that is no SR-IOV virtual function, see
-    `own_displays`).
+    `own_displays`), or when it is the only display function and a framebuffer device hangs
+    beneath it (``framebuffers``, see `gpuwatch.hostfs.bootvga.framebuffer_names`): the
+    host's console on a display with no ``boot_vga`` file (only VGA-class functions have one:
+    QEMU's bochs-display and virtio-gpu at class 0x0380, a 3D controller that took the
+    console over from the firmware's framebuffer).
     """
     ordered = sorted(members, key=lambda m: m.addr)
     consoles = [f"{fn.addr} ({fn.driver})" for fn in ordered
@@ -52,6 +57,11 @@ def kept_for_host_reason(
         if is_gpu_class(fn.class_) and fn.addr in boot_vga and displays <= {fn.addr}:
             return (f"{fn.addr} is the host's boot display (boot_vga 1) and its only display "
                     "function: passing it through leaves the host without a console")
+    for fn in ordered:
+        if is_gpu_class(fn.class_) and fn.addr in framebuffers and displays <= {fn.addr}:
+            return (f"{fn.addr} carries the host's framebuffer console (a graphics fbN device) "
+                    "and is its only display function: passing it through leaves the host "
+                    "without a console")
     return ""
 
 

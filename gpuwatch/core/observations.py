@@ -119,6 +119,21 @@ class DrmGone:
 
 
 @dataclass(frozen=True, slots=True)
+class FramebufferSeen:
+    """A framebuffer device (``fb0``: ``graphics`` class) and the PCI function it hangs
+    beneath, ``""`` for none (the firmware's framebuffer on a platform device, a virtual
+    one): that function's driver, or the firmware, shows the host's console on it."""
+
+    name: str
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class FramebufferGone:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class ModuleSeen:
     """Whether ``sys/module/<name>`` exists."""
 
@@ -181,6 +196,8 @@ Observation = (
     | VgpusSeen
     | DrmSeen
     | DrmGone
+    | FramebufferSeen
+    | FramebufferGone
     | ModuleSeen
     | KfdSeen
     | NodeSeen
@@ -200,6 +217,8 @@ OBSERVATION_TYPES = (
     VgpusSeen,
     DrmSeen,
     DrmGone,
+    FramebufferSeen,
+    FramebufferGone,
     ModuleSeen,
     KfdSeen,
     NodeSeen,
@@ -220,3 +239,5 @@ class Snapshot:
     nodes: NodesSeen
     cdi: CdiSeen
     iommu: IommuSeen
+    #: The framebuffer devices beneath display functions (`FramebufferSeen`).
+    framebuffers: tuple[FramebufferSeen, ...] = ()

@@ -43,6 +43,8 @@ from gpuwatch.core.observations import (
     DrmGone,
     DrmSeen,
     DrmWedgeSeen,
+    FramebufferGone,
+    FramebufferSeen,
     IommuSeen,
     KfdSeen,
     ModuleSeen,
@@ -166,6 +168,8 @@ class HostState:
         self.devpaths: dict[str, str] = {}
         #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
         self.boot_vga: set[str] = set()
+        #: Framebuffer device (``fb0``) → the PCI function it hangs beneath (``""``: none).
+        self.framebuffers: dict[str, str] = {}
         self.groups: dict[int, set[str]] = {}
         self._gpu_addrs: list[str] = []  # sorted
         self._gpu_info: dict[str, GpuInfo] = {}  # cache; an absent GPU entry is stale
@@ -284,6 +288,9 @@ class HostState:
         seen_drm = {d.name for d in snapshot.drm}
         obs.extend(DrmGone(name) for name in self.drm if name not in seen_drm)
         obs.extend(snapshot.drm)
+        seen_fb = {f.name for f in snapshot.framebuffers}
+        obs.extend(FramebufferGone(name) for name in self.framebuffers if name not in seen_fb)
+        obs.extend(snapshot.framebuffers)
         # Modules as one set difference, not an observation each: a host loads a hundred of
         # them, and that loop alone was a sixth of a fresh scan on a small host.
         loaded = snapshot.modules
@@ -318,6 +325,10 @@ class HostState:
             self._drm_seen(obs)
         elif isinstance(obs, DrmGone):
             self._drm_gone(obs.name)
+        elif isinstance(obs, FramebufferSeen):
+            self.framebuffers[obs.name] = obs.addr
+        elif isinstance(obs, FramebufferGone):
+            self.framebuffers.pop(obs.name, None)
         elif isinstance(obs, ModuleSeen):
             self._module_seen(obs)
         elif isinstance(obs, KfdSeen):
@@ -944,6 +955,7 @@ class HostState:
             console_devices=self.tables.host_console_devices,
             boot_vga=self.boot_vga,
             host_displays=own_displays((a, self.functions[a].physfn) for a in self._gpu_addrs),
+            framebuffers=set(self.framebuffers.values()),
         )
 
     def gpu_addrs(self) -> Sequence[str]:

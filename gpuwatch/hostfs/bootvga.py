@@ -1,9 +1,11 @@
-"""Which displays the firmware booted on, read without the scan's machinery.
+"""Which displays the firmware booted on, and which carry a framebuffer, read without the
+scan's machinery.
 
 `gpuwatch status` and `list` answered by a daemon hold no scan, yet must keep the boot display
-for the host: they read ``boot_vga`` themselves. Importing the scan for that alone cost the
-stdlib fast path more than the rest of the command, so the common case (every function has
-its bus entry) lives here, and only a tree without the listing needs the scan's walk.
+for the host: they read ``boot_vga`` (and a display's framebuffer devices) themselves.
+Importing the scan for that alone cost the stdlib fast path more than the rest of the command,
+so the common case (every function has its bus entry) lives here, and only a tree without the
+listing needs the scan's walk.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 
-from gpuwatch.hostfs.files import in_root, read_attr, tree_dir
+from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
 
 def listed_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str] | None:
@@ -22,3 +24,43 @@ def listed_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str] | None:
     if not all(os.path.lexists(entry) for _, entry in entries):
         return None
     return frozenset(a for a, entry in entries if read_attr(entry + "/boot_vga") == "1")
+
+
+def is_framebuffer(name: str) -> bool:
+    """``fb0``, ``fb1``…: a framebuffer device of the ``graphics`` class (not ``fbcon``,
+    the console's own device there)."""
+    return name.startswith("fb") and name[2:].isascii() and name[2:].isdigit()
+
+
+def framebuffer_names(directory: str) -> list[str]:
+    """The framebuffer devices (``fbN``) beneath a PCI function's folder, sorted: in its own
+    ``graphics/`` folder (the fbdev emulation of the DRM driver bound to it: i915, amdgpu,
+    bochs, nouveau…) or in that of a device one level below it (virtio-gpu registers on
+    ``virtioN``; from Linux 6.9 on the firmware's framebuffer, ``simple-framebuffer.0``, is
+    a child of the function whose memory it shows). Only real folders are entered, never a
+    link: ``physfn`` leads to another function, ``driver`` to a driver. A captured copy of
+    the folder holds the same folders, so it answers the same."""
+    own = directory + "/graphics"
+    found = ([n for n in list_dir(own) if is_framebuffer(n)]
+             if present(own, follow_symlinks=False) else [])
+    try:
+        with os.scandir(directory) as entries:
+            children = [e.name for e in entries
+                        if e.name != "graphics" and e.is_dir(follow_symlinks=False)]
+    except (OSError, ValueError):
+        return sorted(found)
+    for child in children:
+        graphics = f"{directory}/{child}/graphics"
+        if present(graphics, follow_symlinks=False):
+            found.extend(n for n in list_dir(graphics) if is_framebuffer(n))
+    return sorted(found)
+
+
+def listed_framebuffers(root: str, addrs: Collection[str]) -> frozenset[str] | None:
+    """Those of ``addrs`` with a framebuffer device beneath them (`framebuffer_names`), each
+    read through its bus entry; None when one has no entry (as `listed_boot_vga`)."""
+    bus = os.path.join(tree_dir(root, "sys"), "bus/pci/devices")
+    entries = [(a, in_root(root, f"{bus}/{a}")) for a in addrs]
+    if not all(os.path.lexists(entry) for _, entry in entries):
+        return None
+    return frozenset(a for a, entry in entries if framebuffer_names(entry))

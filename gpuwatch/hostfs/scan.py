@@ -22,6 +22,8 @@ from gpuwatch.core.observations import (
     DriversSeen,
     DrmGone,
     DrmSeen,
+    FramebufferGone,
+    FramebufferSeen,
     IommuSeen,
     KfdSeen,
     ModuleSeen,
@@ -40,7 +42,12 @@ from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_gro
 from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.bootvga import listed_boot_vga
+from gpuwatch.hostfs.bootvga import (
+    framebuffer_names,
+    is_framebuffer,
+    listed_boot_vga,
+    listed_framebuffers,
+)
 from gpuwatch.hostfs.files import (
     driver_name,
     group_name,
@@ -126,6 +133,7 @@ class HostPaths:
         self.sys = tree_dir(self.root, "sys")
         self.bus_pci = os.path.join(self.sys, "bus/pci/devices")
         self.class_drm = os.path.join(self.sys, "class/drm")
+        self.class_graphics = os.path.join(self.sys, "class/graphics")
         self.module = os.path.join(self.sys, "module")
         self.iommu_groups = os.path.join(self.sys, "kernel/iommu_groups")
         self.class_iommu = os.path.join(self.sys, "class/iommu")
@@ -815,6 +823,45 @@ def read_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str]:
                      if read_attr(function_dir(paths, a) + "/boot_vga") == "1")
 
 
+def read_framebuffers(root: str, addrs: Collection[str]) -> frozenset[str]:
+    """Those of ``addrs`` with a framebuffer device beneath them (`framebuffer_names`), for
+    a report that holds no scan, read as `read_boot_vga` reads ``boot_vga``."""
+    listed = listed_framebuffers(root, addrs)
+    if listed is not None:
+        return listed
+    paths = HostPaths(root)
+    if addrs and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
+        paths.walked = dict(walk_functions(paths.sys))
+    return frozenset(a for a in addrs if framebuffer_names(function_dir(paths, a)))
+
+
+def scan_framebuffers(paths: HostPaths, functions: Sequence[PciSeen]
+                      ) -> tuple[FramebufferSeen, ...]:
+    """The framebuffer devices beneath each display function that is no SR-IOV virtual
+    function (the displays `gpuwatch.core.hostkeep` asks about): one folder listing and a
+    look one level down per display, nothing for the other functions."""
+    return tuple(FramebufferSeen(name, fn.addr) for fn in functions
+                 if is_gpu_class(fn.klass) and not fn.physfn
+                 for name in framebuffer_names(function_dir(paths, fn.addr)))
+
+
+def read_framebuffer(paths: HostPaths, name: str, devpath: str
+                     ) -> FramebufferSeen | FramebufferGone:
+    """One framebuffer device after its ``graphics`` uevent: there or gone, and the PCI
+    function its devpath names (the nearest address above it: ``…/0000:00:02.0/graphics/
+    fb0``, ``…/0000:00:01.0/virtio0/graphics/fb0``). A devpath not spelled as the kernel's
+    is taken from the ``sys/class/graphics`` entry."""
+    if not kernel_devpath(devpath):
+        devpath = _class_entry(paths, os.path.join(paths.class_graphics, name))[1]
+        if not devpath:
+            return FramebufferGone(name)
+    above = devpath.split("/")[:-1]
+    addr = next((part for part in reversed(above) if is_pci_addr(part)), "")
+    if os.path.isdir(paths.sys + devpath) or (addr and _drm_on_bus(paths, devpath)):
+        return FramebufferSeen(name, addr)
+    return FramebufferGone(name)
+
+
 # --------------------------------------------------------------------------- DRM
 
 
@@ -865,10 +912,11 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None,
 
 
 def _drm_on_bus(paths: HostPaths, devpath: str) -> str:
-    """The node's folder inside the copy of its PCI function in ``sys/bus/pci/devices``, for
-    a tree that copied the functions there but not ``sys/devices``: the class entry's link
-    then dangles, but its devpath (``…/0000:03:00.0/drm/card0``, ``…/0000:00:01.0/virtio0/
-    drm/card0``) names the function and the way down from it. ``""`` when not there either."""
+    """The node's (a DRM minor's, a framebuffer device's) folder inside the copy of its PCI
+    function in ``sys/bus/pci/devices``, for a tree that copied the functions there but not
+    ``sys/devices``: the class entry's link then dangles, but its devpath
+    (``…/0000:03:00.0/drm/card0``, ``…/0000:00:01.0/virtio0/drm/card0``) names the function
+    and the way down from it. ``""`` when not there either."""
     parts = devpath.split("/")
     for i in range(len(parts) - 2, 0, -1):
         if is_pci_addr(parts[i]):
@@ -1108,6 +1156,7 @@ def scan_host(paths: HostPaths, tables: TablesView, functions: tuple[PciSeen, ..
     return Snapshot(
         functions=functions,
         drm=tuple(scan_drm(paths, {f.addr: f for f in functions})),
+        framebuffers=scan_framebuffers(paths, functions),
         modules=read_modules(paths),
         kfd=read_kfd(paths),
         nodes=scan_nodes(paths, tables),
@@ -1150,6 +1199,11 @@ def observe(paths: HostPaths, tables: TablesView, event: UEvent) -> list[Observa
     elif subsystem == "drm":
         if _DRM_NODE_RE.match(name):
             out.append(read_drm(paths, name, event.devpath))
+    elif subsystem == "graphics":
+        # A DRM driver's fbdev emulation, or the firmware's framebuffer, came or went: the
+        # host's console moved (`gpuwatch.core.hostkeep`). ``fbcon`` is no framebuffer.
+        if is_framebuffer(name):
+            out.append(read_framebuffer(paths, name, event.devpath))
     elif subsystem == "vfio-dev":
         # .../<addr>/vfio-dev/vfioN. On add the node first, so the function sees it exists;
         # on remove the function first, so it lets go of its cdev in one change.

@@ -45,18 +45,21 @@ class RemoteModel:
         return bool(self._client.probe("vfio-group-accessible", group=group))
 
     def kept_for_host(self, addr: str) -> str:
-        """The same rule as the model's; ``boot_vga`` is in no probe answer, so it is read
-        from sysfs here, as `module_loaded` reads modules."""
+        """The same rule as the model's; ``boot_vga`` and the framebuffer devices are in no
+        probe answer, so they are read from sysfs here, as `module_loaded` reads modules."""
         from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
-        from gpuwatch.hostfs.scan import read_boot_vga
+        from gpuwatch.hostfs.scan import read_boot_vga, read_framebuffers
 
         gpus = [g.addr for g in self._vfio.gpus]
+        displays = list(own_displays((g.addr, g.physfn) for g in self._vfio.gpus))
         boot_vga = read_boot_vga(self.root, gpus)
+        # Framebuffers count only for the host's one display (`kept_for_host_reason`).
+        fbs = read_framebuffers(self.root, displays if len(displays) == 1 else [])
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
                                     console_devices=self.tables.host_console_devices,
-                                    boot_vga=boot_vga, host_displays=own_displays(
-                                        (g.addr, g.physfn) for g in self._vfio.gpus))
+                                    boot_vga=boot_vga, host_displays=displays,
+                                    framebuffers=fbs)
 
     def module_loaded(self, name: str) -> bool:
         # Module state is not in any probe answer; sysfs says it directly and cheaply.

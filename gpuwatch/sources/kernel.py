@@ -41,7 +41,7 @@ __all__ = [
 log = logging.getLogger("gpuwatch.sources")
 
 #: Subsystems whose uevents can change the GPU host model.
-SUBSYSTEMS = frozenset({"pci", "drm", "vfio", "vfio-dev", "module", "kfd"})
+SUBSYSTEMS = frozenset({"pci", "drm", "graphics", "vfio", "vfio-dev", "module", "kfd"})
 
 #: Big enough to absorb a full driver rebind storm while the loop is busy.
 DEFAULT_RECEIVE_BUFFER = 128 * 1024 * 1024

@@ -336,15 +336,18 @@ def hgx_h100_host(root: str | os.PathLike[str], *, gpus: int = 8, acs: bool = Tr
     return s
 
 
-def hybrid_laptop_host(root: str | os.PathLike[str], *, dgpu_class: str = "0x030200"
-                       ) -> SysRoot:
+def hybrid_laptop_host(root: str | os.PathLike[str], *, dgpu_class: str = "0x030200",
+                       fbdev: bool = False) -> SysRoot:
     """An Optimus laptop: the Intel iGPU (``i915``, boot_vga 1, card0/renderD128) drives the
     panel; the NVIDIA dGPU (an RTX 3050 Mobile, ``0x10de:0x25a2``, a 3D controller with no
     audio function and no ``boot_vga`` file, on ``nvidia``: card1/renderD129) sits behind the
     CPU's PEG port in its own group. IOMMU on by the distribution kernel's default (no
-    ``intel_iommu=`` on the command line)."""
+    ``intel_iommu=`` on the command line). ``fbdev``: i915's fbdev emulation holds the
+    console (``fb0``, ``i915drmfb``, under the iGPU)."""
     s = SysRoot(root)
     _add_console_igpu(s, "0x46a6", subsystem_vendor="0x17aa")
+    if fbdev:
+        s.add_framebuffer("fb0", "0000:00:02.0", fb_name="i915drmfb")
     s.add_bridge("0000:00:06.0", iommu_group=3, vendor=INTEL, device="0x464d")
     s.add_bridge("0000:00:01.0", iommu_group=1, vendor=INTEL, device="0x460d")
     s.add_function("0000:01:00.0", parent="0000:00:01.0", vendor=NVIDIA, device="0x25a2",
@@ -620,6 +623,98 @@ def bochs_guest_with_l4(root: str | os.PathLike[str]) -> SysRoot:
     return s
 
 
+#: QEMU's bochs-display (``-device bochs-display``): the stdvga's ids without its VGA class.
+BOCHS_DISPLAY = "0000:00:02.0"
+
+
+def bochs_display_viommu_guest(root: str | os.PathLike[str]) -> SysRoot:
+    """A QEMU q35 guest whose only display is ``bochs-display`` (``0x1234:0x1111``, class
+    0x0380 "Display controller": no VGA, so no ``boot_vga`` file), on ``bochs-drm``, whose
+    fbdev emulation holds the console (card0, ``fb0`` ``bochs-drmdrmfb``); with a virtual
+    IOMMU (``-device intel-iommu``, ``intel_iommu=on``), so every function is in an IOMMU
+    group and the display would be a passthrough candidate but for its console."""
+    s = SysRoot(root)
+    s.add_function("0000:00:00.0", vendor=INTEL, device="0x29c0", klass="0x060000",
+                   iommu_group=0, subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    s.add_function(BOCHS_DISPLAY, vendor="0x1234", device="0x1111", klass="0x038000",
+                   driver="bochs-drm", iommu_group=1, subsystem_vendor="0x1af4",
+                   subsystem_device="0x1100")
+    s.add_drm("card0", BOCHS_DISPLAY)
+    s.add_framebuffer("fb0", BOCHS_DISPLAY, fb_name="bochs-drmdrmfb")
+    s.add_function("0000:00:03.0", vendor="0x1af4", device="0x1041", klass="0x020000",
+                   driver="virtio-pci", iommu_group=2, subsystem_vendor="0x1af4",
+                   subsystem_device="0x1100")
+    s.add_function("0000:00:1f.0", vendor=INTEL, device="0x2918", klass="0x060100",
+                   driver="lpc_ich", iommu_group=3, subsystem_vendor="0x1af4",
+                   subsystem_device="0x1100")
+    for name in ("bochs", "virtio_net", "virtio_pci"):
+        s.add_module(name)
+    s.add_iommu_unit("dmar0")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-48-generic root=/dev/vda1 ro intel_iommu=on")
+    return s
+
+
+VIRTIO_GPU = "0000:00:01.0"
+
+
+def virtio_gpu_viommu_guest(root: str | os.PathLike[str]) -> SysRoot:
+    """A KVM guest whose only display is ``virtio-gpu-pci`` (``0x1af4:0x1050``, class 0x0380:
+    no VGA, no ``boot_vga`` file), bound to ``virtio-pci``; ``virtio_gpu`` drives its
+    ``virtio0`` device, which holds card0/renderD128 and the fbdev emulation's ``fb0``
+    (``virtio_gpudrmfb``): the console hangs one level below the PCI function. A
+    virtio-iommu (``0x1af4:0x1057``) puts every function in an IOMMU group."""
+    s = SysRoot(root)
+    s.add_function("0000:00:00.0", vendor=INTEL, device="0x29c0", klass="0x060000",
+                   iommu_group=0, subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    s.add_function(VIRTIO_GPU, vendor="0x1af4", device="0x1050", klass="0x038000",
+                   driver="virtio-pci", iommu_group=1, subsystem_vendor="0x1af4",
+                   subsystem_device="0x1100")
+    _add_virtio_device(s, VIRTIO_GPU, 0, "virtio_gpu", 16, ("card0", "renderD128"))
+    s.add_framebuffer("fb0", VIRTIO_GPU, under="virtio0", fb_name="virtio_gpudrmfb")
+    s.add_function("0000:00:02.0", vendor="0x1af4", device="0x1041", klass="0x020000",
+                   driver="virtio-pci", iommu_group=2, subsystem_vendor="0x1af4",
+                   subsystem_device="0x1100")
+    _add_virtio_device(s, "0000:00:02.0", 1, "virtio_net", 1)
+    s.add_function("0000:00:03.0", vendor="0x1af4", device="0x1057", klass="0x088000",
+                   driver="virtio-pci", subsystem_vendor="0x1af4", subsystem_device="0x1100")
+    _add_virtio_device(s, "0000:00:03.0", 2, "virtio_iommu", 23)
+    for name in ("virtio_gpu", "virtio_pci", "virtio_net", "virtio_iommu"):
+        s.add_module(name)
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-48-generic root=/dev/vda1 ro")
+    return s
+
+
+H100_PCIE = "0000:41:00.0"
+
+
+def headless_compute_host(root: str | os.PathLike[str]) -> SysRoot:
+    """A compute node with no console display at all: one NVIDIA H100 PCIe (``0x10de:0x2331``,
+    a 3D controller 0x0302: no ``boot_vga`` file) on ``nvidia`` in IOMMU group 40, with
+    nvidia-drm's card0/renderD128 but no framebuffer (no connector, so no fbdev), a NIC
+    and an NVMe drive. The H100 is its only display function, and no console of the
+    host's."""
+    s = SysRoot(root)
+    s.add_function("0000:00:00.0", vendor=AMD_CPU, device="0x14a4", klass="0x060000",
+                   iommu_group=0, subsystem_vendor=AMD_CPU)
+    s.add_bridge("0000:40:01.1", iommu_group=39, vendor=AMD_CPU, device="0x14ab")
+    s.add_function(H100_PCIE, parent="0000:40:01.1", vendor=NVIDIA, device="0x2331",
+                   klass="0x030200", driver="nvidia", iommu_group=40,
+                   subsystem_device="0x1626")
+    s.add_drm("card0", H100_PCIE)
+    s.add_drm("renderD128", H100_PCIE)
+    s.add_function("0000:c1:00.0", vendor="0x15b3", device="0x1021", klass="0x020000",
+                   driver="mlx5_core", iommu_group=50, subsystem_vendor="0x15b3")
+    s.add_function("0000:c2:00.0", vendor="0x144d", device="0xa80a", klass="0x010802",
+                   driver="nvme", iommu_group=51, subsystem_vendor="0x144d")
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "mlx5_core", "nvme"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    _add_amd_iommu(s)
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz ro console=ttyS0,115200 nvidia-drm.modeset=1")
+    return s
+
+
 #: An MI300X's SR-IOV VF (``lspci``: ``Aqua Vanjaram [Instinct MI300X VF] [1002:74b5]``).
 MI300X_VF = "0x74b5"
 
@@ -678,7 +773,9 @@ __all__ = [
     "amd_apu_dgpu_host",
     "arc_desktop_host",
     "bmc_server_host",
+    "bochs_display_viommu_guest",
     "bochs_guest_with_l4",
+    "headless_compute_host",
     "headless_host",
     "hgx_h100_host",
     "hpe_ilo_host",
@@ -692,6 +789,7 @@ __all__ = [
     "turing_desktop_host",
     "vfio_noiommu_host",
     "virtio_gpu_guest",
+    "virtio_gpu_viommu_guest",
     "vm_guest_host",
     "vmd_host",
 ]

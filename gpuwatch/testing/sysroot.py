@@ -44,6 +44,8 @@ __all__ = [
 Layout = Literal["symlink", "flat"]
 
 DRM_MAJOR = 226
+#: The framebuffer devices' major (``FB_MAJOR`` in include/uapi/linux/major.h).
+FB_MAJOR = 29
 KFD_MAJOR = 238
 VFIO_GROUP_MAJOR = 243
 VFIO_CDEV_MAJOR = 511
@@ -54,6 +56,7 @@ _ROOT_DIRS = (
     "sys/bus/pci/drivers",
     "sys/kernel/iommu_groups",
     "sys/class/drm",
+    "sys/class/graphics",
     "sys/class/iommu",
     "sys/module",
     "proc",
@@ -314,6 +317,7 @@ class SysRoot:
         self._nodes: dict[str, _Node] = {}
         self._gone_nodes: dict[str, _Node] = {}
         self._drm: dict[str, str] = {}  # name → devpath
+        self._fbs: dict[str, str] = {}  # framebuffer name → devpath
         self._modules: set[str] = set()
         self._roots: dict[str, str] = {}  # root complex name → its devpath
         self._iommu_units: dict[str, str] = {}  # unit name → its root-relative folder
@@ -864,6 +868,67 @@ class SysRoot:
             with contextlib.suppress(OSError):
                 os.rmdir(glue)  # the kernel drops the empty "drm" glue directory too
 
+    # ----------------------------------------------------------------- framebuffers
+
+    def add_framebuffer(self, name: str, addr: str | None, *, under: str = "",
+                        fb_name: str = "", dev_node: bool = True) -> str:
+        """A framebuffer device (``fbN``, ``graphics`` class) as register_framebuffer()
+        makes it: in the ``graphics/`` folder of function ``addr`` (a DRM driver's fbdev
+        emulation), or of the device ``under`` it (``virtio0`` for virtio-gpu,
+        ``simple-framebuffer.0`` for the firmware's framebuffer of Linux 6.9 on; a bare
+        folder is made for one not there yet); virtual when ``addr`` is None. ``fb_name``:
+        its ``name`` attribute (``bochs-drmdrmfb``). Returns its DEVPATH."""
+        m = re.fullmatch(r"fb([0-9]+)", name)
+        if m is None:
+            raise ValueError(f"not a framebuffer name: {name!r}")
+        if name in self._fbs:
+            raise DeviceExistsError(name)
+        if under:
+            _check_name(under, "device")
+        fn = None if addr is None else self._fn(addr)
+        if fn is None:
+            parent_rel, parent_devpath = "sys/devices/virtual", "/devices/virtual"
+        else:
+            parent_rel = fn.rel + (f"/{under}" if under else "")
+            parent_devpath = fn.devpath + (f"/{under}" if under else "")
+            if under and not os.path.isdir(self._abs(parent_rel)):
+                os.makedirs(self._abs(parent_rel))
+                _write(self._abs(parent_rel) + "/uevent", b"")
+        rel, devpath = f"{parent_rel}/graphics/{name}", f"{parent_devpath}/graphics/{name}"
+        path = self._abs(rel)
+        os.makedirs(path)
+        minor = int(m.group(1))
+        props = {"MAJOR": str(FB_MAJOR), "MINOR": str(minor), "DEVNAME": name}
+        _write(path + "/dev", f"{FB_MAJOR}:{minor}\n".encode())
+        _write(path + "/uevent", "".join(f"{k}={v}\n" for k, v in props.items()).encode())
+        _write(path + "/name", f"{fb_name or name}\n".encode())
+        self._link("sys/class/graphics", rel + "/subsystem")
+        if fn is not None:
+            self._link(parent_rel, rel + "/device")
+        self._link(rel, f"sys/class/graphics/{name}")
+        node = _Node(devpath, rel, {"SUBSYSTEM": "graphics", **props}, owner=addr)
+        if dev_node:
+            node.dev_node = self._dev_rel(f"dev/{name}")
+            self.add_dev_node(node.dev_node)
+        self._register(node)
+        self._fbs[name] = devpath
+        return devpath
+
+    def remove_framebuffer(self, name: str) -> None:
+        """What unregister_framebuffer() leaves: the device, its class entry and node gone."""
+        devpath = self._fbs.pop(name, None)
+        if devpath is None:
+            raise UnknownDeviceError(name)
+        node = self._retire(devpath)
+        if node is None:
+            return
+        self._unlink(f"sys/class/graphics/{name}")
+        shutil.rmtree(self._abs(node.rel), ignore_errors=True)
+        if node.dev_node:
+            self._unlink(node.dev_node)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self._abs(node.rel)))  # the empty "graphics" glue too
+
     # ----------------------------------------------------------------- KFD, IOMMU units
 
     def add_kfd_node(self, node: int, gfx_target_version: int | None, **extra_props: int) -> None:
@@ -1158,11 +1223,13 @@ class SysRoot:
                 copy_attr(entry.path, out)
 
     def capture(self, *, nested: Sequence[str] = ("device", "driver", "iommu_group")) -> None:
-        """The whole tree as a capture tool leaves it: every ``sys/class/drm/*`` node and
-        every ``sys/bus/pci/devices/*`` entry a real directory (`flatten_link`), with their
+        """The whole tree as a capture tool leaves it: every ``sys/class/drm/*`` node, every
+        ``sys/class/graphics/*`` framebuffer and every ``sys/bus/pci/devices/*`` entry a real
+        directory (`flatten_link`), with their
         ``device``, ``driver`` and ``iommu_group`` links flattened too. The builder's own
         bookkeeping stays as it was: call it last."""
-        for base in ("sys/class/drm", "sys/bus/pci/devices", "sys/class/kfd"):
+        for base in ("sys/class/drm", "sys/class/graphics", "sys/bus/pci/devices",
+                     "sys/class/kfd"):
             for name in sorted(os.listdir(self._abs(base)) if os.path.isdir(self._abs(base))
                                else ()):
                 if os.path.islink(self._abs(f"{base}/{name}")):
