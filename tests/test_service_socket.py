@@ -1332,10 +1332,14 @@ def test_config_names_the_file_the_daemon_read_and_where_its_root_came_from(
     from: what a command needs to know its own file is that one, without reading it."""
     from daemon_helpers import Daemon, Lines, connect
 
-    from gpuwatch.settings import file_identity
+    from gpuwatch.core.tabledata import tables_json
+    from gpuwatch.settings import file_identity, load_tables
 
     config = tmp_path / "config.yaml"
-    config.write_text(f"log_keep: 3\nroot: {host.root}\n")
+    config.write_text(f"log_keep: 3\nroot: {host.root}\n"
+                      'gpu_vendors:\n  "0x10DE": Team Green\n')
+    tables = tables_json(load_tables(str(config)))
+    assert tables["gpu_vendors"] == {"0x10de": "Team Green"}  # as the model spells ids
     for root_flag, root_from in ((True, "flag"), (False, "file")):
         with short_socket_dir() as sockdir:
             work = tmp_path / f"work-{root_flag}"
@@ -1346,7 +1350,7 @@ def test_config_names_the_file_the_daemon_read_and_where_its_root_came_from(
                 lines = Lines(s)
                 assert lines.request("config") == {"id": 1, "result": {
                     "path": str(config), "identity": list(file_identity(config.stat())),
-                    "root": str(host.root), "root_from": root_from}}
+                    "root": str(host.root), "root_from": root_from, "tables": tables}}
                 reply = lines.request("config", {"path": "/etc"}, rid=2)
                 assert reply["error"]["code"] == P.INVALID_PARAMS, reply
 
@@ -1355,9 +1359,14 @@ async def test_config_of_a_server_given_no_settings_names_no_file(
     host: SysRoot, sockdir: str, tmp_path: Path
 ) -> None:
     """A server built in a program of its own read no file for it: none is named, and its
-    root is the caller's (``flag``), so no command takes a file's root from it."""
+    root is the caller's (``flag``), so no command takes a file's root from it; its tables
+    are its watcher's."""
+    from gpuwatch.core.tabledata import tables_json
+    from gpuwatch.settings import default_tables
+
     async with daemon(host, sockdir, tmp_path) as served:
         c = await Raw.connect(served.path)
         assert (await c.request("config"))["result"] == {
-            "path": None, "identity": None, "root": str(host.root), "root_from": "flag"}
+            "path": None, "identity": None, "root": str(host.root), "root_from": "flag",
+            "tables": tables_json(default_tables())}
         await c.aclose()

@@ -436,8 +436,40 @@ def served_root(served: Any, identity: list[int]) -> tuple[bool, str | None]:
     return True, root if served.get("root_from") in ("file", "default") else None
 
 
-def _gives_root(argv: Sequence[str]) -> bool:
+def gives_root(argv: Sequence[str]) -> bool:
+    """``--root`` on the command line: the command's root, whatever a config file names."""
     return any(word == "--root" or word.startswith("--root=") for word in argv)
+
+
+def ask_proven(path: str, calls: Sequence[tuple[str, dict[str, Any]]], root: str,
+               root_given: bool, explicit: str | None
+               ) -> tuple[str, dict[str, Any] | None, list[Any]] | None:
+    """`ask_many` ``calls`` of the daemon at ``path`` (asked for ``root``, through the
+    socket ``explicit`` or the default one) for a command whose config file in force, if
+    any, is not read here (that takes PyYAML). With one, the daemon's ``config`` is asked
+    first on the same connection, and the answers count only when it is this very file,
+    unchanged (`served_root`: the file is valid), and, without ``--root`` (``root_given``),
+    its root is known from the daemon's and leads to the socket just asked (the full
+    command's rule: the file's root is the command's). Returns the root the answers are for,
+    the daemon's ``config`` answer (None without a file: nothing of it is the command's) and
+    the answers; None: the full command's, which reads the file and refuses a bad one.
+    Raises OSError/ValueError as `ask_many` does."""
+    config = config_in_force()
+    if config is None:
+        return root, None, ask_many(path, calls)
+    identity = config_identity(config)
+    if identity is None:
+        return None  # no regular file there: the full command says so
+    # An older daemon answers ``config`` with unknown-method: no answer (ValueError).
+    served, *answers = ask_many(path, [("config", {}), *calls])
+    same, file_root = served_root(served, identity)
+    if not same:
+        return None  # not the file the daemon checked: the full command reads it
+    if root_given:
+        return root, served, answers
+    if file_root is None or daemon_socket(file_root, explicit) != path:
+        return None
+    return file_root, served, answers
 
 
 def run_fast(argv: Sequence[str]) -> int | None:
@@ -448,7 +480,7 @@ def run_fast(argv: Sequence[str]) -> int | None:
     is this very file, unchanged, is the answer printed: the file is valid, and its root is
     known. Anything else (another file, an edit since, a daemon without that method) is the
     full command's, which reads the file and refuses a bad one (docs/service.md)."""
-    root_given = _gives_root(argv)
+    root_given = gives_root(argv)
     if ROOT_ENV in os.environ and not root_given:
         return None  # the host it names may not be the one the default socket's daemon watches
     probe = parse_probe(argv)
@@ -462,28 +494,14 @@ def run_fast(argv: Sequence[str]) -> int | None:
         method, params, root, explicit = "plan", plan[0], plan[2], plan[3]
     else:
         return None
-    config = config_in_force()
-    identity = config_identity(config) if config is not None else None
-    if config is not None and identity is None:
-        return None  # no regular file there: the full command says so
     path = daemon_socket(root, explicit)
     if path is None:
         return None
     try:
-        calls: list[tuple[str, dict[str, Any]]] = [(method, params)]
-        if identity is not None:
-            calls.insert(0, ("config", {}))  # an older daemon: unknown-method, no answer
-        *served, result = ask_many(path, calls)
-        if identity is not None:
-            same, file_root = served_root(served[0], identity)
-            if not same:
-                return None  # not the file the daemon checked: the full command reads it
-            # Without --root the file's root is the command's (the full command's rule):
-            # known here only from the daemon's, and the socket the full command would ask
-            # for it must be the one just asked.
-            if not root_given and (file_root is None
-                                   or daemon_socket(file_root, explicit) != path):
-                return None
+        proven = ask_proven(path, [(method, params)], root, root_given, explicit)
+        if proven is None:
+            return None
+        result = proven[2][0]
         if not (is_holders_report(result) if holders is not None
                 else is_plan(result) if plan is not None
                 else is_probe_result(params["action"], result)):
@@ -523,8 +541,8 @@ def reader_may_leave() -> Iterator[None]:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
 
 
-__all__ = ["PROBE_SHAPES", "UNANSWERED", "compact", "config_identity", "config_in_force",
-           "daemon_socket", "is_holders_report",
+__all__ = ["PROBE_SHAPES", "UNANSWERED", "ask_proven", "compact", "config_identity",
+           "config_in_force", "daemon_socket", "gives_root", "is_holders_report",
            "is_plan", "is_probe_result",
            "parse_holders", "parse_plan",
            "parse_probe", "print_holders", "print_plan", "reader_may_leave", "render_plan",

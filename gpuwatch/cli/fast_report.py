@@ -4,9 +4,14 @@ answers, else from one direct scan (`Local`, the answers of `gpuwatch.cli.direct
 The full commands build their reports on the daemon's ``detect-vfio`` answer with pydantic
 models; here the same reports are built as plain dicts, in the models' field order, and
 rendered by the same text functions (`gpuwatch.core.reporttext`), so the output is byte for
-byte the full command's. Only the embedded tables are known here (they ship pre-compiled as
-JSON next to the YAML): with a config file in force, or anything else not plain, the full
-command runs instead.
+byte the full command's. A config file is never read here (that takes PyYAML). Of the tables,
+the PCI class labels come in the daemon's answers; the vendor names, the host's console
+drivers and devices and the vfio-pci variants are applied here, as the full command applies
+its own tables to the daemon's answers: with no config file in force, the embedded tables
+(pre-compiled as JSON next to the YAML); with one, the tables the daemon built from that very
+file, taken from its ``config`` answer only when that proves the file is the one the daemon
+read and checked, unchanged (`gpuwatch.cli.fast.ask_proven`). Anything else (another file, an
+edit since, no daemon with a file in force, anything not plain) runs the full command.
 """
 
 from __future__ import annotations
@@ -24,14 +29,16 @@ from gpuwatch.cli.fast import (
     _split,
     ask,
     ask_many,
+    ask_proven,
     compact,
     daemon_socket,
+    gives_root,
     is_probe_result,
     reader_may_leave,
 )
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
-from gpuwatch.core.modes import group_mode, host_bystanders, vfio_variant
+from gpuwatch.core.modes import group_mode, host_bystanders, variant_keys, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASSES,
     MANAGED_VALUES,
@@ -44,15 +51,11 @@ from gpuwatch.core.reporttext import (
     render_status,
     vf_ready,
 )
+from gpuwatch.core.tabledata import TableData, table_data
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import listed_boot_vga, listed_framebuffers
 from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
-
-#: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
-#: any of them in force and the full command decides the tables or the root.
-CONFIG_ENV = "GPUWATCH_CONFIG"
-DEFAULT_CONFIG_PATH = "/etc/gpuwatch/config.yaml"
 
 
 class Fn:
@@ -83,6 +86,27 @@ def embedded_tables() -> dict[str, Any]:
     return tables
 
 
+def served_tables(served: dict[str, Any] | None) -> TableData:
+    """The tables a report applies: the embedded ones with no config file in force
+    (``served`` None), else those in the daemon's ``config`` answer, built from the very
+    file in force (`ask_proven`). ValueError for an answer without them in the shape the
+    reports read (a daemon older than them): the full command reads the file itself."""
+    if served is None:
+        return table_data(embedded_tables())
+    raw = served.get("tables")
+    if not (isinstance(raw, dict)
+            and all(isinstance(raw.get(key), dict)
+                    and all(isinstance(k, str) and isinstance(v, str)
+                            for k, v in raw[key].items())
+                    for key in ("gpu_vendors", "pci_class_labels"))
+            and all(isinstance(raw.get(key), list)
+                    and all(isinstance(item, str) for item in raw[key])
+                    for key in ("device_patterns", "vfio_variant_drivers",
+                                "host_console_drivers", "host_console_devices"))):
+        raise ValueError("no tables in the daemon's config answer")
+    return table_data(raw)
+
+
 def _plain(argv: list[str], command: str, options: frozenset[str]
            ) -> tuple[dict[str, str], str, str | None] | None:
     if not argv or argv[0] != command:
@@ -91,8 +115,6 @@ def _plain(argv: list[str], command: str, options: frozenset[str]
     if split is None or split[0]:
         return None
     values = split[1]
-    if os.environ.get(CONFIG_ENV) or os.path.isfile(DEFAULT_CONFIG_PATH):
-        return None  # a config file's tables (and root): the full command reads it
     if "--root" not in values and ROOT_ENV in os.environ:
         return None  # the full command reads it (and refuses a blank one)
     return values, values.get("--root", "/"), values.get("--socket")
@@ -123,11 +145,13 @@ def _checked(action: str, result: Any) -> Any:
 class Remote:
     """What the reports read of the daemon's model, through stdlib requests."""
 
-    def __init__(self, path: str, root: str, vfio: Any = None) -> None:
+    def __init__(self, path: str, root: str, vfio: Any, tables: TableData | None = None
+                 ) -> None:
         self.path, self.root = path, root
-        self.tables = embedded_tables()
-        if vfio is None:
-            vfio = ask(path, "probe", {"action": "detect-vfio"})
+        #: The embedded tables unless given (`served_tables`).
+        self.tables = tables if tables is not None else table_data(embedded_tables())
+        #: As the full command's model holds them (`HostState.vfio_variants`).
+        self.variants = variant_keys(self.tables.vfio_variant_drivers)
         self.vfio: dict[str, Any] = _checked("detect-vfio", vfio)
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
         self._boot_vga: set[str] | None = None
@@ -138,8 +162,8 @@ class Remote:
         return [Fn(m) for m in gpu["group_members"]]
 
     def vendor(self, gpu: dict[str, Any]) -> str:
-        vendor: str = self.tables["gpu_vendors"].get(gpu["vendor_id"],
-                                                     gpu["vendor_id"] or "unknown")
+        vendor: str = self.tables.gpu_vendors.get(gpu["vendor_id"],
+                                                  gpu["vendor_id"] or "unknown")
         return vendor
 
     def accessible(self, group: int) -> bool:
@@ -177,9 +201,8 @@ class Remote:
                 fbs = read_framebuffers(self.root, only) if fbs is None else fbs
             self._boot_vga, self._framebuffers = set(listed), set(fbs)
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
-                                    console_drivers=self.tables["host_console_drivers"],
-                                    console_devices=self.tables.get(
-                                        "host_console_devices", ()),
+                                    console_drivers=self.tables.host_console_drivers,
+                                    console_devices=self.tables.host_console_devices,
                                     boot_vga=self._boot_vga, host_displays=displays,
                                     framebuffers=self._framebuffers)
 
@@ -229,8 +252,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "class_label": gpu["class_label"],
             "driver": gpu["driver"], "iommu_group": group,
-            "mode": group_mode(members),
-            "vfio_variant": vfio_variant(members),
+            "mode": group_mode(members, remote.variants),
+            "vfio_variant": vfio_variant(members, remote.variants),
             "vfio_node": node,
             "vfio_accessible": accessible,
             "iommufd": bool(remote.vfio.get("iommufd")),
@@ -270,7 +293,7 @@ def list_report(remote: Remote, managed: str,
     for gpu in remote.gpus:
         if gpu["iommu_group"] < 0 or gpu["iommu_group"] in noiommu:
             continue
-        if gpu.get("physfn") and not vf_ready(Fn(gpu)):  # type: ignore[arg-type]
+        if gpu.get("physfn") and not vf_ready(Fn(gpu), remote.variants):  # type: ignore[arg-type]
             continue
         kept = remote.kept_for_host(gpu)
         members = [m for m in gpu["group_members"] if m["class"] not in BRIDGE_CLASSES]
@@ -285,7 +308,8 @@ def list_report(remote: Remote, managed: str,
                 [(m["addr"], m.get("health", "ok"),
                   health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
                  for m in gpu["group_members"] if m.get("health", "ok") != "ok"],
-                [(m.addr, m.driver) for m in host_bystanders(remote.members(gpu))]),
+                [(m.addr, m.driver)
+                 for m in host_bystanders(remote.members(gpu), remote.variants)]),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
                            "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}
@@ -312,9 +336,17 @@ def run_report(argv: list[str]) -> int | None:
         from gpuwatch.cli.direct import direct_settings_plain
 
         if not (os.path.isdir(root) and direct_settings_plain()):
-            return None
+            return None  # (a config file in force: the full command reads it)
     try:
-        remote = Remote(path, root) if path is not None else Local(root)
+        if path is not None:
+            proven = ask_proven(path, [("probe", {"action": "detect-vfio"})], root,
+                                gives_root(argv), explicit)
+            if proven is None:
+                return None  # a config file the daemon did not read as it is now
+            root, served, (vfio,) = proven
+            remote = Remote(path, root, vfio, served_tables(served))
+        else:
+            remote = Local(root)
         if status is not None:
             report = status_report(remote)
             text = compact(report) if as_json else render_status(report)
@@ -335,4 +367,4 @@ def run_report(argv: list[str]) -> int | None:
 
 
 __all__ = ["Local", "Remote", "embedded_tables", "list_report", "parse_list", "parse_status",
-           "run_report", "status_report"]
+           "run_report", "served_tables", "status_report"]

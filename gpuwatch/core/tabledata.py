@@ -102,5 +102,19 @@ def table_data(raw: Mapping[str, Any]) -> TableData:
     )
 
 
+def tables_json(tables: TablesView) -> dict[str, Any]:
+    """``tables`` as JSON carries them, in the spelling `table_data` reads back (the
+    embedded tables' JSON form): the daemon's ``config`` answer gives its tables so, for the
+    stdlib reports of a client whose config file is the one the daemon read."""
+    return {
+        "device_patterns": list(tables.device_patterns),
+        "gpu_vendors": dict(tables.gpu_vendors),
+        "pci_class_labels": dict(tables.pci_class_labels),
+        "vfio_variant_drivers": list(tables.vfio_variant_drivers),
+        "host_console_drivers": list(tables.host_console_drivers),
+        "host_console_devices": list(tables.host_console_devices),
+    }
+
+
 __all__ = ["TABLE_KEYS", "TableData", "TablesView", "class_label", "device_id_key", "hex_key",
-           "hex_keyed", "table_data"]
+           "hex_keyed", "table_data", "tables_json"]

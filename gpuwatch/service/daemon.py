@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.lowlevel
 
+from gpuwatch.core.tabledata import tables_json
 from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.service.notify import Notifier
 from gpuwatch.settings import WatchSettings
@@ -131,14 +132,16 @@ async def run_services(watcher: Host, settings: WatchSettings, *,
 def served_config(settings: WatchSettings) -> dict[str, Any]:
     """What the socket's ``config`` method answers (docs/socket.md): the config file this
     daemon read and checked at start, by path and `gpuwatch.settings.file_identity` (None
-    for none), and its root with where that came from. A command whose config file in
-    force shows the same identity knows, without reading it, that the file is valid and
-    what its ``root`` says (``root_from`` ``file`` or ``default``): the stdlib fast path's
-    proof (`gpuwatch.cli.fast`)."""
+    for none), its root with where that came from, and the tables built from it. A command
+    whose config file in force shows the same identity knows, without reading it, that the
+    file is valid, what its ``root`` says (``root_from`` ``file`` or ``default``) and what
+    its tables are (what `status` and `list` name vendors and keep for the host by): the
+    stdlib fast paths' proof (`gpuwatch.cli.fast`, `gpuwatch.cli.fast_report`)."""
     identity = settings.config_identity
     return {"path": settings.config_path,
             "identity": list(identity) if identity is not None else None,
-            "root": settings.root, "root_from": settings.origins.get("root", "default")}
+            "root": settings.root, "root_from": settings.origins.get("root", "default"),
+            "tables": tables_json(settings.tables())}
 
 
 def freeze_startup_heap() -> None:

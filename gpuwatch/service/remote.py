@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.results import DetectVfioResult, PciFunction
 from gpuwatch.core.tables import Tables
 from gpuwatch.hostfs.files import tree_dir
@@ -17,8 +18,11 @@ from gpuwatch.service.client import Client
 
 
 class _RemoteState:
-    def __init__(self, vfio: DetectVfioResult) -> None:
+    def __init__(self, vfio: DetectVfioResult, tables: Tables) -> None:
         self._members = {gpu.addr: gpu.group_members for gpu in vfio.gpus}
+        #: The config file's vfio-pci variants, as a scan's state holds them: a group on
+        #: one is in ``vfio`` mode whether the daemon or a direct scan answers.
+        self.vfio_variants = variant_keys(tables.vfio_variant_drivers)
 
     def group_members(self, addr: str) -> tuple[PciFunction, ...]:
         return self._members[addr]
@@ -32,7 +36,7 @@ class RemoteModel:
         self.tables = tables
         self.root = root
         self._vfio = DetectVfioResult.model_validate(client.probe("detect-vfio"))
-        self.state = _RemoteState(self._vfio)
+        self.state = _RemoteState(self._vfio, tables)
 
     def probe(self, action: str, **params: Any) -> Any:
         if action == "detect-vfio" and not params:

@@ -41,6 +41,7 @@ from anyio.abc import TaskStatus
 from pydantic import BaseModel
 
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
+from gpuwatch.core.tabledata import tables_json
 from gpuwatch.errors import SERVICE, HostError, UsageError
 from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.model import check_params, may_read_write
@@ -1044,10 +1045,12 @@ class SocketServer:
         config: Mapping[str, Any] | None = None,
     ) -> None:
         self.watcher = watcher
-        #: What the ``config`` method answers (`served_config`): without it, no file, and a
-        #: root the caller named (a client whose root would come from its file asks itself).
+        #: What the ``config`` method answers (`served_config`): without it, no file, a
+        #: root the caller named (a client whose root would come from its file asks itself)
+        #: and the watcher's tables.
         self.config = dict(config) if config is not None else {
-            "path": None, "identity": None, "root": watcher.paths.root, "root_from": "flag"}
+            "path": None, "identity": None, "root": watcher.paths.root, "root_from": "flag",
+            "tables": tables_json(watcher.model.tables)}
         self.path = os.fspath(path)
         self.policy = AccessPolicy(read_gid=read_gid, switch_gid=switch_gid,
                                    owner_uid=os.geteuid())
