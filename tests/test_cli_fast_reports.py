@@ -52,7 +52,17 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "sriov": lambda root: sriov_gpu_host(root, vfs=2),
     "vgpu": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True),
     "noiommu": vfio_noiommu_host,
+    "iommu-off": lambda root: _iommu_off_host(root),
 }
+
+
+def _iommu_off_host(root: Path) -> SysRoot:
+    """A workstation booted with ``intel_iommu=on iommu=off``: no group (x86's no_iommu),
+    whose `status` hint names the parameter."""
+    s = SysRoot(root)
+    s.add_function("0000:01:00.0", device="0x2204", driver="nvidia", iommu_group=None)
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz ro intel_iommu=on iommu=off")
+    return s
 
 
 @pytest.fixture

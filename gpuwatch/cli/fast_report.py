@@ -47,7 +47,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import listed_boot_vga
 from gpuwatch.hostfs.files import tree_dir
-from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 
 #: ``$GPUWATCH_CONFIG``, ``$GPUWATCH_ROOT`` and the default config file (`gpuwatch.settings`):
 #: any of them in force and the full command decides the tables or the root.
@@ -240,7 +240,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
     vfio = remote.vfio
     return {
         "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
-                              groups.real, groups.emulated),
+                              groups.real, groups.emulated, read_iommu_off(remote.root)),
         "vfio_pci_loaded": os.path.isdir(os.path.join(tree_dir(remote.root, "sys"),
                                                     "module/vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),

@@ -36,9 +36,27 @@ def vfio_open_nodes(vfio_node: str, node_present: bool, iommufd: bool,
     return [IOMMU_NODE, *nodes] if iommufd and nodes else []
 
 
-def iommu_hint(enabled: bool, kind: str) -> str:
+def iommu_off_param(cmdline: str) -> str:
+    """The ``iommu=`` parameter of the kernel command line that turns the IOMMU off, as
+    spelt there (``iommu=off``, ``iommu=pt,off``), else ``""``. On x86 an ``off`` in its
+    comma list sets ``no_iommu``, and then neither the Intel nor the AMD IOMMU driver
+    starts, whatever ``intel_iommu=on`` or ``amd_iommu=on`` ask."""
+    for token in cmdline.split():
+        if token.startswith("iommu=") and any(
+                option.startswith("off") for option in token[len("iommu="):].split(",")):
+            return token
+    return ""
+
+
+def iommu_hint(enabled: bool, kind: str, off: str = "") -> str:
+    """How to enable the IOMMU (``""`` when it is on). ``off``: the command line's own
+    `iommu_off_param`, which no firmware setting overrides: removing it comes first."""
     if enabled:
         return ""
+    if off:
+        return (f"the kernel command line has {off}, which keeps the IOMMU off whatever "
+                "intel_iommu=/amd_iommu= ask: remove it (iommu=pt, not off, for a "
+                "passthrough host), then reboot")
     if kind == "intel":
         return "intel_iommu=on is asked for but no IOMMU group exists: enable VT-d in the firmware"
     if kind == "amd":
@@ -61,15 +79,17 @@ def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = Fa
 
 
 def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
-                 real: bool = False, emulated: Collection[int] = ()) -> dict[str, Any]:
+                 real: bool = False, emulated: Collection[int] = (),
+                 off: str = "") -> dict[str, Any]:
     """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
 
     ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
     whose only groups are VFIO's own (``noiommu``, ``emulated``; ``real``: another group
     exists): there is no IOMMU there, and the operator is told so rather than "enabled". Only
-    no-IOMMU groups are named: a mediated device's group is safe for its VM."""
+    no-IOMMU groups are named: a mediated device's group is safe for its VM. ``off``: the
+    command line's `iommu_off_param`."""
     on = iommu_isolates(enabled, noiommu, real, emulated)
-    hint = iommu_hint(on, kind)
+    hint = iommu_hint(on, kind, off)
     if noiommu:
         said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "
                 "mode (vfio.enable_unsafe_noiommu_mode), no DMA isolation: for userspace "
@@ -291,5 +311,5 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
 
 
 __all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "iommu_isolates", "iommu_status", "managed_note", "memlock_verdict",
-           "render_list", "render_status", "vf_ready"]
+           "iommu_hint", "iommu_isolates", "iommu_off_param", "iommu_status", "managed_note",
+           "memlock_verdict", "render_list", "render_status", "vf_ready"]
