@@ -35,7 +35,12 @@ from gpuwatch.testing.machines import (
     vm_guest_host,
     vmd_host,
 )
-from gpuwatch.testing.modern import grace_hopper_host, iommufd_only_host, sriov_gpu_host
+from gpuwatch.testing.modern import (
+    VGPU_TYPES,
+    grace_hopper_host,
+    iommufd_only_host,
+    sriov_gpu_host,
+)
 from tests.test_cli_fast import run_full_both, run_spied
 
 HOSTS: dict[str, Callable[[Path], object]] = {
@@ -51,6 +56,8 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "iommufd": iommufd_only_host,
     "sriov": lambda root: sriov_gpu_host(root, vfs=2),
     "vgpu": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True),
+    "vgpu-chosen": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True).set_vgpu(
+        "0000:41:00.5", 1156, VGPU_TYPES),
     "noiommu": vfio_noiommu_host,
     "iommu-off": lambda root: _iommu_off_host(root),
 }

@@ -208,6 +208,13 @@ MANAGED_NOTES = {
         "the VM starts with `gpuwatch mode vfio --addr {addr}` (which checks holders){back}"
     ),
 }
+#: An NVIDIA vGPU VF with a type chosen (vendor-specific VFIO: nvidia itself registers the
+#: VF's VFIO device): libvirt must leave it on nvidia, whatever ``--managed`` asks.
+VGPU_NOTE = (
+    "managed='no' whatever --managed says: {addr} is an NVIDIA vGPU VF (vGPU type {type}) "
+    "that stays on nvidia, whose VFIO device the VM opens; libvirt must not detach it "
+    "(managed='yes' would bind vfio-pci to it and take the vGPU away)"
+)
 #: How an NVIDIA group goes back to the host; other vendors' host drivers are not a mode.
 _BACK_TO_HOST = {
     "0x10de": ", and back after it stops with `gpuwatch mode nvidia --addr {addr}`",
@@ -217,7 +224,8 @@ _BACK_TO_HOST = {
 def managed_note(managed: str, addr: str, vendor_id: str,
                  with_vfs: Iterable[tuple[str, int]] = (),
                  unhealthy: Iterable[tuple[str, str, str]] = (),
-                 bystanders: Iterable[tuple[str, str]] = ()) -> str:
+                 bystanders: Iterable[tuple[str, str]] = (),
+                 vgpu_type: int = 0) -> str:
     """What the blocks' managed attribute means for who detaches the group; for each member
     that is an SR-IOV physical function with virtual functions enabled (address, count), that
     detaching it takes them away (`gpuwatch mode` refuses it); and for each member that is not
@@ -225,9 +233,13 @@ def managed_note(managed: str, addr: str, vendor_id: str,
     needs its recovery before a guest can use it (`gpuwatch mode` refuses a wedged or failed
     one); and for each member that is no part of the card but on a host driver (address,
     driver: a NIC behind the same PCIe switch without ACS), that the guest takes it from the
-    host (`gpuwatch mode` refuses to without --force)."""
-    note = MANAGED_NOTES[managed].format(
-        addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
+    host (`gpuwatch mode` refuses to without --force). ``vgpu_type``: the GPU is an NVIDIA
+    vGPU VF with that type chosen (`list_managed`), whose blocks are managed='no'."""
+    if vgpu_type:
+        note = VGPU_NOTE.format(addr=addr, type=vgpu_type)
+    else:
+        note = MANAGED_NOTES[managed].format(
+            addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
     for pf, numvfs in with_vfs:
         note += (f"; {pf} has {numvfs} SR-IOV virtual function(s) enabled: taking its driver "
                  "away removes them under whatever uses them (`gpuwatch mode` refuses to), "
@@ -242,6 +254,15 @@ def managed_note(managed: str, addr: str, vendor_id: str,
                  "card: passing the group through takes it from the host (`gpuwatch mode` "
                  "refuses to without --force)")
     return note
+
+
+def list_managed(managed: str, vgpu_type: int) -> str:
+    """The managed attribute of a GPU's blocks: ``--managed``'s, but ``no`` for an NVIDIA vGPU
+    VF with a type chosen (``vgpu_type`` ≠ 0). With NVIDIA's vendor-specific VFIO (the vGPU
+    manager since Linux 6.8, no mdev) the VF stays on nvidia, which registers its VFIO
+    device; managed='yes' has libvirt unbind it from nvidia and bind vfio-pci, and the vGPU
+    written to ``nvidia/current_vgpu_type`` goes with the driver."""
+    return "no" if vgpu_type else managed
 
 
 def hostdev_xml(addr: str, managed: str = "yes") -> str:
@@ -311,5 +332,6 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
 
 
 __all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "iommu_isolates", "iommu_off_param", "iommu_status", "managed_note",
+           "iommu_hint", "iommu_isolates", "iommu_off_param", "iommu_status", "list_managed",
+           "managed_note",
            "memlock_verdict", "render_list", "render_status", "vf_ready"]
