@@ -15,6 +15,7 @@ from gpuwatch.core.reporttext import (
     hostdev_xml,
     iommu_isolates,
     iommu_status,
+    list_managed,
     managed_note,
     memlock_verdict,
     vf_ready,
@@ -22,7 +23,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
-from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 from gpuwatch.model import HostModel
 
 
@@ -169,7 +170,8 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
         )
     return StatusReport(
         iommu=IommuReport(**iommu_status(vfio.iommu_enabled, vfio.iommu_kind,
-                                         groups.noiommu, groups.real, groups.emulated)),
+                                         groups.noiommu, groups.real, groups.emulated,
+                                         read_iommu_off(model.root))),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
         nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),
@@ -229,6 +231,8 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
         members: list[PciFunction] = [m for m in gpu.group_members
                                       if m.class_ not in BRIDGE_CLASSES]
         kept = model.kept_for_host(gpu.addr)
+        vgpu_type = gpu.vgpu.type if gpu.vgpu is not None else 0
+        blocks = list_managed(managed, vgpu_type)
         out.append(
             PassthroughGpu(
                 addr=gpu.addr,
@@ -236,10 +240,10 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
                 vendor_id=gpu.vendor_id,
                 device_id=gpu.device_id,
                 iommu_group=gpu.iommu_group,
-                managed=managed,
+                managed=blocks,
                 physfn=gpu.physfn,
                 note="" if kept else managed_note(
-                    managed, gpu.addr, gpu.vendor_id,
+                    blocks, gpu.addr, gpu.vendor_id,
                     [(m.addr, m.sriov.numvfs) for m in members
                      if m.sriov is not None and m.sriov.numvfs > 0],
                     # Every function's health, a bridge's too: no hostdev line, but a
@@ -247,7 +251,8 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
                     [(m.addr, m.health, health_advice(m.health, m.addr, m.driver,
                                                       recovery.get(m.addr, ())))
                      for m in gpu.group_members if m.health != "ok"],
-                    [(m.addr, m.driver) for m in host_bystanders(gpu.group_members, variants)]),
+                    [(m.addr, m.driver) for m in host_bystanders(gpu.group_members, variants)],
+                    vgpu_type),
                 kept_for_host=bool(kept),
                 reason=kept,
                 functions=[
@@ -255,7 +260,7 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
                         addr=m.addr,
                         class_label=m.class_label,
                         driver=m.driver,
-                        hostdev_xml=None if kept else hostdev_xml(m.addr, managed),
+                        hostdev_xml=None if kept else hostdev_xml(m.addr, blocks),
                     )
                     for m in members
                 ],

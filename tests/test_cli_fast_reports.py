@@ -31,7 +31,12 @@ from gpuwatch.testing.machines import (
     vm_guest_host,
     vmd_host,
 )
-from gpuwatch.testing.modern import grace_hopper_host, iommufd_only_host, sriov_gpu_host
+from gpuwatch.testing.modern import (
+    VGPU_TYPES,
+    grace_hopper_host,
+    iommufd_only_host,
+    sriov_gpu_host,
+)
 from tests.test_cli_fast import EDITED, daemon_with, run_full, run_full_both, run_spied
 
 HOSTS: dict[str, Callable[[Path], object]] = {
@@ -47,8 +52,20 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "iommufd": iommufd_only_host,
     "sriov": lambda root: sriov_gpu_host(root, vfs=2),
     "vgpu": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True),
+    "vgpu-chosen": lambda root: sriov_gpu_host(root, vfs=2, vgpu=True).set_vgpu(
+        "0000:41:00.5", 1156, VGPU_TYPES),
     "noiommu": vfio_noiommu_host,
+    "iommu-off": lambda root: _iommu_off_host(root),
 }
+
+
+def _iommu_off_host(root: Path) -> SysRoot:
+    """A workstation booted with ``intel_iommu=on iommu=off``: no group (x86's no_iommu),
+    whose `status` hint names the parameter."""
+    s = SysRoot(root)
+    s.add_function("0000:01:00.0", device="0x2204", driver="nvidia", iommu_group=None)
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz ro intel_iommu=on iommu=off")
+    return s
 
 
 @pytest.fixture

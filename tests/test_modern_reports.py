@@ -71,6 +71,34 @@ def test_list_offers_each_ready_vf(tmp_path: Path) -> None:
     assert SRIOV_PF in offered
 
 
+@pytest.mark.parametrize("managed", ["yes", "no"])
+def test_a_vgpu_vf_is_offered_managed_no_whatever_is_asked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], managed: str) -> None:
+    """NVIDIA's vendor-specific VFIO (the vGPU manager since Linux 6.8, no mdev): the VF whose
+    ``nvidia/current_vgpu_type`` holds a type stays on nvidia, which registers its VFIO device.
+    managed='yes' has libvirt unbind it from nvidia and bind vfio-pci (taking the vGPU with
+    the driver); `gpuwatch mode vfio` is no step of its either. Its blocks are managed='no'
+    and its note says why; the other GPUs keep what was asked."""
+    vf, other = "0000:41:00.5", "0000:41:00.6"
+    host = sriov_gpu_host(tmp_path, vfs=3, vgpu=True)
+    host.set_vgpu(vf, 1156, VGPU_TYPES)
+    host.unbind(other)  # unbound: libvirt binds it
+    offered = {g.addr: g for g in passthrough_gpus(gpuwatch.scan(tmp_path), managed)}
+    assert offered[vf].managed == "no"
+    assert offered[vf].functions[0].hostdev_xml is not None
+    assert "managed='no'" in offered[vf].functions[0].hostdev_xml
+    assert offered[vf].note.startswith(
+        f"managed='no' whatever --managed says: {vf} is an NVIDIA vGPU VF (vGPU type 1156) "
+        "that stays on nvidia")
+    assert "gpuwatch mode vfio" not in offered[vf].note
+    assert (offered[other].managed, offered[SRIOV_PF].managed) == (managed, managed)
+    code, out, _ = anyio.run(run_cli, capsys, "list", "--json", "--managed", managed,
+                             "--root", str(tmp_path), "--no-daemon")
+    listed = {g["addr"]: g for g in json.loads(out)}
+    assert code == 0 and listed[vf]["managed"] == "no" and listed[other]["managed"] == managed
+    assert listed[vf]["note"] == offered[vf].note
+
+
 def test_list_text_marks_vfs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     host = sriov_gpu_host(tmp_path, vfs=1)
     host.bind("0000:41:00.4", "vfio-pci")

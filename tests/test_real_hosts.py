@@ -345,6 +345,70 @@ def test_iommu_asked_for_in_a_comma_list_but_off_in_firmware(tmp_path: Path, cmd
         assert "to the kernel command line" in hint
 
 
+@pytest.mark.parametrize(
+    ("cmdline", "off"),
+    [
+        ("BOOT_IMAGE=/vmlinuz ro intel_iommu=on iommu=off", "iommu=off"),
+        ("ro amd_iommu=on iommu=pt,off", "iommu=pt,off"),
+        ("ro iommu=off", "iommu=off"),
+    ],
+)
+def test_iommu_turned_off_on_the_command_line_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], cmdline: str, off: str) -> None:
+    """x86's ``iommu=off`` sets no_iommu: neither the Intel nor the AMD IOMMU driver starts,
+    whatever intel_iommu=on/amd_iommu=on ask (the kind still says what was asked). `status`
+    names the parameter to remove instead of sending the operator to the firmware or asking
+    for what the command line already has."""
+    s = SysRoot(tmp_path / "h")
+    s.add_bridge("0000:00:01.0", iommu_group=None)
+    s.add_function(NV, parent="0000:00:01.0", device="0x2204", driver="nvidia", iommu_group=None)
+    s.set_cmdline(cmdline)
+    code, out, _ = cli(capsys, "status", "--json", "--root", str(s.root))
+    iommu = json.loads(out)["iommu"]
+    assert code == 0 and iommu["enabled"] is False
+    assert iommu["hint"].startswith(f"the kernel command line has {off}, which keeps the IOMMU")
+    assert "firmware" not in iommu["hint"] and "add intel_iommu" not in iommu["hint"]
+    _, text, _ = cli(capsys, "status", "--root", str(s.root))
+    assert f"-> the kernel command line has {off}," in text
+    model = gpuwatch.scan(s.root)  # the library's report (and a daemon's) says the same
+    assert build_status(model, model.probe("memlock")).iommu.hint == iommu["hint"]
+
+
+def test_iommu_pt_is_no_iommu_off(tmp_path: Path) -> None:
+    """``iommu=pt`` (identity default domains, and ``nopt``) keep the IOMMU on: with no group
+    the firmware is still what to look at."""
+    s = SysRoot(tmp_path / "h")
+    s.add_function(NV, device="0x2204", driver="nvidia", iommu_group=None)
+    s.set_cmdline("ro intel_iommu=on iommu=pt iommu=nopt")
+    model = gpuwatch.scan(s.root)
+    assert "enable VT-d in the firmware" in build_status(model, model.probe("memlock")).iommu.hint
+
+
+def test_virtio_iommu_guest_with_iommu_off(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A guest booted with ``iommu=off`` whose groups come from a virtio-iommu (x86's
+    no_iommu stops the Intel and AMD drivers, not virtio's): its unit sits under the
+    virtio device and is none of dmar/ivhd/smmu, so the kind is the command line's (none);
+    the IOMMU is on and the passed-through GPU is offered, with no hint."""
+    s = SysRoot(tmp_path / "g")
+    s.add_function("0000:00:03.0", vendor="0x1af4", device="0x1057", klass="0x00ff00",
+                   driver="virtio-pci", iommu_group=0)
+    s.add_function(NV, device="0x2204",
+                   driver="nvidia", iommu_group=1)
+    unit = s.root / "sys/devices/pci0000:00/0000:00:03.0/virtio0/iommu/virtio0"
+    unit.mkdir(parents=True)
+    os.makedirs(s.root / "sys/class/iommu", exist_ok=True)
+    os.symlink("../../devices/pci0000:00/0000:00:03.0/virtio0/iommu/virtio0",
+               s.root / "sys/class/iommu/virtio0")
+    s.set_cmdline("BOOT_IMAGE=/vmlinuz ro console=ttyS0 iommu=off")
+    vfio = probe(s, "detect-vfio")
+    assert (vfio["iommu_enabled"], vfio["iommu_kind"]) == (True, "")  # type: ignore[index]
+    code, out, _ = cli(capsys, "status", "--json", "--root", str(s.root))
+    assert code == 0 and json.loads(out)["iommu"] == {"enabled": True, "kind": "", "hint": ""}
+    code, out, _ = cli(capsys, "list", "--json", "--root", str(s.root))
+    assert code == 0 and [g["addr"] for g in json.loads(out) if not g["kept_for_host"]] == [NV]
+
+
 # ------------------------------------------------------------ MI300X in CPX partition mode
 
 

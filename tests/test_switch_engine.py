@@ -120,6 +120,38 @@ async def test_cdi_spec_is_generated_when_missing_and_ctk_is_there(host: SysRoot
     assert (host.root / "etc/cdi/nvidia.yaml").exists()
 
 
+def _etc_cdi_linked_to_run(host: SysRoot) -> Path:
+    """The tree's ``etc/cdi`` a link spelled absolute, ``/run/cdi``, as some hosts keep their
+    generated specs: read as in a chroot it is the tree's ``run/cdi``."""
+    host.remove_cdi_spec("etc")
+    os.rmdir(host.root / "etc/cdi")
+    (host.root / "run/cdi").mkdir(parents=True)
+    os.symlink("/run/cdi", host.root / "etc/cdi")
+    return host.root / "run/cdi/nvidia.yaml"
+
+
+async def test_cdi_spec_is_generated_in_the_tree_through_its_links(host: SysRoot) -> None:
+    """nvidia-ctk runs outside the root and follows links as this host does: given
+    ``root/etc/cdi/nvidia.yaml`` it would write the ``/run/cdi`` of the host running gpuwatch.
+    Its output is the place in the tree, where a container runtime of that root looks."""
+    to_vfio(host)
+    spec = _etc_cdi_linked_to_run(host)
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        await w.switch(NV, "nvidia", timeout=5)
+    assert sim.record[-1] == ("command", "nvidia-ctk", "cdi", "generate", f"--output={spec}")
+    assert spec.is_file()
+
+
+async def test_ensure_cdi_writes_in_the_tree_through_its_links(host: SysRoot) -> None:
+    spec = _etc_cdi_linked_to_run(host)
+    sim = SimKernel(host)
+    made = await ensure_cdi(str(host.root), sim, euid=0)
+    assert (made.ok, made.generated, made.spec) == (True, True, "/etc/cdi/nvidia.yaml")
+    assert sim.record == [("mkdir", "/etc/cdi"),
+                          ("command", "nvidia-ctk", "cdi", "generate", f"--output={spec}")]
+    assert spec.is_file()
+
+
 async def test_idempotent_switch_writes_nothing_and_needs_no_root(host: SysRoot) -> None:
     async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
         result = await w.switch(NV, "nvidia", timeout=5)

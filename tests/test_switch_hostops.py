@@ -112,6 +112,20 @@ async def test_a_write_follows_the_trees_links_as_in_a_chroot(tmp_path: Path,
     assert (device / "driver_override").read_text() == "vfio-pci"
 
 
+async def test_a_folder_made_through_the_trees_link_is_made_in_the_tree(tmp_path: Path) -> None:
+    """``etc/cdi`` a link spelled absolute (``/run/cdi``-like): the folder made for the CDI
+    spec is the tree's, never the one that path names on the host running gpuwatch (which
+    may not exist: then the link itself made ``mkdir -p`` fail with EEXIST)."""
+    root = tmp_path / "host"
+    (root / "etc").mkdir(parents=True)
+    away = "/gpuwatch-test-absent/cdi"
+    assert not os.path.lexists(away), "the host has this folder: the test would not be safe"
+    os.symlink(away, root / "etc/cdi")
+    await RealHostOps(root).makedirs("/etc/cdi")
+    assert (root / away.lstrip("/")).is_dir()
+    assert not os.path.lexists(away)
+
+
 async def test_a_write_through_a_link_loop_is_refused(tmp_path: Path) -> None:
     host = SysRoot(tmp_path / "host")
     host.add_function(_STRAY, driver="nvidia", iommu_group=13)

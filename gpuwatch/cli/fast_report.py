@@ -45,6 +45,7 @@ from gpuwatch.core.reporttext import (
     hostdev_xml,
     iommu_isolates,
     iommu_status,
+    list_managed,
     managed_note,
     memlock_verdict,
     render_list,
@@ -55,7 +56,7 @@ from gpuwatch.core.tabledata import TableData, table_data
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import listed_boot_vga, listed_framebuffers
 from gpuwatch.hostfs.files import tree_dir
-from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, vfio_open
+from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 
 
 class Fn:
@@ -270,7 +271,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
     vfio = remote.vfio
     return {
         "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
-                              groups.real, groups.emulated),
+                              groups.real, groups.emulated, read_iommu_off(remote.root)),
         "vfio_pci_loaded": os.path.isdir(os.path.join(tree_dir(remote.root, "sys"),
                                                     "module/vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),
@@ -299,20 +300,23 @@ def list_report(remote: Remote, managed: str,
         members = [m for m in gpu["group_members"] if m["class"] not in BRIDGE_CLASSES]
         with_vfs = [(m["addr"], m["sriov"]["numvfs"]) for m in members
                     if m.get("sriov") and m["sriov"]["numvfs"] > 0]
+        vgpu_type = int((gpu.get("vgpu") or {}).get("type", 0))
+        blocks = list_managed(managed, vgpu_type)
         out.append({
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "iommu_group": gpu["iommu_group"],
-            "managed": managed, "physfn": gpu.get("physfn", ""),
+            "managed": blocks, "physfn": gpu.get("physfn", ""),
             "note": "" if kept else managed_note(
-                managed, gpu["addr"], gpu["vendor_id"], with_vfs,
+                blocks, gpu["addr"], gpu["vendor_id"], with_vfs,
                 [(m["addr"], m.get("health", "ok"),
                   health_advice(m.get("health", "ok"), m["addr"], m["driver"], ()))
                  for m in gpu["group_members"] if m.get("health", "ok") != "ok"],
                 [(m.addr, m.driver)
-                 for m in host_bystanders(remote.members(gpu), remote.variants)]),
+                 for m in host_bystanders(remote.members(gpu), remote.variants)],
+                vgpu_type),
             "functions": [{"addr": m["addr"], "class_label": m["class_label"],
                            "driver": m["driver"],
-                           "hostdev_xml": None if kept else hostdev_xml(m["addr"], managed)}
+                           "hostdev_xml": None if kept else hostdev_xml(m["addr"], blocks)}
                           for m in members],
             "kept_for_host": bool(kept), "reason": kept,
         })

@@ -204,6 +204,11 @@ class HostFacts:
     persistenced: bool = False
     cdi_spec: bool = False
     ctk_on_path: bool = False
+    #: Where ``nvidia-ctk`` writes the spec: ``root/etc/cdi/nvidia.yaml`` with the tree's own
+    #: links read as in a chroot (`hostfs.facts.cdi_output`): nvidia-ctk runs outside the
+    #: root, and an ``etc/cdi`` linked to ``/run/cdi`` would otherwise lead its write into
+    #: the ``/run`` of the container running gpuwatch. ``""``: ``root/etc/cdi/nvidia.yaml``.
+    cdi_output: str = ""
     #: Holders of the nodes in `holder_scope` (nvidia-persistenced left out: it is stopped).
     holders: tuple[Holding, ...] = ()
     #: False when not root: other users' ``/proc/<pid>/fd`` cannot be read.
@@ -494,15 +499,16 @@ def check_names(members: Iterable[PciFunction], mode: Mode,
                                  "is not [A-Za-z0-9_.-]+")
 
 
-def cdi_steps(root: str, cdi_spec: bool,
+def cdi_steps(output: str, cdi_spec: bool,
               ctk_on_path: bool) -> tuple[tuple[Step, ...], tuple[str, ...]]:
-    """Make the nvidia CDI spec when neither exists and ``nvidia-ctk`` can; else say why not."""
+    """Make the nvidia CDI spec when neither exists and ``nvidia-ctk`` can; else say why not.
+    ``output`` is the place the spec is written, already resolved in the root (`HostFacts`'s
+    ``cdi_output``)."""
     if cdi_spec:
         return (), ()
     if not ctk_on_path:
         return (), ("no CDI spec and nvidia-ctk is not on PATH: containers cannot name the GPU "
                     "through CDI until one is generated",)
-    output = os.path.join(root, CDI_OUTPUT)
     return (
         MakeDirStep("/" + os.path.dirname(CDI_OUTPUT)),
         CommandStep(("nvidia-ctk", "cdi", "generate", f"--output={output}"), "warn"),
@@ -798,7 +804,8 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
             # the device nodes exist again (nvidia-modprobe), it comes back. One the operator
             # stopped is not in the record, and stays stopped.
             steps.append(CommandStep(("systemctl", "start", PERSISTENCED_UNIT), "warn"))
-        more, why = cdi_steps(facts.root, facts.cdi_spec, facts.ctk_on_path)
+        more, why = cdi_steps(facts.cdi_output or os.path.join(facts.root, CDI_OUTPUT),
+                              facts.cdi_spec, facts.ctk_on_path)
         steps.extend(more)
         notes.extend(why)
     for step in steps:

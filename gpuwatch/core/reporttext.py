@@ -36,9 +36,27 @@ def vfio_open_nodes(vfio_node: str, node_present: bool, iommufd: bool,
     return [IOMMU_NODE, *nodes] if iommufd and nodes else []
 
 
-def iommu_hint(enabled: bool, kind: str) -> str:
+def iommu_off_param(cmdline: str) -> str:
+    """The ``iommu=`` parameter of the kernel command line that turns the IOMMU off, as
+    spelt there (``iommu=off``, ``iommu=pt,off``), else ``""``. On x86 an ``off`` in its
+    comma list sets ``no_iommu``, and then neither the Intel nor the AMD IOMMU driver
+    starts, whatever ``intel_iommu=on`` or ``amd_iommu=on`` ask."""
+    for token in cmdline.split():
+        if token.startswith("iommu=") and any(
+                option.startswith("off") for option in token[len("iommu="):].split(",")):
+            return token
+    return ""
+
+
+def iommu_hint(enabled: bool, kind: str, off: str = "") -> str:
+    """How to enable the IOMMU (``""`` when it is on). ``off``: the command line's own
+    `iommu_off_param`, which no firmware setting overrides: removing it comes first."""
     if enabled:
         return ""
+    if off:
+        return (f"the kernel command line has {off}, which keeps the IOMMU off whatever "
+                "intel_iommu=/amd_iommu= ask: remove it (iommu=pt, not off, for a "
+                "passthrough host), then reboot")
     if kind == "intel":
         return "intel_iommu=on is asked for but no IOMMU group exists: enable VT-d in the firmware"
     if kind == "amd":
@@ -61,15 +79,17 @@ def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = Fa
 
 
 def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
-                 real: bool = False, emulated: Collection[int] = ()) -> dict[str, Any]:
+                 real: bool = False, emulated: Collection[int] = (),
+                 off: str = "") -> dict[str, Any]:
     """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
 
     ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
     whose only groups are VFIO's own (``noiommu``, ``emulated``; ``real``: another group
     exists): there is no IOMMU there, and the operator is told so rather than "enabled". Only
-    no-IOMMU groups are named: a mediated device's group is safe for its VM."""
+    no-IOMMU groups are named: a mediated device's group is safe for its VM. ``off``: the
+    command line's `iommu_off_param`."""
     on = iommu_isolates(enabled, noiommu, real, emulated)
-    hint = iommu_hint(on, kind)
+    hint = iommu_hint(on, kind, off)
     if noiommu:
         said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "
                 "mode (vfio.enable_unsafe_noiommu_mode), no DMA isolation: for userspace "
@@ -188,6 +208,13 @@ MANAGED_NOTES = {
         "the VM starts with `gpuwatch mode vfio --addr {addr}` (which checks holders){back}"
     ),
 }
+#: An NVIDIA vGPU VF with a type chosen (vendor-specific VFIO: nvidia itself registers the
+#: VF's VFIO device): libvirt must leave it on nvidia, whatever ``--managed`` asks.
+VGPU_NOTE = (
+    "managed='no' whatever --managed says: {addr} is an NVIDIA vGPU VF (vGPU type {type}) "
+    "that stays on nvidia, whose VFIO device the VM opens; libvirt must not detach it "
+    "(managed='yes' would bind vfio-pci to it and take the vGPU away)"
+)
 #: How an NVIDIA group goes back to the host; other vendors' host drivers are not a mode.
 _BACK_TO_HOST = {
     "0x10de": ", and back after it stops with `gpuwatch mode nvidia --addr {addr}`",
@@ -197,7 +224,8 @@ _BACK_TO_HOST = {
 def managed_note(managed: str, addr: str, vendor_id: str,
                  with_vfs: Iterable[tuple[str, int]] = (),
                  unhealthy: Iterable[tuple[str, str, str]] = (),
-                 bystanders: Iterable[tuple[str, str]] = ()) -> str:
+                 bystanders: Iterable[tuple[str, str]] = (),
+                 vgpu_type: int = 0) -> str:
     """What the blocks' managed attribute means for who detaches the group; for each member
     that is an SR-IOV physical function with virtual functions enabled (address, count), that
     detaching it takes them away (`gpuwatch mode` refuses it); and for each member that is not
@@ -205,9 +233,13 @@ def managed_note(managed: str, addr: str, vendor_id: str,
     needs its recovery before a guest can use it (`gpuwatch mode` refuses a wedged or failed
     one); and for each member that is no part of the card but on a host driver (address,
     driver: a NIC behind the same PCIe switch without ACS), that the guest takes it from the
-    host (`gpuwatch mode` refuses to without --force)."""
-    note = MANAGED_NOTES[managed].format(
-        addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
+    host (`gpuwatch mode` refuses to without --force). ``vgpu_type``: the GPU is an NVIDIA
+    vGPU VF with that type chosen (`list_managed`), whose blocks are managed='no'."""
+    if vgpu_type:
+        note = VGPU_NOTE.format(addr=addr, type=vgpu_type)
+    else:
+        note = MANAGED_NOTES[managed].format(
+            addr=addr, back=_BACK_TO_HOST.get(vendor_id, "").format(addr=addr))
     for pf, numvfs in with_vfs:
         note += (f"; {pf} has {numvfs} SR-IOV virtual function(s) enabled: taking its driver "
                  "away removes them under whatever uses them (`gpuwatch mode` refuses to), "
@@ -222,6 +254,15 @@ def managed_note(managed: str, addr: str, vendor_id: str,
                  "card: passing the group through takes it from the host (`gpuwatch mode` "
                  "refuses to without --force)")
     return note
+
+
+def list_managed(managed: str, vgpu_type: int) -> str:
+    """The managed attribute of a GPU's blocks: ``--managed``'s, but ``no`` for an NVIDIA vGPU
+    VF with a type chosen (``vgpu_type`` ≠ 0). With NVIDIA's vendor-specific VFIO (the vGPU
+    manager since Linux 6.8, no mdev) the VF stays on nvidia, which registers its VFIO
+    device; managed='yes' has libvirt unbind it from nvidia and bind vfio-pci, and the vGPU
+    written to ``nvidia/current_vgpu_type`` goes with the driver."""
+    return "no" if vgpu_type else managed
 
 
 def hostdev_xml(addr: str, managed: str = "yes") -> str:
@@ -291,5 +332,6 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
 
 
 __all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "iommu_isolates", "iommu_status", "managed_note", "memlock_verdict",
-           "render_list", "render_status", "vf_ready"]
+           "iommu_hint", "iommu_isolates", "iommu_off_param", "iommu_status", "list_managed",
+           "managed_note",
+           "memlock_verdict", "render_list", "render_status", "vf_ready"]

@@ -46,6 +46,7 @@ from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
     in_tree,
     list_dir,
+    place_in_root,
     read_attr,
     read_bytes,
     read_text,
@@ -428,6 +429,7 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         snd_nodes={fn.addr: snd_nodes(paths, fn.addr) for fn in fns if fn.class_ == AUDIO_CLASS},
         cdi_spec=any(cdi_spec_exists(paths.root, s) for s in CDI_SPECS),
         ctk_on_path=which("nvidia-ctk") is not None,
+        cdi_output=cdi_output(paths.root),
         holders_complete=euid == 0,
         vfio_targets=vfio_targets(paths, fns, mode, vfio_driver=vfio_driver),
         vfio_variants=known.vfio_variants,
@@ -465,7 +467,12 @@ def card_holders(paths: HostPaths, state: HostState, members: Iterable[PciFuncti
 
 
 def cdi_output(root: str) -> str:
-    return os.path.join(root, CDI_OUTPUT)
+    """Where ``nvidia-ctk cdi generate --output=…`` writes the spec: ``root/etc/cdi/
+    nvidia.yaml`` with the tree's links read as in a chroot (`place_in_root`). nvidia-ctk
+    runs outside the root and follows links as the host does: a host root at ``/host`` whose
+    ``etc/cdi`` is a link to ``/run/cdi`` would have it write the ``/run`` of the container
+    running gpuwatch, where no container runtime of the host looks."""
+    return place_in_root(root, CDI_OUTPUT)
 
 
 # --------------------------------------------------------------------------- bounded reads

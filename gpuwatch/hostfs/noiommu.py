@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from gpuwatch.core.reporttext import NOIOMMU_NODE, vfio_open_nodes
+from gpuwatch.core.reporttext import NOIOMMU_NODE, iommu_off_param, vfio_open_nodes
 from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
 #: The name VFIO gives the group it makes for a device on a host without an IOMMU (and for
@@ -85,6 +85,12 @@ def _emulated(root: str, group_dir: str, group: str) -> bool:
             and not os.path.exists(os.path.join(dev, "vfio", f"noiommu-{group}")))
 
 
+def read_iommu_off(root: str) -> str:
+    """`iommu_off_param` of the tree's ``proc/cmdline``: what `status` names as the cause
+    when no IOMMU is on (the model keeps only the kind the command line asks for)."""
+    return iommu_off_param(read_attr(os.path.join(tree_dir(root, "proc"), "cmdline")))
+
+
 def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
               group_accessible: bool) -> tuple[list[str], bool]:
     """`status`'s ``vfio_open`` for the tree under ``root`` (`vfio_open_nodes`: the group
@@ -103,4 +109,5 @@ def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
     return nodes, bool(nodes) and all(os.access(under(n), os.R_OK | os.W_OK) for n in nodes)
 
 
-__all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups", "vfio_open"]
+__all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups", "read_iommu_off",
+           "vfio_open"]

@@ -97,6 +97,7 @@ from gpuwatch.errors import (
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
 from gpuwatch.hostfs.facts import (
     call_bounded,
+    cdi_output,
     gather_facts,
     health_facts,
     model_facts,
@@ -1305,7 +1306,7 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
     for rel in CDI_SPECS:
         if cdi_spec_exists(root, rel):
             return CdiOutcome(True, False, "/" + rel, f"CDI spec present: /{rel}")
-    steps, why = cdi_steps(root, False, ops.which("nvidia-ctk") is not None)
+    steps, why = cdi_steps(cdi_output(root), False, ops.which("nvidia-ctk") is not None)
     if not steps:
         return CdiOutcome(False, False, None, why[0])
     for step in steps:

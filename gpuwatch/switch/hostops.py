@@ -139,14 +139,16 @@ def under_root(root: str, host_path: str) -> str:
     return os.path.join(os.path.abspath(root), host_path.lstrip("/"))
 
 
-def write_target(root: str, host_path: str) -> str:
+def write_target(root: str, host_path: str, *, folder: bool = False) -> str:
     """Where a write to ``host_path`` lands under ``root``, every link on the way read as in a
     chroot (`resolve_in_root`), and checked to lie in the tree: a fixture or captured tree
     whose links are spelled absolute (``/sys/devices/…``) must never lead a switch's write to
-    the sysfs of the host running it. The last component is opened with ``O_NOFOLLOW``."""
+    the sysfs of the host running it. The last component is opened with ``O_NOFOLLOW``; for a
+    ``folder`` to make it is read as in a chroot too (``etc/cdi`` a link to ``/run/cdi`` is the
+    tree's ``run/cdi``: followed by this host, it would name the ``/run`` gpuwatch runs in)."""
     root = os.path.abspath(root)
     try:
-        target = resolve_in_root(root, under_root(root, host_path))
+        target = resolve_in_root(root, under_root(root, host_path), follow_last=folder)
     except (OSError, ValueError) as exc:
         raise UnsafeStep(f"refusing to write {host_path!r} under {root}: {exc}") from None
     real_root = os.path.realpath(root)
@@ -300,7 +302,7 @@ class RealHostOps:
 
     async def makedirs(self, path: str) -> None:
         check_dir(path)
-        os.makedirs(write_target(self.root, path), exist_ok=True)
+        os.makedirs(write_target(self.root, path, folder=True), exist_ok=True)
 
     def which(self, name: str) -> str | None:
         return shutil.which(name)

@@ -49,8 +49,9 @@ from gpuwatch.switch.hostops import (
     check_command,
     check_dir,
     check_write,
+    write_target,
 )
-from gpuwatch.testing.sysroot import SysRoot
+from gpuwatch.testing.sysroot import CDI_SPEC, SysRoot
 
 if TYPE_CHECKING:
     from gpuwatch.host import Host
@@ -209,7 +210,7 @@ class SimKernel:
     async def makedirs(self, path: str) -> None:
         check_dir(path)
         self.record.append(("mkdir", path))
-        os.makedirs(self.paths.under(path), exist_ok=True)
+        os.makedirs(write_target(self.root, path, folder=True), exist_ok=True)
 
     async def write(self, path: str, value: str, timeout: float) -> None:
         check_write(path, value)
@@ -266,12 +267,18 @@ class SimKernel:
                 self.sys.add_dev_node("/dev/nvidia-uvm-tools")
             return CommandResult(0)
         if name == "nvidia-ctk":
+            # nvidia-ctk runs outside the root: it follows the tree's links as this host
+            # does. A write that would land outside the tree is refused here, never made.
             output = args[2].partition("=")[2]
-            if output != os.path.join(self.root, "etc/cdi/nvidia.yaml"):
-                return CommandResult(1, "", f"level=error msg=\"cannot write {output}\"")
-            if not os.path.isdir(os.path.dirname(output)):
+            real_dir = os.path.realpath(os.path.dirname(output))
+            inside = (real_dir + "/").startswith(os.path.realpath(self.root).rstrip("/") + "/")
+            if os.path.basename(output) != "nvidia.yaml" or not inside:
+                return CommandResult(1, "", f"level=error msg=\"cannot write {output}\" "
+                                            f"(it leads to {real_dir}, outside the tree)")
+            if not os.path.isdir(real_dir):
                 return CommandResult(1, "", f"level=error msg=\"no such directory for {output}\"")
-            self.sys.add_cdi_spec("etc")
+            with open(os.path.join(real_dir, "nvidia.yaml"), "w", encoding="utf-8") as fh:
+                fh.write(CDI_SPEC)
             return CommandResult(0, "", f"level=info msg=\"Generated CDI spec with version 0.5.0\" "
                                         f"output={output}")
         if name == "systemctl":

@@ -33,6 +33,7 @@ from gpuwatch.core.pci import is_driver_name, is_pci_addr
 from gpuwatch.errors import CallerError
 
 __all__ = [
+    "CDI_SPEC",
     "DeviceExistsError",
     "SysRoot",
     "UnknownDeviceError",
@@ -81,7 +82,8 @@ _PROC_STATES = {
     "I": "idle",
 }
 
-_CDI_SPEC = """\
+#: A minimal valid nvidia CDI spec, as nvidia-ctk writes one.
+CDI_SPEC = """\
 ---
 cdiVersion: 0.5.0
 kind: nvidia.com/gpu
@@ -1113,7 +1115,7 @@ class SysRoot:
         """A minimal valid nvidia CDI spec (or ``content`` verbatim) where nvidia-ctk puts it."""
         full = self._abs(self._cdi_rel(where))
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        _write(full, (_CDI_SPEC if content is None else content).encode())
+        _write(full, (CDI_SPEC if content is None else content).encode())
         return Path(full)
 
     def remove_cdi_spec(self, where: Literal["etc", "var"] = "etc") -> None:
