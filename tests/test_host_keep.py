@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_helpers import run_cli, run_main, simulated_cli
+from watch_helpers import count_calls
 
 import gpuwatch
 from gpuwatch.cli import fast_report
@@ -21,7 +22,9 @@ from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.plan import switch_guard
 from gpuwatch.core.results import PciFunction
 from gpuwatch.errors import SwitchRefused
+from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.report import passthrough_gpus, render_list
+from gpuwatch.service.remote import RemoteModel
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import (
@@ -201,6 +204,28 @@ async def test_an_igpu_split_with_sriov_stays_the_hosts_console(
     code, out, err = run("plan", "vfio", "--addr", IGPU, "--json", "--no-daemon")
     assert code == 1 and "kept for the host" in json.loads(out)["refused"]["reason"]
     assert sim.record == []
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_report_on_a_daemons_answers_reads_the_console_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, captured: bool) -> None:
+    """`RemoteModel` (the full `list` and `status` on a daemon's answers) reads ``boot_vga``
+    and the framebuffers once per report, not once per GPU, and answers as the model."""
+    s = igpu_sriov_host(tmp_path / "h", vfs=2)
+    if captured:
+        s.capture()
+    model = gpuwatch.scan(s.root)
+
+    class Answers:  # what a daemon's client answers, from the same model
+        def probe(self, action: str, **params: object) -> object:
+            return model.probe(action, **params)  # type: ignore[arg-type]
+
+    remote = RemoteModel(Answers(), model.tables, str(s.root))  # type: ignore[arg-type]
+    reads = count_calls(monkeypatch, scan_mod, "read_console")
+    gpus = [IGPU, *IGPU_VFS]
+    assert [remote.kept_for_host(a) for a in gpus] == [model.kept_for_host(a) for a in gpus]
+    assert "only display function" in remote.kept_for_host(IGPU)
+    assert len(reads) == 1
 
 
 def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.observations import FramebufferGone, FramebufferSeen
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.uevent import UEvent
-from gpuwatch.hostfs.scan import HostPaths, observe, read_framebuffers
+from gpuwatch.hostfs.scan import HostPaths, observe, read_console
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.sources.kernel import SUBSYSTEMS
 from gpuwatch.testing import SysRoot
@@ -179,7 +179,7 @@ def test_copies_without_half_the_tree_answer_the_same(
         shutil.rmtree(s.root / "sys/bus/pci/devices")
         os.mkdir(s.root / "sys/bus/pci/devices")
     assert FB_REASON in gpuwatch.scan(s.root).kept_for_host(addr)
-    assert read_framebuffers(str(s.root), [addr]) == {addr}
+    assert read_console(str(s.root), [(addr, "")]).framebuffers == {addr}
 
 
 def test_the_boot_vga_rule_is_as_it_was(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from cli_helpers import simulated_cli
 
 import gpuwatch
 from gpuwatch.hostfs import scan as scan_mod
-from gpuwatch.hostfs.bootvga import listed_boot_vga
+from gpuwatch.hostfs.bootvga import listed_console
 from gpuwatch.hostfs.noiommu import read_iommu_groups
 from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot, example_gpu_host
@@ -323,13 +323,14 @@ def test_a_root_given_relative_reads_as_given_absolute(
     once made `in_root` take every link for one that leads out of the tree."""
     MACHINES[kind](tmp_path / "host")
     whole = str(tmp_path / "host")
-    gpus = [g.addr for g in gpuwatch.scan(whole).probe("detect-vfio").gpus]
-    absolute = (answers(Path(whole), capsys), listed_boot_vga(whole, gpus),
+    gpus = [(g.addr, g.physfn) for g in gpuwatch.scan(whole).probe("detect-vfio").gpus]
+    absolute = (answers(Path(whole), capsys), listed_console(whole, gpus),
                 read_iommu_groups(whole))
-    assert absolute[1]  # the boot GPU's boot_vga, read through its bus entry
+    # The boot GPU's boot_vga, read through its bus entry.
+    assert absolute[1] is not None and absolute[1].boot_vga
     monkeypatch.chdir(tmp_path)
     root = spelling.format(cwd=tmp_path.name)
-    assert (answers(Path(root), capsys), listed_boot_vga(root, gpus),
+    assert (answers(Path(root), capsys), listed_console(root, gpus),
             read_iommu_groups(root)) == absolute
 
 

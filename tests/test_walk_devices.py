@@ -21,7 +21,7 @@ from gpuwatch.hostfs.scan import (
     HostPaths,
     function_entries,
     observe,
-    read_boot_vga,
+    read_console,
     scan,
     walk_functions,
 )
@@ -196,4 +196,5 @@ def test_the_boot_display_is_read_where_the_walk_found_it(
     got = json.loads(fast[1])
     gpus = got["gpus"] if command == "status" else got
     assert [g["kept_for_host"] for g in gpus] == [True]
-    assert read_boot_vga(str(s.root), ["0000:01:00.0", "0000:01:00.1"]) == {"0000:01:00.0"}
+    assert read_console(str(s.root), [("0000:01:00.0", ""), ("0000:01:00.1", "")]).boot_vga == {
+        "0000:01:00.0"}

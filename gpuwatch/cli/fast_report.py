@@ -37,7 +37,7 @@ from gpuwatch.cli.fast import (
     reader_may_leave,
 )
 from gpuwatch.core.health import health_advice
-from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
+from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.modes import group_mode, host_bystanders, variant_keys, vfio_variant
 from gpuwatch.core.reporttext import (
     BRIDGE_CLASSES,
@@ -54,7 +54,7 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.core.tabledata import TableData, table_data
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.bootvga import listed_boot_vga, listed_framebuffers
+from gpuwatch.hostfs.bootvga import HostConsole, listed_console
 from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 
@@ -155,8 +155,7 @@ class Remote:
         self.variants = variant_keys(self.tables.vfio_variant_drivers)
         self.vfio: dict[str, Any] = _checked("detect-vfio", vfio)
         self.gpus: list[dict[str, Any]] = vfio["gpus"]
-        self._boot_vga: set[str] | None = None
-        self._framebuffers: set[str] = set()
+        self._console: HostConsole | None = None
         self._accessible: dict[int, bool] | None = None
 
     def members(self, gpu: dict[str, Any]) -> list[Fn]:
@@ -187,25 +186,20 @@ class Remote:
         return usable
 
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
-        addrs = [g["addr"] for g in self.gpus]
-        displays = list(own_displays((g["addr"], g["physfn"]) for g in self.gpus))
-        if self._boot_vga is None:  # once per report, not once per GPU
-            listed = listed_boot_vga(self.root, addrs)
-            # Framebuffers count only for the host's one display (`kept_for_host_reason`).
-            only = displays if len(displays) == 1 else []
-            fbs = listed_framebuffers(self.root, only)
-            if listed is None or fbs is None:
-                # A tree without the bus listing: the scan's walk finds them.
-                from gpuwatch.hostfs.scan import read_boot_vga, read_framebuffers
+        if self._console is None:  # once per report, not once per GPU
+            gpus = [(g["addr"], g["physfn"]) for g in self.gpus]
+            console = listed_console(self.root, gpus)
+            if console is None:  # a tree without the bus listing: the scan's walk finds them
+                from gpuwatch.hostfs.scan import read_console
 
-                listed = read_boot_vga(self.root, addrs) if listed is None else listed
-                fbs = read_framebuffers(self.root, only) if fbs is None else fbs
-            self._boot_vga, self._framebuffers = set(listed), set(fbs)
+                console = read_console(self.root, gpus)
+            self._console = console
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables.host_console_drivers,
                                     console_devices=self.tables.host_console_devices,
-                                    boot_vga=self._boot_vga, host_displays=displays,
-                                    framebuffers=self._framebuffers)
+                                    boot_vga=self._console.boot_vga,
+                                    host_displays=self._console.displays,
+                                    framebuffers=self._console.framebuffers)
 
 
 class Local(Remote):

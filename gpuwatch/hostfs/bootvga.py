@@ -11,19 +11,46 @@ listing needs the scan's walk.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
+from gpuwatch.core.hostkeep import own_displays
 from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
 
-def listed_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str] | None:
-    """Those of ``addrs`` whose ``boot_vga`` is 1, each read through its bus entry; None
-    when one has no entry (a capture without the listing: the scan walks ``sys/devices``)."""
+class HostConsole(NamedTuple):
+    """What `gpuwatch.core.hostkeep.kept_for_host_reason` reads of the host's displays
+    besides a group's members, for a report on a daemon's answers (which carry neither
+    ``boot_vga`` nor framebuffers): its ``host_displays``, ``boot_vga`` and
+    ``framebuffers``."""
+
+    displays: tuple[str, ...]
+    boot_vga: frozenset[str]
+    framebuffers: frozenset[str]
+
+
+def console_of(gpus: Iterable[tuple[str, str]], folder: Callable[[str], str]) -> HostConsole:
+    """The `HostConsole` of ``gpus`` (``(addr, physfn)`` of every display-class function),
+    each read in ``folder(addr)``: ``boot_vga`` of every one, and the framebuffers of the
+    host's own display when it has only one (the rule counts them for no other, so no other
+    folder is listed)."""
+    gpus = list(gpus)
+    displays = tuple(own_displays(gpus))
+    return HostConsole(
+        displays,
+        frozenset(a for a, _ in gpus if read_attr(folder(a) + "/boot_vga") == "1"),
+        frozenset(a for a in displays if len(displays) == 1 and framebuffer_names(folder(a))))
+
+
+def listed_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole | None:
+    """`console_of` ``gpus``, each read through its bus entry; None when one has no entry (a
+    capture without the listing: `gpuwatch.hostfs.scan.read_console` walks ``sys/devices``)."""
+    gpus = list(gpus)
     bus = os.path.join(tree_dir(root, "sys"), "bus/pci/devices")
-    entries = [(a, in_root(root, f"{bus}/{a}")) for a in addrs]
-    if not all(os.path.lexists(entry) for _, entry in entries):
+    entries = {a: in_root(root, f"{bus}/{a}") for a, _ in gpus}
+    if not all(os.path.lexists(entry) for entry in entries.values()):
         return None
-    return frozenset(a for a, entry in entries if read_attr(entry + "/boot_vga") == "1")
+    return console_of(gpus, entries.__getitem__)
 
 
 def is_framebuffer(name: str) -> bool:
@@ -55,12 +82,3 @@ def framebuffer_names(directory: str) -> list[str]:
             found.extend(n for n in list_dir(graphics) if is_framebuffer(n))
     return sorted(found)
 
-
-def listed_framebuffers(root: str, addrs: Collection[str]) -> frozenset[str] | None:
-    """Those of ``addrs`` with a framebuffer device beneath them (`framebuffer_names`), each
-    read through its bus entry; None when one has no entry (as `listed_boot_vga`)."""
-    bus = os.path.join(tree_dir(root, "sys"), "bus/pci/devices")
-    entries = [(a, in_root(root, f"{bus}/{a}")) for a in addrs]
-    if not all(os.path.lexists(entry) for _, entry in entries):
-        return None
-    return frozenset(a for a, entry in entries if framebuffer_names(entry))

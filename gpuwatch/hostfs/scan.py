@@ -12,7 +12,7 @@ import os
 import re
 import stat as stat_mod
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from gpuwatch.core.kfd import parse_gfx_target_version
@@ -43,10 +43,11 @@ from gpuwatch.core.probes import FunctionOutline
 from gpuwatch.core.tabledata import TablesView
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.bootvga import (
+    HostConsole,
+    console_of,
     framebuffer_names,
     is_framebuffer,
-    listed_boot_vga,
-    listed_framebuffers,
+    listed_console,
 )
 from gpuwatch.hostfs.files import (
     driver_name,
@@ -809,30 +810,18 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
                            read_vfio_dev(directory)[1])
 
 
-def read_boot_vga(root: str, addrs: Collection[str]) -> frozenset[str]:
-    """Those of ``addrs`` whose ``boot_vga`` is 1, for a report that holds no scan (a
-    daemon's answers carry no ``boot_vga``): each read in its folder (`function_dir`), a
-    tree without the bus listing walked once for all."""
-    listed = listed_boot_vga(root, addrs)
+def read_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole:
+    """`gpuwatch.hostfs.bootvga.listed_console`, for a report that holds no scan (a daemon's
+    answers carry neither ``boot_vga`` nor framebuffers): each function read in its folder
+    (`function_dir`), a tree without the bus listing walked once for all."""
+    gpus = list(gpus)
+    listed = listed_console(root, gpus)
     if listed is not None:
         return listed
     paths = HostPaths(root)
-    if addrs and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
+    if gpus and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
         paths.walked = dict(walk_functions(paths.sys))
-    return frozenset(a for a in addrs
-                     if read_attr(function_dir(paths, a) + "/boot_vga") == "1")
-
-
-def read_framebuffers(root: str, addrs: Collection[str]) -> frozenset[str]:
-    """Those of ``addrs`` with a framebuffer device beneath them (`framebuffer_names`), for
-    a report that holds no scan, read as `read_boot_vga` reads ``boot_vga``."""
-    listed = listed_framebuffers(root, addrs)
-    if listed is not None:
-        return listed
-    paths = HostPaths(root)
-    if addrs and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
-        paths.walked = dict(walk_functions(paths.sys))
-    return frozenset(a for a in addrs if framebuffer_names(function_dir(paths, a)))
+    return console_of(gpus, lambda addr: function_dir(paths, addr))
 
 
 def scan_framebuffers(paths: HostPaths, functions: Sequence[PciSeen]

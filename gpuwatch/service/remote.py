@@ -8,13 +8,16 @@ asked of the daemon, which answers for the caller (the socket peer), as a local 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.modes import variant_keys
 from gpuwatch.core.results import DetectVfioResult, PciFunction
 from gpuwatch.core.tables import Tables
 from gpuwatch.hostfs.files import tree_dir
 from gpuwatch.service.client import Client
+
+if TYPE_CHECKING:
+    from gpuwatch.hostfs.bootvga import HostConsole
 
 
 class _RemoteState:
@@ -37,6 +40,7 @@ class RemoteModel:
         self.root = root
         self._vfio = DetectVfioResult.model_validate(client.probe("detect-vfio"))
         self.state = _RemoteState(self._vfio, tables)
+        self._console: HostConsole | None = None
 
     def probe(self, action: str, **params: Any) -> Any:
         if action == "detect-vfio" and not params:
@@ -50,20 +54,20 @@ class RemoteModel:
 
     def kept_for_host(self, addr: str) -> str:
         """The same rule as the model's; ``boot_vga`` and the framebuffer devices are in no
-        probe answer, so they are read from sysfs here, as `module_loaded` reads modules."""
-        from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
-        from gpuwatch.hostfs.scan import read_boot_vga, read_framebuffers
+        probe answer, so they are read from sysfs here (once per report, not once per GPU),
+        as `module_loaded` reads modules."""
+        from gpuwatch.core.hostkeep import kept_for_host_reason
+        from gpuwatch.hostfs.scan import read_console
 
-        gpus = [g.addr for g in self._vfio.gpus]
-        displays = list(own_displays((g.addr, g.physfn) for g in self._vfio.gpus))
-        boot_vga = read_boot_vga(self.root, gpus)
-        # Framebuffers count only for the host's one display (`kept_for_host_reason`).
-        fbs = read_framebuffers(self.root, displays if len(displays) == 1 else [])
+        if self._console is None:
+            self._console = read_console(self.root,
+                                         ((g.addr, g.physfn) for g in self._vfio.gpus))
+        console = self._console
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
                                     console_devices=self.tables.host_console_devices,
-                                    boot_vga=boot_vga, host_displays=displays,
-                                    framebuffers=fbs)
+                                    boot_vga=console.boot_vga, host_displays=console.displays,
+                                    framebuffers=console.framebuffers)
 
     def module_loaded(self, name: str) -> bool:
         # Module state is not in any probe answer; sysfs says it directly and cheaply.
