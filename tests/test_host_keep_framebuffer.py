@@ -228,6 +228,31 @@ def test_a_graphics_uevent_reads_the_framebuffer_and_its_function(
     assert observe(paths, gpuwatch.scan(s.root).tables, fbcon) == []
 
 
+@pytest.mark.parametrize("where", ["virtual", "platform", "behind a USB controller"])
+def test_a_framebuffer_no_scan_counts_is_not_counted_from_its_uevent(
+        tmp_path: Path, where: str) -> None:
+    """A framebuffer's uevent is attributed by the scan's own rule: one beneath no PCI
+    function (a virtual one, the firmware's on a platform device) or further below the
+    display than a scan looks (a USB display adapter on a controller in the display's
+    folder) leaves the model as a fresh scan of the same tree builds it: not the display's
+    console."""
+    s = bochs_display_viommu_guest(tmp_path / "h")
+    s.remove_framebuffer("fb0")
+    model = gpuwatch.scan(s.root)
+    if where == "virtual":
+        devpath = s.add_framebuffer("fb1", None)
+    else:
+        devpath = ("/devices/platform/simple-framebuffer.0/graphics/fb1" if where == "platform"
+                   else s.devpath(BOCHS_DISPLAY) + "/usb1/1-1/1-1:1.0/graphics/fb1")
+        os.makedirs(s.root / "sys" / devpath.lstrip("/"))
+        (s.root / "sys" / devpath.lstrip("/") / "dev").write_text("29:1\n")
+    event = UEvent("add", devpath, "graphics", {"DEVNAME": "fb1"})
+    model.state.apply(observe(HostPaths(s.root), model.tables, event))
+    fresh = gpuwatch.scan(s.root)
+    assert model.state.framebuffers == fresh.state.framebuffers == {}
+    assert model.kept_for_host(BOCHS_DISPLAY) == fresh.kept_for_host(BOCHS_DISPLAY) == ""
+
+
 async def until_kept(w: object, addr: str, kept: bool) -> str:
     with anyio.fail_after(10):
         while bool(reason := w.model.kept_for_host(addr)) is not kept:  # type: ignore[attr-defined]

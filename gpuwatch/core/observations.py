@@ -121,8 +121,9 @@ class DrmGone:
 @dataclass(frozen=True, slots=True)
 class FramebufferSeen:
     """A framebuffer device (``fb0``: ``graphics`` class) and the PCI function it hangs
-    beneath, ``""`` for none (the firmware's framebuffer on a platform device, a virtual
-    one): that function's driver, or the firmware, shows the host's console on it."""
+    beneath (`gpuwatch.hostfs.bootvga.framebuffer_owner`): that function's driver, or the
+    firmware, shows the host's console on it. One beneath no function (the firmware's on a
+    platform device, a virtual one) is read as `FramebufferGone`: a scan records none."""
 
     name: str
     addr: str

@@ -168,7 +168,7 @@ class HostState:
         self.devpaths: dict[str, str] = {}
         #: Display functions whose ``boot_vga`` reads 1 (the firmware's console).
         self.boot_vga: set[str] = set()
-        #: Framebuffer device (``fb0``) → the PCI function it hangs beneath (``""``: none).
+        #: Framebuffer device (``fb0``) → the PCI function it hangs beneath.
         self.framebuffers: dict[str, str] = {}
         self.groups: dict[int, set[str]] = {}
         self._gpu_addrs: list[str] = []  # sorted

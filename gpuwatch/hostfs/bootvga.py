@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from gpuwatch.core.hostkeep import own_displays
+from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
 
@@ -82,3 +83,18 @@ def framebuffer_names(directory: str) -> list[str]:
             found.extend(n for n in list_dir(graphics) if is_framebuffer(n))
     return sorted(found)
 
+
+def framebuffer_owner(devpath: str) -> str:
+    """The PCI function a framebuffer device at ``devpath`` hangs beneath as
+    `framebuffer_names` looks for one (``…/ADDR/graphics/fbN``, ``…/ADDR/CHILD/graphics/
+    fbN``), ``""`` for any other: a virtual one, the firmware's on a platform device, one
+    further down (a USB display adapter's, behind its controller). A framebuffer's uevent is
+    attributed by this rule, so the watcher's model holds what a fresh scan finds."""
+    parts = devpath.split("/")
+    if len(parts) < 4 or parts[-2] != "graphics":
+        return ""
+    if is_pci_addr(parts[-3]):
+        return parts[-3]
+    if len(parts) >= 5 and parts[-3] != "graphics" and is_pci_addr(parts[-4]):
+        return parts[-4]
+    return ""

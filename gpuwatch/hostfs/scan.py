@@ -46,6 +46,7 @@ from gpuwatch.hostfs.bootvga import (
     HostConsole,
     console_of,
     framebuffer_names,
+    framebuffer_owner,
     is_framebuffer,
     listed_console,
 )
@@ -836,17 +837,18 @@ def scan_framebuffers(paths: HostPaths, functions: Sequence[PciSeen]
 
 def read_framebuffer(paths: HostPaths, name: str, devpath: str
                      ) -> FramebufferSeen | FramebufferGone:
-    """One framebuffer device after its ``graphics`` uevent: there or gone, and the PCI
-    function its devpath names (the nearest address above it: ``…/0000:00:02.0/graphics/
-    fb0``, ``…/0000:00:01.0/virtio0/graphics/fb0``). A devpath not spelled as the kernel's
-    is taken from the ``sys/class/graphics`` entry."""
+    """One framebuffer device after its ``graphics`` uevent: there, beneath the PCI function
+    its devpath names as a scan finds it (`framebuffer_owner`: ``…/0000:00:02.0/graphics/
+    fb0``, ``…/0000:00:01.0/virtio0/graphics/fb0``), or else gone: one beneath no function
+    (a virtual one, the firmware's on a platform device, a USB adapter's) is no display's
+    console, and a scan records none. A devpath not spelled as the kernel's is taken from
+    the ``sys/class/graphics`` entry."""
     if not kernel_devpath(devpath):
         devpath = _class_entry(paths, os.path.join(paths.class_graphics, name))[1]
         if not devpath:
             return FramebufferGone(name)
-    above = devpath.split("/")[:-1]
-    addr = next((part for part in reversed(above) if is_pci_addr(part)), "")
-    if os.path.isdir(paths.sys + devpath) or (addr and _drm_on_bus(paths, devpath)):
+    addr = framebuffer_owner(devpath)
+    if addr and (os.path.isdir(paths.sys + devpath) or _drm_on_bus(paths, devpath)):
         return FramebufferSeen(name, addr)
     return FramebufferGone(name)
 
