@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from gpuwatch.core.tables import Tables
     from gpuwatch.hostfs.scan import HostPaths
     from gpuwatch.model import HostModel
+    from gpuwatch.settings import ConfigInForce
     from gpuwatch.sources import EventSource
     from gpuwatch.switch.hostops import HostOps
     from gpuwatch.watch.eventlog import EventLog
@@ -157,7 +158,7 @@ async def open_host(
     root: str | os.PathLike[str] | None = None,
     source: str | EventSource = "auto",
     *,
-    config: str | os.PathLike[str] | Tables | None = None,
+    config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
     log: str | os.PathLike[str] | EventLog | None = None,
     ops: HostOps | None = None,
     geteuid: Callable[[], int] | None = None,

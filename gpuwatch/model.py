@@ -30,7 +30,9 @@ from gpuwatch.hostfs import procfs
 from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.settings import (
+    ConfigInForce,
     proc_read_timeout_in_force,
+    read_once,
     root_in_force,
     tables_in_force,
 )
@@ -235,13 +237,16 @@ def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | N
 
 def scan(
     root: str | os.PathLike[str] | None = None,
-    config: str | os.PathLike[str] | Tables | None = None,
+    config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
 ) -> HostModel:
     """Read the whole host under ``root`` once and return its model.
 
     Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
     ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
-    so a direct probe answers with the tables the daemon uses."""
+    so a direct probe answers with the tables the daemon uses. The file is read once, for
+    the tables, the root and ``proc_read_timeout`` alike (a `ConfigInForce` given: not
+    again)."""
+    config = read_once(config)
     tables = tables_in_force(config)
     where = root_in_force(root, config)
     if not os.path.isdir(where):  # a typo would otherwise read as an empty host, silently
@@ -255,7 +260,7 @@ def scan(
 def probe(
     action: str,
     root: str | os.PathLike[str] | None = None,
-    config: str | os.PathLike[str] | Tables | None = None,
+    config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
     *,
     group: int | None = None,
     addr: str | None = None,

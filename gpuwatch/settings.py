@@ -339,18 +339,65 @@ def config_file_path(flag: str | os.PathLike[str] | None, env: Mapping[str, str]
     return default if os.path.isfile(default) else None
 
 
-def tables_in_force(config: str | os.PathLike[str] | Tables | None = None,
+@dataclass(frozen=True)
+class ConfigInForce:
+    """The config file in force, read and checked whole once: its path (None: no file, the
+    embedded tables), its raw mapping, the tables built from it and the `file_identity` of
+    what was read. A command takes its root, its tables and its settings from this one read,
+    so it never checks one file and uses another written over it since (and pays for one
+    YAML parse, not one per question)."""
+
+    path: str | None
+    raw: Mapping[str, Any]
+    #: The tables built from the file (None: no file, the embedded ones, built on first use:
+    #: a command that needs only the root, such as ``record``, never imports pydantic).
+    loaded_tables: Tables | None = None
+    identity: FileIdentity | None = None
+
+    @property
+    def tables(self) -> Tables:
+        """The tables in force: the file's, else the embedded ones."""
+        return self.loaded_tables if self.loaded_tables is not None else default_tables()
+
+
+def config_in_force(config: str | os.PathLike[str] | None = None,
+                    env: Mapping[str, str] | None = None,
+                    default: str = DEFAULT_CONFIG_PATH) -> ConfigInForce:
+    """The config file `config_file_path` finds, read once and checked whole as the daemon
+    checks it (`load_settings`): a file the daemon would refuse is refused by every command
+    that reads it (`ConfigError`, exit 2), even one the daemon answers."""
+    path = config_file_path(config, env, default)
+    if path is None:
+        return ConfigInForce(None, {})
+    raw, identity = read_config_file_as_read(path)
+    tables = build_tables(_only_table_keys(raw, path), path)  # rejects unknown keys too
+    return ConfigInForce(path, raw, tables, identity)
+
+
+def read_once(config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
+              env: Mapping[str, str] | None = None) -> ConfigInForce | Tables:
+    """A ``config`` argument to be asked several things (tables, root, settings): a path
+    (None: the file in force) read now, once (`config_in_force`); tables or a
+    `ConfigInForce` given are as they are."""
+    if config is None or isinstance(config, str | os.PathLike):
+        return config_in_force(config, env)
+    return config
+
+
+def tables_in_force(config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
                     env: Mapping[str, str] | None = None) -> Tables:
     """The tables the daemon would use: ``config`` when given, else the file
     `config_file_path` finds, else the embedded ones. The library and every CLI command
     read through here, so a direct probe and the daemon never disagree."""
+    if isinstance(config, ConfigInForce):
+        return config.tables
     if config is not None and not isinstance(config, str | os.PathLike):
         return config
     return load_tables(config_file_path(config, env))
 
 
 def root_in_force(root: str | os.PathLike[str] | None = None,
-                  config: str | os.PathLike[str] | Tables | None = None,
+                  config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
                   env: Mapping[str, str] | None = None) -> str:
     """The host root the daemon would watch: ``root`` when given, else ``$GPUWATCH_ROOT``,
     else the config file's ``root``, else ``/`` (the daemon's own precedence)."""
@@ -358,7 +405,7 @@ def root_in_force(root: str | os.PathLike[str] | None = None,
 
 
 def root_and_where(root: str | os.PathLike[str] | None = None,
-                   config: str | os.PathLike[str] | Tables | None = None,
+                   config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
                    env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
     """`root_in_force` and where it came from (``environment GPUWATCH_ROOT``, ``FILE: root``;
     None for ``root`` given or the default ``/``): a root that is no folder is blamed on the
@@ -375,30 +422,23 @@ def root_and_where(root: str | os.PathLike[str] | None = None,
             return str(_validate(s, _from_text(s, env[ROOT_ENV]))), f"environment {ROOT_ENV}"
         except _Bad as exc:
             raise ConfigError(f"environment {ROOT_ENV}: {exc}") from None
-    if config is not None and not isinstance(config, str | os.PathLike):
+    if isinstance(config, ConfigInForce):
+        path, raw = config.path, config.raw  # the one read of the file
+    elif config is not None and not isinstance(config, str | os.PathLike):
         return "/", None  # tables given as such name no file
-    path = config_file_path(config, env)
-    if path is not None:
-        raw = read_config_file(path)
-        if "root" in raw:
-            try:
-                return str(_validate(s, _typed(s, raw["root"]))), f"{path}: root"
-            except _Bad as exc:
-                raise ConfigError(f"{path}: root: {exc}") from None
+    else:
+        path = config_file_path(config, env)
+        raw = read_config_file(path) if path is not None else {}
+    if path is not None and "root" in raw:
+        try:
+            return str(_validate(s, _typed(s, raw["root"]))), f"{path}: root"
+        except _Bad as exc:
+            raise ConfigError(f"{path}: root: {exc}") from None
     return "/", None
 
 
-def check_config_in_force(config: str | os.PathLike[str] | None = None,
-                          env: Mapping[str, str] | None = None) -> None:
-    """The config file in force (``config``, ``$GPUWATCH_CONFIG``, the default one), checked
-    whole as the daemon checks it: a command the daemon answers uses none of it, yet a file
-    the daemon would refuse is refused by every command that reads it (exit 2)."""
-    path = config_file_path(config, env)
-    if path is not None:
-        load_tables(path)
-
-
-def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | None = None,
+def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | ConfigInForce
+                               | None = None,
                                env: Mapping[str, str] | None = None) -> float:
     """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
     the config file's, else 2 s. A bad value is a `ConfigError` naming where it came from."""
@@ -408,13 +448,16 @@ def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | None = 
         if s.env in env:
             where = f"environment {s.env}"
             return float(_validate(s, _from_text(s, env[s.env])))
-        if config is None or isinstance(config, str | os.PathLike):
+        if isinstance(config, ConfigInForce):
+            path, raw = config.path, config.raw  # the one read of the file
+        elif config is None or isinstance(config, str | os.PathLike):
             path = config_file_path(config, env)
-            if path is not None:
-                raw = read_config_file(path)
-                if s.key in raw:
-                    where = f"{path}: {s.key}"
-                    return float(_validate(s, _typed(s, raw[s.key])))
+            raw = read_config_file(path) if path is not None else {}
+        else:
+            path, raw = None, {}  # tables given as such name no file
+        if path is not None and s.key in raw:
+            where = f"{path}: {s.key}"
+            return float(_validate(s, _typed(s, raw[s.key])))
     except _Bad as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return float(s.default)
@@ -444,8 +487,8 @@ def load_settings(
     identity: FileIdentity | None = None
     if path is not None:
         # Read and parsed once, for the options and the tables.
-        raw, identity = read_config_file_as_read(path)
-        tables = build_tables(_only_table_keys(raw, path), path)  # rejects unknown keys too
+        read = config_in_force(path, env, default_config)
+        raw, identity, tables = read.raw, read.identity, read.tables
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
     for s in SETTINGS:
@@ -766,6 +809,7 @@ __all__ = [
     "SETTING_KEYS",
     "TABLE_KEYS",
     "ConfigError",
+    "ConfigInForce",
     "FileIdentity",
     "GroupNotFound",
     "InvalidListenAddress",
@@ -773,6 +817,7 @@ __all__ = [
     "WatchSettings",
     "build_tables",
     "config_file_path",
+    "config_in_force",
     "default_socket_gid",
     "default_tables",
     "file_identity",
@@ -782,6 +827,7 @@ __all__ = [
     "proc_read_timeout_in_force",
     "read_config_file",
     "read_config_file_as_read",
+    "read_once",
     "resolve_group",
     "root_and_where",
     "root_in_force",

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli, run_main
 from daemon_helpers import Daemon, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import ConfigError
@@ -151,11 +152,11 @@ def test_hostile_config_files_are_one_line_errors(tmp_path: Path, text: str, mes
     assert "\n" not in str(info.value)
 
 
-def test_the_config_file_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def config_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The paths of every read of a config file from here on, in this process."""
     import gpuwatch.settings as settings_module
 
-    path = tmp_path / "config.yaml"
-    path.write_text("log_keep: 3\ngpu_vendors:\n  '0x10de': NVIDIA\n")
     reads: list[object] = []
     # Every read of the file goes through `read_config_file_as_read` (`read_config_file` too).
     real = settings_module.read_config_file_as_read
@@ -165,9 +166,123 @@ def test_the_config_file_is_read_once(tmp_path: Path, monkeypatch: pytest.Monkey
         return real(p)  # type: ignore[arg-type]
 
     monkeypatch.setattr(settings_module, "read_config_file_as_read", counting)
+    return reads
+
+
+def test_the_config_file_is_read_once(tmp_path: Path, config_reads: list[object]) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log_keep: 3\ngpu_vendors:\n  '0x10de': NVIDIA\n")
     settings = load_settings(config=str(path), env={}, resolve_groups=False)
     assert settings.log_keep == 3 and settings.tables().gpu_vendors == {"0x10de": "NVIDIA"}
-    assert len(reads) == 1
+    assert len(config_reads) == 1
+
+
+def only_env(monkeypatch: pytest.MonkeyPatch, extra_env: dict[str, str]) -> None:
+    """``extra_env`` the only ``GPUWATCH_*`` variables of this process, for the test."""
+    for name in [n for n in os.environ if n.startswith("GPUWATCH_")]:
+        monkeypatch.delenv(name)
+    for name, value in extra_env.items():
+        monkeypatch.setenv(name, value)
+
+
+#: A config file with a table, a setting the commands use and (``{root}``) the host's root.
+READ_ONCE = ("gpu_vendors:\n  '0x10de': NVIDIA\n  '0x8086': Intel\n  '0x1002': AMD\n"
+             "proc_read_timeout: 3\nroot: {root}\n")
+
+
+@pytest.mark.parametrize("argv", [
+    ["status"],
+    ["status", "--json", "--config", "{config}", "--root", "{root}"],
+    ["list", "--json"],
+    ["probe", "detect-gpu", "--no-daemon"],
+    ["probe", "detect-vfio", "--no-daemon", "--config", "{config}"],
+    ["probe", "detect-gpu", "--fresh"],
+    ["holders", "--addr", NV, "--json"],
+    ["plan", "vfio", "--json"],
+])
+def test_a_command_reads_its_config_file_once(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], config_reads: list[object], argv: list[str]
+) -> None:
+    """A command read the file in force 3-4 times (checked whole, then for its root, its
+    tables, its ``proc_read_timeout``), each read a YAML parse, and each a chance to use a
+    file written over the one it checked: once now, for all of them."""
+    config = tmp_path / "config.yaml"
+    config.write_text(READ_ONCE.format(root=host.root))
+    argv = [w.format(config=config, root=host.root) for w in argv]
+    only_env(monkeypatch, {"GPUWATCH_CONFIG": str(config)})
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0 and out and err == "", (argv, code, err)
+    assert config_reads == [str(config)], (argv, len(config_reads))
+
+
+async def test_a_command_the_daemon_answers_the_full_way_reads_its_config_file_once(
+    host: SysRoot, tmp_path: Path, sockdir: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], config_reads: list[object]
+) -> None:
+    """``$GPUWATCH_CONFIG`` naming a file the daemon did not read: the fast way is no proof,
+    so the full command checks the file and asks the daemon with its tables, one read."""
+    from gpuwatch.cli import status_cmd
+    from gpuwatch.service.testing import served_watcher
+
+    config = tmp_path / "config.yaml"
+    config.write_text(READ_ONCE.format(root=host.root))
+    asked: list[bool] = []
+    real_ask = status_cmd.ask_daemon
+
+    def ask(*args: object, **kwargs: object) -> object:
+        answer = real_ask(*args, **kwargs)  # type: ignore[arg-type]
+        asked.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(status_cmd, "ask_daemon", ask)
+    async with served_watcher(str(host.root), f"{sockdir}/gw.sock") as served:
+        config_reads.clear()  # (the daemon's own start is not the command's)
+        only_env(monkeypatch, {"GPUWATCH_CONFIG": str(config)})
+        for argv in (["status", "--socket", served.path],
+                     ["status", "--json", "--socket", served.path, "--root", str(host.root)]):
+            code, out, err = await run_cli(capsys, *argv)
+            assert code == 0 and out and err == "", (argv, code, err)
+            assert asked == [True], argv  # the daemon answered, through the full command
+            assert config_reads == [str(config)], (argv, len(config_reads))
+            asked.clear()
+            config_reads.clear()
+
+
+def test_the_daemon_reads_its_config_file_once(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], config_reads: list[object]
+) -> None:
+    """``gpuwatch watch`` takes its settings, root and tables from one read, as before."""
+    config = tmp_path / "config.yaml"
+    config.write_text(READ_ONCE.format(root=host.root))
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    only_env(monkeypatch, {})
+    code, _out, err = run_main(
+        capsys, "watch", "--source", "file:/dev/null", "--log", str(tmp_path / "events.jsonl"),
+        "--config", str(config))
+    assert code == 0, err
+    assert config_reads == [str(config)]
+
+
+def test_the_library_reads_the_file_it_is_given_each_time_once(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    config_reads: list[object]
+) -> None:
+    """`gpuwatch.scan` reads its ``config`` once per call, for the tables, the root and
+    ``proc_read_timeout`` alike, and anew on the next call: nothing is kept between calls,
+    so an edit is seen by the next scan."""
+    import gpuwatch
+
+    only_env(monkeypatch, {})
+    config = tmp_path / "config.yaml"
+    config.write_text(READ_ONCE.format(root=host.root))
+    model = gpuwatch.scan(config=str(config))
+    assert model.proc_deadline == 3 and config_reads == [str(config)]
+    config.write_text(READ_ONCE.format(root=host.root).replace("proc_read_timeout: 3",
+                                                               "proc_read_timeout: 4"))
+    assert gpuwatch.scan(config=str(config)).proc_deadline == 4
+    assert config_reads == [str(config)] * 2
 
 
 @pytest.mark.parametrize("case", ["deep", "huge", "fifo", "chardev"])

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
 # request was fine but the host said no (not found, not root, refused, failed), 2 the
@@ -16,6 +16,9 @@ from typing import NoReturn
 from gpuwatch.core.limits import MAX_SECONDS
 from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
+
+if TYPE_CHECKING:
+    from gpuwatch.settings import ConfigInForce
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,6 +29,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
+    """``--root`` and (``config``) ``--config``. Before the command runs, `gpuwatch.cli.main`
+    reads the config file in force once into ``args.config_in_force`` (see `config_of`) and
+    fills in ``args.root``."""
     parser.add_argument(
         "--root",
         default=None,
@@ -43,6 +49,14 @@ def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> No
                  "$GPUWATCH_CONFIG, else /etc/gpuwatch/config.yaml when it exists, as the "
                  "daemon reads it",
         )
+
+
+def config_of(args: argparse.Namespace) -> ConfigInForce | str | None:
+    """What a command passes on as its ``config``: the one read of the file in force that
+    `gpuwatch.cli.main` made (``args.config_in_force``), else ``--config`` as given (a
+    command run without `gpuwatch.cli.main`, which then reads it itself)."""
+    read: ConfigInForce | None = getattr(args, "config_in_force", None)
+    return read if read is not None else getattr(args, "config", None)
 
 
 def check_root(root: str, where: str | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, config_of
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
 from gpuwatch.cli.fast import is_holders_report, print_holders
 from gpuwatch.cli.mode_cmd import add_target_args, target_of
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if answer is not None:
         report = answer.value
     else:
-        report = holders_report(scan(args.root, args.config), addr=addr, vendor=vendor,
+        report = holders_report(scan(args.root, config_of(args)), addr=addr, vendor=vendor,
                                 euid=make_backend(args.root).geteuid())
     print_holders(report, args.json, dumps)
     return EXIT_OK

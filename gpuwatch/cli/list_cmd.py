@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import cast
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, config_of
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.reporttext import MANAGED_VALUES
 from gpuwatch.hostfs.noiommu import read_iommu_groups
@@ -33,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: _gpus(
-        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), args.managed))
+        cast(HostModel, RemoteModel(c, tables_in_force(config_of(args)), args.root)), args.managed))
     gpus, enabled = (answer.value if answer is not None
-                           else _gpus(scan(args.root, args.config), args.managed))
+                           else _gpus(scan(args.root, config_of(args)), args.managed))
     if args.json:
         print(dumps(gpus))
     else:

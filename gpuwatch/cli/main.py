@@ -277,13 +277,15 @@ def _main(words: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "resolve_root", False):
-            from gpuwatch.settings import check_config_in_force, root_and_where
+            from gpuwatch.settings import config_in_force, root_and_where
 
-            # Checked whole even when the daemon answers and nothing of it is used.
-            check_config_in_force(getattr(args, "config", None))
+            # Read and checked whole once, even when the daemon answers and nothing of it is
+            # used; the command takes its root, tables and settings from this one read, never
+            # from a file written over it since.
+            args.config_in_force = config_in_force(getattr(args, "config", None))
             if args.root is None:
                 # The daemon's root: a direct run and the daemon must look at the same host.
-                args.root, where = root_and_where(None, getattr(args, "config", None))
+                args.root, where = root_and_where(None, args.config_in_force)
                 if where is not None:
                     check_root(args.root, where)  # named by the variable or the file
         code: int = args.func(args)

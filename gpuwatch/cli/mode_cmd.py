@@ -23,6 +23,7 @@ from gpuwatch.cli.common import (
     UsageProblem,
     add_root_args,
     check_root,
+    config_of,
     fail,
     positive_seconds,
     to_stderr,
@@ -218,7 +219,7 @@ async def _run_in_host(args: argparse.Namespace, backend: Backend, action: str,
                        target: str, mode: Mode | None, seen: list[Any]) -> SwitchResult:
     """Open a host of our own for the switch's duration and run ``action`` in it; ``seen``
     gets the switch's ``switch-started`` and ``switch-completed`` as they are published."""
-    async with open_host(args.root, source=backend.source, config=args.config, log=args.log,
+    async with open_host(args.root, source=backend.source, config=config_of(args), log=args.log,
                          ops=backend.ops, geteuid=backend.geteuid, reconcile_interval=0,
                          cdi_poll_interval=0) as host:
         host.listeners.append(lambda event: seen.append(event) if getattr(
@@ -316,7 +317,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
         if answer is not None:
             print_result(SwitchResult.model_validate(answer.value), args.json)
             return EXIT_OK
-    model = scan(args.root, args.config)
+    model = scan(args.root, config_of(args))
     card, members = find_card(model.state, addr=addr, vendor=vendor)
     if mode is None:
         _show(model, card, members, args.json)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpuwatch.cli.common import add_root_args, check_root
+from gpuwatch.cli.common import add_root_args, check_root, config_of
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
 from gpuwatch.cli.fast import is_plan, print_plan
 from gpuwatch.cli.mode_cmd import (
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
                 vendor: str | None, vfio_driver: str | None = None) -> dict[str, Any]:
-    model = scan(args.root, args.config)
+    model = scan(args.root, config_of(args))
     if args.example:
         mode = mode or "vfio"
     elif mode is None:

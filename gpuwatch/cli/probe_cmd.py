@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, config_of
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon, expect_shape
 from gpuwatch.cli.fast import is_probe_result
 from gpuwatch.jsonout import dumps
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     kwargs = {"group": args.group, "addr": args.addr, "mode": args.mode}
     if args.fresh:
-        result = probe(args.action, args.root, args.config, vendor=args.vendor, **kwargs)
+        result = probe(args.action, args.root, config_of(args), vendor=args.vendor, **kwargs)
     else:
         # memlock is this process's own limit: no daemon can answer it better than we can;
         # a plan is read live from the host (holders, modules), so it is made here too.
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         if answer is not None:
             result = answer.value
         else:
-            result = scan(args.root, args.config).probe(args.action, vendor=args.vendor,
+            result = scan(args.root, config_of(args)).probe(args.action, vendor=args.vendor,
                                                         **kwargs)
     print(dumps({"action": args.action, "result": result}))
     return EXIT_OK

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, positive_seconds
+from gpuwatch.cli.common import (
+    EXIT_OK,
+    add_root_args,
+    check_root,
+    config_of,
+    positive_seconds,
+)
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.cli.mode_cmd import (
     add_target_args,
@@ -56,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
         if answer is not None:
             print_result(SwitchResult.model_validate(answer.value), args.json)
             return EXIT_OK
-    model = scan(args.root, args.config)
+    model = scan(args.root, config_of(args))
     card, _members = find_card(model.state, addr=addr, vendor=vendor)
     guard = switch_guard(card, "vfio", action="recover")
     if guard is not None:  # not an NVIDIA card: refused before anything, root or not

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import cast
 
-from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root
+from gpuwatch.cli.common import EXIT_OK, add_root_args, check_root, config_of
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.hostfs.procfs import memlock
 from gpuwatch.jsonout import dumps
@@ -27,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
     answer = ask_daemon(args, lambda c: build_status(
-        cast(HostModel, RemoteModel(c, tables_in_force(args.config), args.root)), memlock()))
-    report = answer.value if answer is not None else build_status(scan(args.root, args.config),
+        cast(HostModel, RemoteModel(c, tables_in_force(config_of(args)), args.root)), memlock()))
+    report = answer.value if answer is not None else build_status(scan(args.root, config_of(args)),
                                                                    memlock())
     print(dumps(report) if args.json else render_status(report))
     return EXIT_OK

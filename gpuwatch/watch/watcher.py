@@ -52,7 +52,13 @@ from gpuwatch.hostfs.scan import (
     scan,
 )
 from gpuwatch.model import HostModel
-from gpuwatch.settings import proc_read_timeout_in_force, root_in_force, tables_in_force
+from gpuwatch.settings import (
+    ConfigInForce,
+    proc_read_timeout_in_force,
+    read_once,
+    root_in_force,
+    tables_in_force,
+)
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
@@ -664,7 +670,7 @@ async def open_watcher(
     root: str | os.PathLike[str] | None = None,
     source: str | EventSource = "auto",
     *,
-    config: str | os.PathLike[str] | Tables | None = None,
+    config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
     log: str | os.PathLike[str] | EventLog | None = None,
     log_max_bytes: int | None = None,
     log_keep: int = 5,
@@ -688,6 +694,7 @@ async def open_watcher(
     try:
         if subscriber_buffer < 1:
             raise UsageError(f"subscriber_buffer must be >= 1, not {subscriber_buffer}")
+        config = read_once(config)  # the file read once: its tables, root and timeout
         tables = tables_in_force(config)
         root = root_in_force(root, config)
         if not os.path.isdir(root):  # a typo would otherwise watch an empty host, silently
