@@ -334,7 +334,14 @@ def test_the_daemons_tables_read_back_as_it_built_them(tmp_path: Path) -> None:
         assert dict(back.gpu_vendors) == dict(tables.gpu_vendors)
     assert dict(load_tables(str(config)).gpu_vendors)["0x1a03"] == "ASPEED"
     shipped = tables_json(default_tables())
+    # One list of the tables (`TABLE_KEYS`) for the answer, the stdlib form and the model.
+    from gpuwatch.core.tabledata import TABLE_KEYS, TableData
+    from gpuwatch.core.tables import Tables
+
+    assert tuple(shipped) == TABLE_KEYS == TableData._fields == tuple(Tables.model_fields)
     for bad in ({}, {"tables": None}, {"tables": {**shipped, "gpu_vendors": [1]}},
-                {"tables": {**shipped, "host_console_drivers": [1]}}):
+                {"tables": {**shipped, "host_console_drivers": [1]}},
+                {"tables": {**shipped, "pci_class_labels": ["0x03"]}},
+                {"tables": {k: v for k, v in shipped.items() if k != "host_console_devices"}}):
         with pytest.raises(ValueError):
             served_tables(bad)

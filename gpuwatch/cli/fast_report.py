@@ -52,7 +52,7 @@ from gpuwatch.core.reporttext import (
     render_status,
     vf_ready,
 )
-from gpuwatch.core.tabledata import TableData, table_data
+from gpuwatch.core.tabledata import KEYED_TABLES, TABLE_KEYS, TableData, table_data
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import HostConsole, listed_console
 from gpuwatch.hostfs.files import tree_dir
@@ -99,11 +99,10 @@ def served_tables(served: dict[str, Any] | None) -> TableData:
             and all(isinstance(raw.get(key), dict)
                     and all(isinstance(k, str) and isinstance(v, str)
                             for k, v in raw[key].items())
-                    for key in ("gpu_vendors", "pci_class_labels"))
+                    for key in TABLE_KEYS if key in KEYED_TABLES)
             and all(isinstance(raw.get(key), list)
                     and all(isinstance(item, str) for item in raw[key])
-                    for key in ("device_patterns", "vfio_variant_drivers",
-                                "host_console_drivers", "host_console_devices"))):
+                    for key in TABLE_KEYS if key not in KEYED_TABLES)):
         raise ValueError("no tables in the daemon's config answer")
     return table_data(raw)
 

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Protocol
 
 TABLE_KEYS = ("device_patterns", "gpu_vendors", "pci_class_labels", "vfio_variant_drivers",
               "host_console_drivers", "host_console_devices")
+#: The tables that map a PCI id to a name (JSON objects); every other one is a list of strings.
+KEYED_TABLES = frozenset({"gpu_vendors", "pci_class_labels"})
 
 _ID_RE = re.compile(r"(?:0x)?([0-9a-f]{4}):(?:0x)?([0-9a-f]{4})")
 
@@ -106,15 +108,9 @@ def tables_json(tables: TablesView) -> dict[str, Any]:
     """``tables`` as JSON carries them, in the spelling `table_data` reads back (the
     embedded tables' JSON form): the daemon's ``config`` answer gives its tables so, for the
     stdlib reports of a client whose config file is the one the daemon read."""
-    return {
-        "device_patterns": list(tables.device_patterns),
-        "gpu_vendors": dict(tables.gpu_vendors),
-        "pci_class_labels": dict(tables.pci_class_labels),
-        "vfio_variant_drivers": list(tables.vfio_variant_drivers),
-        "host_console_drivers": list(tables.host_console_drivers),
-        "host_console_devices": list(tables.host_console_devices),
-    }
+    return {key: dict(getattr(tables, key)) if key in KEYED_TABLES
+            else list(getattr(tables, key)) for key in TABLE_KEYS}
 
 
-__all__ = ["TABLE_KEYS", "TableData", "TablesView", "class_label", "device_id_key", "hex_key",
-           "hex_keyed", "table_data", "tables_json"]
+__all__ = ["KEYED_TABLES", "TABLE_KEYS", "TableData", "TablesView", "class_label",
+           "device_id_key", "hex_key", "hex_keyed", "table_data", "tables_json"]
