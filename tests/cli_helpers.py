@@ -3,13 +3,18 @@ serves on the same loop)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
+from gpuwatch.cli import fast_report
 from gpuwatch.cli.main import main
+from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.switch import hostops
 from gpuwatch.switch.hostops import Backend
 from gpuwatch.testing import SysRoot
@@ -61,3 +66,47 @@ def simulated_cli(s: SysRoot, monkeypatch: pytest.MonkeyPatch,
         return run_main(capsys, *argv, "--root", str(s.root))
 
     return run, kernel
+
+
+@dataclass(frozen=True)
+class Reports:
+    """What `list --json`, `status --json` and (when asked) `list` said of a root one way:
+    ``where`` the daemon arguments, ``full`` the full command (else the stdlib report)."""
+
+    where: tuple[str, ...]
+    full: bool
+    listed: list[dict[str, Any]]
+    status: dict[str, Any]
+    text: str | None
+
+
+async def reports_every_way(capsys: pytest.CaptureFixture[str],
+                            monkeypatch: pytest.MonkeyPatch, root: str, *,
+                            text: bool = False) -> list[Reports]:
+    """`list --json`, `status --json` and (``text``) `list` of ``root`` every way a command
+    answers: no daemon for a fixture root (the stdlib's one scan), none asked for
+    (``--no-daemon``) and a daemon's answers (``--socket``), each by the stdlib report and
+    by the full command (the model, or `RemoteModel`). Each exits 0, stderr empty."""
+    said: list[Reports] = []
+    with short_socket_dir() as sockdir:
+        sock = f"{sockdir}/gw.sock"
+        async with served_watcher(root, sock):
+            for where in ((), ("--no-daemon",), ("--socket", sock)):
+                for full in (False, True):
+                    with monkeypatch.context() as m:
+                        if full:  # the full commands (the model, or RemoteModel)
+                            m.setattr(fast_report, "run_report", lambda argv: None)
+                        code, listed, err = await run_cli(capsys, "list", "--json", "--root",
+                                                          root, *where)
+                        assert (code, err) == (0, ""), (where, full)
+                        code, status, err = await run_cli(capsys, "status", "--json",
+                                                          "--root", root, *where)
+                        assert (code, err) == (0, ""), (where, full)
+                        listing = None
+                        if text:
+                            code, listing, err = await run_cli(capsys, "list", "--root",
+                                                               root, *where)
+                            assert (code, err) == (0, ""), (where, full)
+                    said.append(Reports(where, full, json.loads(listed), json.loads(status),
+                                        listing))
+    return said

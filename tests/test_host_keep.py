@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import run_cli, run_main, simulated_cli
+from cli_helpers import reports_every_way, run_main, simulated_cli
 from watch_helpers import count_calls
 
 import gpuwatch
-from gpuwatch.cli import fast_report
 from gpuwatch.cli.main import main
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.plan import switch_guard
@@ -25,7 +24,6 @@ from gpuwatch.errors import SwitchRefused
 from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.report import passthrough_gpus, render_list
 from gpuwatch.service.remote import RemoteModel
-from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import (
     bmc_server_host,
@@ -178,30 +176,15 @@ async def test_an_igpu_split_with_sriov_stays_the_hosts_console(
         return {g["addr"]: g["kept_for_host"] for g in listed}
 
     expected = {IGPU: True, **dict.fromkeys(IGPU_VFS, False)}
-    with short_socket_dir() as sockdir:
-        sock = f"{sockdir}/gw.sock"
-        async with served_watcher(s.root, sock):
-            # No daemon for a fixture root (the stdlib's one scan, `Local`), none asked
-            # for, and the daemon's answers.
-            for where in ((), ("--no-daemon",), ("--socket", sock)):
-                for full in (False, True):
-                    with monkeypatch.context() as m:
-                        if full:  # the full commands (the model, or RemoteModel)
-                            m.setattr(fast_report, "run_report", lambda argv: None)
-                        code, out, err = await run_cli(capsys, "list", "--json", "--root",
-                                                       root, *where)
-                        assert (code, err) == (0, ""), (where, full)
-                        listed = json.loads(out)
-                        assert kept(listed) == expected, (where, full)
-                        pf = next(g for g in listed if g["addr"] == IGPU)
-                        assert "only display function" in pf["reason"]
-                        assert pf["functions"][0]["hostdev_xml"] is None
-                        code, out, err = await run_cli(capsys, "status", "--json", "--root",
-                                                       root, *where)
-                        assert (code, err) == (0, ""), (where, full)
-                        assert kept(json.loads(out)["gpus"]) == expected, (where, full)
+    for said in await reports_every_way(capsys, monkeypatch, root):
+        where, full = said.where, said.full
+        assert kept(said.listed) == expected, (where, full)
+        pf = next(g for g in said.listed if g["addr"] == IGPU)
+        assert "only display function" in pf["reason"]
+        assert pf["functions"][0]["hostdev_xml"] is None
+        assert kept(said.status["gpus"]) == expected, (where, full)
     run, sim = runner(s, monkeypatch, capsys)
-    code, out, err = run("plan", "vfio", "--addr", IGPU, "--json", "--no-daemon")
+    code, out, _err = run("plan", "vfio", "--addr", IGPU, "--json", "--no-daemon")
     assert code == 1 and "kept for the host" in json.loads(out)["refused"]["reason"]
     assert sim.record == []
 

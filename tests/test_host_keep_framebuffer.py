@@ -19,17 +19,15 @@ from pathlib import Path
 
 import anyio
 import pytest
-from cli_helpers import run_cli, simulated_cli
+from cli_helpers import reports_every_way, simulated_cli
 from watch_helpers import watching
 
 import gpuwatch
-from gpuwatch.cli import fast_report
 from gpuwatch.core.hostkeep import kept_for_host_reason
 from gpuwatch.core.observations import FramebufferGone, FramebufferSeen
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.scan import HostPaths, observe, read_console
-from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.sources.kernel import SUBSYSTEMS
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.machines import (
@@ -120,34 +118,20 @@ async def test_the_only_framebuffer_display_is_kept_everywhere(
     def kept_of(listed: list[dict[str, object]]) -> dict[object, object]:
         return {g["addr"]: g["kept_for_host"] for g in listed}
 
-    with short_socket_dir() as sockdir:
-        sock = f"{sockdir}/gw.sock"
-        async with served_watcher(s.root, sock):
-            for where in ((), ("--no-daemon",), ("--socket", sock)):
-                for full in (False, True):
-                    with monkeypatch.context() as m:
-                        if full:  # the full commands (the model, or RemoteModel)
-                            m.setattr(fast_report, "run_report", lambda argv: None)
-                        code, out, err = await run_cli(capsys, "list", "--json", "--root",
-                                                       root, *where)
-                        assert (code, err) == (0, ""), (where, full)
-                        listed = json.loads(out)
-                        assert kept_of(listed) == expected, (where, full)
-                        for gpu in listed:
-                            assert (FB_REASON in gpu["reason"]) is gpu["kept_for_host"]
-                            xml = gpu["functions"][0]["hostdev_xml"]
-                            assert (xml is None) is gpu["kept_for_host"], (where, full)
-                        code, out, err = await run_cli(capsys, "status", "--json", "--root",
-                                                       root, *where)
-                        assert (code, err) == (0, ""), (where, full)
-                        assert kept_of(json.loads(out)["gpus"]) == expected, (where, full)
-                        code, text, err = await run_cli(capsys, "list", "--root", root, *where)
-                        assert (code, err) == (0, ""), (where, full)
-                        head = text.partition("<!--")[0]
-                        for addr, kept in expected.items():
-                            bus = f"bus='0x{addr[5:7]}' slot='0x{addr[8:10]}'"
-                            assert (bus in text) is not kept, (where, full, text)
-                            assert (addr in head and "kept for the host" in head) is kept
+    for said in await reports_every_way(capsys, monkeypatch, root, text=True):
+        where, full, text = said.where, said.full, said.text
+        assert text is not None
+        assert kept_of(said.listed) == expected, (where, full)
+        for gpu in said.listed:
+            assert (FB_REASON in gpu["reason"]) is gpu["kept_for_host"]
+            xml = gpu["functions"][0]["hostdev_xml"]
+            assert (xml is None) is gpu["kept_for_host"], (where, full)
+        assert kept_of(said.status["gpus"]) == expected, (where, full)
+        head = text.partition("<!--")[0]
+        for addr, kept in expected.items():
+            bus = f"bus='0x{addr[5:7]}' slot='0x{addr[8:10]}'"
+            assert (bus in text) is not kept, (where, full, text)
+            assert (addr in head and "kept for the host" in head) is kept
     run, sim = simulated_cli(s, monkeypatch, capsys)
     for addr in expected:
         code, out, err = run("plan", "vfio", "--addr", addr, "--json", "--no-daemon")
