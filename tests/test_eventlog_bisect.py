@@ -42,11 +42,12 @@ JUNK_KINDS: dict[str, Any] = {
 
 @st.composite
 def logs(draw: st.DrawFn) -> list[bytes]:
-    """1 to 3 files, oldest first: runs of events (seqs growing, with jumps: damage or a
-    gap) between junk regions."""
+    """1 to 4 files, oldest first: runs of events (seqs growing, with jumps: damage or a
+    gap) between junk regions, a file often ending in a junk tail of many windows (a
+    crash's leftovers: what choosing the file to start in must not read through)."""
     seq = draw(st.integers(1, 50))
     files = []
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, 4))):
         parts = []
         for _ in range(draw(st.integers(0, 8))):
             if draw(st.booleans()):
@@ -56,6 +57,9 @@ def logs(draw: st.DrawFn) -> list[bytes]:
             else:
                 junk = draw(st.sampled_from(sorted(JUNK_KINDS)))
                 parts.append(draw(JUNK_KINDS[junk]))
+        if draw(st.booleans()):  # a junk tail: several kinds, up to tens of windows
+            for _ in range(draw(st.integers(1, 4))):
+                parts.append(draw(JUNK_KINDS[draw(st.sampled_from(sorted(JUNK_KINDS)))]))
         files.append(b"".join(parts))
     return files
 
@@ -99,13 +103,17 @@ def test_since_seq_finds_what_a_linear_scan_finds(
     write_log(path, files)
     seqs = all_seqs(files)
     around = {s + d for s in seqs for d in (-1, 0, 1)} | {0, 1}
-    since = data.draw(st.sampled_from(sorted(around)) | st.integers(0, (seqs or [9])[-1] + 2))
+    # Near where a file's events begin and end: where choosing the file to start in decides.
+    edges = {s + d for raw in files for s in all_seqs([raw])[:1] + all_seqs([raw])[-1:]
+             for d in (-2, -1, 0, 1)} | {0}
+    since = data.draw(st.sampled_from(sorted(edges)) | st.sampled_from(sorted(around))
+                      | st.integers(0, (seqs or [9])[-1] + 2))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(eventlog, "_PROBE_WINDOW", window)
         expected = linear(files, since)
         assert [r.line for r in read_records(path, since_seq=since)] == expected
         chunks = b"".join(c.data for c in read_chunks(path, since_seq=since))
-        assert chunks.decode().splitlines() == expected
+        assert chunks.decode().split("\n")[:-1] == expected  # not splitlines: "\r" ends none
         for raw in files:  # each file alone: where the reader starts
             f = CountingFile(_bytes_file(raw))
             offset = eventlog._offset_after_seq(f, since)
@@ -195,3 +203,57 @@ def read_events_of(tmp_path: Path, raw: bytes, since: int) -> list[dict[str, Any
     path = tmp_path / "ev.jsonl"
     path.write_bytes(raw)
     return list(read_events(path, since_seq=since))
+
+
+# ------------------------------------------------------- choosing the file to start in
+
+
+def test_every_since_across_rotated_files_with_junk_tails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ``since`` from before the first event to past the last, over four files that
+    end in junk (NULs, a torn line, lines that are no event): what a linear scan prints,
+    also for ``since`` just below and at a file's edge (where the file to start in is
+    chosen)."""
+    monkeypatch.setattr(eventlog, "_PROBE_WINDOW", 256)
+    tails = [b"\0" * 5000, line(99)[:30], b"not json\n" * 400, b"\0" * 3000 + b"\n"]
+    files = [b"".join(line(s, pad=40) for s in range(1 + 30 * i, 31 + 30 * i)) + tails[i]
+             for i in range(4)]
+    path = tmp_path / "ev.jsonl"
+    write_log(path, files)
+    for since in range(0, 124):
+        assert [r.line for r in read_records(path, since_seq=since)] == linear(files, since)
+
+
+def test_rotated_files_with_huge_junk_tails_are_passed_over_with_bounded_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PATH.3 … PATH.1 each end in 16 MiB of a crash's NULs: resuming in PATH reads a few
+    windows a file, not the 48 MiB of tails (each file's last seq was found by reading its
+    tail backwards: 16 MiB a file)."""
+    path = tmp_path / "ev.jsonl"
+    files = [b"".join(line(s, pad=100) for s in range(1 + 500 * i, 501 + 500 * i))
+             + (b"\0" * (16 << 20) if i < 3 else b"") for i in range(4)]
+    write_log(path, files)
+    for since in (1600, 1999):
+        opened = count_log_reads(monkeypatch)
+        got = [r.event["seq"] for r in read_records(path, since_seq=since)]
+        assert got == list(range(since + 1, 2001))
+        assert sum(f.read_bytes for f in opened) < 2 << 20  # was ~48 MiB
+        monkeypatch.undo()
+
+
+def test_seqs_that_go_back_at_a_file_start_keep_the_earlier_files_events(
+    tmp_path: Path,
+) -> None:
+    """A writer that gave up on a junk tail numbers after what it found before it, so a
+    file may start below where the one before it ends: a linear read prints the earlier
+    file's events after N, and so does the replay (it does not start in the later file
+    because that one starts at or before N + 1)."""
+    files = [b"".join(line(s) for s in range(1, 1001)), b"".join(line(s) for s in range(301, 401))]
+    path = tmp_path / "ev.jsonl"
+    write_log(path, files)
+    for since in (500, 300, 999):
+        expected = linear(files, since)
+        assert expected == [line(s).decode().rstrip("\n") for s in range(since + 1, 1001)]
+        assert [r.line for r in read_records(path, since_seq=since)] == expected

@@ -920,6 +920,32 @@ def _offset_after_seq(f: IO[bytes], since_seq: int) -> int:
     return start
 
 
+def _start_file(sources: Sequence[_Source], since_seq: int) -> int:
+    """The index of the file (oldest first) a replay after ``since_seq`` starts in: the
+    newest whose first event (as `_event_after` finds it from its head) is at most
+    ``since_seq + 1``, so every earlier file holds only events a reader drops. Not where
+    the seqs go back at its start (an event near the end of the file before it is at or
+    past that one, as when a writer numbered after a tail it gave up on): a linear read
+    keeps the earlier file's events there, so the search goes on before it. O(log size)
+    windows a file looked at, however much junk a file ends (or starts) in."""
+    def found(src: _Source, last: bool) -> int | None:
+        at = src.file.tell()  # a file read on from where it was: put back where it was
+        end = src.file.seek(0, os.SEEK_END)
+        event = _event_before(src.file, end, 0) if last else _event_after(src.file, 0, end)
+        src.file.seek(at)
+        return None if event is None else event[1]
+
+    index = len(sources) - 1
+    while index > 0:
+        first = found(sources[index], last=False)
+        if first is not None and first <= since_seq + 1:
+            before = found(sources[index - 1], last=True)
+            if before is None or before < first:
+                return index
+        index -= 1
+    return 0
+
+
 def last_seq_in(path: str | os.PathLike[str]) -> int | None:
     """The newest ``seq`` in the log: ``PATH``, else the newest rotated file that has one.
 
@@ -1802,21 +1828,16 @@ class _Follower:
     def _skip_to(self, since_seq: int) -> None:
         """Start a replay at ``since_seq`` without reading what precedes it.
 
-        Whole rotated files whose last seq is at most ``since_seq`` are passed over (each
-        read backwards from its end, a window or two), then the first file that still
-        holds wanted events is entered by bisection: a replay from near the end of a
-        384 MiB log costs a few reads, not 384 MiB.
+        Seqs grow down the log, so a file can be passed over whole when a later one holds
+        an event at or before ``since_seq + 1``: the newest such file is where to start
+        (`_start_file`), and it is entered by bisection. Each file is looked at in bounded
+        windows (`_event_after`, `_event_before`), never read through: a replay from near
+        the end of a 384 MiB log, or of files that end in megabytes of a crash's junk,
+        costs a few reads a file.
         """
-        while self._pending:
-            src = self._pending[0]
-            try:
-                last = _last_seq_of(src.file)
-            except _TailTooLong:  # its end is junk: enter it by bisection (below)
-                last = None
-            if last is None or last > since_seq:
-                break
-            self._pending.popleft()
-            self._finish(src)
+        sources = [*self._pending] + ([] if self._live is None else [self._live])
+        for _ in range(_start_file(sources, since_seq)):
+            self._finish(self._pending.popleft())
         first = self._pending[0] if self._pending else self._live
         if first is not None:
             first.file.seek(_offset_after_seq(first.file, since_seq))
