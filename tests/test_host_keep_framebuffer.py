@@ -37,6 +37,7 @@ from gpuwatch.testing.machines import (
     bochs_display_viommu_guest,
     headless_compute_host,
     hybrid_laptop_host,
+    igpu_sriov_host,
     virtio_gpu_viommu_guest,
 )
 
@@ -263,3 +264,27 @@ async def test_the_watcher_follows_the_console_coming_and_going(tmp_path: Path) 
         s.add_framebuffer("fb0", BOCHS_DISPLAY, fb_name="bochs-drmdrmfb")
         await w.resync("reconcile")  # no uevent: the scan finds it
         assert FB_REASON in w.model.kept_for_host(BOCHS_DISPLAY)
+
+
+@pytest.mark.parametrize("under", ["an SR-IOV VF", "a non-display function"])
+async def test_a_framebuffer_beneath_no_own_display_is_not_in_the_watchers_model(
+        tmp_path: Path, under: str) -> None:
+    """A scan records framebuffers beneath the own display functions only (no VF, no
+    function of another class). A ``graphics`` uevent for one beneath a VF (its driver's
+    fbdev emulation) or beneath a non-display function leaves the watcher's model as a fresh
+    scan of the same tree builds it (it was kept: no answer changed, the model differed)."""
+    s = igpu_sriov_host(tmp_path / "h")
+    other = "0000:00:02.1" if under == "an SR-IOV VF" else "0000:05:00.0"
+    if under == "a non-display function":
+        s.add_function(other, vendor="0x8086", device="0x1533", klass="0x020000")
+    async with watching(s) as (w, source, _got):
+        assert w.model.state.framebuffers == {}
+        source.push(s.uevent_props("add", s.add_framebuffer("fb1", other)))
+        # Then one beneath the own display: once it is in, the first was applied too.
+        source.push(s.uevent_props("add", s.add_framebuffer("fb0", IGPU)))
+        with anyio.fail_after(10):
+            while "fb0" not in w.model.state.framebuffers:
+                await anyio.sleep(0.005)
+        fresh = gpuwatch.scan(s.root)
+        assert fresh.state.framebuffers == {"fb0": IGPU}
+        assert w.model.state.framebuffers == fresh.state.framebuffers

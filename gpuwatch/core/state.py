@@ -301,6 +301,17 @@ class HostState:
         obs.extend((snapshot.kfd, snapshot.nodes, snapshot.cdi, snapshot.iommu))
         return self.apply(obs)
 
+    def _framebuffer_seen(self, obs: FramebufferSeen) -> None:
+        """Record a framebuffer as a scan does (`gpuwatch.hostfs.scan.scan_framebuffers`):
+        beneath a display function that is no SR-IOV VF, the only ones the host-keep rule
+        asks about. A uevent names one beneath any function (a VF's driver's fbdev, a
+        non-display function's): kept, it made the model differ from a fresh scan's."""
+        fn = self.functions.get(obs.addr)
+        if fn is not None and is_gpu_class(fn.class_) and not fn.physfn:
+            self.framebuffers[obs.name] = obs.addr
+        else:
+            self.framebuffers.pop(obs.name, None)
+
     def _apply_one(self, obs: Observation, events: list[BaseModel]) -> None:
         kind = type(obs)  # the three of every bind first, by identity
         if kind is DriversSeen:
@@ -326,7 +337,7 @@ class HostState:
         elif isinstance(obs, DrmGone):
             self._drm_gone(obs.name)
         elif isinstance(obs, FramebufferSeen):
-            self.framebuffers[obs.name] = obs.addr
+            self._framebuffer_seen(obs)
         elif isinstance(obs, FramebufferGone):
             self.framebuffers.pop(obs.name, None)
         elif isinstance(obs, ModuleSeen):
