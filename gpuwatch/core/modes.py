@@ -107,8 +107,7 @@ def slot_of(addr: str) -> str:
 def card_slots(members: Iterable[FunctionLike]) -> frozenset[str] | None:
     """The slots of a group's display functions (``0x03…``): a function in one of them is
     part of a card (its HDMI audio, USB-C, UCSI), whatever its class. None for a group with
-    no display function: there every function counts as the card's (the rules as they were
-    before a group was told apart from its bystanders)."""
+    no display function: with no card to tell them from, no function is a bystander."""
     slots = frozenset(slot_of(fn.addr) for fn in members if fn.class_.startswith("0x03"))
     return slots or None
 
