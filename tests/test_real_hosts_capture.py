@@ -30,14 +30,17 @@ from gpuwatch.testing.machines import (
     headless_host,
     hgx_h100_host,
     hybrid_laptop_host,
+    hyperv_gpu_guest,
     igpu_sriov_host,
     instinct_host,
     intel_flex_sriov_host,
+    jetson_orin_host,
     mi300x_cpx_host,
     mxgpu_host,
     turing_desktop_host,
     vfio_noiommu_host,
     virtio_gpu_guest,
+    vmd_host,
 )
 from gpuwatch.testing.modern import grace_hopper_host, sriov_gpu_host
 
@@ -66,6 +69,9 @@ MACHINES: dict[str, Callable[[Path], SysRoot]] = {
     "mi300x": lambda r: mi300x_cpx_host(r, partitions=2),
     "headless": headless_host,
     "headless-pt": lambda r: headless_host(r, iommu="pt"),
+    "jetson": jetson_orin_host,
+    "hyperv": hyperv_gpu_guest,
+    "vmd": vmd_host,
 }
 
 
@@ -743,3 +749,64 @@ def test_a_capture_that_kept_only_the_class_shows_unknown_ids(
     assert "GPU 0004:05:00.0  unknown (VGA controller)  no IOMMU group  mode: unbound" in out
     assert "  0004:05:00.0  VGA controller       unknown  driver: (none)" in out
     assert " :  " not in out and "unknown  (" not in out
+
+
+# ------------------------------------------------------------ arm64 device tree, Hyper-V vPCI
+
+
+def test_jetson_orin_with_a_dgpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Root buses under the SoC's platform bus, domains 0001 and 0005, an SMMU that groups
+    platform devices too: the dGPU's group holds its audio and the root port (no ACS), and
+    no platform device; the dGPU's render node wins over tegra-drm's, which has no ids."""
+    s = jetson_orin_host(tmp_path / "h")
+    assert s.devpath("0005:01:00.0") == (
+        "/devices/platform/bus@0/141a0000.pcie/pci0005:00/0005:00:00.0/0005:01:00.0")
+    vfio = probe_value(s, "detect-vfio")
+    assert (vfio["iommu_enabled"], vfio["iommu_kind"]) == (True, "arm")  # type: ignore[index]
+    gpus = probe_gpus(s)
+    assert list(gpus) == ["0005:01:00.0"]
+    assert [m["addr"] for m in gpus["0005:01:00.0"]["group_members"]] == [  # type: ignore[union-attr]
+        "0005:00:00.0", "0005:01:00.0", "0005:01:00.1"]
+    hd = probe_value(s, "detect-host-devices")
+    assert (hd["gpu"], hd["render_node"]) == (True, "/dev/dri/renderD129")  # type: ignore[index]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    listed = json.loads(out)
+    assert code == 0 and [g["addr"] for g in listed if not g["kept_for_host"]] == ["0005:01:00.0"]
+    assert [f["addr"] for f in listed[0]["functions"]] == ["0005:01:00.0", "0005:01:00.1"]
+
+
+def test_an_smmu_inside_a_device_tree_bus_names_the_kind(tmp_path: Path) -> None:
+    """A copy without ``sys/class/iommu`` (every link left out): the SMMU units are where the
+    kernel registers them, under their platform device inside the SoC's bus folder
+    (``platform/bus@0/12000000.iommu/iommu/smmu.0x…``), so the kind is still ``arm``."""
+    s = jetson_orin_host(tmp_path / "h")
+    for link in (s.root / "sys/class/iommu").iterdir():
+        link.unlink()
+    assert scan_mod.iommu_units_in_devices(str(s.root / "sys/devices")) == [
+        "smmu.0x0000000012000000", "smmu.0x0000000008000000"]
+    assert probe_value(s, "detect-vfio")["iommu_kind"] == "arm"  # type: ignore[index]
+    # Deeper than the search goes, or behind a link, is no place the kernel puts one.
+    deep = s.root / "sys/devices/platform/bus@0/a/b/c.iommu/iommu/smmu.0x1"
+    deep.mkdir(parents=True)
+    assert "smmu.0x1" not in scan_mod.iommu_units_in_devices(str(s.root / "sys/devices"))
+
+
+def test_hyperv_vpci_guest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vPCI root buses inside VMBus channel folders, domains from their GUIDs: the A100 is a
+    container GPU with no IOMMU group (no vIOMMU), so no passthrough candidate; hyperv_drm's
+    node has a VMBus device, no PCI function."""
+    s = hyperv_gpu_guest(tmp_path / "h")
+    gpus = probe_gpus(s)
+    assert [(a, g["driver"], g["iommu_group"]) for a, g in gpus.items()] == [
+        ("0001:00:00.0", "nvidia", -1)]
+    node = gpuwatch.scan(s.root).state.drm["card0"]
+    assert (node.device_addr, node.device_vendor, node.device_driver) == (
+        "", "0x1414", "hyperv_drm")
+    assert probe_value(s, "detect-gpu") is True
+    assert probe_value(s, "detect-host-devices")["render_node"] == "/dev/dri/renderD128"  # type: ignore[index]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert code == 0 and json.loads(out) == []
+    # With no bus listing, the walk finds both functions inside their VMBus channels.
+    shutil.rmtree(s.root / "sys/bus/pci/devices")
+    assert [a for a, _ in scan_mod.walk_functions(str(s.root / "sys"))] == [
+        "0001:00:00.0", "c3bc:00:02.0"]

@@ -1001,12 +1001,21 @@ def read_iommu(paths: HostPaths) -> IommuSeen:
     return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)))
 
 
+#: How far below ``devices/platform`` an IOMMU's own platform device may sit, and how many
+#: folders that search lists: a device-tree SoC nests its devices in bus folders
+#: (``soc/``, ``soc@0/``, Tegra's ``bus@0/``, ``axi/``), one or two levels deep.
+PLATFORM_IOMMU_DEPTH = 3
+PLATFORM_IOMMU_MAX_DIRS = 4096
+
+
 def iommu_units_in_devices(devices: str) -> list[str]:
     """The hardware IOMMUs of a copy without the ``class/iommu`` links, where the kernel
     registers them: Intel's DMAR units with no parent (``virtual/iommu/dmar0``), AMD's under
     the IOMMU's own PCI function on a root bus (``pci0000:00/0000:00:00.2/iommu/ivhd0``), an
-    ARM SMMU under its platform device (``platform/arm-smmu-v3.0.auto/iommu/smmu3.0x…``, one
-    level deeper on a device-tree ``soc``). A few directory listings, not a walk."""
+    ARM SMMU under its platform device (``platform/arm-smmu-v3.0.auto/iommu/smmu3.0x…``; on
+    a device-tree board inside its bus folder, ``platform/soc@0/15000000.iommu/…``,
+    ``platform/bus@0/12000000.iommu/…``). A few directory listings, not a walk of the tree:
+    the platform folders are searched `PLATFORM_IOMMU_DEPTH` deep, links never followed."""
     units = list_dir(devices + "/virtual/iommu")
     if units:
         return units
@@ -1015,14 +1024,33 @@ def iommu_units_in_devices(devices: str) -> list[str]:
         if top.startswith("pci"):
             parents.extend(f"{devices}/{top}/{fn}" for fn in list_dir(f"{devices}/{top}")
                            if is_pci_addr(fn))
-    for dev in list_dir(devices + "/platform"):
-        parents.append(f"{devices}/platform/{dev}")
-        if dev == "soc" or dev.startswith(("soc@", "soc.")):
-            parents.extend(f"{devices}/platform/{dev}/{sub}"
-                           for sub in list_dir(f"{devices}/platform/{dev}"))
+    parents.extend(_platform_folders(devices + "/platform"))
     for parent in parents:
         units.extend(list_dir(parent + "/iommu"))
     return units
+
+
+def _platform_folders(platform: str) -> list[str]:
+    """The device folders under ``platform`` down to `PLATFORM_IOMMU_DEPTH`, breadth first
+    and bounded by `PLATFORM_IOMMU_MAX_DIRS`: real folders only (a link to a driver, a
+    subsystem or a supplier leads elsewhere), and none of the kernel's own glue folders."""
+    found: list[str] = []
+    queue: deque[tuple[str, int]] = deque([(platform, 0)])
+    while queue and len(found) < PLATFORM_IOMMU_MAX_DIRS:
+        folder, depth = queue.popleft()
+        try:
+            with os.scandir(folder) as entries:
+                names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except (OSError, ValueError):
+            continue
+        for name in names:
+            if name in _WALK_SKIP or name.startswith(_WALK_SKIP_PREFIXES):
+                continue
+            path = f"{folder}/{name}"
+            found.append(path)
+            if depth + 1 < PLATFORM_IOMMU_DEPTH and not _ROOT_BUS_RE.fullmatch(name):
+                queue.append((path, depth + 1))
+    return found
 
 
 def iommu_kind(units: list[str], cmdline: str) -> str:

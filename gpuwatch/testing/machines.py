@@ -684,6 +684,129 @@ def virtio_gpu_viommu_guest(root: str | os.PathLike[str]) -> SysRoot:
     return s
 
 
+def _add_platform_device(s: SysRoot, devpath: str, *, driver: str = "", compatible: str = "",
+                         iommu_group: int | None = None) -> Path:
+    """A device-tree platform device at ``devpath`` (``/devices/platform/bus@0/3610000.usb``)
+    as the platform bus lays it out: its ``uevent`` (``DRIVER``, ``OF_COMPATIBLE_0``, no
+    ``PCI_SLOT_NAME``), the bus entry and ``driver`` link, and, behind an SMMU, its IOMMU
+    group both ways (platform devices have groups of their own beside the PCI functions')."""
+    base = s.root / ("sys" + devpath)
+    base.mkdir(parents=True, exist_ok=True)
+    name = base.name
+    lines = [f"DRIVER={driver}"] if driver else []
+    lines += [f"OF_NAME={name.rpartition('.')[2]}", f"OF_COMPATIBLE_0={compatible}",
+              "OF_COMPATIBLE_N=1", f"MODALIAS=of:N{name.rpartition('.')[2]}T(null)C{compatible}"]
+    (base / "uevent").write_text("\n".join(lines) + "\n")
+    bus = s.root / "sys/bus/platform"
+    (bus / "devices").mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.relpath(base, bus / "devices"), bus / "devices" / name)
+    os.symlink(os.path.relpath(bus, base), base / "subsystem")
+    if driver:
+        folder = bus / "drivers" / driver
+        folder.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(folder, base), base / "driver")
+        os.symlink(os.path.relpath(base, folder), folder / name)
+    if iommu_group is not None:
+        group = s.root / f"sys/kernel/iommu_groups/{iommu_group}"
+        (group / "devices").mkdir(parents=True, exist_ok=True)
+        if not (group / "type").exists():
+            (group / "type").write_text("DMA\n")
+        os.symlink(os.path.relpath(base, group / "devices"), group / "devices" / name)
+        os.symlink(os.path.relpath(group, base), base / "iommu_group")
+    return base
+
+
+#: The dGPU of `jetson_orin_host`, in the x8 slot's controller's PCI domain.
+ORIN_DGPU = "0005:01:00.0"
+
+
+def jetson_orin_host(root: str | os.PathLike[str]) -> SysRoot:
+    """An NVIDIA Jetson AGX Orin (arm64, device tree) with an RTX A4000 in its PCIe slot.
+    Every device hangs below the SoC's ``platform/bus@0``: the SMMUs (``arm,mmu-500``:
+    units ``smmu.0x…`` under ``bus@0/12000000.iommu`` and ``bus@0/8000000.iommu``), the
+    USB, Ethernet and host1x platform devices, each in an IOMMU group of its own, and the
+    PCIe controllers, whose root buses carry the device tree's domains
+    (``bus@0/14100000.pcie/pci0001:00``, ``bus@0/141a0000.pcie/pci0005:00``). tegra-drm's
+    card0/renderD128 hang under host1x (a platform device, no PCI ids); the A4000
+    (``0005:01:00.0``, ``nvidia``, card1/renderD129) shares group 20 with its HDMI audio and
+    the controller's root port, which has no ACS."""
+    s = SysRoot(root)
+    bus0 = "/devices/platform/bus@0"
+    for unit in ("12000000", "8000000"):
+        s.add_iommu_unit(f"smmu.0x{int(unit, 16):016x}", at=f"bus@0/{unit}.iommu")
+    for devpath, driver, compatible, group in (
+            (f"{bus0}/3610000.usb", "tegra-xusb", "nvidia,tegra234-xusb", 2),
+            (f"{bus0}/2310000.ethernet", "nvethernet", "nvidia,nvmgbe", 3),
+            (f"{bus0}/13e00000.host1x", "tegra-host1x", "nvidia,tegra234-host1x", 4)):
+        _add_platform_device(s, devpath, driver=driver, compatible=compatible,
+                             iommu_group=group)
+    host1x = s.root / ("sys" + bus0) / "13e00000.host1x"
+    for name in ("card0", "renderD128"):
+        _drm_minor(s, host1x, name, "../../../13e00000.host1x")
+    for domain, controller, port_id, group in (("0001", "14100000.pcie", "0x229e", 10),
+                                                ("0005", "141a0000.pcie", "0x229a", 20)):
+        _add_platform_device(s, f"{bus0}/{controller}", driver="tegra194-pcie",
+                             compatible="nvidia,tegra234-pcie", iommu_group=group - 1)
+        root_bus = s.add_root_bus(f"pci{domain}:00", f"{bus0}/{controller}")
+        s.add_bridge(f"{domain}:00:00.0", parent=root_bus, vendor=NVIDIA, device=port_id,
+                     iommu_group=group)
+    s.add_function("0001:01:00.0", parent="0001:00:00.0", vendor="0x10ec", device="0x8168",
+                   klass="0x020000", driver="r8168", iommu_group=10, subsystem_vendor="0x10ec")
+    s.add_function(ORIN_DGPU, parent="0005:00:00.0", vendor=NVIDIA, device="0x24b0",
+                   klass="0x030000", driver="nvidia", iommu_group=20)
+    s.add_function("0005:01:00.1", parent="0005:00:00.0", vendor=NVIDIA, device="0x228b",
+                   klass="0x040300", driver="snd_hda_intel", iommu_group=20)
+    s.add_drm("card1", ORIN_DGPU)
+    s.add_drm("renderD129", ORIN_DGPU)
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "tegra_drm", "r8168"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.add_cdi_spec("var")
+    s.set_cmdline("root=/dev/nvme0n1p1 rw rootwait console=ttyTCU0,115200 fbcon=map:0")
+    return s
+
+
+#: The A100 of `hyperv_gpu_guest`: Hyper-V's vPCI names the domain after the GUID of the
+#: VMBus channel that carries the device (bytes 4-5: ``47505500-0001-…`` gives 0001).
+HYPERV_GPU = "0001:00:00.0"
+
+
+def hyperv_gpu_guest(root: str | os.PathLike[str]) -> SysRoot:
+    """An Azure NC A100 v4 VM: Hyper-V passes the A100 PCIe (``0x10de:0x20b5``, 3D controller,
+    ``nvidia``) and a ConnectX VF through vPCI, each on a root bus of its own inside its
+    VMBus channel's folder (``…/VMBUS:01/47505500-0001-…/pci0001:00/0001:00:00.0``), with a
+    domain from the channel's GUID (``c3bc`` for the VF). The console is hyperv_drm's
+    card0 on the synthetic video channel (a VMBus device: vendor ``0x1414``, no PCI
+    function). No vIOMMU: ``sys/kernel/iommu_groups`` is empty."""
+    s = SysRoot(root)
+    vmbus = "/devices/LNXSYSTM:00/LNXSYBUS:00/PNP0A03:00/device:07/VMBUS:01"
+    gpu_bus = s.add_root_bus("pci0001:00", f"{vmbus}/47505500-0001-0000-3130-444531303244")
+    s.add_function(HYPERV_GPU, parent=gpu_bus, vendor=NVIDIA, device="0x20b5",
+                   klass="0x030200", driver="nvidia", subsystem_device="0x1533")
+    nic_bus = s.add_root_bus("pcic3bc:00", f"{vmbus}/000d3a8e-c3bc-000d-3a8e-c3bc000d3a8e")
+    s.add_function("c3bc:00:02.0", parent=nic_bus, vendor="0x15b3", device="0x101e",
+                   klass="0x020000", driver="mlx5_core", subsystem_vendor="0x15b3")
+    video = s.root / ("sys" + vmbus) / "5620e0c7-8062-4dce-aeb7-520c7ef76171"
+    video.mkdir()
+    (video / "vendor").write_text("0x1414\n")
+    (video / "device").write_text("0x5353\n")
+    (video / "uevent").write_text(
+        "DRIVER=hyperv_drm\nMODALIAS=vmbus:02780ada77e3ac4a8e770558eb1073f8\n")
+    _drm_minor(s, video, "card0", "../../../5620e0c7-8062-4dce-aeb7-520c7ef76171")
+    s.add_drm("card1", HYPERV_GPU)
+    s.add_drm("renderD128", HYPERV_GPU)
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm", "hyperv_drm",
+                 "mlx5_core", "pci_hyperv"):
+        s.add_module(name)
+    s.add_cdi_spec("etc")
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.5.0-1025-azure root=PARTUUID=4d1e ro "
+                  "console=tty1 console=ttyS0 earlyprintk=ttyS0")
+    return s
+
+
 H100_PCIE = "0000:41:00.0"
 
 
@@ -780,9 +903,11 @@ __all__ = [
     "hgx_h100_host",
     "hpe_ilo_host",
     "hybrid_laptop_host",
+    "hyperv_gpu_guest",
     "igpu_sriov_host",
     "instinct_host",
     "intel_flex_sriov_host",
+    "jetson_orin_host",
     "mi300x_cpx_host",
     "mxgpu_host",
     "single_gpu_desktop",

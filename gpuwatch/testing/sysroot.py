@@ -390,6 +390,31 @@ class SysRoot:
             self._ensure_file(f"{vmd.rel}/{name}/uevent", b"")
         return name
 
+    def add_root_bus(self, name: str, under: str) -> str:
+        """A PCI root bus (``pci0002:00``) whose host bridge is a device elsewhere than at the
+        top of ``sys/devices``: a device-tree ARM board's PCIe controller
+        (``/devices/platform/bus@0/14160000.pcie``), Hyper-V's VMBus channel. ``under`` is
+        that device's devpath; its folders are made (each with an empty ``uevent``) when not
+        there. Returns the root bus name, to pass as ``parent``."""
+        if _ROOT_COMPLEX_RE.fullmatch(name) is None or name.startswith("/"):
+            raise ValueError(f"not a root bus name: {name!r}")
+        if name in self._roots:
+            raise DeviceExistsError(name)
+        parts = under.split("/")
+        if parts[:2] != ["", "devices"] or len(parts) < 3:
+            raise ValueError(f"not a devpath under /devices: {under!r}")
+        for part in parts[2:]:
+            _check_name(part, "device")
+        self._roots[name] = f"{under}/{name}"
+        if self.layout == "symlink":
+            for depth in range(3, len(parts) + 1):
+                rel = "sys" + "/".join(parts[:depth])
+                os.makedirs(self._abs(rel), exist_ok=True)
+                self._ensure_file(rel + "/uevent", b"")
+            os.makedirs(self._abs(f"sys{under}/{name}"), exist_ok=True)
+            self._ensure_file(f"sys{under}/{name}/uevent", b"")
+        return name
+
     def _ensure_driver(self, driver: str) -> str:
         rel = f"sys/bus/pci/drivers/{driver}"
         path = self._abs(rel)
@@ -997,17 +1022,20 @@ class SysRoot:
         folder where the kernel registers it: with no parent (``at`` None: Intel's DMAR units,
         ``devices/virtual/iommu``), under the IOMMU's own PCI function (``at`` an address
         added before: AMD's ``0000:00:00.2/iommu/ivhd0``), or under a platform device
-        (``at`` its name, made here: an ARM SMMU's ``platform/arm-smmu-v3.0.auto/iommu/…``)."""
+        (``at`` its name, made here: an ARM SMMU's ``platform/arm-smmu-v3.0.auto/iommu/…``;
+        on a device-tree board its path below ``platform``, ``bus@0/12000000.iommu``)."""
         _check_name(name, "IOMMU unit name")
         if at is None:
             parent = "sys/devices/virtual"
         elif at in self._fns:
             parent = self._fns[at].rel
         else:
-            _check_name(at, "platform device name")
-            parent = f"sys/devices/platform/{at}"
-            os.makedirs(self._abs(parent), exist_ok=True)
-            self._ensure_file(parent + "/uevent", b"")
+            parent = "sys/devices/platform"
+            for part in at.split("/"):
+                _check_name(part, "platform device name")
+                parent += "/" + part
+                os.makedirs(self._abs(parent), exist_ok=True)
+                self._ensure_file(parent + "/uevent", b"")
         rel = f"{parent}/iommu/{name}"
         os.makedirs(self._abs(rel + "/devices"), exist_ok=True)
         _write(self._abs(rel + "/uevent"), b"")
