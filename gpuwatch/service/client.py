@@ -310,6 +310,11 @@ class Client:
         result: dict[str, Any] = self.call("snapshot")
         return result
 
+    def config(self) -> dict[str, Any]:
+        """The config file the daemon read, its root and tables (docs/socket.md)."""
+        result: dict[str, Any] = self.call("config")
+        return result
+
     def subscribe(self, types: Iterable[str] | None = None, addrs: Iterable[str] | None = None,
                   *, since_seq: int | None = None) -> Iterator[dict[str, Any]]:
         """Events as dicts, forever (until the daemon goes away). This connection then only
@@ -507,6 +512,11 @@ class AsyncClient:
 
     async def snapshot(self) -> dict[str, Any]:
         result: dict[str, Any] = await self.call("snapshot")
+        return result
+
+    async def config(self) -> dict[str, Any]:
+        """As `Client.config`."""
+        result: dict[str, Any] = await self.call("config")
         return result
 
     async def subscribe(self, types: Iterable[str] | None = None,
