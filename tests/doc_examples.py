@@ -29,6 +29,7 @@ kernel. Nothing touches the real host.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -108,6 +109,20 @@ def collect(pages: tuple[Path, ...] = PAGES) -> list[Example]:
                 continue
             out.append(Example(page, line, kind, match.group(2), markers, reason))
     return out
+
+
+# --------------------------------------------------------------------------- python text
+
+
+def gpuwatch_names(code: str, where: str) -> list[str]:
+    """The ``gpuwatch.NAME`` attributes a Python example uses, in order. The example must
+    compile (top-level ``await`` and ``async with`` allowed: a snippet of a coroutine's body
+    is how a host example shows a call); a syntax error raises."""
+    tree = compile(code, where, "exec",
+                   flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    return [node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "gpuwatch"]
 
 
 # --------------------------------------------------------------------------- shell text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import anyio
 import doc_examples as D
 import pytest
 
+import gpuwatch
 from gpuwatch.cli.main import build_parser
 from gpuwatch.host import open_host
 from gpuwatch.service.server import SocketServer
@@ -55,6 +57,24 @@ def test_the_parse_check_catches_a_renamed_flag() -> None:
     assert commands == [["list", "--managed", "no"], ["watch", "--sokcet", "/run/x.sock"]]
     with pytest.raises(SystemExit):
         build_parser().parse_args(commands[1])
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e.lang == "python"],
+                         ids=lambda e: e.id)
+def test_python_examples_compile_and_name_real_gpuwatch_names(example: D.Example) -> None:
+    """Run or not (a host example is not), every Python example compiles and each
+    ``gpuwatch.NAME`` it uses is one the package exports: a renamed class breaks a test."""
+    for name in D.gpuwatch_names(example.code, example.id):
+        assert name in gpuwatch.__all__ or importlib.util.find_spec(f"gpuwatch.{name}"), \
+            f"{example.id}: gpuwatch.{name} does not exist"
+
+
+def test_the_python_check_catches_a_renamed_name_and_a_syntax_error() -> None:
+    code = "async with gpuwatch.open_host('/') as h:\n    await gpuwatch.Clinet(h)\n"
+    assert D.gpuwatch_names(code, "x") == ["open_host", "Clinet"]
+    assert "Clinet" not in gpuwatch.__all__
+    with pytest.raises(SyntaxError):
+        D.gpuwatch_names("with gpuwatch.Client() as c\n    pass\n", "x")
 
 
 def test_markers_are_checked(tmp_path: Path) -> None:

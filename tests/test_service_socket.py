@@ -1370,3 +1370,13 @@ async def test_config_of_a_server_given_no_settings_names_no_file(
             "path": None, "identity": None, "root": str(host.root), "root_from": "flag",
             "tables": tables_json(default_tables())}
         await c.aclose()
+        # The Python clients ask it by name, as they ask every other method.
+        async with await AsyncClient.connect(served.path) as client:
+            answer = await client.config()
+        assert (answer["path"], answer["root"]) == (None, str(host.root))
+
+        def use_sync() -> dict[str, Any]:
+            with Client(served.path, timeout=5) as client:
+                return client.config()
+
+        assert await anyio.to_thread.run_sync(use_sync) == answer

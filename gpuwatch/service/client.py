@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from types import EllipsisType, TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NoReturn, Self
 
 import anyio
 import anyio.abc
@@ -192,8 +192,34 @@ class Client:
         self._lines: deque[bytes] = deque()
         self._next_id = 0
         self._subscribed = False
+        #: Why this connection can carry no more requests (a request cut off part-way).
+        self._broken: str | None = None
 
     # -- plumbing
+
+    def _send(self, data: bytes, deadline: float | None) -> None:
+        """Send one request line by ``deadline``: a daemon that stopped reading (stopped,
+        hung, swamped) makes it `TimeoutError`, never a wait without end. A line cut off
+        part-way would fuse with the next request into garbage, so then the connection is
+        closed and later calls say why (`DaemonUnavailable`)."""
+        view = memoryview(data)
+        while view:
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                self._give_up_send(view, len(data))
+            self._sock.settimeout(timeout)
+            try:
+                view = view[self._sock.send(view):]
+            except TimeoutError:
+                self._give_up_send(view, len(data))
+
+    def _give_up_send(self, unsent: memoryview, size: int) -> NoReturn:
+        if len(unsent) < size:
+            self._broken = (f"connection to {self.path} closed: a request timed out part-way "
+                            "through being sent (the daemon was not reading)")
+            self._sock.close()
+        raise TimeoutError(f"the daemon at {self.path} took no request in time "
+                           "(it is not reading)")
 
     def _readline(self, timeout: float | None, deadline: float | None = None) -> bytes:
         """The next line, each read waiting at most ``timeout``, and all of them together
@@ -226,16 +252,20 @@ class Client:
         """
         if self._subscribed:
             raise RuntimeError("this connection streams events; open another Client to call")
+        if self._broken is not None:
+            raise DaemonUnavailable(self._broken)
         self._next_id += 1
         rid = self._next_id
+        wait = self.timeout if timeout is ... else timeout
+        deadline = None if wait is None else time.monotonic() + wait
         try:
-            self._sock.sendall(P.encode_request(rid, method, params))
+            self._send(P.encode_request(rid, method, params), deadline)
+        except TimeoutError:
+            raise
         except OSError as exc:
             # Refused at accept and closed before our request went out: the reason waits.
             raise self._refused() or DaemonUnavailable(
                 f"connection to {self.path} broke: {exc}") from None
-        wait = self.timeout if timeout is ... else timeout
-        deadline = None if wait is None else time.monotonic() + wait
         while True:
             reply = _decode(self._readline(wait, deadline), self.path)
             error = refusal(reply)
@@ -278,6 +308,11 @@ class Client:
 
     def snapshot(self) -> dict[str, Any]:
         result: dict[str, Any] = self.call("snapshot")
+        return result
+
+    def config(self) -> dict[str, Any]:
+        """The config file the daemon read, its root and tables (docs/socket.md)."""
+        result: dict[str, Any] = self.call("config")
         return result
 
     def subscribe(self, types: Iterable[str] | None = None, addrs: Iterable[str] | None = None,
@@ -346,6 +381,8 @@ class AsyncClient:
         self._next_id = 0
         self._subscribed = False
         self._lock = anyio.Lock()
+        #: Why this connection can carry no more requests (a request cut off part-way).
+        self._broken: str | None = None
 
     @classmethod
     async def connect(cls, path: str | os.PathLike[str] | None = None, *,
@@ -389,20 +426,49 @@ class AsyncClient:
                     f"the daemon at {self.path} closed the connection") from None
             self._lines.extend(self._framer.feed(chunk))
 
+    async def _send(self, data: bytes) -> None:
+        """Send one request line. Cancelled (the call's timeout, or the caller's own scope)
+        before a byte went out, the connection is as it was; cancelled part-way, the cut
+        line would fuse with the next request into garbage, so the connection takes no more
+        requests and later calls say why (`DaemonUnavailable`)."""
+        sock = self._stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        view = memoryview(data)
+        try:
+            if sock is None:  # a stream of another kind: it says nothing of a partial send
+                await self._stream.send(data)
+                view = view[len(view):]
+            else:
+                while view:
+                    try:
+                        view = view[sock.send(view):]
+                    except BlockingIOError:
+                        await anyio.wait_writable(sock)
+        finally:
+            if view and (sock is None or len(view) < len(data)):
+                self._broken = (f"connection to {self.path} closed: a request was cut off "
+                                "part-way through being sent (timed out or cancelled while "
+                                "the daemon was not reading)")
+
     async def call(self, method: str, params: Mapping[str, Any] | None = None, *,
                    timeout: float | EllipsisType | None = ...) -> Any:
+        """As `Client.call`: ``timeout`` bounds sending the request and waiting for its
+        reply together (`TimeoutError`)."""
         if self._subscribed:
             raise RuntimeError("this connection streams events; open another client to call")
         async with self._lock:
+            if self._broken is not None:
+                raise DaemonUnavailable(self._broken)
             self._next_id += 1
             rid = self._next_id
-            try:
-                await self._stream.send(P.encode_request(rid, method, params))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-                # Refused at accept and closed before our request went out: the reason waits.
-                raise await self._refused() or DaemonUnavailable(
-                    f"connection to {self.path} broke: {exc}") from None
-            with anyio.fail_after(self.timeout if timeout is ... else timeout):
+            wait = self.timeout if timeout is ... else timeout
+            with anyio.move_on_after(wait) as scope:
+                try:
+                    await self._send(P.encode_request(rid, method, params))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                    # Refused at accept and closed before our request went out: the reason
+                    # waits.
+                    raise await self._refused() or DaemonUnavailable(
+                        f"connection to {self.path} broke: {exc}") from None
                 while True:
                     reply = _decode(await self._readline(), self.path)
                     error = refusal(reply)
@@ -410,6 +476,8 @@ class AsyncClient:
                         raise error
                     if isinstance(reply, dict) and reply.get("id") == rid:
                         break
+            if scope.cancelled_caught:
+                raise TimeoutError(f"no reply from {self.path} within {wait} s")
             if "error" in reply:
                 raise error_from_reply(reply["error"])
             return reply.get("result")
@@ -446,6 +514,11 @@ class AsyncClient:
         result: dict[str, Any] = await self.call("snapshot")
         return result
 
+    async def config(self) -> dict[str, Any]:
+        """As `Client.config`."""
+        result: dict[str, Any] = await self.call("config")
+        return result
+
     async def subscribe(self, types: Iterable[str] | None = None,
                         addrs: Iterable[str] | None = None, *,
                         since_seq: int | None = None) -> dict[str, Any]:
@@ -455,12 +528,19 @@ class AsyncClient:
         self._subscribed = True
         return result
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """As `Client.events`."""
+    async def events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """As `Client.events`: ``timeout`` bounds the wait for each event (`TimeoutError`),
+        however the bytes before it arrive."""
+        if self._broken is not None:
+            raise DaemonUnavailable(self._broken)
         while True:
-            event = _event(_decode(await self._readline(), self.path))
-            if event is not None:
-                yield event
+            event: dict[str, Any] | None = None
+            with anyio.move_on_after(timeout):
+                while event is None:
+                    event = _event(_decode(await self._readline(), self.path))
+            if event is None:
+                raise TimeoutError(f"no event from {self.path} within {timeout} s")
+            yield event
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                      timeout: float | None = None, tolerant: bool | None = None,
