@@ -314,8 +314,43 @@ async def test_stalled_subscriber_does_not_hold_up_a_live_one(host: SysRoot) -> 
             with pytest.raises(SubscriberLagged) as info:
                 await stalled.receive()
             assert info.value.missed == 7
-            assert "resubscribe" in str(info.value)
+            # Where to resume: the first event it never got, the fourth the live one got.
+            assert info.value.first_missed_seq == got[3].seq
+            assert f"since_seq={got[2].seq}" in str(info.value)
         assert w.snapshot().functions  # the model kept going
+
+
+async def test_a_lagged_subscriber_resumes_where_it_lost_events(host: SysRoot,
+                                                                 tmp_path: Path) -> None:
+    """The live lag names the first event dropped; resubscribing just before it replays
+    exactly the dropped ones from the log, then goes on live."""
+    source = MemorySource()
+    log = tmp_path / "events.jsonl"
+    async with open_watcher(host.root, source, log=str(log), reconcile_interval=0,
+                            cdi_poll_interval=0) as w:
+        async with (
+            w.subscribe(types={"driver-changed"}, buffer=2) as slow,
+            w.subscribe(types={"driver-changed"}) as live,
+        ):
+            got = []
+            for i in range(6):
+                if i % 2 == 0:
+                    host.unbind(NIC)
+                else:
+                    host.bind(NIC, "igb")
+                source.push(host.uevent_props("change", NIC))
+                with anyio.fail_after(5):
+                    got.append(await live.receive())
+            kept = [(await slow.receive()).seq for _ in range(2)]
+            with pytest.raises(SubscriberLagged) as info:
+                await slow.receive()
+        first = info.value.first_missed_seq
+        assert kept == [e.seq for e in got[:2]] and first == got[2].seq
+        async with w.subscribe(types={"driver-changed"}, since_seq=first - 1) as again:
+            with anyio.fail_after(5):
+                replayed = [await again.receive() for _ in range(4)]
+            assert again.complete
+        assert [(e.seq, e.new) for e in replayed] == [(e.seq, e.new) for e in got[2:]]
 
 
 async def test_filters_by_type_and_addr(host: SysRoot) -> None:

@@ -55,6 +55,9 @@ class Subscription:
         self._taken: deque[BaseModel] = deque()  # the batch the reader is working through
         self.lagged = False
         self.missed = 0
+        #: The seq of the first event dropped for this subscriber (None while none was): where
+        #: a resubscription with ``since_seq`` resumes, as a socket's ``lagged`` line says.
+        self.first_missed_seq: int | None = None
         # Replay from the log, when the subscriber asked for the past (`start_replay`).
         self._replay: Iterator[EventRecord] | None = None
         self._replay_until = 0
@@ -150,6 +153,8 @@ class Subscription:
         if self._queued + len(events) > self.buffer:
             self.lagged = True
             self.missed = len(events)
+            seq = getattr(events[0], "seq", None)
+            self.first_missed_seq = seq if type(seq) is int and seq > 0 else None
             self._send.close()
             return
         try:
@@ -188,7 +193,7 @@ class Subscription:
                 batch = await self._recv.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 if self.lagged:
-                    raise SubscriberLagged(self.missed) from None
+                    raise SubscriberLagged(self.missed, self.first_missed_seq) from None
                 raise StopAsyncIteration from None
             self._queued -= len(batch)
             taken.extend(batch)
