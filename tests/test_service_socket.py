@@ -32,6 +32,7 @@ from gpuwatch.errors import (
     SwitchFailed,
     SwitchRefused,
     SwitchWedged,
+    UsageError,
 )
 from gpuwatch.jsonout import jsonable
 from gpuwatch.model import ACTIONS, holders_report, plan_for_host
@@ -1074,12 +1075,18 @@ async def test_sync_and_async_clients(host: SysRoot, sockdir: str, tmp_path: Pat
                     c.probe("current-mode", addr="0000:0a:00.0")
                 with pytest.raises(DaemonUsageError):
                     c.probe("nonsense")
-                return mode, c.snapshot()["seq"]
+                seq = c.snapshot()["seq"]
+                c.subscribe(addrs=[NIC])
+                with pytest.raises(UsageError, match="streams events"):
+                    c.probe("memlock")  # a streaming connection answers no calls
+                return mode, seq
 
         assert await anyio.to_thread.run_sync(use_sync) == ("nvidia", 1)
         async with await AsyncClient.connect(served.path) as c:
             assert await c.probe("group-in-mode", addr=NV, mode="nvidia") is True
             assert await c.subscribe(addrs=[NIC]) == {"seq": 1, "complete": True}
+            with pytest.raises(UsageError, match="streams events"):
+                await c.probe("memlock")
             await toggle(served, host, NIC, "igb")
             async for event in c.events():
                 assert (event["type"], event["addr"]) == ("driver-changed", NIC)

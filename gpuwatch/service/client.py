@@ -251,7 +251,7 @@ class Client:
         90 seconds; ``timeout=None`` waits as long as it takes).
         """
         if self._subscribed:
-            raise RuntimeError("this connection streams events; open another Client to call")
+            raise UsageError("this connection streams events; open another Client to call")
         if self._broken is not None:
             raise DaemonUnavailable(self._broken)
         self._next_id += 1
@@ -454,7 +454,7 @@ class AsyncClient:
         """As `Client.call`: ``timeout`` bounds sending the request and waiting for its
         reply together (`TimeoutError`)."""
         if self._subscribed:
-            raise RuntimeError("this connection streams events; open another client to call")
+            raise UsageError("this connection streams events; open another client to call")
         async with self._lock:
             if self._broken is not None:
                 raise DaemonUnavailable(self._broken)
