@@ -367,6 +367,12 @@ class SwitchEngine:
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
+        key = poison_key(card)  # the lock's name too: a card without a group by its address
+        if key in self._busy:
+            # Before "already in mode": a switch of the group that has begun but not yet
+            # moved a driver leaves the model in the mode it is leaving, and answering "in
+            # mode" would send the caller off to use a card on its way out.
+            raise GroupBusy(f"{poison_subject(key)} is already being switched")
         # `recover` rebinds a wedged or failed function even where it already is (its
         # recovery): "already in mode" would leave it refused as it was.
         rebind = recovering and any(needs_recovery(m, health) for m in members)
@@ -375,7 +381,6 @@ class SwitchEngine:
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
-        key = poison_key(card)  # the lock's name too: a card without a group by its address
         self._claim(key)
         try:
             fd = self._flock(key)
