@@ -204,9 +204,11 @@ class GroupPoisoned(SwitchRefused):
 
 
 class UnsafeName(SwitchRefused, ValueError):
-    """An address or driver name that would become part of a sysfs write is malformed."""
+    """An address or driver name that would become part of a sysfs write is malformed. It
+    comes from the host's tree (a driver link, modules.alias), never from the request, so it
+    is the host's refusal (exit 1, ``switch-refused``), not a usage error."""
 
-    code = INVALID_PARAMS
+    code = SWITCH_REFUSED
 
 
 class RebootRequired(SwitchRefused):

@@ -146,6 +146,25 @@ def test_errors_are_one_line_with_their_exit_code(cli: Run, sim: SimKernel, argv
     assert sim.record == []
 
 
+@pytest.mark.parametrize("argv", [
+    ["mode", "vfio"], ["mode", "nvidia"], ["plan", "vfio"], ["plan", "vfio", "--json"],
+    ["recover"], ["probe", "plan", "--mode", "vfio", "--addr", NV],
+])
+def test_a_malformed_driver_name_in_the_tree_is_a_refusal_not_a_usage_error(
+        host: SysRoot, cli: Run, sim: SimKernel, argv: list[str]) -> None:
+    """The audio function's driver link names a driver no kernel could register (``snd
+    hda;x``): nothing is written, and the answer is the host's refusal, exit 1 like every
+    refusal in docs/switch.md, not exit 2 (the command line is fine; fixing it cannot help)."""
+    (host.root / "sys/bus/pci/drivers/snd hda;x").mkdir()
+    link = host.device_dir(AUDIO) / "driver"
+    link.unlink()
+    link.symlink_to("../../../../bus/pci/drivers/snd hda;x")
+    got, out, err = cli(*argv)
+    assert (got, out) == (1, "")
+    assert "refusing to switch: driver name 'snd hda;x' of 0000:01:00.1" in one_line(err)
+    assert sim.record == []
+
+
 # --------------------------------------------------------------------------- plan
 
 

@@ -481,6 +481,38 @@ async def test_a_second_switch_of_a_busy_group_fails_at_once(host: SysRoot) -> N
         assert drivers(w, NV, AUDIO) == ["vfio-pci", "vfio-pci"]
 
 
+async def test_the_mode_a_busy_group_is_leaving_is_busy_not_already_in_mode(
+        host: SysRoot) -> None:
+    """While a switch to vfio has begun but not yet moved a driver (its first command still
+    running), the model still shows the group on nvidia. A second request for nvidia must
+    not answer "already in mode" (exit 0: a caller would start a CDI container on a card
+    leaving nvidia): the group is busy, and it says so at once, writing nothing. Once the
+    switch has ended, the same request switches it back."""
+    sim = SimKernel(host)
+    sim.step_delay = 0.3
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        outcome: dict[str, Any] = {}
+
+        async def first() -> None:
+            outcome["first"] = await w.switch(NV, "vfio", timeout=10)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.fail_after(5):
+                while not of_type(events, "switch-started"):
+                    await anyio.sleep(0.005)
+            assert drivers(w, NV, AUDIO) == ["nvidia", "snd_hda_intel"]  # nothing moved yet
+            assert w.probe("group-in-mode", addr=NV, mode="nvidia") is True
+            writes = len(sim.record)
+            with anyio.fail_after(0.2):  # "at once"
+                with pytest.raises(GroupBusy, match="group 13 is already being switched"):
+                    await w.switch(NV, "nvidia", timeout=5)
+            assert len(sim.record) == writes
+        assert outcome["first"].changed
+        back = await w.switch(NV, "nvidia", timeout=10)
+        assert back.changed and drivers(w, NV, AUDIO) == ["nvidia", "snd_hda_intel"]
+
+
 async def test_switches_of_two_groups_run_concurrently(host: SysRoot) -> None:
     to_vfio(host)
     add_second_card(host, driver="vfio-pci", audio="vfio-pci")

@@ -178,3 +178,49 @@ async def test_a_function_that_leaves_the_bus_fails_the_switch_at_once(host: Sys
             await w.switch(NV, "vfio", timeout=600)
     failed = of_type(events, "switch-failed")
     assert len(failed) == 1 and f"{AUDIO} gone (was snd_hda_intel)" in failed[0].restored[-1]
+
+
+class AnotherDriverTakesIt(SimKernel):
+    """Right after the switch unbinds ``addr``, ``grabber`` binds it (a racing probe: a udev
+    rule's ``drivers_probe``, a module loaded meanwhile), before its ``driver_override`` is
+    written; or, with ``grabber`` None, the unbind reports success and takes nothing."""
+
+    def __init__(self, host: SysRoot, addr: str, grabber: str | None) -> None:
+        super().__init__(host)
+        self.addr, self.grabber = addr, grabber
+
+    def _unbind(self, addr: str) -> None:
+        if addr != self.addr:
+            super()._unbind(addr)
+        elif self.grabber is not None:
+            super()._unbind(addr)
+            self._bind(addr, self.grabber)
+        # else: the unbind "succeeds" and the driver stays
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("mode", "addr", "grabber", "was"), [
+    ("vfio", AUDIO, "snd_hda_intel", "snd_hda_intel"),  # snd_hda_intel takes it back
+    ("nvidia", NV, "nouveau", "vfio-pci"),  # nouveau beats nvidia to the card
+    ("vfio", AUDIO, None, "snd_hda_intel"),  # the unbind did not take
+], ids=["racing-snd-hda-intel", "nouveau", "unbind-no-op"])
+async def test_a_function_another_driver_holds_fails_at_the_tree_check(
+        host: SysRoot, mode: str, addr: str, grabber: str | None, was: str) -> None:
+    """Once every write has returned, a function on a driver that is not its target stays
+    there (an override only steers the probe of an unbound device): the switch fails at its
+    first tree check, naming the function and the driver, not after its --timeout (600 s
+    here), never completes, and leaves no override of its own."""
+    if mode == "nvidia":
+        to_vfio(host)
+    sim = AnotherDriverTakesIt(host, addr, grabber)
+    holder = grabber or was
+    want = "vfio-pci" if mode == "vfio" else "nvidia"
+    async with simulated_switch(host, sim=sim, tree_check_after=0.2) as (w, _s, _e, events):
+        with anyio.fail_after(30), pytest.raises(
+                SwitchFailed, match=rf"{addr} is on {holder}, not {want}, once every write"):
+            await w.switch(NV, mode, timeout=600)
+        assert w.model.state.functions[addr].driver == holder
+    assert of_type(events, "switch-completed") == []
+    failed = of_type(events, "switch-failed")
+    assert len(failed) == 1 and failed[0].wedged is False
+    assert sim.overrides == {}

@@ -234,3 +234,21 @@ async def test_an_interrupted_switch_from_a_mixed_group_names_what_it_left(
         "group 13 is not as it was: 0000:01:00.0 on vfio-pci (was nvidia), 0000:01:00.1 on no "
         "driver (was snd_hda_intel), 0000:01:00.2 on xhci_hcd"), failed.restored
     assert sim.overrides == {}
+
+
+@pytest.mark.timeout(60)
+async def test_a_switch_back_to_nvidia_pins_what_it_rebound_as_a_switch_to_nvidia_does(
+        host: SysRoot) -> None:
+    """Interrupted once the display function is pinned to vfio-pci (nvidia unloaded): the
+    vfio-pci pin goes, and the switch back to nvidia, a switch like any other, leaves the
+    display pinned to nvidia (as docs/switch.md says), the audio function, never moved, with
+    none; the same pins as a completed switch to nvidia would leave."""
+    sim = StopsAfter(host, OVERRIDE.format(NV), "vfio-pci")
+    events = await interrupt(sim, host, "vfio")
+    failed = of_type(events, "switch-failed")
+    assert len(failed) == 1 and failed[0].error == "interrupted"
+    restored = failed[0].restored
+    assert restored[0] == f"write '\\n' to {OVERRIDE.format(NV)}"
+    assert f"write 'nvidia' to {OVERRIDE.format(NV)}" in restored
+    assert [tree_driver(sim, NV), tree_driver(sim, AUDIO)] == ["nvidia", "snd_hda_intel"]
+    assert sim.overrides == {NV: "nvidia"}

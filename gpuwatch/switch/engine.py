@@ -367,6 +367,12 @@ class SwitchEngine:
         if unhealthy is not None:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
+        key = poison_key(card)  # the lock's name too: a card without a group by its address
+        if key in self._busy:
+            # Before "already in mode": a switch of the group that has begun but not yet
+            # moved a driver leaves the model in the mode it is leaving, and answering "in
+            # mode" would send the caller off to use a card on its way out.
+            raise GroupBusy(f"{poison_subject(key)} is already being switched")
         # `recover` rebinds a wedged or failed function even where it already is (its
         # recovery): "already in mode" would leave it refused as it was.
         rebind = recovering and any(needs_recovery(m, health) for m in members)
@@ -375,7 +381,6 @@ class SwitchEngine:
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
-        key = poison_key(card)  # the lock's name too: a card without a group by its address
         self._claim(key)
         try:
             fd = self._flock(key)
@@ -1040,6 +1045,7 @@ class SwitchEngine:
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
                     self._check_gained(plan, facts)
                     return
+                self._stop_on_a_taken_function(plan, facts)
                 if now >= deadline:
                     self._fail(plan, "the group did not reach its target drivers in time: "
                                      + self._drivers_text(targets))
@@ -1077,6 +1083,26 @@ class SwitchEngine:
                              f"group VFIO takes needs its bridges on {BRIDGE_DRIVER} or on no "
                              f"driver, and gpuwatch does not move bridges; bind it to "
                              f"{BRIDGE_DRIVER}, then switch again")
+
+    def _stop_on_a_taken_function(self, plan: SwitchPlan, facts: HostFacts) -> None:
+        """Every write has returned and the tree (just read into the model) shows a planned
+        function bound to a driver that is not its target: another driver took it between
+        its unbind and its probe (a ``drivers_probe`` or module load of someone else's, a
+        racing snd_hda_intel or nouveau), or its unbind did not take. ``driver_override``
+        only steers a probe of an unbound device, so nothing will move it now: fail at
+        once, naming it and the driver, rather than wait out ``--timeout`` for a bind that
+        cannot come. An unbound function is not judged: its probe may still be running."""
+        functions = self.model.state.functions
+        taken = [(fn, want) for a, want in plan.targets if want != BRIDGE_DRIVER
+                 and (fn := functions.get(a)) is not None and fn.driver
+                 and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts), facts)]
+        if taken:
+            names = ", ".join(f"{fn.addr} is on {fn.driver}, not {want}" for fn, want in taken)
+            self._fail(plan, f"{names}, once every write of the switch returned (read from "
+                             "the tree): another driver took it, or its unbind did not take, "
+                             "and nothing will move it now; find what binds it (a udev rule, a "
+                             "module loaded meanwhile), then switch again: "
+                             + self._drivers_text(dict(plan.targets)))
 
     def _check_gained(self, plan: SwitchPlan, facts: HostFacts) -> None:
         """The planned functions are there; but a function that joined the group meanwhile
