@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -563,6 +565,40 @@ async def test_another_process_switching_the_group_is_busy_too(host: SysRoot) ->
         assert sim.record == []
     finally:
         os.close(fd)
+
+
+async def test_the_mode_a_group_another_process_switches_is_busy_not_already_in_mode(
+        host: SysRoot) -> None:
+    """A second orchestrator asking for the mode the group is in while another process
+    holds the group's switch lock (its switch has not moved a driver yet) is told the group
+    is busy, not "already in mode"; once the lock is let go, the same request is the no-op.
+    A lock on another group's file busies nothing."""
+    import fcntl
+
+    lock_dir = host.root / "run/gpuwatch"
+    lock_dir.mkdir(parents=True)
+    other = os.open(lock_dir / "switch-14.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+         str(lock_dir / "switch-13.lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        async with simulated_switch(host) as (w, sim, _e, _ev):
+            with anyio.fail_after(2), pytest.raises(GroupBusy, match="another process"):
+                await w.switch(NV, "nvidia", timeout=5)
+            holder.communicate(timeout=10)  # it lets go of the lock and ends
+            assert holder.returncode == 0
+            result = await w.switch(NV, "nvidia", timeout=5)
+            assert not result.changed
+        assert sim.record == []
+    finally:
+        holder.kill()
+        holder.communicate(timeout=10)  # closes its pipes too
+        os.close(other)
 
 
 # --------------------------------------------------------------------------- validation

@@ -8,7 +8,7 @@ import errno
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.errors import UNREADABLE, HostError
@@ -404,6 +404,20 @@ def list_dir(path: str) -> list[str]:
         return []
 
 
+def flock_holders(st: os.stat_result, *, exclusive: bool = False) -> Iterator[str]:
+    """The pids ``/proc/locks`` names as holding a flock on the file ``st`` describes
+    (``exclusive``: a ``WRITE`` one only), waiters left out. Raises `OSError` where
+    ``/proc/locks`` cannot be read."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+        for entry in locks:
+            fields = entry.split()
+            # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter: "->")
+            if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
+                    and fields[4].isdigit() and (not exclusive or fields[3] == "WRITE")):
+                yield fields[4]
+
+
 def flock_holder(fd: int, *, pid_file: bool = True) -> str:
     """Who holds a flock on ``fd``'s file, for a refusal: ``pid N`` from the pid a lock file
     holds, else (a directory, a log file itself: ``pid_file`` False) from the first holder
@@ -417,15 +431,7 @@ def flock_holder(fd: int, *, pid_file: bool = True) -> str:
             text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             holder = text if text.isdigit() else ""
         else:
-            key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-            with open("/proc/locks", encoding="ascii", errors="replace") as locks:
-                for entry in locks:
-                    fields = entry.split()
-                    # "1: FLOCK  ADVISORY  WRITE 26929 fe:00:2158827 0 EOF" (a waiter: "->")
-                    if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key
-                            and fields[4].isdigit()):
-                        holder = fields[4]
-                        break
+            holder = next(flock_holders(st), "")
     if not holder:
         return "another process"
     return "a process in another PID namespace" if int(holder) == 0 else f"pid {holder}"

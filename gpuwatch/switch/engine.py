@@ -103,7 +103,7 @@ from gpuwatch.hostfs.facts import (
     model_facts,
     scan_holders,
 )
-from gpuwatch.hostfs.files import place_in_root
+from gpuwatch.hostfs.files import flock_holders, place_in_root
 from gpuwatch.hostfs.scan import CDI_SPECS, cdi_spec_exists, read_function, read_modules
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
@@ -378,6 +378,10 @@ class SwitchEngine:
         rebind = recovering and any(needs_recovery(m, health) for m in members)
         if not rebind and already_in_mode(members, to_mode, self.model.state.vfio_variants,
                                           vfio_driver):
+            if self._switched_elsewhere(key):
+                # The same reason as `_busy` above, for a switch another process runs (a
+                # `gpuwatch mode` beside the daemon, a second orchestrator).
+                raise GroupBusy(f"{poison_subject(key)} is being switched by another process")
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
@@ -1269,6 +1273,17 @@ class SwitchEngine:
             raise GroupBusy(f"{poison_subject(key)} is being switched by another "
                             "process") from None
         return fd
+
+    def _switched_elsewhere(self, key: int | str) -> bool:
+        """Whether another process holds the group's switch lock, seen without taking it:
+        taking it, even for a moment, would make a switch starting then fail as busy. Where
+        the lock file or ``/proc/locks`` cannot be read (no privilege), no one is seen."""
+        path = os.path.join(self._lock_dir(), f"switch-{key}.lock")
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            return next(flock_holders(st, exclusive=True), None) is not None
+        except (OSError, ValueError):
+            return False
 
     def _lock_dir(self) -> str:
         """``run/gpuwatch`` in the tree, its links read as in a chroot (`place_in_root`)."""
