@@ -23,6 +23,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
+from gpuwatch.hostfs.hostkind import read_host_kind
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 from gpuwatch.model import HostModel
 
@@ -171,7 +172,8 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
     return StatusReport(
         iommu=IommuReport(**iommu_status(vfio.iommu_enabled, vfio.iommu_kind,
                                          groups.noiommu, groups.real, groups.emulated,
-                                         read_iommu_off(model.root))),
+                                         read_iommu_off(model.root),
+                                         read_host_kind(model.root))),
         vfio_pci_loaded=model.module_loaded("vfio_pci"),
         nvidia_usable=bool(model.probe("detect-gpu")),
         memlock=memlock_report(limit),

@@ -23,11 +23,14 @@ from gpuwatch.settings import ROOT_ENV as SETTINGS_ROOT_ENV
 from gpuwatch.settings import default_tables, load_settings
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.machines import (
+    ampere_altra_host,
     bmc_server_host,
     hgx_h100_host,
     hpe_ilo_host,
+    hyperv_gpu_guest,
     single_gpu_desktop,
     vfio_noiommu_host,
+    virtio_gpu_guest,
     vm_guest_host,
     vmd_host,
 )
@@ -47,6 +50,11 @@ HOSTS: dict[str, Callable[[Path], object]] = {
     "hgx-noacs": lambda root: hgx_h100_host(root, gpus=2, acs=False),
     "desktop": single_gpu_desktop,
     "vmd": vmd_host,
+    "vmd-shared": lambda root: vmd_host(root, shared=True),  # addresses of two widths
+    "altra-smmu-unit": lambda root: ampere_altra_host(root, smmu="unit"),
+    "altra-no-smmu": lambda root: ampere_altra_host(root, smmu="none"),
+    "hyperv": hyperv_gpu_guest,
+    "kvm-guest": virtio_gpu_guest,
     "guest": vm_guest_host,
     "grace": grace_hopper_host,
     "iommufd": iommufd_only_host,

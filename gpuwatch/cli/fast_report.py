@@ -56,6 +56,7 @@ from gpuwatch.core.tabledata import KEYED_TABLES, TABLE_KEYS, TableData, table_d
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.hostfs.bootvga import HostConsole, listed_console
 from gpuwatch.hostfs.files import tree_dir
+from gpuwatch.hostfs.hostkind import read_host_kind
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 
 
@@ -264,7 +265,8 @@ def status_report(remote: Remote) -> dict[str, Any]:
     vfio = remote.vfio
     return {
         "iommu": iommu_status(vfio["iommu_enabled"], vfio["iommu_kind"], groups.noiommu,
-                              groups.real, groups.emulated, read_iommu_off(remote.root)),
+                              groups.real, groups.emulated, read_iommu_off(remote.root),
+                              read_host_kind(remote.root)),
         "vfio_pci_loaded": os.path.isdir(os.path.join(tree_dir(remote.root, "sys"),
                                                     "module/vfio_pci")),
         "nvidia_usable": remote.nvidia_usable(),

@@ -43,6 +43,7 @@ from gpuwatch.core.plan import (
     switch_guard,
     unhealthy_reason,
 )
+from gpuwatch.core.reporttext import addr_width
 from gpuwatch.core.results import PciFunction
 from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchFailed, SwitchRefused
@@ -269,8 +270,10 @@ def _show(model: HostModel, card: PciFunction, members: tuple[PciFunction, ...],
         }))
         return
     print(f"{card_in_group(card.addr, card.iommu_group)}: {mode}")
+    width = addr_width(m.addr for m in members)
     for m in members:
-        print(terminal_safe(f"  {m.addr}  {m.class_label:<20} {m.driver or '(no driver)'}"))
+        print(terminal_safe(f"  {m.addr:<{width}}  {m.class_label:<20} "
+                            f"{m.driver or '(no driver)'}"))
     if poisoned is not None:
         lift = "reboot or `gpuwatch recover`" if card.iommu_group >= 0 else "reboot"
         print(terminal_safe(f"  poisoned until {lift}: {poisoned.error}"))

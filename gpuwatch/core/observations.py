@@ -185,6 +185,11 @@ class CdiSeen:
 class IommuSeen:
     enabled: bool
     kind: str
+    #: The machine's kind (`gpuwatch.core.hostkind.HostKind`): ``x86``, ``arm64`` or ``""``,
+    #: and the hypervisor of a guest (``""``: bare metal, or not known). Only the advice on
+    #: turning an IOMMU on reads them: it differs for an arm64 host and a VM guest.
+    arch: str = ""
+    hypervisor: str = ""
 
 
 Observation = (

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, assert_never
 
 from gpuwatch.core.health import RECOVERY_STALE_AFTER, UNSWITCHABLE, health_advice
+from gpuwatch.core.hostkind import UNKNOWN_HOST, HostKind
 from gpuwatch.core.modes import (
     BRIDGE_CLASSES,
     BRIDGE_DRIVER,
@@ -42,6 +43,7 @@ from gpuwatch.core.pci import (
     parse_addr,
     parse_vendor,
 )
+from gpuwatch.core.reporttext import iommu_needs
 from gpuwatch.core.results import Holding, PciFunction
 from gpuwatch.core.state import HostState
 from gpuwatch.errors import DeviceNotFound, UnsafeName, UsageError
@@ -240,6 +242,10 @@ class HostFacts:
     #: The host has IOMMU groups: a function without one is the IOMMU's exception (or a
     #: copy's lost link), not a host whose IOMMU is off.
     iommu_groups: bool = False
+    #: The IOMMU's kind (``detect-vfio``'s ``iommu_kind``) and the machine's: what a card
+    #: refused for having no group is told to do (`iommu_needs`).
+    iommu_kind: str = ""
+    host_kind: HostKind = UNKNOWN_HOST
     #: Why the group is the host's own console/management group (`kept_for_host_reason`).
     kept_for_host: str = ""
     #: Why the group is poisoned in this boot (an earlier switch wedged), ``""`` when not.
@@ -736,8 +742,8 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
             return refuse(f"{display.addr} has no IOMMU group, though this host has IOMMU "
                           "groups: the IOMMU does not cover it, or the tree lacks its "
                           "iommu_group link (a copy that dropped its links)")
-        return refuse(f"{display.addr} has no IOMMU group: vfio-pci needs the IOMMU "
-                      "(intel_iommu=on or amd_iommu=on, and VT-d/AMD-Vi in the firmware)")
+        return refuse(f"{display.addr} has no IOMMU group: vfio-pci needs "
+                      f"{iommu_needs(facts.iommu_kind, facts.host_kind)}")
     if facts.holders:
         return refuse(holders_reason(facts.holders), facts.holders)
 

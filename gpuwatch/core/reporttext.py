@@ -8,6 +8,7 @@ from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.core.health import UNSWITCHABLE
+from gpuwatch.core.hostkind import HYPERVISOR_NAMES, NO_VIOMMU, UNKNOWN_HOST, HostKind
 from gpuwatch.core.modes import BRIDGE_CLASSES, on_vfio
 from gpuwatch.core.text import terminal_safe
 
@@ -48,15 +49,77 @@ def iommu_off_param(cmdline: str) -> str:
     return ""
 
 
-def iommu_hint(enabled: bool, kind: str, off: str = "") -> str:
+#: What x86 needs for VFIO: the firmware's VT-d/AMD-Vi and the kernel's driver asked for.
+X86_IOMMU_NEEDS = "intel_iommu=on or amd_iommu=on, and VT-d/AMD-Vi in the firmware"
+
+
+def _viommu_devices(arch: str) -> str:
+    """How QEMU and libvirt give a guest of ``arch`` a virtual IOMMU."""
+    if arch == "arm64":
+        return ("QEMU: -machine virt,iommu=smmuv3 or -device virtio-iommu-pci; libvirt: "
+                "<iommu model='smmuv3'/> or <iommu model='virtio'/>")
+    return ("QEMU: -device intel-iommu,intremap=on,caching-mode=on on a q35 machine, with "
+            "intel_iommu=on on this guest's command line, or -device virtio-iommu-pci; "
+            "libvirt: <iommu model='intel'/> or <iommu model='virtio'/>")
+
+
+def no_iommu_advice(kind: str, host: HostKind) -> str:
+    """What turns an IOMMU on for a host that is no x86 bare-metal one (``""`` for those,
+    or when nothing says: the firmware's VT-d/AMD-Vi and ``intel_iommu=on`` are theirs). A
+    guest has only what its hypervisor gives it: a virtual IOMMU, which no setting inside
+    it creates (and a VM started inside it also needs nested virtualisation); an arm64
+    host has its SMMU, which the firmware must describe and route the PCIe root complexes
+    through (no ``intel_iommu=``/``amd_iommu=`` there). ``kind``: the IOMMU's
+    (``detect-vfio``'s ``iommu_kind``; ``arm``: an SMMU is registered)."""
+    if host.hypervisor:
+        name = HYPERVISOR_NAMES.get(host.hypervisor, host.hypervisor)
+        if host.hypervisor in NO_VIOMMU:
+            return (f"this is a {name} virtual machine, whose hypervisor gives it no virtual "
+                    "IOMMU: no device can be passed through from inside it; use the GPU in "
+                    "this VM directly, or pass it through on a host with an IOMMU")
+        viommu = _viommu_devices(host.arch if kind != "arm" else "arm64")
+        if host.hypervisor == "kvm":
+            give = f"give it one on the host ({viommu}) and restart it"
+        else:
+            give = (f"give it one if its hypervisor can ({viommu}) and restart it; Hyper-V "
+                    "and cloud VMs get none")
+        return (f"this is a virtual machine ({name}) without a virtual IOMMU: {give}; a VM "
+                "started inside this one also needs nested virtualisation on the host")
+    if kind == "arm":
+        return ("an SMMU is registered but no device is in an IOMMU group: the firmware must "
+                "route the PCIe root complexes through it (ACPI IORT, or the device tree's "
+                "iommu-map), then reboot")
+    if host.arch == "arm64":
+        return ("no SMMU is registered: enable it in the firmware (ACPI IORT, or the device "
+                "tree) and use a kernel with its driver (arm-smmu-v3 or arm-smmu), then "
+                "reboot; intel_iommu= and amd_iommu= do not apply on arm64")
+    return ""
+
+
+def iommu_needs(kind: str, host: HostKind) -> str:
+    """What vfio-pci needs, said where a switch is refused for the lack of an IOMMU: the
+    IOMMU, and how to have one (`no_iommu_advice`, or on x86 `X86_IOMMU_NEEDS`)."""
+    advice = no_iommu_advice(kind, host)
+    return f"the IOMMU: {advice}" if advice else f"the IOMMU ({X86_IOMMU_NEEDS})"
+
+
+def iommu_hint(enabled: bool, kind: str, off: str = "", host: HostKind = UNKNOWN_HOST) -> str:
     """How to enable the IOMMU (``""`` when it is on). ``off``: the command line's own
-    `iommu_off_param`, which no firmware setting overrides: removing it comes first."""
+    `iommu_off_param`, which no firmware setting overrides: removing it comes first (x86's
+    parameter: an arm64 kernel reads no ``iommu=``). ``host``: the machine's kind, whose
+    advice differs from x86 bare metal's (`no_iommu_advice`)."""
     if enabled:
         return ""
-    if off:
-        return (f"the kernel command line has {off}, which keeps the IOMMU off whatever "
+    arm = kind == "arm" or host.arch == "arm64"
+    advice = no_iommu_advice(kind, host)
+    if off and not arm:
+        said = (f"the kernel command line has {off}, which keeps the IOMMU off whatever "
                 "intel_iommu=/amd_iommu= ask: remove it (iommu=pt, not off, for a "
                 "passthrough host), then reboot")
+        return f"{said}; {advice}" if host.hypervisor else said
+    asked = {"intel": "intel_iommu=on", "amd": "amd_iommu=on"}.get(kind, "")
+    if advice:
+        return f"{asked} is asked for but no IOMMU group exists: {advice}" if asked else advice
     if kind == "intel":
         return "intel_iommu=on is asked for but no IOMMU group exists: enable VT-d in the firmware"
     if kind == "amd":
@@ -80,16 +143,16 @@ def iommu_isolates(enabled: bool, noiommu: Collection[int] = (), real: bool = Fa
 
 def iommu_status(enabled: bool, kind: str, noiommu: Collection[int] = (),
                  real: bool = False, emulated: Collection[int] = (),
-                 off: str = "") -> dict[str, Any]:
+                 off: str = "", host: HostKind = UNKNOWN_HOST) -> dict[str, Any]:
     """``status``'s ``iommu`` entry: ``{enabled, kind, hint}``.
 
     ``enabled`` is detect-vfio's ``iommu_enabled`` (IOMMU groups exist), except on a host
     whose only groups are VFIO's own (``noiommu``, ``emulated``; ``real``: another group
     exists): there is no IOMMU there, and the operator is told so rather than "enabled". Only
     no-IOMMU groups are named: a mediated device's group is safe for its VM. ``off``: the
-    command line's `iommu_off_param`."""
+    command line's `iommu_off_param`; ``host``: the machine's kind (`iommu_hint`)."""
     on = iommu_isolates(enabled, noiommu, real, emulated)
-    hint = iommu_hint(on, kind, off)
+    hint = iommu_hint(on, kind, off, host)
     if noiommu:
         said = (f"IOMMU group(s) {', '.join(str(g) for g in sorted(noiommu))}: VFIO no-IOMMU "
                 "mode (vfio.enable_unsafe_noiommu_mode), no DMA isolation: for userspace "
@@ -108,6 +171,14 @@ def memlock_verdict(soft: int | None) -> tuple[str, str]:
         "vfio pins all guest memory: raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity in the "
         "systemd unit, `ulimit -l unlimited`, or memlock in /etc/security/limits.conf)"
     )
+
+
+def addr_width(addrs: Iterable[str]) -> int:
+    """The width of a block's address column: its widest address. A VMD domain's functions
+    (``10000:01:00.0``) are a character wider than the usual ``0000:…`` ones, and may share
+    a group with them (the VMD controller's own): padding every row to the widest keeps the
+    columns after the address in line."""
+    return max((len(a) for a in addrs), default=0)
 
 
 def _fmt_bytes(value: int | None) -> str:
@@ -156,9 +227,11 @@ def render_status(report: dict[str, Any]) -> str:
         )
         if gpu["kept_for_host"]:
             lines.append(f"  kept for the host: {gpu['reason']}")
+        width = addr_width(m["addr"] for m in gpu["members"])
         for m in gpu["members"]:
             lines.append(
-                f"  {m['addr']}  {m['class_label']:<20} {_ids(m['vendor_id'], m['device_id'])}  "
+                f"  {m['addr']:<{width}}  {m['class_label']:<20} "
+                f"{_ids(m['vendor_id'], m['device_id'])}  "
                 f"driver: {m['driver'] or '(none)'}"
                 + (f"  health: {m['health']}" if m["health"] != "ok" else "")
             )
@@ -184,8 +257,9 @@ def render_status(report: dict[str, Any]) -> str:
     if report["unhealthy"]:
         lines.append("")
         lines.append("Not healthy:")
+        width = addr_width(bad["addr"] for bad in report["unhealthy"])
         for bad in report["unhealthy"]:
-            lines.append(f"  {bad['addr']}  {bad['class_label']}  {bad['health']}")
+            lines.append(f"  {bad['addr']:<{width}}  {bad['class_label']}  {bad['health']}")
             lines.append(f"          -> {bad['advice']}")
     return terminal_safe("\n".join(lines))
 
@@ -331,7 +405,7 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
     return terminal_safe("\n".join(blocks))
 
 
-__all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH", "hostdev_xml",
-           "iommu_hint", "iommu_isolates", "iommu_off_param", "iommu_status", "list_managed",
-           "managed_note",
-           "memlock_verdict", "render_list", "render_status", "vf_ready"]
+__all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH",
+           "X86_IOMMU_NEEDS", "addr_width", "hostdev_xml", "iommu_hint", "iommu_isolates",
+           "iommu_needs", "iommu_off_param", "iommu_status", "list_managed", "managed_note",
+           "memlock_verdict", "no_iommu_advice", "render_list", "render_status", "vf_ready"]

@@ -21,6 +21,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
+from gpuwatch.core.hostkind import UNKNOWN_HOST, HostKind
 from gpuwatch.core.modalias import (
     VFIO_PCI_MODULE,
     VfioAlias,
@@ -196,6 +197,9 @@ class ModelFacts:
     failed_bridge: dict[str, str] = dataclasses.field(default_factory=dict)
     #: ``sys/kernel/iommu_groups`` has entries (detect-vfio's ``iommu_enabled``).
     iommu_groups: bool = False
+    #: The IOMMU's kind and the machine's (`gpuwatch.core.observations.IommuSeen`).
+    iommu_kind: str = ""
+    host_kind: HostKind = UNKNOWN_HOST
 
 
 def model_facts(state: HostState, members: Iterable[PciFunction],
@@ -215,6 +219,8 @@ def model_facts(state: HostState, members: Iterable[PciFunction],
         recovery_above=found.above,
         failed_bridge=found.failed_bridge,
         iommu_groups=state.iommu.enabled,
+        iommu_kind=state.iommu.kind,
+        host_kind=HostKind(state.iommu.arch, state.iommu.hypervisor),
     )
 
 
@@ -439,6 +445,8 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
         recovery_above=known.recovery_above,
         failed_bridge=known.failed_bridge,
         iommu_groups=known.iommu_groups,
+        iommu_kind=known.iommu_kind,
+        host_kind=known.host_kind,
         kept_for_host=known.kept_for_host,
         poisoned=known.poisoned,
         persistenced_stopped=mode == "nvidia"

@@ -67,6 +67,7 @@ from gpuwatch.hostfs.files import (
     small_count,
     tree_dir,
 )
+from gpuwatch.hostfs.hostkind import read_host_kind
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 #: A function's VFIO device: ``vfioN``, or ``noiommu-vfioN`` in a no-IOMMU group.
@@ -882,11 +883,17 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None,
     if not device_name and not os.path.lexists(directory + "/device"):
         device_name, device = _drm_parent(paths, name, devpath or "")
     function = functions.get(device_name) if functions is not None else None
+    # A device copied as a folder in place of the link (a capture) is read there whatever
+    # it is: only a PCI function's folder names it (``PCI_SLOT_NAME``), and a virtio or VMBus
+    # device's (virtio-gpu's ``virtio0``, Hyper-V's synthetic video) has its own ``vendor``,
+    # and a ``driver`` its ``uevent`` names, as through the link.
+    copied = not device_name and os.path.isdir(device) and not os.path.islink(device)
     if function is not None:
         vendor, driver = function.vendor_id, function.driver
+    elif device_name or copied:
+        vendor, driver = pci_id(read_attr(device + "/vendor")), driver_name(device)
     else:
-        vendor = pci_id(read_attr(device + "/vendor")) if device_name else ""
-        driver = driver_name(device) if device_name else ""
+        vendor = driver = ""
     addr = device_name if is_pci_addr(device_name) else ""
     if addr and not vendor:
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
@@ -998,7 +1005,9 @@ def read_modules(paths: HostPaths) -> frozenset[str]:
 def read_iommu(paths: HostPaths) -> IommuSeen:
     enabled = bool(list_dir(paths.iommu_groups))
     units = list_dir(paths.class_iommu) or iommu_units_in_devices(paths.sys + "/devices")
-    return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)))
+    host = read_host_kind(paths.root)
+    return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)),
+                     arch=host.arch, hypervisor=host.hypervisor)
 
 
 #: How far below ``devices/platform`` an IOMMU's own platform device may sit, and how many

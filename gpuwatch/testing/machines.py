@@ -16,6 +16,31 @@ NVIDIA, AMD, INTEL, ASPEED, MATROX, HPE = "0x10de", "0x1002", "0x8086", "0x1a03"
 #: AMD's CPU side (its IOMMU, host bridges); ``AMD`` above is the GPUs' vendor id (ATI's).
 AMD_CPU = "0x1022"
 
+#: The first stanza of an arm64 server's ``proc/cpuinfo`` (an Ampere Altra's Neoverse N1).
+ARM64_CPUINFO = (
+    "processor\t: 0\nBogoMIPS\t: 50.00\n"
+    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid "
+    "asimdrdm lrcpc dcpop asimddp ssbs\n"
+    "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\n"
+    "CPU part\t: 0xd0c\nCPU revision\t: 1\n\n"
+)
+
+
+def x86_cpuinfo(*, hypervisor: bool = False, cpus: int = 2) -> str:
+    """An x86 host's ``proc/cpuinfo``, ``cpus`` stanzas; ``hypervisor``: the flag every
+    hypervisor sets in its guests' CPUID (a guest's)."""
+    flags = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush "
+             "mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl "
+             "xtopology cpuid tsc_known_freq pni pclmulqdq vmx ssse3 fma cx16 pcid sse4_1 sse4_2 "
+             "x2apic movbe popcnt aes xsave avx f16c rdrand")
+    if hypervisor:
+        flags += " hypervisor"
+    flags += " lahf_lm abm 3dnowprefetch arat avx512f"
+    return "".join(
+        f"processor\t: {i}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+        f"model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: {flags}\n\n"
+        for i in range(cpus))
+
 
 def _add_amd_iommu(s: SysRoot, unit: str = "ivhd0", addr: str = "0000:00:00.2",
                    root: str = "pci0000:00") -> None:
@@ -76,11 +101,14 @@ def hpe_ilo_host(root: str | os.PathLike[str]) -> SysRoot:
     return s
 
 
-def vmd_host(root: str | os.PathLike[str]) -> SysRoot:
+def vmd_host(root: str | os.PathLike[str], *, shared: bool = False) -> SysRoot:
     """An Intel workstation with VMD on: the VMD controller (0000:00:0e.0, ``vmd``) opens PCI
     domain 10000, where an NVMe drive and an NVIDIA RTX A4000 with its HDMI audio sit
-    (``10000:01:00.0``/``.1``, one IOMMU group: VMD's own)."""
+    (``10000:01:00.0``/``.1``, one IOMMU group: VMD's own). ``shared``: the A4000 and its
+    audio in the controller's group 5 too, beside the NVMe drive, as DMA from behind VMD
+    carries the controller's requester id: one group whose addresses are of two widths."""
     s = SysRoot(root)
+    gpu_group = 5 if shared else 6
     s.add_function("0000:00:02.0", vendor=INTEL, device="0xa780", klass="0x030000",
                    driver="i915", iommu_group=0, subsystem_vendor=INTEL)
     s.set_attr("0000:00:02.0", "boot_vga", "1\n")
@@ -89,12 +117,15 @@ def vmd_host(root: str | os.PathLike[str]) -> SysRoot:
     domain = s.add_vmd_domain("0000:00:0e.0", "10000")
     s.add_bridge("10000:00:01.0", parent=domain, iommu_group=5)
     s.add_function("10000:01:00.0", parent="10000:00:01.0", vendor=NVIDIA, device="0x24b0",
-                   klass="0x030000", driver="vfio-pci", iommu_group=6)
+                   klass="0x030000", driver="nvidia" if shared else "vfio-pci",
+                   iommu_group=gpu_group)
     s.add_function("10000:01:00.1", parent="10000:00:01.0", vendor=NVIDIA, device="0x228b",
-                   klass="0x040300", driver="vfio-pci", iommu_group=6)
+                   klass="0x040300", driver="snd_hda_intel" if shared else "vfio-pci",
+                   iommu_group=gpu_group)
     s.add_function("10000:02:00.0", parent="10000:00:01.0", vendor="0x144d", device="0xa80a",
                    klass="0x010802", driver="nvme", iommu_group=5)
-    s.add_vfio_group(6)
+    if not shared:
+        s.add_vfio_group(6)
     s.add_module("vfio_pci")
     s.add_iommu_unit("dmar0")
     return s
@@ -595,6 +626,8 @@ def virtio_gpu_guest(root: str | os.PathLike[str]) -> SysRoot:
         s.add_module(name)
     s.add_dev_node("/dev/vhost-net")
     s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-48-generic root=/dev/vda1 ro console=ttyS0")
+    s.set_cpuinfo(x86_cpuinfo(hypervisor=True))
+    s.set_dmi("QEMU", "Standard PC (Q35 + ICH9, 2009)")
     os.rmdir(s.root / "sys/kernel/iommu_groups")
     return s
 
@@ -620,6 +653,8 @@ def bochs_guest_with_l4(root: str | os.PathLike[str]) -> SysRoot:
     s.add_dev_node("/dev/nvidia0")
     s.add_dev_node("/dev/nvidiactl")
     s.add_cdi_spec("var")
+    s.set_cpuinfo(x86_cpuinfo(hypervisor=True))
+    s.set_dmi("QEMU", "Standard PC (Q35 + ICH9, 2009)")
     return s
 
 
@@ -764,6 +799,41 @@ def jetson_orin_host(root: str | os.PathLike[str]) -> SysRoot:
     s.add_dev_node("/dev/nvidiactl")
     s.add_cdi_spec("var")
     s.set_cmdline("root=/dev/nvme0n1p1 rw rootwait console=ttyTCU0,115200 fbcon=map:0")
+    s.set_cpuinfo(ARM64_CPUINFO.replace("0xd0c", "0xd42"))  # Cortex-A78AE
+    return s
+
+
+#: The A100 of `ampere_altra_host`, in the Altra's PCIe domain 000c.
+ALTRA_GPU = "000c:01:00.0"
+
+
+def ampere_altra_host(root: str | os.PathLike[str], *, smmu: str = "groups") -> SysRoot:
+    """An Ampere Altra server (arm64, ACPI: no device tree; its board maker's DMI strings)
+    with an NVIDIA A100 PCIe (``000c:01:00.0``, 3D controller, ``nvidia``) and its root port
+    in domain 000c. ``smmu``: ``"groups"`` (the SMMUv3 registered, the A100 in IOMMU group
+    5), ``"unit"`` (the SMMUv3 registered, but the firmware's IORT routes no root complex
+    through it: no group at all) or ``"none"`` (the SMMU off in the firmware: no unit, no
+    group)."""
+    if smmu not in ("groups", "unit", "none"):
+        raise ValueError(f"smmu must be groups, unit or none, not {smmu!r}")
+    s = SysRoot(root)
+    grouped = smmu == "groups"
+    if smmu != "none":
+        s.add_iommu_unit("smmu3.0x0000100002000000", at="arm-smmu-v3.0.auto")
+    s.add_bridge("000c:00:01.0", domain_root="pci000c:00", iommu_group=4 if grouped else None,
+                 vendor="0x1def", device="0xe101")
+    s.add_function(ALTRA_GPU, parent="000c:00:01.0", vendor=NVIDIA, device="0x20f1",
+                   klass="0x030200", driver="nvidia", iommu_group=5 if grouped else None,
+                   subsystem_device="0x145f")
+    s.add_drm("card0", ALTRA_GPU)
+    s.add_drm("renderD128", ALTRA_GPU)
+    for name in ("nvidia", "nvidia_modeset", "nvidia_drm", "nvidia_uvm"):
+        s.add_module(name)
+    s.add_dev_node("/dev/nvidia0")
+    s.add_dev_node("/dev/nvidiactl")
+    s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.8.0-45-generic-64k root=UUID=5c1e ro")
+    s.set_cpuinfo(ARM64_CPUINFO)
+    s.set_dmi("GIGABYTE", "G242-P33-00")
     return s
 
 
@@ -804,6 +874,8 @@ def hyperv_gpu_guest(root: str | os.PathLike[str]) -> SysRoot:
     s.add_dev_node("/dev/nvidiactl")
     s.set_cmdline("BOOT_IMAGE=/boot/vmlinuz-6.5.0-1025-azure root=PARTUUID=4d1e ro "
                   "console=tty1 console=ttyS0 earlyprintk=ttyS0")
+    s.set_cpuinfo(x86_cpuinfo(hypervisor=True))
+    s.set_dmi("Microsoft Corporation", "Virtual Machine")
     return s
 
 
@@ -893,7 +965,10 @@ def headless_host(root: str | os.PathLike[str], *, iommu: str = "off") -> SysRoo
 
 
 __all__ = [
+    "ALTRA_GPU",
+    "ARM64_CPUINFO",
     "amd_apu_dgpu_host",
+    "ampere_altra_host",
     "arc_desktop_host",
     "bmc_server_host",
     "bochs_display_viommu_guest",
@@ -917,4 +992,5 @@ __all__ = [
     "virtio_gpu_viommu_guest",
     "vm_guest_host",
     "vmd_host",
+    "x86_cpuinfo",
 ]

@@ -1154,6 +1154,22 @@ class SysRoot:
     def set_cmdline(self, text: str) -> None:
         _write(self._abs("proc/cmdline"), (text if text.endswith("\n") else text + "\n").encode())
 
+    def set_cpuinfo(self, text: str) -> None:
+        """``proc/cpuinfo`` (`gpuwatch.testing.machines.x86_cpuinfo`, ``ARM64_CPUINFO``): the
+        CPU's architecture, and on x86 whether the ``hypervisor`` flag says it is a guest."""
+        _write(self._abs("proc/cpuinfo"), text.encode())
+
+    def set_dmi(self, sys_vendor: str, product_name: str) -> None:
+        """The firmware's DMI strings where the kernel keeps them (``devices/virtual/dmi/id``)
+        and its ``class/dmi/id`` link: a guest's name its hypervisor (``QEMU``, ``Microsoft
+        Corporation``/``Virtual Machine``)."""
+        rel = "sys/devices/virtual/dmi/id"
+        os.makedirs(self._abs(rel), exist_ok=True)
+        for name, text in (("sys_vendor", sys_vendor), ("product_name", product_name)):
+            _write(self._abs(f"{rel}/{name}"), (text + "\n").encode())
+        os.makedirs(self._abs("sys/class/dmi"), exist_ok=True)
+        self._link(rel, "sys/class/dmi/id")
+
     def set_boot_id(self, boot_id: str) -> None:
         os.makedirs(self._abs("proc/sys/kernel/random"), exist_ok=True)
         _write(self._abs("proc/sys/kernel/random/boot_id"), (boot_id.strip() + "\n").encode())
