@@ -243,6 +243,47 @@ def test_asking_wedge_detected_over_and_over_is_not_a_journal_line_each(
     assert 1 <= said <= 1 + int(elapsed // 60), d.stderr
 
 
+def _peak_rss_kib(pid: int) -> int:
+    """The process's resident-set high-water mark (``VmHWM``), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(180)
+def test_reads_of_tiny_lines_cost_a_read_each_not_an_object_per_line(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A read is held as it came and cut into lines as they are answered: split all at once,
+    a read of two-byte lines was ~3.5 MiB of line objects per connection, and these 64
+    connections took the daemon's peak RSS up by ~230 MiB (1024 clients: GiB), against the
+    documented bound of one read (256 KiB) per connection."""
+    conns = 64
+    request = P.encode_request(1, "probe", {"action": "detect-gpu"})
+    payload = b"  \n" * 70_000 + request  # blank lines (no replies), then one request
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:
+        assert d.proc is not None
+        assert probe(d.sock)["result"] is True
+        before = _peak_rss_kib(d.proc.pid)
+        socks = [connect(d.sock, timeout=60) for _ in range(conns)]
+        try:
+            senders = [threading.Thread(target=s.sendall, args=(payload,)) for s in socks]
+            for t in senders:
+                t.start()
+            for s in socks:  # every blank line was gone through: the request is answered
+                assert Lines(s).line() == {"id": 1, "result": True}
+            for t in senders:
+                t.join(timeout=60)
+        finally:
+            for s in socks:
+                s.close()
+        grown = _peak_rss_kib(d.proc.pid) - before
+        assert probe(d.sock)["result"] is True
+    # What was read, 64 x 200 KiB, plus the interpreter's slack; not 64 x 3 MiB.
+    assert grown < conns * 1024, f"peak RSS grew by {grown} KiB for {conns} connections"
+
+
 # --------------------------------------------------------------------------- other users
 
 _CROWD = r"""

@@ -103,6 +103,10 @@ FLUSH_WINDOW = 0.01
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
 _LINES_PER_TURN = 64
+# Bytes of a read cut into lines at a time: a read is held as it came and cut as its lines
+# are answered, so its lines cost at most this much in line objects, not 16 times the read
+# (256 KiB of two-byte lines split at once is 87,000 objects, ~4 MiB per connection).
+_CUT = 4096
 # A history replay writes its chunks in blocks of this many bytes, or of what this many
 # turns read (`_ReplayBlock`).
 _REPLAY_BLOCK = 64 * 1024
@@ -800,7 +804,10 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.framer = LineFramer(server.max_line)
-        self.todo: deque[bytes] = deque()  # complete lines not answered yet
+        self.todo: deque[bytes] = deque()  # complete lines cut and not answered yet
+        self.unread = b""  # the bytes read and not cut into lines yet (`_cut`), from ...
+        self.unread_at = 0  # ... this offset
+        self.finished = False  # the framer's last line (after EOF) is cut
         self.busy = False  # a request runs as a task (or a turn is yielded): later lines wait
         self.eof = False
         self.gone = False
@@ -826,27 +833,52 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        lines = self.framer.feed(data)
-        if lines:
-            self.todo.extend(lines)
-            self._stop_stall_timer()  # the partial line that was timed is complete
-        if self.framer.pending and self._stall is None:
-            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+        # Held as read, cut into lines as they are answered (`_cut`). Reading pauses while
+        # lines wait, so this is at most one read (256 KiB) beside the partial line.
+        self.unread = self.unread[self.unread_at:] + data if self.unread else data
+        self.unread_at = 0
         if not self.busy:
             self._serve()
 
     def eof_received(self) -> bool:
         self.eof = True
         self._stop_stall_timer()
-        self.todo.extend(self.framer.finish())  # a last request without its newline
         if not self.busy:
             self._serve()
         return True  # keep the write side open for the replies
+
+    def _cut(self) -> bool:
+        """Cut the next `_CUT` bytes read into lines (at EOF, a last line without its
+        newline); False when nothing is left to cut."""
+        unread = self.unread
+        if not unread:
+            if not self.eof or self.finished:
+                return False
+            self.finished = True
+            self.todo.extend(self.framer.finish())  # a last request without its newline
+            return True
+        start = self.unread_at
+        end = start + _CUT
+        if end >= len(unread):
+            piece = unread[start:] if start else unread
+            self.unread, self.unread_at = b"", 0
+        else:
+            piece = unread[start:end]
+            self.unread_at = end
+        lines = self.framer.feed(piece)
+        if lines:
+            self.todo.extend(lines)
+            self._stop_stall_timer()  # the partial line that was timed is complete
+        if (not self.unread and not self.eof and self.framer.pending
+                and self._stall is None):
+            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = self.gone = True
         self.held.clear()
         self.todo.clear()
+        self.unread = b""
         self._stop_stall_timer()
         if self._timer is not None:
             self._timer.cancel()
@@ -878,6 +910,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def _shut(self, grace: float) -> None:
         self.closed = True
         self.todo.clear()
+        self.unread = b""
         self._stop_stall_timer()
         transport = self.transport
         if transport is None or self.gone:
@@ -912,7 +945,11 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         todo = self.todo
         if server.stopping:
             self.refuse_queued()
-        while todo and not self.closed:
+        while not self.closed:
+            if not todo and not self._cut():
+                break
+            if not todo:
+                continue  # inside a long line: cut on
             if not budget:
                 self._pause()
                 self.loop.call_soon(self._resume)
@@ -958,6 +995,8 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
 
     def refuse_queued(self) -> None:
         """The daemon stops: every line read and not answered gets `unavailable`."""
+        while self._cut():  # what was read and not cut yet is answered too
+            pass
         lines = list(self.todo)
         self.todo.clear()
         self.server._refuse_queued(self, lines)
@@ -1502,28 +1541,36 @@ class SocketServer:
                 conn.close()
                 return True
             had_partial = framer.pending
-            lines = framer.feed(chunk) if chunk else framer.finish()
-            for i, line in enumerate(lines):
-                if line is TOO_LONG:
-                    self._too_long(conn)
-                    return False
-                if i:
-                    # One busy client must not starve the rest: yield between the lines of
-                    # one chunk (the first one already waited for its chunk to arrive).
-                    await anyio.lowlevel.checkpoint()
-                later = self._answer(conn, line)
-                if later is not None:
-                    try:
-                        await later()
-                    except anyio.get_cancelled_exc_class():
-                        if not conn.closed:  # stopping: the rest of the chunk is told so
-                            self._refuse_queued(conn, lines[i + 1:])
-                        raise
-                if conn.closed:
-                    return True
+            completed = False
+            # Cut `_CUT` bytes at a time, as the asyncio connection does: a read of tiny
+            # lines costs their objects for one piece, not for the whole read.
+            for at in range(0, len(chunk), _CUT) if chunk else (-1,):
+                lines = framer.feed(chunk[at:at + _CUT]) if at >= 0 else framer.finish()
+                completed = completed or bool(lines)
+                for i, line in enumerate(lines):
+                    if line is TOO_LONG:
+                        self._too_long(conn)
+                        return False
+                    if i or at > 0:
+                        # One busy client must not starve the rest: yield between the lines
+                        # of one chunk (the first one already waited for its chunk).
+                        await anyio.lowlevel.checkpoint()
+                    later = self._answer(conn, line)
+                    if later is not None:
+                        try:
+                            await later()
+                        except anyio.get_cancelled_exc_class():
+                            if not conn.closed:  # stopping: the rest of the read is told so
+                                rest = lines[i + 1:]
+                                if at >= 0:
+                                    rest += framer.feed(chunk[at + _CUT:])
+                                self._refuse_queued(conn, rest)
+                            raise
+                    if conn.closed:
+                        return True
             if not chunk:
                 return True
-            if framer.pending and (lines or not had_partial):
+            if framer.pending and (completed or not had_partial):
                 deadline = anyio.current_time() + self.stall_timeout
         return True
 
