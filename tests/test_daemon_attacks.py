@@ -30,6 +30,7 @@ from daemon_helpers import Daemon, Lines, connect, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.service import protocol as P
+from gpuwatch.service.client import Client
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import read_events
@@ -397,6 +398,67 @@ def test_a_thousand_hanging_peers_leave_roots_probe_answered(
             release(proc)
         # Once they let go, every slot is free again.
         assert probe(d.sock)["result"] is True
+
+
+_ASKERS = r"""
+import os, selectors, socket, sys
+path, gid, per_uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+line = b'{"id": 1, "method": "holders"}\n'
+for uid in (int(u) for u in sys.argv[4].split(",")):
+    if os.fork() == 0:
+        os.setgroups([gid]); os.setgid(gid); os.setuid(uid)
+        sel = selectors.DefaultSelector()
+        for _ in range(per_uid):  # each connection asks again as soon as it is answered
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.send(line)
+            sel.register(s, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                data = key.fileobj.recv(1 << 16)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                for _ in range(data.count(b"\n")):
+                    key.fileobj.send(line)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_other_users_reads_of_proc_take_turns(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """`holders` walks every process in threads. 64 connections of other users asking it
+    over and over ran 64 walks at once (~120 threads contending for the interpreter with the
+    loop that answers everyone; 200 of them left a probe unanswered for 10 s). They now
+    take turns, 4 at once, and root's probe and its own read wait behind none of them."""
+    for pid in range(2000, 2300):
+        host.add_process(pid, f"worker{pid}", fds={fd: f"/tmp/f{fd}" for fd in range(20)},
+                         maps=[f"/usr/lib/lib{i}.so" for i in range(30)])
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group",
+                str(READERS)) as d:
+        assert d.proc is not None
+        base = len(os.listdir(f"/proc/{d.proc.pid}/task"))
+        askers = subprocess.Popen(
+            [sys.executable, "-c", _ASKERS, d.sock, str(READERS), "16",
+             ",".join(str(uid) for uid in range(73000, 73004))], start_new_session=True)
+        try:
+            most = 0
+            for _ in range(30):
+                time.sleep(0.1)
+                most = max(most, len(os.listdir(f"/proc/{d.proc.pid}/task")))
+            started = time.monotonic()
+            with Client(d.sock, timeout=30) as c:
+                assert c.probe("current-mode", addr=NV) == "nvidia"
+                elapsed = time.monotonic() - started
+                assert c.holders()["complete"] is True  # root's own read waits behind no one
+        finally:
+            os.killpg(askers.pid, signal.SIGKILL)
+            askers.wait()
+    # A walk is at most a few threads (its bound, its reader, one left on a stuck process).
+    assert most <= base + 3 * 4, f"{most} threads (idle: {base})"
+    assert elapsed < 5.0, f"root's probe took {elapsed:.2f}s"
 
 
 @needs_root

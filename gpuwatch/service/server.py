@@ -125,6 +125,13 @@ GROUPS_TIMEOUT = 5.0
 _MAX_GROUP_LOOKUPS = 32
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
+#: Live reads of /proc (`plan`, `holders`, the live probes) run at once for other users
+#: than root: each is threads walking every process, and a crowd of them contending for the
+#: interpreter starved the loop that answers everyone (200 connections asking `holders`
+#: over and over left a probe unanswered for 10 s, with 500 threads).
+LIVE_READS = 4
+#: Seconds such a request waits for a turn before it is answered `unavailable`.
+LIVE_READ_WAIT = 10.0
 
 class SocketSetupError(HostError):
     """The socket cannot be created at that path (missing permission, not a socket, …):
@@ -1082,6 +1089,7 @@ class SocketServer:
         groups_timeout: float = GROUPS_TIMEOUT,
         output_budget: int = DEFAULT_OUTPUT_BUDGET,
         config: Mapping[str, Any] | None = None,
+        live_read_wait: float = LIVE_READ_WAIT,
     ) -> None:
         self.watcher = watcher
         #: What the ``config`` method answers (`served_config`): without it, no file, a
@@ -1140,6 +1148,9 @@ class SocketServer:
         #: The daemon is stopping: a request not answered yet is answered `unavailable`.
         self.stopping = False
         self.groups_timeout = groups_timeout
+        self.live_read_wait = live_read_wait
+        # Other users' live /proc reads (`_call`); made in `serve`, where the loop runs.
+        self._live_reads: anyio.CapacityLimiter | None = None
         # Group lookups in threads (no SO_PEERGROUPS), ended or not: bounded.
         self._lookups = 0
         self._lookup_lock = threading.Lock()
@@ -1161,6 +1172,7 @@ class SocketServer:
         loop = _asyncio_loop()
         self._spawn_wake = anyio.Event()
         self._flush_wake = anyio.Event()
+        self._live_reads = anyio.CapacityLimiter(LIVE_READS)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flusher)
@@ -1698,6 +1710,28 @@ class SocketServer:
     # ------------------------------------------------------------------ methods
 
     async def _call(self, conn: Connection, req: P.Request) -> Any:
+        """A request that is not answered from memory. Other users' live reads of /proc
+        take turns (`LIVE_READS` at once, a turn waited for `live_read_wait` seconds at
+        most); a switch, a recover and root's requests never wait behind them. (A client
+        that hangs up keeps its turn until the read ends: a connection is dropped when its
+        reply cannot be written, not at the client's EOF.)"""
+        limiter = self._live_reads
+        if (req.method in P.SWITCH_METHODS or limiter is None
+                or self.policy.privileged(conn.peer)):
+            return await self._call_now(conn, req)
+        turn = False
+        with anyio.move_on_after(self.live_read_wait):
+            await limiter.acquire()
+            turn = True
+        if not turn:
+            raise P.RpcError(P.UNAVAILABLE, f"{req.method}: {LIVE_READS} reads of /proc for "
+                                            "other clients are running; retry")
+        try:
+            return await self._call_now(conn, req)
+        finally:
+            limiter.release()
+
+    async def _call_now(self, conn: Connection, req: P.Request) -> Any:
         params = P.Params(req.method, req.params)
         if req.method == "probe":
             action, group, addr, mode, vendor = self._probe_params(params)
