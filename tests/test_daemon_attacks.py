@@ -30,6 +30,7 @@ from daemon_helpers import Daemon, Lines, connect, env, gpuwatch_cmd, probe
 
 from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.service import protocol as P
+from gpuwatch.service.client import Client
 from gpuwatch.service.testing import short_socket_dir
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.eventlog import read_events
@@ -243,6 +244,47 @@ def test_asking_wedge_detected_over_and_over_is_not_a_journal_line_each(
     assert 1 <= said <= 1 + int(elapsed // 60), d.stderr
 
 
+def _peak_rss_kib(pid: int) -> int:
+    """The process's resident-set high-water mark (``VmHWM``), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.timeout(180)
+def test_reads_of_tiny_lines_cost_a_read_each_not_an_object_per_line(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """A read is held as it came and cut into lines as they are answered: split all at once,
+    a read of two-byte lines was ~3.5 MiB of line objects per connection, and these 64
+    connections took the daemon's peak RSS up by ~230 MiB (1024 clients: GiB), against the
+    documented bound of one read (256 KiB) per connection."""
+    conns = 64
+    request = P.encode_request(1, "probe", {"action": "detect-gpu"})
+    payload = b"  \n" * 70_000 + request  # blank lines (no replies), then one request
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock") as d:
+        assert d.proc is not None
+        assert probe(d.sock)["result"] is True
+        before = _peak_rss_kib(d.proc.pid)
+        socks = [connect(d.sock, timeout=60) for _ in range(conns)]
+        try:
+            senders = [threading.Thread(target=s.sendall, args=(payload,)) for s in socks]
+            for t in senders:
+                t.start()
+            for s in socks:  # every blank line was gone through: the request is answered
+                assert Lines(s).line() == {"id": 1, "result": True}
+            for t in senders:
+                t.join(timeout=60)
+        finally:
+            for s in socks:
+                s.close()
+        grown = _peak_rss_kib(d.proc.pid) - before
+        assert probe(d.sock)["result"] is True
+    # What was read, 64 x 200 KiB, plus the interpreter's slack; not 64 x 3 MiB.
+    assert grown < conns * 1024, f"peak RSS grew by {grown} KiB for {conns} connections"
+
+
 # --------------------------------------------------------------------------- other users
 
 _CROWD = r"""
@@ -356,6 +398,67 @@ def test_a_thousand_hanging_peers_leave_roots_probe_answered(
             release(proc)
         # Once they let go, every slot is free again.
         assert probe(d.sock)["result"] is True
+
+
+_ASKERS = r"""
+import os, selectors, socket, sys
+path, gid, per_uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+line = b'{"id": 1, "method": "holders"}\n'
+for uid in (int(u) for u in sys.argv[4].split(",")):
+    if os.fork() == 0:
+        os.setgroups([gid]); os.setgid(gid); os.setuid(uid)
+        sel = selectors.DefaultSelector()
+        for _ in range(per_uid):  # each connection asks again as soon as it is answered
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.send(line)
+            sel.register(s, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                data = key.fileobj.recv(1 << 16)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                for _ in range(data.count(b"\n")):
+                    key.fileobj.send(line)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_other_users_reads_of_proc_take_turns(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """`holders` walks every process in threads. 64 connections of other users asking it
+    over and over ran 64 walks at once (~120 threads contending for the interpreter with the
+    loop that answers everyone; 200 of them left a probe unanswered for 10 s). They now
+    take turns, 4 at once, and root's probe and its own read wait behind none of them."""
+    for pid in range(2000, 2300):
+        host.add_process(pid, f"worker{pid}", fds={fd: f"/tmp/f{fd}" for fd in range(20)},
+                         maps=[f"/usr/lib/lib{i}.so" for i in range(30)])
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--socket-group",
+                str(READERS)) as d:
+        assert d.proc is not None
+        base = len(os.listdir(f"/proc/{d.proc.pid}/task"))
+        askers = subprocess.Popen(
+            [sys.executable, "-c", _ASKERS, d.sock, str(READERS), "16",
+             ",".join(str(uid) for uid in range(73000, 73004))], start_new_session=True)
+        try:
+            most = 0
+            for _ in range(30):
+                time.sleep(0.1)
+                most = max(most, len(os.listdir(f"/proc/{d.proc.pid}/task")))
+            started = time.monotonic()
+            with Client(d.sock, timeout=30) as c:
+                assert c.probe("current-mode", addr=NV) == "nvidia"
+                elapsed = time.monotonic() - started
+                assert c.holders()["complete"] is True  # root's own read waits behind no one
+        finally:
+            os.killpg(askers.pid, signal.SIGKILL)
+            askers.wait()
+    # A walk is at most a few threads (its bound, its reader, one left on a stuck process).
+    assert most <= base + 3 * 4, f"{most} threads (idle: {base})"
+    assert elapsed < 5.0, f"root's probe took {elapsed:.2f}s"
 
 
 @needs_root

@@ -103,6 +103,10 @@ FLUSH_WINDOW = 0.01
 _PENDING_CAP = 256 << 10
 # Requests of one connection answered in a row before the loop serves everyone else.
 _LINES_PER_TURN = 64
+# Bytes of a read cut into lines at a time: a read is held as it came and cut as its lines
+# are answered, so its lines cost at most this much in line objects, not 16 times the read
+# (256 KiB of two-byte lines split at once is 87,000 objects, ~4 MiB per connection).
+_CUT = 4096
 # A history replay writes its chunks in blocks of this many bytes, or of what this many
 # turns read (`_ReplayBlock`).
 _REPLAY_BLOCK = 64 * 1024
@@ -121,6 +125,13 @@ GROUPS_TIMEOUT = 5.0
 _MAX_GROUP_LOOKUPS = 32
 # Probe actions that read /proc live: answered in a worker thread, not from memory.
 _LIVE_ACTIONS = frozenset({"nvidia-holders", "wedge-detected", "plan"})
+#: Live reads of /proc (`plan`, `holders`, the live probes) run at once for other users
+#: than root: each is threads walking every process, and a crowd of them contending for the
+#: interpreter starved the loop that answers everyone (200 connections asking `holders`
+#: over and over left a probe unanswered for 10 s, with 500 threads).
+LIVE_READS = 4
+#: Seconds such a request waits for a turn before it is answered `unavailable`.
+LIVE_READ_WAIT = 10.0
 
 class SocketSetupError(HostError):
     """The socket cannot be created at that path (missing permission, not a socket, …):
@@ -800,7 +811,10 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.framer = LineFramer(server.max_line)
-        self.todo: deque[bytes] = deque()  # complete lines not answered yet
+        self.todo: deque[bytes] = deque()  # complete lines cut and not answered yet
+        self.unread = b""  # the bytes read and not cut into lines yet (`_cut`), from ...
+        self.unread_at = 0  # ... this offset
+        self.finished = False  # the framer's last line (after EOF) is cut
         self.busy = False  # a request runs as a task (or a turn is yielded): later lines wait
         self.eof = False
         self.gone = False
@@ -826,27 +840,52 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        lines = self.framer.feed(data)
-        if lines:
-            self.todo.extend(lines)
-            self._stop_stall_timer()  # the partial line that was timed is complete
-        if self.framer.pending and self._stall is None:
-            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+        # Held as read, cut into lines as they are answered (`_cut`). Reading pauses while
+        # lines wait, so this is at most one read (256 KiB) beside the partial line.
+        self.unread = self.unread[self.unread_at:] + data if self.unread else data
+        self.unread_at = 0
         if not self.busy:
             self._serve()
 
     def eof_received(self) -> bool:
         self.eof = True
         self._stop_stall_timer()
-        self.todo.extend(self.framer.finish())  # a last request without its newline
         if not self.busy:
             self._serve()
         return True  # keep the write side open for the replies
+
+    def _cut(self) -> bool:
+        """Cut the next `_CUT` bytes read into lines (at EOF, a last line without its
+        newline); False when nothing is left to cut."""
+        unread = self.unread
+        if not unread:
+            if not self.eof or self.finished:
+                return False
+            self.finished = True
+            self.todo.extend(self.framer.finish())  # a last request without its newline
+            return True
+        start = self.unread_at
+        end = start + _CUT
+        if end >= len(unread):
+            piece = unread[start:] if start else unread
+            self.unread, self.unread_at = b"", 0
+        else:
+            piece = unread[start:end]
+            self.unread_at = end
+        lines = self.framer.feed(piece)
+        if lines:
+            self.todo.extend(lines)
+            self._stop_stall_timer()  # the partial line that was timed is complete
+        if (not self.unread and not self.eof and self.framer.pending
+                and self._stall is None):
+            self._stall = self.loop.call_later(self.server.stall_timeout, self._stalled)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = self.gone = True
         self.held.clear()
         self.todo.clear()
+        self.unread = b""
         self._stop_stall_timer()
         if self._timer is not None:
             self._timer.cancel()
@@ -878,6 +917,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def _shut(self, grace: float) -> None:
         self.closed = True
         self.todo.clear()
+        self.unread = b""
         self._stop_stall_timer()
         transport = self.transport
         if transport is None or self.gone:
@@ -912,7 +952,11 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         todo = self.todo
         if server.stopping:
             self.refuse_queued()
-        while todo and not self.closed:
+        while not self.closed:
+            if not todo and not self._cut():
+                break
+            if not todo:
+                continue  # inside a long line: cut on
             if not budget:
                 self._pause()
                 self.loop.call_soon(self._resume)
@@ -958,6 +1002,8 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
 
     def refuse_queued(self) -> None:
         """The daemon stops: every line read and not answered gets `unavailable`."""
+        while self._cut():  # what was read and not cut yet is answered too
+            pass
         lines = list(self.todo)
         self.todo.clear()
         self.server._refuse_queued(self, lines)
@@ -1043,6 +1089,7 @@ class SocketServer:
         groups_timeout: float = GROUPS_TIMEOUT,
         output_budget: int = DEFAULT_OUTPUT_BUDGET,
         config: Mapping[str, Any] | None = None,
+        live_read_wait: float = LIVE_READ_WAIT,
     ) -> None:
         self.watcher = watcher
         #: What the ``config`` method answers (`served_config`): without it, no file, a
@@ -1101,6 +1148,9 @@ class SocketServer:
         #: The daemon is stopping: a request not answered yet is answered `unavailable`.
         self.stopping = False
         self.groups_timeout = groups_timeout
+        self.live_read_wait = live_read_wait
+        # Other users' live /proc reads (`_call`); made in `serve`, where the loop runs.
+        self._live_reads: anyio.CapacityLimiter | None = None
         # Group lookups in threads (no SO_PEERGROUPS), ended or not: bounded.
         self._lookups = 0
         self._lookup_lock = threading.Lock()
@@ -1122,6 +1172,7 @@ class SocketServer:
         loop = _asyncio_loop()
         self._spawn_wake = anyio.Event()
         self._flush_wake = anyio.Event()
+        self._live_reads = anyio.CapacityLimiter(LIVE_READS)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flusher)
@@ -1502,28 +1553,36 @@ class SocketServer:
                 conn.close()
                 return True
             had_partial = framer.pending
-            lines = framer.feed(chunk) if chunk else framer.finish()
-            for i, line in enumerate(lines):
-                if line is TOO_LONG:
-                    self._too_long(conn)
-                    return False
-                if i:
-                    # One busy client must not starve the rest: yield between the lines of
-                    # one chunk (the first one already waited for its chunk to arrive).
-                    await anyio.lowlevel.checkpoint()
-                later = self._answer(conn, line)
-                if later is not None:
-                    try:
-                        await later()
-                    except anyio.get_cancelled_exc_class():
-                        if not conn.closed:  # stopping: the rest of the chunk is told so
-                            self._refuse_queued(conn, lines[i + 1:])
-                        raise
-                if conn.closed:
-                    return True
+            completed = False
+            # Cut `_CUT` bytes at a time, as the asyncio connection does: a read of tiny
+            # lines costs their objects for one piece, not for the whole read.
+            for at in range(0, len(chunk), _CUT) if chunk else (-1,):
+                lines = framer.feed(chunk[at:at + _CUT]) if at >= 0 else framer.finish()
+                completed = completed or bool(lines)
+                for i, line in enumerate(lines):
+                    if line is TOO_LONG:
+                        self._too_long(conn)
+                        return False
+                    if i or at > 0:
+                        # One busy client must not starve the rest: yield between the lines
+                        # of one chunk (the first one already waited for its chunk).
+                        await anyio.lowlevel.checkpoint()
+                    later = self._answer(conn, line)
+                    if later is not None:
+                        try:
+                            await later()
+                        except anyio.get_cancelled_exc_class():
+                            if not conn.closed:  # stopping: the rest of the read is told so
+                                rest = lines[i + 1:]
+                                if at >= 0:
+                                    rest += framer.feed(chunk[at + _CUT:])
+                                self._refuse_queued(conn, rest)
+                            raise
+                    if conn.closed:
+                        return True
             if not chunk:
                 return True
-            if framer.pending and (lines or not had_partial):
+            if framer.pending and (completed or not had_partial):
                 deadline = anyio.current_time() + self.stall_timeout
         return True
 
@@ -1651,6 +1710,28 @@ class SocketServer:
     # ------------------------------------------------------------------ methods
 
     async def _call(self, conn: Connection, req: P.Request) -> Any:
+        """A request that is not answered from memory. Other users' live reads of /proc
+        take turns (`LIVE_READS` at once, a turn waited for `live_read_wait` seconds at
+        most); a switch, a recover and root's requests never wait behind them. (A client
+        that hangs up keeps its turn until the read ends: a connection is dropped when its
+        reply cannot be written, not at the client's EOF.)"""
+        limiter = self._live_reads
+        if (req.method in P.SWITCH_METHODS or limiter is None
+                or self.policy.privileged(conn.peer)):
+            return await self._call_now(conn, req)
+        turn = False
+        with anyio.move_on_after(self.live_read_wait):
+            await limiter.acquire()
+            turn = True
+        if not turn:
+            raise P.RpcError(P.UNAVAILABLE, f"{req.method}: {LIVE_READS} reads of /proc for "
+                                            "other clients are running; retry")
+        try:
+            return await self._call_now(conn, req)
+        finally:
+            limiter.release()
+
+    async def _call_now(self, conn: Connection, req: P.Request) -> Any:
         params = P.Params(req.method, req.params)
         if req.method == "probe":
             action, group, addr, mode, vendor = self._probe_params(params)
