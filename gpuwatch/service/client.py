@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -43,6 +44,29 @@ _REFUSAL_WAIT = 1.0
 _REFUSAL_BYTES = 64 << 10
 # How often a client retries a connect that found the daemon's listen backlog full.
 _BACKLOG_RETRY = 0.01
+
+
+def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
+    """Connect ``sock`` to ``path`` blocking until ``deadline`` (SO_SNDTIMEO bounds it): a
+    connect that waits for room in the listen backlog queues in the kernel, in turn, where
+    one retried now and then loses every free place to peers already waiting (a flood of
+    them kept root's client out for a second). True when connected; False when it could not
+    wait that way (the caller then retries). Leaves ``sock`` blocking."""
+    left = max(deadline - time.monotonic(), 0.001)
+    sec, usec = int(left), int((left % 1) * 1_000_000)
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", sec, usec))
+    except OSError:
+        return False
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        return False  # still full at the deadline
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", 0, 0))
+    return True
 
 
 class DaemonError(HostError):
@@ -179,6 +203,17 @@ class Client:
                 # A unix socket's full listen backlog (a busy daemon) is EAGAIN at once under
                 # a timeout, where a blocking connect would wait for room: wait, within it.
                 if deadline is not None and time.monotonic() < deadline:
+                    try:
+                        connected = _wait_for_room(self._sock, self.path, deadline)
+                    except OSError as failed:
+                        self._sock.close()
+                        raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
+                                                f"{failed.strerror or failed}") from None
+                    finally:
+                        with contextlib.suppress(OSError):
+                            self._sock.settimeout(timeout)
+                    if connected:
+                        break
                     time.sleep(_BACKLOG_RETRY)
                     continue
                 self._sock.close()

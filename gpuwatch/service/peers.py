@@ -7,6 +7,7 @@ has it (Linux 4.13+), else from the group database for the peer's uid.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import grp
@@ -82,17 +83,24 @@ def database_groups(uid: int, gid: int) -> list[int]:
     return _db_groups(uid, gid)
 
 
-def kernel_credentials(sock: socket.socket) -> tuple[PeerCred, bool]:
+def kernel_credentials(sock: socket.socket, *, vouch: bool = True) -> tuple[PeerCred, bool]:
     """SO_PEERCRED of a connected Unix socket, with SO_PEERGROUPS where the kernel has it:
     ``(peer, complete)``; ``complete`` is False when the supplementary groups are still to
     be looked up (`database_groups`), the peer then holding its primary group alone. Never
-    blocks on anything but the kernel."""
+    blocks on anything but the kernel. With ``vouch`` False the start time is left for
+    `vouched` (a peer refused on its credentials costs no read of ``/proc``)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     groups = _peer_groups(sock)
     peer = PeerCred(pid=pid, uid=uid, gid=gid, groups=frozenset((gid, *(groups or ()))),
-                    start=_connected_start(sock, pid))
+                    start=_connected_start(sock, pid) if vouch else None)
     return peer, groups is not None
+
+
+def vouched(sock: socket.socket, peer: PeerCred) -> PeerCred:
+    """``peer`` with the start time of the process that connected on ``sock`` (None when it
+    has exited): read once a peer is admitted, still at accept."""
+    return dataclasses.replace(peer, start=_connected_start(sock, peer.pid))
 
 
 def _connected_start(sock: socket.socket, pid: int) -> int | None:
@@ -247,5 +255,6 @@ __all__ = [
     "peer_credentials",
     "peer_memlock",
     "process_start",
+    "vouched",
     "with_groups",
 ]

@@ -55,6 +55,7 @@ from gpuwatch.service.peers import (
     group_label,
     kernel_credentials,
     peer_memlock,
+    vouched,
     with_groups,
 )
 from gpuwatch.sources.turns import end_turn
@@ -116,6 +117,9 @@ _REPLAY_BLOCK_TURNS = 16
 _FD_HEADROOM = 256
 # accept() errors that mean "short of descriptors or memory", not "broken listener".
 _ACCEPT_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Clients accepted (and authorised or refused) in a row before the loop serves everyone
+# else once.
+_ACCEPTS_PER_TURN = 16
 # Waits between accept tries while the shortage lasts (no spare descriptor to give up).
 _ACCEPT_BACKOFF = 0.05
 _ACCEPT_BACKOFF_MAX = 1.0
@@ -484,12 +488,7 @@ class Connection:
         reads a stretch that sends nothing (a crash's NULs) the connection reads nothing
         either, so nothing else would tell. A half-close (the client still reads) is no
         hang-up."""
-        fd = self.fileno()
-        if fd < 0:
-            return True
-        poller = select.poll()
-        poller.register(fd, select.POLLHUP | select.POLLERR)
-        return bool(poller.poll(0))
+        return _hung_up(self.fileno())
 
     async def _drained(self) -> None:
         """Return once at most half the output limit is unread (or the client is gone)."""
@@ -1295,7 +1294,15 @@ class SocketServer:
         try:
             while True:
                 await anyio.wait_readable(lsock)
+                turn = 0
                 while True:
+                    if turn >= _ACCEPTS_PER_TURN:
+                        # Everyone else's I/O before the next ones: a refusal awaits nothing,
+                        # so peers that connect as fast as they are refused kept the backlog
+                        # from ever running dry and the loop from ever serving anyone else.
+                        await anyio.lowlevel.checkpoint()
+                        turn = 0
+                    turn += 1
                     try:
                         csock, _ = lsock.accept()
                     except BlockingIOError:
@@ -1346,11 +1353,14 @@ class SocketServer:
         """Authorise a just-accepted client and serve it."""
         csock.setblocking(False)
         try:
-            peer, complete = kernel_credentials(csock)
+            # The start time (a read of /proc, a pidfd) only for a peer that is served: a
+            # refusal is the cheapest thing the loop does for a flood of them.
+            peer, complete = kernel_credentials(csock, vouch=False)
         except OSError:
             csock.close()
             return
         if not complete and not self.policy.privileged(peer):
+            peer = vouched(csock, peer)  # at accept, not after the lookup
             # No SO_PEERGROUPS (Linux < 4.13): the groups come from the group database,
             # which may block on the network (LDAP, sssd). Looked up off the loop, bounded,
             # while everyone else is served.
@@ -1365,8 +1375,17 @@ class SocketServer:
                 return
             tg.start_soon(self._take_after_lookup, csock, peer, tg, loop)
             return
-        if self._authorise(csock, peer):
-            await self._serve_peer(csock, peer, tg, loop)
+        if not self._authorise(csock, peer):
+            return
+        if (not self.policy.privileged(peer) and not self.policy.allows("switch", peer)
+                and _hung_up(csock.fileno())):
+            # A reader that hung up while it waited in the backlog: whatever it asked is a
+            # read, whose answer could go nowhere. Closed here, at the cost of a refusal:
+            # readers that ask and hang up by the thousand kept the backlog full of
+            # connections each served in full, and root's connection waited behind them.
+            csock.close()
+            return
+        await self._serve_peer(csock, vouched(csock, peer), tg, loop)
 
     async def _take_after_lookup(self, csock: socket.socket, peer: PeerCred,
                                  tg: anyio.abc.TaskGroup,
@@ -1460,7 +1479,7 @@ class SocketServer:
         self._count("?", code)
         with contextlib.suppress(OSError):
             sock.setblocking(False)
-            sock.send(P.encode_error(None, code, message))
+            sock.send(P.encode_error(None, code, message), socket.MSG_NOSIGNAL)
             sock.shutdown(socket.SHUT_WR)
         sock.close()
 
@@ -1712,12 +1731,16 @@ class SocketServer:
     async def _call(self, conn: Connection, req: P.Request) -> Any:
         """A request that is not answered from memory. Other users' live reads of /proc
         take turns (`LIVE_READS` at once, a turn waited for `live_read_wait` seconds at
-        most); a switch, a recover and root's requests never wait behind them. (A client
-        that hangs up keeps its turn until the read ends: a connection is dropped when its
-        reply cannot be written, not at the client's EOF.)"""
+        most); a switch, a recover and root's requests never wait behind them. A read for
+        a client that has hung up (closed its end; one that only shut its sending side
+        still gets its reply) is not done: a flood of clients that ask and close at once
+        would otherwise keep the turns busy with walks whose replies go nowhere. (One that
+        hangs up during its read keeps its turn until the read ends.)"""
+        if req.method in P.SWITCH_METHODS:
+            return await self._call_now(conn, req)
+        self._unless_hung_up(conn, req)
         limiter = self._live_reads
-        if (req.method in P.SWITCH_METHODS or limiter is None
-                or self.policy.privileged(conn.peer)):
+        if limiter is None or self.policy.privileged(conn.peer):
             return await self._call_now(conn, req)
         turn = False
         with anyio.move_on_after(self.live_read_wait):
@@ -1727,9 +1750,17 @@ class SocketServer:
             raise P.RpcError(P.UNAVAILABLE, f"{req.method}: {LIVE_READS} reads of /proc for "
                                             "other clients are running; retry")
         try:
+            self._unless_hung_up(conn, req)  # it may have left while it waited
             return await self._call_now(conn, req)
         finally:
             limiter.release()
+
+    def _unless_hung_up(self, conn: Connection, req: P.Request) -> None:
+        """Close ``conn`` and raise when its client hung up: its read would go nowhere. (A
+        method a program added (``ops``) that is no read is done all the same.)"""
+        if req.method in P.READ_METHODS and (conn.closed or conn.hung_up()):
+            conn.close()
+            raise P.RpcError(P.UNAVAILABLE, f"{req.method}: the client hung up")
 
     async def _call_now(self, conn: Connection, req: P.Request) -> Any:
         params = P.Params(req.method, req.params)
@@ -2128,6 +2159,16 @@ def _open_spare() -> int | None:
         return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether the peer of socket ``fd`` closed its end (-1: no socket, gone too). A peer
+    that only shut its sending side (it still reads its replies) has not."""
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
 def _chain(first: RawChunk, rest: Iterator[RawChunk]) -> Iterator[RawChunk]:
