@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -264,54 +265,58 @@ def test_a_client_that_never_finishes_its_request_is_cut_off(
 
 
 def test_connections_at_once_are_bounded(endpoint: tuple[str, int]) -> None:
-    """Idle connections hold at most HTTP_MAX_CONNECTIONS threads; the rest are told so in
-    one line and closed; once the idle ones go, scrapes are served again."""
+    """Idle connections hold at most HTTP_MAX_CONNECTIONS threads: each past the bound takes
+    the place of the oldest idle one, which is told so in one line (408) and closed."""
     from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS, HTTP_MAX_PER_ADDRESS
 
     extra = 6
     # From as many loopback addresses as the per-address bound asks (127.0.0.0/8 is all
     # this host's), so the bound met is the one on all connections.
-    idle = [socket.create_connection(
-        endpoint, timeout=30, source_address=(f"127.0.0.{1 + i // HTTP_MAX_PER_ADDRESS}", 0))
-        for i in range(HTTP_MAX_CONNECTIONS + extra)]
+    idle = []
+    for i in range(HTTP_MAX_CONNECTIONS + extra):
+        idle.append(socket.create_connection(
+            endpoint, timeout=30, source_address=(f"127.0.0.{1 + i // HTTP_MAX_PER_ADDRESS}", 0)))
+        time.sleep(0.01)  # each admitted in turn: "oldest" is well defined
     try:
-        answers: list[bytes] = []
+        answers: dict[int, bytes] = {}
         pending = list(idle)
         while len(answers) < extra:  # the held ones answer only after 60 s: these come first
             ready, _, _ = select.select(pending, [], [], 30)
-            assert ready, f"only {len(answers)} of {extra} refused: connections are unbounded"
+            assert ready, f"only {len(answers)} of {extra} cut: connections are unbounded"
             for s in ready:
-                answers.append(s.recv(4096))
+                answers[idle.index(s)] = s.recv(4096)
                 pending.remove(s)
-        for answer in answers:
-            assert answer.startswith(b"HTTP/1.0 503 Service Unavailable")
-            assert answer.count(b"\n", answer.index(b"\r\n\r\n") + 4) == 1
+        # The oldest idle one of the newcomer's own address went, else of the address that
+        # held most: 0 for the first, then .5's own, then 4 (127.0.0.1 was down to 3), ...
+        assert sorted(answers) == [0, 4, 16, 17, 18, 20]
+        for answer in answers.values():
+            assert answer == (b"HTTP/1.0 408 Request Timeout\r\nContent-Type: text/plain; "
+                              b"charset=utf-8\r\nContent-Length: 20\r\nConnection: close\r\n"
+                              b"\r\n408 Request Timeout\n")
+        ready, _, _ = select.select(pending, [], [], 0.3)
+        assert ready == []  # the newest HTTP_MAX_CONNECTIONS are held
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 30  # the slots free as the server reads each EOF
-    while True:
-        status, body = exchange(endpoint, b"GET /metrics HTTP/1.0\r\n\r\n")
-        if status.startswith("HTTP/1.0 200") or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+    status, body = exchange(endpoint, b"GET /metrics HTTP/1.0\r\n\r\n")
     assert status.startswith("HTTP/1.0 200") and b"gpuwatch_pci_functions" in body
 
 
-def test_one_address_cannot_hold_every_connection(endpoint: tuple[str, int]) -> None:
+def test_one_address_holds_at_most_its_share(endpoint: tuple[str, int]) -> None:
     """A client reopening idle connections holds HTTP_MAX_PER_ADDRESS slots at most: its
-    next is told so in one line, and a scraper elsewhere is served meanwhile."""
+    next takes the place of its oldest idle one, and a scraper elsewhere is served."""
     from gpuwatch.service.metrics import HTTP_MAX_PER_ADDRESS
 
-    idle = [socket.create_connection(endpoint, timeout=30, source_address=("127.0.0.9", 0))
-            for _ in range(HTTP_MAX_PER_ADDRESS + 1)]
+    idle = []
+    for _ in range(HTTP_MAX_PER_ADDRESS + 1):
+        idle.append(socket.create_connection(endpoint, timeout=30,
+                                             source_address=("127.0.0.9", 0)))
+        time.sleep(0.01)
     try:
         ready, _, _ = select.select(idle, [], [], 30)
-        assert len(ready) == 1 and ready[0] is idle[-1]  # the held ones answer nothing yet
-        answer = ready[0].recv(4096)
-        assert answer.startswith(b"HTTP/1.0 503 Service Unavailable")
-        assert answer.endswith(b"\r\n\r\n503 Service Unavailable: too many connections from "
-                               b"this address\n")
+        assert ready == [idle[0]]  # the oldest went; the others answer nothing yet
+        assert idle[0].recv(4096).endswith(b"\r\n\r\n408 Request Timeout\n")
+        assert select.select(idle[1:], [], [], 0.3)[0] == []
         with socket.create_connection(endpoint, timeout=30,
                                       source_address=("127.0.0.10", 0)) as s:
             s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
@@ -322,6 +327,242 @@ def test_one_address_cannot_hold_every_connection(endpoint: tuple[str, int]) -> 
     finally:
         for s in idle:
             s.close()
+
+
+# Hogs: clients that hold connections and never finish a request. Every local user shares
+# 127.0.0.1, and may bind any of 127.0.0.0/8 to pass for many hosts.
+
+
+class Hogs:
+    """Connections from `sources` kept open: idle, or trickling a head a byte at a time
+    (`trickle`), each reopened at once when the server closes it."""
+
+    def __init__(self, bound: tuple[str, int], sources: list[str], trickle: bool) -> None:
+        self.bound, self.sources, self.trickle = bound, sources, trickle
+        self.socks: list[socket.socket | None] = [None] * len(sources)
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, i: int) -> None:
+        try:
+            s = socket.create_connection(self.bound, timeout=5,
+                                         source_address=(self.sources[i], 0))
+            if self.trickle:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+        except OSError:
+            return  # tried again at the next turn
+        self.socks[i] = s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for i, s in enumerate(self.socks):
+                if s is None:
+                    self._open(i)
+                    continue
+                try:
+                    if select.select([s], [], [], 0)[0]:  # an answer or EOF: closed on us
+                        raise OSError
+                    if self.trickle:
+                        s.send(b"a")
+                except OSError:
+                    s.close()
+                    self.socks[i] = None
+                    self.reopened += 1
+            self._stop.wait(0.05)
+
+    def settle(self, reopened: int = 0) -> None:
+        """Until `reopened` hogs came back and every hog is connected again."""
+        deadline = time.monotonic() + 10
+        while self.reopened < reopened or not all(self.socks):
+            assert time.monotonic() < deadline, "hogs did not come back"
+            time.sleep(0.01)
+        time.sleep(0.1)  # and admitted (or, unbounded, told 503 and back again)
+
+    def __enter__(self) -> Hogs:
+        for i in range(len(self.sources)):
+            self._open(i)
+        assert all(self.socks), "hogs could not connect"
+        self._thread.start()
+        self.settle()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for s in self.socks:
+            if s is not None:
+                s.close()
+
+
+def hog_sources() -> list[str]:
+    """Every slot's worth: a full share from the scraper's own 127.0.0.1, the rest one from
+    each other loopback address."""
+    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS, HTTP_MAX_PER_ADDRESS
+
+    others = HTTP_MAX_CONNECTIONS - HTTP_MAX_PER_ADDRESS
+    return ["127.0.0.1"] * HTTP_MAX_PER_ADDRESS + [f"127.0.0.{2 + i}" for i in range(others)]
+
+
+def prompt_scrape(bound: tuple[str, int], source: str = "127.0.0.1",
+                  limit: float = 2.0) -> dict[str, str]:
+    """A scraper that sends its request at once: 200 within `limit` seconds, a body
+    prometheus_client's parser takes; its families' types by name."""
+    began = time.monotonic()
+    with socket.create_connection(bound, timeout=limit, source_address=(source, 0)) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: gpuwatch\r\nAccept: */*\r\n\r\n")
+        data = b""
+        while chunk := s.recv(1 << 20):
+            data += chunk
+    took = time.monotonic() - began
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n"), data[:200]
+    assert took < limit, took
+    return {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["idle", "trickling"])
+def test_hogs_on_every_slot_leave_a_prompt_scraper_served(
+    endpoint: tuple[str, int], trickle: bool,
+) -> None:
+    """Hogs holding every slot, four of them on the scraper's own 127.0.0.1, were every
+    scrape's 503: a scraper that sends its request at once takes the oldest hog's place."""
+    with Hogs(endpoint, hog_sources(), trickle) as hogs:
+        for n in range(1, 6):
+            families = prompt_scrape(endpoint)
+            assert families["gpuwatch_pci_functions"] == "gauge"
+            hogs.settle(reopened=n)  # the evicted hog is back: every slot held again
+        for n in range(6, 9):  # from another address: the server full, not the address
+            prompt_scrape(endpoint, source="127.0.0.200")
+            hogs.settle(reopened=n)
+
+
+class _Large:
+    """A family of `n` samples of 1 KiB each: a reply larger than the socket buffers (as a
+    host of thousands of functions makes over a network, whose buffers grow less)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily("test_padding", "large", labels=["pad"])
+        for i in range(self.n):
+            family.add_metric([f"{i:05d}" + "p" * 1024], 1.0)
+        yield family
+
+
+def test_clients_that_take_no_reply_leave_a_prompt_scraper_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hogs that ask and then read nothing of a reply too large for the socket buffers held
+    a thread each until the reply timeout: a scraper takes the place of the one stalled
+    longest, once it has taken nothing for HTTP_STALL seconds."""
+    import gpuwatch.service.metrics as metrics_module
+    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS, HTTP_MAX_PER_ADDRESS, HTTP_STALL
+
+    monkeypatch.setattr(metrics_module, "HTTP_TIMEOUT", 60.0)
+    metrics = Metrics()
+    # 6 MiB: more than a loopback connection's send buffer grows to (tcp_wmem's 4 MiB)
+    metrics.registry.register(_Large(6000))
+    bound = metrics.serve("127.0.0.1:0")
+    hogs: list[socket.socket] = []
+    try:
+        def hog(source: str) -> None:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.bind((source, 0))
+            s.connect(bound)
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            hogs.append(s)
+
+        def handlers() -> int:
+            return sum(t.name.endswith("(process_request_thread)") and t not in before
+                       for t in threading.enumerate())
+
+        before = set(threading.enumerate())
+        for i in range(HTTP_MAX_CONNECTIONS):
+            hog(f"127.0.0.{2 + i // HTTP_MAX_PER_ADDRESS}")
+        for _ in range(3):
+            time.sleep(HTTP_STALL + 1.0)  # every hog's reply stalled, each in its thread
+            families = prompt_scrape(bound, limit=5.0)
+            assert families["test_padding"] == "gauge"
+            hog("127.0.0.6")  # the slot the scraper freed, held again
+        # The evicted ones' threads ended, their clients' sockets still open: a thread for
+        # each slot and no more (once the last hog's has started).
+        deadline = time.monotonic() + 10
+        while handlers() != HTTP_MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handlers() == HTTP_MAX_CONNECTIONS
+        # Three hogs were cut off partway through their replies: a reset or an early EOF
+        # (the others, read now, get theirs whole).
+        cut = 0
+        for s in hogs:
+            s.settimeout(5)
+            got = 0
+            try:
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionResetError:
+                cut += 1
+                continue
+            except TimeoutError:
+                continue
+            cut += got < 6000 * 1024
+        assert cut == 3
+    finally:
+        for s in hogs:
+            s.close()
+        metrics.close()
+
+
+class _Slow:
+    """A collector that takes `delay` seconds: requests stay in the render for a while."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        time.sleep(self.delay)
+        yield GaugeMetricFamily("test_slow", "slow", value=1.0)
+
+
+def test_requests_at_work_are_never_evicted() -> None:
+    """Every slot a request being rendered or answered: a newcomer is the one told 503, and
+    every request in flight gets its metrics."""
+    from gpuwatch.service.metrics import HTTP_MAX_CONNECTIONS, HTTP_MAX_PER_ADDRESS
+
+    metrics = Metrics()
+    metrics.registry.register(_Slow(1.5))
+    bound = metrics.serve("127.0.0.1:0")
+    try:
+        busy = [socket.create_connection(
+            bound, timeout=30, source_address=(f"127.0.0.{2 + i // HTTP_MAX_PER_ADDRESS}", 0))
+            for i in range(HTTP_MAX_CONNECTIONS)]
+        for s in busy:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        deadline = time.monotonic() + 10  # all of them read, in the render or waiting for it
+        while not (len(conns := list(metrics._server._conns.values())) == HTTP_MAX_CONNECTIONS
+                   and all(c.state == "working" for c in conns)):
+            assert time.monotonic() < deadline, [c.state for c in conns]
+            time.sleep(0.01)
+        status, body = exchange(bound, b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert status == "HTTP/1.0 503 Service Unavailable: too many connections", status
+        assert body == b"503 Service Unavailable: too many connections\n"
+        # From an address at its share, the same answer names the address.
+        with socket.create_connection(bound, timeout=30, source_address=("127.0.0.2", 0)) as s:
+            assert s.recv(4096).endswith(b"too many connections from this address\n")
+        for s in busy:
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            assert data.startswith(b"HTTP/1.0 200 OK\r\n") and b"test_slow 1.0" in data
+            s.close()
+    finally:
+        metrics.close()
 
 
 def test_bad_requests_get_one_plain_line(endpoint: tuple[str, int]) -> None:
@@ -509,3 +750,23 @@ async def test_a_subscribe_is_counted_by_the_reply_it_gets(host: SysRoot, sockdi
                          outcome=P.UNAVAILABLE) == 1
         finally:
             metrics.close()
+
+
+def test_a_daemon_s_scraper_is_served_while_hogs_hold_every_slot(
+    host: SysRoot, tmp_path: Any, sockdir: str,
+) -> None:
+    """The same against a real ``gpuwatch watch --metrics 127.0.0.1:PORT``: hogs trickling
+    their heads from the scraper's address and fifteen others, and scrapes still answer."""
+    from daemon_helpers import Daemon
+
+    with socket.socket() as s:  # a free port, as the other daemon tests find one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bound = ("127.0.0.1", port)
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock", "--metrics", f"127.0.0.1:{port}"), \
+            Hogs(bound, hog_sources(), trickle=True) as hogs:
+        for n in range(1, 4):
+            families = prompt_scrape(bound)
+            assert families["gpuwatch_gpus"] == "gauge"
+            assert families["process_open_fds"] == "gauge"
+            hogs.settle(reopened=n)

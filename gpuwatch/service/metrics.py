@@ -11,11 +11,13 @@ import contextlib
 import errno
 import io
 import logging
+import math
 import socket
 import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -45,15 +47,23 @@ SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 1
 
 
 #: The endpoint is open to the network (``:9464`` in a pod), so every client is bounded:
-#: connections served at once (more get a one-line 503 and are closed at once), ...
+#: connections served at once, ...
 HTTP_MAX_CONNECTIONS = 16
-#: ... of them from one address (a scraper needs one: one client reopening idle connections
-#: must not hold every slot and leave each scrape a 503) ...
+#: ... of them from one address, ...
 HTTP_MAX_PER_ADDRESS = 4
 #: ... seconds for a request's line and headers to arrive, and for a reply to be taken ...
 HTTP_TIMEOUT = 10.0
 #: ... and bytes of request line and headers (a scrape sends a few hundred).
 HTTP_MAX_HEAD_BYTES = 16384
+#: A connection that comes when its address or the server is full takes the place of one
+#: that only holds a slot: the oldest still waiting for its request's head (a scraper that
+#: sends at once waits there microseconds), else a reply whose client has taken none of it
+#: for `HTTP_STALL` seconds, or takes it slower than `HTTP_MIN_REPLY_RATE` bytes a second
+#: (after a first `HTTP_STALL`). Only when every slot is a request being rendered or a reply
+#: its client takes is the newcomer told ``503``: idle connections, from however many
+#: addresses, never leave a scrape without a slot.
+HTTP_STALL = 1.0
+HTTP_MIN_REPLY_RATE = 256 << 10
 #: Renders kept (one per request shape: format, encoding, ``name[]`` filter).
 RENDERS_KEPT = 4
 
@@ -96,14 +106,69 @@ class _HeadReader(io.RawIOBase):
         return n
 
 
+def _one_line(status: str) -> bytes:
+    body = f"{status}\n".encode()
+    return (f"HTTP/1.0 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
 def _answer(sock: socket.socket, status: str) -> None:
     """A one-line plain-text answer, best effort: never waits for a client."""
-    body = f"{status}\n".encode()
-    head = (f"HTTP/1.0 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with contextlib.suppress(OSError):
         sock.setblocking(False)
-        sock.send(head + body)
+        sock.send(_one_line(status))
+
+
+_HEAD, _WORKING, _WRITING, _EVICTED, _DONE = "head", "working", "writing", "evicted", "done"
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One admitted connection: what it is doing decides whether a newcomer may take its
+    slot. Its `state` changes only under the server's lock; `progress` (the last time its
+    client took reply bytes) is written by its own thread alone."""
+
+    sock: socket.socket
+    peer: str
+    since: float
+    state: str = _HEAD
+    progress: float = 0.0
+    #: When its reply is late at `HTTP_MIN_REPLY_RATE`.
+    due: float = math.inf
+
+    def stalled(self, now: float) -> bool:
+        return self.state == _WRITING and (now - self.progress >= HTTP_STALL or now >= self.due)
+
+
+class _ReplyWriter(io.BufferedIOBase):
+    """The handler's ``wfile``: a reply written within `HTTP_TIMEOUT` in all, each byte the
+    client takes noted (a reply it stops taking may be evicted; one it takes, never)."""
+
+    def __init__(self, server: _Server, conn: _Conn) -> None:
+        super().__init__()
+        self._server, self._conn = server, conn
+        self._deadline = math.inf
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        now = time.monotonic()
+        if self._deadline == math.inf:
+            self._deadline = now + HTTP_TIMEOUT
+        if not self._server.writing(self._conn, len(view), now):
+            raise ConnectionAbortedError(errno.ECONNABORTED, "evicted")
+        sock = self._conn.sock
+        sent = 0
+        while sent < len(view):
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("reply not taken in time")
+            sock.settimeout(left)
+            sent += sock.send(view[sent:])
+            self._conn.progress = time.monotonic()
+        return sent
 
 
 class _Handler(WSGIRequestHandler):
@@ -116,11 +181,19 @@ class _Handler(WSGIRequestHandler):
     default_request_version = "HTTP/1.0"
     error_message_format = "%(code)d %(message)s\n"
     error_content_type = "text/plain; charset=utf-8"
+    server: _Server
 
     def setup(self) -> None:
         super().setup()
+        self._conn = self.server.conn_of(self.connection)
         self.rfile = io.BufferedReader(_HeadReader(self.connection, HTTP_TIMEOUT,
                                                    HTTP_MAX_HEAD_BYTES))
+        self.wfile = _ReplyWriter(self.server, self._conn)
+
+    def parse_request(self) -> bool:
+        """The head is in: from now on the connection does real work, unless a newcomer
+        took its slot while its last bytes came (then it ends here, unanswered)."""
+        return bool(super().parse_request()) and self.server.working(self._conn)
 
     def handle(self) -> None:
         try:
@@ -129,7 +202,7 @@ class _Handler(WSGIRequestHandler):
             _answer(self.connection, "408 Request Timeout")
         except _TooLarge:
             _answer(self.connection, "431 Request Header Fields Too Large")
-        except OSError as exc:  # reset, or a reply the client did not take in time
+        except OSError as exc:  # reset, evicted, or a reply the client did not take in time
             _log.debug("metrics client %s: %s", self.client_address, exc)
 
     def get_stderr(self) -> Any:
@@ -139,17 +212,33 @@ class _Handler(WSGIRequestHandler):
         """Scrapes are not logged: one line per scrape would flood the journal."""
 
 
+def _victim(candidates: list[_Conn], peer: str, per_peer: Tally[str],
+            now: float) -> _Conn | None:
+    """Whose slot a newcomer from `peer` takes: one waiting for its head (of the newcomer's
+    own address first, then of the address holding most, the oldest), else the reply most
+    overdue; None when every candidate does real work."""
+    waiting = [c for c in candidates if c.state == _HEAD]
+    if waiting:
+        return min(waiting, key=lambda c: (c.peer != peer, -per_peer[c.peer], c.since))
+    stalled = [c for c in candidates if c.stalled(now)]
+    if stalled:
+        return min(stalled, key=lambda c: min(c.progress + HTTP_STALL, c.due))
+    return None
+
+
 class _Server(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most `HTTP_MAX_CONNECTIONS` of them."""
+    """A thread per connection, at most `HTTP_MAX_CONNECTIONS` admitted at once, plus as
+    many at most that were evicted and are ending."""
 
     daemon_threads = True
     request_queue_size = 64  # a burst of scrapes waits in the kernel, not in SYN retries
 
     def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
         self.address_family = family
-        self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
-        self._per_address: Tally[str] = Tally()
-        self._per_address_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, _Conn] = {}  # admitted, by their socket
+        self._per_peer: Tally[str] = Tally()
+        self._ending: set[socket.socket] = set()  # evicted, their threads not yet ended
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -159,39 +248,92 @@ class _Server(ThreadingMixIn, WSGIServer):
         super().server_bind()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        """On the accepting thread: admit the connection, evicting one that only holds a
+        slot where its address or the server is full, or answer 503."""
         peer = str(client_address[0])
-        with self._per_address_lock:
-            crowded = self._per_address[peer] >= HTTP_MAX_PER_ADDRESS
-            if not crowded:
-                self._per_address[peer] += 1
-        if crowded:
-            _answer(request, "503 Service Unavailable: too many connections from this address")
+        now = time.monotonic()
+        with self._lock:
+            refused = self._make_room(peer, now)
+            if refused is None:
+                self._conns[request] = _Conn(request, peer, now, progress=now)
+                self._per_peer[peer] += 1
+        if refused is not None:
+            _answer(request, f"503 Service Unavailable: {refused}")
             self.shutdown_request(request)
             return
-        if not self._slots.acquire(blocking=False):
-            self._leave(peer)
-            _answer(request, "503 Service Unavailable: too many connections")
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            self._leave(peer)
-            raise
+        super().process_request(request, client_address)  # a thread that failed to start
+        # raised here; serve_forever's handle_error and shutdown_request release the slot
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-            self._leave(str(client_address[0]))
+    def _make_room(self, peer: str, now: float) -> str | None:
+        """Under the lock: evict what the newcomer needs gone; else why it is refused."""
+        if self._per_peer[peer] >= HTTP_MAX_PER_ADDRESS:
+            mine = [c for c in self._conns.values() if c.peer == peer]
+            victim = _victim(mine, peer, self._per_peer, now)
+            if victim is None or len(self._ending) >= HTTP_MAX_CONNECTIONS:
+                return "too many connections from this address"
+            self._evict(victim)
+        if len(self._conns) >= HTTP_MAX_CONNECTIONS:
+            victim = _victim(list(self._conns.values()), peer, self._per_peer, now)
+            if victim is None or len(self._ending) >= HTTP_MAX_CONNECTIONS:
+                return "too many connections"
+            self._evict(victim)
+        return None
 
-    def _leave(self, peer: str) -> None:
-        with self._per_address_lock:
-            self._per_address[peer] -= 1
-            if self._per_address[peer] <= 0:
-                del self._per_address[peer]
+    def _evict(self, conn: _Conn) -> None:
+        """Under the lock, so its thread has not closed the socket (it closes only after
+        taking it out, under the lock): wake the thread from its read or write, to end."""
+        del self._conns[conn.sock]
+        self._release(conn.peer)
+        waiting = conn.state == _HEAD
+        conn.state = _EVICTED
+        self._ending.add(conn.sock)
+        with contextlib.suppress(OSError):
+            if waiting:  # its thread writes nothing now: the one line is ours to send
+                conn.sock.send(_one_line("408 Request Timeout"), socket.MSG_DONTWAIT)
+            conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _release(self, peer: str) -> None:
+        self._per_peer[peer] -= 1
+        if self._per_peer[peer] <= 0:
+            del self._per_peer[peer]
+
+    def conn_of(self, request: socket.socket) -> _Conn:
+        with self._lock:
+            conn = self._conns.get(request)
+        if conn is None:  # evicted before its thread began: it ends at its first read
+            conn = _Conn(request, "", 0.0, state=_EVICTED)
+        return conn
+
+    def working(self, conn: _Conn) -> bool:
+        """Its head is in; False when it was evicted (it must end)."""
+        with self._lock:
+            if conn.state != _HEAD:
+                return False
+            conn.state = _WORKING
+            return True
+
+    def writing(self, conn: _Conn, size: int, now: float) -> bool:
+        """`size` more bytes of its reply to write; False when it was evicted."""
+        with self._lock:
+            if conn.state in (_EVICTED, _DONE):
+                return False
+            if conn.state != _WRITING:
+                conn.state, conn.due = _WRITING, now + HTTP_STALL
+            conn.progress = now
+            conn.due += size / HTTP_MIN_REPLY_RATE
+            return True
+
+    def shutdown_request(self, request: Any) -> None:
+        """Take the connection out under the lock before its socket closes, so an eviction
+        never shuts down a descriptor number the kernel has given to another file."""
+        with self._lock:
+            conn = self._conns.pop(request, None)
+            if conn is not None:
+                self._release(conn.peer)
+                conn.state = _DONE
+            else:
+                self._ending.discard(request)
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         _log.debug("metrics client %s failed", client_address, exc_info=True)
