@@ -292,6 +292,21 @@ async def test_reconcile_finds_drift(host: SysRoot) -> None:
 # --------------------------------------------------------------------------- subscribers
 
 
+async def toggle_nic(host: SysRoot, source: MemorySource, live: Any,
+                     times: int) -> list[Any]:
+    """Unbind and rebind the NIC by turns, ``times`` uevents, each awaited on ``live``."""
+    got = []
+    for i in range(times):
+        if i % 2 == 0:
+            host.unbind(NIC)
+        else:
+            host.bind(NIC, "igb")
+        source.push(host.uevent_props("change", NIC))
+        with anyio.fail_after(5):
+            got.append(await live.receive())
+    return got
+
+
 async def test_stalled_subscriber_does_not_hold_up_a_live_one(host: SysRoot) -> None:
     source = MemorySource()
     async with open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w:
@@ -299,15 +314,7 @@ async def test_stalled_subscriber_does_not_hold_up_a_live_one(host: SysRoot) -> 
             w.subscribe(types={"driver-changed"}, buffer=3) as stalled,
             w.subscribe(types={"driver-changed"}) as live,
         ):
-            got = []
-            for i in range(10):
-                if i % 2 == 0:
-                    host.unbind(NIC)
-                else:
-                    host.bind(NIC, "igb")
-                source.push(host.uevent_props("change", NIC))
-                with anyio.fail_after(5):
-                    got.append(await live.receive())
+            got = await toggle_nic(host, source, live, 10)
             assert [e.new for e in got] == ["", "igb"] * 5
             drained = [await stalled.receive() for _ in range(3)]
             assert [e.seq for e in drained] == [e.seq for e in got[:3]]
@@ -332,15 +339,7 @@ async def test_a_lagged_subscriber_resumes_where_it_lost_events(host: SysRoot,
             w.subscribe(types={"driver-changed"}, buffer=2) as slow,
             w.subscribe(types={"driver-changed"}) as live,
         ):
-            got = []
-            for i in range(6):
-                if i % 2 == 0:
-                    host.unbind(NIC)
-                else:
-                    host.bind(NIC, "igb")
-                source.push(host.uevent_props("change", NIC))
-                with anyio.fail_after(5):
-                    got.append(await live.receive())
+            got = await toggle_nic(host, source, live, 6)
             kept = [(await slow.receive()).seq for _ in range(2)]
             with pytest.raises(SubscriberLagged) as info:
                 await slow.receive()
