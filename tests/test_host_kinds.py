@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,6 +118,20 @@ def test_the_x86_flag_decides_and_dmi_only_names() -> None:
     assert host_kind("", "", "", "") == UNKNOWN_HOST
 
 
+def test_a_device_tree_virt_machine_is_a_kvm_guest_without_dmi() -> None:
+    """QEMU's arm64 ``virt`` machine booted straight into the kernel has no DMI strings;
+    its device tree's root ``compatible`` names it. Another board's names nothing."""
+    virt = "linux,dummy-virt"
+    assert host_kind(ARM64_CPUINFO, "", "", "", "", virt) == HostKind("arm64", "kvm")
+    assert host_kind(ARM64_CPUINFO, "", "", "", "", f"acme,board\0{virt}") == \
+        HostKind("arm64", "kvm")
+    assert host_kind(ARM64_CPUINFO, "", "", "", "",
+                     "nvidia,p3737-0000+p3701-0000\0nvidia,tegra234") == HostKind("arm64", "")
+    # A name from DMI wins over the tree's.
+    assert host_kind(ARM64_CPUINFO, "", "Microsoft Corporation", "Virtual Machine", "",
+                     virt) == HostKind("arm64", "hyperv")
+
+
 # ------------------------------------------------------------ the advice, pure
 
 
@@ -192,6 +207,25 @@ def test_status_hint_fits_the_host_through_links_and_in_a_capture(
     assert hint_of(copy.root, capsys) == hint
     code, text = status(live.root, capsys)
     assert code == 0 and f"          -> {hint}\n" in text
+
+
+def test_an_arm64_virt_guest_without_dmi_gets_the_guest_advice(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def build(at: Path) -> SysRoot:
+        s = ampere_altra_host(at, smmu="none")
+        shutil.rmtree(s.root / "sys/devices/virtual/dmi", ignore_errors=True)
+        (s.root / "sys/class/dmi/id").unlink(missing_ok=True)
+        dt = s.root / "sys/firmware/devicetree/base"
+        dt.mkdir(parents=True)
+        (dt / "compatible").write_bytes(b"linux,dummy-virt\0")
+        return s
+
+    live, copy = build(tmp_path / "live"), build(tmp_path / "copy")
+    copy.capture()
+    hint = hint_of(live.root, capsys)
+    assert hint.startswith("this is a virtual machine (QEMU/KVM)"), hint
+    assert "-machine virt,iommu=smmuv3" in hint and "SMMU is registered" not in hint
+    assert hint_of(copy.root, capsys) == hint
 
 
 def test_the_facts_read_alike_in_a_tar_capture(tmp_path: Path) -> None:

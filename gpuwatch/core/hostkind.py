@@ -106,16 +106,24 @@ def hypervisor_from_dmi(sys_vendor: str, product_name: str, xen_type: str = "") 
     return ""
 
 
+#: The device tree's root ``compatible`` of QEMU's ``virt`` machine booted without firmware
+#: (``-kernel``, no UEFI): it has no DMI strings to name it.
+DUMMY_VIRT = "linux,dummy-virt"
+
+
 def host_kind(cpuinfo: str, cpu_modalias: str, sys_vendor: str, product_name: str,
-              xen_type: str = "") -> HostKind:
+              xen_type: str = "", dt_compatible: str = "") -> HostKind:
     """The host's `HostKind` from the texts the scan read (each ``""`` when absent). On x86
     the CPU's ``hypervisor`` flag decides whether it is a guest (the DMI strings only name
     the hypervisor: a bare-metal host may carry any); elsewhere, with no such flag, the DMI
-    strings and ``sys/hypervisor`` decide."""
+    strings, ``sys/hypervisor`` and the device tree's root ``compatible`` (its strings
+    NUL-separated) decide."""
     arch, flag = cpuinfo_facts(cpuinfo)
     if not arch:
         arch, flag = modalias_facts(cpu_modalias)
     named = hypervisor_from_dmi(sys_vendor, product_name, xen_type)
+    if not named and DUMMY_VIRT in dt_compatible.split("\0"):
+        named = "kvm"
     if flag is False:
         return HostKind(arch, "")
     if flag:

@@ -4,9 +4,10 @@ unreadable or garbled reads as ``""`` and the kind as not known.
 
 Each file is a regular file in a real folder of the kernel's trees, so a copy that turned
 links into folders keeps it: ``proc/cpuinfo``, ``sys/devices/system/cpu/modalias``,
-``sys/hypervisor/type`` and the DMI strings, read through ``sys/class/dmi/id`` (every link
-on the way read as in a chroot) or, in a copy without the class folder, at
-``sys/devices/virtual/dmi/id``. Stdlib only: the stdlib `status` path reads it too."""
+``sys/hypervisor/type``, ``sys/firmware/devicetree/base/compatible`` and the DMI strings,
+read through ``sys/class/dmi/id`` (every link on the way read as in a chroot) or, in a copy
+without the class folder, at ``sys/devices/virtual/dmi/id``. Stdlib only: the stdlib
+`status` path reads it too."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def read_host_kind(root: str) -> HostKind:
     return host_kind(_attr(root, "proc/cpuinfo"),
                      _attr(root, "sys/devices/system/cpu/modalias"),
                      _dmi(root, "sys_vendor"), _dmi(root, "product_name"),
-                     _attr(root, "sys/hypervisor/type"))
+                     _attr(root, "sys/hypervisor/type"),
+                     _attr(root, "sys/firmware/devicetree/base/compatible"))
 
 
 __all__ = ["read_host_kind"]
