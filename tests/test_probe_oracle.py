@@ -412,10 +412,21 @@ FLAT_UNLINKED_NODE = Host(
     damage=[("drop-drm-device", 1), ("drop-drm-device", 2)])
 
 
+#: A capture with no function in its bus listing (only a stray entry) and a node copied
+#: without its ``device``: the walked function whose ``drm/`` lists it is its device.
+WALKED_UNLINKED_NODE = Host(
+    layout="capture", pad=False,
+    fns=[Fn("0000:00:00.0", "0x030000", "0x10de", None, None)],
+    drm=[("renderD128", None, True), ("renderD129", 0, True)], kfd={}, kfd_class_link=True,
+    modules=[], cdi=[], ctk="none", dev=[], vfio=[], procs=[], unit=None, cmdline=[], euid=0,
+    gids=frozenset({0}), junk=True, damage=[("drop-drm-device", 1), ("empty-bus", 0)])
+
+
 @pytest.mark.timeout(300)
 @oracle_settings(60)
 @given(h=hosts())
 @example(h=FLAT_UNLINKED_NODE)
+@example(h=WALKED_UNLINKED_NODE)
 def test_model_answers_as_the_contract_says(h: Host,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """A scan's answers, from memory, for every action on generated trees."""

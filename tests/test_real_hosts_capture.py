@@ -447,6 +447,25 @@ def test_a_dropped_drm_device_link_is_told_by_where_the_node_lies(tmp_path: Path
     assert gpuwatch.scan(s.root).state.drm["card1"].device_addr == "0000:12:00.0"
 
 
+def test_a_node_copied_without_its_device_beside_a_bus_listing_of_no_function(
+        tmp_path: Path) -> None:
+    """A capture that took no bus link but left something else in ``sys/bus/pci/devices``
+    (not an address: ignored, so the functions are the walk's). A node copied as a folder
+    without its ``device`` is the walked function's whose ``drm/`` lists it; it was looked
+    for among the stray entries alone and read as having no device."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    s.capture()
+    shutil.rmtree(s.root / "sys/class/drm/card1/device")
+    bus = s.root / "sys/bus/pci/devices"
+    for entry in bus.iterdir():
+        shutil.rmtree(entry)
+    (bus / ".keep").write_text("")
+    model = gpuwatch.scan(s.root)
+    assert "0000:12:00.0" in [f.addr for f in model.functions()]
+    assert model.state.drm["card1"].device_addr == "0000:12:00.0"
+    assert probe_value(s, "detect-amd-gpu") is True
+
+
 def test_a_dropped_drm_device_link_in_the_flat_layout(tmp_path: Path) -> None:
     """In the flat layout a node lies in the ``drm/`` of its function's folder in
     ``sys/bus/pci/devices``, and its class link says so (``/bus/pci/devices/<addr>/drm/card0``):

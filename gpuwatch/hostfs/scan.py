@@ -938,9 +938,12 @@ def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
         return parent.rpartition("/")[2], paths.sys + parent
     if devpath:
         return "", ""
-    for addr in sorted(list_dir(paths.bus_pci)) or sorted(paths.walked):
+    # The functions the bus lists, else (none: a capture that took no link, whatever else
+    # the folder holds) those the walk found, as `function_entries` takes them.
+    listed = [addr for addr in sorted(list_dir(paths.bus_pci)) if is_pci_addr(addr)]
+    for addr in listed or sorted(paths.walked):
         entry = function_dir(paths, addr)
-        if is_pci_addr(addr) and os.path.lexists(f"{entry}/drm/{name}"):
+        if os.path.lexists(f"{entry}/drm/{name}"):
             return addr, entry
     return "", ""
 
