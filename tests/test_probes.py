@@ -348,6 +348,16 @@ def test_nvidia_holders(host: SysRoot) -> None:
     assert result == [{"pid": 17, "comm": "\ufffdbad\ufffd"}, {"pid": 4242, "comm": "python3"}]
 
 
+def test_a_holder_keeps_the_newline_it_named_itself_with(host: SysRoot) -> None:
+    """``/proc/<pid>/comm`` is the name and one newline of the kernel's: a name that ends in a
+    newline of its own (``prctl(PR_SET_NAME)`` takes any byte but NUL) keeps it."""
+    host.add_process(7, b"worker\n", fds={3: "/dev/nvidia0"})
+    host.add_process(8, b"\n", fds={3: "/dev/nvidiactl"})
+    assert (host.root / "proc/7/comm").read_bytes() == b"worker\n\n"
+    assert answer(host, "nvidia-holders") == [{"pid": 7, "comm": "worker\n"},
+                                              {"pid": 8, "comm": "\n"}]
+
+
 def test_memlock_is_read_live() -> None:
     code = (
         "import resource, gpuwatch, json\n"

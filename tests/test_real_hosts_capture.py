@@ -447,6 +447,44 @@ def test_a_dropped_drm_device_link_is_told_by_where_the_node_lies(tmp_path: Path
     assert gpuwatch.scan(s.root).state.drm["card1"].device_addr == "0000:12:00.0"
 
 
+def test_a_node_copied_without_its_device_beside_a_bus_listing_of_no_function(
+        tmp_path: Path) -> None:
+    """A capture that took no bus link but left something else in ``sys/bus/pci/devices``
+    (not an address: ignored, so the functions are the walk's). A node copied as a folder
+    without its ``device`` is the walked function's whose ``drm/`` lists it; it was looked
+    for among the stray entries alone and read as having no device."""
+    s = amd_apu_dgpu_host(tmp_path / "h")
+    s.capture()
+    shutil.rmtree(s.root / "sys/class/drm/card1/device")
+    bus = s.root / "sys/bus/pci/devices"
+    for entry in bus.iterdir():
+        shutil.rmtree(entry)
+    (bus / ".keep").write_text("")
+    model = gpuwatch.scan(s.root)
+    assert "0000:12:00.0" in [f.addr for f in model.functions()]
+    assert model.state.drm["card1"].device_addr == "0000:12:00.0"
+    assert probe_value(s, "detect-amd-gpu") is True
+
+
+def test_a_dropped_drm_device_link_in_the_flat_layout(tmp_path: Path) -> None:
+    """In the flat layout a node lies in the ``drm/`` of its function's folder in
+    ``sys/bus/pci/devices``, and its class link says so (``/bus/pci/devices/<addr>/drm/card0``):
+    that function is its device, as ``/devices/…/<addr>/drm/card0`` names it in the other.
+    The node read as having none lost the render-node choice to a virtual node and hid the
+    AMD card from detect-amd-gpu."""
+    s = SysRoot(tmp_path / "h", layout="flat")
+    s.add_function("0000:03:00.0", vendor="0x1002", device="0x744c", driver="amdgpu",
+                   iommu_group=5)
+    s.add_drm("renderD128", None)
+    s.add_drm("card0", "0000:03:00.0")
+    s.add_drm("renderD129", "0000:03:00.0")
+    assert _drop_links(s.root, {"device"}) == 2
+    drm = gpuwatch.scan(s.root).state.drm
+    assert (drm["card0"].device_addr, drm["card0"].device_driver) == ("0000:03:00.0", "amdgpu")
+    assert probe_value(s, "detect-amd-gpu") is True
+    assert probe_value(s, "detect-host-devices")["render_node"] == "/dev/dri/renderD129"  # type: ignore[index]
+
+
 def test_a_virtual_drm_node_has_no_device(tmp_path: Path) -> None:
     """vgem/vkms-like nodes in ``devices/virtual/drm``: no parent device to name."""
     s = headless_host(tmp_path / "h")

@@ -145,12 +145,14 @@ def memlock() -> MemlockResult:
 
 
 def read_comm(proc: str, pid: int) -> str:
-    """A process's comm; bytes that are not UTF-8 are replaced, never fatal."""
+    """A process's comm; bytes that are not UTF-8 are replaced, never fatal. The kernel ends
+    the name with one newline: only that one goes, a newline the process put at the end of
+    its own name (``prctl(PR_SET_NAME)`` takes any byte but NUL) stays part of it."""
     try:
         raw = read_bytes(f"{proc}/{pid}/comm", 256)
     except OSError:
         return ""
-    return raw.decode("utf-8", "replace").rstrip("\n")
+    return raw.decode("utf-8", "replace").removesuffix("\n")
 
 
 def pids(proc: str) -> list[int]:

@@ -927,18 +927,23 @@ def _drm_on_bus(paths: HostPaths, devpath: str) -> str:
 def _drm_parent(paths: HostPaths, name: str, devpath: str) -> tuple[str, str]:
     """``(name, folder)`` of the device a DRM node whose ``device`` link a capture dropped
     hangs under: the kernel puts the node in its parent's ``drm/`` folder, so its devpath
-    (``…/0000:03:00.0/drm/card0``) names the parent; a node copied as a folder (no devpath)
-    is found in the ``drm/`` folder of the PCI function listing it. ``("", "")`` when
-    neither says."""
+    (``…/0000:03:00.0/drm/card0``; in the flat layout ``/bus/pci/devices/0000:03:00.0/drm/
+    card0``, the function's folder being there) names the parent; a node copied as a folder
+    (no devpath) is found in the ``drm/`` folder of the PCI function listing it. ``("", "")``
+    when neither says."""
     parent, glue, node = devpath.rsplit("/", 2) if devpath.count("/") >= 3 else ("", "", "")
-    if (glue == "drm" and node == name and parent.startswith("/devices/")
+    flat = parent.startswith("/bus/pci/devices/") and is_pci_addr(parent[17:])
+    if (glue == "drm" and node == name and (flat or parent.startswith("/devices/"))
             and parent != "/devices/virtual"):  # a virtual node has no parent device
         return parent.rpartition("/")[2], paths.sys + parent
     if devpath:
         return "", ""
-    for addr in sorted(list_dir(paths.bus_pci)) or sorted(paths.walked):
+    # The functions the bus lists, else (none: a capture that took no link, whatever else
+    # the folder holds) those the walk found, as `function_entries` takes them.
+    listed = [addr for addr in sorted(list_dir(paths.bus_pci)) if is_pci_addr(addr)]
+    for addr in listed or sorted(paths.walked):
         entry = function_dir(paths, addr)
-        if is_pci_addr(addr) and os.path.lexists(f"{entry}/drm/{name}"):
+        if os.path.lexists(f"{entry}/drm/{name}"):
             return addr, entry
     return "", ""
 
