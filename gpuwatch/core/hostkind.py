@@ -50,7 +50,7 @@ def cpuinfo_facts(text: str) -> tuple[str, bool | None]:
     ``vendor_id`` and ``flags`` (``hypervisor`` among them in a guest), arm64 ``CPU
     implementer`` and ``CPU architecture: 8``. ``("", None)`` when it says neither."""
     fields: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in text.lstrip().partition("\n\n")[0].splitlines():  # the first stanza only
         if not line.strip():
             if fields:
                 break  # the first processor is enough
@@ -69,7 +69,8 @@ def cpuinfo_facts(text: str) -> tuple[str, bool | None]:
 def modalias_facts(text: str) -> tuple[str, bool | None]:
     """``(arch, hypervisor flag)`` from ``sys/devices/system/cpu/modalias``
     (``cpu:type:x86,ven0000fam0006mod009E:feature:,0000,…``, ``cpu:type:aarch64:feature:…``):
-    the same facts in sysfs, for a tree with no ``proc/cpuinfo``."""
+    the same facts as ``proc/cpuinfo`` from one short sysfs file, which costs the kernel
+    nothing per CPU (``cpuinfo`` formats every processor it hands out)."""
     if not text.startswith("cpu:type:"):
         return "", None
     kind, _, rest = text[len("cpu:type:"):].partition(":")
@@ -113,14 +114,15 @@ DUMMY_VIRT = "linux,dummy-virt"
 
 def host_kind(cpuinfo: str, cpu_modalias: str, sys_vendor: str, product_name: str,
               xen_type: str = "", dt_compatible: str = "") -> HostKind:
-    """The host's `HostKind` from the texts the scan read (each ``""`` when absent). On x86
+    """The host's `HostKind` from the texts the scan read (each ``""`` when absent): the
+    CPU's ``modalias`` first, ``proc/cpuinfo`` where it names no architecture. On x86
     the CPU's ``hypervisor`` flag decides whether it is a guest (the DMI strings only name
     the hypervisor: a bare-metal host may carry any); elsewhere, with no such flag, the DMI
     strings, ``sys/hypervisor`` and the device tree's root ``compatible`` (its strings
     NUL-separated) decide."""
-    arch, flag = cpuinfo_facts(cpuinfo)
+    arch, flag = modalias_facts(cpu_modalias)
     if not arch:
-        arch, flag = modalias_facts(cpu_modalias)
+        arch, flag = cpuinfo_facts(cpuinfo)
     named = hypervisor_from_dmi(sys_vendor, product_name, xen_type)
     if not named and DUMMY_VIRT in dt_compatible.split("\0"):
         named = "kvm"

@@ -3,15 +3,16 @@
 unreadable or garbled reads as ``""`` and the kind as not known.
 
 Each file is a regular file in a real folder of the kernel's trees, so a copy that turned
-links into folders keeps it: ``proc/cpuinfo``, ``sys/devices/system/cpu/modalias``,
-``sys/hypervisor/type``, ``sys/firmware/devicetree/base/compatible`` and the DMI strings,
+links into folders keeps it: ``sys/devices/system/cpu/modalias`` (``proc/cpuinfo`` only
+where that says nothing), ``sys/hypervisor/type``,
+``sys/firmware/devicetree/base/compatible`` and the DMI strings,
 read through ``sys/class/dmi/id`` (every link on the way read as in a chroot) or, in a copy
 without the class folder, at ``sys/devices/virtual/dmi/id``. Stdlib only: the stdlib
 `status` path reads it too."""
 
 from __future__ import annotations
 
-from gpuwatch.core.hostkind import HostKind, host_kind
+from gpuwatch.core.hostkind import HostKind, host_kind, modalias_facts
 from gpuwatch.hostfs.files import in_tree, read_attr
 
 #: Where the kernel keeps the DMI strings, the class link first.
@@ -33,10 +34,11 @@ def _dmi(root: str, name: str) -> str:
 
 def read_host_kind(root: str) -> HostKind:
     """The `HostKind` of the tree under ``root``."""
-    # One read of at most 64 KiB (`read_attr`): procfs hands out whole processor
-    # stanzas, and only the first is read.
-    return host_kind(_attr(root, "proc/cpuinfo"),
-                     _attr(root, "sys/devices/system/cpu/modalias"),
+    modalias = _attr(root, "sys/devices/system/cpu/modalias")
+    # Only where the modalias says nothing: one read of at most 64 KiB (`read_attr`),
+    # procfs hands out whole processor stanzas, and only the first is parsed.
+    cpuinfo = "" if modalias_facts(modalias)[0] else _attr(root, "proc/cpuinfo")
+    return host_kind(cpuinfo, modalias,
                      _dmi(root, "sys_vendor"), _dmi(root, "product_name"),
                      _attr(root, "sys/hypervisor/type"),
                      _attr(root, "sys/firmware/devicetree/base/compatible"))

@@ -61,6 +61,7 @@ from gpuwatch.hostfs.files import (
     present,
     read_attr,
     read_bytes,
+    read_kernel_attr,
     read_text,
     resolve_in_root,
     rooted_target,
@@ -166,14 +167,25 @@ class HostPaths:
         #: Parent folder → {VF: PF} of the VFs there whose links a capture dropped
         #: (`pf_beside`), for the reads of one `function_entries`.
         self.beside: dict[str, dict[str, str]] = {}
-        self._stable_inodes: bool | None = None
+        self._sys_type: str | None = None
+
+    def _fs(self) -> str:
+        """The type of the filesystem ``sys`` is on, asked once (`fs_type`)."""
+        if self._sys_type is None:
+            self._sys_type = fs_type(self.sys)
+        return self._sys_type
 
     def stable_inodes(self) -> bool:
         """Whether ``sys`` lives on a filesystem that never hands a new directory the inode
         number of a deleted one, so that an inode number names one directory for good."""
-        if self._stable_inodes is None:
-            self._stable_inodes = fs_type(self.sys) in STABLE_INODE_FS
-        return self._stable_inodes
+        return self._fs() in STABLE_INODE_FS
+
+    @property
+    def live(self) -> bool:
+        """Whether ``sys`` is the kernel's own sysfs, not a copy: then its links are the
+        truth, no file a capture may have dropped is looked for, and no special file can be
+        where an attribute is (`read_kernel_attr`)."""
+        return self._fs() == "sysfs"
 
     def under(self, host_path: str) -> str:
         """``/dev/kvm`` → ``<root>/dev/kvm``, through the tree's own ``dev`` (`tree_dir`, read
@@ -416,21 +428,23 @@ def _vfio_capable(driver: str, variants: frozenset[str]) -> bool:
     return "vfio" in driver or driver == "nvidia" or is_vfio_driver(driver, variants)
 
 
-def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = True
-                       ) -> PciSeen:
+def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = True,
+                       live: bool = False) -> PciSeen:
     """One function's record. ``told``: a link a capture dropped (``driver``,
     ``iommu_group``) is taken from what the kernel's other files say (`driver_name`,
-    `group_name`), as a scan of any tree does; a re-read after a uevent (``told`` False)
-    trusts the links alone: only a live kernel sends uevents, and its links are the truth
-    the moment they change, while a fixture's other files may lag behind them."""
-    klass = class_prefix(read_attr(directory + "/class"))
+    `group_name`), as a scan of a copied tree does; a re-read after a uevent, or any read
+    of the kernel's own sysfs (`HostPaths.live`), (``told`` False) trusts the links alone:
+    a live kernel's links are the truth the moment they change, while a fixture's other
+    files may lag behind them. ``live``: the kernel's own sysfs (`read_kernel_attr`)."""
+    read = read_kernel_attr if live else read_attr
+    klass = class_prefix(read(directory + "/class"))
     driver = driver_name(directory) if told else link_name(directory + "/driver")
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
         devpath=devpath,
-        vendor_id=pci_id(read_attr(directory + "/vendor")),
-        device_id=pci_id(read_attr(directory + "/device")),
+        vendor_id=pci_id(read(directory + "/vendor")),
+        device_id=pci_id(read(directory + "/device")),
         klass=klass,
         driver=driver,
         iommu_group=parse_group(group_name(directory) if told
@@ -441,7 +455,7 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
         physfn=link_addr(directory + "/physfn"),
         vgpu=read_vgpu(directory) if driver == "nvidia" else None,
         # Only display functions have it: one read more for them, none for the rest.
-        boot_vga=is_gpu_class(klass) and read_attr(directory + "/boot_vga") == "1",
+        boot_vga=is_gpu_class(klass) and read(directory + "/boot_vga") == "1",
     )
 
 
@@ -624,6 +638,7 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
     # (one stat, before its reads) so that the first bind/unbind after a scan already reads
     # only its driver link instead of the whole function again.
     stable = paths.stable_inodes()
+    live = paths.live
     for name, devpath in function_entries(paths):
         # Read through the resolved directory, not the bus symlink: on sysfs every read
         # through the link pays its resolution again (11 µs against 8 per attribute).
@@ -634,7 +649,7 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
                 st = os.stat(directory)
             except (OSError, ValueError):
                 st = None
-        seen = _read_function_dir(directory, name, devpath)
+        seen = _read_function_dir(directory, name, devpath, told=not live, live=live)
         if seen.vendor_id or seen.device_id or seen.klass:
             if st is not None and stat_mod.S_ISDIR(st.st_mode):
                 _remember(paths, directory, st, seen)
@@ -755,9 +770,9 @@ def function_dir(paths: HostPaths, addr: str) -> str:
 def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     """One function the bus lists, read as a scan reads it; None when its entry dangles."""
     directory = paths.sys + devpath
-    seen = _read_function_dir(directory, name, devpath)
+    seen = _read_function_dir(directory, name, devpath, told=not paths.live, live=paths.live)
     if seen.vendor_id or seen.device_id or seen.klass:
-        if not seen.physfn and not os.path.lexists(directory + "/physfn"):
+        if not (seen.physfn or paths.live or os.path.lexists(directory + "/physfn")):
             pf = pf_beside(paths, directory)  # a VF whose links a capture dropped
             if pf:
                 seen = seen._replace(physfn=pf)
@@ -1009,7 +1024,11 @@ def read_modules(paths: HostPaths) -> frozenset[str]:
 
 def read_iommu(paths: HostPaths) -> IommuSeen:
     enabled = bool(list_dir(paths.iommu_groups))
-    units = list_dir(paths.class_iommu) or iommu_units_in_devices(paths.sys + "/devices")
+    units = list_dir(paths.class_iommu)
+    if not units and not paths.live:
+        # A live sysfs lists every IOMMU the kernel registered in the class; only a copy
+        # may have lost those links and needs the search of the devices.
+        units = iommu_units_in_devices(paths.sys + "/devices")
     host = read_host_kind(paths.root)
     return IommuSeen(enabled=enabled, kind=iommu_kind(units, read_attr(paths.cmdline)),
                      arch=host.arch, hypervisor=host.hypervisor)
