@@ -5,6 +5,7 @@ pipelined requests answered in order; each in-process test for both connection k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -310,6 +311,107 @@ async def test_a_lagged_client_that_reads_nothing_is_closed_after_the_grace(
         data = await anyio.to_thread.run_sync(_read_to_eof, sock)
         assert len(data) < (64 << 10) + 4 * _wmem_default()
         sock.close()
+
+
+async def _read_bytes(sock: socket.socket, count: int, timeout: float = 20) -> bytes:
+    """Exactly the bytes of the next ``count`` lines (as sent, not parsed)."""
+    buf = b""
+    with anyio.fail_after(timeout):
+        while buf.count(b"\n") < count:
+            await anyio.wait_readable(sock)
+            chunk = sock.recv(1 << 20)
+            assert chunk, "closed early"
+            buf += chunk
+    return buf
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """Writes per connection (by id), for both connection kinds."""
+    writes: dict[int, int] = {}
+    for cls in (S._ProtocolConnection, S._StreamConnection):
+        inner = cls._write
+
+        def counted(self: Any, data: Any, inner: Any = inner) -> None:
+            writes[id(self)] = writes.get(id(self), 0) + 1
+            inner(self, data)
+
+        monkeypatch.setattr(cls, "_write", counted)
+    return writes
+
+
+async def test_filtered_subscribers_take_a_burst_in_one_write_of_the_same_bytes(
+    host: SysRoot, sockdir: str, conns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscribers with a filter get a coalesced burst as those without one do: one write
+    per flush (the filter applied once per distinct filter, not per subscriber and batch),
+    holding byte for byte the lines an unfiltered subscriber got for those events."""
+    writes = _count_writes(monkeypatch)
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
+        w = served.watcher
+        peer: dict[socket.socket, int] = {}  # each client's connection in the server
+
+        async def subscribe(params: dict[str, Any] | None = None) -> tuple[socket.socket, int]:
+            known = set(peer.values())
+            sock, seq = await _subscriber(served.path, params)
+            [peer[sock]] = [id(c) for c in served.server.connections if id(c) not in known]
+            return sock, seq
+
+        everyone, base = await subscribe()
+        nodes = [(await subscribe({"types": ["node-added"]}))[0] for _ in range(2)]
+        probes, _ = await subscribe({"types": ["probe-changed"]})
+        await anyio.sleep(2 * S.FLUSH_WINDOW)  # quiet: the first slice goes out at once
+        before = {s: writes.get(peer[s], 0) for s in peer}
+        slices, size = 20, 64
+        for k in range(slices):
+            w.publish([NodeAdded(path=f"/dev/f{k}-{i}") if i % 3 else
+                       ProbeChanged(action="detect-gpu", old=k, new=i) for i in range(size)])
+            await anyio.lowlevel.checkpoint()
+        total = slices * size
+        all_bytes = await _read_bytes(everyone, total)
+        lines = all_bytes.splitlines(keepends=True)
+        assert [P.loads(x)["seq"] for x in lines] == list(range(base + 1, base + 1 + total))
+        want_nodes = b"".join(x for x in lines if P.loads(x)["type"] == "node-added")
+        want_probes = b"".join(x for x in lines if P.loads(x)["type"] == "probe-changed")
+        for s in nodes:
+            assert await _read_bytes(s, want_nodes.count(b"\n")) == want_nodes
+        assert await _read_bytes(probes, want_probes.count(b"\n")) == want_probes
+        # The quiet first slice, then everything held since in one flush: two writes each.
+        assert {s: writes.get(peer[s], 0) - before[s] for s in peer} == dict.fromkeys(peer, 2)
+        for s in (everyone, *nodes, probes):
+            s.close()
+
+
+async def test_a_subscriber_whose_socket_is_full_gets_the_same_bytes_in_order(
+    host: SysRoot, sockdir: str, conns: str
+) -> None:
+    """A flush the socket takes whole and one it takes only in part (the rest queued in the
+    server, sent as the client reads) deliver the same bytes: a subscriber that reads
+    nothing while several socket buffers' worth is published, then reads, gets byte for
+    byte what one that kept up got, and no `lagged` line (it stayed under its limit)."""
+    pad = "z" * 3000
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        w = served.watcher
+        fast, base = await _subscriber(served.path)
+        slow, _ = await _subscriber(served.path)
+        queued = total = 0
+        fast_bytes = b""
+        while total * len(pad) < 4 * _wmem_default():
+            w.publish([ProbeChanged(action="detect-gpu", old=f"{pad}{total + i}", new=i)
+                       for i in range(8)])
+            total += 8
+            await anyio.lowlevel.checkpoint()
+            queued = max(queued, *(c.buffered() for c in served.server.connections))
+            with contextlib.suppress(BlockingIOError):
+                fast_bytes += fast.recv(1 << 20)  # keeps up (non-blocking)
+        assert queued > 0  # some flush did not fit the slow one's socket: it was queued
+        fast_bytes += await _read_bytes(fast, total - fast_bytes.count(b"\n"))
+        slow_bytes = await _read_bytes(slow, total)
+        assert slow_bytes == fast_bytes
+        seqs = [P.loads(x)["seq"] for x in slow_bytes.splitlines()]
+        assert seqs == list(range(base + 1, base + 1 + total))
+        assert served.server.lag_drops == 0
+        fast.close()
+        slow.close()
 
 
 async def test_pipelined_requests_are_answered_in_order(

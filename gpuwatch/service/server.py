@@ -446,6 +446,26 @@ def lagged_line(missed: int, first_missed_seq: int, outbox_limit: int) -> bytes:
     }, separators=(",", ":")).encode() + b"\n"
 
 
+def _wanted(batches: Sequence[_Batch], sub: _Subscription,
+            count: int) -> tuple[memoryview, int, int] | None:
+    """What a subscriber with ``sub``'s filter takes of ``batches`` (``count`` events in
+    all): its bytes, the first seq among them and how many; None when it wants none."""
+    if sub.types is None and sub.addrs is None:
+        data = (batches[0].whole() if len(batches) == 1
+                else b"".join(b.whole() for b in batches))
+        return memoryview(data), batches[0].seqs[0], count
+    parts: list[bytes] = []
+    first = 0
+    for batch in batches:
+        types, addrs = batch.types, batch.addrs
+        for i, seq in enumerate(batch.seqs):
+            if sub.wants(types[i], addrs[i]):
+                if not parts:
+                    first = seq
+                parts.append(batch.line(i))
+    return (memoryview(b"".join(parts)), first, len(parts)) if parts else None
+
+
 class Connection:
     """One client: its peer, its bounded output and (once subscribed) its event filter.
 
@@ -471,7 +491,7 @@ class Connection:
         """Bytes accepted for this client that the kernel has not taken yet."""
         raise NotImplementedError
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
 
     def _shut(self, grace: float) -> None:
@@ -524,7 +544,7 @@ class Connection:
             return
         self._write(data)
 
-    def deliver(self, data: bytes, first_seq: int, count: int) -> None:
+    def deliver(self, data: bytes | memoryview, first_seq: int, count: int) -> None:
         """Queue ``count`` events starting at ``first_seq``; a subscriber that has left
         too much unread gets the `lagged` notice instead, and is closed."""
         if self.closed:
@@ -713,7 +733,7 @@ class _StreamConnection(Connection):
     def __init__(self, server: SocketServer, sock: socket.socket, peer: PeerCred) -> None:
         super().__init__(server, peer)
         self.sock = sock
-        self.outbox: deque[bytes] = deque()
+        self.outbox: deque[bytes | memoryview] = deque()
         self.pending = 0  # bytes in the outbox the kernel has not taken yet
         self.gone = False  # output dropped: nothing more is written
         self.scope = anyio.CancelScope()  # the whole connection
@@ -728,7 +748,7 @@ class _StreamConnection(Connection):
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         if self.gone:
             return
         if not self.outbox:
@@ -744,7 +764,7 @@ class _StreamConnection(Connection):
             if sent == len(data):
                 self._progress.set()
                 return
-            data = data[sent:]
+            data = memoryview(data)[sent:]  # the rest, not a copy of it
         self.outbox.append(data)
         self.pending += len(data)
         self._wake.set()
@@ -782,7 +802,7 @@ class _StreamConnection(Connection):
                 if sent == len(data):
                     self.outbox.popleft()
                 else:
-                    self.outbox[0] = data[sent:]
+                    self.outbox[0] = memoryview(data)[sent:]
                 self._progress.set()
             self._progress.set()
             await self._wake.wait()
@@ -909,7 +929,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         transport = self.transport
         return 0 if transport is None or self.gone else transport.get_write_buffer_size()
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         if not self.gone and self.transport is not None:
             self.transport.write(data)
 
@@ -2068,8 +2088,10 @@ class SocketServer:
                 _log.exception("socket fan-out failed")
 
     def _flush(self) -> None:
-        """Every held batch to every subscriber: one write per client, the bytes joined once
-        for all subscribers without a filter."""
+        """Every held batch to every subscriber: one write per client. The bytes are cut and
+        joined once per distinct filter (every subscriber without one shares the same), not
+        once per subscriber, and go out as a view: a send the socket takes only in part
+        leaves the rest queued without copying the whole remainder first."""
         batches = self._pending
         self._last_flush = time.monotonic()
         if not batches:
@@ -2078,19 +2100,23 @@ class SocketServer:
         self._pending_bytes = 0
         first = batches[0].seqs[0]
         last = batches[-1].seqs[-1]
-        shared: bytes | None = None
+        count = sum(len(b.seqs) for b in batches)
+        shared: dict[tuple[frozenset[str] | None, frozenset[str] | None],
+                     tuple[memoryview, int, int] | None] = {}
         for conn in tuple(self._subscribers):
             sub = conn.sub
-            if (sub is not None and sub.types is None and sub.addrs is None
-                    and not conn.replaying and conn.last_seq < first):
-                if shared is None:
-                    shared = (batches[0].whole() if len(batches) == 1
-                              else b"".join(b.whole() for b in batches))
-                conn.last_seq = last
-                conn.deliver(shared, first, sum(len(b.seqs) for b in batches))
-            else:
-                for batch in batches:
+            if sub is None or conn.replaying or conn.last_seq >= first:
+                for batch in batches:  # the rare paths: a replay's end, events seen already
                     conn.offer_batch(batch)
+                continue
+            key = (sub.types, sub.addrs)
+            if key in shared:
+                out = shared[key]
+            else:
+                out = shared[key] = _wanted(batches, sub, count)
+            conn.last_seq = last
+            if out is not None:
+                conn.deliver(*out)
 
     def _catch_up(self, conn: Connection) -> None:
         """The held batches to one subscriber now (before a reply to it)."""
