@@ -16,6 +16,7 @@ import json
 import socket
 import tempfile
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ DAMAGE: dict[str, bytes | None] = {
     "seq-out-of-step": b"",  # the line of another seq (written again, or garbled digits)
     "nul-bytes": OLD.replace(b"nvidia", b"nv\x00idia"),
     "missing": None,
+    # Garbled digits that run on: a seq no float holds, longer than `int` takes from text.
+    "seq-too-long": b"9" * 4400,
 }
 #: Lines that look unusual but are events: replayed as stored, with no hole.
 BENIGN: dict[str, bytes] = {
@@ -76,6 +79,8 @@ def damaged_line(seq: int, kind: str) -> bytes:
         return b"\x00" * (len(good_line(seq)) - 1) + b"\n"
     if kind == "seq-out-of-step":
         return good_line(seq - 1)
+    if kind == "seq-too-long":
+        return good_line(seq).replace(b'"seq":%d' % seq, b'"seq":' + damage, 1)
     return good_line(seq, damage)
 
 
@@ -349,6 +354,31 @@ def test_a_real_log_replays_as_stored_without_a_line_decoded(
     assert b"".join(c.data for c in chunks) == stored
     assert (chunks[0].first, chunks[-1].last) == (1, 40 * len(lines))
     assert decoded == []
+
+
+@pytest.mark.parametrize("digits", [400, 4400])
+@pytest.mark.parametrize("before", range(0, 40, 3))
+def test_a_seq_too_long_for_a_float_is_a_hole_wherever_it_falls_in_a_read(
+        tmp_path: Path, digits: int, before: int) -> None:
+    """A seq of hundreds or thousands of digits (garbled digits that run on) is no seq the
+    strict decoder takes: the line is a hole, wherever it falls among the replay's 4 KiB
+    reads (``before`` lines ahead of it move it). Was: the fast path took the digits for
+    its seq, and past 4,300 of them ``int`` raised out of the replay (the daemon's task
+    with it) instead of a hole."""
+    long_seq = good_line(before + 1).replace(b'"seq":%d' % (before + 1),
+                                             b'"seq":' + b"9" * digits, 1)
+    assert _decode(long_seq[:-1]) is None
+    assert _plain_heads(long_seq) == [b""]
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(b"".join(good_line(seq) for seq in range(1, before + 1)) + long_seq
+                    + b"".join(good_line(seq) for seq in range(before + 2, before + 40)))
+    chunks = list(read_chunks(log, since_seq=0))
+    sent = b"".join(chunk.data for chunk in chunks)
+    assert long_seq not in sent
+    assert [strictjson.loads(line)["seq"] for line in sent.splitlines()] == [
+        *range(1, before + 1), *range(before + 2, before + 40)]
+    if before:  # the hole shows as a jump between two chunks
+        assert any(b.first == before + 2 and a.last == before for a, b in pairwise(chunks))
 
 
 @pytest.mark.parametrize("number", [b"1e999", b"-1E+400", b"1" * 400 + b".5", b"NaN"])

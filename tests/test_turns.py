@@ -8,6 +8,7 @@ No timings: the assertions are about the order in which the loop runs things.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import pytest
 
 from gpuwatch.service import protocol as P
+from gpuwatch.service.server import Connection
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.sources.turns import end_turn
@@ -131,6 +134,63 @@ async def test_a_probe_sent_during_a_replay_turn_is_answered_before_the_next(
                 reply = P.loads(prober.recv(1 << 16).partition(b"\n")[0])
     assert reply["id"] == 7 and "result" in reply
     assert turns[0] is True, turns  # answered before the turn after the one it came in
+
+
+def replies_waiting(sock: socket.socket) -> int:
+    """How many whole replies have arrived on ``sock`` (without taking them)."""
+    try:
+        return sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT).count(b"\n")
+    except BlockingIOError:
+        return 0
+
+
+async def test_a_probe_sent_in_the_turn_that_fills_a_replay_block_is_answered_before_its_write(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing a block of the replay (64 KiB handed to the kernel, the reader woken) is a
+    turn of its own: a probe that came in while the chunk that filled the block was read
+    is answered before the block is written. Was: the write ran in the same turn as that
+    read, the longest step of a replay, and the probe waited for both."""
+    log = tmp_path / "events.jsonl"
+    line = ('{"seq":%d,"time":"2026-01-01T00:00:00.000000Z","type":"driver-changed",'
+            '"addr":"0000:01:00.0","old":"nvidia","new":"vfio-pci"}\n')
+    log.write_text("".join(line % seq for seq in range(1, 1501)))  # ~190 KiB: three blocks
+    sent = 0  # probes sent, one during each turn's read after the first
+    behind: list[int] = []  # per block written: probes sent and not answered yet
+    with short_socket_dir() as sockdir:
+        path = f"{sockdir}/gw.sock"
+        async with served_watcher(host.root, path, log=str(log)) as served:
+            prober = probe_client(path)
+            history = served.server._history
+
+            def watched_history(since_seq: int, sub: Any) -> Iterator[Any]:
+                nonlocal sent
+                for index, chunk in enumerate(history(since_seq, sub)):
+                    if index:  # the first is read in a thread, before the reply
+                        prober.sendall(PROBE)  # arrives while this turn works
+                        sent += 1
+                    yield chunk
+
+            deliver = Connection.deliver
+
+            def watched_deliver(self: Connection, data: bytes, first_seq: int,
+                                count: int) -> None:
+                if self.sub is not None and count > 1:  # a block of the replay
+                    behind.append(sent - replies_waiting(prober))
+                deliver(self, data, first_seq, count)
+
+            served.server._history = watched_history  # type: ignore[method-assign]
+            monkeypatch.setattr(Connection, "deliver", watched_deliver)
+            with prober, probe_client(path) as replayer:
+                replayer.sendall(P.encode_request(1, "subscribe", {"since_seq": 0}))
+                got = b""
+                with anyio.fail_after(10):
+                    while b'"seq":1500,' not in got[-4096:]:
+                        await anyio.sleep(0.002)
+                        with contextlib.suppress(BlockingIOError):
+                            got += replayer.recv(1 << 20, socket.MSG_DONTWAIT)
+    assert len(behind) >= 3, behind
+    assert behind == [0] * len(behind), behind
 
 
 async def test_a_probe_sent_during_a_slice_of_a_backlog_is_answered_before_the_next(

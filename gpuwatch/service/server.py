@@ -683,7 +683,12 @@ class _ReplayBlock:
     `_REPLAY_BLOCK` bytes (less when the output limit is small: a block must fit in what
     `Connection.paced` leaves room for) or `_REPLAY_BLOCK_TURNS` turns went into it (a
     filtered replay that finds little still arrives as it goes), and before anything else
-    is said to the client."""
+    is said to the client.
+
+    The write of a block is a turn of its own (`end_turn` before it): handing 64 KiB to the
+    kernel, which wakes the reader, costs as much as reading a chunk or more, and done in
+    the turn that read the chunk it made one step twice as long as any other, which a
+    request that came in meanwhile waited for whole."""
 
     __slots__ = ("cap", "conn", "first", "last", "parts", "size", "turns")
 
@@ -702,6 +707,7 @@ class _ReplayBlock:
         """Hold ``chunk``, sending what is held first if it would pass the cap, and after if
         the block is then due."""
         if self.parts and self.size + len(chunk.data) > self.cap:
+            await end_turn()  # the write is a turn of its own (see the class)
             await self.send()
         if chunk.data:
             if not self.parts:
@@ -711,6 +717,7 @@ class _ReplayBlock:
         self.last = chunk.last
         self.turns += 1
         if self.size >= self.cap or self.turns >= _REPLAY_BLOCK_TURNS:
+            await end_turn()
             await self.send()
 
     async def send(self) -> None:

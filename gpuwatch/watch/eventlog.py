@@ -506,7 +506,8 @@ def _plain_line_pattern() -> re.Pattern[bytes]:
     A string is ``[^"]*``, the regex engine's quickest loop; one that runs on past a newline
     makes a match of two lines, which `_plain_heads` counts and refuses. One thing the
     grammar cannot see: a key twice over in one object (which no crash or disk error
-    writes).
+    writes). The seq is bounded as a number is: a longer one (`strictjson` refuses past
+    309 digits, and `int` raises past 4,300) is left to the strict decoder.
     """
     string = rb'"[^"]*+"'
     number = rb"-?+(?:0|[1-9][0-9]{0,199}+)(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]{1,2}+)?+"
@@ -516,7 +517,8 @@ def _plain_line_pattern() -> re.Pattern[bytes]:
         value = (rb"(?:" + scalar + rb"|\[(?:" + value + rb"(?:," + value + rb")*+)?+\]"
                  rb"|\{(?:" + string + rb":" + value + rb"(?:," + string + rb":" + value
                  + rb")*+)?+\})")
-    return re.compile(rb'\{"seq":([1-9][0-9]*+),"time":' + string + rb',"type":' + string
+    seq = rb"[1-9][0-9]{0,199}+"  # as a number's digits: `int` takes it, and a float
+    return re.compile(rb'\{"seq":(' + seq + rb'),"time":' + string + rb',"type":' + string
                       + rb"(?:," + string + rb":" + value + rb")*+\}\n|[^\n]*+\n")
 
 
