@@ -57,11 +57,12 @@ class RemoteModel:
         probe answer, so they are read from sysfs here (once per report, not once per GPU),
         as `module_loaded` reads modules."""
         from gpuwatch.core.hostkeep import kept_for_host_reason
+        from gpuwatch.hostfs.bootvga import console_unread
         from gpuwatch.hostfs.scan import read_console
 
         if self._console is None:
-            self._console = read_console(self.root,
-                                         ((g.addr, g.physfn) for g in self._vfio.gpus))
+            gpus = [(g.addr, g.physfn) for g in self._vfio.gpus]
+            self._console = console_unread(gpus) or read_console(self.root, gpus)
         console = self._console
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
