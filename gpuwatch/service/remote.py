@@ -54,8 +54,9 @@ class RemoteModel:
 
     def kept_for_host(self, addr: str) -> str:
         """The same rule as the model's; ``boot_vga`` and the framebuffer devices are in no
-        probe answer, so they are read from sysfs here (once per report, not once per GPU),
-        as `module_loaded` reads modules."""
+        probe answer, so they are read from sysfs here (once per report, not once per GPU,
+        and not at all on a host of two displays or more: `console_unread`), as
+        `module_loaded` reads modules."""
         from gpuwatch.core.hostkeep import kept_for_host_reason
         from gpuwatch.hostfs.bootvga import console_unread
         from gpuwatch.hostfs.scan import read_console
