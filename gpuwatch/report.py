@@ -23,6 +23,7 @@ from gpuwatch.core.reporttext import (
 from gpuwatch.core.reporttext import render_list as render_list_json
 from gpuwatch.core.reporttext import render_status as render_status_json
 from gpuwatch.core.results import MemlockResult, PciFunction
+from gpuwatch.hostfs.files import TreePlaces
 from gpuwatch.hostfs.hostkind import read_host_kind
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 from gpuwatch.model import HostModel
@@ -127,6 +128,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
     variants: frozenset[str] = getattr(state, "vfio_variants", frozenset())
     vfio = model.probe("detect-vfio")
     groups = read_iommu_groups(model.root)
+    places = TreePlaces(model.root)
     gpus: list[GpuReport] = []
     for gpu in vfio.gpus:
         members = state.group_members(gpu.addr)
@@ -135,7 +137,7 @@ def build_status(model: HostModel, limit: MemlockResult) -> StatusReport:
         node = groups.node(group)
         accessible = not noiommu and model.vfio_group_accessible(group)
         opens, opens_ok = vfio_open(model.root, node, vfio.iommufd,
-                                    [m.vfio_cdev for m in members], accessible)
+                                    [m.vfio_cdev for m in members], accessible, places)
         gpus.append(
             GpuReport(
                 addr=gpu.addr,

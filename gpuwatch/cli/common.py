@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
 # request was fine but the host said no (not found, not root, refused, failed), 2 the
@@ -18,14 +17,12 @@ from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError
 
 if TYPE_CHECKING:
+    import argparse
+
     from gpuwatch.settings import ConfigInForce
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints a usage block on error; automation wants one line and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+# argparse is imported where a parser is built or an argument parsed (`gpuwatch.cli.oneline`,
+# the types below): the stdlib fast paths import this module and parse their own words.
 
 
 def add_root_args(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
@@ -71,6 +68,8 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     """argparse type: an integer ≥ ``minimum`` (sizes, counts); the settings check the rest."""
 
     def parse(text: str) -> int:
+        import argparse
+
         try:
             value = int(text)
         except ValueError:
@@ -84,6 +83,8 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 def seconds(text: str, *, allow_zero: bool) -> float:
+    import argparse
+
     try:
         value = float(text)
     except ValueError:

@@ -23,10 +23,10 @@ from gpuwatch.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    OneLineParser,
     fail,
     one_line,
 )
+from gpuwatch.cli.oneline import OneLineParser
 from gpuwatch.core.events import EVENT_TYPES
 from gpuwatch.watch.eventlog import (
     EventRecord,

@@ -188,8 +188,13 @@ def _fields(value: Any, shape: Mapping[str, Callable[[Any], bool]],
             optional: Mapping[str, Callable[[Any], bool]] | None = None) -> bool:
     """A JSON object with every field of ``shape``, each ``ok``, and the ``optional`` ones
     ``ok`` where present (an older daemon left them out; a newer one may add fields)."""
-    return (isinstance(value, dict) and all(k in value and ok(value[k]) for k, ok in shape.items())
-            and all(k not in value or ok(value[k]) for k, ok in (optional or {}).items()))
+    # Loops, not ``all`` over generators: a report's answer holds hundreds of functions.
+    if not isinstance(value, dict):
+        return False
+    for k, ok in shape.items():
+        if k not in value or not ok(value[k]):
+            return False
+    return all(k not in value or ok(value[k]) for k, ok in (optional or {}).items())
 
 
 def _or_null(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -325,9 +330,14 @@ def print_holders(report: dict[str, Any], as_json: bool, dumps: Callable[[Any], 
         to_stderr(f"gpuwatch: note: {report['note']}")
 
 
+#: `json.dumps` with these arguments, made once: ``dumps`` makes a new encoder on each call
+#: with any but its defaults, and a report asks the daemon a hundred things.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def compact(value: Any) -> str:
     """pydantic_core's compact JSON for plain JSON values: what the full command prints."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return _COMPACT.encode(value)
 
 
 def socket_path(root: str, explicit: str | None) -> str | None:

@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import sys
-from importlib import resources
 from typing import Any
 
 from gpuwatch.cli.common import EXIT_OK
@@ -54,8 +53,8 @@ from gpuwatch.core.reporttext import (
 )
 from gpuwatch.core.tabledata import KEYED_TABLES, TABLE_KEYS, TableData, table_data
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.hostfs.bootvga import HostConsole, listed_console
-from gpuwatch.hostfs.files import tree_dir
+from gpuwatch.hostfs.bootvga import HostConsole, console_unread, listed_console
+from gpuwatch.hostfs.files import TreePlaces, tree_dir
 from gpuwatch.hostfs.hostkind import read_host_kind
 from gpuwatch.hostfs.noiommu import IommuGroups, read_iommu_groups, read_iommu_off, vfio_open
 
@@ -82,8 +81,24 @@ class _Vgpu:
 
 
 def embedded_tables() -> dict[str, Any]:
-    """The embedded tables from their pre-compiled JSON form (tested to equal the YAML)."""
-    text = resources.files("gpuwatch").joinpath("data/tables.json").read_text("utf-8")
+    """The embedded tables from their pre-compiled JSON form (tested to equal the YAML):
+    read beside the package's own files, as it is installed, without `importlib.resources`
+    (which brings pathlib, zipfile and tempfile: more than the rest of a cold `status`);
+    through it only where the package is no folder (imported from a zip)."""
+    import gpuwatch
+
+    text = None
+    if gpuwatch.__file__:
+        try:
+            with open(os.path.join(os.path.dirname(gpuwatch.__file__), "data", "tables.json"),
+                      encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            pass
+    if text is None:
+        from importlib import resources
+
+        text = resources.files("gpuwatch").joinpath("data/tables.json").read_text("utf-8")
     tables: dict[str, Any] = json.loads(text)
     return tables
 
@@ -143,12 +158,19 @@ def _checked(action: str, result: Any) -> Any:
     return result
 
 
+#: No ``detect-gpu`` answer yet (``null`` is an answer: a wrong one).
+_UNASKED: Any = object()
+
+
 class Remote:
     """What the reports read of the daemon's model, through stdlib requests."""
 
-    def __init__(self, path: str, root: str, vfio: Any, tables: TableData | None = None
-                 ) -> None:
+    def __init__(self, path: str, root: str, vfio: Any, tables: TableData | None = None,
+                 usable: Any = _UNASKED) -> None:
         self.path, self.root = path, root
+        #: The daemon's ``detect-gpu`` answer when it came with ``detect-vfio`` (`status`
+        #: asks both at once: one connection less), else asked when first needed.
+        self._usable = usable
         #: The embedded tables unless given (`served_tables`).
         self.tables = tables if tables is not None else table_data(embedded_tables())
         #: As the full command's model holds them (`HostState.vfio_variants`).
@@ -182,13 +204,15 @@ class Remote:
         return self._accessible[group]
 
     def nvidia_usable(self) -> bool:
-        usable: bool = _checked("detect-gpu", ask(self.path, "probe", {"action": "detect-gpu"}))
+        if self._usable is _UNASKED:
+            self._usable = ask(self.path, "probe", {"action": "detect-gpu"})
+        usable: bool = _checked("detect-gpu", self._usable)
         return usable
 
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         if self._console is None:  # once per report, not once per GPU
             gpus = [(g["addr"], g["physfn"]) for g in self.gpus]
-            console = listed_console(self.root, gpus)
+            console = console_unread(gpus) or listed_console(self.root, gpus)
             if console is None:  # a tree without the bus listing: the scan's walk finds them
                 from gpuwatch.hostfs.scan import read_console
 
@@ -233,6 +257,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
     gpus: list[dict[str, Any]] = []
     functions: dict[str, dict[str, Any]] = {}
     groups = read_iommu_groups(remote.root)
+    places = TreePlaces(remote.root)
     for gpu in remote.gpus:
         members = remote.members(gpu)
         group: int = gpu["iommu_group"]
@@ -242,7 +267,7 @@ def status_report(remote: Remote) -> dict[str, Any]:
         accessible = not noiommu and remote.accessible(group)
         opens, opens_ok = vfio_open(remote.root, node, bool(remote.vfio.get("iommufd")),
                                     [m.get("vfio_cdev", "") for m in gpu["group_members"]],
-                                    accessible)
+                                    accessible, places)
         gpus.append({
             "addr": gpu["addr"], "vendor": remote.vendor(gpu), "vendor_id": gpu["vendor_id"],
             "device_id": gpu["device_id"], "class_label": gpu["class_label"],
@@ -338,12 +363,14 @@ def run_report(argv: list[str]) -> int | None:
             return None  # (a config file in force: the full command reads it)
     try:
         if path is not None:
-            proven = ask_proven(path, [("probe", {"action": "detect-vfio"})], root,
-                                gives_root(argv), explicit)
+            calls = [("probe", {"action": "detect-vfio"})]
+            if status is not None:  # its NVIDIA line: on the same connection
+                calls.append(("probe", {"action": "detect-gpu"}))
+            proven = ask_proven(path, calls, root, gives_root(argv), explicit)
             if proven is None:
                 return None  # a config file the daemon did not read as it is now
-            root, served, (vfio,) = proven
-            remote = Remote(path, root, vfio, served_tables(served))
+            root, served, (vfio, *usable) = proven
+            remote = Remote(path, root, vfio, served_tables(served), *usable)
         else:
             remote = Local(root)
         if status is not None:

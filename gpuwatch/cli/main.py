@@ -7,7 +7,6 @@ traceback of an unexpected error.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import contextlib
 import importlib
@@ -15,9 +14,9 @@ import io
 import os
 import sys
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, check_root, fail
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_USAGE, check_root, fail
 from gpuwatch.errors import (
     EXIT_INTERRUPTED,
     INVALID_PARAMS,
@@ -25,6 +24,9 @@ from gpuwatch.errors import (
     GpuwatchError,
     OutputFailed,
 )
+
+if TYPE_CHECKING:
+    import argparse
 
 #: Subcommand modules, in the order ``gpuwatch --help`` lists them.
 SUBCOMMANDS = (
@@ -96,6 +98,8 @@ class _Summarised:
 def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The parser, with the full arguments of the modules ``only`` names (None: every one)
     and a one-line entry for each other subcommand, whose module stays unloaded."""
+    from gpuwatch.cli.oneline import OneLineParser  # argparse: not for the fast paths
+
     parser = OneLineParser(
         prog="gpuwatch",
         description="Watch a Linux GPU host: probes from memory, change events, safe driver "

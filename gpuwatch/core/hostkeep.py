@@ -52,6 +52,8 @@ def kept_for_host_reason(
             return (f"{', '.join(devices)} {'is' if len(devices) == 1 else 'are'} a BMC/console "
                     "device (host_console_devices): this group is the host's console or "
                     "management function")
+    if not (boot_vga or framebuffers):
+        return ""  # (the rest names a function in one or the other)
     displays = set(host_displays)
     for fn in ordered:
         if is_gpu_class(fn.class_) and fn.addr in boot_vga and displays <= {fn.addr}:

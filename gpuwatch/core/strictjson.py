@@ -27,7 +27,8 @@ class UnsafeJson(CallerError, ValueError):
     duplicate key or a lone surrogate. Each would break a reader somewhere down the line."""
 
 
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+#: Every byte but quotes and brackets: the rest says nothing of how deep a text nests.
+_NOT_MARKS = bytes(set(range(256)) - set(b'"[]{}'))
 _LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
@@ -36,15 +37,26 @@ def json_depth(text: str) -> int:
 
     Escapes are removed first (``\\\\`` before ``\\"``, the order a parser reads them), so
     splitting on the remaining quotes leaves string bodies at the odd positions; only the
-    brackets outside strings count.
+    brackets outside strings count. Only quotes and brackets are kept for that, and where no
+    string holds a bracket (every reply and request gpuwatch writes) each string is then a
+    ``""`` that goes at once: once every pair of adjacent quotes is gone, a quote is left
+    whenever a string held a bracket (or the quotes do not pair), and only then is the
+    text split (a reply of a hundred GPUs has ten thousand strings).
     """
     if text.count("[") + text.count("{") <= 1:
         return text.count("[") + text.count("{")
-    bare = text.replace("\\\\", "").replace('\\"', "")
-    outside = _NOT_BRACKET.sub("", "".join(bare.split('"')[::2]))
+    # As UTF-8 bytes (a lone surrogate passed through): no byte of a character beyond
+    # ASCII is a quote, a bracket or a backslash, and bytes lose the others in C.
+    raw = text.encode("utf-8", "surrogatepass")
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    marks = raw.translate(None, _NOT_MARKS)
+    outside = marks.replace(b'""', b"")
+    if b'"' in outside:
+        outside = b"".join(marks.split(b'"')[::2])
     if not outside:
         return 0
-    return max(0, *accumulate(1 if c in "[{" else -1 for c in outside))
+    return max(0, *accumulate(1 if c in b"[{" else -1 for c in outside))
 
 
 def _no_constant(name: str) -> Any:
@@ -93,7 +105,16 @@ _STRICT = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite,
                            object_pairs_hook=_unique_keys)
 _STRICT_INTS = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite,
                                 parse_int=_bounded_int, object_pairs_hook=_unique_keys)
-_LONG_DIGITS = re.compile(f"[0-9]{{{_MAX_INT_DIGITS}}}")
+#: Every ASCII digit as ``0``: a run of `_MAX_INT_DIGITS` of them is then one substring
+#: (a search in C, where a regular expression tried a match at every digit).
+_DIGITS_AS_ZEROS = str.maketrans("123456789", "000000000")
+_LONG_DIGITS = "0" * _MAX_INT_DIGITS
+
+
+def has_long_digits(text: str) -> bool:
+    """Whether ``text`` holds a run of `_MAX_INT_DIGITS` ASCII digits: only then may it hold
+    an integer no double holds, and only then is it decoded with the integer hook."""
+    return len(text) >= _MAX_INT_DIGITS and _LONG_DIGITS in text.translate(_DIGITS_AS_ZEROS)
 
 
 def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
@@ -109,7 +130,7 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
         depth = json_depth(text)
         if depth > max_depth:
             raise UnsafeJson(f"JSON nested {depth} deep (at most {max_depth})")
-    obj = (_STRICT_INTS if _LONG_DIGITS.search(text) else _STRICT).decode(text)
+    obj = (_STRICT_INTS if has_long_digits(text) else _STRICT).decode(text)
     if _LONE_SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")

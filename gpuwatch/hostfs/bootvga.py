@@ -43,6 +43,19 @@ def console_of(gpus: Iterable[tuple[str, str]], folder: Callable[[str], str]) ->
         frozenset(a for a in displays if len(displays) == 1 and framebuffer_names(folder(a))))
 
 
+def console_unread(gpus: Iterable[tuple[str, str]]) -> HostConsole | None:
+    """The `HostConsole` of ``gpus`` with nothing read, where nothing read could change a
+    report: a host with two or more displays of its own. The rule names a function by its
+    ``boot_vga`` or its framebuffer only when it is the host's only display
+    (`gpuwatch.core.hostkeep.kept_for_host_reason`), so neither set is consulted there, and
+    a big host is spared a ``boot_vga`` read per GPU. None: the host has one display or none,
+    so they must be read (`listed_console`)."""
+    displays = tuple(own_displays(gpus))
+    if len(set(displays)) < 2:
+        return None
+    return HostConsole(displays, frozenset(), frozenset())
+
+
 def listed_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole | None:
     """`console_of` ``gpus``, each read through its bus entry; None when one has no entry (a
     capture without the listing: `gpuwatch.hostfs.scan.read_console` walks ``sys/devices``)."""

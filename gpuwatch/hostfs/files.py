@@ -7,7 +7,6 @@ import contextlib
 import errno
 import os
 import stat
-import tempfile
 from collections.abc import Callable, Iterator
 
 from gpuwatch.core.pci import is_pci_addr
@@ -154,6 +153,10 @@ def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
     folder, name = os.path.split(path)
     # mkstemp: O_EXCL|O_NOFOLLOW, mode 0600, and a name of its own per writer, so two
     # processes writing one record at once never take each other's half-written file.
+    # (Imported here: it brings shutil and random, and a report that only reads the tree,
+    # `status` on a daemon's answers, needs neither.)
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".gpuwatch-new", dir=folder or ".")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -289,6 +292,38 @@ def tree_dir(root: str, rel: str) -> str:
     The root's own link is read as in a chroot too: a fixture whose ``sys`` is a link to
     ``/sys`` leads back to itself (nowhere), never to the sysfs of the host running us."""
     return in_tree(root, rel) or NOWHERE
+
+
+class TreePlaces:
+    """`tree_dir` of many nodes of one tree (``/dev/vfio/N`` of each GPU a report names),
+    each folder on the way resolved once: a node that is no link in its folder's place is
+    there, as `resolve_in_root` would find it, and any other (a link, an odd spelling) is
+    resolved whole. A host of a hundred GPUs otherwise read every link of ``dev/vfio`` a
+    hundred times."""
+
+    __slots__ = ("_folders", "root")
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._folders: dict[str, str] = {}
+
+    def __call__(self, node: str) -> str:
+        head, _, name = node.rpartition("/")
+        if name in ("", ".", "..") or not head.strip("/"):
+            return tree_dir(self.root, node)
+        folder = self._folders.get(head)
+        if folder is None:
+            folder = self._folders[head] = in_tree(self.root, head)
+        if not folder:  # the links loop on the way: nowhere, as a whole resolution says
+            return tree_dir(self.root, node)
+        place = os.path.join(folder, name)
+        try:
+            os.readlink(place)
+        except OSError:  # no link (or nothing there): the name stands for itself
+            return place
+        except ValueError:
+            pass
+        return tree_dir(self.root, node)
 
 
 def place_in_root(root: str, rel: str) -> str:
