@@ -28,7 +28,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticSerializationError
 
 from gpuwatch.core.results import GpuInfo, Health, Holding, PciFunction, Vgpu
-from gpuwatch.core.trusted import build
+from gpuwatch.core.trusted import build, shared_fields_set
 from gpuwatch.errors import InternalError
 
 
@@ -90,11 +90,14 @@ class DriverChanged(_Event):
     new: str
 
 
+_DRIVER_CHANGED_SET = shared_fields_set({"addr", "old", "new"})
+
+
 def driver_changed(addr: str, old: str, new: str) -> DriverChanged:
     """``DriverChanged(addr=addr, old=old, new=new)`` without validation (the model's strings
     are already strings): one is built per bind or unbind, the hottest event there is."""
     return build(DriverChanged, {"seq": 0, "time": "", "type": "driver-changed", "addr": addr,
-                                 "old": old, "new": new}, {"addr", "old", "new"})
+                                 "old": old, "new": new}, _DRIVER_CHANGED_SET)
 
 
 class IommuGroupChanged(_Event):

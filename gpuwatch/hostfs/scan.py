@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import stat as stat_mod
+import sys
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -78,6 +79,10 @@ _VGPU_ID_RE = re.compile(r"^\s*([0-9]+)\b")
 _NO_VFIO_DEV = ("", "")
 _NO_LINKS = (-1, False)
 _tuple_new = tuple.__new__
+#: The strings a function's record holds that many functions share (ids, class, driver),
+#: each read afresh per function: one object per value instead (a large host's model held
+#: ~1.3 MB of equal copies). Interned strings still go when nothing holds them.
+_intern = sys.intern
 
 CDI_SPECS = ("etc/cdi/nvidia.yaml", "var/run/cdi/nvidia.yaml")
 #: Uevent actions that announce a driver link change and nothing else.
@@ -286,7 +291,7 @@ def plain_ids(seen: PciSeen) -> tuple[str, str] | None:
         klass = int(seen.klass, 16)
     except ValueError:
         return None
-    return f"{vendor:04X}:{device:04X}", f"{klass << 8:04X}"[:-2]
+    return _intern(f"{vendor:04X}:{device:04X}"), _intern(f"{klass << 8:04X}"[:-2])
 
 
 def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
@@ -328,7 +333,7 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
                 if action == "unbind" and not access(link, F_OK, follow_symlinks=False):
                     driver = ""  # what an unbind leaves: no failed readlink (an exception)
                 else:
-                    driver = link_name(link)
+                    driver = _intern(link_name(link))
                 if not driver or not _vfio_capable(driver, variants):
                     run.append((known.seen.addr, driver))
                     continue
@@ -381,7 +386,7 @@ def read_function_known(paths: HostPaths, addr: str, devpath: str, action: str =
             if action == "unbind" and not os.access(link, os.F_OK, follow_symlinks=False):
                 driver = ""  # what an unbind leaves: no failed readlink (an exception) to pay
             else:
-                driver = link_name(link)
+                driver = _intern(link_name(link))
             vfio = bool(driver) and _vfio_capable(driver, variants)
             group, may_go = paths.links.get(candidate, _NO_LINKS)
             if group < 0 or may_go:
@@ -437,14 +442,14 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
     a live kernel's links are the truth the moment they change, while a fixture's other
     files may lag behind them. ``live``: the kernel's own sysfs (`read_kernel_attr`)."""
     read = read_kernel_attr if live else read_attr
-    klass = class_prefix(read(directory + "/class"))
-    driver = driver_name(directory) if told else link_name(directory + "/driver")
+    klass = _intern(class_prefix(read(directory + "/class")))
+    driver = _intern(driver_name(directory) if told else link_name(directory + "/driver"))
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
         devpath=devpath,
-        vendor_id=pci_id(read(directory + "/vendor")),
-        device_id=pci_id(read(directory + "/device")),
+        vendor_id=_intern(pci_id(read(directory + "/vendor"))),
+        device_id=_intern(pci_id(read(directory + "/device"))),
         klass=klass,
         driver=driver,
         iommu_group=parse_group(group_name(directory) if told

@@ -35,7 +35,7 @@ from gpuwatch.core.events import (
     format_event_time,
     stamp,
 )
-from gpuwatch.core.observations import Observation
+from gpuwatch.core.observations import Observation, Snapshot
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
@@ -463,8 +463,8 @@ class Watcher:
             raise UsageError(f"resync reason must be one of {', '.join(RESYNC_REASONS)}, "
                              f"not {reason!r}")
         async with self._lock:
-            snapshot = await anyio.to_thread.run_sync(scan, self.paths, self.tables)
-            events = self.model.state.apply_snapshot(snapshot)
+            events = self.model.state.apply_snapshot(
+                await _scan_in_thread(self.paths, self.tables))
             self.publish(events)
             self.resyncs += 1
             self.publish([Resync(reason=reason, changes=len(events))])
@@ -712,8 +712,10 @@ async def open_watcher(
             _log.warning("%s", warning)
         paths = HostPaths(root)
         # Abandoned on cancel: SIGTERM during a long first scan stops now, not after it.
-        snapshot = await anyio.to_thread.run_sync(scan, paths, tables, abandon_on_cancel=True)
-        model = HostModel(paths, HostState(tables, snapshot))
+        # Not bound to a name: this frame lives as long as the watcher (it is suspended at
+        # the `yield` below), and a name would hold the whole first scan for that long.
+        model = HostModel(paths, HostState(
+            tables, await _scan_in_thread(paths, tables, abandon_on_cancel=True)))
         model.proc_deadline = proc_read_timeout_in_force(config)
         watcher = Watcher(
             model,
@@ -745,6 +747,22 @@ async def open_watcher(
             src.close()
         if event_log is not None and not isinstance(log, EventLog):
             event_log.close()
+
+
+async def _scan_in_thread(paths: HostPaths, tables: Tables, *,
+                         abandon_on_cancel: bool = False) -> Snapshot:
+    """`scan` in a worker thread. The snapshot comes back in a box emptied here, not as the
+    job's result: an idle anyio worker keeps its last job (the result in its future) until
+    it is given another, which a watcher may never do, so a result would hold every record,
+    tuple and string of the scan that nothing else keeps, for as long as the worker idles."""
+    box: list[Snapshot] = []
+    await anyio.to_thread.run_sync(_scan_into, box, paths, tables,
+                                   abandon_on_cancel=abandon_on_cancel)
+    return box.pop()
+
+
+def _scan_into(box: list[Snapshot], paths: HostPaths, tables: Tables) -> None:
+    box.append(scan(paths, tables))
 
 
 def reraise_alone(exc: BaseException) -> None:
