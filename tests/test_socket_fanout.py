@@ -201,14 +201,7 @@ async def _subscriber(path: str, params: dict[str, Any] | None = None,
 
 
 async def _read_lines(sock: socket.socket, count: int, timeout: float = 10) -> list[Any]:
-    buf = b""
-    with anyio.fail_after(timeout):
-        while buf.count(b"\n") < count:
-            await anyio.wait_readable(sock)
-            chunk = sock.recv(1 << 20)
-            assert chunk, "closed early"
-            buf += chunk
-    return _lines(buf)
+    return _lines(await _read_bytes(sock, count, timeout))
 
 
 async def test_a_quiet_event_is_written_before_publish_returns(

@@ -94,6 +94,13 @@ def peek_reply(sock: socket.socket) -> bool:
         return False
 
 
+def _write_log(log: Path, count: int) -> None:
+    """An event log of ``count`` ``driver-changed`` lines, seqs 1 to ``count``."""
+    line = ('{"seq":%d,"time":"2026-01-01T00:00:00.000000Z","type":"driver-changed",'
+            '"addr":"0000:01:00.0","old":"nvidia","new":"vfio-pci"}\n')
+    log.write_text("".join(line % seq for seq in range(1, count + 1)))
+
+
 def probe_client(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
@@ -107,9 +114,7 @@ async def test_a_probe_sent_during_a_replay_turn_is_answered_before_the_next(
     host: SysRoot, tmp_path: Path
 ) -> None:
     log = tmp_path / "events.jsonl"
-    line = ('{"seq":%d,"time":"2026-01-01T00:00:00.000000Z","type":"driver-changed",'
-            '"addr":"0000:01:00.0","old":"nvidia","new":"vfio-pci"}\n')
-    log.write_text("".join(line % seq for seq in range(1, 301)))  # ~40 KiB: ten turns
+    _write_log(log, 300)  # ~40 KiB: ten turns
     turns: list[bool] = []  # per turn after the probe: was it answered when the turn began?
     with short_socket_dir() as sockdir:
         path = f"{sockdir}/gw.sock"
@@ -152,9 +157,7 @@ async def test_a_probe_sent_in_the_turn_that_fills_a_replay_block_is_answered_be
     is answered before the block is written. Was: the write ran in the same turn as that
     read, the longest step of a replay, and the probe waited for both."""
     log = tmp_path / "events.jsonl"
-    line = ('{"seq":%d,"time":"2026-01-01T00:00:00.000000Z","type":"driver-changed",'
-            '"addr":"0000:01:00.0","old":"nvidia","new":"vfio-pci"}\n')
-    log.write_text("".join(line % seq for seq in range(1, 1501)))  # ~190 KiB: three blocks
+    _write_log(log, 1500)  # ~190 KiB: three blocks
     sent = 0  # probes sent, one during each turn's read after the first
     behind: list[int] = []  # per block written: probes sent and not answered yet
     with short_socket_dir() as sockdir:
