@@ -22,11 +22,13 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemon_helpers import Daemon, Lines, connect, env, gpuwatch_cmd, probe
+from test_embedding import BACKENDS
 
 from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.service import protocol as P
@@ -1033,6 +1035,177 @@ def test_a_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(sockdir:
         listener.close()
     # Behind the four that wait already: a few accepts, a few tens of ms.
     assert sum(times) < 2.0, f"the client waited {[round(t, 2) for t in times]} s for a place"
+
+
+def _busy_listener(path: str) -> socket.socket:
+    """A daemon that accepts too slowly to matter (never, here): a listener whose backlog
+    the caller fills."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    return listener
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads_waiting_for_room() -> int:
+    """Threads of this process inside `AsyncClient.connect`'s wait for room."""
+    from gpuwatch.service.client import _Turn
+
+    waiting = 0
+    for frame in sys._current_frames().values():
+        f: types.FrameType | None = frame
+        while f is not None and f.f_code is not _Turn.wait.__code__:
+            f = f.f_back
+        waiting += f is not None
+    return waiting
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_async_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(
+    sockdir: str, backend: str
+) -> None:
+    """The async twin of the test above: `AsyncClient.connect` retried every 10 ms and lost
+    nearly every freed place to the peers waiting in the kernel; it now waits in the
+    kernel's queue too, in a worker thread, the event loop running on meanwhile."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient
+
+    path = f"{sockdir}/busy.sock"
+    listener = _busy_listener(path)
+    stop = threading.Event()
+
+    def drain() -> None:  # a slow daemon: one accept every 5 ms
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+            time.sleep(0.005)
+
+    async def connect_five() -> tuple[list[float], int]:
+        times: list[float] = []
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0.005)
+                ticks += 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            for _ in range(5):
+                started = time.monotonic()
+                await (await AsyncClient.connect(path, timeout=5)).aclose()
+                times.append(time.monotonic() - started)
+            tg.cancel_scope.cancel()
+        return times, ticks
+
+    hammers = subprocess.Popen([sys.executable, "-c", _HAMMER, path, "4"],
+                               start_new_session=True)
+    drainer = threading.Thread(target=drain)
+    drainer.start()
+    try:
+        time.sleep(0.3)  # the backlog full, the hammers waiting for room
+        times, ticks = anyio.run(connect_five, backend=backend)
+    finally:
+        os.killpg(hammers.pid, signal.SIGKILL)
+        hammers.wait()
+        stop.set()
+        drainer.join()
+        listener.close()
+    # Behind the four that wait already: a few accepts, a few tens of ms.
+    assert sum(times) < 2.0, f"the client waited {[round(t, 2) for t in times]} s for a place"
+    assert ticks >= 5  # the loop was not blocked while the client waited
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("timeout", "give_up_after"), [(None, 0.3), (60.0, 0.3), (None, 0)])
+def test_a_cancelled_async_connect_waiting_for_room_leaves_no_socket_or_thread(
+    sockdir: str, backend: str, timeout: float | None, give_up_after: float
+) -> None:
+    """A caller that gives up on `AsyncClient.connect` while it waits for room in a full
+    backlog (its own timeout, a cancelled task) gets control back at once; the worker
+    thread that waits in the kernel's queue gives up within a slice and closes the socket
+    itself (closed under it, the fd's number could go to another file while the connect
+    still held it), also with no timeout of the client's own, and also when the caller gave
+    up before the thread began."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient
+
+    path = f"{sockdir}/busy.sock"
+    listener = _busy_listener(path)
+    queued = fill_backlog(path)
+    try:
+        before = _open_fds()
+
+        async def give_up() -> bool:
+            with anyio.move_on_after(give_up_after) as scope:
+                await AsyncClient.connect(path, timeout=timeout)
+            return scope.cancelled_caught
+
+        started = time.monotonic()
+        assert anyio.run(give_up, backend=backend)
+        assert time.monotonic() - started < give_up_after + 1.0
+        bound = time.monotonic() + 2.0
+        while ((_threads_waiting_for_room() or _open_fds() != before)
+               and time.monotonic() < bound):
+            time.sleep(0.02)
+        assert _threads_waiting_for_room() == 0
+        assert _open_fds() == before, sorted(os.listdir("/proc/self/fd"))
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_async_connect_to_a_backlog_that_stays_full_gives_up_at_its_timeout(
+    sockdir: str, backend: str
+) -> None:
+    """`AsyncClient.connect` waits for room within its timeout (across the worker's slices)
+    and no longer: then `DaemonUnavailable` in one line, nothing left open or waiting. A
+    daemon that goes away meanwhile is said to be gone, as a path with none is."""
+    import anyio
+
+    from gpuwatch.service.client import AsyncClient, DaemonUnavailable
+
+    path = f"{sockdir}/busy.sock"
+    listener = _busy_listener(path)
+    queued = fill_backlog(path)
+    try:
+        before = _open_fds()
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailable) as full:
+            anyio.run(functools.partial(AsyncClient.connect, path, timeout=1.2), backend=backend)
+        waited = time.monotonic() - started
+        assert 1.1 <= waited < 2.0, waited
+        assert str(full.value) == (f"the gpuwatch daemon at {path} is not accepting "
+                                   "connections: Resource temporarily unavailable")
+        assert _threads_waiting_for_room() == 0
+        assert _open_fds() == before
+
+        # The daemon goes (its listener closed) while the client waits for room.
+        closer = threading.Timer(0.3, listener.close)
+        closer.start()
+        try:
+            with pytest.raises(DaemonUnavailable) as gone:
+                anyio.run(functools.partial(AsyncClient.connect, path, timeout=None),
+                          backend=backend)
+        finally:
+            closer.join()
+        assert str(gone.value).startswith(f"no gpuwatch daemon at {path}: ")
+        assert "\n" not in str(gone.value)
+        assert _threads_waiting_for_room() == 0
+        assert _open_fds() == before - 1  # the listener
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
 
 
 def test_a_dead_daemons_socket_is_replaced(host: SysRoot, tmp_path: Path, sockdir: str) -> None:

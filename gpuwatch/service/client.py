@@ -10,9 +10,11 @@ model handles them unchanged.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -21,6 +23,7 @@ from typing import Any, ClassVar, NoReturn, Self
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.errors import (
@@ -44,6 +47,11 @@ _REFUSAL_WAIT = 1.0
 _REFUSAL_BYTES = 64 << 10
 # How often a client retries a connect that found the daemon's listen backlog full.
 _BACKLOG_RETRY = 0.01
+# The longest one wait of `AsyncClient.connect`'s worker thread in the kernel's queue for
+# room in a full backlog: a caller that gave up (cancelled) leaves the thread at most this
+# long, and one still waiting queues again after it (at the end of the queue: a flood's
+# queue takes far less than this to move, a few hundred ms for thousands of peers).
+_ROOM_SLICE = 0.5
 
 
 def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
@@ -67,6 +75,82 @@ def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", 0, 0))
     return True
+
+
+def _not_accepting(path: str, exc: OSError) -> DaemonUnavailable:
+    return DaemonUnavailable(f"the gpuwatch daemon at {path} is not accepting connections: "
+                             f"{exc.strerror or exc}")
+
+
+def _no_daemon(path: str, exc: OSError) -> DaemonUnavailable:
+    return DaemonUnavailable(f"no gpuwatch daemon at {path}: {exc.strerror or exc}")
+
+
+class _Turn:
+    """`AsyncClient.connect`'s wait for room in a full backlog, run in a worker thread, and
+    who owns its socket meanwhile. A connect blocked in one thread cannot be woken from
+    another, and closing its fd there would let the number go to a new file while the
+    connect still holds it; so the thread owns the socket while it waits, in slices of at
+    most `_ROOM_SLICE`, and the last of the thread and a caller who gave up closes it."""
+
+    def __init__(self, sock: socket.socket, path: str, deadline: float | None) -> None:
+        self.sock = sock
+        self.path = path
+        self.deadline = deadline
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._started = False
+        self._done = False
+
+    def wait(self) -> None:
+        """In the worker thread: connect, waiting until the deadline; `BlockingIOError`
+        when the backlog stayed full that long, another `OSError` when nothing listens."""
+        with self._lock:
+            if self._abandoned:
+                return  # given up before this thread began: the socket is closed already
+            self._started = True
+        try:
+            while not self._abandoned:
+                now = time.monotonic()
+                end = now + _ROOM_SLICE
+                if self.deadline is not None:
+                    if now >= self.deadline:
+                        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+                    end = min(end, self.deadline)
+                if _wait_for_room(self.sock, self.path, end):
+                    return
+                if time.monotonic() < end:  # could not wait in the kernel: retry soon
+                    time.sleep(_BACKLOG_RETRY)
+        finally:
+            with self._lock:
+                self._done = True
+                if self._abandoned:
+                    self.sock.close()
+
+    async def take(self) -> None:
+        """Wait for room in the worker thread; `DaemonUnavailable` past the deadline or with
+        nothing listening. On any failure (a cancellation too) the socket is left to be
+        closed, at once or by the thread when its slice ends."""
+        try:
+            await anyio.to_thread.run_sync(self.wait, abandon_on_cancel=True)
+        except BlockingIOError as exc:
+            self.abandon()
+            raise _not_accepting(self.path, exc) from None
+        except OSError as exc:
+            self.abandon()
+            raise _no_daemon(self.path, exc) from None
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """In the caller, which takes the socket no more (cancelled, or the wait failed):
+        closed now if the thread is done with it, else by the thread at the end of its
+        slice."""
+        with self._lock:
+            self._abandoned = True
+            if self._done or not self._started:  # (a worker may never start, cancelled first)
+                self.sock.close()
 
 
 class DaemonError(HostError):
@@ -207,8 +291,7 @@ class Client:
                         connected = _wait_for_room(self._sock, self.path, deadline)
                     except OSError as failed:
                         self._sock.close()
-                        raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
-                                                f"{failed.strerror or failed}") from None
+                        raise _no_daemon(self.path, failed) from None
                     finally:
                         with contextlib.suppress(OSError):
                             self._sock.settimeout(timeout)
@@ -217,12 +300,10 @@ class Client:
                     time.sleep(_BACKLOG_RETRY)
                     continue
                 self._sock.close()
-                raise DaemonUnavailable(f"the gpuwatch daemon at {self.path} is not accepting "
-                                        f"connections: {exc.strerror or exc}") from None
+                raise _not_accepting(self.path, exc) from None
             except OSError as exc:
                 self._sock.close()
-                raise DaemonUnavailable(f"no gpuwatch daemon at {self.path}: "
-                                        f"{exc.strerror or exc}") from None
+                raise _no_daemon(self.path, exc) from None
         self._framer = LineFramer(_MAX_REPLY)
         self._lines: deque[bytes] = deque()
         self._next_id = 0
@@ -423,27 +504,28 @@ class AsyncClient:
     async def connect(cls, path: str | os.PathLike[str] | None = None, *,
                       timeout: float | None = DEFAULT_TIMEOUT) -> AsyncClient:
         where = os.fspath(path) if path is not None else default_socket_path()
-        # A unix socket's connect never waits (no EINPROGRESS): it connects, or finds the
-        # daemon's listen backlog full (EAGAIN) and is tried again, within the timeout, as
-        # `Client` does. (anyio's own connect waits for room with no bound, and leaks its
-        # socket when cancelled.)
+        # A non-blocking unix connect never waits (no EINPROGRESS): it connects, or finds
+        # the daemon's listen backlog full (EAGAIN). Then, as `Client` does, it waits for
+        # room in the kernel's queue of connectors, in turn, within the timeout: a worker
+        # thread does that wait (`_Turn`), so the event loop runs on and the caller can
+        # cancel. (anyio's own connect waits for room with no bound, and leaks its socket
+        # when cancelled; one retried now and then loses every free place to peers already
+        # waiting.)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                try:
-                    sock.connect(where)
-                    break
-                except BlockingIOError as exc:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise DaemonUnavailable(
-                            f"the gpuwatch daemon at {where} is not accepting connections: "
-                            f"{exc.strerror or exc}") from None
-                    await anyio.sleep(_BACKLOG_RETRY)
-                except OSError as exc:
-                    raise DaemonUnavailable(f"no gpuwatch daemon at {where}: "
-                                            f"{exc.strerror or exc}") from None
+            sock.connect(where)
+        except BlockingIOError as exc:
+            if deadline is not None and time.monotonic() >= deadline:
+                sock.close()
+                raise _not_accepting(where, exc) from None
+            await _Turn(sock, where, deadline).take()  # closes sock unless connected
+        except OSError as exc:
+            sock.close()
+            raise _no_daemon(where, exc) from None
+        try:
+            sock.setblocking(False)
             stream = await anyio.abc.UNIXSocketStream.from_socket(sock)
         except BaseException:
             sock.close()
