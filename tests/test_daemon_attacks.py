@@ -1037,6 +1037,47 @@ def test_a_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(sockdir:
     assert sum(times) < 2.0, f"the client waited {[round(t, 2) for t in times]} s for a place"
 
 
+def test_a_signal_while_a_client_waits_for_room_does_not_pass_for_a_connection(
+    sockdir: str
+) -> None:
+    """A signal (SIGCHLD, SIGWINCH, a program's own) that arrives while `Client` waits for
+    room in a full backlog cuts the kernel's wait short, leaving the socket unconnected;
+    Python then finds it writable and reports the connect done. The client took that for a
+    connection, and its first call failed ("Transport endpoint is not connected") where it
+    should have waited on for room, within its timeout, and been answered."""
+    path = f"{sockdir}/busy.sock"
+    listener = _busy_listener(path)
+    queued = fill_backlog(path)
+
+    def serve() -> None:  # a daemon busy for a moment, then answering each request
+        time.sleep(0.6)
+        for s in queued:
+            s.close()  # still queued: accepted (and hung up on) first
+        with contextlib.suppress(OSError):  # until no one connects for half a second
+            listener.settimeout(0.5)
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(0.5)
+                    with contextlib.suppress(OSError):
+                        if conn.recv(4096):
+                            conn.sendall(b'{"id": 1, "result": true}\n')
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    server = threading.Thread(target=serve)
+    poke = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    server.start()
+    poke.start()
+    try:
+        with Client(path, timeout=10) as c:
+            assert c.probe("detect-gpu") is True
+    finally:
+        poke.join()
+        signal.signal(signal.SIGUSR1, previous)
+        server.join()
+        listener.close()
+
+
 def _busy_listener(path: str) -> socket.socket:
     """A daemon that accepts too slowly to matter (never, here): a listener whose backlog
     the caller fills."""

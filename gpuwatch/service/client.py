@@ -59,7 +59,8 @@ def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
     connect that waits for room in the listen backlog queues in the kernel, in turn, where
     one retried now and then loses every free place to peers already waiting (a flood of
     them kept root's client out for a second). True when connected; False when it could not
-    wait that way (the caller then retries). Leaves ``sock`` blocking."""
+    wait that way, or a signal cut the wait short (the caller then retries). Leaves ``sock``
+    blocking."""
     left = max(deadline - time.monotonic(), 0.001)
     sec, usec = int(left), int((left % 1) * 1_000_000)
     try:
@@ -69,8 +70,16 @@ def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
         return False
     try:
         sock.connect(path)
+        # A signal that interrupts the wait (EINTR, which SO_SNDTIMEO makes it) leaves the
+        # socket unconnected, but Python then waits for it to turn writable, as a TCP
+        # connect under way would, and an unconnected unix socket is: connect "succeeds".
+        sock.getpeername()
     except BlockingIOError:
         return False  # still full at the deadline
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise
+        return False  # interrupted: the caller waits again
     finally:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("@ll", 0, 0))
