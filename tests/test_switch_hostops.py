@@ -7,14 +7,18 @@ this Python itself: nothing here touches the real /sys or runs a host command.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
+from gpuwatch.hostfs.facts import call_bounded
 from gpuwatch.hostfs.files import resolve_in_root
 from gpuwatch.switch import hostops
 from gpuwatch.switch.hostops import (
@@ -214,3 +218,74 @@ def test_is_real_sysfs_reads_mountinfo(tmp_path: Path) -> None:
     assert is_real_sysfs(str(tmp_path / "host"), str(info)) is True
     assert is_real_sysfs(str(tmp_path / "other"), str(info)) is False
     assert is_real_sysfs(str(tmp_path / "host"), str(tmp_path / "absent")) is False
+
+
+# --------------------------------------------------------------------------- bounded reads
+
+_BACKENDS = ["asyncio", pytest.param("trio", marks=pytest.mark.skipif(
+    importlib.util.find_spec("trio") is None, reason="trio is not installed"))]
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_a_bounded_read_hands_back_its_value_as_soon_as_it_has_it(backend: str) -> None:
+    """The thread wakes the loop when its read is done: the caller never sits out the rest
+    of the timeout (with an anyio that could not be entered from a foreign thread, the
+    wake-up failed silently and every read took its whole timeout)."""
+    async def main() -> tuple[object, float]:
+        started = time.monotonic()
+        value = await call_bounded(lambda: threading.current_thread().name, 30.0, "a read")
+        return value, time.monotonic() - started
+
+    value, took = anyio.run(main, backend=backend)
+    assert value == "gpuwatch a read"  # read in a thread of its own, named for the read
+    assert took < 10.0, f"the read's value waited {took:.1f} s for a 30 s timeout"
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_a_bounded_read_that_fails_or_hangs_is_reported_as_such(backend: str) -> None:
+    release = threading.Event()
+
+    def fail() -> None:
+        raise PermissionError(errno.EACCES, "no")
+
+    async def main() -> None:
+        with pytest.raises(PermissionError):
+            await call_bounded(fail, 30.0, "a read")
+        with pytest.raises(StepTimedOut, match="a stuck read"):
+            await call_bounded(lambda: release.wait(30), 0.2, "a stuck read")
+
+    try:
+        anyio.run(main, backend=backend)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+def test_a_bounded_read_that_ends_after_its_loop_is_gone_ends_quietly(backend: str) -> None:
+    """The caller gave up and its loop has finished when the read returns: the thread's
+    wake-up finds no loop (anyio's RunFinishedError) and ends without a word."""
+    release = threading.Event()
+    ended = threading.Event()
+    hooked: list[BaseException | None] = []
+    previous = threading.excepthook
+
+    def read() -> int:
+        release.wait(30)
+        return 1
+
+    async def main() -> None:
+        with pytest.raises(StepTimedOut):
+            await call_bounded(read, 0.1, "a late read")
+
+    threading.excepthook = lambda args: hooked.append(args.exc_value)
+    try:
+        anyio.run(main, backend=backend)
+        [thread] = [t for t in threading.enumerate() if t.name == "gpuwatch a late read"]
+        release.set()
+        thread.join(10)
+        ended.set()
+        assert not thread.is_alive()
+    finally:
+        release.set()
+        threading.excepthook = previous
+    assert ended.is_set() and hooked == []

@@ -501,8 +501,10 @@ async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
             box.append((True, fn()))
         except BaseException as exc:  # handed back to the caller as is
             box.append((False, exc))
-        # The loop may be gone (the caller gave up and left): nobody waits any more.
-        with contextlib.suppress(Exception):
+        # The loop may be gone (the caller gave up and left): nobody waits any more. Only
+        # that (a RuntimeError) is quiet: anything else would leave the caller waiting out
+        # its whole timeout for a result already in the box.
+        with contextlib.suppress(RuntimeError):
             anyio.from_thread.run_sync(done.set, token=token)
 
     threading.Thread(target=target, name=f"gpuwatch {what}", daemon=True).start()
