@@ -284,7 +284,12 @@ async def test_lagged_line_counts_what_was_dropped_and_the_client_raises(
         assert info.value.missed >= 1
         assert info.value.first_missed_seq + info.value.missed - 1 <= last
         assert f"since_seq={info.value.first_missed_seq - 1}" in str(info.value)
-        assert served.server.lag_drops == 1 and not served.server.connections
+        # The server lets go of the connection once it sees the hang-up: a turn of its own,
+        # which may come after the client's close returns.
+        with anyio.fail_after(5):
+            while served.server.connections:
+                await anyio.sleep(0.01)
+        assert served.server.lag_drops == 1
 
 
 async def test_a_lagged_client_that_reads_nothing_is_closed_after_the_grace(
