@@ -411,19 +411,30 @@ def _scrubbed_json(event: BaseModel) -> str:
 
 #: id(GpuInfo) → (the record, its JSON): a record is immutable, and a GPU entry published as a
 #: probe-changed's ``new`` is the next one's ``old``. The record is held so its id stays its.
+#: An entry leaves as it is used on an ``old`` side (superseded: the model never publishes
+#: that record again), so what stays is one entry per GPU as last published, not every
+#: state each GPU ever went through (each holding its group's records) up to the bound.
 _GPU_JSON: dict[int, tuple[BaseModel, str]] = {}
 _GPU_JSON_MAX = 4096
 
 
-def _gpu_json(gpu: BaseModel) -> str:
-    cached = _GPU_JSON.get(id(gpu))
+def _gpu_json(gpu: BaseModel, *, superseded: bool = False) -> str:
+    """``gpu``'s JSON, made once; ``superseded``: the entry is an ``old`` side's, dropped."""
+    key = id(gpu)
+    cached = _GPU_JSON.pop(key, None) if superseded else _GPU_JSON.get(key)
     if cached is not None and cached[0] is gpu:
         return cached[1]
-    if len(_GPU_JSON) >= _GPU_JSON_MAX:
-        _GPU_JSON.clear()
     text = gpu.model_dump_json()
-    _GPU_JSON[id(gpu)] = (gpu, text)
+    if not superseded:
+        if len(_GPU_JSON) >= _GPU_JSON_MAX:
+            _GPU_JSON.clear()
+        _GPU_JSON[key] = (gpu, text)
     return text
+
+
+def _old_gpu_json(gpu: BaseModel) -> str:
+    """`_gpu_json` of an entry on a probe-changed's ``old`` side."""
+    return _gpu_json(gpu, superseded=True)
 
 
 def _gpus_changed_json(fields: dict[str, Any]) -> str | None:
@@ -435,7 +446,7 @@ def _gpus_changed_json(fields: dict[str, Any]) -> str | None:
             and type(seq) is int and _PLAIN_RE.fullmatch(time) is not None):
         return None
     sides = []
-    for side in (old, new):
+    for side, dump in ((old, _old_gpu_json), (new, _gpu_json)):
         if not side:
             sides.append("{}")
             continue
@@ -445,7 +456,7 @@ def _gpus_changed_json(fields: dict[str, Any]) -> str | None:
         for gpu in gpus:
             if type(gpu) is not GpuInfo:
                 return None
-        sides.append('{"gpus":[' + ",".join(map(_gpu_json, gpus)) + "]}")
+        sides.append('{"gpus":[' + ",".join(map(dump, gpus)) + "]}")
     return (f'{{"seq":{seq},"time":"{time}","type":"probe-changed","action":"detect-vfio",'
             f'"old":{sides[0]},"new":{sides[1]}}}')
 

@@ -561,6 +561,7 @@ class HostState:
         functions[addr] = new
         if addr in self.wedge_recovery and new.health != "wedged":
             del self.wedge_recovery[addr]
+            self.wedge_marks.pop(addr, None)
         vfio_stale = is_gpu = is_gpu_class(new.class_)
         gpu_info = self._gpu_info
         if is_gpu:
@@ -620,7 +621,7 @@ class HostState:
         event = DeviceError(addr=seen.addr, error_event=seen.error_event, online=seen.online,
                             health=health)
         if health == "ok":
-            self.recovery_marks.pop(seen.addr, None)
+            self._drop_recovery_mark(seen.addr)
             self._alive(seen.addr)
         else:
             self._recovery_order += 1
@@ -628,6 +629,13 @@ class HostState:
             self.recovery_marks[seen.addr] = RecoveryMark(
                 self._recovery_order, clock() if clock is not None else None)
         events.append(event)
+
+    def _drop_recovery_mark(self, addr: str) -> None:
+        """Forget ``addr``'s recovery mark; with the last one gone, every sign of life too:
+        a failure to come is ranked after all of them, so none can outlive it."""
+        self.recovery_marks.pop(addr, None)
+        if not self.recovery_marks:
+            self.alive_marks.clear()
 
     def _alive(self, addr: str) -> None:
         """``addr`` was just bound or recovered: rank that sign of life (`alive_marks`), but
@@ -692,13 +700,14 @@ class HostState:
                 groups.setdefault(new_group, set()).add(addr)
         if new is None:
             del functions[addr]
-            self.recovery_marks.pop(addr, None)
+            self._drop_recovery_mark(addr)
             self.alive_marks.pop(addr, None)
             self.wedge_marks.pop(addr, None)
         else:
             functions[addr] = new
         if addr in self.wedge_recovery and (new is None or new.health != "wedged"):
             del self.wedge_recovery[addr]
+            self.wedge_marks.pop(addr, None)  # ranks a wedge only while it lasts
         was_gpu = old is not None and is_gpu_class(old.class_)
         is_gpu = new is not None and is_gpu_class(new.class_)
         if was_gpu and not is_gpu:

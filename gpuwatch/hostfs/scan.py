@@ -283,6 +283,16 @@ def _remember_plain(paths: HostPaths, directory: str, seen: PciSeen) -> None:
         paths.plain[directory] = PlainFunction(ids[0], ids[1], seen)
 
 
+def forget_function(paths: HostPaths, devpath: str) -> None:
+    """Drop what the reads of a function that is gone kept about its directory (`identity`,
+    `links`, `plain`): a daemon that sees devices come and go for weeks, with no rescan to
+    clear them, would otherwise keep one entry per directory it ever read."""
+    directory = paths.sys + devpath
+    paths.identity.pop(directory, None)
+    paths.links.pop(directory, None)
+    paths.plain.pop(directory, None)
+
+
 def plain_ids(seen: PciSeen) -> tuple[str, str] | None:
     """(``PCI_ID``, ``PCI_CLASS`` less its last byte) as a PCI uevent spells them, from the
     ids read; None if they do not parse."""
@@ -355,7 +365,11 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
         if run:
             out.append(DriversSeen(tuple(run)))
             run = []
-        out.extend(observe(paths, tables, event))
+        seen_now = observe(paths, tables, event)
+        for obs in seen_now:
+            if type(obs) is PciGone and obs.addr in devpaths:
+                forget_function(paths, devpaths[obs.addr])
+        out.extend(seen_now)
     if run:
         out.append(DriversSeen(tuple(run)))
     return out
