@@ -262,11 +262,17 @@ class Watcher:
         return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
     def snapshot(self) -> HostSnapshot:
-        state = self.model.state
+        """The model at one ``seq``, from any thread: a batch is applied and numbered as one
+        change (`HostModel.consistent`), so a snapshot never mixes two batches."""
+        return self.model.consistent(self._snapshot_now)
+
+    def _snapshot_now(self) -> HostSnapshot:
+        model = self.model
+        state = model.state
         return HostSnapshot(
             seq=self._seq,
             source=self.source.name,
-            functions=self.model.functions(),
+            functions=model._functions_now(),
             nodes=sorted(state.nodes),
             probes={a: state.answer(a) for a in state._answers},
         )
@@ -366,8 +372,18 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
+        self._number(events)
+        self._deliver(events)
+
+    def _number(self, events: Sequence[BaseModel]) -> None:
+        """Stamp the events with the next seqs (under the model's lock, with the batch that
+        made them, inside `HostModel.begin_change`: `snapshot` pairs a state with its seq)."""
         stamp(events, self._seq + 1, format_event_time())
         self._seq += len(events)
+
+    def _deliver(self, events: Sequence[BaseModel]) -> None:
+        """Log and fan out numbered events, outside the model's lock (a log write may be
+        slow; a reader in another thread need not wait for it)."""
         lines: Sequence[str] = ()
         if self._log is not None or self.batch_listeners:  # serialised once, for everyone
             lines = [event_json(event) for event in events]
@@ -444,8 +460,16 @@ class Watcher:
                 observations.append(read_kfd(self.paths))
             if rereads.iommu:
                 observations.append(read_iommu(self.paths))
-        events = state.apply(observations)
-        self.publish(events)
+        model = self.model
+        model.begin_change()  # once a batch, not an event: a storm costs what it did
+        try:
+            events = state.apply(observations)
+            if events:
+                self._number(events)
+        finally:
+            model.end_change()
+        if events:
+            self._deliver(events)
         return events
 
     async def refresh(self, observations: Sequence[Observation]) -> None:
@@ -463,9 +487,18 @@ class Watcher:
             raise UsageError(f"resync reason must be one of {', '.join(RESYNC_REASONS)}, "
                              f"not {reason!r}")
         async with self._lock:
-            events = self.model.state.apply_snapshot(
-                await _scan_in_thread(self.paths, self.tables))
-            self.publish(events)
+            seen = await _scan_in_thread(self.paths, self.tables)
+            model = self.model
+            model.begin_change()
+            try:
+                events = model.state.apply_snapshot(seen)
+                if events:
+                    self._number(events)
+            finally:
+                model.end_change()
+            del seen  # not held while the events are delivered
+            if events:
+                self._deliver(events)
             self.resyncs += 1
             self.publish([Resync(reason=reason, changes=len(events))])
         if events and reason != "overflow":  # an overflow's rescan says it in its own line
