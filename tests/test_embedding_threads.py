@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,13 +22,15 @@ from typing import Any
 
 import anyio
 import pytest
-from test_embedding import BACKENDS, NIC, NV, open_fds, open_quiet
+from test_embedding import BACKENDS, NIC, NV, _trio_usable, open_fds, open_quiet
 
 import gpuwatch
 from gpuwatch.core.results import DetectVfioResult, PciFunction
 from gpuwatch.host import Host
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, example_gpu_host
+from gpuwatch.testing.simkernel import simulated_switch
+from gpuwatch.watch import watcher as watcher_mod
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,3 +291,256 @@ async def run_steps(w: Host, source: MemorySource, storm: Storm) -> None:
                 await anyio.sleep(0)
                 while not round_ % 2 and not storm.settled(w):
                     await anyio.sleep(0.001)
+
+
+# --------------------------------------------------------------------------- teardown
+
+#: Threads a backend keeps idle for its next job, not left behind by gpuwatch.
+POOLED = ("AnyIO worker thread", "Trio thread")
+
+
+def stray_threads(before: set[threading.Thread]) -> list[str]:
+    """Threads started since ``before`` that are still alive after a moment (a worker
+    finishing an abandoned read is given the time to), pooled idle workers aside."""
+    deadline = time.monotonic() + 10
+    while True:
+        stray = [t.name for t in threading.enumerate()
+                 if t not in before and not t.name.startswith(POOLED)]
+        if not stray or time.monotonic() > deadline:
+            return stray
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelled_during_the_initial_scan_it_leaves_nothing_and_opens_again(
+        host: SysRoot, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while a large host is still being scanned: the scan is abandoned at once,
+    its source and its log's lock released then, and the scan's thread ends on its own."""
+    real_scan = watcher_mod.scan
+    scanning, release = threading.Event(), threading.Event()
+
+    def slow_scan(paths: Any, tables: Any) -> Any:
+        scanning.set()
+        release.wait(10)
+        return real_scan(paths, tables)
+
+    log = host.root / "events.jsonl"
+
+    async def main() -> None:
+        before_fds, before_threads = open_fds(), set(threading.enumerate())
+        monkeypatch.setattr(watcher_mod, "scan", slow_scan)
+        with anyio.fail_after(10), anyio.move_on_after(0.2) as scope:
+            async with open_quiet(host.root, "kernel", log=log):
+                pytest.fail("the body ran before the scan was done")
+        assert scope.cancelled_caught and scanning.is_set()
+        assert open_fds() == before_fds  # while the abandoned scan still runs
+        release.set()
+        assert stray_threads(before_threads) == []
+        monkeypatch.setattr(watcher_mod, "scan", real_scan)
+        async with open_quiet(host.root, "kernel", log=log) as w:  # the log's lock is free
+            assert w.probe("display-driver", addr=NV) == "nvidia"
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subscribers_outlive_a_cancelled_watcher_and_one_that_raises_harms_none(
+        host: SysRoot, backend: str) -> None:
+    """Subscribers in the orchestrator's own task group: one whose body raises leaves the
+    other hearing events; when the task holding the watcher is cancelled, a subscriber
+    blocked in ``async for`` sees its stream end (not a hang, not an error), and a new
+    subscription says the watcher is closed."""
+    heard: list[str] = []
+    failures: list[BaseException] = []
+
+    async def main() -> None:
+        before_fds = open_fds()
+        source = MemorySource()
+        box: list[Host] = []
+
+        async def hold_watcher(task_status: anyio.abc.TaskStatus[None]) -> None:
+            async with open_quiet(host.root, source) as w:
+                box.append(w)
+                task_status.started()
+                await anyio.sleep_forever()
+
+        async def listen(w: Host, ready: anyio.Event) -> None:
+            async with w.subscribe(types={"driver-changed"}) as sub:
+                ready.set()
+                async for event in sub:
+                    heard.append(event.addr)
+            heard.append("end")
+
+        async def fail_on_first(w: Host, ready: anyio.Event) -> None:
+            try:
+                async with w.subscribe(types={"driver-changed"}) as sub:
+                    ready.set()
+                    async for _event in sub:
+                        raise RuntimeError("the orchestrator's own bug")
+            except RuntimeError as exc:
+                failures.append(exc)
+
+        with anyio.fail_after(20):
+            async with (anyio.create_task_group() as outer,
+                        anyio.create_task_group() as watching):
+                await watching.start(hold_watcher)
+                w = box[0]
+                ready = [anyio.Event(), anyio.Event()]
+                outer.start_soon(listen, w, ready[0])
+                outer.start_soon(fail_on_first, w, ready[1])
+                for event in ready:
+                    await event.wait()
+                for addr in (NIC, NV):
+                    host.unbind(addr)
+                    source.push(host.uevent_props("unbind", addr))
+                    while addr not in heard:
+                        await anyio.sleep(0.005)
+                assert len(failures) == 1 and len(w.watcher._subscribers) == 1
+                watching.cancel_scope.cancel()  # the task holding the watcher
+        assert heard == [NIC, NV, "end"]
+        with pytest.raises(gpuwatch.WatcherClosed, match="closed"):
+            async with w.subscribe():
+                pass
+        assert w.watcher._subscribers == []
+        assert open_fds() == before_fds
+
+    anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelled_mid_switch_it_leaves_nothing_and_the_next_switch_completes(
+        tmp_path: Path, backend: str) -> None:
+    host = example_gpu_host(tmp_path / "host")
+
+    async def main() -> list[str]:
+        before_fds, before_threads = open_fds(), set(threading.enumerate())
+        midway = 0
+        for delay in (0.0, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.1):
+            events: list[Any] = []  # (none, when the cancel comes before the watcher is up)
+            with anyio.fail_after(30), anyio.move_on_after(delay):
+                async with simulated_switch(host) as (h, _sim, _engine, events):
+                    # back and forth, so that every cancel finds a switch to interrupt
+                    there = "nvidia" if h.probe("current-mode", addr=NV) == "vfio" else "vfio"
+                    await h.switch(NV, there)
+            types = {e.type for e in events}
+            midway += "switch-started" in types and "switch-completed" not in types
+            gc.collect()  # what the cancel abandoned goes now, inside the run (trio warns)
+        assert midway, "no cancel came while a switch was running"
+        assert open_fds() == before_fds
+        assert stray_threads(before_threads) == []
+        async with simulated_switch(host) as (h, _sim, _engine, _events):
+            with anyio.fail_after(30):
+                await h.switch(NV, "vfio")
+            return [h.probe("display-driver", addr=a) for a in (NV, AUDIO)]
+
+    assert anyio.run(main, backend=backend) == ["vfio-pci", "vfio-pci"]
+
+
+class KeptSource(MemorySource):
+    """A memory source that keeps the iterator it hands the watcher, to look at after."""
+
+    iterator: Any = None
+
+    def batches(self) -> Any:
+        self.iterator = super().batches()
+        return self.iterator
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pump_cancelled_while_it_waits_for_the_lock_closes_its_source_iterator(
+        host: SysRoot, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher closes while a batch waits for a resync to finish: the pump is cancelled
+    outside the source's iterator, which is closed there and then, not left suspended for
+    the garbage collector (trio warns of such an abandoned generator, and an embedder that
+    runs with warnings as errors fails on it)."""
+    real_scan = watcher_mod.scan
+    scanning, release = threading.Event(), threading.Event()
+
+    def slow_scan(paths: Any, tables: Any) -> Any:
+        scanning.set()
+        release.wait(10)
+        return real_scan(paths, tables)
+
+    async def main() -> None:
+        source = KeptSource()
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg, open_quiet(host.root, source) as w:
+                monkeypatch.setattr(watcher_mod, "scan", slow_scan)
+                tg.start_soon(w.resync, "reconcile")  # (it ends once the scan is let go)
+                while not scanning.is_set():
+                    await anyio.sleep(0.005)
+                host.unbind(NIC)
+                source.push(host.uevent_props("unbind", NIC))
+                while not w.watcher._lock.statistics().tasks_waiting:
+                    await anyio.sleep(0.005)  # the pump holds the batch and waits its turn
+                threading.Timer(0.1, release.set).start()
+        assert source.iterator is not None
+        assert source.iterator.ag_frame is None, "the source's iterator was left suspended"
+
+    anyio.run(main, backend=backend)
+
+
+# --------------------------------------------------------------------------- two at once
+
+
+def test_a_watcher_per_event_loop_in_two_threads_each_follows_the_host(tmp_path: Path) -> None:
+    """Two threads, each with its own loop (one asyncio, one trio where it is usable) and
+    its own watcher of the same root: each hears every change, and neither's reads see
+    the other's."""
+    host = example_gpu_host(tmp_path / "host")
+    backends = ["asyncio", "trio" if _trio_usable() else "asyncio"]
+    ready = threading.Barrier(3, timeout=10)
+    changed = threading.Event()
+    uevent: dict[str, str] = {}
+    results: dict[int, Any] = {}
+
+    def run(index: int) -> None:
+        async def main() -> list[str]:
+            source = MemorySource()
+            async with (open_quiet(host.root, source) as w,
+                        w.subscribe(types={"driver-changed"}) as sub):
+                await anyio.to_thread.run_sync(ready.wait)
+                await anyio.to_thread.run_sync(changed.wait, 10)
+                source.push(uevent)  # a source is its loop's: pushed on that thread
+                with anyio.fail_after(10):
+                    event = await sub.__anext__()
+                return [event.addr, w.probe("display-driver", addr=NIC) or "none"]
+
+        try:
+            results[index] = anyio.run(main, backend=backends[index])
+        except BaseException as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    host.unbind(NIC)
+    uevent.update(host.uevent_props("unbind", NIC))
+    changed.set()
+    for thread in threads:
+        thread.join(20)
+    assert results == {0: [NIC, "none"], 1: [NIC, "none"]}
+
+
+async def test_two_watchers_of_one_root_in_one_loop_each_follow_it_and_share_no_log(
+        host: SysRoot) -> None:
+    """An orchestrator with two watchers of the same root (two components, each its own):
+    both hear a change; a second writer of one event log is refused in words, and the
+    first watcher goes on unharmed."""
+    log = host.root / "events.jsonl"
+    first, second = MemorySource(), MemorySource()
+    async with (open_quiet(host.root, first, log=log) as a,
+                open_quiet(host.root, second) as b,
+                a.subscribe(types={"driver-changed"}) as heard_a,
+                b.subscribe(types={"driver-changed"}) as heard_b):
+        with pytest.raises(gpuwatch.HostError, match="one writer"):
+            async with open_quiet(host.root, MemorySource(), log=log):
+                pass
+        host.unbind(NIC)
+        for source in (first, second):
+            source.push(host.uevent_props("unbind", NIC))
+        with anyio.fail_after(10):
+            assert (await heard_a.__anext__()).addr == NIC
+            assert (await heard_b.__anext__()).addr == NIC
+        assert a.snapshot().functions == b.snapshot().functions

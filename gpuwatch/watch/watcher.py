@@ -308,8 +308,9 @@ class Watcher:
         """Events from now on, filtered; with ``since_seq``, first every logged event after
         it (no gap, no duplicate at the hand-over; ``complete`` says whether the log still
         held them all). A reader that falls ``buffer`` behind gets `SubscriberLagged`
-        instead of slowing anyone else down."""
-        self.check_thread()
+        instead of slowing anyone else down. On a closed watcher: `WatcherClosed` (no
+        event could ever come; an empty stream would look like a quiet host)."""
+        self.check_open()
         if since_seq is not None and since_seq < 0:
             raise UsageError(f"since_seq must be >= 0, not {since_seq}")
         if buffer is not None and buffer < 1:
@@ -318,10 +319,7 @@ class Watcher:
         sub = Subscription(
             type_set, addr_set, self._subscriber_buffer if buffer is None else buffer
         )
-        if self._closed:
-            sub.close()
-        else:
-            self._subscribers.append(sub)  # live from here: every seq after `now`
+        self._subscribers.append(sub)  # live from here: every seq after `now`
         now = self._seq
         try:
             if since_seq is not None and since_seq < now:
@@ -556,8 +554,9 @@ class Watcher:
 
     async def _pump(self) -> None:
         await self._announced.wait()
+        batches = self.source.batches()
         try:
-            async for batch in self.source.batches():
+            async for batch in batches:
                 if isinstance(batch, SourceOverflow):
                     if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
                         return
@@ -585,7 +584,16 @@ class Watcher:
                             observations.extend(batch_facts(batch))
                         self.apply(observations)
         finally:
-            self.source_ended.set()
+            # Closed here, not left to the garbage collector: the pump is cancelled where it
+            # waits for the lock or its turn as often as inside the source, and trio warns
+            # of (and a strict embedder's warning filter fails on) an abandoned generator.
+            try:
+                aclose = getattr(batches, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            finally:
+                self.source_ended.set()
 
     async def _resync_overflow(self) -> int:
         """The rescan after lost uevents, timed for `OverflowGate`'s schedule; how many
