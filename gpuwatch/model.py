@@ -7,9 +7,11 @@ The state is pure; this facade adds the root it was read from and the two live p
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuwatch.core.modes import Mode, current_mode, group_in_mode, parse_mode
 from gpuwatch.core.pci import canonical_addr
@@ -40,6 +42,11 @@ from gpuwatch.settings import (
 if TYPE_CHECKING:
     from gpuwatch.core.plan import SwitchPlan
 
+_T = TypeVar("_T")
+
+#: Probes that read files, not the model: answered as they are, never tried again.
+_LIVE_PROBES = frozenset(("memlock", "nvidia-holders", "wedge-detected"))
+
 # The switch planner and the facts it reads (anyio, modules.alias, holders) are imported
 # where a plan or a holders report is made: a probe, `status` or `list` never needs them.
 
@@ -52,10 +59,17 @@ class HostModel:
         self.state = state
         if state.clock is None:  # PCI error recoveries are aged by it (wall-clock steps aside)
             state.clock = time.monotonic
+        #: Even between two batches, odd while a watcher folds one in (`begin_change`):
+        #: what a read in another thread checks to know it saw one state (`consistent`).
+        self.version = 0
+        self._changer = 0  # the thread folding the batch in, while the version is odd
         self._uid = os.geteuid()
         self._gids = frozenset((os.getegid(), *os.getgroups()))
+        #: vfio-group-accessible for every group, and the ``vfio_nodes_version`` it was
+        #: prepared at (`_prepare_access`).
         self._access: dict[int, bool] = {}
         self._access_version = -1
+        self._access_lock = threading.Lock()
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         #: Why each poisoned group (or group-less card, by address) is refused: keyed by
@@ -77,6 +91,41 @@ class HostModel:
             "vfio-backend": lambda g, a, m: self.vfio_backend(a),
             "wedge-detected": lambda g, a, m: self._wedge_detected(),
         }
+
+    def begin_change(self) -> None:
+        """A batch is being folded into the state (the watcher's loop, never waiting):
+        reads in other threads started meanwhile are tried again once it is in."""
+        self._changer = threading.get_ident()
+        self.version += 1
+
+    def end_change(self) -> None:
+        """The batch is in: the state is one the model passed through."""
+        self.version += 1
+
+    def consistent(self, read: Callable[[], _T]) -> _T:
+        """``read()`` as of one state between two batches, never a mix of two.
+
+        The watcher's loop does not wait for readers: a read in another thread (a server's
+        thread pool, ``anyio.to_thread``) that overlapped a batch is thrown away and tried
+        again, a failure included (a function the batch removed midway), so it costs the
+        reader a retry, never the loop a lock. On the loop's own thread, between batches,
+        and with no watcher at all, ``read`` runs once."""
+        tries = 0
+        while True:
+            before = self.version
+            if before & 1 and self._changer == threading.get_ident():
+                return read()  # the batch's own thread: nothing else can change it
+            if not before & 1:
+                try:
+                    result = read()
+                except Exception:
+                    if self.version == before:
+                        raise
+                else:
+                    if self.version == before:
+                        return result
+            tries += 1
+            time.sleep(0 if tries < 64 else 0.0005)  # let the loop finish the batch
 
     def _wedge_detected(self) -> Any:
         from gpuwatch.hostfs.wedge import wedge_detected
@@ -126,7 +175,11 @@ class HostModel:
             raise AssertionError(action)  # pragma: no cover - every action has a handler
         if ACTIONS[action] or vendor is not None:
             addr = check_params(action, group, addr, mode, vendor)
-        return handler(group, addr, mode)
+        if action in _LIVE_PROBES:
+            return handler(group, addr, mode)
+        # (a partial, not a lambda: a closure would make cells of this method's arguments,
+        # and every cached probe above would pay for them)
+        return self.consistent(partial(handler, group, addr, mode))
 
     def function(self, addr: str | None) -> PciFunction:
         norm = canonical_addr(addr or "")
@@ -144,23 +197,38 @@ class HostModel:
 
     def _prepare_access(self) -> None:
         """Whether this process may open each ``/dev/vfio/N``, for every group at once: done
-        when a vfio node appears, goes or changes mode, so the probe is a dict lookup."""
-        self._access = group_access(self.state.nodes, self._uid, self._gids)
-        self._access_version = self.state.vfio_nodes_version
+        when a vfio node appears, goes or changes mode, so the probe is a dict lookup.
+
+        Readers in several threads may prepare it at once: the answers go in before their
+        version, and a newer version is never replaced by an older one, so a reader that
+        sees the version it expects finds answers at least that new."""
+        state = self.state
+        version, access = self.consistent(
+            lambda: (state.vfio_nodes_version, group_access(state.nodes, self._uid, self._gids)))
+        with self._access_lock:
+            if version > self._access_version:
+                self._access = access
+                self._access_version = version
 
     def vfio_backend(self, addr: str | None) -> VfioBackend:
         """How to open the function through VFIO: its cdev with iommufd when both exist, else
         its group node, else nothing (a function not on VFIO has neither to offer)."""
-        fields = vfio_backend_fields(self.function(addr), self.state.nodes,
-                                     self.state.vfio_variants)
+        state = self.state
+        fields = self.consistent(lambda: vfio_backend_fields(self.function(addr), state.nodes,
+                                                             state.vfio_variants))
         return VfioBackend(**fields)
 
     def functions(self) -> list[PciFunction]:
-        return [self.state.functions[a] for a in sorted(self.state.functions)]
+        """Every function, by address, as one state of the model had them."""
+        return self.consistent(self._functions_now)
+
+    def _functions_now(self) -> list[PciFunction]:
+        functions = self.state.functions
+        return [functions[a] for a in sorted(functions)]
 
     def kept_for_host(self, addr: str) -> str:
         """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
-        return self.state.kept_for_host(self.function(addr).addr)
+        return self.consistent(lambda: self.state.kept_for_host(self.function(addr).addr))
 
     def module_loaded(self, name: str) -> bool:
         return name in self.state.modules
@@ -198,7 +266,7 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
         plan_switch,
         poison_key,
     )
-    from gpuwatch.hostfs.facts import gather_facts_now
+    from gpuwatch.hostfs.facts import ModelFacts, gather_facts, model_facts
 
     paths, state = model.paths, model.state
     vfio_driver = parse_vfio_driver(vfio_driver, mode, state.vfio_variants)
@@ -206,12 +274,16 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
         members, facts = example_card(mode)
         return plan_switch(members, mode, dataclasses.replace(facts, root=paths.root),
                            example=True)
-    card, members = find_card(state, addr=addr, vendor=vendor)
-    facts = gather_facts_now(paths, state, members, mode,
-                             euid=os.geteuid() if euid is None else euid,
-                             which=which or shutil.which, vfio_driver=vfio_driver,
-                             poisoned=model.poisoned.get(poison_key(card), ""),
-                             deadline=model.proc_deadline)
+
+    def from_model() -> tuple[tuple[PciFunction, ...], ModelFacts]:
+        card, members = find_card(state, addr=addr, vendor=vendor)
+        return members, model_facts(state, members, model.poisoned.get(poison_key(card), ""))
+
+    members, known = model.consistent(from_model)  # one state; the files outside it
+    facts = gather_facts(paths, members, mode, known,
+                         euid=os.geteuid() if euid is None else euid,
+                         which=which or shutil.which, vfio_driver=vfio_driver,
+                         deadline=model.proc_deadline)
     return plan_switch(members, mode, facts, force=force)
 
 
@@ -219,12 +291,18 @@ def holders_report(model: HostModel, *, addr: str | None = None, vendor: str | N
                    euid: int | None = None) -> dict[str, Any]:
     """Who holds the card's nodes (``/dev/nvidia*``, its DRI and sound nodes, /dev/vfio/N)."""
     from gpuwatch.core.plan import find_card
-    from gpuwatch.hostfs.facts import card_holders
+    from gpuwatch.hostfs.facts import ModelFacts, card_holders, model_facts
 
     paths, state = model.paths, model.state
-    card, members = find_card(state, addr=addr, vendor=vendor)
+
+    def from_model() -> tuple[PciFunction, tuple[PciFunction, ...], ModelFacts]:
+        card, members = find_card(state, addr=addr, vendor=vendor)
+        return card, members, model_facts(state, members)
+
+    # `Host.holders` runs this in a thread of its own while the loop applies batches.
+    card, members, known = model.consistent(from_model)
     complete = (os.geteuid() if euid is None else euid) == 0
-    holders = card_holders(paths, state, members, deadline=model.proc_deadline)
+    holders = card_holders(paths, known, members, deadline=model.proc_deadline)
     return {
         "addr": card.addr,
         "group": card.iommu_group,

@@ -454,23 +454,13 @@ def _card_facts(paths: HostPaths, fns: tuple[PciFunction, ...], mode: Mode, know
     )
 
 
-def gather_facts_now(paths: HostPaths, state: HostState, members: Iterable[PciFunction],
-                     mode: Mode, *, euid: int, which: Callable[[str], str | None],
-                     poisoned: str = "", vfio_driver: str | None = None,
-                     deadline: float = DEFAULT_PROC_DEADLINE) -> HostFacts:
-    """`gather_facts` in one call, for a model no uevent changes meanwhile (plan, probe)."""
-    fns = tuple(members)
-    return gather_facts(paths, fns, mode, model_facts(state, fns, poisoned), euid=euid,
-                        which=which, vfio_driver=vfio_driver, deadline=deadline)
-
-
-def card_holders(paths: HostPaths, state: HostState, members: Iterable[PciFunction], *,
+def card_holders(paths: HostPaths, known: ModelFacts, members: Iterable[PciFunction], *,
                  deadline: float = DEFAULT_PROC_DEADLINE) -> list[Holding]:
     """Every holder of every node of the card, nvidia-persistenced included; one bounded
-    pass over /proc."""
+    pass over /proc. ``known``: `model_facts` of the card, taken from the model beforehand
+    (this reads files only, so it may run in a worker thread)."""
     fns = tuple(members)
-    facts = _card_facts(paths, fns, "vfio", model_facts(state, fns), euid=0,
-                        which=lambda _: None)
+    facts = _card_facts(paths, fns, "vfio", known, euid=0, which=lambda _: None)
     return scan_holders(paths.root, card_scope(fns, facts), deadline=deadline)
 
 
@@ -528,7 +518,6 @@ __all__ = [
     "cdi_output",
     "dri_nodes",
     "gather_facts",
-    "gather_facts_now",
     "health_facts",
     "is_persistenced",
     "map_paths",

@@ -262,11 +262,17 @@ class Watcher:
         return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
     def snapshot(self) -> HostSnapshot:
-        state = self.model.state
+        """The model at one ``seq``, from any thread: a batch is applied and numbered as one
+        change (`HostModel.consistent`), so a snapshot never mixes two batches."""
+        return self.model.consistent(self._snapshot_now)
+
+    def _snapshot_now(self) -> HostSnapshot:
+        model = self.model
+        state = model.state
         return HostSnapshot(
             seq=self._seq,
             source=self.source.name,
-            functions=self.model.functions(),
+            functions=model._functions_now(),
             nodes=sorted(state.nodes),
             probes={a: state.answer(a) for a in state._answers},
         )
@@ -302,8 +308,9 @@ class Watcher:
         """Events from now on, filtered; with ``since_seq``, first every logged event after
         it (no gap, no duplicate at the hand-over; ``complete`` says whether the log still
         held them all). A reader that falls ``buffer`` behind gets `SubscriberLagged`
-        instead of slowing anyone else down."""
-        self.check_thread()
+        instead of slowing anyone else down. On a closed watcher: `WatcherClosed` (no
+        event could ever come; an empty stream would look like a quiet host)."""
+        self.check_open()
         if since_seq is not None and since_seq < 0:
             raise UsageError(f"since_seq must be >= 0, not {since_seq}")
         if buffer is not None and buffer < 1:
@@ -312,10 +319,7 @@ class Watcher:
         sub = Subscription(
             type_set, addr_set, self._subscriber_buffer if buffer is None else buffer
         )
-        if self._closed:
-            sub.close()
-        else:
-            self._subscribers.append(sub)  # live from here: every seq after `now`
+        self._subscribers.append(sub)  # live from here: every seq after `now`
         now = self._seq
         try:
             if since_seq is not None and since_seq < now:
@@ -366,8 +370,18 @@ class Watcher:
         """Stamp, log and fan out. Never awaits: a slow reader cannot hold up the model."""
         if not events:
             return
+        self._number(events)
+        self._deliver(events)
+
+    def _number(self, events: Sequence[BaseModel]) -> None:
+        """Stamp the events with the next seqs (under the model's lock, with the batch that
+        made them, inside `HostModel.begin_change`: `snapshot` pairs a state with its seq)."""
         stamp(events, self._seq + 1, format_event_time())
         self._seq += len(events)
+
+    def _deliver(self, events: Sequence[BaseModel]) -> None:
+        """Log and fan out numbered events, outside the model's lock (a log write may be
+        slow; a reader in another thread need not wait for it)."""
         lines: Sequence[str] = ()
         if self._log is not None or self.batch_listeners:  # serialised once, for everyone
             lines = [event_json(event) for event in events]
@@ -444,8 +458,16 @@ class Watcher:
                 observations.append(read_kfd(self.paths))
             if rereads.iommu:
                 observations.append(read_iommu(self.paths))
-        events = state.apply(observations)
-        self.publish(events)
+        model = self.model
+        model.begin_change()  # once a batch, not an event: a storm costs what it did
+        try:
+            events = state.apply(observations)
+            if events:
+                self._number(events)
+        finally:
+            model.end_change()
+        if events:
+            self._deliver(events)
         return events
 
     async def refresh(self, observations: Sequence[Observation]) -> None:
@@ -463,9 +485,18 @@ class Watcher:
             raise UsageError(f"resync reason must be one of {', '.join(RESYNC_REASONS)}, "
                              f"not {reason!r}")
         async with self._lock:
-            events = self.model.state.apply_snapshot(
-                await _scan_in_thread(self.paths, self.tables))
-            self.publish(events)
+            seen = await _scan_in_thread(self.paths, self.tables)
+            model = self.model
+            model.begin_change()
+            try:
+                events = model.state.apply_snapshot(seen)
+                if events:
+                    self._number(events)
+            finally:
+                model.end_change()
+            del seen  # not held while the events are delivered
+            if events:
+                self._deliver(events)
             self.resyncs += 1
             self.publish([Resync(reason=reason, changes=len(events))])
         if events and reason != "overflow":  # an overflow's rescan says it in its own line
@@ -523,8 +554,9 @@ class Watcher:
 
     async def _pump(self) -> None:
         await self._announced.wait()
+        batches = self.source.batches()
         try:
-            async for batch in self.source.batches():
+            async for batch in batches:
                 if isinstance(batch, SourceOverflow):
                     if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
                         return
@@ -552,7 +584,16 @@ class Watcher:
                             observations.extend(batch_facts(batch))
                         self.apply(observations)
         finally:
-            self.source_ended.set()
+            # Closed here, not left to the garbage collector: the pump is cancelled where it
+            # waits for the lock or its turn as often as inside the source, and trio warns
+            # of (and a strict embedder's warning filter fails on) an abandoned generator.
+            try:
+                aclose = getattr(batches, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            finally:
+                self.source_ended.set()
 
     async def _resync_overflow(self) -> int:
         """The rescan after lost uevents, timed for `OverflowGate`'s schedule; how many
