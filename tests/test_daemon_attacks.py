@@ -982,6 +982,15 @@ def test_a_client_waits_out_a_full_backlog_within_its_timeout(
     assert answers == [True, True]
 
 
+def _accept_slowly(listener: socket.socket, stop: threading.Event) -> None:
+    """A slow daemon (run in a thread until ``stop``): one accept every 5 ms."""
+    listener.settimeout(0.2)
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            listener.accept()[0].close()
+        time.sleep(0.005)
+
+
 _HAMMER = r"""
 import os, socket, sys
 for _ in range(int(sys.argv[2])):
@@ -1008,14 +1017,7 @@ def test_a_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(sockdir:
     listener.bind(path)
     listener.listen(1)
     stop = threading.Event()
-
-    def drain() -> None:  # a slow daemon: one accept every 5 ms
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                listener.accept()[0].close()
-            time.sleep(0.005)
-
+    drain = functools.partial(_accept_slowly, listener, stop)
     hammers = subprocess.Popen([sys.executable, "-c", _HAMMER, path, "4"],
                                start_new_session=True)
     drainer = threading.Thread(target=drain)
@@ -1118,13 +1120,7 @@ def test_an_async_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(
     path = f"{sockdir}/busy.sock"
     listener = _busy_listener(path)
     stop = threading.Event()
-
-    def drain() -> None:  # a slow daemon: one accept every 5 ms
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                listener.accept()[0].close()
-            time.sleep(0.005)
+    drain = functools.partial(_accept_slowly, listener, stop)
 
     async def connect_five() -> tuple[list[float], int]:
         times: list[float] = []

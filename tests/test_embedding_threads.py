@@ -311,11 +311,9 @@ def stray_threads(before: set[threading.Thread]) -> list[str]:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cancelled_during_the_initial_scan_it_leaves_nothing_and_opens_again(
-        host: SysRoot, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGTERM while a large host is still being scanned: the scan is abandoned at once,
-    its source and its log's lock released then, and the scan's thread ends on its own."""
+def held_scan() -> tuple[Callable[[Any, Any], Any], threading.Event, threading.Event]:
+    """(a stand-in for the watcher's `scan` that holds until released, set when it has
+    begun, the release)."""
     real_scan = watcher_mod.scan
     scanning, release = threading.Event(), threading.Event()
 
@@ -323,6 +321,17 @@ def test_cancelled_during_the_initial_scan_it_leaves_nothing_and_opens_again(
         scanning.set()
         release.wait(10)
         return real_scan(paths, tables)
+
+    return slow_scan, scanning, release
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelled_during_the_initial_scan_it_leaves_nothing_and_opens_again(
+        host: SysRoot, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while a large host is still being scanned: the scan is abandoned at once,
+    its source and its log's lock released then, and the scan's thread ends on its own."""
+    real_scan = watcher_mod.scan
+    slow_scan, scanning, release = held_scan()
 
     log = host.root / "events.jsonl"
 
@@ -453,13 +462,7 @@ def test_a_pump_cancelled_while_it_waits_for_the_lock_closes_its_source_iterator
     outside the source's iterator, which is closed there and then, not left suspended for
     the garbage collector (trio warns of such an abandoned generator, and an embedder that
     runs with warnings as errors fails on it)."""
-    real_scan = watcher_mod.scan
-    scanning, release = threading.Event(), threading.Event()
-
-    def slow_scan(paths: Any, tables: Any) -> Any:
-        scanning.set()
-        release.wait(10)
-        return real_scan(paths, tables)
+    slow_scan, scanning, release = held_scan()
 
     async def main() -> None:
         source = KeptSource()
