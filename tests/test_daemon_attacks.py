@@ -982,15 +982,6 @@ def test_a_client_waits_out_a_full_backlog_within_its_timeout(
     assert answers == [True, True]
 
 
-def _accept_slowly(listener: socket.socket, stop: threading.Event) -> None:
-    """A slow daemon (run in a thread until ``stop``): one accept every 5 ms."""
-    listener.settimeout(0.2)
-    while not stop.is_set():
-        with contextlib.suppress(OSError):
-            listener.accept()[0].close()
-        time.sleep(0.005)
-
-
 _HAMMER = r"""
 import os, socket, sys
 for _ in range(int(sys.argv[2])):
@@ -1005,6 +996,36 @@ for _ in range(int(sys.argv[2])):
 """
 
 
+@contextlib.contextmanager
+def _backlog_others_keep_full(path: str) -> Iterator[None]:
+    """A slow daemon at ``path`` (a backlog of one, an accept every 5 ms) and four peers
+    that connect and hang up over and over in blocking connects, so that the backlog is
+    full and peers wait for room in the kernel's queue while the body runs."""
+    listener = _busy_listener(path)
+    stop = threading.Event()
+
+    def drain() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+            time.sleep(0.005)
+
+    hammers = subprocess.Popen([sys.executable, "-c", _HAMMER, path, "4"],
+                               start_new_session=True)
+    drainer = threading.Thread(target=drain)
+    drainer.start()
+    try:
+        time.sleep(0.3)  # the backlog full, the hammers waiting for room
+        yield
+    finally:
+        os.killpg(hammers.pid, signal.SIGKILL)
+        hammers.wait()
+        stop.set()
+        drainer.join()
+        listener.close()
+
+
 def test_a_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(sockdir: str) -> None:
     """Peers in a blocking connect wait for room in the listen backlog in the kernel, and
     each place an accept frees goes to the next of them. `Client` (under its timeout, where
@@ -1013,28 +1034,12 @@ def test_a_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(sockdir:
     from gpuwatch.service.client import Client
 
     path = f"{sockdir}/busy.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-    stop = threading.Event()
-    drain = functools.partial(_accept_slowly, listener, stop)
-    hammers = subprocess.Popen([sys.executable, "-c", _HAMMER, path, "4"],
-                               start_new_session=True)
-    drainer = threading.Thread(target=drain)
-    drainer.start()
     times = []
-    try:
-        time.sleep(0.3)  # the backlog full, the hammers waiting for room
+    with _backlog_others_keep_full(path):
         for _ in range(5):
             started = time.monotonic()
             Client(path, timeout=5).close()
             times.append(time.monotonic() - started)
-    finally:
-        os.killpg(hammers.pid, signal.SIGKILL)
-        hammers.wait()
-        stop.set()
-        drainer.join()
-        listener.close()
     # Behind the four that wait already: a few accepts, a few tens of ms.
     assert sum(times) < 2.0, f"the client waited {[round(t, 2) for t in times]} s for a place"
 
@@ -1118,9 +1123,6 @@ def test_an_async_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(
     from gpuwatch.service.client import AsyncClient
 
     path = f"{sockdir}/busy.sock"
-    listener = _busy_listener(path)
-    stop = threading.Event()
-    drain = functools.partial(_accept_slowly, listener, stop)
 
     async def connect_five() -> tuple[list[float], int]:
         times: list[float] = []
@@ -1141,19 +1143,8 @@ def test_an_async_client_takes_its_turn_for_room_in_a_backlog_others_keep_full(
             tg.cancel_scope.cancel()
         return times, ticks
 
-    hammers = subprocess.Popen([sys.executable, "-c", _HAMMER, path, "4"],
-                               start_new_session=True)
-    drainer = threading.Thread(target=drain)
-    drainer.start()
-    try:
-        time.sleep(0.3)  # the backlog full, the hammers waiting for room
+    with _backlog_others_keep_full(path):
         times, ticks = anyio.run(connect_five, backend=backend)
-    finally:
-        os.killpg(hammers.pid, signal.SIGKILL)
-        hammers.wait()
-        stop.set()
-        drainer.join()
-        listener.close()
     # Behind the four that wait already: a few accepts, a few tens of ms.
     assert sum(times) < 2.0, f"the client waited {[round(t, 2) for t in times]} s for a place"
     assert ticks >= 5  # the loop was not blocked while the client waited
