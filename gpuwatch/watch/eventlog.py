@@ -94,6 +94,9 @@ _Ident = tuple[int, int]
 #: How much of the start of the file a follower keeps to notice it was emptied in place and
 #: written anew: a first record's ``{"seq":N,"time":"…"`` with room to spare.
 _HEAD_BYTES = 128
+#: How many files' first bytes a follower remembers to know a rotated file it met before
+#: when the file it stops its rescans at is gone (`_Follower._known_heads`).
+_KNOWN_HEADS = 4096
 
 
 class EventLogClosedError(InternalError, ValueError):
@@ -1509,6 +1512,15 @@ def _close_sources(live: _Source | None, rotated: list[_Source]) -> None:
             src.file.close()
 
 
+def _settled_head(f: IO[bytes]) -> bytes:
+    """The file's first `_HEAD_BYTES` bytes once appending can no longer change them (they
+    reach a newline, or are that many): its first record's seq and time to the
+    microsecond, which tell it from every other file of the log, whatever its inode (a
+    deleted file's inode is reused). ``b""`` while they can still change."""
+    head = os.pread(f.fileno(), _HEAD_BYTES, 0)
+    return head if len(head) == _HEAD_BYTES or b"\n" in head else b""
+
+
 def _stat_ident(path: str) -> _Ident | None:
     try:
         st = os.stat(path)
@@ -1557,6 +1569,12 @@ class _Follower:
         self._last_read: int | None = None  # the seq of the last line read, in file order
         self._marks: dict[tuple[int, str], None] = {}  # `_RUN_EDGES` lines read (bounded)
         self._caught_up = False
+        #: The first bytes of each file met so far (`_settled_head`), newest last: a rescan
+        #: stops at one of them as it does at the anchor. The anchor alone is not enough
+        #: when it is deleted from among the rotated files (a clean-up, logrotate, a
+        #: smaller ``keep``): the rescan walked on into older files, read or passed over
+        #: before, and took their ``ready`` records for a new run, printing them again.
+        self._known_heads: dict[bytes, None] = {}
         #: How many times the log was found begun anew (a new run, or ``since_seq`` ahead
         #: of everything in it).
         self.new_runs = 0
@@ -1602,7 +1620,24 @@ class _Follower:
                 if len(self._marks) > _RUN_MARKS:
                     del self._marks[next(iter(self._marks))]
         self._last_read = seq
+        if self._runs:
+            self._note_hole(event)
         return self._handover.fresh(seq)
+
+    def _note_hole(self, event: dict[str, Any]) -> None:
+        """Say which seqs a follower passes over: a file rotated out or deleted before it
+        was read, a damaged line. Was: a silent jump in the seqs printed. A ``log-gap``
+        record names its own hole and is printed, so only what it does not cover is said."""
+        seq: int = event["seq"]
+        after = self._handover.last_seq
+        if math.isinf(after) or seq <= after + 1:
+            return
+        first = gap_span(event)
+        end = seq - 1 if first is None else first - 1
+        if end > after:
+            _log.info("event log %s: seqs %d-%d are not in the log (rotated out or deleted "
+                      "before they were read, or damaged): passed over", self._path,
+                      int(after) + 1, end)
 
     def _finish(self, src: _Source) -> None:
         """A pending file read to its end: any torn tail is permanent, drop it."""
@@ -1859,9 +1894,18 @@ class _Follower:
             live, rotated = self._scan_once()
             after = (_stat_ident(self._path), _stat_ident(rotated_path(self._path, 1)))
             if before == after or attempt == _SCAN_ATTEMPTS - 1:
+                for src in [*rotated, *([] if live is None else [live])]:
+                    self._remember_head(src)
                 return live, rotated
             _close_sources(live, rotated)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _remember_head(self, src: _Source) -> None:
+        head = _settled_head(src.file)
+        if head:
+            self._known_heads[head] = None
+            if len(self._known_heads) > _KNOWN_HEADS:
+                del self._known_heads[next(iter(self._known_heads))]
 
     def _scan_once(self) -> tuple[_Source | None, list[_Source]]:
         anchor = None if self._anchor is None else self._anchor.ident
@@ -1907,6 +1951,9 @@ class _Follower:
             if ident in seen:
                 f.close()
                 continue
+            if index > 1 and _settled_head(f) in self._known_heads:
+                f.close()  # a file met before: it and all older ones were read or passed
+                break
             seen.add(ident)
             src = _Source(f, ident)
             if index == 1:
