@@ -6,11 +6,13 @@ abstract one), a second stop signal while the run ends, the unit's runtime direc
 from __future__ import annotations
 
 import configparser
+import contextlib
 import logging
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +82,49 @@ def test_a_notify_socket_nobody_reads_neither_stalls_nor_floods_the_daemon(
     assert not os.path.exists(daemon.sock)
     # Said once for the whole run, not once per refused ping.
     assert len(notify_lines(daemon.stderr)) == 1, daemon.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ready_waits_a_moment_for_room_in_a_notify_queue_full_at_boot(
+    host: SysRoot, tmp_path: Path, sockdir: str
+) -> None:
+    """systemd busy at boot: its notify queue full as the daemon gets ready. A ping may be
+    dropped, but READY=1 waits for room (a bounded while): dropped, systemd would time the
+    start out and restart a daemon that was serving."""
+    qlen = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    if qlen > 200:
+        pytest.skip(f"net.unix.max_dgram_qlen {qlen}: too long a queue to fill here")
+    path = f"{sockdir}/notify"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(path)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+    queued = 0
+    with contextlib.suppress(BlockingIOError):
+        while queued < 10_000:
+            filler.sendto(b"X=other-unit", path)
+            queued += 1
+    filler.close()
+    got: list[str] = []
+
+    def drain_later() -> None:  # systemd gets round to its queue once READY=1 is due
+        deadline = time.monotonic() + 20
+        while not os.path.exists(f"{sockdir}/gw.sock") and time.monotonic() < deadline:
+            time.sleep(0.01)  # READY=1 goes out as soon as the socket listens
+        time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(g.startswith("READY=1") for g in got):
+            got.extend(datagrams(notify))
+            time.sleep(0.05)
+
+    drainer = threading.Thread(target=drain_later, daemon=True)
+    drainer.start()
+    with Daemon(host.root, tmp_path, f"{sockdir}/gw.sock",
+                environ={"NOTIFY_SOCKET": path}) as d:
+        drainer.join(15)
+        assert "result" in probe(d.sock)
+    notify.close()
+    assert [g.split("\n")[0] for g in got if not g.startswith("X=")][:1] == ["READY=1"], got
+    assert notify_lines(d.stderr) == [], d.stderr
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 from collections.abc import Mapping
 
 import anyio
@@ -29,13 +30,27 @@ def _address(env: Mapping[str, str]) -> str | None:
     return path
 
 
-def _send(state: str, address: str) -> None:
-    """One datagram, never waiting: the socket is non-blocking, so a notify socket whose
-    queue is full (its reader busy or gone) refuses at once (``EAGAIN``) instead of stopping
-    the event loop, and with it the socket API and the daemon's own stop, until it drains."""
+#: How long ``READY=1`` and ``STOPPING=1`` may wait for room in a full notify queue (systemd
+#: busy at boot, when every unit notifies at once): dropped, READY=1 would have systemd time
+#: the start out and restart a daemon that was serving. Pings and status lines never wait.
+ESSENTIAL_WAIT = 2.0
+
+
+def _send(state: str, address: str, wait: float = 0.0) -> None:
+    """One datagram. With no ``wait`` it never waits: the socket is non-blocking, so a notify
+    socket whose queue is full (its reader busy or gone) refuses at once (``EAGAIN``) instead
+    of stopping the event loop, and with it the socket API and the daemon's own stop, until
+    it drains. With a ``wait``, the kernel holds the send that long at most
+    (``SO_SNDTIMEO``) for room in the queue, then refuses."""
     data = state.encode("utf-8")
-    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+    if wait <= 0:
+        kind |= socket.SOCK_NONBLOCK
     with socket.socket(socket.AF_UNIX, kind) as sock:
+        if wait > 0:
+            sec, usec = int(wait), int((wait % 1) * 1_000_000)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("@ll", sec, usec))
         if sock.sendto(data, address) != len(data):
             raise OSError(f"sent {len(data)} bytes only in part")
 
@@ -85,11 +100,11 @@ class Notifier:
         #: the first success after it is said too.
         self._failing = False
 
-    def _notify(self, state: str) -> bool:
+    def _notify(self, state: str, wait: float = 0.0) -> bool:
         if self._address is None:
             return False
         try:
-            _send(state, self._address)
+            _send(state, self._address, wait)
         except OSError as exc:
             if not self._failing:
                 _log.warning("sd_notify(%s) failed: %s (not said again until it works)",
@@ -102,13 +117,13 @@ class Notifier:
         return True
 
     def ready(self, status: str = "") -> bool:
-        return self._notify("READY=1" + (f"\nSTATUS={status}" if status else ""))
+        return self._notify("READY=1" + (f"\nSTATUS={status}" if status else ""), ESSENTIAL_WAIT)
 
     def status(self, status: str) -> bool:
         return self._notify(f"STATUS={status}")
 
     def stopping(self) -> bool:
-        return self._notify("STOPPING=1")
+        return self._notify("STOPPING=1", ESSENTIAL_WAIT)
 
     async def run_watchdog(self) -> None:
         """Ping from the event loop itself: a loop stuck in a blocking call stops pinging,
