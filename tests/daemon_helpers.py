@@ -41,7 +41,8 @@ class Daemon:
     def __init__(self, root: Path, workdir: Path, sock: str, *args: str,
                  source: str = "fifo", log: Path | None = None,
                  ready_by_socket: bool = False, nofile: tuple[int, int] | None = None,
-                 launcher: list[str] | None = None, root_flag: bool = True) -> None:
+                 launcher: list[str] | None = None, root_flag: bool = True,
+                 environ: dict[str, str] | None = None) -> None:
         self.root, self.workdir, self.sock = root, workdir, sock
         self.log = log if log is not None else workdir / "events.jsonl"
         #: Ready when the socket answers (a daemon on a full disk logs no `ready`).
@@ -58,6 +59,8 @@ class Daemon:
         self.launcher = launcher
         #: False: no ``--root`` (the root comes from the config file in ``args``, or ``/``).
         self.root_flag = root_flag
+        #: Set in the daemon's environment over `env` (``NOTIFY_SOCKET``, ``WATCHDOG_USEC``).
+        self.environ = environ or {}
 
     def start(self, timeout: float = 30) -> Daemon:
         spec = self.source
@@ -71,7 +74,8 @@ class Daemon:
             [*launcher, "watch", *(("--root", str(self.root)) if self.root_flag else ()),
              "--source", spec, "--log",
              str(self.log), "--reconcile-interval", "0", "--socket", self.sock, *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**env(), **self.environ},
             cwd=REPO, preexec_fn=self._limits if self.nofile is not None else None)
         if self.source == "fifo":
             self._fifo = open(self.fifo, "w")  # noqa: SIM115 - closed in stop()

@@ -160,6 +160,14 @@ def _terminate(signum: int, _frame: Any) -> None:
     raise _Terminated(name)
 
 
+def _noted(signum: int, _frame: Any) -> None:
+    """While the log closes at the very end: the run is over, and a signal (a second SIGTERM,
+    a second Ctrl-C) must neither cut that bounded close short (the ``stopped`` record may
+    still be on its way to a stdout reader) nor end the process by the signal instead of the
+    exit status the run earned."""
+    _caught.append(signal.Signals(signum).name)
+
+
 def _hangup() -> None:
     """SIGHUP (a closed terminal, a habit from daemons that reload) does not stop the
     daemon, as it stops neither udevd nor journald: killed by it, the daemon would end with
@@ -328,8 +336,12 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         raise
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if log is not None:
-            log.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _noted)
+        try:
+            if log is not None:
+                log.close()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     return EXIT_OK

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 from collections.abc import Mapping
 
 import anyio
@@ -29,19 +30,43 @@ def _address(env: Mapping[str, str]) -> str | None:
     return path
 
 
+#: How long ``READY=1`` and ``STOPPING=1`` may wait for room in a full notify queue (systemd
+#: busy at boot, when every unit notifies at once): dropped, READY=1 would have systemd time
+#: the start out and restart a daemon that was serving. Pings and status lines never wait.
+ESSENTIAL_WAIT = 2.0
+
+
+def _send(state: str, address: str, wait: float = 0.0) -> None:
+    """One datagram. With no ``wait`` it never waits: the socket is non-blocking, so a notify
+    socket whose queue is full (its reader busy or gone) refuses at once (``EAGAIN``) instead
+    of stopping the event loop, and with it the socket API and the daemon's own stop, until
+    it drains. With a ``wait``, the kernel holds the send that long at most
+    (``SO_SNDTIMEO``) for room in the queue, then refuses."""
+    data = state.encode("utf-8")
+    kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+    if wait <= 0:
+        kind |= socket.SOCK_NONBLOCK
+    with socket.socket(socket.AF_UNIX, kind) as sock:
+        if wait > 0:
+            sec, usec = int(wait), int((wait % 1) * 1_000_000)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("@ll", sec, usec))
+        if sock.sendto(data, address) != len(data):
+            raise OSError(f"sent {len(data)} bytes only in part")
+
+
 def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
     """Send ``state`` (newline-separated ``KEY=VALUE``); True when a datagram went out.
 
-    A failure is logged, never raised: a broken notify socket must not kill the daemon
-    (systemd then restarts it for not being ready, which is the right outcome).
+    A failure is logged, never raised, and never waited out: a broken or full notify socket
+    must not kill or stall the daemon (systemd then restarts it for not being ready, or for
+    missed watchdog pings, which is the right outcome).
     """
     address = _address(os.environ if env is None else env)
     if address is None:
         return False
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(address)
-            sock.sendall(state.encode("utf-8"))
+        _send(state, address)
     except OSError as exc:
         _log.warning("sd_notify(%s) failed: %s", state.split("\n", 1)[0], exc)
         return False
@@ -68,17 +93,37 @@ class Notifier:
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._env = dict(os.environ if env is None else env)
-        self.enabled = _address(self._env) is not None
+        self._address = _address(self._env)
+        self.enabled = self._address is not None
         self.pings = 0
+        #: A notify socket that keeps failing (gone, full) is said once, not at every ping;
+        #: the first success after it is said too.
+        self._failing = False
+
+    def _notify(self, state: str, wait: float = 0.0) -> bool:
+        if self._address is None:
+            return False
+        try:
+            _send(state, self._address, wait)
+        except OSError as exc:
+            if not self._failing:
+                _log.warning("sd_notify(%s) failed: %s (not said again until it works)",
+                             state.split("\n", 1)[0], exc)
+            self._failing = True
+            return False
+        if self._failing:
+            _log.warning("sd_notify(%s) works again", state.split("\n", 1)[0])
+        self._failing = False
+        return True
 
     def ready(self, status: str = "") -> bool:
-        return sd_notify("READY=1" + (f"\nSTATUS={status}" if status else ""), self._env)
+        return self._notify("READY=1" + (f"\nSTATUS={status}" if status else ""), ESSENTIAL_WAIT)
 
     def status(self, status: str) -> bool:
-        return sd_notify(f"STATUS={status}", self._env)
+        return self._notify(f"STATUS={status}")
 
     def stopping(self) -> bool:
-        return sd_notify("STOPPING=1", self._env)
+        return self._notify("STOPPING=1", ESSENTIAL_WAIT)
 
     async def run_watchdog(self) -> None:
         """Ping from the event loop itself: a loop stuck in a blocking call stops pinging,
@@ -87,7 +132,7 @@ class Notifier:
         if interval is None or not self.enabled:
             return
         while True:
-            if sd_notify("WATCHDOG=1", self._env):
+            if self._notify("WATCHDOG=1"):
                 self.pings += 1
             await anyio.sleep(interval)
 
