@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -147,12 +148,18 @@ def test_gpuwatch_events_follow_names_the_hole_on_stderr_and_prints_no_repeat(
     try:
         assert proc.stdout is not None and proc.stderr is not None
         got = [json.loads(proc.stdout.readline())["seq"] for _ in range(5)]
-        write(log, 31, 45)
-        read_file = file_holding(path, 30)
-        unread = file_holding(path, 40)
-        read_file.unlink()  # the file it stopped in, with older files left behind it
-        unread.unlink()
-        write(log, 46, 50)
+        # Stopped while the writer rotates and the clean-up deletes, so that it sees them
+        # all at once, as a follower slower than both would (else it may read 31-45 first).
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            write(log, 31, 45)
+            read_file = file_holding(path, 30)
+            unread = file_holding(path, 40)
+            read_file.unlink()  # the file it stopped in, with older files left behind it
+            unread.unlink()
+            write(log, 46, 50)
+        finally:
+            proc.send_signal(signal.SIGCONT)
         while got[-1] != 50:
             got.append(json.loads(proc.stdout.readline())["seq"])
         proc.terminate()

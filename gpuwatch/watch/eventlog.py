@@ -1901,7 +1901,10 @@ class _Follower:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _remember_head(self, src: _Source) -> None:
-        head = _settled_head(src.file)
+        try:
+            head = _settled_head(src.file)
+        except OSError:
+            return  # not known by its head, then: read on as before
         if head:
             self._known_heads[head] = None
             if len(self._known_heads) > _KNOWN_HEADS:
@@ -1951,7 +1954,13 @@ class _Follower:
             if ident in seen:
                 f.close()
                 continue
-            if index > 1 and _settled_head(f) in self._known_heads:
+            try:
+                met = index > 1 and _settled_head(f) in self._known_heads
+            except OSError:
+                f.close()
+                _close_sources(live, rotated)  # not the follower's yet: close them here
+                raise
+            if met:
                 f.close()  # a file met before: it and all older ones were read or passed
                 break
             seen.add(ident)
