@@ -333,3 +333,43 @@ def test_a_watcher_used_from_another_threads_loop_is_a_clear_error(host: SysRoot
             assert answer == 0
 
     anyio.run(main, backend=backend)
+
+
+# --------------------------------------------------------------------------- replays
+
+
+@pytest.mark.parametrize("leave", ["after-one-chunk", "cancelled-at-once"])
+async def test_a_replay_left_before_its_end_lets_go_of_the_log_files_at_once(
+        host: SysRoot, monkeypatch: pytest.MonkeyPatch, leave: str) -> None:
+    """A subscriber that leaves mid-replay (or is cancelled while the replay opens) closes
+    the log reader then, not whenever the garbage collector gets to it: until then its
+    files stay open, and a collector that finalises the files first says they leaked."""
+    from gpuwatch.watch import watcher as watcher_mod
+    from gpuwatch.watch.subscription import REPLAY_CHUNK
+
+    readers: list[Any] = []
+    real = watcher_mod.read_records
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        readers.append(real(*args, **kwargs))
+        return readers[-1]
+
+    monkeypatch.setattr(watcher_mod, "read_records", kept)
+    log = host.root / "events.jsonl"
+    async with open_quiet(host.root, log=log) as w:
+        for n in range(REPLAY_CHUNK + 10):
+            w.publish([DriverChanged(addr=NIC, old="igb" if n % 2 else "", new="")])
+        before = open_fds()
+        with anyio.fail_after(10):
+            if leave == "after-one-chunk":
+                async with w.subscribe(since_seq=0) as sub:
+                    first = await sub.__anext__()
+                    assert first.seq == 1
+            else:
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    async with w.subscribe(since_seq=0):
+                        pytest.fail("a cancelled subscribe entered its body")
+        assert len(readers) == 1
+        assert readers[0].gi_frame is None, "the log reader was left suspended"
+        assert open_fds() <= before

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterator, Sequence
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
@@ -1977,8 +1977,9 @@ def read_records(
     *,
     since_seq: int | None = None,
     types: Collection[str] | None = None,
-) -> Iterator[EventRecord]:
-    """Like :func:`read_events`, with each event's stored line alongside."""
+) -> Generator[EventRecord, None, None]:
+    """Like :func:`read_events`, with each event's stored line alongside (close it to
+    release the files before its end)."""
     follower = _Follower(path, since_seq, types)
     try:
         while True:

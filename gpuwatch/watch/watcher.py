@@ -10,12 +10,11 @@ scan can never overwrite a newer event.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -61,7 +60,7 @@ from gpuwatch.settings import (
 )
 from gpuwatch.sources import EventSource, SourceOverflow, open_source
 from gpuwatch.sources.turns import end_turn
-from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, read_records
+from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, EventRecord, read_records
 from gpuwatch.watch.handover import first_is_next, gap_span
 from gpuwatch.watch.overflow import OverflowGate
 from gpuwatch.watch.subscription import Subscription
@@ -130,6 +129,18 @@ def entered_once(
         return _EnteredOnce(fn(*args, **kwargs), fn.__name__)
 
     return wrapper
+
+
+def _led_by(first: EventRecord, records: Generator[EventRecord, None, None],
+            ) -> Generator[EventRecord, None, None]:
+    """``first`` then the rest of ``records``, as a generator whose ``close`` closes
+    ``records`` however far it got (a subscriber that leaves mid-replay releases the log's
+    files then; `itertools.chain` has no ``close``, so they waited for the collector)."""
+    try:
+        yield first
+        yield from records
+    finally:
+        records.close()
 
 
 def event_filters(types: Iterable[str] | None, addrs: Iterable[str] | None,
@@ -340,11 +351,15 @@ class Watcher:
         # Every record, not only the wanted types: a seq jump between two of them is a hole
         # in the log (`Subscription.start_replay`), which a filter would hide.
         records = read_records(path, since_seq=since_seq)
-        first = await anyio.to_thread.run_sync(next, records, None)
+        try:
+            first = await anyio.to_thread.run_sync(next, records, None)
+        except BaseException:
+            records.close()  # cancelled or failed: release the files now, not at collection
+            raise
         if first is None:
             sub.complete = False
             return
-        sub.start_replay(itertools.chain((first,), records), since_seq, now,
+        sub.start_replay(_led_by(first, records), since_seq, now,
                          first_is_next(first.event["seq"], since_seq,
                                        gap=gap_span(first.event) is not None))
 
