@@ -175,3 +175,39 @@ def test_gpuwatch_events_follow_names_the_hole_on_stderr_and_prints_no_repeat(
                 stream.close()
     assert got == sorted(set(got)) and got[:5] == list(range(26, 31))
     assert 40 not in got and err.count("are not in the log") == 1, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("put", ["fifo", "directory"])
+def test_a_follower_prints_what_its_file_still_held_before_saying_the_path_is_no_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, put: str) -> None:
+    """Lines written just before the log file was moved away and something that is no log
+    file put at its name (between the follower's last empty read and its look at the
+    directory) are still printed, then the path is refused."""
+    import gpuwatch.watch.eventlog as eventlog_mod
+
+    path = tmp_path / "ev.jsonl"
+    with path.open("w") as f:
+        f.writelines(line(seq, "ready" if seq == 1 else "resync") + "\n" for seq in range(1, 6))
+    armed = [False]
+    real_stat_ident = eventlog_mod._stat_ident
+
+    def racing_stat_ident(name: str) -> Any:
+        if armed[0] and name == str(path):
+            armed[0] = False  # the writer's last lines, the move, and a stranger at the name
+            with path.open("a") as f:
+                f.writelines(line(seq) + "\n" for seq in range(6, 11))
+            path.rename(tmp_path / "ev.jsonl.moved")
+            os.mkfifo(path) if put == "fifo" else path.mkdir()
+        return real_stat_ident(name)
+
+    monkeypatch.setattr(eventlog_mod, "_stat_ident", racing_stat_ident)
+    got: list[int] = []
+    records = follow_records(path, poll_interval=0.005)
+    with contextlib.closing(records), pytest.raises(OSError) as info:
+        for record in records:
+            got.append(record.event["seq"])
+            if record.event["seq"] == 5:
+                armed[0] = True
+    assert got == list(range(1, 11))
+    assert str(path) in str(info.value)

@@ -1848,7 +1848,12 @@ class _Follower:
             self._pending.append(live)
             self._live = None
             changed = True
-        new_live, rotated = self._scan()
+        try:
+            new_live, rotated = self._scan()
+        except OSError:
+            if changed:
+                return True  # what the old file still holds first: the next look raises
+            raise
         if not rotated and new_live is None:
             return changed
         self._pending.extend(reversed(rotated))
