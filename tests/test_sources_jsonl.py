@@ -509,6 +509,45 @@ def test_record_command_refuses_to_write_over_the_file_it_reads(
     assert [json.loads(text) for text in src.read_text().splitlines()] == maps
 
 
+def test_record_command_refuses_a_stdout_appending_to_the_file_it_reads(
+    tmp_path: Path,
+) -> None:
+    """``gpuwatch record --source file:cap.jsonl >> cap.jsonl``: each line read was written
+    back behind the reader and read again, so the file grew until the disk was full."""
+    maps = [props(i) for i in range(12_000)]  # past one read chunk: the reader never catches up
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, maps)
+    before = src.read_bytes()
+    with open(src, "ab") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+             "--source", f"file:{src}"],
+            stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=30,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "stdout is the --source file" in proc.stderr
+    assert src.read_bytes() == before
+
+
+def test_record_command_refuses_an_out_fifo_that_is_its_source(tmp_path: Path) -> None:
+    """The same FIFO as source and ``--out``: the recorder read its own lines back forever
+    (and, holding the FIFO open for writing, never saw the end of its input)."""
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+         "--source", f"file:{fifo}", "--out", str(fifo)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and "--source file itself" in err
+
+
 def test_record_command_waiting_for_an_out_fifo_reader_ends_cleanly_on_sigterm(
     tmp_path: Path,
 ) -> None:
