@@ -479,6 +479,41 @@ def test_record_command_reports_a_full_disk_in_one_line(
     assert err.count("\n") == 1 and "/dev/full" in err and "No space left" in err
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs /proc/self/mem")
+def test_record_command_reports_an_unreadable_source_as_a_read_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``file:`` source whose read fails (EIO: reading at address 0 of /proc/self/mem,
+    as a failing disk would) was reported as "cannot write stdout"."""
+    out = tmp_path / "out.jsonl"
+    args = _parse(["--root", str(tmp_path), "--source", "file:/proc/self/mem",
+                   "--out", str(out)])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "cannot read event file '/proc/self/mem'" in err and "Input/output error" in err
+    assert out.read_bytes() == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs /proc/self/mem")
+def test_watch_reports_an_unreadable_source_in_one_line(tmp_path: Path) -> None:
+    """The same read error under ``watch``: one line naming the file, exit 1, not an
+    "internal error: OSError"."""
+    from gpuwatch.testing.machines import single_gpu_desktop
+
+    single_gpu_desktop(tmp_path / "root")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(tmp_path / "root"),
+         "--source", "file:/proc/self/mem"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("gpuwatch: cannot read event file '/proc/self/mem': "
+                           "Input/output error\n")
+    assert [json.loads(line)["type"] for line in proc.stdout.splitlines()] == ["ready",
+                                                                             "stopped"]
+
+
 def test_record_command_refuses_a_closed_stdout_in_one_line(tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [props(0)])

@@ -31,7 +31,13 @@ from gpuwatch.cli.common import (
     to_stderr,
 )
 from gpuwatch.lograte import RateLimitedLog
-from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
+from gpuwatch.sources import (
+    EventSource,
+    SourceOverflow,
+    SourceReadError,
+    SourceUnavailable,
+    open_source,
+)
 from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
 from gpuwatch.watch.eventlog import ThreadedWriter
 
@@ -131,13 +137,14 @@ def _writer_for(out: TextIO) -> ThreadedWriter | None:
     return ThreadedWriter(fd, _OUT_BUFFER)
 
 
-async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | None:
+async def _record_until_signal(source: EventSource,
+                               out: TextIO) -> OSError | SourceReadError | None:
     """Run ``record`` until the source ends or SIGINT/SIGTERM arrives.
 
     Returns a write/read error instead of raising it, so it does not come out of the
     task group wrapped in an ExceptionGroup.
     """
-    error: OSError | None = None
+    error: OSError | SourceReadError | None = None
 
     async def stop_on_signal(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -149,11 +156,14 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_on_signal, tg.cancel_scope)
         try:
-            await record(source, out if writer is None else writer)
+            try:
+                await record(source, out if writer is None else writer)
+            except SourceReadError as exc:
+                error = exc  # what was read before it is still written, below
             if writer is not None:
                 await _written(writer)  # the source ended: the reader gets it all
         except OSError as exc:
-            error = exc
+            error = error or exc
         finally:
             tg.cancel_scope.cancel()
     if writer is not None:
@@ -256,6 +266,8 @@ def _run(args: argparse.Namespace) -> int:
                     # After a failed write the close retries the same bytes and fails
                     # again: the first error is the one to report.
                     error = error or exc
+        if isinstance(error, SourceReadError):
+            return fail(f"record: {error}", EXIT_FAILURE)
         if isinstance(error, BrokenPipeError):
             # The reader went away (``| head``): done. Silence the flush at exit.
             with contextlib.suppress(OSError):
