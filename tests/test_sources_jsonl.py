@@ -371,6 +371,20 @@ def test_open_source_file_spec(tmp_path: Path) -> None:
         open_source("file:", tmp_path)
 
 
+def test_an_event_file_that_cannot_be_reached_is_not_said_missing(tmp_path: Path) -> None:
+    """A path that is there but cannot be looked up (a link loop here; a folder the user
+    may not search, for a non-root user) was "does not exist": the user is sent looking
+    for a file that exists. The error names the real reason."""
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(SourceUnavailable, match="levels of symbolic links") as caught:
+        open_source(f"file:{loop}", tmp_path)
+    assert "does not exist" not in str(caught.value)
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SourceUnavailable, match="does not exist"):
+        open_source(f"file:{tmp_path / 'dangling.jsonl'}", tmp_path)
+
+
 def test_a_directory_is_not_an_event_file(tmp_path: Path) -> None:
     src = JsonlFileSource(tmp_path)
     with pytest.raises(SourceUnavailable, match="directory"):

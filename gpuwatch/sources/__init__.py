@@ -162,8 +162,13 @@ def open_source(
         path = spec[len("file:") :]
         if not path:
             raise InvalidSourceSpec("source 'file:' needs a path, e.g. file:events.jsonl")
-        if not os.path.exists(path):
-            raise SourceUnavailable(f"event file {path!r} does not exist")
+        try:
+            os.stat(path)
+        except FileNotFoundError:  # a dangling link too
+            raise SourceUnavailable(f"event file {path!r} does not exist") from None
+        except (OSError, ValueError) as exc:  # EACCES, ELOOP, …: not "does not exist"
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SourceUnavailable(f"cannot open event file {path!r}: {why}") from None
         from gpuwatch.sources.jsonl import JsonlFileSource
 
         return JsonlFileSource(path)
