@@ -46,7 +46,8 @@ def test_the_shipped_example_is_the_generators_output() -> None:
     assert "gpuwatch udev-rules --group" in (REPO / "contrib/udev/README.md").read_text()
 
 
-@pytest.mark.parametrize("name", ['kvm", MODE="0666', "a b", "", "-x", "x" * 40, "grp\n"])
+@pytest.mark.parametrize("name", ['kvm", MODE="0666', "a b", "", "-x", "x" * 40, "grp\n",
+                                  "x" * 32 + "$"])  # 33 characters: groupadd refuses it
 def test_group_names_cannot_inject(name: str) -> None:
     with pytest.raises(InvalidGroupName):
         render_rules(name)
@@ -79,6 +80,7 @@ def udev_value(text: str) -> str:
     return text.replace("$$", "$").replace("%%", "%")
 
 
-@pytest.mark.parametrize("name", ["kvm", "vm_users", "libvirt-qemu", "host$"])
+@pytest.mark.parametrize("name", ["kvm", "vm_users", "libvirt-qemu", "host$", "x" * 32,
+                                  "x" * 31 + "$"])
 def test_the_rules_give_udev_the_exact_group_name(name: str) -> None:
     assert [udev_value(group) for _, _, group, _ in rules(render_rules(name))] == [name, name]

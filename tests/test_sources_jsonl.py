@@ -371,6 +371,20 @@ def test_open_source_file_spec(tmp_path: Path) -> None:
         open_source("file:", tmp_path)
 
 
+def test_an_event_file_that_cannot_be_reached_is_not_said_missing(tmp_path: Path) -> None:
+    """A path that is there but cannot be looked up (a link loop here; a folder the user
+    may not search, for a non-root user) was "does not exist": the user is sent looking
+    for a file that exists. The error names the real reason."""
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    with pytest.raises(SourceUnavailable, match="levels of symbolic links") as caught:
+        open_source(f"file:{loop}", tmp_path)
+    assert "does not exist" not in str(caught.value)
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(SourceUnavailable, match="does not exist"):
+        open_source(f"file:{tmp_path / 'dangling.jsonl'}", tmp_path)
+
+
 def test_a_directory_is_not_an_event_file(tmp_path: Path) -> None:
     src = JsonlFileSource(tmp_path)
     with pytest.raises(SourceUnavailable, match="directory"):
@@ -479,6 +493,41 @@ def test_record_command_reports_a_full_disk_in_one_line(
     assert err.count("\n") == 1 and "/dev/full" in err and "No space left" in err
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs /proc/self/mem")
+def test_record_command_reports_an_unreadable_source_as_a_read_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``file:`` source whose read fails (EIO: reading at address 0 of /proc/self/mem,
+    as a failing disk would) was reported as "cannot write stdout"."""
+    out = tmp_path / "out.jsonl"
+    args = _parse(["--root", str(tmp_path), "--source", "file:/proc/self/mem",
+                   "--out", str(out)])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "cannot read event file '/proc/self/mem'" in err and "Input/output error" in err
+    assert out.read_bytes() == b""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs /proc/self/mem")
+def test_watch_reports_an_unreadable_source_in_one_line(tmp_path: Path) -> None:
+    """The same read error under ``watch``: one line naming the file, exit 1, not an
+    "internal error: OSError"."""
+    from gpuwatch.testing.machines import single_gpu_desktop
+
+    single_gpu_desktop(tmp_path / "root")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(tmp_path / "root"),
+         "--source", "file:/proc/self/mem"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("gpuwatch: cannot read event file '/proc/self/mem': "
+                           "Input/output error\n")
+    assert [json.loads(line)["type"] for line in proc.stdout.splitlines()] == ["ready",
+                                                                             "stopped"]
+
+
 def test_record_command_refuses_a_closed_stdout_in_one_line(tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     write_jsonl(src, [props(0)])
@@ -507,6 +556,45 @@ def test_record_command_refuses_to_write_over_the_file_it_reads(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--source file itself" in err
     assert [json.loads(text) for text in src.read_text().splitlines()] == maps
+
+
+def test_record_command_refuses_a_stdout_appending_to_the_file_it_reads(
+    tmp_path: Path,
+) -> None:
+    """``gpuwatch record --source file:cap.jsonl >> cap.jsonl``: each line read was written
+    back behind the reader and read again, so the file grew until the disk was full."""
+    maps = [props(i) for i in range(12_000)]  # past one read chunk: the reader never catches up
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, maps)
+    before = src.read_bytes()
+    with open(src, "ab") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+             "--source", f"file:{src}"],
+            stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=30,
+            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "stdout is the --source file" in proc.stderr
+    assert src.read_bytes() == before
+
+
+def test_record_command_refuses_an_out_fifo_that_is_its_source(tmp_path: Path) -> None:
+    """The same FIFO as source and ``--out``: the recorder read its own lines back forever
+    (and, holding the FIFO open for writing, never saw the end of its input)."""
+    fifo = tmp_path / "ev.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+         "--source", f"file:{fifo}", "--out", str(fifo)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and "--source file itself" in err
 
 
 def test_record_command_waiting_for_an_out_fifo_reader_ends_cleanly_on_sigterm(

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 from types import FrameType
@@ -30,7 +31,13 @@ from gpuwatch.cli.common import (
     to_stderr,
 )
 from gpuwatch.lograte import RateLimitedLog
-from gpuwatch.sources import EventSource, SourceOverflow, SourceUnavailable, open_source
+from gpuwatch.sources import (
+    EventSource,
+    SourceOverflow,
+    SourceReadError,
+    SourceUnavailable,
+    open_source,
+)
 from gpuwatch.sources.jsonl import JsonlFileSource, uevent_to_json
 from gpuwatch.watch.eventlog import ThreadedWriter
 
@@ -130,13 +137,14 @@ def _writer_for(out: TextIO) -> ThreadedWriter | None:
     return ThreadedWriter(fd, _OUT_BUFFER)
 
 
-async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | None:
+async def _record_until_signal(source: EventSource,
+                               out: TextIO) -> OSError | SourceReadError | None:
     """Run ``record`` until the source ends or SIGINT/SIGTERM arrives.
 
     Returns a write/read error instead of raising it, so it does not come out of the
     task group wrapped in an ExceptionGroup.
     """
-    error: OSError | None = None
+    error: OSError | SourceReadError | None = None
 
     async def stop_on_signal(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -148,11 +156,14 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_on_signal, tg.cancel_scope)
         try:
-            await record(source, out if writer is None else writer)
+            try:
+                await record(source, out if writer is None else writer)
+            except SourceReadError as exc:
+                error = exc  # what was read before it is still written, below
             if writer is not None:
                 await _written(writer)  # the source ended: the reader gets it all
         except OSError as exc:
-            error = exc
+            error = error or exc
         finally:
             tg.cancel_scope.cancel()
     if writer is not None:
@@ -160,15 +171,37 @@ async def _record_until_signal(source: EventSource, out: TextIO) -> OSError | No
     return error
 
 
-def _same_file(source: EventSource, out: str) -> bool:
-    """Whether ``out`` names the regular file a ``file:`` source reads (through any link);
-    a FIFO or terminal named twice is not truncated, and may be."""
+def _reads_back(source: EventSource, out: os.stat_result) -> bool:
+    """Whether the output ``out`` (a stat) is the file or FIFO a ``file:`` source reads.
+
+    Then the recording would read its own lines back: ``--out`` naming the file truncates
+    it first (the recording is lost), stdout appending to it (``>> capture.jsonl``) or the
+    same FIFO copy each line again and again, forever. A terminal named twice is fine.
+    """
     if not isinstance(source, JsonlFileSource):
         return False
-    try:
-        return os.path.samefile(source.path, out) and os.path.isfile(out)
-    except OSError:  # --out does not exist yet: it cannot be the source
+    if not (stat.S_ISREG(out.st_mode) or stat.S_ISFIFO(out.st_mode)):
         return False
+    try:
+        return os.path.samestat(os.stat(source.path), out)
+    except OSError:
+        return False
+
+
+def _stat_path(path: str) -> os.stat_result | None:
+    """``path``'s stat through any link; None when it does not exist (yet)."""
+    try:
+        return os.stat(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_fd(out: TextIO) -> os.stat_result | None:
+    """The stat of ``out``'s descriptor; None when it has none (a test's capture)."""
+    try:
+        return os.fstat(out.fileno())
+    except (OSError, ValueError):
+        return None
 
 
 class _Stop(BaseException):
@@ -208,10 +241,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.out == "-":
             if sys.stdout is None:
                 return fail("record: stdout is closed; name a file with --out PATH", EXIT_USAGE)
+            target = _stat_fd(sys.stdout)
+            if target is not None and _reads_back(source, target):
+                return fail("record: stdout is the --source file itself; the recording "
+                            "would read its own lines back", EXIT_USAGE)
             out = sys.stdout
         else:
-            if _same_file(source, args.out):
-                # Opening --out truncates it: the recording being copied would be lost.
+            target = _stat_path(args.out)
+            if target is not None and _reads_back(source, target):
                 return fail(f"record: --out {args.out!r} is the --source file itself", EXIT_USAGE)
             try:
                 out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
@@ -229,6 +266,8 @@ def _run(args: argparse.Namespace) -> int:
                     # After a failed write the close retries the same bytes and fails
                     # again: the first error is the one to report.
                     error = error or exc
+        if isinstance(error, SourceReadError):
+            return fail(f"record: {error}", EXIT_FAILURE)
         if isinstance(error, BrokenPipeError):
             # The reader went away (``| head``): done. Silence the flush at exit.
             with contextlib.suppress(OSError):

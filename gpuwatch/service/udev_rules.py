@@ -16,7 +16,9 @@ DEFAULT_GROUP = "kvm"
 RULES_FILE = "/etc/udev/rules.d/70-gpuwatch-vfio.rules"
 #: POSIX-ish group names (what useradd/groupadd accept); nothing that could break out of a
 #: quoted udev value.
-_GROUP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+_GROUP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
+#: groupadd's limit, a trailing ``$`` included.
+_GROUP_MAX = 32
 
 
 class InvalidGroupName(CallerError, ValueError):
@@ -24,7 +26,7 @@ class InvalidGroupName(CallerError, ValueError):
 
 
 def check_group(name: str) -> str:
-    if not _GROUP_RE.fullmatch(name):
+    if len(name) > _GROUP_MAX or not _GROUP_RE.fullmatch(name):
         raise InvalidGroupName(f"{name!r} is not a valid group name")
     return name
 

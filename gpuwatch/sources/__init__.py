@@ -24,6 +24,7 @@ __all__ = [
     "EventSource",
     "InvalidSourceSpec",
     "SourceOverflow",
+    "SourceReadError",
     "SourceUnavailable",
     "drain_lost",
     "drain_to_eagain",
@@ -48,6 +49,15 @@ class InvalidSourceSpec(CallerError, SourceUnavailable, ValueError):
     """
 
     code = INVALID_PARAMS
+
+
+class SourceReadError(HostError, OSError):
+    """A source that was open could not be read on (EIO from a failing disk, a stale NFS
+    handle): its events stop here. Not a usage error (the same command worked up to
+    now), so not a `SourceUnavailable`: the run ends with one line and exit 1. Still an
+    OSError, as the read's own error was before it had a message naming the file."""
+
+    code = SOURCE_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -152,8 +162,13 @@ def open_source(
         path = spec[len("file:") :]
         if not path:
             raise InvalidSourceSpec("source 'file:' needs a path, e.g. file:events.jsonl")
-        if not os.path.exists(path):
-            raise SourceUnavailable(f"event file {path!r} does not exist")
+        try:
+            os.stat(path)
+        except FileNotFoundError:  # a dangling link too
+            raise SourceUnavailable(f"event file {path!r} does not exist") from None
+        except (OSError, ValueError) as exc:  # EACCES, ELOOP, …: not "does not exist"
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SourceUnavailable(f"cannot open event file {path!r}: {why}") from None
         from gpuwatch.sources.jsonl import JsonlFileSource
 
         return JsonlFileSource(path)

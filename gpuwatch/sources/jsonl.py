@@ -24,7 +24,7 @@ from gpuwatch.core.ndjson import TOO_LONG, LineFramer
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import CallerError
 from gpuwatch.lograte import RateLimitedLog
-from gpuwatch.sources import SourceOverflow, SourceUnavailable
+from gpuwatch.sources import SourceOverflow, SourceReadError, SourceUnavailable
 from gpuwatch.sources.turns import end_turn
 
 __all__ = ["JsonlFileSource", "parse_jsonl_line", "uevent_to_json"]
@@ -194,7 +194,7 @@ class JsonlFileSource:
                 if self._fd < 0:
                     return
                 try:
-                    chunk = os.read(self._fd, self._chunk_size)
+                    chunk = self._read()
                 except BlockingIOError:
                     flowing = False
                     continue
@@ -212,7 +212,7 @@ class JsonlFileSource:
                 if self._fd < 0:
                     return
                 try:
-                    chunk = os.read(self._fd, self._chunk_size)
+                    chunk = self._read()
                 except BlockingIOError:
                     continue
                 flowing = bool(chunk)
@@ -220,7 +220,7 @@ class JsonlFileSource:
                 await end_turn()  # let other tasks and requests in between chunks
                 if self._fd < 0:
                     return
-                chunk = os.read(self._fd, self._chunk_size)
+                chunk = self._read()
             if not chunk:
                 last = splitter.finish()
                 if last:
@@ -231,6 +231,18 @@ class JsonlFileSource:
             batch = splitter.feed(chunk)
             if batch:
                 yield batch
+
+    def _read(self) -> bytes:
+        """The next chunk; ``b""`` at EOF. A read that fails (EIO) is a `SourceReadError`
+        naming the file: it is no write error of a recording nor an internal error.
+        BlockingIOError (a FIFO with nothing to read yet) is the caller's to handle."""
+        try:
+            return os.read(self._fd, self._chunk_size)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            raise SourceReadError(
+                f"cannot read event file {self.path!r}: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
         """Close the file; a ``batches`` waiting on a FIFO ends (idempotent)."""
