@@ -716,3 +716,68 @@ def test_record_command_whose_reader_stops_reading_still_ends_on_sigterm(
         proc.stderr.close()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def _read_offset(pid: int, path: Path) -> int | None:
+    """Where process ``pid`` is in its open ``path`` (/proc/PID/fdinfo), None if not open."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            if os.readlink(fd_dir / fd) == str(path):
+                info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+                return int(info.split("pos:")[1].split()[0])
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_recording_stopped_by_sigterm_still_writes_what_it_has_read(tmp_path: Path) -> None:
+    """Ctrl-C while the reader of the recording is behind: the lines the recorder has
+    already taken from its source still reach the reader (within the stop's grace), instead
+    of being dropped with the writer's queue."""
+    maps = [props(i) for i in range(2000)]  # ~0.5 MiB: beyond the pipe, within the buffer
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, maps)
+    out = tmp_path / "out.fifo"
+    os.mkfifo(out)
+    reader = os.open(out, os.O_RDONLY | os.O_NONBLOCK)  # there, and not reading yet
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "record", "--root", str(tmp_path),
+         "--source", f"file:{source}", "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
+    got = b""
+    try:
+        deadline = time.monotonic() + 30
+        while _read_offset(proc.pid, source) != source.stat().st_size:
+            assert time.monotonic() < deadline and proc.poll() is None, "source not read"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the stop is under way before the reader reads on (within 2 s)
+        os.set_blocking(reader, True)
+        while chunk := os.read(reader, 1 << 16):
+            got += chunk
+        proc.wait(timeout=20)
+    finally:
+        os.close(reader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+    assert proc.returncode == 0, err
+    assert [json.loads(line) for line in got.decode().splitlines()] == maps
+
+
+def test_a_recording_saved_with_a_byte_order_mark_keeps_its_first_event(tmp_path: Path) -> None:
+    """An editor that saves UTF-8 with a BOM (or such files concatenated with ``cat``):
+    the mark is no part of a line, and no event is skipped for it."""
+    maps = [props(i) for i in range(3)]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl(first, maps[:2])
+    write_jsonl(second, maps[2:])
+    joined = tmp_path / "joined.jsonl"
+    joined.write_bytes(b"\xef\xbb\xbf" + first.read_bytes() + b"\xef\xbb\xbf" + second.read_bytes())
+    out = tmp_path / "out.jsonl"
+    args = _parse(["--root", str(tmp_path), "--source", f"file:{joined}", "--out", str(out)])
+    assert args.func(args) == 0
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == maps

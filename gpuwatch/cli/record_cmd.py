@@ -70,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 _OUT_BUFFER = 1 << 20
 #: How often a recording whose reader is behind looks whether there is room again.
 _OUT_POLL = 0.01
+#: After SIGINT/SIGTERM, how long the lines already read may take to reach the reader: a
+#: stop loses nothing a reader takes in time, and one that takes nothing holds no exit
+#: longer (a second signal ends the wait at once).
+_STOP_GRACE = 2.0
 
 
 async def record(source: EventSource, out: TextIO | ThreadedWriter, *,
@@ -145,10 +149,13 @@ async def _record_until_signal(source: EventSource,
     task group wrapped in an ExceptionGroup.
     """
     error: OSError | SourceReadError | None = None
+    signalled = False
 
     async def stop_on_signal(scope: anyio.CancelScope) -> None:
+        nonlocal signalled
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
+                signalled = True
                 scope.cancel()
                 return
 
@@ -167,7 +174,12 @@ async def _record_until_signal(source: EventSource,
         finally:
             tg.cancel_scope.cancel()
     if writer is not None:
-        writer.close(0)  # a signal: what the reader has not taken is not waited for
+        try:
+            # A signal: the lines read so far still go out, for `_STOP_GRACE` at most.
+            # Else the source ended (all written) or writing failed (nothing to wait for).
+            writer.close(_STOP_GRACE if signalled else 0)
+        finally:
+            writer.close(0)  # a second signal during the wait: drop the rest at once
     return error
 
 

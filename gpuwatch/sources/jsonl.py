@@ -53,8 +53,14 @@ _DECODE = json.JSONDecoder().decode
 def parse_jsonl_line(raw: bytes | str) -> UEvent:
     """Parse one line; numbers become strings (hand-written files say ``"SEQNUM": 7``).
 
-    Raises :class:`MalformedLine` for bad JSON, a non-object, or non-scalar values.
+    Raises :class:`MalformedLine` for bad JSON, a non-object, or non-scalar values. A
+    byte-order mark before the line (a recording saved by an editor that adds one, or
+    such files concatenated) is no part of it: JSON allows a parser to ignore it.
     """
+    if isinstance(raw, bytes) and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    elif isinstance(raw, str) and raw.startswith("\ufeff"):
+        raw = raw[1:]
     try:
         # One shared decoder on text: json.loads would sniff the encoding of every line.
         obj: Any = _DECODE(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
