@@ -244,6 +244,30 @@ def test_default_daemonset_reads_the_host_and_serves_the_node(tmp_path: Path) ->
     assert not security.get("privileged") and not pod.get("hostPID")
 
 
+#: What a probe's ``timeoutSeconds`` leaves above ``gpuwatch health --timeout``: the CLI's
+#: own start (Python, imports) in a container that may be CPU-throttled.
+PROBE_START_MARGIN = 2
+
+
+@pytest.mark.parametrize("directory", [DEFAULT, SWITCHING], ids=["default", "switching"])
+def test_each_probe_gives_up_in_gpuwatch_health_before_kubelet_kills_it(
+        directory: Path) -> None:
+    """A slow daemon must be reported by ``gpuwatch health`` itself ("did not answer within
+    N s", in the pod's events), not cut off by kubelet at ``timeoutSeconds`` with no reason:
+    health's whole bound plus its start fits inside the probe's limit, for every probe and
+    for the image's HEALTHCHECK alike."""
+    c = container(daemonset(directory))
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = c[name]
+        args = build_parser().parse_args(probe["exec"]["command"][1:])
+        assert probe["timeoutSeconds"] - args.timeout >= PROBE_START_MARGIN, name
+    stage = dict(containerfile())
+    check = stage["HEALTHCHECK"]
+    limit = float(re.search(r"--timeout=(\d+)s", check).group(1))  # type: ignore[union-attr]
+    args = build_parser().parse_args(json.loads(check.split("CMD", 1)[1])[1:])
+    assert limit - args.timeout >= PROBE_START_MARGIN
+
+
 def test_switching_overlay_adds_exactly_what_a_switch_needs() -> None:
     base, ds = daemonset(DEFAULT), daemonset(SWITCHING)
     pod, c = ds["spec"]["template"]["spec"], container(ds)

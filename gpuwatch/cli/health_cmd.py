@@ -26,20 +26,37 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="the daemon's socket (default $GPUWATCH_SOCKET, else "
                         "/run/gpuwatch/gpuwatch.sock)")
     p.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="S",
-                   help="seconds to wait for the answer (default 5)")
+                   help="seconds the whole check may take, connect and answer "
+                        "(default 5)")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing when healthy")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuwatch.service.client import Client, DaemonError, DaemonUnavailable
+    """One deadline for the whole check: the connect (a full listen backlog waits for room)
+    and the answer together take at most ``--timeout``, so a probe whose own limit is a
+    little longer always gets this line, never kubelet's silent kill."""
+    from gpuwatch.service.client import (
+        Client,
+        DaemonError,
+        DaemonUnavailable,
+        default_socket_path,
+    )
 
     start = time.monotonic()
+    deadline = start + args.timeout
+    path = args.socket or default_socket_path()
     try:
         with Client(args.socket, timeout=args.timeout) as client:
-            client.probe(HEALTH_ACTION)
             path = client.path
-    except (DaemonUnavailable, DaemonError, TimeoutError, OSError) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            client.call("probe", {"action": HEALTH_ACTION}, timeout=left)
+    except TimeoutError:
+        return fail(f"health: the daemon at {path} did not answer within "
+                    f"{args.timeout:g} s", EXIT_FAILURE)
+    except (DaemonUnavailable, DaemonError, OSError) as exc:
         return fail(f"health: {exc}", EXIT_FAILURE)
     if not args.quiet:
         print(f"ok: the daemon at {path} answered in "
