@@ -231,6 +231,10 @@ def test_default_daemonset_reads_the_host_and_serves_the_node(tmp_path: Path) ->
     assert port["containerPort"] == parse_listen_address(settings.metrics)[1]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics"
+    # The holders of a GPU are host processes: the runtime's AppArmor profile would refuse
+    # the ptrace reads that name them (see the holders test below).
+    assert annotations[f"container.apparmor.security.beta.kubernetes.io/{c['name']}"] == \
+        "unconfined"
 
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = c[probe]["exec"]["command"]
@@ -266,6 +270,52 @@ def test_each_probe_gives_up_in_gpuwatch_health_before_kubelet_kills_it(
     limit = float(re.search(r"--timeout=(\d+)s", check).group(1))  # type: ignore[union-attr]
     args = build_parser().parse_args(json.loads(check.split("CMD", 1)[1])[1:])
     assert limit - args.timeout >= PROBE_START_MARGIN
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run as the pod's uid and capabilities")
+def test_the_read_only_pod_sees_the_holders_of_a_node(tmp_path: Path) -> None:
+    """The read-only pod answers ``holders`` and the ``nvidia-holders`` probe from the host's
+    /proc: with the pod's uid and capabilities (as the container runtime gives them: the
+    bounding set), a process of another user and one of root holding a node are both seen.
+    With every capability dropped the kernel refuses both (/proc/PID/fd is the owner's,
+    and reading a link there is a ptrace read), and the answer was "no holders": wrong,
+    silently."""
+    c = container(daemonset(DEFAULT))
+    security = c["securityContext"]
+    caps = ",".join(["-all", *(f"+{cap.lower()}" for cap in
+                               security["capabilities"].get("add", []))])
+    held = tmp_path / "renderD128"
+    held.write_text("")
+    held.chmod(0o644)
+    others = []
+    try:
+        for who in (["--reuid", "65534", "--regid", "65534", "--clear-groups"], []):
+            with held.open() as f:
+                others.append(subprocess.Popen(["setpriv", *who, "--", "sleep", "60"],
+                                               stdin=f))
+        script = ("import json, sys; from gpuwatch.hostfs.procfs import holders; "
+                  "found, stuck = holders('/', lambda t: t == sys.argv[1]); "
+                  "print(json.dumps(sorted({pid for pid, _, _ in found})))")
+        pod = ["setpriv", "--reuid", str(security["runAsUser"]),
+               "--regid", str(security["runAsGroup"]), "--clear-groups",
+               f"--bounding-set={caps}", f"--inh-caps={caps}", "--no-new-privs", "--",
+               sys.executable, "-c", script, str(held)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        deadline = time.monotonic() + 10
+        while True:  # until both children have exec'd sleep with the file open
+            proc = subprocess.run(pod, capture_output=True, text=True, timeout=60, env=env,
+                                  check=False)
+            assert proc.returncode == 0, proc.stderr
+            seen = json.loads(proc.stdout)
+            if seen == sorted(p.pid for p in others) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for other in others:
+            other.kill()
+            other.wait(timeout=10)
+    assert seen == sorted(p.pid for p in others)
 
 
 def test_switching_overlay_adds_exactly_what_a_switch_needs() -> None:
