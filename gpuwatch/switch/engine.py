@@ -40,12 +40,14 @@ from gpuwatch.core.modes import (
     BRIDGE_DRIVER,
     Mode,
     group_mode,
+    host_bridge,
 )
 from gpuwatch.core.observations import Observation, PciRebound
 from gpuwatch.core.plan import (
     BRIDGE_RULE,
     CLEAR_OVERRIDE,
     PERSISTENCED_UNIT,
+    RETURN_MODES,
     CommandStep,
     HostFacts,
     MakeDirStep,
@@ -71,6 +73,7 @@ from gpuwatch.core.plan import (
     poison_key,
     poison_subject,
     poisoned_until,
+    return_steps,
     satisfied,
     switch_guard,
     target_of,
@@ -97,6 +100,7 @@ from gpuwatch.errors import (
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
 from gpuwatch.hostfs.facts import (
     call_bounded,
+    card_holders,
     cdi_output,
     gather_facts,
     health_facts,
@@ -624,13 +628,16 @@ class SwitchEngine:
             return stuck
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
+        home = plan.from_mode in RETURN_MODES  # a host driver's group (amdgpu), or unbound
         started: list[str] = []  # services the switch back started (persistenced, recorded)
         if back is not None and await self._drivers_back(plan, back, restored, rolling,
                                                          started):
             return True  # a wedge: nothing more is touched
+        if home and await self._drivers_home(plan, restored, rolling):
+            return True
         commands, stuck = await self._restore(plan, facts, done, started)
         restored.extend(commands)
-        if back is None and not stuck:
+        if back is None and not home and not stuck:
             # Not put back: say so, and where each function is now, so that nobody reads
             # `restored` as "as found".
             left = await self._left_changed(plan)
@@ -663,7 +670,79 @@ class SwitchEngine:
             restored.append(f"group {plan.group} not put back: {undo.refusal.reason}")
             return False
         pins: list[str] = []  # the switch back's own overrides, not yet cleared
-        for step in undo.steps:
+        ended = await self._run_back(plan, undo.steps, restored, rolling, started, pins)
+        if ended is not None:
+            return ended
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return False
+        targets = dict(undo.targets)
+        if not self._reached(undo, facts):
+            restored.append(f"group {plan.group} not back in mode {back}: "
+                            + self._drivers_text(targets))
+            # Not back: the overrides of a switch back that did not happen go too.
+            return await self._unpin_back(plan, pins, restored, rolling)
+        return False
+
+    async def _drivers_home(self, plan: SwitchPlan, restored: list[str],
+                            rolling: list[Step]) -> bool:
+        """The roll-back of a group that was in a `RETURN_MODES` state (the display on a
+        host driver such as amdgpu, or nothing bound): no switch goes there, so each
+        function is put back on the driver it had (`return_steps`), after a fresh holder scan
+        of what must be unbound (a VM may have opened the group meanwhile). True on a wedge."""
+        addrs = [m.addr for m in plan.members]
+        before = {m.addr: m.driver for m in plan.members}
+        paths, state = self.model.paths, self.model.state
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+            now = [fn for a in addrs if (fn := state.functions.get(a)) is not None]
+            steps = return_steps(now, before)
+            leaving = [fn for fn in now if fn.driver and any(
+                isinstance(s, WriteStep) and s.value == fn.addr and s.path.endswith("/unbind")
+                for s in steps)]
+            known = model_facts(state, leaving)
+            deadline = self.model.proc_deadline
+            holders = await call_bounded(
+                lambda: card_holders(paths, known, leaving, deadline=deadline),
+                min(self.scan_timeout, deadline + 1), "the holder scan") if leaving else []
+        except (StepTimedOut, OSError) as exc:
+            restored.append(f"group {plan.group} not put back: {exc}")
+            return False
+        if holders:
+            restored.append(f"group {plan.group} not put back: {holders_reason(holders)}")
+            return False
+        pins: list[str] = []
+        ended = await self._run_back(plan, steps, restored, rolling, [], pins)
+        if ended is not None:
+            return ended
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return False
+        off = [a for a, was in before.items() if (fn := state.functions.get(a)) is not None
+               and fn.driver != was and not host_bridge(fn)]
+        if off:
+            where = ", ".join(f"{a} on {state.functions[a].driver or 'no driver'} (was "
+                              f"{before[a] or 'no driver'})" for a in off)
+            restored.append(f"group {plan.group} not back as it was ({plan.from_mode}): {where}")
+            return await self._unpin_back(plan, pins, restored, rolling)
+        return False
+
+    async def _run_back(self, plan: SwitchPlan, steps: Sequence[Step], restored: list[str],
+                        rolling: list[Step], started: list[str], pins: list[str]) -> bool | None:
+        """Run the steps of a switch back one by one, saying each in ``restored``; None when
+        every one ran, else the roll-back's end: True on a wedge (the group poisoned), False
+        when a step failed (the overrides it wrote cleared)."""
+        for step in steps:
             rolling[:] = [step]
             _track_pin(pins, step, before=True)
             try:
@@ -696,20 +775,7 @@ class SwitchEngine:
             rolling.clear()  # not on cancellation: a step cut off by the bound may be stuck
             _track_pin(pins, step, before=False)
             restored.append(step.describe())
-        try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
-        except StepTimedOut as exc:
-            restored.append(f"group {plan.group}: {exc}")
-            return False
-        targets = dict(undo.targets)
-        if not self._reached(undo, facts):
-            restored.append(f"group {plan.group} not back in mode {back}: "
-                            + self._drivers_text(targets))
-            # Not back: the overrides of a switch back that did not happen go too.
-            return await self._unpin_back(plan, pins, restored, rolling)
-        return False
+        return None
 
     async def _unpin_back(self, plan: SwitchPlan, pins: Sequence[str], restored: list[str],
                           rolling: list[Step]) -> bool:
