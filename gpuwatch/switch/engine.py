@@ -108,7 +108,13 @@ from gpuwatch.hostfs.facts import (
     scan_holders,
 )
 from gpuwatch.hostfs.files import flock_holders, place_in_root
-from gpuwatch.hostfs.scan import CDI_SPECS, cdi_spec_exists, read_function, read_modules
+from gpuwatch.hostfs.scan import (
+    CDI_SPECS,
+    cdi_spec_exists,
+    copied_entries,
+    read_function,
+    read_modules,
+)
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
@@ -432,6 +438,7 @@ class SwitchEngine:
         if not plan.steps:
             return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
                                 notes=list(plan.notes))
+        await self._refuse_a_copy(plan)
         self._failed_at_start[plan.poison_key] = self._failures(plan)
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
@@ -581,6 +588,29 @@ class SwitchEngine:
             self._refused(plan.addr, group, to_mode, plan.refusal.reason, plan.refusal.holders)
             raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
         return facts, plan
+
+    async def _refuse_a_copy(self, plan: SwitchPlan) -> None:
+        """A tree whose bus entries are folders (a capture with its links flattened) is no
+        host: every write of the switch would land in a copy, and the switch would then wait
+        for binds that cannot come and blame another driver. Refused before anything is
+        written, naming the entry."""
+        paths, addrs = self.model.paths, [m.addr for m in plan.members]
+        try:
+            copied = await call_bounded(lambda: copied_entries(paths, addrs), self.scan_timeout,
+                                        "reading the tree")
+        except StepTimedOut as exc:
+            copied, why = [], f"{exc}; nothing was written"
+        else:
+            why = ""
+        if copied:
+            entry = os.path.join(paths.bus_pci, copied[0])
+            why = (f"{entry} is a folder, not the kernel's link to the device: this tree is a "
+                   "copy of a host's sysfs (links flattened into folders, as capture tools "
+                   "leave them), and a write to it would land in the copy, not in a device; "
+                   "switch on the live host (nothing was written)")
+        if why:
+            self._refused(plan.addr, plan.group, plan.to_mode, why, ())
+            raise SwitchRefused(why)
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
                          in_flight: Sequence[Step], restored: list[str],
