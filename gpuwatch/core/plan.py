@@ -822,6 +822,32 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     return SwitchPlan(**base, steps=tuple(steps), notes=tuple(notes), unloads_nvidia=unloads)
 
 
+#: The group modes (`gpuwatch.core.modes.group_mode`) that are one whole state without being
+#: a mode a switch goes to: the display on a host driver of its own (amdgpu, i915, nouveau),
+#: or nothing bound. An interrupted switch from one puts each function back on the driver it
+#: had (`return_steps`); only ``mixed`` (in no one mode) is left as it is.
+RETURN_MODES = ("host driver", "unbound")
+
+
+def return_steps(now: Iterable[PciFunction], before: Mapping[str, str]) -> tuple[Step, ...]:
+    """The writes that put each function of ``now`` back on the driver ``before`` names for
+    it (``""``: none), the way a switch moves one: unbind, ``driver_override``,
+    ``drivers_probe``, override cleared (a host driver binds such a function by its own id
+    table, so nothing is left pinned). A function not in ``before`` (it joined meanwhile),
+    already back, or a bridge (never rebound) gets none."""
+    steps: list[Step] = []
+    for fn in sorted(now, key=lambda f: f.addr):
+        was = before.get(fn.addr)
+        if was is None or fn.driver == was or host_bridge(fn) or fn.class_ in BRIDGE_CLASSES:
+            continue
+        if fn.driver:
+            steps.append(WriteStep(unbind_path(fn.driver), fn.addr))
+        if was:
+            steps += [WriteStep(override_path(fn.addr), was), WriteStep(DRIVERS_PROBE, fn.addr),
+                      WriteStep(override_path(fn.addr), CLEAR_OVERRIDE)]
+    return tuple(steps)
+
+
 def kernel_users(facts: HostFacts, dependents: Sequence[str]) -> int:
     """Users of the nvidia module the switch does not account for: ``refcnt`` counts every
     dependent module (``nvidia_drm``, ``nvidia_modeset``, ``nvidia_uvm``, ``nvidia_peermem``)
@@ -913,6 +939,7 @@ __all__ = [
     "EXAMPLE_AUDIO",
     "EXAMPLE_DISPLAY",
     "NVIDIA_VENDOR",
+    "RETURN_MODES",
     "CommandStep",
     "HostFacts",
     "MakeDirStep",
@@ -946,6 +973,7 @@ __all__ = [
     "poison_subject",
     "poisoned_until",
     "recovery_notes",
+    "return_steps",
     "satisfied",
     "step_json",
     "switch_guard",

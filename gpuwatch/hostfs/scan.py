@@ -786,6 +786,20 @@ def function_dir(paths: HostPaths, addr: str) -> str:
     return paths.sys + devpath
 
 
+def copied_entries(paths: HostPaths, addrs: Iterable[str]) -> list[str]:
+    """The functions among ``addrs`` whose bus entry (``sys/bus/pci/devices/<addr>``) is a
+    folder, not the kernel's link to the device: a tree a capture tool copied with its links
+    flattened, or one built flat. Reading such a tree is fine; a write to it (a
+    ``driver_override``, an ``unbind``) lands in the copy, never in a device, so the switch
+    refuses it. In a live sysfs every bus entry is a link."""
+    found: list[str] = []
+    for addr in addrs:
+        entry = os.path.join(paths.bus_pci, addr)
+        if not os.path.islink(entry) and os.path.isdir(entry):
+            found.append(addr)
+    return found
+
+
 def read_listed(paths: HostPaths, name: str, devpath: str) -> PciSeen | None:
     """One function the bus lists, read as a scan reads it; None when its entry dangles."""
     directory = paths.sys + devpath

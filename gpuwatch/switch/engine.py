@@ -40,12 +40,14 @@ from gpuwatch.core.modes import (
     BRIDGE_DRIVER,
     Mode,
     group_mode,
+    host_bridge,
 )
 from gpuwatch.core.observations import Observation, PciRebound
 from gpuwatch.core.plan import (
     BRIDGE_RULE,
     CLEAR_OVERRIDE,
     PERSISTENCED_UNIT,
+    RETURN_MODES,
     CommandStep,
     HostFacts,
     MakeDirStep,
@@ -71,6 +73,7 @@ from gpuwatch.core.plan import (
     poison_key,
     poison_subject,
     poisoned_until,
+    return_steps,
     satisfied,
     switch_guard,
     target_of,
@@ -97,6 +100,7 @@ from gpuwatch.errors import (
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
 from gpuwatch.hostfs.facts import (
     call_bounded,
+    card_holders,
     cdi_output,
     gather_facts,
     health_facts,
@@ -104,7 +108,13 @@ from gpuwatch.hostfs.facts import (
     scan_holders,
 )
 from gpuwatch.hostfs.files import flock_holders, place_in_root
-from gpuwatch.hostfs.scan import CDI_SPECS, cdi_spec_exists, read_function, read_modules
+from gpuwatch.hostfs.scan import (
+    CDI_SPECS,
+    cdi_spec_exists,
+    copied_entries,
+    read_function,
+    read_modules,
+)
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
@@ -428,6 +438,7 @@ class SwitchEngine:
         if not plan.steps:
             return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
                                 notes=list(plan.notes))
+        await self._refuse_a_copy(plan)
         self._failed_at_start[plan.poison_key] = self._failures(plan)
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
@@ -578,6 +589,29 @@ class SwitchEngine:
             raise SwitchRefused(plan.refusal.reason, plan.refusal.holders)
         return facts, plan
 
+    async def _refuse_a_copy(self, plan: SwitchPlan) -> None:
+        """A tree whose bus entries are folders (a capture with its links flattened) is no
+        host: every write of the switch would land in a copy, and the switch would then wait
+        for binds that cannot come and blame another driver. Refused before anything is
+        written, naming the entry."""
+        paths, addrs = self.model.paths, [m.addr for m in plan.members]
+        try:
+            copied = await call_bounded(lambda: copied_entries(paths, addrs), self.scan_timeout,
+                                        "reading the tree")
+        except StepTimedOut as exc:
+            copied, why = [], f"{exc}; nothing was written"
+        else:
+            why = ""
+        if copied:
+            entry = os.path.join(paths.bus_pci, copied[0])
+            why = (f"{entry} is a folder, not the kernel's link to the device: this tree is a "
+                   "copy of a host's sysfs (links flattened into folders, as capture tools "
+                   "leave them), and a write to it would land in the copy, not in a device; "
+                   "switch on the live host (nothing was written)")
+        if why:
+            self._refused(plan.addr, plan.group, plan.to_mode, why, ())
+            raise SwitchRefused(why)
+
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
                          in_flight: Sequence[Step], restored: list[str],
                          rolling: list[Step], pinned: Sequence[str] = ()) -> bool:
@@ -624,13 +658,16 @@ class SwitchEngine:
             return stuck
         # A group that was neither wholly (a half-done earlier switch) is left as it is now.
         back = next((m for m in ("vfio", "nvidia") if m == plan.from_mode), None)
+        home = plan.from_mode in RETURN_MODES  # a host driver's group (amdgpu), or unbound
         started: list[str] = []  # services the switch back started (persistenced, recorded)
         if back is not None and await self._drivers_back(plan, back, restored, rolling,
                                                          started):
             return True  # a wedge: nothing more is touched
+        if home and await self._drivers_home(plan, restored, rolling):
+            return True
         commands, stuck = await self._restore(plan, facts, done, started)
         restored.extend(commands)
-        if back is None and not stuck:
+        if back is None and not home and not stuck:
             # Not put back: say so, and where each function is now, so that nobody reads
             # `restored` as "as found".
             left = await self._left_changed(plan)
@@ -663,7 +700,79 @@ class SwitchEngine:
             restored.append(f"group {plan.group} not put back: {undo.refusal.reason}")
             return False
         pins: list[str] = []  # the switch back's own overrides, not yet cleared
-        for step in undo.steps:
+        ended = await self._run_back(plan, undo.steps, restored, rolling, started, pins)
+        if ended is not None:
+            return ended
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return False
+        targets = dict(undo.targets)
+        if not self._reached(undo, facts):
+            restored.append(f"group {plan.group} not back in mode {back}: "
+                            + self._drivers_text(targets))
+            # Not back: the overrides of a switch back that did not happen go too.
+            return await self._unpin_back(plan, pins, restored, rolling)
+        return False
+
+    async def _drivers_home(self, plan: SwitchPlan, restored: list[str],
+                            rolling: list[Step]) -> bool:
+        """The roll-back of a group that was in a `RETURN_MODES` state (the display on a
+        host driver such as amdgpu, or nothing bound): no switch goes there, so each
+        function is put back on the driver it had (`return_steps`), after a fresh holder scan
+        of what must be unbound (a VM may have opened the group meanwhile). True on a wedge."""
+        addrs = [m.addr for m in plan.members]
+        before = {m.addr: m.driver for m in plan.members}
+        paths, state = self.model.paths, self.model.state
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+            now = [fn for a in addrs if (fn := state.functions.get(a)) is not None]
+            steps = return_steps(now, before)
+            leaving = [fn for fn in now if fn.driver and any(
+                isinstance(s, WriteStep) and s.value == fn.addr and s.path.endswith("/unbind")
+                for s in steps)]
+            known = model_facts(state, leaving)
+            deadline = self.model.proc_deadline
+            holders = await call_bounded(
+                lambda: card_holders(paths, known, leaving, deadline=deadline),
+                min(self.scan_timeout, deadline + 1), "the holder scan") if leaving else []
+        except (StepTimedOut, OSError) as exc:
+            restored.append(f"group {plan.group} not put back: {exc}")
+            return False
+        if holders:
+            restored.append(f"group {plan.group} not put back: {holders_reason(holders)}")
+            return False
+        pins: list[str] = []
+        ended = await self._run_back(plan, steps, restored, rolling, [], pins)
+        if ended is not None:
+            return ended
+        try:
+            await self._refresh(await call_bounded(
+                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
+                "re-reading the tree"))
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return False
+        off = [a for a, was in before.items() if (fn := state.functions.get(a)) is not None
+               and fn.driver != was and not host_bridge(fn)]
+        if off:
+            where = ", ".join(f"{a} on {state.functions[a].driver or 'no driver'} (was "
+                              f"{before[a] or 'no driver'})" for a in off)
+            restored.append(f"group {plan.group} not back as it was ({plan.from_mode}): {where}")
+            return await self._unpin_back(plan, pins, restored, rolling)
+        return False
+
+    async def _run_back(self, plan: SwitchPlan, steps: Sequence[Step], restored: list[str],
+                        rolling: list[Step], started: list[str], pins: list[str]) -> bool | None:
+        """Run the steps of a switch back one by one, saying each in ``restored``; None when
+        every one ran, else the roll-back's end: True on a wedge (the group poisoned), False
+        when a step failed (the overrides it wrote cleared)."""
+        for step in steps:
             rolling[:] = [step]
             _track_pin(pins, step, before=True)
             try:
@@ -696,20 +805,7 @@ class SwitchEngine:
             rolling.clear()  # not on cancellation: a step cut off by the bound may be stuck
             _track_pin(pins, step, before=False)
             restored.append(step.describe())
-        try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
-        except StepTimedOut as exc:
-            restored.append(f"group {plan.group}: {exc}")
-            return False
-        targets = dict(undo.targets)
-        if not self._reached(undo, facts):
-            restored.append(f"group {plan.group} not back in mode {back}: "
-                            + self._drivers_text(targets))
-            # Not back: the overrides of a switch back that did not happen go too.
-            return await self._unpin_back(plan, pins, restored, rolling)
-        return False
+        return None
 
     async def _unpin_back(self, plan: SwitchPlan, pins: Sequence[str], restored: list[str],
                           rolling: list[Step]) -> bool:
