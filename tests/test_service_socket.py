@@ -422,6 +422,9 @@ async def test_garbage_gets_error_replies_and_the_connection_survives(
         (b'{"id": 9, "method": "probe", "params": [1]}', 9, P.INVALID_PARAMS),
         (b'{"id": 10, "method": "snapshot", "params": {"x": 1}}', 10, P.INVALID_PARAMS),
         (b'{"id": 11, "method": "probe", "extra": 1}', 11, P.INVALID_REQUEST),
+        # bad-request takes no value of the line, its id neither (docs/socket.md, `id`).
+        (b'{"id": 12, "method": "probe", "params": {"group": 1e400}}', None, P.BAD_REQUEST),
+        (b'{"id": 13, "id": 14, "method": "snapshot"}', None, P.BAD_REQUEST),
     ]
     async with daemon(host, sockdir, tmp_path) as served:
         c = await Raw.connect(served.path)
@@ -433,6 +436,12 @@ async def test_garbage_gets_error_replies_and_the_connection_survives(
             assert "\n" not in reply["error"]["message"]
         reply = await c.request("probe", {"action": "current-mode", "addr": NV}, rid=None)
         assert reply == {"id": None, "result": "nvidia"}
+        # `params` null, and a parameter null, are as not given.
+        await c.send(b'{"id": 15, "method": "snapshot", "params": null}\n')
+        assert (await c.line())["result"]["seq"] == 1
+        await c.send(b'{"id": 16, "method": "probe", "params": {"action": "current-mode", '
+                     b'"addr": "0000:01:00.0", "vendor": null, "group": null}}\n')
+        assert await c.line() == {"id": 16, "result": "nvidia"}
         await c.aclose()
 
 
@@ -603,6 +612,29 @@ async def test_a_subscriber_that_reads_gets_every_event_and_stopped_before_the_c
     events = [json.loads(line) for line in lines]
     assert [e["seq"] for e in events] == list(range(2, count + 3))
     assert events[-1]["type"] == "stopped" and events[-1]["reason"] == "signal SIGTERM"
+
+
+async def test_stopped_reaches_the_subscribers_whose_filter_takes_it(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """docs/socket.md: a filter that leaves `stopped` out (a `types` without it, any `addrs`:
+    it names no address) sees the end of file only; the others get it as their last line."""
+    filters: list[dict[str, Any]] = [{}, {"types": ["stopped"]}, {"types": ["driver-changed"]},
+                                     {"addrs": [NIC]}]
+    got: list[list[bytes]] = [[] for _ in filters]
+    async with anyio.create_task_group() as tg, daemon(host, sockdir, tmp_path) as served:
+        clients = [await Raw.connect(served.path) for _ in filters]
+        for c, params in zip(clients, filters, strict=True):
+            assert (await c.request("subscribe", params))["result"]["complete"] is True
+        _publish_driver_changes(served, 1)
+        served.watcher.stop("signal SIGTERM")
+        for c, into in zip(clients, got, strict=True):
+            tg.start_soon(_read_to_eof, c, into)
+    types = [[json.loads(line)["type"] for line in out[0].splitlines()] for out in got]
+    assert types == [["driver-changed", "stopped"], ["stopped"], ["driver-changed"],
+                     ["driver-changed"]]
+    for c in clients:
+        await c.aclose()
 
 
 async def test_a_subscriber_still_replaying_at_the_stop_is_told_where_to_resume(
@@ -834,6 +866,9 @@ async def test_switch_delegates_and_maps_each_error(
         ("switch", {"mode": "vfio", "timeout": 0},
          "switch: 'timeout' must be a positive number, not 0"),
         ("recover", {"timeout": 0.0}, "recover: 'timeout' must be a positive number, not 0.0"),
+        # Above the bound by a hair: it was "not 90", the very bound the message names.
+        ("switch", {"mode": "vfio", "timeout": 90.0000001}, "at most 90 seconds, not 90.0000001"),
+        ("recover", {"timeout": 300}, "at most 90 seconds, not 300:"),
         ("switch", {"mode": "vfio", "tolerant": "yes"}, "true or false"),
         ("recover", {"addr": 13}, "a string"),
         ("holders", {"mode": "vfio"}, "unknown parameter 'mode'"),
@@ -1091,6 +1126,89 @@ async def test_sync_and_async_clients(host: SysRoot, sockdir: str, tmp_path: Pat
             async for event in c.events():
                 assert (event["type"], event["addr"]) == ("driver-changed", NIC)
                 break
+
+
+@contextlib.contextmanager
+def listener_that_never_answers(sockdir: str) -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """A unix socket nobody answers: the callable returns what its one client has sent
+    since the last look (accepted at the first look, held open until the end)."""
+    path = f"{sockdir}/mute.sock"
+    with contextlib.ExitStack() as stack:
+        lsock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        lsock.bind(path)
+        lsock.listen(4)
+        accepted: list[socket.socket] = []
+
+        def sent() -> bytes:
+            if not accepted:
+                accepted.append(stack.enter_context(lsock.accept()[0]))
+                accepted[0].setblocking(False)
+            try:
+                return accepted[0].recv(1 << 16)
+            except BlockingIOError:
+                return b""
+
+        yield path, sent
+
+
+@pytest.mark.parametrize(
+    ("call", "text"),
+    [
+        # Sent as null, NaN was read as an absent timeout: a switch with the default 90 s.
+        (lambda c: c.switch("vfio", addr=NV, timeout=float("nan")), "nan is no JSON number"),
+        # Host.switch refuses an infinite timeout; through the client it was an OverflowError.
+        (lambda c: c.switch("vfio", addr=NV, timeout=float("inf")), "inf is no JSON number"),
+        # A name read with surrogateescape: a PydanticSerializationError, no UsageError.
+        (lambda c: c.probe("current-mode", addr="0000:01:00.\udcff"), "is not UTF-8"),
+        # Split into characters, it drew the daemon's "unknown event type '-'".
+        (lambda c: c.subscribe_start(types="driver-changed"), "not one string"),
+        (lambda c: c.subscribe_start(addrs=NV), "not one string"),
+    ],
+)
+def test_the_client_refuses_what_it_cannot_send_as_the_model_would_and_sends_nothing(
+    sockdir: str, call: Callable[[Client], Any], text: str
+) -> None:
+    """What JSON cannot carry, or a filter given as one string, is the caller's mistake: a
+    `UsageError` as from the in-process model, raised before a byte goes out (a daemon that
+    never answers is never waited for), and the connection takes the next call."""
+    with listener_that_never_answers(sockdir) as (path, sent), Client(path, timeout=2) as c:
+        with pytest.raises(UsageError, match=text) as info:
+            call(c)
+        assert not isinstance(info.value, DaemonError)
+        assert sent() == b""
+        with pytest.raises(TimeoutError):  # still usable: the next request goes out whole
+            c.call("probe", {"action": "detect-gpu"}, timeout=0.2)
+        line = sent()
+        assert line.endswith(b"\n") and P.loads(line)["params"] == {"action": "detect-gpu"}
+
+
+async def test_async_client_refuses_what_it_cannot_send(sockdir: str) -> None:
+    with listener_that_never_answers(sockdir) as (path, sent):
+        async with await AsyncClient.connect(path, timeout=2) as c:
+            with pytest.raises(UsageError, match="nan is no JSON number"):
+                await c.switch("vfio", addr=NV, timeout=float("nan"))
+            with pytest.raises(UsageError, match="not one string"):
+                await c.subscribe(types="driver-changed")
+            assert sent() == b""
+
+
+async def test_a_client_wait_too_long_for_a_socket_is_no_bound_not_an_overflow(
+    host: SysRoot, sockdir: str, tmp_path: Path
+) -> None:
+    """``timeout=float("inf")`` (or centuries) means no bound; a socket's timeout cannot
+    hold it, and every such client or call failed with OverflowError before it asked."""
+    async with daemon(host, sockdir, tmp_path) as served:
+
+        def use() -> Any:
+            with Client(served.path, timeout=float("inf")) as c:
+                assert c.probe("current-mode", addr=NV) == "nvidia"
+                assert c.call("probe", {"action": "detect-gpu"}, timeout=1e300) is True
+                # The daemon's own refusal, not the client's crash: no switch is run.
+                with pytest.raises(DaemonUsageError, match="at most 90 seconds, not 1e"):
+                    c.switch("vfio", addr=NV, timeout=1e300)
+                return c.probe("detect-gpu")
+
+        assert await anyio.to_thread.run_sync(use) is True
 
 
 def test_try_daemon_never_answers_a_fixture_root_from_the_default_socket(

@@ -54,6 +54,17 @@ _BACKLOG_RETRY = 0.01
 _ROOM_SLICE = 0.5
 
 
+#: The longest wait a socket's timeout holds (``settimeout`` refuses ~292 years and more
+#: with OverflowError): a wait at least this long, an infinity among them, is no bound.
+_FOREVER = 1e9
+
+
+def _bounded(timeout: float | None) -> float | None:
+    """``timeout`` as `Client` waits it: None (no bound) for one a socket cannot hold (an
+    infinity, centuries), which failed every call with "timestamp out of range"."""
+    return None if timeout is None or timeout >= _FOREVER else timeout
+
+
 def _wait_for_room(sock: socket.socket, path: str, deadline: float) -> bool:
     """Connect ``sock`` to ``path`` blocking until ``deadline`` (SO_SNDTIMEO bounds it): a
     connect that waits for room in the listen backlog queues in the kernel, in turn, where
@@ -226,7 +237,13 @@ def _params(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def _list(values: Iterable[str] | None) -> list[str] | None:
+def _list(name: str, values: Iterable[str] | None) -> list[str] | None:
+    """A ``types``/``addrs`` filter as a list; one string is refused as the in-process
+    subscription refuses it (split into its characters, it drew the daemon's "unknown event
+    type '-'")."""
+    if isinstance(values, str | bytes):
+        raise UsageError(f"{name} is a collection of names, not one string: "
+                         f"{name}=[{values!r}]")
     return None if values is None else list(values)
 
 
@@ -284,7 +301,7 @@ class Client:
     def __init__(self, path: str | os.PathLike[str] | None = None, *,
                  timeout: float | None = DEFAULT_TIMEOUT) -> None:
         self.path = os.fspath(path) if path is not None else default_socket_path()
-        self.timeout = timeout
+        self.timeout = timeout = _bounded(timeout)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -381,10 +398,11 @@ class Client:
             raise DaemonUnavailable(self._broken)
         self._next_id += 1
         rid = self._next_id
-        wait = self.timeout if timeout is ... else timeout
+        request = P.encode_request(rid, method, params)  # a UsageError before any wait
+        wait = self.timeout if timeout is ... else _bounded(timeout)
         deadline = None if wait is None else time.monotonic() + wait
         try:
-            self._send(P.encode_request(rid, method, params), deadline)
+            self._send(request, deadline)
         except TimeoutError:
             raise
         except OSError as exc:
@@ -452,7 +470,8 @@ class Client:
                         since_seq: int | None = None) -> dict[str, Any]:
         """Subscribe and return the reply (``{"seq", "complete"}``); then iterate `events`."""
         result: dict[str, Any] = self.call(
-            "subscribe", _params(types=_list(types), addrs=_list(addrs), since_seq=since_seq))
+            "subscribe", _params(types=_list("types", types), addrs=_list("addrs", addrs),
+                                 since_seq=since_seq))
         self._subscribed = True
         return result
 
@@ -462,6 +481,7 @@ class Client:
 
         ``timeout`` bounds the wait for each event (`TimeoutError`), however the bytes
         before it arrive: dripped, or as lines that are no events."""
+        timeout = _bounded(timeout)
         while True:
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
@@ -586,10 +606,11 @@ class AsyncClient:
                 raise DaemonUnavailable(self._broken)
             self._next_id += 1
             rid = self._next_id
+            request = P.encode_request(rid, method, params)  # a UsageError before any wait
             wait = self.timeout if timeout is ... else timeout
             with anyio.move_on_after(wait) as scope:
                 try:
-                    await self._send(P.encode_request(rid, method, params))
+                    await self._send(request)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
                     # Refused at accept and closed before our request went out: the reason
                     # waits.
@@ -650,7 +671,8 @@ class AsyncClient:
                         since_seq: int | None = None) -> dict[str, Any]:
         """Subscribe; returns ``{"seq", "complete"}``. Then ``async for event in c.events()``."""
         result: dict[str, Any] = await self.call(
-            "subscribe", _params(types=_list(types), addrs=_list(addrs), since_seq=since_seq))
+            "subscribe", _params(types=_list("types", types), addrs=_list("addrs", addrs),
+                                 since_seq=since_seq))
         self._subscribed = True
         return result
 

@@ -69,9 +69,17 @@ def _timeout(params: P.Params) -> float | None:
     timeout = params.opt_positive_float("timeout")
     if timeout is not None and timeout > MAX_SWITCH_TIMEOUT:
         raise P.RpcError(P.INVALID_PARAMS, f"{params.method}: timeout must be at most "
-                         f"{MAX_SWITCH_TIMEOUT:g} seconds, not {timeout:g}: a stopping daemon "
-                         "finishes a switch under way, within its service's stop timeout")
+                         f"{MAX_SWITCH_TIMEOUT:g} seconds, not {_shown(timeout)}: a stopping "
+                         "daemon finishes a switch under way, within its service's stop "
+                         "timeout")
     return timeout
+
+
+def _shown(number: float) -> str:
+    """``number`` short (``300``, not ``300.0``) where that is exact; else every digit:
+    90.0000001 was refused as "not 90", the very bound it names."""
+    short = f"{number:g}"
+    return short if float(short) == number else repr(number)
 
 
 async def _guarded(call: Callable[[], Any]) -> Any:

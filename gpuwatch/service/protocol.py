@@ -7,6 +7,7 @@ definition of a well-formed request and of every error code.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -154,8 +155,37 @@ def encode_error(rid: Any, code: str, message: str) -> bytes:
 
 
 def encode_request(rid: Any, method: str, params: Mapping[str, Any] | None = None) -> bytes:
-    return to_json({"id": rid, "method": method, "params": dict(params or {})},
-                   inf_nan_mode="null") + b"\n"
+    """``{"id", "method", "params"}`` + newline, for a client. A value JSON cannot carry is a
+    `UsageError` before anything is sent, as the in-process call refuses it: ``NaN`` or an
+    infinity sent as ``null`` would be read as an absent parameter (a switch's ``timeout``
+    of NaN ran with the default 90 s), and a string with a lone surrogate (a name read with
+    ``surrogateescape``) is no UTF-8."""
+    request = {"id": rid, "method": method, "params": dict(params or {})}
+    bad = _not_json(request)
+    if bad is not None:
+        raise E.UsageError(f"{method}: {bad}; nothing was sent to the daemon")
+    try:
+        return to_json(request) + b"\n"
+    except PydanticSerializationError as exc:  # an object that is no JSON value at all
+        raise E.UsageError(f"{method}: a parameter cannot be sent to the daemon: {exc}") from None
+
+
+def _not_json(value: Any) -> str | None:
+    """What in ``value`` (a request, a few levels deep) JSON cannot carry, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value!r} is no JSON number"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{value!r} is not UTF-8 (it holds a lone surrogate)"
+        return None
+    if isinstance(value, Mapping):
+        return next((bad for item in value.items() for bad in map(_not_json, item)
+                     if bad is not None), None)
+    if isinstance(value, list | tuple | set | frozenset):
+        return next((bad for bad in map(_not_json, value) if bad is not None), None)
+    return None
 
 
 # --------------------------------------------------------------------------- parameters
