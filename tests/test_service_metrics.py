@@ -831,3 +831,46 @@ def test_the_last_event_s_age_follows_elapsed_time_not_the_wall_clock(
     assert 0 <= age() < 60
     monkeypatch.setattr(time, "time", lambda: real() - 6 * 3600)  # or back
     assert 0 <= age() < 60
+
+
+async def test_the_documented_table_is_what_is_exposed(host: SysRoot, sockdir: str) -> None:
+    """Each row of docs/service.md's metrics table names a family that exists with exactly
+    that name, type and labels (an alert written from the docs matches), and each
+    ``gpuwatch_*`` family exposed has its row."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.openmetrics.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    doc = (Path(__file__).parent.parent / "docs" / "service.md").read_text()
+    table = doc.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = {name: (kind, set(re.findall(r"`(\w+)`", labels)))
+            for name, kind, labels in re.findall(
+                r"^\| `(gpuwatch_\w+)` \| (\w+) \|\s*([^|]*?)\s*\|", table, re.M)}
+    assert len(rows) >= 19, rows
+
+    class Nfd:
+        failures = 0
+
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        metrics.attach(served.watcher)
+        metrics.track_nfd(Nfd())
+        served.server.metrics = metrics
+        async with await anyio.connect_unix(served.path) as c:  # a probe and its request
+            await c.send(P.encode_request(1, "probe", {"action": "detect-gpu"}))
+            await c.receive()
+        text = generate_latest(metrics.registry).decode()
+        metrics.detach()
+    exposed: dict[str, tuple[str, set[str]]] = {}
+    for family in openmetrics_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        labels = {k for s in family.samples if not s.name.endswith("_created")
+                  for k in s.labels if k != "le"}
+        exposed[family.name + suffix] = (family.type, labels)
+    for name, (kind, labels) in rows.items():
+        assert exposed.get(name) == (kind, labels), name
+    assert {n for n in exposed if n.startswith("gpuwatch_")} == set(rows)
