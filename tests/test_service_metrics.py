@@ -86,7 +86,7 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             await rebind(source, host, NV_AUDIO, "vfio-pci", w)
             await rebind(source, host, NV, "vfio-pci", w)
             await w.resync("reconcile")
-            published = time.time()  # the last event's time is at or after this
+            published = time.monotonic()  # the last event came at or after this
             w.publish(
                 [
                     SwitchCompleted(
@@ -138,7 +138,7 @@ async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
             age = value(s, "gpuwatch_last_event_age_seconds")
             # Bounded by what the test itself lived through, not by a guess at the machine's
             # speed: no event came after the switch events published above.
-            assert age is not None and 0 <= age <= time.time() - published
+            assert age is not None and 0 <= age <= time.monotonic() - published
             assert value(s, "gpuwatch_socket_clients") == 0
 
             # Two losses: the first rescanned at once, the second held for a rescan a gap
@@ -770,3 +770,107 @@ def test_a_daemon_s_scraper_is_served_while_hogs_hold_every_slot(
             assert families["gpuwatch_gpus"] == "gauge"
             assert families["process_open_fds"] == "gauge"
             hogs.settle(reopened=n)
+
+
+# --------------------------------------------------------------------------- alerting semantics
+
+
+async def test_every_documented_outcome_is_a_series_from_the_start(host: SysRoot,
+                                                                   sockdir: str) -> None:
+    """Prometheus' ``increase()`` sees a counter's first increment only against an earlier
+    sample: a series born at 1 (the first wedged switch, the first overflow rescan, the first
+    gpu-wedged event) never makes ``increase(...[10m]) > 0`` fire. Every value the docs name
+    for ``outcome``, ``reason`` and ``type`` is exposed at 0 before anything happens."""
+    from gpuwatch.core.events import EVENT_TYPES
+
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        metrics.attach(served.watcher)
+        bound = metrics.serve("127.0.0.1:0")
+        try:
+            s = await scrape(*bound)
+            for outcome in ("completed", "refused", "failed", "wedged"):
+                assert value(s, "gpuwatch_switches_total", outcome=outcome) == 0, outcome
+            for reason in ("overflow", "reconcile"):
+                assert value(s, "gpuwatch_resyncs_total", reason=reason) == 0, reason
+            for etype in sorted(EVENT_TYPES - {"ready"}):
+                assert value(s, "gpuwatch_events_total", type=etype) == 0, etype
+            assert value(s, "gpuwatch_events_total", type="ready") == 1
+            # ... and the first one then moves its series by exactly one.
+            served.watcher.publish([SwitchFailed(addr=NV, group=13, to_mode="nvidia",  # type: ignore[call-arg]
+                                                 error="hung", wedged=True)])
+            await served.watcher.resync("reconcile")
+            s = await scrape(*bound)
+            assert value(s, "gpuwatch_switches_total", outcome="wedged") == 1
+            assert value(s, "gpuwatch_switches_total", outcome="failed") == 0
+            assert value(s, "gpuwatch_events_total", type="switch-failed") == 1
+            assert value(s, "gpuwatch_resyncs_total", reason="reconcile") == 1
+            assert value(s, "gpuwatch_resyncs_total", reason="overflow") == 0
+        finally:
+            metrics.close()
+
+
+def test_the_last_event_s_age_follows_elapsed_time_not_the_wall_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon starts early in boot, often before NTP steps the clock (hours, on a board
+    without an RTC years): an age from wall-clock stamps would jump by the step, firing a
+    staleness alert at once or going negative. It counts elapsed time."""
+    from gpuwatch.core.events import Ready
+
+    metrics = Metrics()
+    metrics.on_event(Ready(devices=0, source="memory"))  # type: ignore[call-arg]
+
+    def age() -> float:
+        samples = {s.name: s.value for f in metrics.registry.collect() for s in f.samples}
+        return samples["gpuwatch_last_event_age_seconds"]
+
+    assert 0 <= age() < 60
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 6 * 3600)  # NTP steps it forward
+    assert 0 <= age() < 60
+    monkeypatch.setattr(time, "time", lambda: real() - 6 * 3600)  # or back
+    assert 0 <= age() < 60
+
+
+async def test_the_documented_table_is_what_is_exposed(host: SysRoot, sockdir: str) -> None:
+    """Each row of docs/service.md's metrics table names a family that exists with exactly
+    that name, type and labels (an alert written from the docs matches), and each
+    ``gpuwatch_*`` family exposed has its row."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.openmetrics.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    doc = (Path(__file__).parent.parent / "docs" / "service.md").read_text()
+    table = doc.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = {name: (kind, set(re.findall(r"`(\w+)`", labels)))
+            for name, kind, labels in re.findall(
+                r"^\| `(gpuwatch_\w+)` \| (\w+) \|\s*([^|]*?)\s*\|", table, re.M)}
+    assert len(rows) >= 19, rows
+
+    class Nfd:
+        failures = 0
+
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        metrics.attach(served.watcher)
+        metrics.track_nfd(Nfd())
+        served.server.metrics = metrics
+        async with await anyio.connect_unix(served.path) as c:  # a probe and its request
+            await c.send(P.encode_request(1, "probe", {"action": "detect-gpu"}))
+            await c.receive()
+        text = generate_latest(metrics.registry).decode()
+        metrics.detach()
+    exposed: dict[str, tuple[str, set[str]]] = {}
+    for family in openmetrics_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        labels = {k for s in family.samples if not s.name.endswith("_created")
+                  for k in s.labels if k != "le"}
+        exposed[family.name + suffix] = (family.type, labels)
+    for name, (kind, labels) in rows.items():
+        assert exposed.get(name) == (kind, labels), name
+    assert {n for n in exposed if n.startswith("gpuwatch_")} == set(rows)

@@ -19,7 +19,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import (
@@ -33,6 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel
 
+from gpuwatch.core.events import EVENT_TYPES, Resync
 from gpuwatch.core.modes import group_mode
 from gpuwatch.core.results import HEALTH_STATES
 from gpuwatch.settings import InvalidListenAddress, parse_listen_address
@@ -44,6 +45,8 @@ _log = logging.getLogger("gpuwatch.service")
 
 #: Buckets for a switch: unbind/bind takes tens of ms, a module reload seconds, the timeout 90 s.
 SWITCH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 90.0, 120.0)
+#: ``gpuwatch_switches_total``'s outcomes (``switch-failed`` with ``wedged`` is ``wedged``).
+SWITCH_OUTCOMES = ("completed", "refused", "failed", "wedged")
 
 
 #: The endpoint is open to the network (``:9464`` in a pod), so every client is bounded:
@@ -445,6 +448,15 @@ class Metrics:
                                "reason", ["reason"], registry=r)
         self.switches = Counter("gpuwatch_switches", "Driver switches by outcome (completed, "
                                 "refused, failed, wedged)", ["outcome"], registry=r)
+        # Every value the docs name is a series from the start, at 0: Prometheus'
+        # increase() and rate() see a counter's first increment only against an earlier
+        # sample, so a series born at 1 (the first wedged switch) would fire no alert.
+        for etype in sorted(EVENT_TYPES):
+            self.events.labels(type=etype)
+        for reason in get_args(Resync.model_fields["reason"].annotation):
+            self.resyncs.labels(reason=reason)
+        for outcome in SWITCH_OUTCOMES:
+            self.switches.labels(outcome=outcome)
         self.switch_duration = Histogram("gpuwatch_switch_duration_seconds", "Duration of "
                                          "completed switches", buckets=SWITCH_BUCKETS, registry=r)
         self.probe_calls = Counter("gpuwatch_probe_calls", "Probe requests answered through the "
@@ -456,10 +468,12 @@ class Metrics:
                                  "because they stopped reading and their buffer filled",
                                  registry=r)
         self.last_seq = Gauge("gpuwatch_last_event_seq", "seq of the last event", registry=r)
-        self._last_event = time.time()
+        #: When the last event came, on the monotonic clock: an age from wall-clock stamps
+        #: would jump with every step of the clock (NTP's first sync after boot).
+        self._last_event = time.monotonic()
         self.last_event_age = Gauge("gpuwatch_last_event_age_seconds", "Seconds since the last "
                                     "event was published", registry=r)
-        self.last_event_age.set_function(lambda: time.time() - self._last_event)
+        self.last_event_age.set_function(lambda: time.monotonic() - self._last_event)
         self.log_degraded = Gauge("gpuwatch_log_degraded", "1 while the event log cannot be "
                                   "written (full disk, EIO): events go on, the log has a gap",
                                   registry=r)
@@ -579,7 +593,7 @@ class Metrics:
     def _count(self, event: BaseModel) -> None:
         etype = str(getattr(event, "type", "unknown"))
         self.events.labels(type=etype).inc()
-        self._last_event = time.time()
+        self._last_event = time.monotonic()
         self.last_seq.set(getattr(event, "seq", 0))
         if self._watcher is not None:
             self.functions.set(len(self._watcher.model.state.functions))
