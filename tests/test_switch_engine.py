@@ -372,13 +372,17 @@ async def test_recover_refuses_while_a_task_is_stuck_then_rebinds_and_clears(
     add_second_card(host)
     sim = SimKernel(host)
     sim.wedge_unbind.add("nvidia")
-    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
         with pytest.raises(SwitchWedged):
             await w.switch(NV, "vfio", timeout=0.5)
         before = list(sim.record)
-        with pytest.raises(RebootRequired, match=r"nv_pci_remove|os_delay"):
+        with pytest.raises(RebootRequired, match=r"nv_pci_remove|os_delay") as info:
             await w.recover(NV)
         assert sim.record == before  # touched nothing
+        # Refused as an event too, so that whoever counts switch outcomes sees it.
+        refused = of_type(events, "switch-refused")
+        assert [(e.addr, e.group, e.to_mode, e.reason) for e in refused] == [
+            (NV, 13, "vfio", str(info.value))]
 
         sim.wedge_unbind.clear()
         sim.release_stuck()  # the stuck unbind returned at last

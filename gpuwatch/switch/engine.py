@@ -271,15 +271,23 @@ class SwitchEngine:
         deadline = self.model.proc_deadline
         scan = await call_bounded(lambda: scan_wedge(self.root, deadline=deadline),
                                   deadline + 1, "the wedge scan")
+        # Each refusal is a `switch-refused` event too, as every other refusal of a switch or
+        # a recover is: an operator counting outcomes (the metrics) sees these as well.
         if scan.wedged:
-            raise RebootRequired(f"{scan.describe()}: a reboot is required; nothing was touched")
+            why = f"{scan.describe()}: a reboot is required; nothing was touched"
+            self._refused(card.addr, card.iommu_group, "vfio", why, ())
+            raise RebootRequired(why)
         if scan.removing:
             # Not nvidia's wedge, but an unbind that has not returned (vfio-pci waiting for a
             # VM to let go, snd_hda_intel for open files): a bind now adds a second stuck task.
-            raise SwitchRefused(f"{scan.describe()}: not touching the device until it returns "
-                                "(close what holds it), or reboot")
+            why = (f"{scan.describe()}: not touching the device until it returns (close what "
+                   "holds it), or reboot")
+            self._refused(card.addr, card.iommu_group, "vfio", why, ())
+            raise SwitchRefused(why)
         if not scan.complete:
-            raise SwitchRefused(f"{scan.describe()}; not touching the device")
+            why = f"{scan.describe()}; not touching the device"
+            self._refused(card.addr, card.iommu_group, "vfio", why, ())
+            raise SwitchRefused(why)
         # After a wedge the events may lag or be lost (the stuck unbind that returned at last
         # said nothing yet): decide "already on vfio-pci" from the tree, not the model alone.
         paths = self.model.paths
