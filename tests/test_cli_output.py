@@ -151,3 +151,77 @@ def test_main_gives_an_embedding_programs_stdout_back_as_it_was(
     out.flush()
     assert json.loads(raw.getvalue().decode())["result"][0]["comm"] == ODD_COMM
     assert (out.encoding, out.errors) == ("ascii", "strict")
+
+
+def _no_reader(argv: list[str], extra_env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    """``argv`` writing to a pipe whose reader is gone before it starts (``| true``, or
+    ``| grep -q`` that found its line): every write is EPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(argv, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              env={**env(), **(extra_env or {})}, timeout=60)
+    finally:
+        os.close(write_end)
+
+
+REFUSED = ("gpuwatch: the switch would be refused: the card is in use: Xorg (pid 77) holds "
+           "/dev/nvidia0; close them and retry (gpuwatch never kills them)\n")
+
+
+@pytest.fixture
+def held_host(host: SysRoot) -> SysRoot:
+    """The example host with its GPU held open: ``plan vfio`` would be refused."""
+    host.add_module("nvidia")
+    host.add_cdi_spec()
+    host.add_process(77, "Xorg", fds={3: "/dev/nvidia0"})
+    return host
+
+
+@pytest.mark.parametrize("words", [["plan", "vfio"], ["plan", "vfio", "--json"]], ids=" ".join)
+def test_a_reader_that_left_takes_no_refusal_with_it(held_host: SysRoot,
+                                                     words: list[str]) -> None:
+    """A plan's status is its verdict: ``gpuwatch plan vfio | grep -q …`` (a reader that
+    leaves) still exits 1 with the refusal's line, as ``> /dev/null`` does. Was: exit 0 and
+    not a word, a refused switch reading as a safe one."""
+    done = _no_reader(_argv(held_host, words))
+    assert (done.returncode, done.stderr) == (1, REFUSED)
+
+
+@pytest.mark.parametrize("words", [["plan", "vfio"], ["plan", "vfio", "--json"]], ids=" ".join)
+def test_a_reader_that_left_takes_no_refusal_with_it_on_the_fast_path(
+        held_host: SysRoot, words: list[str], tmp_path: Path) -> None:
+    """The same through a daemon (the stdlib path prints the daemon's plan)."""
+    from daemon_helpers import Daemon
+
+    from gpuwatch.service.testing import short_socket_dir
+
+    with short_socket_dir() as sockdir:
+        sock = f"{sockdir}/gw.sock"
+        work = tmp_path / "daemon"
+        work.mkdir()
+        with Daemon(held_host.root, work, sock):
+            done = _no_reader([*_argv(held_host, words), "--socket", sock])
+            with_reader = subprocess.run([*_argv(held_host, words), "--socket", sock],
+                                         capture_output=True, text=True, env=env(), timeout=60)
+    assert (with_reader.returncode, with_reader.stderr) == (1, REFUSED)
+    assert (done.returncode, done.stderr) == (1, REFUSED)
+
+
+def test_ensure_cdi_that_failed_says_so_to_a_reader_that_left(host: SysRoot,
+                                                              tmp_path: Path) -> None:
+    """``ensure-cdi --json`` prints its outcome, then exits 1 when there is no spec and no
+    way to make one: a reader gone before the JSON takes none of that with it."""
+    from gpuwatch.testing.simkernel import SIMKERNEL_ENV, SimKernel, save_for_subprocess
+
+    host.remove_cdi_spec()
+    saved = tmp_path / "simkernel.pickle"
+    save_for_subprocess(SimKernel(host, tools=("modprobe",)), saved)
+    argv = _argv(host, ["ensure-cdi", "--json"])
+    with_reader = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                 env={**env(), SIMKERNEL_ENV: str(saved)})
+    assert with_reader.returncode == 1 and '"ok":false' in with_reader.stdout
+    done = _no_reader(argv, {SIMKERNEL_ENV: str(saved)})
+    assert (done.returncode, done.stderr) == (1, with_reader.stderr)
+    assert done.stderr.startswith("gpuwatch: ") and done.stderr.count("\n") == 1

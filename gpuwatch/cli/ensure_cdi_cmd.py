@@ -7,10 +7,12 @@ is on PATH, run ``nvidia-ctk cdi generate --output=<root>/etc/cdi/nvidia.yaml``.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import anyio
 
 from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.fast import reader_may_leave
 from gpuwatch.jsonout import dumps
 from gpuwatch.switch.engine import CdiOutcome, ensure_cdi
 from gpuwatch.switch.hostops import make_backend
@@ -34,11 +36,13 @@ def run(args: argparse.Namespace) -> int:
         return await ensure_cdi(args.root, backend.ops, euid=backend.geteuid())
 
     outcome = anyio.run(go)
-    if args.json:
-        print(dumps({"ok": outcome.ok, "generated": outcome.generated, "spec": outcome.spec,
-                     "message": outcome.message}))
-    elif outcome.ok:
-        print(outcome.message)
+    with reader_may_leave():  # a reader that left takes no failure with it: exit 1 all the same
+        if args.json:
+            print(dumps({"ok": outcome.ok, "generated": outcome.generated, "spec": outcome.spec,
+                         "message": outcome.message}))
+        elif outcome.ok:
+            print(outcome.message)
+        sys.stdout.flush()
     if not outcome.ok:
         return fail(outcome.message, EXIT_FAILURE)
     return EXIT_OK

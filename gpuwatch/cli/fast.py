@@ -304,8 +304,12 @@ def render_plan(plan: dict[str, Any]) -> str:
 
 
 def print_plan(plan: dict[str, Any], as_json: bool, dumps: Callable[[Any], str]) -> int:
-    """``gpuwatch plan``'s output and exit code, for the full command and this path alike."""
-    print(dumps(plan) if as_json else terminal_safe(render_plan(plan)))
+    """``gpuwatch plan``'s output and exit code, for the full command and this path alike.
+    A reader that leaves (``| grep -q``, ``| true``) takes none of the verdict with it: a
+    plan that would be refused still says so on stderr and exits 1."""
+    with reader_may_leave():
+        print(dumps(plan) if as_json else terminal_safe(render_plan(plan)))
+        sys.stdout.flush()
     for note in plan["notes"]:
         to_stderr(f"gpuwatch: note: {note}")
     if plan["refused"] is not None:
