@@ -9,9 +9,8 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from gpuwatch.core.health import health_advice
-from gpuwatch.core.modes import group_mode, host_bystanders, vfio_variant
+from gpuwatch.core.modes import group_mode, host_bystanders, stays_with_host, vfio_variant
 from gpuwatch.core.reporttext import (
-    BRIDGE_CLASSES,
     hostdev_xml,
     iommu_isolates,
     iommu_status,
@@ -217,7 +216,8 @@ class PassthroughGpu(BaseModel):
 
 def passthrough_gpus(model: HostModel, managed: str = "yes",
                      groups: IommuGroups | None = None) -> list[PassthroughGpu]:
-    """GPUs in an IOMMU group; every non-bridge function of the group must go to the guest.
+    """GPUs in an IOMMU group; every function of the group must go to the guest, but those
+    that stay with the host (`stays_with_host`: bridges, whatever pcieport drives).
 
     Bridges share groups with endpoints on some boards but stay with the host (pcieport).
     A VFIO no-IOMMU group is no IOMMU group to a VM (no VMM opens one): not offered.
@@ -233,7 +233,7 @@ def passthrough_gpus(model: HostModel, managed: str = "yes",
         if gpu.physfn and not vf_ready(gpu, variants):
             continue
         members: list[PciFunction] = [m for m in gpu.group_members
-                                      if m.class_ not in BRIDGE_CLASSES]
+                                      if not stays_with_host(m)]
         kept = model.kept_for_host(gpu.addr)
         vgpu_type = gpu.vgpu.type if gpu.vgpu is not None else 0
         blocks = list_managed(managed, vgpu_type)

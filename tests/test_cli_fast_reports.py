@@ -41,6 +41,7 @@ from gpuwatch.testing.modern import (
     sriov_gpu_host,
 )
 from tests.test_cli_fast import EDITED, daemon_with, run_full, run_full_both, run_spied
+from tests.test_list_hostdev import hyphen_host, rcec_host, two_gpu_host
 
 HOSTS: dict[str, Callable[[Path], object]] = {
     "example": example_gpu_host,
@@ -64,6 +65,9 @@ HOSTS: dict[str, Callable[[Path], object]] = {
         "0000:41:00.5", 1156, VGPU_TYPES),
     "noiommu": vfio_noiommu_host,
     "iommu-off": lambda root: _iommu_off_host(root),
+    "rcec": rcec_host,  # a function on pcieport that is no bridge: no block
+    "two-gpus-one-group": two_gpu_host,  # the group's blocks once
+    "hyphen-ids": hyphen_host,  # "--" in ids the comments name
 }
 
 

@@ -37,9 +37,14 @@ from gpuwatch.cli.fast import (
 )
 from gpuwatch.core.health import health_advice
 from gpuwatch.core.hostkeep import kept_for_host_reason
-from gpuwatch.core.modes import group_mode, host_bystanders, variant_keys, vfio_variant
+from gpuwatch.core.modes import (
+    group_mode,
+    host_bystanders,
+    stays_with_host,
+    variant_keys,
+    vfio_variant,
+)
 from gpuwatch.core.reporttext import (
-    BRIDGE_CLASSES,
     MANAGED_VALUES,
     hostdev_xml,
     iommu_isolates,
@@ -317,7 +322,8 @@ def list_report(remote: Remote, managed: str,
         if gpu.get("physfn") and not vf_ready(Fn(gpu), remote.variants):  # type: ignore[arg-type]
             continue
         kept = remote.kept_for_host(gpu)
-        members = [m for m in gpu["group_members"] if m["class"] not in BRIDGE_CLASSES]
+        members = [m for m in gpu["group_members"]
+                   if not stays_with_host(Fn(m))]
         with_vfs = [(m["addr"], m["sriov"]["numvfs"]) for m in members
                     if m.get("sriov") and m["sriov"]["numvfs"] > 0]
         vgpu_type = int((gpu.get("vgpu") or {}).get("type", 0))

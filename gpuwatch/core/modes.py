@@ -99,6 +99,15 @@ def host_bridge(function: FunctionLike) -> bool:
     return driver == BRIDGE_DRIVER or (not driver and function.class_ in BRIDGE_CLASSES)
 
 
+def stays_with_host(function: FunctionLike) -> bool:
+    """A function the guest never takes when its group is passed through (no ``<hostdev>``
+    line in `list`): any bridge (`BRIDGE_CLASSES`: vfio-pci binds no bridge header) and
+    whatever `host_bridge` leaves on pcieport in every mode (a root complex event collector,
+    0x0807). A block for one would have libvirt detach it (managed='yes') or, after
+    `gpuwatch mode vfio` left it on pcieport, keep the VM from starting (managed='no')."""
+    return function.class_ in BRIDGE_CLASSES or host_bridge(function)
+
+
 def slot_of(addr: str) -> str:
     """The slot (``DDDD:BB:DD``) of a function's address: a card's functions share one."""
     return addr.rsplit(".", 1)[0]

@@ -4,6 +4,7 @@ stdlib-only CLI path, so both print the same bytes. No pydantic here, by design.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -392,17 +393,41 @@ def render_list(gpus: list[dict[str, Any]], iommu_enabled: bool) -> str:
         for gpu in kept:
             blocks.append(f"  GPU {gpu['addr']} {_card(gpu['vendor'], gpu['device_id'])}, "
                           f"IOMMU group {gpu['iommu_group']}: {gpu['reason']}")
+    #: The first GPU to give a group's blocks, by the blocks (a group's, whichever GPU of it).
+    given: dict[tuple[str, ...], str] = {}
     for gpu in offered:
         # The note is prose, not an XML comment: it names flags, and "--" may not appear
         # inside one. The blocks and their comments below stay valid XML to paste.
         blocks.append(f"note: {gpu['note']}")
         vf = f" (SR-IOV VF of {gpu['physfn']})" if gpu["physfn"] else ""
-        blocks.append(
-            f"<!-- GPU {gpu['addr']}{vf} {_card(gpu['vendor'], gpu['device_id'])}, IOMMU group "
-            f"{gpu['iommu_group']}: pass every function below together -->"
-        )
-        blocks.extend(f["hostdev_xml"] for f in gpu["functions"] if f["hostdev_xml"] is not None)
+        card = f"GPU {gpu['addr']}{vf} {_card(gpu['vendor'], gpu['device_id'])}"
+        xml = tuple(f["hostdev_xml"] for f in gpu["functions"] if f["hostdev_xml"] is not None)
+        first = given.get(xml) if xml else None
+        if first is not None:
+            # Two GPUs of one group (no ACS between them): its blocks once, or a domain
+            # pasted from both sets names each function twice, which libvirt refuses.
+            blocks.append(_xml_comment(
+                f"{card}, IOMMU group {gpu['iommu_group']}: its functions are in the blocks "
+                f"of GPU {first} above (one group, one VM)"))
+            continue
+        given[xml] = gpu["addr"]
+        shared = [g["addr"] for g in offered if g is not gpu
+                  and g["iommu_group"] == gpu["iommu_group"]
+                  and tuple(f["hostdev_xml"] for f in g["functions"]
+                            if f["hostdev_xml"] is not None) == xml]
+        with_ = f" with GPU {', '.join(shared)}" if shared else ""
+        blocks.append(_xml_comment(
+            f"{card}, IOMMU group {gpu['iommu_group']}{with_}: pass every function below "
+            "together"))
+        blocks.extend(xml)
     return terminal_safe("\n".join(blocks))
+
+
+def _xml_comment(text: str) -> str:
+    """``text`` as an XML comment that pastes into a domain: a vendor name from the tables
+    or an id read from the host may hold ``--``, which no XML comment may (libvirt's parser
+    refuses the whole document), so each hyphen followed by another gets a space."""
+    return f"<!-- {re.sub(r'-(?=-)', '- ', text)} -->"
 
 
 __all__ = ["BRIDGE_CLASSES", "MANAGED_NOTES", "MANAGED_VALUES", "MEMLOCK_ENOUGH",
