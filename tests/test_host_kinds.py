@@ -340,7 +340,29 @@ def test_mode_rows_line_up_across_address_widths(tmp_path: Path,
     s = vmd_host(tmp_path / "h", shared=True)
     code, out, err = cli(capsys, "mode", "--addr", "10000:01:00.0", "--no-daemon",
                          "--root", str(s.root))
-    rows = out.splitlines()[1:]
+    # The member rows (a line below them says why the group is kept for the host).
+    rows = [r for r in out.splitlines()[1:] if is_pci_addr(r.split()[0])]
     assert code == 0 and len(rows) == 5, (out, err)
+    assert "kept for the host: 0000:00:0e.0 (vmd)" in out
     second = {len(r) - len(r[2 + len(r.split()[0]):].lstrip()) for r in rows}
     assert len(second) == 1 and len({len(r) - len(r.split()[-1]) for r in rows}) == 1, out
+
+
+def test_a_gpu_in_the_vmd_controllers_group_is_kept_for_the_host(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Behind VMD the card shares the controller's IOMMU group: passing that group through
+    detaches the controller, and its whole PCI domain (the NVMe drive beside the card) goes
+    with it. Not offered by `list`, refused by `mode vfio` (exit 1), the reason named."""
+    s = vmd_host(tmp_path / "h", shared=True)
+    code, out, _err = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    entry = next(g for g in json.loads(out) if g["addr"] == "10000:01:00.0")
+    assert code == 0 and entry["kept_for_host"] is True
+    assert entry["reason"].startswith("0000:00:0e.0 (vmd) is an Intel VMD controller")
+    code, out, err = cli(capsys, "mode", "vfio", "--addr", "10000:01:00.0", "--no-daemon",
+                         "--root", str(s.root))
+    assert code == 1 and "kept for the host: 0000:00:0e.0 (vmd)" in err, (out, err)
+    # A card behind VMD in a group of its own (no controller in it) is offered as before.
+    own = vmd_host(tmp_path / "own")
+    code, out, _err = cli(capsys, "list", "--json", "--no-daemon", "--root", str(own.root))
+    entry = next(g for g in json.loads(out) if g["addr"] == "10000:01:00.0")
+    assert code == 0 and entry["kept_for_host"] is False

@@ -1,8 +1,10 @@
 """Which GPU groups belong to the host itself, and so are never passthrough candidates. Pure.
 
 A VM manager that passes the BMC's VGA or the host's only console to a guest takes the
-host's screen (and on iLO/iDRAC boards its management functions) with it. `list` shows such
-groups apart and `mode vfio` refuses them unless forced; both ask this one rule.
+host's screen (and on iLO/iDRAC boards its management functions) with it; one that passes
+a VMD controller takes every device of its domain, the host's NVMe drives among them.
+`list` shows such groups apart and `mode vfio` refuses them unless forced; both ask this
+one rule.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from gpuwatch.core.pci import is_gpu_class
 
 if TYPE_CHECKING:
     from gpuwatch.core.results import PciFunction  # types only: no pydantic at import
+
+#: Intel's Volume Management Device driver: its controller opens a PCI domain of its own
+#: (``10000:``…) whose devices' DMA carries the controller's requester id.
+VMD_DRIVER = "vmd"
 
 
 def kept_for_host_reason(
@@ -27,18 +33,27 @@ def kept_for_host_reason(
 ) -> str:
     """Why this IOMMU group stays with the host, or ``""`` when it may be passed through.
 
-    Kept when a member is bound to a BMC/console driver (``host_console_drivers``), or is a
-    BMC/console device by its ids (``host_console_devices``, ``0x1a03:0x2000``: the BMC's VGA
-    with its driver blacklisted or not loaded yet is still the BMC's), or when its display
-    function has ``boot_vga`` 1 and is the only display function on the host
-    (``host_displays``: every display-class address that is no SR-IOV virtual function, see
-    `own_displays`), or when it is the only display function and a framebuffer device hangs
-    beneath it (``framebuffers``, see `gpuwatch.hostfs.bootvga.framebuffer_names`): the
-    host's console on a display with no ``boot_vga`` file (only VGA-class functions have one:
-    QEMU's bochs-display and virtio-gpu at class 0x0380, a 3D controller that took the
-    console over from the firmware's framebuffer).
+    Kept when a member is an Intel VMD controller (driver ``vmd``: the GPU sits in the PCI
+    domain it opens and shares its group), when a member is bound to a BMC/console driver
+    (``host_console_drivers``), or is a BMC/console device by its ids (``host_console_devices``,
+    ``0x1a03:0x2000``: the BMC's VGA with its driver blacklisted or not loaded yet is still the
+    BMC's), or when its display function has ``boot_vga`` 1 and is the only display function on
+    the host (``host_displays``: every display-class address that is no SR-IOV virtual function,
+    see `own_displays`), or when it is the only display function and a framebuffer device hangs
+    beneath it (``framebuffers``, see `gpuwatch.hostfs.bootvga.framebuffer_names`): the host's
+    console on a display with no ``boot_vga`` file (only VGA-class functions have one: QEMU's
+    bochs-display and virtio-gpu at class 0x0380, a 3D controller that took the console over
+    from the firmware's framebuffer).
     """
     ordered = sorted(members, key=lambda m: m.addr)
+    controllers = [fn.addr for fn in ordered if fn.driver == VMD_DRIVER]
+    if controllers:
+        what = ("is an Intel VMD controller" if len(controllers) == 1
+                else "are Intel VMD controllers")
+        return (f"{', '.join(controllers)} (vmd) {what} in this group: the functions behind it "
+                "share its IOMMU group, and taking it from the host takes its whole PCI domain "
+                "(the NVMe drives there too); turn VMD off in the firmware, or move the card "
+                "to a slot outside VMD, to pass it through")
     consoles = [f"{fn.addr} ({fn.driver})" for fn in ordered
                 if fn.driver and fn.driver in console_drivers]
     if consoles:
