@@ -306,7 +306,16 @@ class HostState:
         return events
 
     def _apply_snapshot(self, snapshot: Snapshot, events: list[BaseModel]) -> None:
-        obs: list[Observation] = list(snapshot.functions)
+        # VFIO device cdevs that appeared go first, as a vfio-dev add uevent has them
+        # (`gpuwatch.hostfs.scan.observe`): a function that gained its VFIO device then
+        # takes ``vfio_dev`` and ``vfio_cdev`` in one device-changed, never a second one
+        # for the cdev after a first that showed a state the scanned tree did not have.
+        # (One that went is let go of by its function's record first, the same way.)
+        nodes = self.nodes
+        obs: list[Observation] = [
+            NodeSeen(path, stat) for path, stat in snapshot.nodes.nodes
+            if path not in nodes and VFIO_CDEV_RE.match(path)]
+        obs.extend(snapshot.functions)
         seen = {f.addr for f in snapshot.functions}
         obs.extend(PciGone(addr) for addr in self.functions if addr not in seen)
         seen_drm = {d.name for d in snapshot.drm}

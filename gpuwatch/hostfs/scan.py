@@ -344,24 +344,28 @@ def observe_batch(paths: HostPaths, tables: TablesView, reads: Sequence[UEvent],
                     driver = ""  # what an unbind leaves: no failed readlink (an exception)
                 else:
                     driver = _intern(link_name(link))
-                if not driver or not _vfio_capable(driver, variants):
-                    run.append((known.seen.addr, driver))
+                if driver or access(directory, F_OK):
+                    if not driver or not _vfio_capable(driver, variants):
+                        run.append((known.seen.addr, driver))
+                        continue
+                    # A driver that may bring a VFIO device or a vGPU: look for them.
+                    vfio_dev, vfio_cdev = read_vfio_dev(directory)
+                    vgpu = read_vgpu(directory) if driver == "nvidia" else None
+                    if not vfio_dev and vgpu is None:
+                        run.append((known.seen.addr, driver))  # it brought none (yet)
+                        continue
+                    if run:
+                        out.append(DriversSeen(tuple(run)))
+                        run = []
+                    seen = known.seen
+                    # seen._replace(...) without its Python-level map over every field.
+                    out.append(_tuple_new(PciSeen, (
+                        seen.addr, devpath, seen.vendor_id, seen.device_id, seen.klass, driver,
+                        seen.iommu_group, vfio_dev, vfio_cdev, None, "", vgpu, seen.boot_vga)))
                     continue
-                # A driver that may bring a VFIO device or a vGPU: look for them.
-                vfio_dev, vfio_cdev = read_vfio_dev(directory)
-                vgpu = read_vgpu(directory) if driver == "nvidia" else None
-                if not vfio_dev and vgpu is None:
-                    run.append((known.seen.addr, driver))  # it brought none (yet)
-                    continue
-                if run:
-                    out.append(DriversSeen(tuple(run)))
-                    run = []
-                seen = known.seen
-                # seen._replace(...) without its Python-level map over every field.
-                out.append(_tuple_new(PciSeen, (
-                    seen.addr, devpath, seen.vendor_id, seen.device_id, seen.klass, driver,
-                    seen.iommu_group, vfio_dev, vfio_cdev, None, "", vgpu, seen.boot_vga)))
-                continue
+                # No driver because no device: it went between the uevent and this read (a
+                # surprise removal). `observe` reads that as the removal it is, not as an
+                # unbind of a function that stays in the model.
         if run:
             out.append(DriversSeen(tuple(run)))
             run = []
