@@ -290,11 +290,8 @@ class SwitchEngine:
             raise SwitchRefused(why)
         # After a wedge the events may lag or be lost (the stuck unbind that returned at last
         # said nothing yet): decide "already on vfio-pci" from the tree, not the model alone.
-        paths = self.model.paths
         addrs = [m.addr for m in members]
-        await self._refresh(await call_bounded(
-            lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-            "re-reading the tree"))
+        await self._read_now(addrs)
         card, members = find_card(self.model.state, addr=card.addr)
         result = await self._switch(card, members, "vfio", timeout, recovering=True)
         group = card.iommu_group
@@ -689,9 +686,7 @@ class SwitchEngine:
         addrs = [m.addr for m in plan.members]
         paths, state = self.model.paths, self.model.state
         try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
+            await self._read_now(addrs)
             members = state.group_members(plan.addr)
             known = model_facts(state, members)
             euid, proc_deadline = self.euid(), self.model.proc_deadline
@@ -712,9 +707,7 @@ class SwitchEngine:
         if ended is not None:
             return ended
         try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
+            await self._read_now(addrs)
         except StepTimedOut as exc:
             restored.append(f"group {plan.group}: {exc}")
             return False
@@ -736,9 +729,7 @@ class SwitchEngine:
         before = {m.addr: m.driver for m in plan.members}
         paths, state = self.model.paths, self.model.state
         try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
+            await self._read_now(addrs)
             now = [fn for a in addrs if (fn := state.functions.get(a)) is not None]
             steps = return_steps(now, before)
             leaving = [fn for fn in now if fn.driver and any(
@@ -760,9 +751,7 @@ class SwitchEngine:
         if ended is not None:
             return ended
         try:
-            await self._refresh(await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                "re-reading the tree"))
+            await self._read_now(addrs)
         except StepTimedOut as exc:
             restored.append(f"group {plan.group}: {exc}")
             return False
@@ -839,14 +828,11 @@ class SwitchEngine:
         rescan, a reboot, drops the override with the device)."""
         done: list[str] = []
         if pinned:
-            paths = self.model.paths
             addrs = list(pinned)
             # Not read in time: the model as it is (a write to a function gone fails, and
             # says so).
             with suppress(StepTimedOut):
-                await self._refresh(await call_bounded(
-                    lambda: [read_function(paths, a) for a in addrs], self.scan_timeout,
-                    "re-reading the tree"))
+                await self._read_now(addrs)
         failures = self._new_failures(plan)
         for addr in pinned:
             if addr not in self.model.state.functions:
@@ -1243,15 +1229,11 @@ class SwitchEngine:
                              f"mode {plan.to_mode}; switch again to include it")
 
     async def _reread(self, plan: SwitchPlan, deadline: float) -> None:
-        addrs = [a for a, _ in plan.targets]
-        paths = self.model.paths
         timeout = max(0.5, min(self.scan_timeout, deadline - time.monotonic()))
         try:
-            seen: list[Observation] = await call_bounded(
-                lambda: [read_function(paths, a) for a in addrs], timeout, "re-reading the tree")
+            await self._read_now([a for a, _ in plan.targets], timeout)
         except StepTimedOut as exc:
             self._fail(plan, str(exc))
-        await self._refresh(seen)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -1294,6 +1276,14 @@ class SwitchEngine:
             duration_ms=round((time.monotonic() - started) * 1000, 3), changed=changed,
             notes=notes,
         )
+
+    async def _read_now(self, addrs: Sequence[str], timeout: float | None = None) -> None:
+        """Read the functions ``addrs`` from the tree now and fold them into the model,
+        within ``timeout`` (default ``scan_timeout``; `StepTimedOut` past it)."""
+        paths = self.model.paths
+        await self._refresh(await call_bounded(
+            lambda: [read_function(paths, a) for a in addrs],
+            self.scan_timeout if timeout is None else timeout, "re-reading the tree"))
 
     def _refused(self, addr: str, group: int, to_mode: str, reason: str,
                  holders: Sequence[Holding]) -> None:
