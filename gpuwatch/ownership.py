@@ -30,9 +30,16 @@ def shared_sticky(st: os.stat_result) -> bool:
 
 
 def _why_dir(path: str, st: os.stat_result) -> str | None:
+    """Why others control the directory ``path``: another owner, or write permission
+    without the sticky bit for everyone, or for a group of someone else's directory. A
+    directory of root's that a group of root's choosing may write (Ubuntu's ``/var/log``,
+    ``root:syslog`` 0775) is an administrator's arrangement, not another user's say."""
     if st.st_uid not in trusted_uids():
         return f"{path} belongs to uid {st.st_uid}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & stat.S_ISVTX:
+        return None
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_uid != 0
+                                     and st.st_gid not in (0, os.getegid())):
         return f"{path} is writable by other users"
     return None
 

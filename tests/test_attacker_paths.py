@@ -162,6 +162,27 @@ def test_a_log_of_ours_in_tmp_still_works(base: Path) -> None:
     assert stat.S_IMODE(log.stat().st_mode) == 0o644
 
 
+def test_a_log_under_a_root_directory_a_group_may_write_still_works(base: Path) -> None:
+    """Ubuntu's ``/var/log`` is ``root:syslog`` 0775: an administrator's arrangement, not
+    another user's directory. The unit's log below it (``/var/log/gpuwatch``) is written;
+    the same mode on a directory of another user's, or open to everyone, is not."""
+    var_log = base / "var-log"
+    var_log.mkdir()
+    os.chown(var_log, 0, ATTACKER)  # a group of root's choosing (syslog's, say)
+    os.chmod(var_log, 0o775)
+    (var_log / "gpuwatch").mkdir(mode=0o755)
+    log = var_log / "gpuwatch" / "events.jsonl"
+    writer = EventLog(log)
+    try:
+        writer.write_line('{"seq": 1}')
+    finally:
+        writer.close()
+    assert log.read_text() == '{"seq": 1}\n'
+    os.chmod(var_log, 0o777)  # anyone may rename gpuwatch/ aside and make their own
+    with pytest.raises(EventLogUnavailable, match="writable by other users"):
+        EventLog(log)
+
+
 # ------------------------------------------------------------------ the socket
 
 
