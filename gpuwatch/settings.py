@@ -32,6 +32,7 @@ from gpuwatch.core.limits import (
 )
 from gpuwatch.core.tabledata import TABLE_KEYS
 from gpuwatch.errors import BAD_CONFIG, CallerError, ConfigError
+from gpuwatch.ownership import others_choose, others_may_write
 
 if TYPE_CHECKING:
     from gpuwatch.core.tables import Tables
@@ -719,6 +720,13 @@ def read_config_file_as_read(path: str | os.PathLike[str]
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ConfigError(f"{path}: not a regular file")
+            # The file decides where root writes its log, who may switch, which GPUs are
+            # kept for the host: one another user may write or replace is not trusted.
+            why = others_may_write(st) or others_choose(os.fspath(path))
+            if why is not None:
+                why = why if why.startswith("/") else f"it {why}"
+                raise ConfigError(f"{path}: {why}, so another user could write this "
+                                  "configuration; not reading it")
             data = b""
             while len(data) <= CONFIG_MAX_BYTES:
                 chunk = os.read(fd, CONFIG_MAX_BYTES + 1 - len(data))

@@ -45,6 +45,7 @@ from gpuwatch.core.tabledata import tables_json
 from gpuwatch.errors import SERVICE, HostError, UsageError
 from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.model import check_params, may_read_write
+from gpuwatch.ownership import others_control, trusted_uids
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import OpHandler, default_ops
@@ -188,23 +189,6 @@ def _listener_gone(path: str) -> str | None:
     return f"another gpuwatch daemon answers at {path}"
 
 
-def _shared_dir(parent: str) -> str | None:
-    """Why another user could replace a file in ``parent`` (None if no one can): it, or a
-    directory above it, belongs to someone other than root and us, or is writable by others
-    without the sticky bit that keeps them from renaming what is not theirs (as /tmp has)."""
-    mine = (0, os.geteuid())
-    here = os.path.realpath(parent)
-    while True:
-        st = os.stat(here)
-        if st.st_uid not in mine:
-            return f"{here} belongs to uid {st.st_uid}"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            return f"{here} is writable by other users"
-        if here == os.path.dirname(here):
-            return None
-        here = os.path.dirname(here)
-
-
 def socket_lock_path(path: str) -> str:
     """The lock file beside a socket: ``PATH.lock``, held by the daemon serving ``PATH``."""
     return path + ".lock"
@@ -242,9 +226,17 @@ def _take_socket_lock(path: str) -> int:
             raise error(f"not serving {path}: cannot open its lock {name}: "
                         f"{exc.strerror or exc}") from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise SocketSetupError(f"not serving {path}: its lock {name} is not a "
                                        "regular file; not replacing it")
+            if st.st_uid not in trusted_uids() or st.st_nlink != 1:
+                # Planted in a sticky directory (/tmp): a file of another user's, or a hard
+                # link to some file of root's, which writing our pid would truncate.
+                whose = (f"belongs to uid {st.st_uid}" if st.st_uid not in trusted_uids()
+                         else f"has {st.st_nlink} links")
+                raise SocketSetupError(f"not serving {path}: its lock {name} {whose}; not "
+                                       "using it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -320,7 +312,7 @@ def bind_socket(path: str, gid: int | None, *, mode: int = 0o660, backlog: int =
         error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
         raise error(f"cannot create {parent}: {exc.strerror}") from None
     try:
-        shared = _shared_dir(parent)
+        shared = others_control(path)
     except OSError as exc:
         error = ListenerNotYet if exc.errno in NOT_YET_ERRNOS else SocketSetupError
         raise error(f"cannot check {parent}: {exc.strerror}") from None
