@@ -117,6 +117,48 @@ def others_choose(path: str) -> str | None:
     return why
 
 
+def not_ours(st: os.stat_result) -> str | None:
+    """Why the file just opened (its fstat ``st``) is not one of ours to write: another
+    user's, or a regular file with more than one link (a hard link planted to a file of
+    root's, which writing would overwrite); None when it is ours."""
+    if st.st_uid not in trusted_uids():
+        return f"belongs to uid {st.st_uid}"
+    if stat.S_ISREG(st.st_mode) and st.st_nlink != 1:
+        return f"has {st.st_nlink} links"
+    return None
+
+
+def open_owned(path: str, flags: int, mode: int) -> int:
+    """``os.open`` of a file root writes at a path an administrator named: in a sticky
+    directory others write (/tmp) following no link but one of ours and keeping nothing that
+    is not ours, since a name can be planted there at any moment (after the file was
+    removed, say), and root must not write through it. Raises `OSError` (EPERM) for a name
+    of another user's there. ``O_TRUNC`` is for the caller to do after it (`ftruncate`): an
+    open that truncates would do so before anything could be checked."""
+    folder = os.stat(os.path.dirname(path) or ".")
+    if not shared_sticky(folder):
+        return os.open(path, flags, mode)
+    target = path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass  # made below, O_NOFOLLOW: a link planted since is not followed
+    else:
+        why = foreign_entry(path, st, folder)
+        if why is not None:
+            raise OSError(errno.EPERM, f"{why}: not written")
+        if stat.S_ISLNK(st.st_mode):
+            # Ours, so no one else may change or remove it: where it leads, taken once and
+            # opened without following a link put there since.
+            target = os.path.realpath(path)
+    fd = os.open(target, flags | os.O_NOFOLLOW, mode)
+    whose = not_ours(os.fstat(fd))
+    if whose is not None:
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{path} {whose}: not written")
+    return fd
+
+
 def others_may_write(st: os.stat_result) -> str | None:
     """Why a file (its stat ``st``) may be written by someone but root and us: another
     owner, or write permission for others, or for a group that is not root's nor ours."""
@@ -128,5 +170,5 @@ def others_may_write(st: os.stat_result) -> str | None:
     return None
 
 
-__all__ = ["MAX_LINKS", "foreign_entry", "others_choose", "others_control", "others_may_write",
-           "shared_sticky", "trusted_uids"]
+__all__ = ["MAX_LINKS", "foreign_entry", "not_ours", "open_owned", "others_choose",
+           "others_control", "others_may_write", "shared_sticky", "trusted_uids"]

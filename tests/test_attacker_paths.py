@@ -279,3 +279,63 @@ def test_the_walk_reads_links_as_the_kernel_does(base: Path) -> None:
     (base / "loop").symlink_to("loop")
     with pytest.raises(OSError):
         others_control(str(base / "loop" / "x"))
+
+
+# ------------------------------------------------------------------ record --out
+
+
+def _record(base: Path, out: Path) -> tuple[int, str]:
+    """``gpuwatch record --source file:… --out OUT`` as root, in process."""
+    import argparse
+    import contextlib
+    import io
+
+    from gpuwatch.cli import record_cmd
+
+    source = base / "capture.jsonl"
+    source.write_text('{"ACTION": "change", "DEVPATH": "/devices/x", "SUBSYSTEM": "pci"}\n')
+    parser = argparse.ArgumentParser(prog="gpuwatch")
+    record_cmd.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["record", "--root", str(base), "--source", f"file:{source}",
+                              "--out", str(out)])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = args.func(args)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hard-link", "their-file"])
+def test_record_out_in_tmp_writes_through_nothing_another_user_planted(
+        base: Path, victim: Path, plant: str) -> None:
+    """``sudo gpuwatch record --out /tmp/capture.jsonl``, the other user first at that name:
+    a link of theirs to a root file (a shell's ``>`` would truncate it), a hard link to one,
+    or a file of theirs. Refused in one line, exit 2, nothing written anywhere."""
+    out = sticky(base) / "capture.jsonl"
+    if plant == "symlink":
+        plant_link(out, victim)
+    elif plant == "hard-link":
+        os.link(victim, out)
+    else:
+        out.write_text("theirs\n")
+        os.chown(out, ATTACKER, ATTACKER)
+    code, err = _record(base, out)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert victim.read_bytes() == VICTIM_TEXT
+    if plant == "their-file":
+        assert out.read_text() == "theirs\n"
+
+
+def test_record_out_in_another_users_directory_is_refused(base: Path) -> None:
+    home = theirs(base)
+    code, err = _record(base, home / "capture.jsonl")
+    assert code == 2 and "belongs to uid 65534" in err, err
+    assert not (home / "capture.jsonl").exists()
+
+
+def test_record_out_of_ours_in_tmp_is_written_from_its_start(base: Path) -> None:
+    out = sticky(base) / "capture.jsonl"
+    out.write_text("an older, longer recording that must not show through\n" * 3)
+    code, err = _record(base, out)
+    assert code == 0, err
+    assert out.read_text().count("\n") == 1 and '"ACTION":"change"' in out.read_text().replace(
+        " ", "")

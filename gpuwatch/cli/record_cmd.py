@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from gpuwatch.cli.common import (
     to_stderr,
 )
 from gpuwatch.lograte import RateLimitedLog
+from gpuwatch.ownership import open_owned, others_choose
 from gpuwatch.sources import (
     EventSource,
     SourceOverflow,
@@ -200,6 +202,25 @@ def _reads_back(source: EventSource, out: os.stat_result) -> bool:
         return False
 
 
+def _open_out(path: str) -> TextIO:
+    """``--out`` opened to be written from its start, as root may run ``record``: a path
+    another user could choose the file of (their directory, a link of theirs in /tmp) is
+    refused, a link planted in /tmp meanwhile is not followed, and the file is emptied only
+    once it is known to be ours (an ``O_TRUNC`` open would empty a hard link planted there
+    to a file of root's before anything could be checked)."""
+    why = others_choose(path)
+    if why is not None:
+        raise OSError(errno.EPERM, f"{why}, so another user could choose the file it names")
+    fd = open_owned(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+        return open(fd, "w", encoding="utf-8")  # the caller closes it
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _stat_path(path: str) -> os.stat_result | None:
     """``path``'s stat through any link; None when it does not exist (yet)."""
     try:
@@ -263,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
             if target is not None and _reads_back(source, target):
                 return fail(f"record: --out {args.out!r} is the --source file itself", EXIT_USAGE)
             try:
-                out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+                out = _open_out(args.out)
             except OSError as exc:
                 return fail(f"record: cannot write {args.out!r}: {exc.strerror}", EXIT_USAGE)
         try:

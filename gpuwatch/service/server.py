@@ -45,7 +45,7 @@ from gpuwatch.core.tabledata import tables_json
 from gpuwatch.errors import SERVICE, HostError, UsageError
 from gpuwatch.lograte import RateLimitedLog
 from gpuwatch.model import check_params, may_read_write
-from gpuwatch.ownership import others_control, trusted_uids
+from gpuwatch.ownership import not_ours, others_control
 from gpuwatch.service import ops as host_ops
 from gpuwatch.service import protocol as P
 from gpuwatch.service.ops import OpHandler, default_ops
@@ -230,11 +230,10 @@ def _take_socket_lock(path: str) -> int:
             if not stat.S_ISREG(st.st_mode):
                 raise SocketSetupError(f"not serving {path}: its lock {name} is not a "
                                        "regular file; not replacing it")
-            if st.st_uid not in trusted_uids() or st.st_nlink != 1:
-                # Planted in a sticky directory (/tmp): a file of another user's, or a hard
-                # link to some file of root's, which writing our pid would truncate.
-                whose = (f"belongs to uid {st.st_uid}" if st.st_uid not in trusted_uids()
-                         else f"has {st.st_nlink} links")
+            # Planted in a sticky directory (/tmp): a file of another user's, or a hard link
+            # to some file of root's, which writing our pid would truncate.
+            whose = not_ours(st)
+            if whose is not None:
                 raise SocketSetupError(f"not serving {path}: its lock {name} {whose}; not "
                                        "using it")
             try:

@@ -37,7 +37,7 @@ from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.core.ndjson import LineFramer
 from gpuwatch.errors import EVENT_LOG, HostError, InternalError, UsageError
 from gpuwatch.hostfs.files import flock_holder
-from gpuwatch.ownership import foreign_entry, others_choose, shared_sticky, trusted_uids
+from gpuwatch.ownership import not_ours, open_owned, others_choose
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.handover import LOG_GAP, Handover, gap_span
 
@@ -156,34 +156,6 @@ def _others_control_log(path: str) -> str | None:
         # A directory not there or not readable: the open that follows says so.
         return None if exc.errno in (errno.ENOENT, errno.EACCES, errno.ENOTDIR) else \
             f"{path}: {_describe_os_error(exc)}"
-
-
-def _open_log(path: str, flags: int, mode: int) -> int:
-    """``os.open`` of the log file, in a sticky directory others write (/tmp) following no
-    link but one of ours and keeping nothing that is not ours: a name can be planted there
-    at any moment (after the log was removed, say), and root must not write through it."""
-    folder = os.stat(os.path.dirname(path) or ".")
-    if not shared_sticky(folder):
-        return os.open(path, flags, mode)
-    target = path
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass  # made below, O_NOFOLLOW: a link planted since is not followed
-    else:
-        why = foreign_entry(path, st, folder)
-        if why is not None:
-            raise OSError(errno.EPERM, f"{why}: not written")
-        if stat.S_ISLNK(st.st_mode):
-            # Ours, so no one else may change or remove it: where it leads, taken once and
-            # opened without following a link put there since.
-            target = os.path.realpath(path)
-    fd = os.open(target, flags | os.O_NOFOLLOW, mode)
-    st = os.fstat(fd)
-    if st.st_uid not in trusted_uids():
-        os.close(fd)
-        raise OSError(errno.EPERM, f"{path} belongs to uid {st.st_uid}: not written")
-    return fd
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -392,16 +364,12 @@ def _take_lock(path: str) -> tuple[int | None, int | None]:
                 f"event log {path}: cannot open its lock {name}: {_describe_os_error(exc)}"
             ) from None
         no_lock_file = _describe_os_error(exc)
-    if fd is not None:
-        st = os.fstat(fd)
-        if st.st_uid not in trusted_uids() or (stat.S_ISREG(st.st_mode) and st.st_nlink != 1):
-            # Planted in a sticky directory (/tmp): a file of another user's, or a hard link
-            # to a file of root's, whose first bytes our pid and seq records would overwrite.
-            os.close(fd)
-            whose = (f"belongs to uid {st.st_uid}" if st.st_uid not in trusted_uids()
-                     else f"has {st.st_nlink} links")
-            raise EventLogUnavailable(f"event log {path}: its lock {name} {whose}; not "
-                                      "using it")
+    # Planted in a sticky directory (/tmp): a file of another user's, or a hard link to a
+    # file of root's, whose first bytes our pid and seq records would overwrite.
+    whose = None if fd is None else not_ours(os.fstat(fd))
+    if fd is not None and whose is not None:
+        os.close(fd)
+        raise EventLogUnavailable(f"event log {path}: its lock {name} {whose}; not using it")
     dir_fd: int | None = None
     try:
         dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
@@ -1243,7 +1211,7 @@ class EventLog:
         # A FIFO stays non-blocking: a full pipe is a failed write (the log degrades and
         # is retried), never a watcher stuck in write() while its reader sleeps.
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
-        fd = _open_log(self._path, flags, 0o644)
+        fd = open_owned(self._path, flags, 0o644)
         try:
             st = os.fstat(fd)
             if self._regular and not stat.S_ISREG(st.st_mode):
