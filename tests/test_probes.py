@@ -220,6 +220,35 @@ def test_a_kfd_version_the_kernel_cannot_write_is_garbage(empty_host: SysRoot, v
     assert answer(empty_host, "amd-gfx-target") == ""
 
 
+def test_a_topology_renumbered_mid_read_is_read_again(
+    empty_host: SysRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """amdkfd rebuilds every node folder, numbered anew, when a GPU goes (here the MI210 on
+    node 1), then counts up generation_id. A read caught in it sees node 1 vanish and node 2
+    already the next numbering's: that mix is no topology the host ever had."""
+    import gpuwatch.hostfs.scan as scan_mod
+
+    for node, version in ((0, 0), (1, 90010), (2, 90402), (3, 110000)):
+        empty_host.add_kfd_node(node, version)
+    topology = empty_host.root / "sys/devices/virtual/kfd/kfd/topology"
+    real_read = scan_mod.read_text
+    rebuilt: list[str] = []
+
+    def read_text(path: str) -> str | None:
+        if path.endswith("nodes/1/properties") and not rebuilt:
+            rebuilt.append(path)  # the MI210 leaves: the MI300X is node 1, the 7900 XTX 2
+            empty_host.remove_kfd_node(3)
+            empty_host.add_kfd_node(1, 90402)
+            empty_host.add_kfd_node(2, 110000)
+            (topology / "generation_id").write_text("2\n")
+            return None  # node 1 was gone as this read came
+        return real_read(path)
+
+    monkeypatch.setattr(scan_mod, "read_text", read_text)
+    assert answer(empty_host, "amd-gfx-target") == "gfx942"
+    assert rebuilt
+
+
 def test_host_devices_gfx_only_with_amd_gpu(empty_host: SysRoot) -> None:
     empty_host.add_kfd_node(1, 110000)
     assert answer(empty_host, "detect-host-devices")["amd_gfx_version"] == ""  # type: ignore[index]

@@ -1042,17 +1042,36 @@ def read_kfd(paths: HostPaths) -> KfdSeen:
     """The KFD topology nodes in numeric order up to the first with a gfx target version:
     the only one any answer takes (`first_gfx_version`). The watcher reads the topology again
     with every bind and unbind by amdgpu, so the nodes after it are not read at all."""
-    nodes: list[tuple[int, int]] = []
     base = in_root(paths.root, paths.sys + "/class/kfd/kfd")
     if not os.path.isdir(base):  # a copy without the class link (or with it dangling)
         base = paths.sys + "/devices/virtual/kfd/kfd"
-    base += "/topology/nodes"
+    # amdkfd takes every node folder down and builds them all again, numbered anew, whenever
+    # a GPU comes or goes, then counts up generation_id: a read that saw the count change
+    # may have mixed two numberings (node 1 gone, node 2 already the next card), so it is
+    # made again, as libhsakmt does. A copied tree's count never moves: one read.
+    generation = f"{base}/topology/generation_id"
+    nodes: list[tuple[int, int]] = []
+    for _ in range(_KFD_READ_TRIES):
+        before = read_text(generation)
+        nodes = _kfd_nodes(base + "/topology/nodes")
+        if read_text(generation) == before:
+            break
+    return KfdSeen(nodes=tuple(nodes))
+
+
+#: Reads of the KFD topology while amdkfd keeps renumbering it, before taking the last.
+_KFD_READ_TRIES = 3
+
+
+def _kfd_nodes(base: str) -> list[tuple[int, int]]:
+    """One pass over the node folders in numeric order, up to the first GPU's."""
+    nodes: list[tuple[int, int]] = []
     for name in sorted((n for n in list_dir(base) if n.isascii() and n.isdigit()), key=int):
         version = parse_gfx_target_version(read_text(f"{base}/{name}/properties") or "")
         nodes.append((int(name), version))
         if version:
             break
-    return KfdSeen(nodes=tuple(nodes))
+    return nodes
 
 
 def read_modules(paths: HostPaths) -> frozenset[str]:
