@@ -231,7 +231,16 @@ def test_wide_domain_in_the_watcher_from_uevents(tmp_path: Path) -> None:
     ("version", "target"),
     [(90010, "gfx90a"), (90012, "gfx90c"), (90402, "gfx942"), (100306, "gfx1036"),
      (110000, "gfx1100"), (90000, "gfx900"), (100300, "gfx1030"), (120001, "gfx1201"),
-     (0, "")],
+     (0, ""),
+     # Every value kfd_device.c gives a GPU, as LLVM names the processor.
+     (70000, "gfx700"), (70001, "gfx701"), (80001, "gfx801"), (80002, "gfx802"),
+     (80003, "gfx803"), (90002, "gfx902"), (90004, "gfx904"), (90006, "gfx906"),
+     (90008, "gfx908"), (90400, "gfx940"), (90401, "gfx941"), (90500, "gfx950"),
+     (100100, "gfx1010"), (100101, "gfx1011"), (100102, "gfx1012"), (100103, "gfx1013"),
+     (100301, "gfx1031"), (100302, "gfx1032"), (100303, "gfx1033"), (100304, "gfx1034"),
+     (100305, "gfx1035"), (110001, "gfx1101"), (110002, "gfx1102"), (110003, "gfx1103"),
+     (110500, "gfx1150"), (110501, "gfx1151"), (110502, "gfx1152"), (110503, "gfx1153"),
+     (120000, "gfx1200")],
 )
 def test_gfx_target_rule(version: int, target: str) -> None:
     assert format_gfx_target(version) == target
