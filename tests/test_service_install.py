@@ -680,3 +680,61 @@ def test_on_the_running_host_what_install_writes_is_roots() -> None:
         UNIT_FILE, unit, 0o644, "owner uid 1000, not 0")
     assert describe(first, "/", dry_run=False) == f"rewrote {UNIT_FILE} (owner uid 1000, not 0)"
     assert steps[1] == Keep(RULES_FILE, "unchanged")
+
+
+# --------------------------------------------------------------------------- odd program paths
+
+
+def linked_gpuwatch(folder: Path) -> list[str]:
+    """This environment's gpuwatch, started as ``folder/bin/gpuwatch`` (a link to the console
+    script, or to the interpreter with ``-m``): what install sees when gpuwatch lives there."""
+    (folder / "bin").mkdir(parents=True)
+    cmd = gpuwatch_cmd()
+    if len(cmd) == 1:
+        (folder / "bin/gpuwatch").symlink_to(cmd[0])
+        return [str(folder / "bin/gpuwatch")]
+    (folder / "bin/python3").symlink_to(sys.executable)
+    return [str(folder / "bin/python3"), "-m", "gpuwatch"]
+
+
+@pytest.mark.parametrize("name", ['we"ird', "it's", "back\\slash", "tab\there", "new\nline",
+                                  "cost$HOME"])
+def test_a_program_path_systemd_cannot_run_is_refused(
+        fixture_root: Path, tmp_path: Path, name: str) -> None:
+    """systemd will not start an executable named with a quote, a backslash or a control
+    character ("Executable name contains special characters": the unit has a fatal error),
+    and takes a ``$`` in it literally (``$$`` would name another file) while it expands the
+    ``$`` in the argv[0] it passes. A newline also ended the ExecStart= line, so the rest of
+    the path became a directive of its own. Refused before anything is written, one line."""
+    program = linked_gpuwatch(tmp_path / name)
+    before = tree(fixture_root)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*program, "service", "install", "--root", str(fixture_root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "PYTHONPATH" not in ln]
+    assert len(lines) == 1 and "systemd cannot start" in lines[0], proc.stderr
+    assert proc.stdout == "" and tree(fixture_root) == before
+    with pytest.raises(InstallError, match="systemd cannot start"):
+        render_unit([program[0]])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed on this machine")
+@pytest.mark.parametrize("name", ["gpu watch", "100%", "semi;colon", "gr\u00fcn"])
+def test_a_program_path_systemd_can_run_passes_verify(
+        fixture_root: Path, tmp_path: Path, name: str) -> None:
+    """Spaces, ``%`` and ``;`` are quoted or escaped in ExecStart=, and systemd finds the
+    program there (verify fails on a program path it cannot find, see above)."""
+    program = linked_gpuwatch(tmp_path / name)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*program, "service", "install", "--root", str(fixture_root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    assert exec_words(unit.read_text().replace("%%", "%"))[: len(program)] == program
+    ok = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                        text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr

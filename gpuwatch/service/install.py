@@ -70,11 +70,28 @@ def shipped_config() -> str:
 
 
 def systemd_quote(word: str) -> str:
-    """One ExecStart= word: specifiers (%) and variables ($) escaped, quoted when needed."""
+    """One ExecStart= argument: specifiers (%) and variables ($) escaped, quoted when needed."""
     word = word.replace("%", "%%").replace("$", "$$")
     if word and not re.search(r"[\s\"'\\;]", word):
         return word
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+#: What systemd refuses in an executable's path ("Executable name contains special
+#: characters": a fatal error, the unit never starts), and ``$``: the path is taken
+#: literally (``$$`` would name another file) while the argv[0] passed is expanded.
+_UNRUNNABLE = re.compile(r"[\x00-\x1f\x7f\"'\\$]")
+
+
+def systemd_program(path: str) -> str:
+    """ExecStart='s first word, the program: only specifiers escaped (systemd expands no
+    variable there), quoted when it holds a space or ``;``."""
+    if _UNRUNNABLE.search(path):
+        raise InstallError(f"systemd cannot start a program whose path holds a quote, a "
+                           f"backslash, a $ or a control character ({path!r}): install "
+                           f"gpuwatch elsewhere (a venv in /opt, or pipx)")
+    word = path.replace("%", "%%")
+    return f'"{word}"' if re.search(r"[\s;]", word) else word
 
 
 def render_unit(exec_argv: Sequence[str], program_paths: Sequence[str] = (),
@@ -85,7 +102,8 @@ def render_unit(exec_argv: Sequence[str], program_paths: Sequence[str] = (),
     if not exec_argv or not os.path.isabs(exec_argv[0]):
         raise InstallError(f"ExecStart needs an absolute program path, not {exec_argv!r}")
     text = template if template is not None else shipped_unit()
-    exec_words = " ".join(systemd_quote(w) for w in exec_argv)
+    exec_words = " ".join([systemd_program(exec_argv[0]),
+                           *(systemd_quote(w) for w in exec_argv[1:])])
     old = f"ExecStart={TEMPLATE_EXEC} "
     if text.count(old) != 1:
         raise InstallError("the shipped unit has no single ExecStart= line to fill in")
@@ -688,6 +706,7 @@ __all__ = [
     "render_unit",
     "shipped_config",
     "shipped_unit",
+    "systemd_program",
     "systemd_quote",
     "under",
 ]
