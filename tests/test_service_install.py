@@ -738,3 +738,50 @@ def test_a_program_path_systemd_can_run_passes_verify(
     ok = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                         text=True, timeout=60, check=False)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_now_over_an_older_unit_restarts_the_daemon_running_it() -> None:
+    """``enable --now`` starts a stopped service but leaves a running one alone: installing
+    over an older unit (gpuwatch moved to another venv, an upgrade that changed the unit)
+    kept the old daemon running the old program until the next reboot. A changed unit is
+    now followed by ``try-restart`` (which starts nothing that was stopped); an unchanged
+    one restarts nothing."""
+    new = render_unit(["/opt/new/bin/gpuwatch"])
+    old = render_unit(["/opt/old/bin/gpuwatch"])
+    def commands(existing: str | None) -> list[tuple[str, ...]]:
+        facts = Facts(root="/", exec_argv=("/opt/new/bin/gpuwatch",), have_systemctl=True,
+                      systemd_running=True, group_exists=True, existing={UNIT_FILE: existing})
+        return [s.argv for s in plan_install(facts, now=True) if isinstance(s, Run)]
+
+    assert commands(old)[:3] == [("systemctl", "daemon-reload"),
+                                 ("systemctl", "try-restart", "gpuwatch"),
+                                 ("systemctl", "enable", "--now", "gpuwatch")]
+    assert ("systemctl", "try-restart", "gpuwatch") not in commands(new)
+    assert commands(None)[:2] == [("systemctl", "daemon-reload"),
+                                  ("systemctl", "enable", "--now", "gpuwatch")]
+
+
+def test_without_now_the_hint_says_a_running_daemon_needs_a_restart(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --now, the hint after writing over an older unit names the restart: its old
+    advice (run this again with --now) found the unit already so the second time, and
+    restarted nothing. A dry run on the running host, its facts made up: nothing is read."""
+    import gpuwatch.service.install as install
+
+    def facts_with(old: str | None) -> None:
+        def fake(root: str, exec_argv: tuple[str, ...] = (),
+                 program_paths: tuple[str, ...] = ()) -> Facts:
+            return Facts(root=root, exec_argv=tuple(exec_argv),
+                         program_paths=tuple(program_paths), group_exists=True,
+                         existing={UNIT_FILE: old})
+        monkeypatch.setattr(install, "gather_facts", fake)
+
+    facts_with("# an older gpuwatch unit\n")
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "systemctl try-restart gpuwatch" in out.splitlines()[-1]
+    facts_with(None)
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "try-restart" not in out and "run this again with --now" in out.splitlines()[-1]

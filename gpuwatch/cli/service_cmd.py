@@ -126,6 +126,7 @@ def run_install(args: argparse.Namespace) -> int:
         execute,
         gather_facts,
         plan_install,
+        replaces_unit,
     )
 
     root, host = _prepare(args)
@@ -145,7 +146,12 @@ def run_install(args: argparse.Namespace) -> int:
     say = _Progress()
     try:
         execute(steps, root, dry_run=args.dry_run, say=say)
-        if not args.now and host:
+        if not args.now and host and replaces_unit(facts):
+            # Run again with --now, install would find the unit already so: no restart.
+            say("next: systemctl daemon-reload && systemctl try-restart gpuwatch && "
+                "systemctl enable --now gpuwatch (a daemon already running keeps the old "
+                "unit until restarted)")
+        elif not args.now and host:
             say("next: systemctl daemon-reload && systemctl enable --now gpuwatch "
                 "(or run this again with --now)")
     finally:

@@ -254,6 +254,15 @@ def _wrong_attrs(facts: Facts, path: str, mode: int) -> str:
     return "; ".join(wrong)
 
 
+def replaces_unit(facts: Facts, unit: str | None = None) -> bool:
+    """Whether install puts another text where a unit was: a daemon running from the old one
+    must be restarted to run this gpuwatch (`enable --now` starts only a stopped one)."""
+    old = facts.existing.get(UNIT_FILE)
+    if unit is None:
+        unit = render_unit(facts.exec_argv, facts.program_paths)
+    return old is not None and old != unit
+
+
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     """Unit, udev rules, config (only when absent), group (only when missing), then, with
     ``now``, the commands that make systemd and udev use them.
@@ -277,9 +286,9 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
                            "not a config file the daemon can read, and it is never "
                            "overwritten: remove it (or make it a regular file), then run this "
                            "again")
+    unit = render_unit(facts.exec_argv, facts.program_paths)
     steps: list[Step] = [
-        _write_if_changed(facts, UNIT_FILE, render_unit(facts.exec_argv, facts.program_paths),
-                          "the systemd unit"),
+        _write_if_changed(facts, UNIT_FILE, unit, "the systemd unit"),
         _write_if_changed(facts, RULES_FILE, render_rules(VFIO_GROUP),
                           f"udev rules: group {VFIO_GROUP} may use /dev/vfio nodes"),
     ]
@@ -322,6 +331,11 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
         raise InstallError("--now needs systemd running on this host (no /run/systemd/system): "
                            "run `gpuwatch watch --socket` under your init system instead")
     steps.append(Run(("systemctl", "daemon-reload")))
+    if replaces_unit(facts, unit):
+        # `enable --now` leaves a running daemon alone: the one started from the old unit
+        # (another program, other flags) would run on until the next reboot.
+        steps.append(Run(("systemctl", "try-restart", "gpuwatch"),
+                         why="a daemon running from the old unit restarts on this one"))
     steps.append(Run(("systemctl", "enable", "--now", "gpuwatch")))
     if facts.have_udevadm:
         steps.append(Run(("udevadm", "control", "--reload")))
@@ -704,6 +718,7 @@ __all__ = [
     "plan_install",
     "plan_uninstall",
     "render_unit",
+    "replaces_unit",
     "shipped_config",
     "shipped_unit",
     "systemd_program",
