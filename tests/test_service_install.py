@@ -21,6 +21,7 @@ from gpuwatch.service.install import (
     Facts,
     InstallError,
     Keep,
+    Remove,
     Run,
     Write,
     check_program,
@@ -785,3 +786,22 @@ def test_without_now_the_hint_says_a_running_daemon_needs_a_restart(
     assert main(["service", "install", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "try-restart" not in out and "run this again with --now" in out.splitlines()[-1]
+
+
+def test_uninstall_without_systemd_running_removes_the_enablement_links() -> None:
+    """On a host where systemd is not running (a container, an image being built in one),
+    the unit enabled offline (``systemctl enable`` works there) was removed but its
+    ``multi-user.target.wants`` link was left behind, dangling. With systemd running, the
+    ``disable --now`` removes the links; a link left by a unit already gone is removed too."""
+    link = "/etc/systemd/system/multi-user.target.wants/gpuwatch.service"
+    for running, unit in ((False, shipped_unit()), (True, None)):
+        facts = Facts(root="/", existing={UNIT_FILE: unit}, wants_links=(link,),
+                      have_systemctl=True, systemd_running=running, have_udevadm=True)
+        steps = plan_uninstall(facts)
+        assert Remove(link, "enablement link") in steps, (running, steps)
+        assert not any(isinstance(s, Run) and "disable" in s.argv for s in steps)
+    facts = Facts(root="/", existing={UNIT_FILE: shipped_unit()}, wants_links=(link,),
+                  have_systemctl=True, systemd_running=True)
+    steps = plan_uninstall(facts)
+    assert steps[0] == Run(("systemctl", "disable", "--now", "gpuwatch"))
+    assert not any(isinstance(s, Remove) and s.path == link for s in steps)

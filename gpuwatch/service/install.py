@@ -358,12 +358,13 @@ def plan_uninstall(facts: Facts) -> list[Step]:
     unit = facts.existing.get(UNIT_FILE)
     if facts.host and unit is not None and facts.have_systemctl and facts.systemd_running:
         steps.append(Run(("systemctl", "disable", "--now", "gpuwatch")))
-    elif not facts.host and (unit is not None or facts.wants_links):
-        if facts.have_systemctl and unit is not None:
-            steps.append(Run(("systemctl", f"--root={facts.root}", "disable", UNIT_NAME),
-                             why="disabled offline in the fixture root"))
-        else:
-            steps.extend(Remove(link, "enablement link") for link in facts.wants_links)
+    elif not facts.host and facts.have_systemctl and unit is not None:
+        steps.append(Run(("systemctl", f"--root={facts.root}", "disable", UNIT_NAME),
+                         why="disabled offline in the fixture root"))
+    else:
+        # No systemd to ask (a container: the unit was enabled offline), or the unit is gone
+        # already: its links would be left dangling.
+        steps.extend(Remove(link, "enablement link") for link in facts.wants_links)
     if unit is not None:
         steps.append(Remove(UNIT_FILE, "the systemd unit"))
     elif facts.odd.get(UNIT_FILE, "").startswith("masked"):
