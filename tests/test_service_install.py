@@ -805,3 +805,27 @@ def test_uninstall_without_systemd_running_removes_the_enablement_links() -> Non
     steps = plan_uninstall(facts)
     assert steps[0] == Run(("systemctl", "disable", "--now", "gpuwatch"))
     assert not any(isinstance(s, Remove) and s.path == link for s in steps)
+
+
+def test_the_rules_group_is_added_when_missing(fixture_root: Path) -> None:
+    """The rules give /dev/vfio nodes to group kvm; where it does not exist (a minimal image,
+    a container), udev ignores GROUP= ("Unknown group") and the nodes stay root's, while
+    install said "group kvm may use /dev/vfio nodes". It is added like gpuwatch's own group,
+    only when missing, in the same write of the group files."""
+    group = fixture_root / "etc/group"
+    group.write_text("root:x:0:\nusers:x:100:\n")
+    (fixture_root / "etc/gshadow").write_text("root:*::\n")
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert group.read_text() == "root:x:0:\nusers:x:100:\ngpuwatch:x:999:\nkvm:x:998:\n"
+    assert (fixture_root / "etc/gshadow").read_text() == "root:*::\ngpuwatch:!::\nkvm:!::\n"
+    assert f"wrote {group} (group gpuwatch added, gid 999; group kvm added, gid 998)" \
+        in proc.stdout.splitlines()
+    again = run("service", "install", "--root", str(fixture_root))
+    assert again.returncode == 0 and "kept group kvm (exists)" in again.stdout
+    assert "wrote" not in again.stdout
+
+    host = Facts(root="/", exec_argv=("/opt/gpuwatch/bin/gpuwatch",), group_exists=True,
+                 vfio_group_exists=False)
+    commands = [s.argv for s in plan_install(host, now=False) if isinstance(s, Run)]
+    assert commands == [("groupadd", "--system", "kvm")]

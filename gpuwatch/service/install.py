@@ -196,6 +196,8 @@ class Facts:
     #: user running it (a new file is its writer's, and install does not chown its own).
     owner: int = 0
     group_exists: bool = False
+    #: Whether the udev rules' group (kvm) exists.
+    vfio_group_exists: bool = True
     group_file: str | None = None  # <root>/etc/group text (fixture roots only)
     gshadow_file: str | None = None
     wants_links: tuple[str, ...] = ()  # host paths of *.wants/gpuwatch.service links
@@ -263,6 +265,35 @@ def replaces_unit(facts: Facts, unit: str | None = None) -> bool:
     return old is not None and old != unit
 
 
+def _plan_groups(facts: Facts) -> list[Step]:
+    """The socket's group and the rules' group, each added only when missing: without
+    the rules' group udev ignores their GROUP= and the nodes stay root's. In a tree, one
+    write of each group file adds both."""
+    wanted = ((SOCKET_GROUP, facts.group_exists, "the group that may read through the socket"),
+              (VFIO_GROUP, facts.vfio_group_exists, "the group the udev rules give /dev/vfio"))
+    steps: list[Step] = [Keep(f"group {name}", "exists") for name, there, _ in wanted if there]
+    missing = [(name, why) for name, there, why in wanted if not there]
+    if facts.host:
+        return steps + [Run(("groupadd", "--system", name), why=why) for name, why in missing]
+    if not missing:
+        return steps
+    text, shadow, said = facts.group_file or "", facts.gshadow_file, []
+    for name, _ in missing:
+        text, gid = _add_group_line(text, name)
+        said.append(f"group {name} added, gid {gid}")
+    steps.append(Write(GROUP_FILE, text, why="; ".join(said), keep_attrs=True))
+    if shadow is not None:
+        named = {line.split(":", 1)[0] for line in shadow.splitlines()}
+        new = [name for name, _ in missing if name not in named]
+        if new:
+            if shadow and not shadow.endswith("\n"):
+                shadow += "\n"
+            steps.append(Write(GSHADOW_FILE, shadow + "".join(f"{n}:!::\n" for n in new),
+                               mode=0o640, why="; ".join(f"group {n}" for n in new),
+                               keep_attrs=True))
+    return steps
+
+
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     """Unit, udev rules, config (only when absent), group (only when missing), then, with
     ``now``, the commands that make systemd and udev use them.
@@ -299,22 +330,7 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     if facts.existing.get(CDI_DIR) is None and CDI_DIR not in facts.odd:
         steps.append(MakeDir(CDI_DIR, why="for NVIDIA's CDI spec: the unit may write there "
                                           "only if it exists"))
-    if facts.group_exists:
-        steps.append(Keep(f"group {SOCKET_GROUP}", "exists"))
-    elif facts.host:
-        steps.append(Run(("groupadd", "--system", SOCKET_GROUP),
-                         why="the group that may read through the socket"))
-    else:
-        text, gid = _add_group_line(facts.group_file or "", SOCKET_GROUP)
-        steps.append(Write(GROUP_FILE, text, why=f"group {SOCKET_GROUP} added, gid {gid}",
-                           keep_attrs=True))
-        shadow = facts.gshadow_file
-        if shadow is not None and not any(line.split(":", 1)[0] == SOCKET_GROUP
-                                          for line in shadow.splitlines()):
-            if shadow and not shadow.endswith("\n"):
-                shadow += "\n"
-            steps.append(Write(GSHADOW_FILE, shadow + f"{SOCKET_GROUP}:!::\n", mode=0o640,
-                               why=f"group {SOCKET_GROUP}", keep_attrs=True))
+    steps.extend(_plan_groups(facts))
     if not now:
         return steps
     if not facts.host:
@@ -464,6 +480,14 @@ def link_out(path: str, inside: str) -> str | None:
     return target if os.path.commonpath([top, lands]) != top else None
 
 
+def _host_has_group(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def gather_facts(root: str, exec_argv: Sequence[str] = (),
                  program_paths: Sequence[str] = ()) -> Facts:
     host = os.path.normpath(root) == "/"
@@ -496,11 +520,8 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
             wants.append(f"/etc/systemd/system/{entry}/{UNIT_NAME}")
     group_file = gshadow = None
     if host:
-        try:
-            grp.getgrnam(SOCKET_GROUP)
-            group_exists = True
-        except KeyError:
-            group_exists = False
+        group_exists = _host_has_group(SOCKET_GROUP)
+        vfio_group_exists = _host_has_group(VFIO_GROUP)
     else:
         for path in (GROUP_FILE, GSHADOW_FILE):
             # Rewritten whole when the group is added: a part of one must never be written.
@@ -508,12 +529,13 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
                 raise InstallError(f"{under(root, path)} is {odd[path]}: cannot add the "
                                    "group to it")
         group_file, gshadow = existing[GROUP_FILE], existing[GSHADOW_FILE]
-        group_exists = any(line.split(":", 1)[0] == SOCKET_GROUP
-                           for line in (group_file or "").splitlines())
+        names = {line.split(":", 1)[0] for line in (group_file or "").splitlines()}
+        group_exists, vfio_group_exists = SOCKET_GROUP in names, VFIO_GROUP in names
     return Facts(
         root=root, exec_argv=tuple(exec_argv), program_paths=tuple(program_paths),
         existing=existing, odd=odd, links_out=links_out, attrs=attrs,
         owner=0 if host else os.geteuid(), group_exists=group_exists,
+        vfio_group_exists=vfio_group_exists,
         group_file=group_file, gshadow_file=gshadow, wants_links=tuple(wants),
         have_systemctl=shutil.which("systemctl") is not None,
         systemd_running=os.path.isdir("/run/systemd/system"),
