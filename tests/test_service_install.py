@@ -21,6 +21,7 @@ from gpuwatch.service.install import (
     Facts,
     InstallError,
     Keep,
+    Remove,
     Run,
     Write,
     check_program,
@@ -680,3 +681,151 @@ def test_on_the_running_host_what_install_writes_is_roots() -> None:
         UNIT_FILE, unit, 0o644, "owner uid 1000, not 0")
     assert describe(first, "/", dry_run=False) == f"rewrote {UNIT_FILE} (owner uid 1000, not 0)"
     assert steps[1] == Keep(RULES_FILE, "unchanged")
+
+
+# --------------------------------------------------------------------------- odd program paths
+
+
+def linked_gpuwatch(folder: Path) -> list[str]:
+    """This environment's gpuwatch, started as ``folder/bin/gpuwatch`` (a link to the console
+    script, or to the interpreter with ``-m``): what install sees when gpuwatch lives there."""
+    (folder / "bin").mkdir(parents=True)
+    cmd = gpuwatch_cmd()
+    if len(cmd) == 1:
+        (folder / "bin/gpuwatch").symlink_to(cmd[0])
+        return [str(folder / "bin/gpuwatch")]
+    (folder / "bin/python3").symlink_to(sys.executable)
+    return [str(folder / "bin/python3"), "-m", "gpuwatch"]
+
+
+@pytest.mark.parametrize("name", ['we"ird', "it's", "back\\slash", "tab\there", "new\nline",
+                                  "cost$HOME"])
+def test_a_program_path_systemd_cannot_run_is_refused(
+        fixture_root: Path, tmp_path: Path, name: str) -> None:
+    """systemd will not start an executable named with a quote, a backslash or a control
+    character ("Executable name contains special characters": the unit has a fatal error),
+    and takes a ``$`` in it literally (``$$`` would name another file) while it expands the
+    ``$`` in the argv[0] it passes. A newline also ended the ExecStart= line, so the rest of
+    the path became a directive of its own. Refused before anything is written, one line."""
+    program = linked_gpuwatch(tmp_path / name)
+    before = tree(fixture_root)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*program, "service", "install", "--root", str(fixture_root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "PYTHONPATH" not in ln]
+    assert len(lines) == 1 and "systemd cannot start" in lines[0], proc.stderr
+    assert proc.stdout == "" and tree(fixture_root) == before
+    with pytest.raises(InstallError, match="systemd cannot start"):
+        render_unit([program[0]])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed on this machine")
+@pytest.mark.parametrize("name", ["gpu watch", "100%", "semi;colon", "gr\u00fcn"])
+def test_a_program_path_systemd_can_run_passes_verify(
+        fixture_root: Path, tmp_path: Path, name: str) -> None:
+    """Spaces, ``%`` and ``;`` are quoted or escaped in ExecStart=, and systemd finds the
+    program there (verify fails on a program path it cannot find, see above)."""
+    program = linked_gpuwatch(tmp_path / name)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([*program, "service", "install", "--root", str(fixture_root)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    unit = fixture_root / "etc/systemd/system/gpuwatch.service"
+    assert exec_words(unit.read_text().replace("%%", "%"))[: len(program)] == program
+    ok = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                        text=True, timeout=60, check=False)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_now_over_an_older_unit_restarts_the_daemon_running_it() -> None:
+    """``enable --now`` starts a stopped service but leaves a running one alone: installing
+    over an older unit (gpuwatch moved to another venv, an upgrade that changed the unit)
+    kept the old daemon running the old program until the next reboot. A changed unit is
+    now followed by ``try-restart`` (which starts nothing that was stopped); an unchanged
+    one restarts nothing."""
+    new = render_unit(["/opt/new/bin/gpuwatch"])
+    old = render_unit(["/opt/old/bin/gpuwatch"])
+    def commands(existing: str | None) -> list[tuple[str, ...]]:
+        facts = Facts(root="/", exec_argv=("/opt/new/bin/gpuwatch",), have_systemctl=True,
+                      systemd_running=True, group_exists=True, existing={UNIT_FILE: existing})
+        return [s.argv for s in plan_install(facts, now=True) if isinstance(s, Run)]
+
+    assert commands(old)[:3] == [("systemctl", "daemon-reload"),
+                                 ("systemctl", "try-restart", "gpuwatch"),
+                                 ("systemctl", "enable", "--now", "gpuwatch")]
+    assert ("systemctl", "try-restart", "gpuwatch") not in commands(new)
+    assert commands(None)[:2] == [("systemctl", "daemon-reload"),
+                                  ("systemctl", "enable", "--now", "gpuwatch")]
+
+
+def test_without_now_the_hint_says_a_running_daemon_needs_a_restart(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --now, the hint after writing over an older unit names the restart: its old
+    advice (run this again with --now) found the unit already so the second time, and
+    restarted nothing. A dry run on the running host, its facts made up: nothing is read."""
+    import gpuwatch.service.install as install
+
+    def facts_with(old: str | None) -> None:
+        def fake(root: str, exec_argv: tuple[str, ...] = (),
+                 program_paths: tuple[str, ...] = ()) -> Facts:
+            return Facts(root=root, exec_argv=tuple(exec_argv),
+                         program_paths=tuple(program_paths), group_exists=True,
+                         existing={UNIT_FILE: old})
+        monkeypatch.setattr(install, "gather_facts", fake)
+
+    facts_with("# an older gpuwatch unit\n")
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "systemctl try-restart gpuwatch" in out.splitlines()[-1]
+    facts_with(None)
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "try-restart" not in out and "run this again with --now" in out.splitlines()[-1]
+
+
+def test_uninstall_without_systemd_running_removes_the_enablement_links() -> None:
+    """On a host where systemd is not running (a container, an image being built in one),
+    the unit enabled offline (``systemctl enable`` works there) was removed but its
+    ``multi-user.target.wants`` link was left behind, dangling. With systemd running, the
+    ``disable --now`` removes the links; a link left by a unit already gone is removed too."""
+    link = "/etc/systemd/system/multi-user.target.wants/gpuwatch.service"
+    for running, unit in ((False, shipped_unit()), (True, None)):
+        facts = Facts(root="/", existing={UNIT_FILE: unit}, wants_links=(link,),
+                      have_systemctl=True, systemd_running=running, have_udevadm=True)
+        steps = plan_uninstall(facts)
+        assert Remove(link, "enablement link") in steps, (running, steps)
+        assert not any(isinstance(s, Run) and "disable" in s.argv for s in steps)
+    facts = Facts(root="/", existing={UNIT_FILE: shipped_unit()}, wants_links=(link,),
+                  have_systemctl=True, systemd_running=True)
+    steps = plan_uninstall(facts)
+    assert steps[0] == Run(("systemctl", "disable", "--now", "gpuwatch"))
+    assert not any(isinstance(s, Remove) and s.path == link for s in steps)
+
+
+def test_the_rules_group_is_added_when_missing(fixture_root: Path) -> None:
+    """The rules give /dev/vfio nodes to group kvm; where it does not exist (a minimal image,
+    a container), udev ignores GROUP= ("Unknown group") and the nodes stay root's, while
+    install said "group kvm may use /dev/vfio nodes". It is added like gpuwatch's own group,
+    only when missing, in the same write of the group files."""
+    group = fixture_root / "etc/group"
+    group.write_text("root:x:0:\nusers:x:100:\n")
+    (fixture_root / "etc/gshadow").write_text("root:*::\n")
+    proc = run("service", "install", "--root", str(fixture_root))
+    assert proc.returncode == 0, proc.stderr
+    assert group.read_text() == "root:x:0:\nusers:x:100:\ngpuwatch:x:999:\nkvm:x:998:\n"
+    assert (fixture_root / "etc/gshadow").read_text() == "root:*::\ngpuwatch:!::\nkvm:!::\n"
+    assert f"wrote {group} (group gpuwatch added, gid 999; group kvm added, gid 998)" \
+        in proc.stdout.splitlines()
+    again = run("service", "install", "--root", str(fixture_root))
+    assert again.returncode == 0 and "kept group kvm (exists)" in again.stdout
+    assert "wrote" not in again.stdout
+
+    host = Facts(root="/", exec_argv=("/opt/gpuwatch/bin/gpuwatch",), group_exists=True,
+                 vfio_group_exists=False)
+    commands = [s.argv for s in plan_install(host, now=False) if isinstance(s, Run)]
+    assert commands == [("groupadd", "--system", "kvm")]

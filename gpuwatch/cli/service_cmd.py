@@ -20,14 +20,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "service",
         description="Install or remove gpuwatch as the host's systemd service: the unit (its "
                     "ExecStart= naming this gpuwatch), the udev rules for /dev/vfio, "
-                    "/etc/gpuwatch/config.yaml when absent and the gpuwatch group when "
-                    "missing. Every file written and command run is printed.")
+                    "/etc/gpuwatch/config.yaml when absent and the gpuwatch and kvm groups "
+                    "when missing. Every file written and command run is printed.")
     verbs = p.add_subparsers(dest="verb", metavar="install|uninstall")
     verbs.required = True
     install = verbs.add_parser(
         "install", help="write the unit, udev rules, config and group",
         description="Write the systemd unit, the udev rules, /etc/gpuwatch/config.yaml (only "
-                    "when absent) and the gpuwatch group (only when missing).")
+                    "when absent) and the gpuwatch and kvm groups (only when missing).")
     _common(install)
     install.add_argument("--now", action="store_true",
                          help="also run systemctl daemon-reload and systemctl enable --now "
@@ -126,6 +126,7 @@ def run_install(args: argparse.Namespace) -> int:
         execute,
         gather_facts,
         plan_install,
+        replaces_unit,
     )
 
     root, host = _prepare(args)
@@ -145,7 +146,12 @@ def run_install(args: argparse.Namespace) -> int:
     say = _Progress()
     try:
         execute(steps, root, dry_run=args.dry_run, say=say)
-        if not args.now and host:
+        if not args.now and host and replaces_unit(facts):
+            # Run again with --now, install would find the unit already so: no restart.
+            say("next: systemctl daemon-reload && systemctl try-restart gpuwatch && "
+                "systemctl enable --now gpuwatch (a daemon already running keeps the old "
+                "unit until restarted)")
+        elif not args.now and host:
             say("next: systemctl daemon-reload && systemctl enable --now gpuwatch "
                 "(or run this again with --now)")
     finally:

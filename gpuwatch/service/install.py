@@ -70,11 +70,28 @@ def shipped_config() -> str:
 
 
 def systemd_quote(word: str) -> str:
-    """One ExecStart= word: specifiers (%) and variables ($) escaped, quoted when needed."""
+    """One ExecStart= argument: specifiers (%) and variables ($) escaped, quoted when needed."""
     word = word.replace("%", "%%").replace("$", "$$")
     if word and not re.search(r"[\s\"'\\;]", word):
         return word
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+#: What systemd refuses in an executable's path ("Executable name contains special
+#: characters": a fatal error, the unit never starts), and ``$``: the path is taken
+#: literally (``$$`` would name another file) while the argv[0] passed is expanded.
+_UNRUNNABLE = re.compile(r"[\x00-\x1f\x7f\"'\\$]")
+
+
+def systemd_program(path: str) -> str:
+    """ExecStart='s first word, the program: only specifiers escaped (systemd expands no
+    variable there), quoted when it holds a space or ``;``."""
+    if _UNRUNNABLE.search(path):
+        raise InstallError(f"systemd cannot start a program whose path holds a quote, a "
+                           f"backslash, a $ or a control character ({path!r}): install "
+                           f"gpuwatch elsewhere (a venv in /opt, or pipx)")
+    word = path.replace("%", "%%")
+    return f'"{word}"' if re.search(r"[\s;]", word) else word
 
 
 def render_unit(exec_argv: Sequence[str], program_paths: Sequence[str] = (),
@@ -85,7 +102,8 @@ def render_unit(exec_argv: Sequence[str], program_paths: Sequence[str] = (),
     if not exec_argv or not os.path.isabs(exec_argv[0]):
         raise InstallError(f"ExecStart needs an absolute program path, not {exec_argv!r}")
     text = template if template is not None else shipped_unit()
-    exec_words = " ".join(systemd_quote(w) for w in exec_argv)
+    exec_words = " ".join([systemd_program(exec_argv[0]),
+                           *(systemd_quote(w) for w in exec_argv[1:])])
     old = f"ExecStart={TEMPLATE_EXEC} "
     if text.count(old) != 1:
         raise InstallError("the shipped unit has no single ExecStart= line to fill in")
@@ -178,6 +196,8 @@ class Facts:
     #: user running it (a new file is its writer's, and install does not chown its own).
     owner: int = 0
     group_exists: bool = False
+    #: Whether the udev rules' group (kvm) exists.
+    vfio_group_exists: bool = True
     group_file: str | None = None  # <root>/etc/group text (fixture roots only)
     gshadow_file: str | None = None
     wants_links: tuple[str, ...] = ()  # host paths of *.wants/gpuwatch.service links
@@ -236,6 +256,44 @@ def _wrong_attrs(facts: Facts, path: str, mode: int) -> str:
     return "; ".join(wrong)
 
 
+def replaces_unit(facts: Facts, unit: str | None = None) -> bool:
+    """Whether install puts another text where a unit was: a daemon running from the old one
+    must be restarted to run this gpuwatch (`enable --now` starts only a stopped one)."""
+    old = facts.existing.get(UNIT_FILE)
+    if unit is None:
+        unit = render_unit(facts.exec_argv, facts.program_paths)
+    return old is not None and old != unit
+
+
+def _plan_groups(facts: Facts) -> list[Step]:
+    """The socket's group and the rules' group, each added only when missing: without
+    the rules' group udev ignores their GROUP= and the nodes stay root's. In a tree, one
+    write of each group file adds both."""
+    wanted = ((SOCKET_GROUP, facts.group_exists, "the group that may read through the socket"),
+              (VFIO_GROUP, facts.vfio_group_exists, "the group the udev rules give /dev/vfio"))
+    steps: list[Step] = [Keep(f"group {name}", "exists") for name, there, _ in wanted if there]
+    missing = [(name, why) for name, there, why in wanted if not there]
+    if facts.host:
+        return steps + [Run(("groupadd", "--system", name), why=why) for name, why in missing]
+    if not missing:
+        return steps
+    text, shadow, said = facts.group_file or "", facts.gshadow_file, []
+    for name, _ in missing:
+        text, gid = _add_group_line(text, name)
+        said.append(f"group {name} added, gid {gid}")
+    steps.append(Write(GROUP_FILE, text, why="; ".join(said), keep_attrs=True))
+    if shadow is not None:
+        named = {line.split(":", 1)[0] for line in shadow.splitlines()}
+        new = [name for name, _ in missing if name not in named]
+        if new:
+            if shadow and not shadow.endswith("\n"):
+                shadow += "\n"
+            steps.append(Write(GSHADOW_FILE, shadow + "".join(f"{n}:!::\n" for n in new),
+                               mode=0o640, why="; ".join(f"group {n}" for n in new),
+                               keep_attrs=True))
+    return steps
+
+
 def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     """Unit, udev rules, config (only when absent), group (only when missing), then, with
     ``now``, the commands that make systemd and udev use them.
@@ -259,9 +317,9 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
                            "not a config file the daemon can read, and it is never "
                            "overwritten: remove it (or make it a regular file), then run this "
                            "again")
+    unit = render_unit(facts.exec_argv, facts.program_paths)
     steps: list[Step] = [
-        _write_if_changed(facts, UNIT_FILE, render_unit(facts.exec_argv, facts.program_paths),
-                          "the systemd unit"),
+        _write_if_changed(facts, UNIT_FILE, unit, "the systemd unit"),
         _write_if_changed(facts, RULES_FILE, render_rules(VFIO_GROUP),
                           f"udev rules: group {VFIO_GROUP} may use /dev/vfio nodes"),
     ]
@@ -272,22 +330,7 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     if facts.existing.get(CDI_DIR) is None and CDI_DIR not in facts.odd:
         steps.append(MakeDir(CDI_DIR, why="for NVIDIA's CDI spec: the unit may write there "
                                           "only if it exists"))
-    if facts.group_exists:
-        steps.append(Keep(f"group {SOCKET_GROUP}", "exists"))
-    elif facts.host:
-        steps.append(Run(("groupadd", "--system", SOCKET_GROUP),
-                         why="the group that may read through the socket"))
-    else:
-        text, gid = _add_group_line(facts.group_file or "", SOCKET_GROUP)
-        steps.append(Write(GROUP_FILE, text, why=f"group {SOCKET_GROUP} added, gid {gid}",
-                           keep_attrs=True))
-        shadow = facts.gshadow_file
-        if shadow is not None and not any(line.split(":", 1)[0] == SOCKET_GROUP
-                                          for line in shadow.splitlines()):
-            if shadow and not shadow.endswith("\n"):
-                shadow += "\n"
-            steps.append(Write(GSHADOW_FILE, shadow + f"{SOCKET_GROUP}:!::\n", mode=0o640,
-                               why=f"group {SOCKET_GROUP}", keep_attrs=True))
+    steps.extend(_plan_groups(facts))
     if not now:
         return steps
     if not facts.host:
@@ -304,6 +347,11 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
         raise InstallError("--now needs systemd running on this host (no /run/systemd/system): "
                            "run `gpuwatch watch --socket` under your init system instead")
     steps.append(Run(("systemctl", "daemon-reload")))
+    if replaces_unit(facts, unit):
+        # `enable --now` leaves a running daemon alone: the one started from the old unit
+        # (another program, other flags) would run on until the next reboot.
+        steps.append(Run(("systemctl", "try-restart", "gpuwatch"),
+                         why="a daemon running from the old unit restarts on this one"))
     steps.append(Run(("systemctl", "enable", "--now", "gpuwatch")))
     if facts.have_udevadm:
         steps.append(Run(("udevadm", "control", "--reload")))
@@ -326,12 +374,13 @@ def plan_uninstall(facts: Facts) -> list[Step]:
     unit = facts.existing.get(UNIT_FILE)
     if facts.host and unit is not None and facts.have_systemctl and facts.systemd_running:
         steps.append(Run(("systemctl", "disable", "--now", "gpuwatch")))
-    elif not facts.host and (unit is not None or facts.wants_links):
-        if facts.have_systemctl and unit is not None:
-            steps.append(Run(("systemctl", f"--root={facts.root}", "disable", UNIT_NAME),
-                             why="disabled offline in the fixture root"))
-        else:
-            steps.extend(Remove(link, "enablement link") for link in facts.wants_links)
+    elif not facts.host and facts.have_systemctl and unit is not None:
+        steps.append(Run(("systemctl", f"--root={facts.root}", "disable", UNIT_NAME),
+                         why="disabled offline in the fixture root"))
+    else:
+        # No systemd to ask (a container: the unit was enabled offline), or the unit is gone
+        # already: its links would be left dangling.
+        steps.extend(Remove(link, "enablement link") for link in facts.wants_links)
     if unit is not None:
         steps.append(Remove(UNIT_FILE, "the systemd unit"))
     elif facts.odd.get(UNIT_FILE, "").startswith("masked"):
@@ -431,6 +480,14 @@ def link_out(path: str, inside: str) -> str | None:
     return target if os.path.commonpath([top, lands]) != top else None
 
 
+def _host_has_group(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def gather_facts(root: str, exec_argv: Sequence[str] = (),
                  program_paths: Sequence[str] = ()) -> Facts:
     host = os.path.normpath(root) == "/"
@@ -463,11 +520,8 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
             wants.append(f"/etc/systemd/system/{entry}/{UNIT_NAME}")
     group_file = gshadow = None
     if host:
-        try:
-            grp.getgrnam(SOCKET_GROUP)
-            group_exists = True
-        except KeyError:
-            group_exists = False
+        group_exists = _host_has_group(SOCKET_GROUP)
+        vfio_group_exists = _host_has_group(VFIO_GROUP)
     else:
         for path in (GROUP_FILE, GSHADOW_FILE):
             # Rewritten whole when the group is added: a part of one must never be written.
@@ -475,12 +529,13 @@ def gather_facts(root: str, exec_argv: Sequence[str] = (),
                 raise InstallError(f"{under(root, path)} is {odd[path]}: cannot add the "
                                    "group to it")
         group_file, gshadow = existing[GROUP_FILE], existing[GSHADOW_FILE]
-        group_exists = any(line.split(":", 1)[0] == SOCKET_GROUP
-                           for line in (group_file or "").splitlines())
+        names = {line.split(":", 1)[0] for line in (group_file or "").splitlines()}
+        group_exists, vfio_group_exists = SOCKET_GROUP in names, VFIO_GROUP in names
     return Facts(
         root=root, exec_argv=tuple(exec_argv), program_paths=tuple(program_paths),
         existing=existing, odd=odd, links_out=links_out, attrs=attrs,
         owner=0 if host else os.geteuid(), group_exists=group_exists,
+        vfio_group_exists=vfio_group_exists,
         group_file=group_file, gshadow_file=gshadow, wants_links=tuple(wants),
         have_systemctl=shutil.which("systemctl") is not None,
         systemd_running=os.path.isdir("/run/systemd/system"),
@@ -686,8 +741,10 @@ __all__ = [
     "plan_install",
     "plan_uninstall",
     "render_unit",
+    "replaces_unit",
     "shipped_config",
     "shipped_unit",
+    "systemd_program",
     "systemd_quote",
     "under",
 ]
