@@ -12,9 +12,11 @@ import logging
 import os
 import resource
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -224,6 +226,44 @@ async def test_access_probes_answer_for_the_peer(host: SysRoot, sockdir: str) ->
         )
         assert [r["result"] for r in result["replies"][:2]] == [True, False]  # what *it* may open
         assert result["replies"][2]["result"] == {"soft": 65536, "hard": 65536}  # its own limit
+
+
+async def test_a_group_node_chowned_without_a_uevent_is_answered_within_a_second(
+    host: SysRoot, sockdir: str
+) -> None:
+    """udev gives a group node its group and mode after the kernel's ``add`` uevent (which
+    the default kernel source reads before udev runs), and libvirt and KubeVirt chown it or
+    set an ACL for a VM's user: no uevent says so. The daemon kept the stat it took at the
+    event until the next reconcile (5 minutes by default, never with 0), so the VM's user
+    was told false all that while; the group nodes are now looked at again every second."""
+    host.add_vfio_group(13, mode=0o600)  # as devtmpfs makes it, before udev's rules
+    node = host.root / "dev/vfio/13"
+    path = f"{sockdir}/gw.sock"
+    ask = ("probe", {"action": "vfio-group-accessible", "group": 13})
+
+    async def answer_turns(expected: bool) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < 10:
+            result = await as_nobody(path, [READERS], ask)
+            if result["replies"][0]["result"] is expected:
+                return time.monotonic() - start
+            await anyio.sleep(0.1)
+        raise AssertionError(f"still not {expected} after 10 s")
+
+    async with served_watcher(host.root, path, read_gid=READERS):  # no reconcile
+        assert (await as_nobody(path, [READERS], ask))["replies"][0]["result"] is False
+        os.chown(node, 0, READERS)  # udev's GROUP= and MODE=
+        os.chmod(node, 0o660)
+        assert await answer_turns(True) < 3
+        os.chmod(node, 0o600)
+        assert await answer_turns(False) < 3
+        # setfacl -m u:nobody:rw (mode 0660 shown: the mask), the owning group refused
+        acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in (
+            (1, 6, 0xFFFFFFFF), (2, 6, NOBODY), (4, 0, 0xFFFFFFFF), (16, 6, 0xFFFFFFFF),
+            (32, 0, 0xFFFFFFFF)))
+        os.chown(node, 0, 0)
+        os.setxattr(node, "system.posix_acl_access", acl)
+        assert await answer_turns(True) < 3
 
 
 async def test_without_so_peergroups_a_slow_group_database_stalls_no_one(

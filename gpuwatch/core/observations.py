@@ -152,11 +152,19 @@ class KfdSeen:
 
 @dataclass(frozen=True, slots=True)
 class NodeStat:
-    """Owner and mode of a device node: enough to answer access questions from memory."""
+    """Owner, mode and POSIX ACL of a device node: enough to answer access questions from
+    memory. ``acl``: the node's ``system.posix_acl_access`` entries as ``(tag, perm, id)``
+    (`ACL_USER` and the others below), ``()`` for a node without one (its mode says all);
+    udev's ``uaccess`` and ``setfacl`` grant access there with mode bits that say no."""
 
     mode: int
     uid: int
     gid: int
+    acl: tuple[tuple[int, int, int], ...] = ()
+
+
+#: POSIX ACL entry tags, as ``include/uapi/linux/posix_acl.h`` numbers them.
+ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_GROUP, ACL_MASK, ACL_OTHER = 1, 2, 4, 8, 16, 32
 
 
 @dataclass(frozen=True, slots=True)

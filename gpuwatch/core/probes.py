@@ -27,7 +27,16 @@ from gpuwatch.core.modes import (
     parse_mode,
     variant_keys,
 )
-from gpuwatch.core.observations import CdiSeen, DrmSeen, NodeStat, PciSeen, Snapshot
+from gpuwatch.core.observations import (
+    ACL_GROUP,
+    ACL_GROUP_OBJ,
+    ACL_USER,
+    CdiSeen,
+    DrmSeen,
+    NodeStat,
+    PciSeen,
+    Snapshot,
+)
 from gpuwatch.core.pci import is_gpu_class, parse_addr, parse_vendor
 from gpuwatch.core.tabledata import TablesView, class_label
 from gpuwatch.errors import DeviceNotFound, UsageError
@@ -187,16 +196,30 @@ def nvidia_usable(modules: Collection[str], cdi: CdiSeen, nvidia_gpu: bool) -> b
 
 
 def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
-    """What open(O_RDWR) would decide, from the node's owner and mode (root always may)."""
+    """What open(O_RDWR) would decide, from the node's owner, mode and POSIX ACL (root
+    always may): the kernel's ``posix_acl_permission`` where the node has an ACL, else
+    its mode bits."""
     if uid == 0:
         return True
     if stat.uid == uid:
-        bits = stat.mode >> 6
-    elif stat.gid in gids:
-        bits = stat.mode >> 3
-    else:
-        bits = stat.mode
-    return bits & 0o6 == 0o6
+        return (stat.mode >> 6) & 0o6 == 0o6
+    if not stat.acl:
+        bits = stat.mode >> 3 if stat.gid in gids else stat.mode
+        return bits & 0o6 == 0o6
+    # With an ACL the mode's group bits are its mask: a named user, the owning group and
+    # the named groups get what their entry and the mask both grant. A caller in some
+    # matching group that none grants is refused, not judged by the "other" entry.
+    mask = (stat.mode >> 3) & 0o7
+    for tag, perm, ident in stat.acl:
+        if tag == ACL_USER and ident == uid:
+            return perm & mask & 0o6 == 0o6
+    found = False
+    for tag, perm, ident in stat.acl:
+        if (tag == ACL_GROUP_OBJ and stat.gid in gids) or (tag == ACL_GROUP and ident in gids):
+            found = True
+            if perm & mask & 0o6 == 0o6:
+                return True
+    return not found and stat.mode & 0o6 == 0o6
 
 
 def group_access(nodes: Mapping[str, NodeStat], uid: int,

@@ -848,6 +848,10 @@ class HostState:
                 self._render_node = None
             self._stale.add("detect-host-devices")
 
+    def vfio_group_nodes(self) -> list[tuple[str, NodeStat]]:
+        """The ``/dev/vfio/<N>`` nodes held, with their stats (what the access answers use)."""
+        return [(p, st) for p, st in self.nodes.items() if VFIO_NODE_RE.match(p)]
+
     def is_watched_node(self, path: str) -> bool:
         """A device path gpuwatch reports: one matching ``device_patterns``, a vfio group, a
         VFIO device cdev or ``/dev/iommu``."""

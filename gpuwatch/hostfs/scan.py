@@ -6,11 +6,13 @@ does not grow with the host) and `scan` the full one (initial model, resync, rec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
 import re
 import stat as stat_mod
+import struct
 import sys
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -1174,12 +1176,39 @@ def _asked_on(cmdline: str, param: str) -> bool:
 # --------------------------------------------------------------------------- /dev and CDI
 
 
+#: The xattr holding a file's access ACL, and the version its binary form starts with.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = 2
+_ACL_HEADER = struct.Struct("<I")
+_ACL_ENTRY = struct.Struct("<HHI")
+
+
+def parse_posix_acl(raw: bytes) -> tuple[tuple[int, int, int], ...]:
+    """``(tag, perm, id)`` of each entry of a ``system.posix_acl_access`` value
+    (``struct posix_acl_xattr_header`` then ``posix_acl_xattr_entry``s, little-endian);
+    ``()`` for anything the kernel would not have written."""
+    head = _ACL_HEADER.size
+    if (len(raw) < head or (len(raw) - head) % _ACL_ENTRY.size
+            or _ACL_HEADER.unpack_from(raw)[0] != _ACL_VERSION):
+        return ()
+    return tuple((tag, perm & 0o7, ident)
+                 for tag, perm, ident in _ACL_ENTRY.iter_unpack(raw[head:]))
+
+
 def node_stat(paths: HostPaths, host_path: str) -> NodeStat | None:
+    """A node's owner and mode, with its POSIX ACL for the VFIO nodes (whose access
+    `gpuwatch.core.probes.may_read_write` decides); None when it is absent."""
     try:
-        st = os.stat(paths.under(host_path))
+        path = paths.under(host_path)
+        st = os.stat(path)
     except (OSError, ValueError):
         return None
-    return NodeStat(mode=stat_mod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
+    acl: tuple[tuple[int, int, int], ...] = ()
+    if host_path.startswith("/dev/vfio/"):
+        # ENODATA: none (the mode says all); ENOTSUP: a tree without xattrs.
+        with contextlib.suppress(OSError):
+            acl = parse_posix_acl(os.getxattr(path, _ACL_XATTR))
+    return NodeStat(mode=stat_mod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid, acl=acl)
 
 
 def scan_nodes(paths: HostPaths, tables: TablesView) -> NodesSeen:

@@ -34,7 +34,7 @@ from gpuwatch.core.events import (
     format_event_time,
     stamp,
 )
-from gpuwatch.core.observations import Observation, Snapshot
+from gpuwatch.core.observations import NodeSeen, Observation, Snapshot
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
@@ -43,6 +43,7 @@ from gpuwatch.core.uevent_facts import batch_facts
 from gpuwatch.errors import CallerError, UsageError
 from gpuwatch.hostfs.scan import (
     HostPaths,
+    node_stat,
     observe_batch,
     read_cdi,
     read_iommu,
@@ -70,6 +71,10 @@ _log = logging.getLogger("gpuwatch.watch")
 DEFAULT_RECONCILE_INTERVAL = 300.0
 DEFAULT_CDI_POLL_INTERVAL = 0.5
 DEFAULT_VGPU_POLL_INTERVAL = 1.0
+#: How often the VFIO group nodes' owner, mode and ACL are looked at again: a chown, chmod
+#: or setfacl sends no uevent (udev's own, after the kernel's ``add``; libvirt's and
+#: KubeVirt's for a VM's user), and ``vfio-group-accessible`` is answered from them.
+DEFAULT_VFIO_NODE_POLL_INTERVAL = 1.0
 DEFAULT_SUBSCRIBER_BUFFER = 4096
 #: Events applied between two chances for other tasks to run (requests, subscribers).
 PUMP_SLICE = 64
@@ -185,9 +190,11 @@ class Watcher:
         cdi_poll_interval: float,
         subscriber_buffer: int,
         vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
+        vfio_node_poll_interval: float = DEFAULT_VFIO_NODE_POLL_INTERVAL,
     ) -> None:
         self.model = model
         self._vgpu_poll_interval = vgpu_poll_interval
+        self._vfio_node_poll_interval = vfio_node_poll_interval
         self.source = source
         self._log = log
         self._reconcile_interval = reconcile_interval
@@ -688,6 +695,29 @@ class Watcher:
         async with self._lock:
             return len(self.apply([seen]))
 
+    async def poll_vfio_nodes(self) -> int:
+        """Stat the VFIO group nodes the model holds again and publish what changed in their
+        owner, mode or ACL (which no uevent announces). Read under the pump's lock, on the
+        loop (a stat and a getxattr each), so a node a uevent just removed is not put back;
+        a node gone meanwhile is left to its ``remove`` uevent."""
+        self.check_open()
+        state = self.model.state
+        async with self._lock:
+            changed = []
+            for path, old in state.vfio_group_nodes():
+                new = node_stat(self.paths, path)
+                if new is not None and new != old:
+                    changed.append(NodeSeen(path, new))
+            return len(self.apply(changed)) if changed else 0
+
+    async def _poll_vfio_node(self) -> None:
+        await self._announced.wait()
+        while True:
+            await anyio.sleep(self._vfio_node_poll_interval)
+            if self._closed:  # as in _poll_vgpu
+                return
+            await self.poll_vfio_nodes()
+
     async def _poll_vgpu(self) -> None:
         while True:
             await anyio.sleep(self._vgpu_poll_interval)
@@ -712,6 +742,8 @@ class Watcher:
             tg.start_soon(self._reconcile, name="gpuwatch-reconcile")
         if self._vgpu_poll_interval > 0:
             tg.start_soon(self._poll_vgpu, name="gpuwatch-vgpu")
+        if self._vfio_node_poll_interval > 0:
+            tg.start_soon(self._poll_vfio_node, name="gpuwatch-vfio-nodes")
 
     def _close(self) -> None:
         self._closed = True
@@ -735,6 +767,7 @@ async def open_watcher(
     subscriber_buffer: int = DEFAULT_SUBSCRIBER_BUFFER,
     receive_buffer: int | None = None,
     vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
+    vfio_node_poll_interval: float = DEFAULT_VFIO_NODE_POLL_INTERVAL,
     announce: bool = True,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
@@ -781,6 +814,7 @@ async def open_watcher(
             cdi_poll_interval=cdi_poll_interval,
             subscriber_buffer=subscriber_buffer,
             vgpu_poll_interval=vgpu_poll_interval,
+            vfio_node_poll_interval=vfio_node_poll_interval,
         )
         if announce:
             watcher.announce_ready()
