@@ -148,3 +148,32 @@ def test_a_host_step_error_keeps_its_errno_and_path_across_processes() -> None:
     assert (back.errno, back.strerror, back.filename) == (
         5, "Input/output error", "/sys/bus/pci/drivers/nvidia/unbind")
     assert str(back) == str(exc)
+
+
+@pytest.mark.parametrize(("code", "in_process"), [
+    ("invalid-params", E.UsageError),
+    ("not-found", E.DeviceNotFound),
+    ("switch-refused", E.SwitchRefused),
+    ("group-poisoned", E.GroupPoisoned),
+    ("reboot-required", E.RebootRequired),
+    ("group-busy", E.GroupBusy),
+    ("switch-failed", E.SwitchFailed),
+    ("switch-wedged", E.SwitchWedged),
+    ("not-root", E.NotPrivileged),
+])
+def test_a_daemon_reply_is_caught_by_the_in_process_class(
+        code: str, in_process: type[E.GpuwatchError]) -> None:
+    """One ``except gpuwatch.GroupBusy`` (``SwitchRefused``, ...) serves a switch done in
+    this process and one asked of the daemon through `gpuwatch.Client`: the error reply is
+    raised as the class the same condition raises in process, with its code and exit status."""
+    exc = error_from_reply({"code": code, "message": "group 13: qemu (pid 42) holds it"})
+    assert isinstance(exc, in_process) and isinstance(exc, gpuwatch.DaemonError)
+    assert exc.code == code and exc.message == "group 13: qemu (pid 42) holds it"
+    assert exc.exit_status == E.EXIT_STATUS[code]
+    assert str(exc) == "daemon: group 13: qemu (pid 42) holds it"
+
+
+def test_a_daemon_reply_of_no_in_process_class_is_a_plain_daemon_error() -> None:
+    for code in ("unavailable", "permission-denied", "a-code-from-a-newer-daemon"):
+        exc = error_from_reply({"code": code, "message": "no"})
+        assert type(exc) is gpuwatch.DaemonError and exc.code == code
