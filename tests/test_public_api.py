@@ -153,3 +153,12 @@ def test_a_strict_user_program_and_the_doc_examples_type_check(tmp_path: Path) -
          *(str(f) for f in files)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=220)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_version_is_the_package_version() -> None:
+    """``gpuwatch.__version__`` (what ``--version`` and a bug report say) is the one the
+    package is built with: a release that bumps one bumps both."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert gpuwatch.__version__ == project["version"]
