@@ -12,7 +12,7 @@ Pure and light: imported by the core, the CLI's ``--help`` path and every layer 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from gpuwatch.core.results import Holding
@@ -99,6 +99,25 @@ class GpuwatchError(Exception):
     @property
     def exit_status(self) -> int:
         return exit_status(self.code)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a multiprocessing worker's error), copied or deep-copied whole, without
+        calling ``__init__`` again: a subclass's takes its own arguments (``missed``;
+        ``code`` and ``message``), which ``args`` (the message) does not hold, so the
+        default rebuild raised TypeError in the receiving process or said the message twice."""
+        # The base's own arguments: ``args``, or for an OSError its errno, strerror and filename.
+        return (_rebuild, (type(self), super().__reduce__()[1], self.args, self.__dict__))
+
+
+def _rebuild(cls: type[GpuwatchError], new_args: tuple[Any, ...], args: tuple[Any, ...],
+             state: dict[str, Any]) -> GpuwatchError:
+    """A pickled `GpuwatchError` again, with no ``__init__`` run: ``__new__`` given what
+    the base class rebuilds from (an OSError sets its errno, strerror and filename from
+    it), then its args and attributes as they were."""
+    exc = cls.__new__(cls, *new_args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class CallerError(GpuwatchError):

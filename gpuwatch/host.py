@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from gpuwatch.switch.engine import (
     DEFAULT_SCAN_TIMEOUT,
@@ -33,6 +33,14 @@ if TYPE_CHECKING:
     import anyio
 
     from gpuwatch.core.observations import Observation
+    from gpuwatch.core.probes import BoolAction, TextAction
+    from gpuwatch.core.results import (
+        DetectVfioResult,
+        Holder,
+        HostDevicesResult,
+        MemlockResult,
+        VfioBackend,
+    )
     from gpuwatch.core.tables import Tables
     from gpuwatch.hostfs.scan import HostPaths
     from gpuwatch.model import HostModel
@@ -91,9 +99,46 @@ class Host:
         """Observers called once per published batch with the events and their JSON lines."""
         return self.watcher.batch_listeners
 
+    @overload
+    def probe(self, action: Literal["detect-vfio"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> DetectVfioResult: ...
+    @overload
+    def probe(self, action: BoolAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> bool: ...
+    @overload
+    def probe(self, action: TextAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> str: ...
+    @overload
+    def probe(self, action: Literal["detect-host-devices"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> HostDevicesResult: ...
+    @overload
+    def probe(self, action: Literal["memlock"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> MemlockResult: ...
+    @overload
+    def probe(self, action: Literal["nvidia-holders"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> tuple[Holder, ...]: ...
+    @overload
+    def probe(self, action: Literal["vfio-backend"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> VfioBackend: ...
+    @overload
+    def probe(self, action: Literal["plan"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> list[dict[str, Any]]: ...
+    @overload
+    def probe(self, action: str, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> Any: ...
     def probe(self, action: str, *, group: int | None = None, addr: str | None = None,
               mode: str | None = None, vendor: str | None = None) -> Any:
-        """Answer a probe action (docs/probes.md) from memory."""
+        """Answer a probe action (docs/probes.md) from memory, typed per action
+        (`HostModel.probe`)."""
         return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
     def snapshot(self) -> HostSnapshot:

@@ -11,20 +11,29 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from gpuwatch.core.modes import Mode, current_mode, group_in_mode, parse_mode
 from gpuwatch.core.pci import canonical_addr
 from gpuwatch.core.probes import (
     ACTIONS,
     WATCHED_PROBES,
+    BoolAction,
+    TextAction,
     check_params,
     group_access,
     may_read_write,
     no_such_function,
     vfio_backend_fields,
 )
-from gpuwatch.core.results import PciFunction, VfioBackend
+from gpuwatch.core.results import (
+    DetectVfioResult,
+    Holder,
+    HostDevicesResult,
+    MemlockResult,
+    PciFunction,
+    VfioBackend,
+)
 from gpuwatch.core.state import HostState
 from gpuwatch.core.tables import Tables
 from gpuwatch.errors import GroupPoisoned, SwitchRefused, UsageError
@@ -140,6 +149,42 @@ class HostModel:
     def tables(self) -> Tables:
         return self.state.tables
 
+    @overload
+    def probe(self, action: Literal["detect-vfio"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> DetectVfioResult: ...
+    @overload
+    def probe(self, action: BoolAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> bool: ...
+    @overload
+    def probe(self, action: TextAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> str: ...
+    @overload
+    def probe(self, action: Literal["detect-host-devices"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> HostDevicesResult: ...
+    @overload
+    def probe(self, action: Literal["memlock"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> MemlockResult: ...
+    @overload
+    def probe(self, action: Literal["nvidia-holders"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> tuple[Holder, ...]: ...
+    @overload
+    def probe(self, action: Literal["vfio-backend"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> VfioBackend: ...
+    @overload
+    def probe(self, action: Literal["plan"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> list[dict[str, Any]]: ...
+    @overload
+    def probe(self, action: str, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> Any: ...
     def probe(
         self,
         action: str,
@@ -149,7 +194,11 @@ class HostModel:
         mode: str | None = None,
         vendor: str | None = None,
     ) -> Any:
-        """Answer a probe action from memory. Raises `UsageError` or `DeviceNotFound`."""
+        """Answer a probe action from memory. Raises `UsageError` or `DeviceNotFound`.
+
+        A literal action's answer has its own type (``probe("detect-vfio")`` is a
+        `DetectVfioResult`, ``probe("group-in-mode", …)`` a ``bool``), so a strictly
+        type-checked caller uses it without a cast; an action computed at run time: Any."""
         answers = self.state._answers
         try:
             if action in answers:  # the hot path: the cached immutable answer itself
@@ -234,7 +283,7 @@ class HostModel:
         return name in self.state.modules
 
     def plan(self, mode: Mode, *, addr: str | None = None, vendor: str | None = None,
-             vfio_driver: str | None = None) -> Any:
+             vfio_driver: str | None = None) -> list[dict[str, Any]]:
         """The ``plan`` probe: the steps a switch would take now, as JSON-ready dicts (live:
         it reads holders and modules). No such card is `DeviceNotFound`, a refusal
         `SwitchRefused` (`GroupPoisoned` for a poisoned group)."""
@@ -335,6 +384,60 @@ def scan(
     return model
 
 
+@overload
+def probe(action: Literal["detect-vfio"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> DetectVfioResult: ...
+@overload
+def probe(action: BoolAction,
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> bool: ...
+@overload
+def probe(action: TextAction,
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> str: ...
+@overload
+def probe(action: Literal["detect-host-devices"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> HostDevicesResult: ...
+@overload
+def probe(action: Literal["memlock"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> MemlockResult: ...
+@overload
+def probe(action: Literal["nvidia-holders"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> tuple[Holder, ...]: ...
+@overload
+def probe(action: Literal["vfio-backend"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> VfioBackend: ...
+@overload
+def probe(action: Literal["plan"],
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> list[dict[str, Any]]: ...
+@overload
+def probe(action: str,
+          root: str | os.PathLike[str] | None = ...,
+          config: str | os.PathLike[str] | Tables | ConfigInForce | None = ..., *,
+          group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+          vendor: str | None = ...) -> Any: ...
 def probe(
     action: str,
     root: str | os.PathLike[str] | None = None,
@@ -345,7 +448,8 @@ def probe(
     mode: str | None = None,
     vendor: str | None = None,
 ) -> Any:
-    """Scan anew and answer one probe: the no-cache baseline (``gpuwatch probe --fresh``)."""
+    """Scan anew and answer one probe: the no-cache baseline (``gpuwatch probe --fresh``).
+    Typed per action as `HostModel.probe` is."""
     check_params(action, group, addr, mode, vendor)
     return scan(root, config).probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 

@@ -60,6 +60,12 @@ ACTIONS: dict[str, tuple[str, ...]] = {
     "plan": ("mode",),  # and --addr or --vendor
 }
 
+#: The actions answered ``True`` or ``False`` (what a type checker is told of the answer).
+BoolAction = Literal["detect-gpu", "detect-amd-gpu", "vfio-group-accessible", "group-in-mode",
+                     "wedge-detected"]
+#: The actions answered with a string (a version, a target, a driver, a mode).
+TextAction = Literal["amd-gfx-version", "amd-gfx-target", "display-driver", "current-mode"]
+
 #: Cached answers whose changes are published as ``probe-changed`` events (in the order
 #: they are rebuilt: detect-host-devices embeds the others, so it comes last).
 WATCHED_PROBES = (
@@ -476,12 +482,14 @@ __all__ = [
     "FUNCTION_KEYS",
     "IOMMU_NODE",
     "WATCHED_PROBES",
+    "BoolAction",
     "FreshFunction",
     "FreshHost",
     "FullRead",
     "FunctionGone",
     "FunctionOutline",
     "FunctionView",
+    "TextAction",
     "check_params",
     "choose_render_node",
     "compiled_patterns",

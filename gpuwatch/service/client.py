@@ -2,8 +2,9 @@
 
 Both speak the protocol of docs/socket.md and return plain JSON values (dicts, lists,
 scalars): exactly what a client in any other language gets. Error replies are raised as
-`DaemonError` carrying the code; those that mean "your request is wrong" and "no such
-device" are also `UsageError` and `DeviceNotFound`, so code written against the direct
+`DaemonError` carrying the code; those that mean "your request is wrong", "no such
+device" and each of the switch's codes are also the in-process class (`UsageError`,
+`DeviceNotFound`, `SwitchRefused`, `GroupBusy`, ...), so code written against the direct
 model handles them unchanged.
 """
 
@@ -30,8 +31,15 @@ from gpuwatch.errors import (
     SERVICE,
     Blame,
     DeviceNotFound,
+    GroupBusy,
+    GroupPoisoned,
     HostError,
+    NotPrivileged,
+    RebootRequired,
     SubscriberLagged,
+    SwitchFailed,
+    SwitchRefused,
+    SwitchWedged,
     UsageError,
 )
 from gpuwatch.service import protocol as P
@@ -194,6 +202,53 @@ class DaemonDeviceNotFound(DaemonError, DeviceNotFound):
     blame: ClassVar[Blame] = "caller"
 
 
+class DaemonSwitchRefused(DaemonError, SwitchRefused):
+    """``switch-refused``: unsafe now, nothing written (the holders are named in the
+    message; ``holders`` is empty, the reply carries no list)."""
+
+
+class DaemonGroupPoisoned(DaemonError, GroupPoisoned):
+    """``group-poisoned``: an earlier switch of this group wedged in this boot."""
+
+
+class DaemonRebootRequired(DaemonError, RebootRequired):
+    """``reboot-required``: ``recover`` refused, a task is stuck in the nvidia driver."""
+
+
+class DaemonGroupBusy(DaemonError, GroupBusy):
+    """``group-busy``: another switch of this group (or of the nvidia module) is running."""
+
+
+class DaemonSwitchFailed(DaemonError, SwitchFailed):
+    """``switch-failed``: a step failed or the drivers did not bind in time."""
+
+
+class DaemonSwitchWedged(DaemonError, SwitchWedged):
+    """``switch-wedged``: a kernel step never returned; the group is poisoned."""
+
+
+class DaemonNotPrivileged(DaemonError, NotPrivileged):
+    """``not-root``: the daemon itself lacks the privilege to switch."""
+
+
+#: The daemon's error codes that name an in-process error class: the reply is raised as
+#: both, so one ``except gpuwatch.GroupBusy`` (``SwitchRefused``, …) serves a switch done in
+#: this process and one the daemon did.
+_BY_CODE: dict[str, type[DaemonError]] = {
+    P.INVALID_PARAMS: DaemonUsageError,
+    P.INVALID_REQUEST: DaemonUsageError,
+    P.UNKNOWN_METHOD: DaemonUsageError,
+    P.NOT_FOUND: DaemonDeviceNotFound,
+    P.SWITCH_REFUSED: DaemonSwitchRefused,
+    P.GROUP_POISONED: DaemonGroupPoisoned,
+    P.REBOOT_REQUIRED: DaemonRebootRequired,
+    P.GROUP_BUSY: DaemonGroupBusy,
+    P.SWITCH_FAILED: DaemonSwitchFailed,
+    P.SWITCH_WEDGED: DaemonSwitchWedged,
+    P.NOT_ROOT: DaemonNotPrivileged,
+}
+
+
 class DaemonUnavailable(HostError, ConnectionError):
     """Nothing answers at the socket, or the connection broke."""
 
@@ -213,11 +268,7 @@ def error_from_reply(error: Any) -> DaemonError:
         return DaemonError(P.INTERNAL, f"malformed error reply: {error!r}")
     code = str(error.get("code", P.INTERNAL))
     message = str(error.get("message", ""))
-    if code in (P.INVALID_PARAMS, P.INVALID_REQUEST, P.UNKNOWN_METHOD):
-        return DaemonUsageError(code, message)
-    if code == P.NOT_FOUND:
-        return DaemonDeviceNotFound(code, message)
-    return DaemonError(code, message)
+    return _BY_CODE.get(code, DaemonError)(code, message)
 
 
 def refusal(reply: Any) -> DaemonError | None:
@@ -752,6 +803,13 @@ __all__ = [
     "Client",
     "DaemonDeviceNotFound",
     "DaemonError",
+    "DaemonGroupBusy",
+    "DaemonGroupPoisoned",
+    "DaemonNotPrivileged",
+    "DaemonRebootRequired",
+    "DaemonSwitchFailed",
+    "DaemonSwitchRefused",
+    "DaemonSwitchWedged",
     "DaemonUnavailable",
     "DaemonUsageError",
     "default_socket_path",

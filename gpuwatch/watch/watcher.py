@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 import anyio
 from anyio.abc import TaskGroup
@@ -65,6 +65,16 @@ from gpuwatch.watch.eventlog import EventLog, EventLogWriteError, EventRecord, r
 from gpuwatch.watch.handover import first_is_next, gap_span
 from gpuwatch.watch.overflow import OverflowGate
 from gpuwatch.watch.subscription import Subscription
+
+if TYPE_CHECKING:
+    from gpuwatch.core.probes import BoolAction, TextAction
+    from gpuwatch.core.results import (
+        DetectVfioResult,
+        Holder,
+        HostDevicesResult,
+        MemlockResult,
+        VfioBackend,
+    )
 
 _log = logging.getLogger("gpuwatch.watch")
 
@@ -268,6 +278,42 @@ class Watcher:
         """The seq of the last event published."""
         return self._seq
 
+    @overload
+    def probe(self, action: Literal["detect-vfio"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> DetectVfioResult: ...
+    @overload
+    def probe(self, action: BoolAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> bool: ...
+    @overload
+    def probe(self, action: TextAction, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> str: ...
+    @overload
+    def probe(self, action: Literal["detect-host-devices"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> HostDevicesResult: ...
+    @overload
+    def probe(self, action: Literal["memlock"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> MemlockResult: ...
+    @overload
+    def probe(self, action: Literal["nvidia-holders"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> tuple[Holder, ...]: ...
+    @overload
+    def probe(self, action: Literal["vfio-backend"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> VfioBackend: ...
+    @overload
+    def probe(self, action: Literal["plan"], *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> list[dict[str, Any]]: ...
+    @overload
+    def probe(self, action: str, *,
+              group: int | None = ..., addr: str | None = ..., mode: str | None = ...,
+              vendor: str | None = ...) -> Any: ...
     def probe(
         self,
         action: str,
@@ -277,6 +323,7 @@ class Watcher:
         mode: str | None = None,
         vendor: str | None = None,
     ) -> Any:
+        """Answer a probe action from memory, typed per action (`HostModel.probe`)."""
         return self.model.probe(action, group=group, addr=addr, mode=mode, vendor=vendor)
 
     def snapshot(self) -> HostSnapshot:
