@@ -173,7 +173,7 @@ class Host:
                      vfio_driver: str | None = None) -> SwitchResult:
         """Switch a GPU's whole IOMMU group to ``mode`` (docs/switch.md); raises
         `SwitchRefused`, `SwitchWedged`, `SwitchFailed`, `GroupBusy`, `NotPrivileged`.
-        ``force`` passes a group kept for the host (BMC/console) to vfio anyway;
+        ``force`` passes a group kept for the host (BMC/console, VMD) to vfio anyway;
         ``vfio_driver`` names the VFIO driver (else modules.alias chooses)."""
         self.watcher.check_open()
         return await self.engine.switch(addr_or_vendor, mode, timeout=timeout, tolerant=tolerant,

@@ -276,7 +276,7 @@ class HostModel:
         return [functions[a] for a in sorted(functions)]
 
     def kept_for_host(self, addr: str) -> str:
-        """Why the group of ``addr`` is the host's own (BMC/console), ``""`` when it is not."""
+        """Why the group of ``addr`` is the host's own (BMC/console, VMD), ``""`` when it is not."""
         return self.consistent(lambda: self.state.kept_for_host(self.function(addr).addr))
 
     def module_loaded(self, name: str) -> bool:

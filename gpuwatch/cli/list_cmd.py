@@ -19,7 +19,9 @@ from gpuwatch.settings import tables_in_force
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("list",
                               description="Passthrough-capable GPUs and a libvirt <hostdev> block "
-                                          "for every function of each GPU's IOMMU group.")
+                                          "for every function of each GPU's IOMMU group "
+                                          "but those pcieport keeps (bridges); a group "
+                                          "two GPUs share is given once.")
     add_root_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--managed", choices=MANAGED_VALUES, default="yes",

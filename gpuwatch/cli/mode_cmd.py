@@ -105,9 +105,10 @@ def vfio_driver_of(args: argparse.Namespace, mode: Mode | None) -> str | None:
 
 def add_force_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
-                   help="vfio: pass a group kept for the host (its BMC/console VGA, or its only "
-                        "boot display) through anyway; either mode: move a NIC, NVMe drive or "
-                        "NVSwitch sharing the group (no ACS) off its host driver too")
+                   help="vfio: pass a group kept for the host (its BMC/console VGA, its only "
+                        "boot display, a VMD controller's domain) through anyway; either "
+                        "mode: move a NIC, NVMe drive or NVSwitch sharing the group (no ACS) "
+                        "off its host driver too")
 
 
 def load_poison(model: HostModel) -> None:

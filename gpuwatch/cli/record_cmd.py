@@ -3,7 +3,7 @@
 A recording made on a real host replays through ``--source file:PATH`` unchanged, which
 is how host-specific bugs become tests. Each line is flushed as written so the command
 can feed a pipe. SIGINT/SIGTERM end it normally (exit 0): stopping a recording is its
-usual end, not a failure.
+usual end, not a failure; the lines already read still go out, for up to 2 s.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = subparsers.add_parser(
         "record",
         description="Write each uevent the source delivers as one JSON object a line, "
-        "flushed per line, until SIGINT/SIGTERM or the source ends.",
+        "flushed per line, until SIGINT/SIGTERM or the source ends (after a signal, the "
+        "lines already read are still written, for up to 2 s).",
     )
     add_root_args(p, config=False)
     p.add_argument(
@@ -63,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--out",
         default="-",
         metavar="PATH",
-        help="file to write (truncated); - for stdout (the default)",
+        help="file to write (truncated; refused where another user could choose the "
+        "file, as in their directory); - for stdout (the default)",
     )
     p.set_defaults(func=run)
 

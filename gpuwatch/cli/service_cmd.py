@@ -25,19 +25,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     verbs = p.add_subparsers(dest="verb", metavar="install|uninstall")
     verbs.required = True
     install = verbs.add_parser(
-        "install", help="write the unit, udev rules, config and group",
+        "install", help="write the unit, udev rules, config and groups",
         description="Write the systemd unit, the udev rules, /etc/gpuwatch/config.yaml (only "
                     "when absent) and the gpuwatch and kvm groups (only when missing).")
     _common(install)
     install.add_argument("--now", action="store_true",
-                         help="also run systemctl daemon-reload and systemctl enable --now "
-                              "gpuwatch (and reload udev's rules)")
+                         help="also run systemctl daemon-reload, systemctl try-restart gpuwatch "
+                              "when it replaced the unit, systemctl enable --now gpuwatch "
+                              "(and reload udev's rules)")
     install.set_defaults(func=run_install)
     uninstall = verbs.add_parser(
         "uninstall", help="stop the service and remove what install wrote",
         description="Stop and disable the service and remove the unit and udev rules, and the "
                     "config unless it was edited. The event log (/var/log/gpuwatch), the state "
-                    "(/var/lib/gpuwatch) and the group are kept.")
+                    "(/var/lib/gpuwatch) and the groups are kept.")
     _common(uninstall)
     uninstall.set_defaults(func=run_uninstall)
 

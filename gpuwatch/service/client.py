@@ -191,7 +191,8 @@ class DaemonError(HostError):
 
 
 class DaemonUsageError(DaemonError, UsageError):
-    """``invalid-params``: the request itself is wrong (exit 2 in the CLI)."""
+    """``invalid-params``, ``invalid-request``, ``unknown-method``: the request itself is
+    wrong (exit 2 in the CLI)."""
 
     blame: ClassVar[Blame] = "caller"
 
@@ -438,7 +439,10 @@ class Client:
 
     def call(self, method: str, params: Mapping[str, Any] | None = None,
              *, timeout: float | EllipsisType | None = ...) -> Any:
-        """Send one request and return its result (raises `DaemonError` on an error reply).
+        """Send one request and return its result. An error reply raises `DaemonError`, as
+        the in-process class where it has one (`UsageError`, `DeviceNotFound`,
+        `SwitchRefused`, `GroupBusy`, …); a request JSON cannot carry (NaN, an infinity, a
+        lone surrogate) is a `UsageError` before anything is sent.
 
         ``timeout`` overrides the client's for this call (a switch may take its own
         90 seconds; ``timeout=None`` waits as long as it takes).

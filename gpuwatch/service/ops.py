@@ -132,7 +132,7 @@ async def op_switch(host: Host, params: P.Params, peer: PeerCred) -> Any:
     params.done()
     kwargs: dict[str, Any] = {"tolerant": bool(tolerant)}
     if force:
-        kwargs["force"] = True  # a group kept for the host (BMC/console) to vfio anyway
+        kwargs["force"] = True  # a group kept for the host (BMC/console, VMD) to vfio anyway
     if timeout is not None:
         kwargs["timeout"] = timeout
     if vfio_driver is not None:

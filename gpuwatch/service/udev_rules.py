@@ -3,7 +3,7 @@
 A VM manager running as an unprivileged user (rootless libvirt, a Kubernetes VM agent)
 opens ``/dev/vfio/N``; the kernel creates it root:root 0600. These rules make udev set the
 group and mode on every ``add``, which is exactly what the ``vfio-group-accessible`` probe
-then checks (owner, group and mode against the caller's uid and groups).
+then checks (owner, group, mode and POSIX ACL against the caller's uid and groups).
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class SwitchEngine:
                      tolerant: bool = False, force: bool = False,
                      vfio_driver: str | None = None) -> SwitchResult:
         """Switch the group of ``target`` (an address, or a vendor id naming one card).
-        ``force`` passes a group kept for the host (BMC/console) to vfio anyway, and moves
+        ``force`` passes a group kept for the host (BMC/console, VMD) to vfio anyway, and moves
         a bystander of the group off its host driver (`gpuwatch.core.plan.bystanders_reason`);
         ``vfio_driver`` names the VFIO driver for its display functions (else modules.alias
         chooses, as the kernel would)."""
