@@ -61,6 +61,9 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: The kernel caps one uevent at 2 KiB of properties (UEVENT_BUFFER_SIZE) plus the header.
 _MAX_MESSAGE = 8192
 
+#: The largest value of a C int: the kernel holds a receive buffer request to half of it.
+_INT_MAX = 2**31 - 1
+
 _INITIAL_UID_MAP = ["0", "0", "4294967295"]
 UID_MAP_PATH = "/proc/self/uid_map"
 _RMEM_MAX_PATH = "/proc/sys/net/core/rmem_max"
@@ -121,17 +124,28 @@ def receive_buffer_size(size: int | None) -> int:
     return size
 
 
+def _full_grant(asked: int) -> int:
+    """What ``SO_RCVBUF`` reads back for a request granted in full: twice the size asked
+    (the kernel doubles it, half being its bookkeeping), the request first held to
+    ``INT_MAX / 2``. A request capped at ``net.core.rmem_max`` reads back less."""
+    return 2 * min(asked, _INT_MAX // 2)
+
+
 def report_buffer(source: str, obtained: int, asked: int) -> None:
     """Say the receive buffer obtained: a warning where the kernel capped it (no
-    CAP_NET_ADMIN: ``net.core.rmem_max``, 208 KiB by default), as a storm then overflows it."""
-    if obtained < asked:
+    CAP_NET_ADMIN: ``net.core.rmem_max``, 208 KiB by default), as a storm then overflows it.
+
+    ``obtained`` is what ``SO_RCVBUF`` reads back, twice the usable size: a request of
+    6 MiB capped at a 4 MiB ``rmem_max`` reads back 8 MiB, more than was asked, and is
+    still capped, so it is compared with `_full_grant`, and the usable half is what is said."""
+    if obtained < _full_grant(asked):
         log.warning("%s uevent source: receive buffer capped at %d bytes, not the %d asked "
                     "for (without CAP_NET_ADMIN the kernel allows net.core.rmem_max): a uevent "
                     "storm may overflow it, and each overflow costs a rescan", source,
-                    obtained, asked)
+                    obtained // 2, asked)
     else:
-        log.info("%s uevent source: receive buffer %d bytes (asked for %d)", source, obtained,
-                 asked)
+        log.info("%s uevent source: receive buffer %d bytes (asked for %d)", source,
+                 obtained // 2, asked)
 
 
 def set_receive_buffer(
