@@ -19,8 +19,16 @@ MAX_LINKS = 40
 
 
 def trusted_uids() -> frozenset[int]:
-    """Root and the user we run as: whoever else owns a directory on the way controls it."""
-    return frozenset({0, os.geteuid()})
+    """Root, the user we run as and, run as root by ``sudo``, the user who ran it
+    (``SUDO_UID``): whoever else owns a directory on the way controls it. The sudo user
+    names the paths on the command line anyway (``--out /etc/passwd`` is theirs to give),
+    so trusting their directories gives them nothing new, and ``sudo gpuwatch record --out
+    capture.jsonl`` in their own home works; a third user's link is refused all the same."""
+    uids = {0, os.geteuid()}
+    sudo_uid = os.environ.get("SUDO_UID", "")
+    if uids == {0} and sudo_uid.isascii() and sudo_uid.isdigit():
+        uids.add(int(sudo_uid))
+    return frozenset(uids)
 
 
 def shared_sticky(st: os.stat_result) -> bool:

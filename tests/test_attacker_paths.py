@@ -325,11 +325,29 @@ def test_record_out_in_tmp_writes_through_nothing_another_user_planted(
         assert out.read_text() == "theirs\n"
 
 
-def test_record_out_in_another_users_directory_is_refused(base: Path) -> None:
+def test_record_out_in_another_users_directory_is_refused(
+        base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = theirs(base)
+    monkeypatch.delenv("SUDO_UID", raising=False)
     code, err = _record(base, home / "capture.jsonl")
     assert code == 2 and "belongs to uid 65534" in err, err
     assert not (home / "capture.jsonl").exists()
+    # Another user's directory is not the sudo user's own.
+    monkeypatch.setenv("SUDO_UID", "1000")
+    code, err = _record(base, home / "capture.jsonl")
+    assert code == 2 and "belongs to uid 65534" in err, err
+
+
+def test_sudo_record_out_in_the_sudo_users_own_directory_works(
+        base: Path, victim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sudo gpuwatch record --out capture.jsonl`` in the home of the user who ran sudo (the
+    documented capture): theirs, and they chose the path anyway (``--out /etc/passwd`` is
+    theirs to give too), so trusting it gives them nothing new."""
+    home = theirs(base)
+    monkeypatch.setenv("SUDO_UID", str(ATTACKER))
+    code, err = _record(base, home / "capture.jsonl")
+    assert code == 0, err
+    assert (home / "capture.jsonl").read_text().count("\n") == 1
 
 
 def test_record_out_of_ours_in_tmp_is_written_from_its_start(base: Path) -> None:
