@@ -555,6 +555,67 @@ async def test_unloading_nvidia_waits_for_no_one_else(host: SysRoot) -> None:
     assert ("command", "modprobe", "-r", "nvidia") not in sim.record
 
 
+class ProbeGatedKernel(SimKernel):
+    """The second card's ``drivers_probe`` waits for ``gate``: its switch to nvidia has
+    loaded the module and unbound the card from vfio-pci, and has not bound it yet."""
+
+    gate: anyio.Event
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        if path.endswith("/drivers_probe") and value == NV2:
+            await self.gate.wait()
+        await anyio.sleep(0.02)
+        await super().write(path, value, timeout)
+
+
+@pytest.mark.timeout(60)
+async def test_a_roll_back_never_unloads_nvidia_under_another_switch(host: SysRoot) -> None:
+    """Groups 13 and 15 go vfio -> nvidia at once; group 13's switch is cancelled once its
+    card is on nvidia, while group 15's card is between its unbind and its probe (on no
+    driver). The roll-back of group 13 back to vfio sees no other card on nvidia, but it
+    does not have the host to itself: it unbinds its own card from nvidia and leaves the
+    module loaded, never `modprobe -r nvidia` under group 15's switch."""
+    to_vfio(host)
+    add_second_card(host, driver="vfio-pci", audio="vfio-pci")
+    host.add_vfio_group(15)
+    sim = ProbeGatedKernel(host)
+    sim.gate = anyio.Event()
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        outcome: dict[str, Any] = {}
+        scope = anyio.CancelScope()
+
+        async def card15() -> None:
+            outcome["15"] = await w.switch(NV2, "nvidia", timeout=10)
+
+        async def card13() -> None:
+            with scope:
+                await w.switch(NV, "nvidia", timeout=10)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(card15)
+            with anyio.fail_after(10):
+                while ("write", f"/sys/bus/pci/devices/{NV2}/driver_override",
+                       "nvidia") not in sim.record:
+                    await anyio.sleep(0.01)
+                tg.start_soon(card13)
+                while drivers(w, NV) != ["nvidia"]:
+                    await anyio.sleep(0.01)
+            scope.cancel()
+            with anyio.fail_after(10):
+                while not of_type(events, "switch-failed"):
+                    await anyio.sleep(0.01)
+            sim.gate.set()
+        assert ("command", "modprobe", "-r", "nvidia") not in sim.record
+        assert ("write", NVIDIA_UNBIND, NV) in sim.record
+        failed = of_type(events, "switch-failed")
+        assert [(e.group, e.error) for e in failed] == [(13, "interrupted")]
+        assert f"write '{NV}' to {NVIDIA_UNBIND}" in failed[0].restored
+        assert drivers(w, NV, AUDIO, NV2, AUDIO2) == [
+            "vfio-pci", "vfio-pci", "nvidia", "snd_hda_intel"]
+        assert outcome["15"].changed
+        assert (host.root / "sys/module/nvidia").is_dir()
+
+
 async def test_another_process_switching_the_group_is_busy_too(host: SysRoot) -> None:
     import fcntl
 

@@ -36,7 +36,17 @@ from gpuwatch.switch.poison import PoisonStore
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.modern import GH_ADDR, grace_hopper_host
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
-from tests.test_switch_engine import AUDIO, AUDIO2, NV, NV2, add_second_card, of_type
+from tests.test_switch_engine import (
+    AUDIO,
+    AUDIO2,
+    NV,
+    NV2,
+    NVIDIA_UNBIND,
+    SlowKernel,
+    add_second_card,
+    of_type,
+    to_vfio,
+)
 
 
 def tree_driver(sim: SimKernel, addr: str) -> str:
@@ -174,6 +184,32 @@ async def test_unloading_nvidia_waits_for_a_switch_of_another_process(host: SysR
                 await w.switch(NV, "vfio", timeout=5)
             assert sim.record == []
             assert not of_type(events, "switch-started")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+async def test_a_roll_back_leaves_nvidia_loaded_while_another_process_switches(
+        host: SysRoot) -> None:
+    """An interrupted switch to nvidia goes back to vfio. No other card is on nvidia, but
+    another process holds the host lock shared (its switch may need the module): the card
+    is unbound from nvidia alone and the module stays loaded."""
+    to_vfio(host)
+    add_second_card(host, driver="vfio-pci", audio="vfio-pci")
+    fd = hold_host_lock(host.root, fcntl.LOCK_SH)
+    try:
+        async with simulated_switch(host, sim=SlowKernel(host)) as (w, sim, _e, events):
+            with anyio.move_on_after(10) as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: w.switch(NV, "nvidia", timeout=10))
+                    while w.model.state.functions[NV].driver != "nvidia":
+                        await anyio.sleep(0.01)
+                    scope.cancel()
+            assert ("command", "modprobe", "-r", "nvidia") not in sim.record
+            assert ("write", NVIDIA_UNBIND, NV) in sim.record
+            assert [e.error for e in of_type(events, "switch-failed")] == ["interrupted"]
+            assert tree_driver(sim, NV) == "vfio-pci"
+            assert (host.root / "sys/module/nvidia").is_dir()
     finally:
         os.close(fd)
 

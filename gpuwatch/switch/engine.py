@@ -20,6 +20,7 @@ refused until the next boot or a successful `recover`. The watcher keeps running
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -99,6 +100,7 @@ from gpuwatch.errors import (
 )
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
 from gpuwatch.hostfs.facts import (
+    ModelFacts,
     call_bounded,
     card_holders,
     cdi_output,
@@ -537,7 +539,7 @@ class SwitchEngine:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(
                         self.rollback_timeout) as bound:
                     wedged = await self._roll_back(plan, facts, done, in_flight, undone,
-                                                   rolling, pinned)
+                                                   rolling, pinned, host_fd)
                 if bound.cancelled_caught:
                     undone.append(f"(the roll-back ran out of its {self.rollback_timeout:g}s)")
                     if rolling:  # cut off in the middle of a kernel write: it may be stuck
@@ -619,7 +621,8 @@ class SwitchEngine:
 
     async def _roll_back(self, plan: SwitchPlan, facts: HostFacts, done: Sequence[CommandStep],
                          in_flight: Sequence[Step], restored: list[str],
-                         rolling: list[Step], pinned: Sequence[str] = ()) -> bool:
+                         rolling: list[Step], pinned: Sequence[str] = (),
+                         host_fd: int | None = None) -> bool:
         """An interrupted switch: clear the ``driver_override`` values it wrote (``pinned``),
         bring the group back to the mode it was in (a switch back, planned from the tree as
         it is now, with a fresh holder scan), then start again what the switch stopped.
@@ -666,7 +669,7 @@ class SwitchEngine:
         home = plan.from_mode in RETURN_MODES  # a host driver's group (amdgpu), or unbound
         started: list[str] = []  # services the switch back started (persistenced, recorded)
         if back is not None and await self._drivers_back(plan, back, restored, rolling,
-                                                         started):
+                                                         started, host_fd):
             return True  # a wedge: nothing more is touched
         if home and await self._drivers_home(plan, restored, rolling):
             return True
@@ -682,7 +685,14 @@ class SwitchEngine:
         return stuck
 
     async def _drivers_back(self, plan: SwitchPlan, back: Mode, restored: list[str],
-                            rolling: list[Step], started: list[str]) -> bool:
+                            rolling: list[Step], started: list[str],
+                            host_fd: int | None = None) -> bool:
+        """The switch back of an interrupted switch. Back to vfio on a host where no other
+        card is on nvidia, it would unload the nvidia module; the interrupted switch (to
+        nvidia) never took the host to itself, so another switch may be under way that
+        needs the module (one between its `modprobe nvidia` and its bind, or just done).
+        Then the card is unbound from nvidia alone (after its holder scan), as on a host
+        whose other GPUs stay on nvidia, and the module stays."""
         addrs = [m.addr for m in plan.members]
         paths, state = self.model.paths, self.model.state
         try:
@@ -690,12 +700,20 @@ class SwitchEngine:
             members = state.group_members(plan.addr)
             known = model_facts(state, members)
             euid, proc_deadline = self.euid(), self.model.proc_deadline
-            facts = await call_bounded(
-                lambda: gather_facts(paths, members, back, known, euid=euid,
-                                     which=self.ops.which, deadline=proc_deadline),
-                min(self.scan_timeout, proc_deadline + 1), "the holder scan")
-            undo = plan_switch(members, back, facts, force=True, recovering=True,
-                               rebind=False)
+
+            async def planned(known: ModelFacts) -> tuple[HostFacts, SwitchPlan]:
+                facts = await call_bounded(
+                    lambda: gather_facts(paths, members, back, known, euid=euid,
+                                         which=self.ops.which, deadline=proc_deadline),
+                    min(self.scan_timeout, proc_deadline + 1), "the holder scan")
+                return facts, plan_switch(members, back, facts, force=True, recovering=True,
+                                          rebind=False)
+
+            facts, undo = await planned(known)
+            if undo.unloads_nvidia:
+                others = self._others_switching(plan.poison_key, host_fd)
+                if others:
+                    facts, undo = await planned(dataclasses.replace(known, other_nvidia=others))
         except (StepTimedOut, UnsafeName, DeviceNotFound, OSError) as exc:
             restored.append(f"group {plan.group} not put back: {exc}")
             return False
@@ -1406,6 +1424,28 @@ class SwitchEngine:
             raise GroupBusy("another process is unloading the nvidia module: retry after "
                             "it") from None
         return fd
+
+    def _others_switching(self, key: int | str, host_fd: int | None) -> tuple[str, ...]:
+        """For a roll-back that would unload nvidia: the cards other switches are moving now
+        (their addresses; for another process's, a description), or none, and then the host
+        is this switch's alone, here (`_exclusive`) and across processes (the host lock
+        taken alone), until it ends."""
+        others = [k for k in self._busy if k != key]
+        if others:
+            state = self.model.state
+            return tuple(sorted(a for a, fn in state.functions.items()
+                                if fn.iommu_group in others or a in others)) or tuple(
+                                    poison_subject(k) for k in others)
+        if host_fd is not None:
+            try:
+                fcntl.flock(host_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # A failed upgrade lets go of the shared lock (flock(2)): take it again.
+                with suppress(BlockingIOError):
+                    fcntl.flock(host_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return ("a card another process is switching",)
+        self._exclusive = key
+        return ()
 
     def _host_exclusive(self, fd: int) -> None:
         """Unloading nvidia takes every card off it: no other switch may run, here or in
