@@ -616,6 +616,49 @@ async def test_a_roll_back_never_unloads_nvidia_under_another_switch(host: SysRo
         assert (host.root / "sys/module/nvidia").is_dir()
 
 
+class SlowRemoveKernel(SimKernel):
+    """snd_hda_intel's remove takes a second, its task in D state in ``pci_device_remove``
+    meanwhile, as a real unbind does for a moment; then it returns."""
+
+    in_remove: anyio.Event
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        if path.endswith("/snd_hda_intel/unbind"):
+            self.sys.add_process(4242, "python3", state="D", stack=(
+                "[<0>] pci_device_remove+0x3e/0xb0\n"
+                "[<0>] device_release_driver_internal+0x1b/0x30\n"
+                "[<0>] unbind_store+0xd9/0x100\n"))
+            self.in_remove.set()
+            await anyio.sleep(1.0)
+            self.sys.remove_process(4242)
+        await super().write(path, value, timeout)
+
+
+async def test_recover_during_a_switch_of_the_group_is_busy_not_a_stuck_task(
+        host: SysRoot) -> None:
+    """`recover` of a group whose switch is under way is `GroupBusy`, at once, nothing
+    published: not a refusal (or "reboot required") because the wedge scan saw the
+    switch's own unbind in the kernel, with a `switch-refused` between the switch's
+    `switch-started` and its end."""
+    sim = SlowRemoveKernel(host)
+    sim.in_remove = anyio.Event()
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, events):
+        outcome: dict[str, Any] = {}
+
+        async def first() -> None:
+            outcome["switch"] = await w.switch(NV, "vfio", timeout=10)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            with anyio.fail_after(5):
+                await sim.in_remove.wait()
+            with anyio.fail_after(0.5), pytest.raises(GroupBusy, match="group 13"):
+                await w.recover(NV, timeout=5)
+        assert outcome["switch"].changed
+    assert [e.type for e in events if e.type.startswith("switch-")] == [  # type: ignore[attr-defined]
+        "switch-started", "switch-completed"]
+
+
 async def test_another_process_switching_the_group_is_busy_too(host: SysRoot) -> None:
     import fcntl
 

@@ -270,6 +270,25 @@ class SwitchEngine:
             self._refused(card.addr, card.iommu_group, "vfio", guard.reason, ())
             raise SwitchRefused(guard.reason)
         self._require_root("recover")
+        # Busy before the wedge scan: a switch of the group under way (here or in another
+        # process) has its own unbind in the kernel, which the scan would take for a stuck
+        # task, answering "reboot" for a switch that is merely running. Claimed from here on,
+        # so that no switch of the group starts meanwhile, and a stopping watcher waits.
+        key = poison_key(card)
+        self._claim(key)
+        try:
+            if self._switched_elsewhere(key):
+                raise GroupBusy(f"{poison_subject(key)} is being switched by another process")
+            if self._switched_elsewhere(None):
+                raise GroupBusy("another process is unloading the nvidia module: retry after "
+                                "it")
+            return await self._recover(card, members, timeout)
+        finally:
+            self._release(key)
+
+    async def _recover(self, card: PciFunction, members: Sequence[PciFunction],
+                       timeout: float) -> SwitchResult:
+        """`recover` once the group is claimed: the wedge scan, then the rebind."""
         deadline = self.model.proc_deadline
         scan = await call_bounded(lambda: scan_wedge(self.root, deadline=deadline),
                                   deadline + 1, "the wedge scan")
@@ -295,7 +314,8 @@ class SwitchEngine:
         addrs = [m.addr for m in members]
         await self._read_now(addrs)
         card, members = find_card(self.model.state, addr=card.addr)
-        result = await self._switch(card, members, "vfio", timeout, recovering=True)
+        result = await self._switch(card, members, "vfio", timeout, recovering=True,
+                                    claimed=True)
         group = card.iommu_group
         key = poison_key(card)
         try:
@@ -359,7 +379,8 @@ class SwitchEngine:
 
     async def _switch(self, card: PciFunction, members: Sequence[PciFunction], to_mode: Mode,
                       timeout: float, *, recovering: bool, force: bool = False,
-                      vfio_driver: str | None = None) -> SwitchResult:
+                      vfio_driver: str | None = None, claimed: bool = False) -> SwitchResult:
+        """``claimed``: the caller (`recover`) holds the group's claim, and lets it go."""
         started = time.monotonic()
         deadline = started + timeout
         group = card.iommu_group
@@ -385,7 +406,7 @@ class SwitchEngine:
             self._refused(card.addr, group, to_mode, unhealthy, ())
             raise SwitchRefused(unhealthy)
         key = poison_key(card)  # the lock's name too: a card without a group by its address
-        if key in self._busy:
+        if key in self._busy and not claimed:
             # Before "already in mode": a switch of the group that has begun but not yet
             # moved a driver leaves the model in the mode it is leaving, and answering "in
             # mode" would send the caller off to use a card on its way out.
@@ -402,7 +423,8 @@ class SwitchEngine:
             return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
                                 notes=[f"already in mode {to_mode}: nothing written"])
         self._require_root("switching drivers")
-        self._claim(key)
+        if not claimed:
+            self._claim(key)
         try:
             fd = self._flock(key)
             try:
@@ -416,12 +438,8 @@ class SwitchEngine:
             finally:
                 os.close(fd)
         finally:
-            self._busy.discard(key)
-            self._failed_at_start.pop(key, None)
-            if self._exclusive == key:
-                self._exclusive = None
-            if not self._busy and self.on_idle is not None:
-                self.on_idle()
+            if not claimed:
+                self._release(key)
 
     async def _locked(self, addr: str, key: int | str, to_mode: Mode, started: float,
                       deadline: float, host_fd: int, *, force: bool = False,
@@ -1370,6 +1388,15 @@ class SwitchEngine:
                             "after it")
         self._busy.add(key)
 
+    def _release(self, key: int | str) -> None:
+        """The end of a `_claim`: the group is free again; the last one tells the host."""
+        self._busy.discard(key)
+        self._failed_at_start.pop(key, None)
+        if self._exclusive == key:
+            self._exclusive = None
+        if not self._busy and self.on_idle is not None:
+            self.on_idle()
+
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
         folder = self._lock_dir()
@@ -1386,11 +1413,13 @@ class SwitchEngine:
                             "process") from None
         return fd
 
-    def _switched_elsewhere(self, key: int | str) -> bool:
-        """Whether another process holds the group's switch lock, seen without taking it:
+    def _switched_elsewhere(self, key: int | str | None) -> bool:
+        """Whether another process holds the group's switch lock (``key`` None: the host
+        lock, alone, as a switch that unloads nvidia does), seen without taking it:
         taking it, even for a moment, would make a switch starting then fail as busy. Where
         the lock file or ``/proc/locks`` cannot be read (no privilege), no one is seen."""
-        path = os.path.join(self._lock_dir(), f"switch-{key}.lock")
+        path = os.path.join(self._lock_dir(),
+                            _HOST_LOCK if key is None else f"switch-{key}.lock")
         try:
             st = os.stat(path, follow_symlinks=False)
             return next(flock_holders(st, exclusive=True), None) is not None
