@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import anyio
 import pytest
@@ -62,3 +63,36 @@ async def test_switch_plan_and_holders_go_through_the_daemon(
             ]
             assert watcher.probe("group-in-mode", addr=NV, mode="vfio") is True
             tg.cancel_scope.cancel()
+
+
+async def test_a_stopping_daemon_finishes_a_recover_under_way(host: SysRoot) -> None:
+    """A recover is a switch: a daemon stopped (SIGTERM) while it runs finishes it and answers
+    it, as it does a `switch`, rather than cut it off and roll the group back onto nvidia,
+    the driver whose wedge it recovers from."""
+    from tests.test_switch_engine import SlowKernel
+
+    sim = SlowKernel(host)
+    with short_socket_dir() as sockdir:
+        client = socket.socket(socket.AF_UNIX)
+        async with simulated_switch(host, sim=sim) as (watcher, _sim, _engine, events):
+            watcher.model.poisoned[13] = "write to nvidia's unbind did not return"
+            async with anyio.create_task_group() as tg:
+                server = SocketServer(watcher, f"{sockdir}/gw.sock")
+                await tg.start(server.serve)
+                client.connect(f"{sockdir}/gw.sock")
+                client.sendall(b'{"id": 1, "method": "recover", "params": {"addr": "%s"}}\n'
+                               % NV.encode())
+                with anyio.fail_after(10):
+                    while not any(getattr(e, "type", "") == "switch-started" for e in events):
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.12)  # a write or two into the rebind
+                tg.cancel_scope.cancel()  # the daemon stops
+            client.settimeout(5)
+            reply = json.loads(client.makefile("rb").readline())
+            client.close()
+            assert reply["id"] == 1 and reply["result"]["to_mode"] == "vfio", reply
+            assert [e.type for e in events if e.type.startswith("switch-")] == [  # type: ignore[attr-defined]
+                "switch-started", "switch-completed"]
+            assert 13 not in watcher.model.poisoned
+            assert [watcher.model.state.functions[a].driver for a in (NV, NV_AUDIO)] == [
+                "vfio-pci", "vfio-pci"]

@@ -1798,8 +1798,10 @@ class SocketServer:
         handler = self.ops.get(req.method)
         if handler is None:
             raise P.RpcError(P.UNAVAILABLE, f"{req.method} is not available in this daemon")
-        if req.method == "switch":
+        if req.method in P.SWITCH_METHODS:
             # A switch half done is worse than one the client stopped waiting for: finish it.
+            # `recover` too: it is a switch to vfio-pci, and one cut off by a stopping daemon
+            # would roll back, binding nvidia again to the card that wedged it.
             with anyio.CancelScope(shield=True):
                 return await handler(self.watcher, params, conn.peer)
         return await handler(self.watcher, params, conn.peer)
