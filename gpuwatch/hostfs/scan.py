@@ -1056,8 +1056,8 @@ def read_kfd(paths: HostPaths) -> KfdSeen:
     for _ in range(_KFD_READ_TRIES):
         before = read_text(generation)
         nodes = _kfd_nodes(base + "/topology/nodes")
-        if read_text(generation) == before:
-            break
+        if before is None or read_text(generation) == before:
+            break  # (no count to compare: no KFD at all, or a copy without the file)
     return KfdSeen(nodes=tuple(nodes))
 
 
