@@ -441,3 +441,130 @@ def test_a_second_daemon_on_a_features_directory_exits_2_naming_the_holder(
     assert list(features.iterdir()) == []
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr  # the holder gone: it runs
+
+
+async def test_a_features_directory_made_again_is_locked_again_before_a_write(
+    host: SysRoot, tmp_path: Path
+) -> None:
+    """The directory removed and made again (a package reinstall, a hostPath recreated), or a
+    link to another put in its place: the flock held was on a directory no one writes any
+    more, so a second daemon could take the new one's and both wrote one file, the last
+    winning. The writer now checks that the directory it holds is the one at the path before
+    each write, and takes the new one's lock first: held by another, no write."""
+    import shutil
+
+    features = tmp_path / "features.d"
+    first = NfdFeatureFile(str(features) + "/")
+    assert first.lock()
+    async with open_watcher(host.root, MemorySource(), reconcile_interval=0,
+                            cdi_poll_interval=0) as w:
+        first.attach(w)
+        assert await first.update(force=True) is True
+        shutil.rmtree(features)
+        features.mkdir()
+        second = NfdFeatureFile(str(features) + "/")
+        assert second.lock()  # nothing held it: the first writer's lock is on the old one
+        assert await first.update(force=True) is False  # refused, as any locked directory
+        assert first.failures == 1 and list(features.iterdir()) == []
+        second.close()
+        assert await first.update(force=True) is True  # and the new one is held now
+        third = NfdFeatureFile(features / "gpuwatch")
+        with pytest.raises(NfdDirectoryLocked):
+            third.lock()
+        # A link to another directory in its place: that one is locked before a write.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        shutil.rmtree(features)
+        features.symlink_to(elsewhere)
+        fd = os.open(elsewhere, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert await first.update(force=True) is False
+            assert list(elsewhere.iterdir()) == []
+        finally:
+            os.close(fd)
+        assert await first.update(force=True) is True
+        assert (elsewhere / "gpuwatch").is_file()
+        first.detach()
+    first.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("expiry", [3600.0, 0.0])
+async def test_a_features_file_removed_or_replaced_is_written_again_at_the_next_look(
+    host: SysRoot, tmp_path: Path, expiry: float
+) -> None:
+    """The file deleted, or the directory made again empty: NFD drops the node's labels at
+    its next read, and the writer, which wrote only on a change or half an expiry later (never
+    with no expiry), left the node without them for up to half an hour. It now sees the file
+    is not the one it wrote at its next look at the clock and writes it again."""
+    import shutil
+
+    features = tmp_path / "features.d"
+    path = features / "gpuwatch"
+    async with (
+        open_watcher(host.root, MemorySource(), reconcile_interval=0, cdi_poll_interval=0) as w,
+        anyio.create_task_group() as tg,
+    ):
+        nfd = NfdFeatureFile(str(features) + "/", expiry=expiry, recheck=0.05,
+                             min_interval=0.01)
+        nfd.attach(w)
+        assert nfd.lock()
+        tg.start_soon(nfd.run)
+        await wait_writes(nfd, 1)
+        labels = parse(path)[0]
+        await anyio.sleep(0.3)  # many looks at a file that is still ours: nothing written
+        assert nfd.writes == 1
+        path.unlink()
+        await wait_writes(nfd, 2)
+        assert parse(path)[0] == labels
+        path.write_text("gpuwatch.gpu.count=7\n")  # written over in place by someone else
+        await wait_writes(nfd, 3)
+        assert parse(path)[0] == labels
+        shutil.rmtree(features)
+        features.mkdir()
+        await wait_writes(nfd, 4)
+        assert parse(path)[0] == labels
+        await anyio.sleep(0.3)
+        assert nfd.writes == 4
+        tg.cancel_scope.cancel()
+    nfd.detach()
+    nfd.close()
+
+
+async def test_after_a_failed_write_the_next_one_is_made_whatever_the_labels(
+    host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed after its rename (the directory's fsync) left the new labels in
+    the file, but the writer still held the old ones as written: labels changing back were
+    then not written, and the file kept the wrong ones until half an expiry later."""
+    from gpuwatch.hostfs import files
+
+    source = MemorySource()
+    path = tmp_path / "gpuwatch"
+    async with open_watcher(host.root, source, reconcile_interval=0, cdi_poll_interval=0) as w:
+        nfd = NfdFeatureFile(path, expiry=3600)
+        nfd.attach(w)
+        assert await nfd.update(force=True) is True
+        assert parse(path)[0]["gpuwatch.gpu.vfio.count"] == "0"
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            import stat
+
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(5, "Input/output error")
+            real_fsync(fd)
+
+        monkeypatch.setattr(files.os, "fsync", fsync)
+        await bind(w, source, host, NV, "vfio-pci")
+        await bind(w, source, host, NV_AUDIO, "vfio-pci")
+        assert await nfd.update() is False  # failed: the directory's fsync
+        assert parse(path)[0]["gpuwatch.gpu.vfio.count"] == "1"  # but renamed in
+        monkeypatch.setattr(files.os, "fsync", real_fsync)
+        await bind(w, source, host, NV, "nvidia")  # back to what was last written well
+        assert await nfd.update() is True
+        assert parse(path)[0]["gpuwatch.gpu.vfio.count"] == "0"
+        nfd.detach()

@@ -8,8 +8,10 @@ The file is rewritten (atomically: temporary file, fsync, rename) only when a la
 plus once per half ``expiry`` so that the ``# +expiry-time`` directive never lapses while the
 daemon runs; if the daemon dies, NFD drops the labels at that time. The writer looks at the wall
 clock at least once a minute, so a clock stepped forward (NTP at boot) or back is caught, and
-it holds an exclusive flock on the features directory for life, so that two daemons on one
-node (the systemd unit and the DaemonSet) cannot overwrite each other's file unseen.
+at the file and its directory then too, so a file removed or replaced (the directory made
+again) is written again. It holds an exclusive flock on the features directory for life,
+taken again on the directory at the path when that is another one, so that two daemons on
+one node (the systemd unit and the DaemonSet) cannot overwrite each other's file unseen.
 """
 
 from __future__ import annotations
@@ -199,6 +201,16 @@ def lock_directory(directory: str) -> int:
     return fd
 
 
+def _identity(path: str) -> tuple[int, ...] | None:
+    """What is at ``path`` (links followed), None for nothing: device and inode, and size
+    and mtime, which a write in place changes."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class NfdFeatureFile:
     """Keeps one features file in step with a watcher. ``attach`` then run ``run`` as a task."""
 
@@ -213,6 +225,9 @@ class NfdFeatureFile:
         self.recheck = min(recheck, expiry / 4) if expiry > 0 else recheck
         self.min_interval = min_interval
         self._dir_fd: int | None = None  # the features directory, flocked (`lock`)
+        #: `_identity` of the file as last renamed in: another one there, or none, or this
+        #: one written over, is not what we wrote (`_replaced`).
+        self._file_id: tuple[int, ...] | None = None
         self._watcher: Watcher | None = None
         self._labels: dict[str, str] | None = None
         self._written_at = 0.0
@@ -252,10 +267,31 @@ class NfdFeatureFile:
             self._dir_fd = None
 
     def _write(self, text: str) -> None:
-        """Lock (when not yet held), then write: never a write without the lock."""
+        """Lock (when not yet held), then write: never a write without the lock. A directory
+        at the path that is not the one held (removed and made again, a link put in its place)
+        is locked first: the lock held is on a directory no other writer would look at."""
+        if self._dir_fd is not None and not self._holds_directory():
+            self.close()
         if self._dir_fd is None:
             self._dir_fd = lock_directory(self.directory)
         write_atomically(self.path, text)
+        self._file_id = _identity(self.path)
+
+    def _holds_directory(self) -> bool:
+        """The directory at the path is the one whose flock is held."""
+        assert self._dir_fd is not None
+        held = os.fstat(self._dir_fd)
+        now = _identity(self.directory)
+        return now is not None and now[:2] == (held.st_dev, held.st_ino)
+
+    def _replaced(self) -> bool:
+        """The file at the path is not the one last written (removed, replaced, its directory
+        made again), or the directory is not the one locked: NFD would read no labels of ours,
+        or another's, until the next change or refresh. False before the first write."""
+        if self._file_id is None:
+            return False
+        return (_identity(self.path) != self._file_id
+                or (self._dir_fd is not None and not self._holds_directory()))
 
     def on_event(self, event: BaseModel) -> None:
         """Watcher listener: only mark and wake; the writer task does the I/O."""
@@ -315,6 +351,9 @@ class NfdFeatureFile:
                              "a minute", self.path, exc)
             self.failures += 1
             self._dirty = True
+            # What the file holds now is not known (a rename done, then the directory's
+            # fsync failed): the next write is made whatever the labels are then.
+            self._labels = None
             self._backoff = min(max(self._backoff * 2, RETRY_FIRST), RETRY_MAX)
             return False
         if self._backoff:
@@ -334,8 +373,10 @@ class NfdFeatureFile:
         """Write now, then on every change and before the expiry lapses.
 
         The wait for the refresh is never longer than ``recheck``: it is measured on the
-        monotonic clock, and only a fresh look at the wall clock sees a step. Two writes are
-        at least ``min_interval`` apart, so no clock and no expiry can make this loop spin."""
+        monotonic clock, and only a fresh look at the wall clock sees a step. Each look also
+        checks that the file is still the one written (`_replaced`), with no expiry too. Two
+        writes are at least ``min_interval`` apart, so no clock, no expiry and no file
+        replaced again and again can make this loop spin."""
         self._wake = anyio.Event()
         await self.update(force=True)
         last_write = anyio.current_time()
@@ -343,16 +384,18 @@ class NfdFeatureFile:
             if self._backoff:
                 await anyio.sleep(self._backoff)  # changes meanwhile are picked up after
             elif not self._dirty:
-                wait = None
+                wait = self.recheck
                 if self.expiry > 0:
                     due = self._written_at + self.expiry / 2 - self._clock()
                     wait = min(max(due, 0.0), self.recheck)
                 with anyio.move_on_after(wait):
                     await self._wake.wait()
                 self._wake = anyio.Event()
-                if (not self._dirty and self.expiry > 0
-                        and not self._refresh_due(self._clock())):
-                    continue  # a look at the clock only: nothing to write
+                if not self._dirty and not (
+                        self.expiry > 0 and self._refresh_due(self._clock())):
+                    if not await anyio.to_thread.run_sync(self._replaced):
+                        continue  # a look at the clock and the file only: nothing to write
+                    self._labels = None  # not in the file any more: written again
             gap = last_write + self.min_interval - anyio.current_time()
             if gap > 0:
                 await anyio.sleep(gap)  # changes meanwhile are written together
