@@ -19,7 +19,7 @@ from gpuwatch.service.nfd import (
     resolve_path,
 )
 from gpuwatch.sources.memory import MemorySource
-from gpuwatch.testing import SysRoot, machines
+from gpuwatch.testing import SysRoot, machines, modern
 from gpuwatch.watch.watcher import Watcher, open_watcher
 
 NV, NV_AUDIO, NIC = "0000:01:00.0", "0000:01:00.1", "0000:02:00.0"
@@ -253,16 +253,22 @@ def hostile_vendors_host(root: Path) -> SysRoot:
     return s
 
 
-BUILDERS = {name: fn for name, fn in vars(machines).items()
-            if callable(fn) and not name.startswith("_") and name.endswith(("_host", "desktop"))}
+BUILDERS = {name: fn for module in (machines, modern) for name, fn in vars(module).items()
+            if callable(fn) and not name.startswith("_")
+            and name.endswith(("_host", "_guest", "desktop"))}
 
 
+@pytest.mark.parametrize("layout", ["symlink", "capture"])
 @pytest.mark.parametrize("kind", [*sorted(BUILDERS), "hostile_vendors_host"])
 async def test_labels_are_valid_kubernetes_labels_on_every_kind_of_host(
-    kind: str, tmp_path: Path
+    kind: str, layout: str, tmp_path: Path
 ) -> None:
+    """Every host and guest the fixtures know, as the kernel lays it out and as a capture
+    tool copies it (links flattened into folders): the same valid labels."""
     build = BUILDERS.get(kind, hostile_vendors_host)
     tree = build(tmp_path / "host")
+    if layout == "capture":
+        tree.capture()
     nfd = NfdFeatureFile(tmp_path / "features.d/")
     async with open_watcher(tree.root, MemorySource()) as w:
         nfd.attach(w)
