@@ -25,6 +25,7 @@ from gpuwatch.errors import SubscriberLagged
 from gpuwatch.service import protocol as P
 from gpuwatch.service import server as S
 from gpuwatch.service.client import AsyncClient
+from gpuwatch.service.sharedsend import MIN_BYTES, MIN_SHARERS, SharedBytes
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.testing import SysRoot, synthetic_host
 
@@ -329,9 +330,9 @@ def _count_writes(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
     for cls in (S._ProtocolConnection, S._StreamConnection):
         inner = cls._write
 
-        def counted(self: Any, data: Any, inner: Any = inner) -> None:
+        def counted(self: Any, data: Any, shared: Any = None, inner: Any = inner) -> None:
             writes[id(self)] = writes.get(id(self), 0) + 1
-            inner(self, data)
+            inner(self, data, shared)
 
         monkeypatch.setattr(cls, "_write", counted)
     return writes
@@ -431,3 +432,159 @@ async def test_pipelined_requests_are_answered_in_order(
         assert got[0]["result"] is True and got[5]["error"]["code"] == P.INVALID_PARAMS
         assert got[1]["result"] is False and got[2]["result"]["seq"] == served.watcher.seq
         sock.close()
+
+
+# --------------------------------------------------------------------------- one copy for many
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _spy_shared(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes each `SharedBytes.send_to` call handed over by page reference."""
+    taken: list[int] = []
+    inner = SharedBytes.send_to
+
+    def spied(self: SharedBytes, sock_fd: int) -> int:
+        n = inner(self, sock_fd)
+        taken.append(n)
+        return n
+
+    monkeypatch.setattr(SharedBytes, "send_to", spied)
+    return taken
+
+
+async def _burst_to_many(served: Any, socks: list[socket.socket], slow: list[socket.socket],
+                         rounds: int) -> tuple[int, list[bytes]]:
+    """``rounds`` flushes of one large burst each, while the ``slow`` subscribers read
+    nothing (their sockets fill: the kernel takes a flush only in part) and the others read
+    as it comes; then everything each one got."""
+    w = served.watcher
+    pad = "s" * 900
+    got = {s: b"" for s in socks}
+    total = 0
+    for r in range(rounds):
+        for k in range(8):  # slices held, then flushed together (above MIN_BYTES)
+            w.publish([ProbeChanged(action="detect-gpu", old=f"{pad}{r}.{k}.{i}", new=i)
+                       for i in range(16)])
+            total += 16
+        served.server._flush()
+        for s in socks:
+            if s not in slow:
+                with contextlib.suppress(BlockingIOError):
+                    got[s] += s.recv(1 << 22)
+    for s in socks:
+        got[s] += await _read_bytes(s, total - got[s].count(b"\n"))
+    return total, [got[s] for s in socks]
+
+
+async def test_a_burst_many_subscribers_share_goes_to_the_kernel_once_byte_for_byte(
+    host: SysRoot, sockdir: str, conns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscribers enough to share one copy (`SharedBytes`): each gets byte for byte the
+    lines of a subscriber the plain path serves (a filter of its own), in order, whether
+    its socket took a flush whole, took it in part (it read nothing meanwhile: the rest is
+    queued behind what the kernel took), or still held earlier output (then nothing may go
+    ahead of it). The shared file is closed after each flush, and the pages the sockets
+    still hold arrive unchanged after later flushes."""
+    taken = _spy_shared(monkeypatch)
+    fds = _open_fds()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
+        slow = [(await _subscriber(served.path))[0] for _ in range(2)]
+        for conn in served.server.connections:  # a flush is more than their sockets hold
+            with socket.socket(fileno=os.dup(conn.fileno())) as theirs:
+                theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+        plain, base = await _subscriber(served.path, {"types": ["probe-changed"]})
+        many = [*slow, *[(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS)]]
+        socks = [plain, *many]
+        total, got = await _burst_to_many(served, socks, slow, rounds=12)
+        seqs = [P.loads(x)["seq"] for x in got[0].splitlines()]
+        assert seqs == list(range(base + 1, base + 1 + total))
+        for data in got[1:]:
+            assert data == got[0]
+        assert served.server.lag_drops == 0
+        # The shared path ran: sockets took whole flushes, and some took part of one.
+        lines = got[0].splitlines(keepends=True)
+        per_round = total // 12
+        flushes = {len(b"".join(lines[r * per_round:(r + 1) * per_round])) for r in range(12)}
+        assert min(flushes) >= MIN_BYTES
+        assert any(n in flushes for n in taken)
+        assert any(0 < n < min(flushes) for n in taken)
+        assert len(taken) <= 12 * len(many)  # never for the plain subscriber
+        for s in socks:
+            s.close()
+    assert _open_fds() <= fds  # every shared file closed
+
+
+async def test_without_memfd_or_sendfile_the_same_bytes_go_the_plain_way(
+    host: SysRoot, sockdir: str, conns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seccomp profile that refuses ``memfd_create`` (ENOSYS): the fan-out copies per
+    socket as before, byte for byte, and stops asking for the file after the refusal."""
+    import errno
+
+    calls = []
+
+    def refused(*args: Any) -> int:
+        calls.append(args)
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    monkeypatch.setattr(SharedBytes, "supported", True)
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
+        socks = [(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS)]
+        base = served.watcher.seq
+        total, got = await _burst_to_many(served, socks, socks[:1], rounds=3)
+        assert [P.loads(x)["seq"] for x in got[0].splitlines()] == list(
+            range(base + 1, base + 1 + total))
+        assert all(data == got[0] for data in got)
+        for s in socks:
+            s.close()
+    assert len(calls) == 1 and SharedBytes.supported is False
+
+
+async def test_a_subscriber_gone_before_its_shared_send_leaves_the_others_whole(
+    host: SysRoot, sockdir: str, conns: str
+) -> None:
+    """One of those sharing a flush has hung up (EPIPE on its ``sendfile``): it is let go
+    as a plain send would, and the others get every byte."""
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
+        socks = [(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS + 1)]
+        base = served.watcher.seq
+        socks[1].close()
+        live = [s for i, s in enumerate(socks) if i != 1]
+        total, got = await _burst_to_many(served, live, [], rounds=3)
+        assert [P.loads(x)["seq"] for x in got[0].splitlines()] == list(
+            range(base + 1, base + 1 + total))
+        assert all(data == got[0] for data in got)
+        with anyio.fail_after(5):
+            while len(served.server.connections) > len(live):
+                await anyio.sleep(0.01)
+        for s in live:
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_shared_bytes_are_taken_in_part_by_a_full_socket_and_survive_the_close() -> None:
+    """`SharedBytes.send_to` on a non-blocking socket: what the socket takes, how much
+    (less than all when it is full), and pages the reader gets after the file is closed,
+    and after other files wrote other bytes, are the bytes written."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        a.setblocking(False)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        data = bytes(range(256)) * 4096  # 1 MiB: more than the socket holds
+        shared = SharedBytes(data)
+        assert shared.fd >= 0
+        took = shared.send_to(a.fileno())
+        shared.close()
+        assert 0 < took < len(data)
+        other = SharedBytes(b"x" * len(data))  # new pages, written after the close
+        other.close()
+        b.settimeout(5)
+        got = b""
+        while len(got) < took:
+            got += b.recv(1 << 20)
+        assert got == data[:took]
+        assert SharedBytes(b"").send_to(a.fileno()) == 0

@@ -59,6 +59,7 @@ from gpuwatch.service.peers import (
     vouched,
     with_groups,
 )
+from gpuwatch.service.sharedsend import MIN_BYTES, MIN_SHARERS, SharedBytes
 from gpuwatch.sources.turns import end_turn
 from gpuwatch.watch.eventlog import RawChunk, read_chunks
 from gpuwatch.watch.subscription import Handover, first_is_next
@@ -482,7 +483,10 @@ class Connection:
         """Bytes accepted for this client that the kernel has not taken yet."""
         raise NotImplementedError
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _write(self, data: bytes | memoryview, shared: SharedBytes | None = None) -> None:
+        """Queue ``data`` for the client. With ``shared`` (the same bytes in a file, see
+        `SharedBytes`), what the socket takes at once goes by page reference instead of
+        a copy: only when nothing is queued before it, so the order holds."""
         raise NotImplementedError
 
     def _shut(self, grace: float) -> None:
@@ -535,7 +539,8 @@ class Connection:
             return
         self._write(data)
 
-    def deliver(self, data: bytes | memoryview, first_seq: int, count: int) -> None:
+    def deliver(self, data: bytes | memoryview, first_seq: int, count: int,
+                shared: SharedBytes | None = None) -> None:
         """Queue ``count`` events starting at ``first_seq``; a subscriber that has left
         too much unread gets the `lagged` notice instead, and is closed."""
         if self.closed:
@@ -545,7 +550,7 @@ class Connection:
                 or (buffered and buffered + len(data) > self._limit())):
             self.lag(first_seq, count)
             return
-        self._write(data)
+        self._write(data, shared)
 
     def _limit(self) -> int:
         # A subscriber's events leave room for its `lagged` line: the bound holds with it.
@@ -746,12 +751,19 @@ class _StreamConnection(Connection):
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def _write(self, data: bytes | memoryview) -> None:
+    def _write(self, data: bytes | memoryview, shared: SharedBytes | None = None) -> None:
         if self.gone:
             return
         if not self.outbox:
             # Nothing queued: hand it to the kernel now (non-blocking). A reply or a batch
             # that fits the socket buffer then costs no wake-up of the writer task.
+            if shared is not None:
+                taken = shared.send_to(self.sock.fileno())
+                if taken == len(data):
+                    self._progress.set()
+                    return
+                if taken:
+                    data = memoryview(data)[taken:]
             try:
                 sent = self.sock.send(data)
             except (BlockingIOError, InterruptedError):
@@ -827,6 +839,7 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         super().__init__(server, peer)
         self.loop = loop
         self.transport: asyncio.Transport | None = None
+        self.sock_fd = -1  # the transport's socket, for `SharedBytes.send_to`
         self.framer = LineFramer(server.max_line)
         self.todo: deque[bytes] = deque()  # complete lines cut and not answered yet
         self.unread = b""  # the bytes read and not cut into lines yet (`_cut`), from ...
@@ -850,6 +863,8 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        self.sock_fd = sock.fileno() if sock is not None else -1
         # Above half the limit a history replay waits (`paced`) until a quarter is left.
         limit = self.server.outbox_limit
         transport.set_write_buffer_limits(high=limit // 2, low=limit // 4)
@@ -927,9 +942,18 @@ class _ProtocolConnection(Connection, asyncio.Protocol):
         transport = self.transport
         return 0 if transport is None or self.gone else transport.get_write_buffer_size()
 
-    def _write(self, data: bytes | memoryview) -> None:
-        if not self.gone and self.transport is not None:
-            self.transport.write(data)
+    def _write(self, data: bytes | memoryview, shared: SharedBytes | None = None) -> None:
+        transport = self.transport
+        if self.gone or transport is None:
+            return
+        if (shared is not None and not transport.get_write_buffer_size()
+                and not transport.is_closing()):
+            taken = shared.send_to(self.sock_fd)
+            if taken == len(data):
+                return
+            if taken:
+                data = memoryview(data)[taken:]
+        transport.write(data)
 
     def _shut(self, grace: float) -> None:
         self.closed = True
@@ -2091,7 +2115,8 @@ class SocketServer:
         """Every held batch to every subscriber: one write per client. The bytes are cut and
         joined once per distinct filter (every subscriber without one shares the same), not
         once per subscriber, and go out as a view: a send the socket takes only in part
-        leaves the rest queued without copying the whole remainder first."""
+        leaves the rest queued without copying the whole remainder first. A large run of
+        bytes that many subscribers share goes to the kernel once (`SharedBytes`)."""
         batches = self._pending
         self._last_flush = time.monotonic()
         if not batches:
@@ -2101,22 +2126,30 @@ class SocketServer:
         first = batches[0].seqs[0]
         last = batches[-1].seqs[-1]
         count = sum(len(b.seqs) for b in batches)
-        shared: dict[tuple[frozenset[str] | None, frozenset[str] | None],
-                     tuple[memoryview, int, int] | None] = {}
+        alike: dict[tuple[frozenset[str] | None, frozenset[str] | None],
+                    tuple[_Subscription, list[Connection]]] = {}
         for conn in tuple(self._subscribers):
             sub = conn.sub
             if sub is None or conn.replaying or conn.last_seq >= first:
                 for batch in batches:  # the rare paths: a replay's end, events seen already
                     conn.offer_batch(batch)
                 continue
-            key = (sub.types, sub.addrs)
-            if key in shared:
-                out = shared[key]
-            else:
-                out = shared[key] = _wanted(batches, sub, count)
-            conn.last_seq = last
-            if out is not None:
-                conn.deliver(*out)
+            alike.setdefault((sub.types, sub.addrs), (sub, []))[1].append(conn)
+        for sub, conns in alike.values():
+            out = _wanted(batches, sub, count)
+            if out is None:
+                for conn in conns:
+                    conn.last_seq = last
+                continue
+            shared = (SharedBytes(out[0]) if len(out[0]) >= MIN_BYTES
+                      and len(conns) >= MIN_SHARERS and SharedBytes.supported else None)
+            try:
+                for conn in conns:
+                    conn.last_seq = last
+                    conn.deliver(*out, shared)
+            finally:
+                if shared is not None:
+                    shared.close()
 
     def _catch_up(self, conn: Connection) -> None:
         """The held batches to one subscriber now (before a reply to it)."""

@@ -742,11 +742,6 @@ class SwitchEngine:
         ended = await self._run_back(plan, undo.steps, restored, rolling, started, pins)
         if ended is not None:
             return ended
-        try:
-            await self._read_now(addrs)
-        except StepTimedOut as exc:
-            restored.append(f"group {plan.group}: {exc}")
-            return False
         targets = dict(undo.targets)
         if not self._reached(undo, facts):
             restored.append(f"group {plan.group} not back in mode {back}: "
@@ -786,11 +781,6 @@ class SwitchEngine:
         ended = await self._run_back(plan, steps, restored, rolling, [], pins)
         if ended is not None:
             return ended
-        try:
-            await self._read_now(addrs)
-        except StepTimedOut as exc:
-            restored.append(f"group {plan.group}: {exc}")
-            return False
         off = [a for a, was in before.items() if (fn := state.functions.get(a)) is not None
                and fn.driver != was and not host_bridge(fn)]
         if off:
@@ -803,8 +793,10 @@ class SwitchEngine:
     async def _run_back(self, plan: SwitchPlan, steps: Sequence[Step], restored: list[str],
                         rolling: list[Step], started: list[str], pins: list[str]) -> bool | None:
         """Run the steps of a switch back one by one, saying each in ``restored``; None when
-        every one ran, else the roll-back's end: True on a wedge (the group poisoned), False
-        when a step failed (the overrides it wrote cleared)."""
+        every one ran and the group's functions were read again (the caller then judges
+        where they are), else the roll-back's end: True on a wedge (the group poisoned),
+        False when a step failed (the overrides it wrote cleared) or the read did not
+        return."""
         for step in steps:
             rolling[:] = [step]
             _track_pin(pins, step, before=True)
@@ -838,6 +830,11 @@ class SwitchEngine:
             rolling.clear()  # not on cancellation: a step cut off by the bound may be stuck
             _track_pin(pins, step, before=False)
             restored.append(step.describe())
+        try:
+            await self._read_now([m.addr for m in plan.members])
+        except StepTimedOut as exc:
+            restored.append(f"group {plan.group}: {exc}")
+            return False
         return None
 
     async def _unpin_back(self, plan: SwitchPlan, pins: Sequence[str], restored: list[str],
