@@ -204,6 +204,13 @@ def test_resolve_path(tmp_path: Path) -> None:
     assert resolve_path(tmp_path) == os.path.join(tmp_path, "gpuwatch")
     assert resolve_path(f"{tmp_path}/missing/") == f"{tmp_path}/missing/gpuwatch"
     assert resolve_path(tmp_path / "custom") == str(tmp_path / "custom")
+    # NFD's directory named without its slash, before it exists: still a directory, never
+    # a file of ours by that name (which would block NFD's own directory).
+    nfd = tmp_path / "node-feature-discovery" / "features.d"
+    assert resolve_path(nfd) == str(nfd / "gpuwatch")
+    nfd.parent.mkdir()
+    nfd.write_text("a=b\n")  # someone's file by that name: written over, as any named file
+    assert resolve_path(nfd) == str(nfd)
 
 
 async def test_an_unwritable_directory_backs_off_logs_once_and_counts(

@@ -45,6 +45,8 @@ _log = logging.getLogger("gpuwatch.service")
 
 #: The file name inside ``features.d/`` when a directory is given.
 NFD_FILE_NAME = "gpuwatch"
+#: NFD's local feature directory: a path by this name not made yet is taken as it.
+NFD_DIRECTORY_NAME = "features.d"
 #: NFD's usual features directory on a node.
 NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
 DEFAULT_EXPIRY = 3600.0
@@ -167,9 +169,12 @@ def render(labels: Mapping[str, str], expires: float | None) -> str:
 
 
 def resolve_path(path: str | os.PathLike[str]) -> str:
-    """A directory (``features.d/``) gets the file name ``gpuwatch`` inside it."""
+    """A directory (``features.d/``) gets the file name ``gpuwatch`` inside it. So does a
+    path named ``features.d`` that does not exist yet, slash or not: that is NFD's directory
+    (made at the first write), and a file of ours by that name would block it."""
     text = os.fspath(path)
-    if text.endswith("/") or os.path.isdir(text):
+    if (text.endswith("/") or os.path.isdir(text)
+            or (os.path.basename(text) == NFD_DIRECTORY_NAME and not os.path.lexists(text))):
         return os.path.join(text, NFD_FILE_NAME)
     return text
 

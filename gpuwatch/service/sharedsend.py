@@ -24,7 +24,7 @@ import os
 #: 32 KiB).
 MIN_BYTES = 32 << 10
 #: Fewer subscribers sharing the bytes do not repay writing the file first (measured: at
-#: 32–128 KiB, 4 sharers cost 10–40% more than plain sends, 8 about the same, 16 a third
+#: 32 to 128 KiB, 4 sharers cost 10 to 40% more than plain sends, 8 about the same, 16 a third
 #: less, 100 a third of the plain cost).
 MIN_SHARERS = 8
 
