@@ -108,6 +108,9 @@ def test_on_nvidia_with_its_nic_on_mlx5_the_group_is_mixed_as_the_contract_says(
     assert reason.startswith(f"IOMMU group {GROUP} also holds {NIC_NAMED}")
     assert (f"{SWITCH} (class 0x0680, 0x10de:0x22a3, on nvidia-nvswitch)" in reason) == nvswitch
     assert "mode nvidia wants them on vfio-pci" in reason
+    # What the host would lose, named by what the bystanders are.
+    lost = "its network and its NVLink fabric" if nvswitch else "its network"
+    assert f"would unbind them from the host ({lost}); " in reason
     assert reason.endswith("enable ACS to split the group, or pass --force to move them too")
     code, out, err = cli(capsys, "plan", "nvidia", "--addr", GPU, "--json", "--force", *root)
     assert code == 0 and json.loads(out)["refused"] is None
@@ -244,3 +247,31 @@ def test_a_cards_own_usb_c_still_goes_to_vfio_in_nvidia(tmp_path: Path,
     shown = json.loads(out)
     assert shown["mode"] == "mixed"
     assert {m["addr"]: m["nvidia"] for m in shown["members"]}["0000:01:00.2"] == "vfio-pci"
+
+
+def test_the_refusal_names_what_the_host_would_lose_by_class() -> None:
+    """A DG2 card's audio function behind a switch without ACS is its audio, not a network
+    or storage: the refusal says what each bystander is to the host."""
+    from gpuwatch.core.plan import VfioTarget, bystanders_reason
+    from gpuwatch.core.results import PciFunction
+
+    def fn(addr: str, class_: str, driver: str) -> PciFunction:
+        return PciFunction.model_validate({
+            "addr": addr, "class": class_, "class_label": "", "vendor_id": "0x8086",
+            "device_id": "0x4f92", "driver": driver, "iommu_group": 3})
+
+    vfio = VfioTarget(driver="vfio-pci")
+    cases = {
+        "0x040300": "its audio",
+        "0x010802": "its storage",
+        "0x0c0330": "its USB",
+        "0x048000": "its multimedia",
+        "0xff0000": "a device it uses",
+    }
+    for class_, lost in cases.items():
+        reason = bystanders_reason(3, "vfio", [(fn("0000:04:00.0", class_, "x"), vfio)])
+        assert f"from the host ({lost}); " in reason, reason
+    both = bystanders_reason(3, "vfio", [(fn("0000:04:00.0", "0x020000", "ixgbe"), vfio),
+                                         (fn("0000:05:00.0", "0x020000", "ixgbe"), vfio),
+                                         (fn("0000:06:00.0", "0x010802", "nvme"), vfio)])
+    assert "from the host (its network and its storage); " in both

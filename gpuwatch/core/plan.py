@@ -630,10 +630,21 @@ def bystanders_reason(group: int, mode: Mode,
     named = ", ".join(f"{f.addr} (class {f.class_ or 'unknown'}, {f.vendor_id or '?'}:"
                       f"{f.device_id or '?'}, on {f.driver})" for f, _ in taken)
     wanted = ", ".join(dict.fromkeys(t.driver for _, t in taken))
+    lost = " and ".join(dict.fromkeys(_host_use(f.class_) for f, _ in taken))
     return (f"IOMMU group {group} also holds {named}, no part of the card (a PCIe switch "
             f"without ACS shares its group): mode {mode} wants them on {wanted}, so the "
-            "switch would unbind them from the host (its network, storage or NVLink fabric); "
+            f"switch would unbind them from the host ({lost}); "
             "enable ACS to split the group, or pass --force to move them too")
+
+
+#: What the host loses with a function of a class (the longest prefix of its class code).
+_HOST_USES = (("0x0680", "its NVLink fabric"), ("0x0403", "its audio"), ("0x01", "its storage"),
+              ("0x02", "its network"), ("0x0c03", "its USB"), ("0x04", "its multimedia"))
+
+
+def _host_use(class_: str) -> str:
+    return next((use for prefix, use in _HOST_USES if class_.startswith(prefix)),
+                "a device it uses")
 
 
 def virtual_functions_reason(fn: PciFunction) -> str:
