@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import logging
 import os
-import select
 import signal
 import sys
 import threading
@@ -33,6 +32,7 @@ from gpuwatch.watch.eventlog import (
     follow_records,
     not_a_log_file,
     read_records,
+    reader_left,
     rotated_path,
 )
 
@@ -146,21 +146,6 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"events: {exc.filename or path}: {exc.strerror or exc}", EXIT_FAILURE)
 
 
-def _reader_left(fd: int | None) -> bool:
-    """Whether stdout is a pipe whose reader has gone (``events --follow | head -1``): the
-    kernel reports an error on its write end at once, so the follower ends (exit 0, as a
-    write's EPIPE would) instead of waiting for the next event, which may never come, to
-    find out. Anything else (a file, a terminal, no descriptor) never reads as gone."""
-    if fd is None:
-        return False
-    poller = select.poll()
-    poller.register(fd, 0)  # no events asked: only an error or a hang-up is reported
-    try:
-        return any(mask & select.POLLERR for _, mask in poller.poll(0))
-    except OSError:
-        return False
-
-
 def _stdout_fd() -> int | None:
     try:
         return sys.stdout.fileno() if sys.stdout is not None else None
@@ -181,7 +166,7 @@ def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> i
             previous[sig] = signal.signal(sig, on_signal)
     try:
         _emit(follow_records(path, since_seq=since_seq, types=types,
-                             stop=lambda: stopping.is_set() or _reader_left(out_fd)))
+                             stop=lambda: stopping.is_set() or reader_left(out_fd)))
     except KeyboardInterrupt:  # a SIGINT that landed before the handler was in place
         pass
     finally:
