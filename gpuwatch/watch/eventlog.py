@@ -1435,11 +1435,19 @@ class EventLog:
         if now == self._ident:
             return
         assert self._fd is not None
+        what = "replaced"
+        if now is None:
+            # A file still linked somewhere was renamed away (`mv PATH PATH.old`): its
+            # events are there, and an operator told "deleted" would look for a loss.
+            try:
+                what = "renamed away" if os.fstat(self._fd).st_nlink else "deleted"
+            except OSError:
+                what = "deleted or renamed away"
         os.close(self._fd)
         self._fd = self._ident = None
         self._check_tail = True  # a file already there may end in a torn line
         _log.warning("event log %s: %s under the writer; reopening %s", self._path,
-                     "deleted" if now is None else "replaced", self._path)
+                     what, self._path)
         self._open()
 
     def _rotate(self) -> None:
