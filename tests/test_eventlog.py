@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -856,6 +857,63 @@ def test_cli_follow_ends_when_its_reader_leaves_though_no_event_comes(
             proc.wait()
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT,),
+                                     (signal.SIGTERM, signal.SIGTERM)])
+def test_cli_follow_into_a_reader_that_stopped_reading_ends_on_a_signal(
+        tmp_path: Path, signals: tuple[signal.Signals, ...]) -> None:
+    """``gpuwatch events --follow LOG | stuck-consumer``: the pipe is full and the
+    follower waits on it. SIGTERM or SIGINT ends it, exit 0, within the 2 s the last lines
+    are given (a second signal ends that wait at once); was: it sat in ``write()`` for ever,
+    each signal only interrupting the write to restart it. What reached the pipe is whole
+    lines."""
+    path = tmp_path / "ev.jsonl"
+    with EventLog(path) as log:  # ~2 MiB: more than the pipe and the writer's buffer hold
+        for first in range(1, 20001, 1000):
+            log.write_lines([line(seq, "x") for seq in range(first, first + 1000)])
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatch", "events", str(path), "--follow"], cwd=REPO,
+            stdout=write_end, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+        os.close(write_end)
+        write_end = -1
+        try:
+            deadline = time.monotonic() + 30
+            while len(select.select([read_end], [], [], 0)[0]) == 0:  # it has begun writing
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.5)  # ... and has filled the pipe by now: nobody reads it
+            started = time.monotonic()
+            for signum in signals:
+                proc.send_signal(signum)
+                time.sleep(0.2)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("the follower outlived SIGTERM/SIGINT") from None
+            took = time.monotonic() - started
+            assert proc.stderr is not None
+            assert (proc.returncode, proc.stderr.read()) == (0, b"")
+            assert took < (1.5 if len(signals) > 1 else 5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stderr is not None
+            proc.stderr.close()
+        out = b""
+        while chunk := os.read(read_end, 1 << 20):  # the follower has gone: EOF at the end
+            out += chunk
+        assert out.endswith(b"\n")
+        got = [json.loads(text)["seq"] for text in out.decode().splitlines()]
+        assert got == list(range(1, len(got) + 1)) and len(got) < 20000
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
 
 
 def test_cli_follow_into_a_file_keeps_following(tmp_path: Path) -> None:

@@ -64,6 +64,22 @@ def test_a_log_renamed_away_like_logrotate_create_is_followed_to_the_new_file(
     assert path.read_text().splitlines() == ['{"theirs":1}', '{"seq":9', line(4), line(5)]
 
 
+@pytest.mark.timeout(30)
+def test_a_log_renamed_away_is_not_said_to_be_deleted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``mv PATH PATH.old`` with nothing at PATH yet: the line on stderr said "deleted under
+    the writer", sending an operator to look for lost events that are in PATH.old."""
+    path = tmp_path / "ev.jsonl"
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.watch.eventlog"), EventLog(path) as log:
+        write_events(log, 1, 3)
+        path.rename(tmp_path / "ev.jsonl.old")
+        write_events(log, 4, 4)
+    said = [r.getMessage() for r in caplog.records if "under the writer" in r.getMessage()]
+    assert said == [f"event log {path}: renamed away under the writer; reopening {path}"]
+    assert seqs_in(path) == [4]
+
+
 def test_what_replaces_the_log_that_is_no_file_is_not_written(tmp_path: Path) -> None:
     """A FIFO (with a reader) put where the log file was is not the log's: the write fails
     (the watcher degrades the log) and the FIFO's reader gets nothing; once a file is back

@@ -392,6 +392,59 @@ def test_a_stdout_log_whose_reader_goes_away_ends_the_watch_with_exit_0(
     assert "Traceback" not in err and "internal error" not in err, err
 
 
+def _watch_with_stdout_reader_gone(host: SysRoot, tmp_path: Path,
+                                   ) -> tuple[subprocess.Popen[bytes], IO[str]]:
+    """``gpuwatch watch`` writing to a pipe whose reader took ``ready`` and left (``| head
+    -1``), and the writer of its uevent FIFO."""
+    fifo = tmp_path / "uevents.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
+         f"file:{fifo}", "--log", "-", "--reconcile-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+    assert proc.stdout is not None
+    writer = open(fifo, "w")  # noqa: SIM115 - the caller closes it
+    assert json.loads(proc.stdout.readline())["type"] == "ready"
+    proc.stdout.close()  # `head -1` has what it wanted
+    return proc, writer
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["one event", "SIGTERM"])
+def test_a_watch_whose_stdout_reader_has_gone_ends_at_the_next_event_quietly(
+    host: SysRoot, tmp_path: Path, end: str
+) -> None:
+    """``gpuwatch watch | head -1`` on a quiet host: ONE event after the reader left ends
+    the watch, exit 0, as documented (was: that event was handed to the writer thread,
+    which found EPIPE after taking it, and the watch ran on until a second event, on a
+    quiet host a reconcile or two later). A SIGTERM then ends it with exit 0 and nothing on
+    stderr (was, once a write had found the reader gone: "stopping on SIGTERM; on the way
+    out: BrokenPipeError ...", its ``stopped`` record refused)."""
+    proc, writer = _watch_with_stdout_reader_gone(host, tmp_path)
+    assert proc.stderr is not None
+    try:
+        time.sleep(0.3)  # the reader has gone for a while, and nothing was written since
+        if end == "one event":
+            writer.write(_wedge(host, 1))
+            writer.flush()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the watch outlived its reader after {end}") from None
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        with contextlib.suppress(BrokenPipeError):
+            writer.close()
+    assert proc.returncode == 0, err
+    assert err == ""
+
+
 def test_a_follower_carries_on_when_the_log_is_emptied_in_place_and_a_new_run_begins(
     tmp_path: Path,
 ) -> None:

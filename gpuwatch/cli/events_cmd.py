@@ -11,10 +11,10 @@ import argparse
 import contextlib
 import logging
 import os
-import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
@@ -30,9 +30,11 @@ from gpuwatch.cli.oneline import OneLineParser
 from gpuwatch.core.events import EVENT_TYPES
 from gpuwatch.watch.eventlog import (
     EventRecord,
+    ThreadedWriter,
     follow_records,
     not_a_log_file,
     read_records,
+    reader_left,
     rotated_path,
 )
 
@@ -146,21 +148,6 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"events: {exc.filename or path}: {exc.strerror or exc}", EXIT_FAILURE)
 
 
-def _reader_left(fd: int | None) -> bool:
-    """Whether stdout is a pipe whose reader has gone (``events --follow | head -1``): the
-    kernel reports an error on its write end at once, so the follower ends (exit 0, as a
-    write's EPIPE would) instead of waiting for the next event, which may never come, to
-    find out. Anything else (a file, a terminal, no descriptor) never reads as gone."""
-    if fd is None:
-        return False
-    poller = select.poll()
-    poller.register(fd, 0)  # no events asked: only an error or a hang-up is reported
-    try:
-        return any(mask & select.POLLERR for _, mask in poller.poll(0))
-    except OSError:
-        return False
-
-
 def _stdout_fd() -> int | None:
     try:
         return sys.stdout.fileno() if sys.stdout is not None else None
@@ -168,26 +155,105 @@ def _stdout_fd() -> int | None:
         return None
 
 
+#: Bytes of lines that may wait for a slow reader of ``--follow``'s stdout; past it the
+#: follower reads no further until the reader takes some.
+_OUT_BUFFER = 1 << 20
+#: How long, after SIGTERM/SIGINT, the lines handed over may still take to reach the reader.
+_STOP_GRACE = 2.0
+#: Between looks at a full writer (room again, or a signal).
+_OUT_POLL = 0.05
+
+
+class _AgainSignal(Exception):
+    """A second SIGINT/SIGTERM while the last lines wait for the reader: drop them now."""
+
+
 def _follow(path: str, since_seq: int | None, types: frozenset[str] | None) -> int:
+    """Follow the log until SIGINT/SIGTERM or the reader leaves.
+
+    stdout is written by a thread of its own (`ThreadedWriter`, as ``record`` does): a
+    reader that stops reading (its pipe full) would otherwise hold this thread in
+    ``write()``, which a signal only interrupts to restart, so SIGTERM never ended it."""
     stopping = threading.Event()
+    closing = False
     out_fd = _stdout_fd()
+    writer = _writer_for(out_fd)
+    failed: list[OSError] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if closing:
+            raise _AgainSignal
         stopping.set()
+
+    def stop() -> bool:
+        if stopping.is_set() or reader_left(out_fd):
+            return True
+        if writer is not None:
+            try:
+                writer.pending()  # a write the thread found failing (ENOSPC), said here
+            except OSError as exc:
+                failed.append(exc)
+                return True
+        return False
 
     previous: dict[signal.Signals, _Handler] = {}
     if threading.current_thread() is threading.main_thread():  # signal() works only there
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
     try:
-        _emit(follow_records(path, since_seq=since_seq, types=types,
-                             stop=lambda: stopping.is_set() or _reader_left(out_fd)))
-    except KeyboardInterrupt:  # a SIGINT that landed before the handler was in place
-        pass
+        records = follow_records(path, since_seq=since_seq, types=types, stop=stop)
+        try:
+            if writer is None:
+                _emit(records)
+            else:
+                for record in records:
+                    if not _hand_over(writer, (record.line + "\n").encode("utf-8"), stopping):
+                        break
+        except KeyboardInterrupt:  # a SIGINT that landed before the handler was in place
+            pass
+        if failed:
+            if isinstance(failed[0], BrokenPipeError):
+                raise failed[0]  # the dispatcher's business: the reader left, exit quietly
+            raise _OutputFailed(failed[0])
     finally:
+        if writer is not None:
+            closing = True
+            try:
+                # A signal: the lines handed over still go out, for `_STOP_GRACE` at most.
+                writer.close(_STOP_GRACE if stopping.is_set() else 0)
+            except _AgainSignal:
+                pass
+            finally:
+                writer.close(0)
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     return EXIT_OK
+
+
+def _writer_for(fd: int | None) -> ThreadedWriter | None:
+    """A writer thread for stdout's descriptor; None when it has none (a test's capture)."""
+    if fd is None:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()  # anything already written through it goes first
+    return ThreadedWriter(fd, _OUT_BUFFER)
+
+
+def _hand_over(writer: ThreadedWriter, data: bytes, stopping: threading.Event) -> bool:
+    """``data`` to the writer once it has room; False when a signal came first (a write
+    error is raised here)."""
+    while True:
+        try:
+            writer.submit(data)
+            return True
+        except BlockingIOError:
+            if stopping.is_set():
+                return False
+            time.sleep(_OUT_POLL)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

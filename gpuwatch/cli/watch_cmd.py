@@ -285,7 +285,8 @@ def _stopping_anyway(log: EventLog | None, progress: dict[str, bool], exc: BaseE
     machinery can surface as a TypeError); the operator's stop is what happened."""
     if not _caught:
         return False
-    fail(f"stopping on {_caught[0]}; on the way out: {type(exc).__name__}: {exc}", EXIT_OK)
+    if not isinstance(exc, BrokenPipeError):  # stdout's reader left (`| head`): nothing to say
+        fail(f"stopping on {_caught[0]}; on the way out: {type(exc).__name__}: {exc}", EXIT_OK)
     if log is not None and not progress.get("watching"):
         write_stopped(log, f"signal {_caught[0]}")
     return True

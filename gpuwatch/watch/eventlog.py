@@ -59,6 +59,7 @@ __all__ = [
     "read_chunks",
     "read_events",
     "read_records",
+    "reader_left",
     "rotated_path",
 ]
 
@@ -234,10 +235,19 @@ class ThreadedWriter:
         self._thread: threading.Thread | None = None
 
     def submit(self, data: bytes) -> None:
-        """Hand ``data`` (whole lines) over, or raise without taking any of it."""
+        """Hand ``data`` (whole lines) over, or raise without taking any of it.
+
+        A pipe whose reader has gone (``gpuwatch watch | head -1``) is `BrokenPipeError`
+        here, at once: left to the thread's write, the batch would be taken, the error
+        found after it, and the caller told only with the batch after that, which on a
+        quiet host may be a reconcile or two away."""
         with self._cond:
             if self._closing:
                 raise ValueError("the writer is closed")
+            if not self._broken and reader_left(self.fd):
+                # What is queued is left to the thread (it may be writing it now): its next
+                # write finds EPIPE and drops the rest.
+                self._broken = True
             self._raise()
             if self._queued and self._queued + len(data) > self._limit:
                 raise BlockingIOError(
@@ -331,6 +341,21 @@ class ThreadedWriter:
                 else:
                     self._queue[0] = view[written:]
                 self._cond.notify_all()
+
+
+def reader_left(fd: int | None) -> bool:
+    """Whether ``fd`` is a pipe whose reader has gone (``… | head -1``): the kernel reports
+    an error on its write end at once, so a writer learns it without writing (and waiting
+    for a line to fail). Anything else (a file, a terminal, no descriptor) never reads as
+    gone."""
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # no events asked: only an error or a hang-up is reported
+    try:
+        return any(mask & select.POLLERR for _, mask in poller.poll(0))
+    except OSError:
+        return False
 
 
 def _wait_writable(fd: int, timeout: float) -> None:
@@ -1410,11 +1435,19 @@ class EventLog:
         if now == self._ident:
             return
         assert self._fd is not None
+        what = "replaced"
+        if now is None:
+            # A file still linked somewhere was renamed away (`mv PATH PATH.old`): its
+            # events are there, and an operator told "deleted" would look for a loss.
+            try:
+                what = "renamed away" if os.fstat(self._fd).st_nlink else "deleted"
+            except OSError:
+                what = "deleted or renamed away"
         os.close(self._fd)
         self._fd = self._ident = None
         self._check_tail = True  # a file already there may end in a torn line
         _log.warning("event log %s: %s under the writer; reopening %s", self._path,
-                     "deleted" if now is None else "replaced", self._path)
+                     what, self._path)
         self._open()
 
     def _rotate(self) -> None:
