@@ -360,17 +360,8 @@ def test_a_stdout_log_whose_reader_goes_away_ends_the_watch_with_exit_0(
     """``gpuwatch watch | head -1``: once the reader has gone, the next event ends the
     watch, exit 0, quietly (the writer thread sees EPIPE; the watcher hears of it at its
     next write)."""
-    fifo = tmp_path / "uevents.fifo"
-    os.mkfifo(fifo)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatch", "watch", "--root", str(host.root), "--source",
-         f"file:{fifo}", "--log", "-", "--reconcile-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
-    assert proc.stdout is not None and proc.stderr is not None
-    writer = open(fifo, "w")  # noqa: SIM115 - closed below
+    proc, writer = _watch_with_stdout_reader_gone(host, tmp_path)
     try:
-        assert json.loads(proc.stdout.readline())["type"] == "ready"
-        proc.stdout.close()  # `head -1` has what it wanted
         deadline = time.monotonic() + 30
         n = 0
         while proc.poll() is None:
@@ -380,14 +371,8 @@ def test_a_stdout_log_whose_reader_goes_away_ends_the_watch_with_exit_0(
                 writer.flush()
             n += 1
             time.sleep(0.1)
-        err = proc.stderr.read().decode()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-        with contextlib.suppress(BrokenPipeError):
-            writer.close()
+        err = _reap(proc, writer)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "internal error" not in err, err
 
@@ -407,6 +392,20 @@ def _watch_with_stdout_reader_gone(host: SysRoot, tmp_path: Path,
     assert json.loads(proc.stdout.readline())["type"] == "ready"
     proc.stdout.close()  # `head -1` has what it wanted
     return proc, writer
+
+
+def _reap(proc: subprocess.Popen[bytes], writer: IO[str]) -> str:
+    """End the watch of `_watch_with_stdout_reader_gone` (killed if still running) and its
+    FIFO's writer: what it said on stderr."""
+    assert proc.stderr is not None
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    with contextlib.suppress(BrokenPipeError):
+        writer.close()
+    return err
 
 
 @pytest.mark.timeout(60)
@@ -433,14 +432,8 @@ def test_a_watch_whose_stdout_reader_has_gone_ends_at_the_next_event_quietly(
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the watch outlived its reader after {end}") from None
-        err = proc.stderr.read().decode()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
-        with contextlib.suppress(BrokenPipeError):
-            writer.close()
+        err = _reap(proc, writer)
     assert proc.returncode == 0, err
     assert err == ""
 
