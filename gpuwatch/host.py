@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 from gpuwatch.switch.engine import (
     DEFAULT_SCAN_TIMEOUT,
@@ -26,6 +26,7 @@ from gpuwatch.watch import watcher as _watch
 from gpuwatch.watch.watcher import (
     HostSnapshot,
     Watcher,
+    WatcherOptions,
     entered_once,
 )
 
@@ -211,7 +212,7 @@ async def open_host(
     step_timeout: float = DEFAULT_STEP_TIMEOUT,
     scan_timeout: float = DEFAULT_SCAN_TIMEOUT,
     tree_check_after: float = DEFAULT_TREE_CHECK_AFTER,
-    **watcher_options: Any,
+    **watcher_options: Unpack[WatcherOptions],
 ) -> AsyncIterator[Host]:
     """Watch ``root`` and be ready to switch it; the body runs once the initial scan is done.
 

@@ -97,7 +97,7 @@ def render_node(host: gpuwatch.Host) -> str:
 
 async def main() -> int:
     try:
-        async with gpuwatch.open_host(root="/") as host:
+        async with gpuwatch.open_host(root="/", reconcile_interval=60, log_keep=3) as host:
             print(render_node(host), ready("0000:01:00.0"), vfio_on())
     except gpuwatch.DeviceNotFound as exc:
         return exc.exit_status
@@ -108,6 +108,16 @@ async def main() -> int:
 
 
 anyio.run(main)
+'''
+
+#: A watcher option misspelt: a type error, as an unknown keyword of any typed call is.
+_MISSPELT_OPTION = '''
+import gpuwatch
+
+
+async def main() -> None:
+    async with gpuwatch.open_host(root="/", reconcile_intervall=60) as host:
+        print(host)
 '''
 
 
@@ -139,8 +149,9 @@ def _examples() -> list[tuple[str, str]]:
 def test_a_strict_user_program_and_the_doc_examples_type_check(tmp_path: Path) -> None:
     """``mypy --strict`` over a program written the way the docs show, gpuwatch read as an
     installed typed package is (its own errors silent): no cast, no ``Any`` returned."""
-    files = [tmp_path / "user_program.py"]
+    files = [tmp_path / "user_program.py", tmp_path / "misspelt.py"]
     files[0].write_text(_USER_PROGRAM)
+    files[1].write_text(_MISSPELT_OPTION)
     for n, (where, code) in enumerate(_examples()):
         path = tmp_path / f"example_{n}.py"
         path.write_text(f"# {where}\n{code}")
@@ -152,7 +163,10 @@ def test_a_strict_user_program_and_the_doc_examples_type_check(tmp_path: Path) -
          "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
          *(str(f) for f in files)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=220)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("misspelt.py:6: error: "), (
+        proc.stdout + proc.stderr)
+    assert 'Unexpected keyword argument "reconcile_intervall"' in errors[0]
 
 
 def test_the_version_is_the_package_version() -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypedDict, TypeVar, overload
 
 import anyio
 from anyio.abc import TaskGroup
@@ -797,6 +797,21 @@ class Watcher:
         for sub in self._subscribers:
             sub.close()
         self._subscribers.clear()
+
+
+class WatcherOptions(TypedDict, total=False):
+    """The keywords of `open_watcher` past its root, source, config and log: what
+    `gpuwatch.open_host` passes on (typed, so a misspelt one is a type error too)."""
+
+    log_max_bytes: int | None
+    log_keep: int
+    reconcile_interval: float
+    cdi_poll_interval: float
+    subscriber_buffer: int
+    receive_buffer: int | None
+    vgpu_poll_interval: float
+    vfio_node_poll_interval: float
+    announce: bool
 
 
 @entered_once
