@@ -47,6 +47,7 @@ from gpuwatch.hostfs.bootstate import stopped_services
 from gpuwatch.hostfs.files import (
     in_tree,
     list_dir,
+    open_regular,
     place_in_root,
     read_attr,
     read_bytes,
@@ -54,7 +55,15 @@ from gpuwatch.hostfs.files import (
     small_count,
     tree_dir,
 )
-from gpuwatch.hostfs.procfs import DEFAULT_PROC_DEADLINE, fd_targets, pids, read_comm, read_each
+from gpuwatch.hostfs.procfs import (
+    DEFAULT_PROC_DEADLINE,
+    DELETED,
+    fd_targets,
+    pids,
+    read_comm,
+    read_each,
+    task_dirs,
+)
 from gpuwatch.hostfs.scan import (
     CDI_SPECS,
     HostPaths,
@@ -78,17 +87,76 @@ def is_persistenced(comm: str) -> bool:
 # --------------------------------------------------------------------------- holders
 
 
+#: A maps line is at most a path (PATH_MAX, a newline in it escaped as ``\\012``) and its
+#: 70-odd columns: anything longer is no line of the kernel's and is skipped.
+_MAPS_LINE_CAP = 4 * 4096 + 256
+
+
+def _open_maps(path: str) -> int | None:
+    """A descriptor of a ``maps`` file; None where it cannot be opened (the process is gone,
+    or another user's and we are not root: the kernel refuses at the open)."""
+    try:
+        return open_regular(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _maps_lines(fd: int) -> Iterator[bytes]:
+    """Every line of the ``maps`` file open at ``fd`` (closed at the end), read to its end.
+    The kernel hands ``/proc/<pid>/maps`` out a page or so per read (one read saw its first
+    30-odd lines: a CUDA process's ``/dev/nvidia*`` mappings come hundreds of lines later),
+    and a CUDA process maps far more than one attribute's worth. Lines are streamed, so
+    memory stays one chunk whatever its size; the time is bounded by the scan's deadline
+    (`read_each`)."""
+    try:
+        tail, skipping = b"", False
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # the process exited under the read
+                return
+            if not data:
+                break
+            lines = (tail + data).split(b"\n")
+            tail = lines.pop()
+            if skipping and lines:  # the rest of an overlong line
+                lines.pop(0)
+                skipping = False
+            yield from lines
+            if len(tail) > _MAPS_LINE_CAP:
+                tail, skipping = b"", True
+        if tail and not skipping:
+            yield tail
+    finally:
+        os.close(fd)
+
+
 def map_paths(proc: str, pid: int) -> Iterator[str]:
-    """Files a process has mapped (``/proc/<pid>/maps``): a CUDA context maps /dev/nvidia*
-    and keeps the card busy even after closing the fd."""
-    text = read_text(f"{proc}/{pid}/maps")
-    if not text:
+    """Files a process has mapped (``/proc/<pid>/maps``, read whole): a CUDA context maps
+    /dev/nvidia* and keeps the card busy even after closing the fd. A process whose own maps
+    reads empty (its main thread exited while the others run on: `task_dirs`) is read
+    through the first of its threads that shows any (threads share one memory)."""
+    fd = _open_maps(f"{proc}/{pid}/maps")
+    if fd is None:
         return
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/"):
-            path = parts[5]
-            yield path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+    seen = False
+    for raw in _maps_lines(fd):
+        seen = True
+        yield from _mapped_path(raw)
+    for task in () if seen else task_dirs(proc, pid):
+        fd = _open_maps(f"{task}/maps")
+        for raw in () if fd is None else _maps_lines(fd):
+            seen = True
+            yield from _mapped_path(raw)
+        if seen:
+            return
+
+
+def _mapped_path(raw: bytes) -> Iterator[str]:
+    """The file of one maps line, if it names one (``[heap]``, anonymous memory: none)."""
+    parts = raw.decode("utf-8", "replace").split(None, 5)
+    if len(parts) == 6 and parts[5].startswith("/"):
+        yield parts[5].removesuffix(DELETED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,14 +159,44 @@ def pids(proc: str) -> list[int]:
     return sorted(int(n) for n in list_dir(proc) if n.isascii() and n.isdigit())
 
 
-def fd_targets(proc: str, pid: int) -> Iterator[str]:
-    """Targets of a process's open fds; an unreadable or vanished process yields nothing."""
-    fd_dir = f"{proc}/{pid}/fd"
-    for fd in list_dir(fd_dir):
+#: What the kernel appends to the path of an open file whose name was unlinked (udev or
+#: nvidia-modprobe made the node again): the file, and the device it holds, is still open.
+DELETED = " (deleted)"
+
+
+def task_dirs(proc: str, pid: int) -> list[str]:
+    """The ``/proc/<pid>/task/<tid>`` of a process's threads other than its main one. Where
+    the main thread has exited (``pthread_exit``) while the others run on, the kernel shows
+    the process's own ``fd`` and ``maps`` empty (a zombie leader has no files or memory of
+    its own) though its threads keep the card open and mapped: these are read instead."""
+    task = f"{proc}/{pid}/task"
+    return [f"{task}/{tid}" for tid in list_dir(task)
+            if tid.isascii() and tid.isdigit() and int(tid) != pid]
+
+
+def _read_links(fd_dir: str, names: list[str]) -> Iterator[str]:
+    for fd in names:
         try:
-            yield os.readlink(f"{fd_dir}/{fd}")
+            yield os.readlink(f"{fd_dir}/{fd}").removesuffix(DELETED)
         except OSError:
             continue
+
+
+def fd_targets(proc: str, pid: int) -> Iterator[str]:
+    """Targets of a process's open fds, each path as it was opened (a node deleted since
+    still counts: ``/dev/nvidia0 (deleted)`` is ``/dev/nvidia0``); an unreadable or vanished
+    process yields nothing. A process that lists no fd at all (its main thread exited, or a
+    kernel thread) is read through its other threads (`task_dirs`)."""
+    fd_dir = f"{proc}/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except (OSError, ValueError):  # gone, or another user's and we are not root
+        return
+    if names:
+        yield from _read_links(fd_dir, names)
+        return
+    for task in task_dirs(proc, pid):
+        yield from _read_links(f"{task}/fd", list_dir(f"{task}/fd"))
 
 
 def holders(root: str, matches: Callable[[str], bool], *,
