@@ -79,6 +79,10 @@ class HostModel:
         self._access: dict[int, bool] = {}
         self._access_version = -1
         self._access_lock = threading.Lock()
+        #: Whether this process holds CAP_DAC_OVERRIDE (None: not known), read with the
+        #: first answers (`_prepare_access`): root without it is refused others' nodes.
+        self._dac_override: bool | None = None
+        self._own_caps_read = False
         #: IOMMU groups a wedged switch left unusable in this boot (group -> why); the switch
         #: engine fills it and refuses them until a reboot or ``recover``.
         #: Why each poisoned group (or group-less card, by address) is refused: keyed by
@@ -252,8 +256,13 @@ class HostModel:
         version, and a newer version is never replaced by an older one, so a reader that
         sees the version it expects finds answers at least that new."""
         state = self.state
+        if not self._own_caps_read:
+            self._dac_override = procfs.own_dac_override()
+            self._own_caps_read = True
+        override = self._dac_override
         version, access = self.consistent(
-            lambda: (state.vfio_nodes_version, group_access(state.nodes, self._uid, self._gids)))
+            lambda: (state.vfio_nodes_version,
+                     group_access(state.nodes, self._uid, self._gids, override)))
         with self._access_lock:
             if version > self._access_version:
                 self._access = access

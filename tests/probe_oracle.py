@@ -406,7 +406,8 @@ class Oracle:
         return {"soft": None if soft == inf else soft, "hard": None if hard == inf else hard}
 
     def vfio_group_accessible(self, group: int) -> bool:
-        """The node's owner, group and mode against our euid and groups; root always may."""
+        """The node's owner, group and mode against our euid and groups; root always may (the
+        caller posed as holds CAP_DAC_OVERRIDE iff it is root)."""
         if group < 0:
             return False
         try:

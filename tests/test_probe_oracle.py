@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from probe_oracle import NOT_FOUND, TABLES, Oracle
 
 import gpuwatch
+from gpuwatch.hostfs import procfs
 from gpuwatch.jsonout import jsonable
 from gpuwatch.testing import SysRoot
 
@@ -357,6 +358,9 @@ def check(h: Host, capsys: pytest.CaptureFixture[str], *, every_way: bool) -> No
         for var in ("GPUWATCH_CONFIG", "GPUWATCH_ROOT"):
             mp.delenv(var, raising=False)
         mp.setattr(os, "geteuid", lambda: h.euid)
+        # The caller posed as holds CAP_DAC_OVERRIDE as root does (the oracle's "root
+        # always may"), whatever this test process holds.
+        mp.setattr(procfs, "own_dac_override", lambda: h.euid == 0)
         mp.setattr(os, "getegid", lambda: min(h.gids))
         mp.setattr(os, "getgroups", lambda: sorted(h.gids))
         oracle = Oracle(str(s.root), h.euid, h.gids)

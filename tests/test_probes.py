@@ -333,6 +333,7 @@ def test_vfio_group_access_is_prepared_again_when_a_node_changes(host: SysRoot) 
     host.add_vfio_group(13)
     model = gpuwatch.scan(host.root)
     model._uid, model._gids = 1000, frozenset({1000})  # as an unprivileged caller
+    model._dac_override, model._own_caps_read = False, True  # (without CAP_DAC_OVERRIDE)
     node = "/dev/vfio/13"
     model.state.apply(NodeSeen(node, NodeStat(mode=0o600, uid=0, gid=0)))
     assert model.probe("vfio-group-accessible", group=13) is False

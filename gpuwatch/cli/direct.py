@@ -24,6 +24,7 @@ from gpuwatch.cli.fast import _OPTIONS, _split, compact, daemon_socket, reader_m
 from gpuwatch.core.probes import FRESH_ACTIONS, FreshHost, FunctionGone, check_params
 from gpuwatch.core.tabledata import table_data
 from gpuwatch.errors import EXIT_INTERRUPTED, GpuwatchError
+from gpuwatch.hostfs import procfs
 from gpuwatch.hostfs.scan import (
     HostPaths,
     function_entries,
@@ -83,7 +84,8 @@ def fresh_host(root: str) -> FreshHost:
                 if (o := outline_function(paths, name, devpath)) is not None]
     return FreshHost(scan_host(paths, tables, ()), tables, os.geteuid(),
                      frozenset((os.getegid(), *os.getgroups())), outlines,
-                     lambda o: read_listed(paths, o.addr, o.devpath))
+                     lambda o: read_listed(paths, o.addr, o.devpath),
+                     dac_override=procfs.own_dac_override())
 
 
 def run_direct(argv: Sequence[str]) -> int | None:

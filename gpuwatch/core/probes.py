@@ -201,11 +201,18 @@ def nvidia_usable(modules: Collection[str], cdi: CdiSeen, nvidia_gpu: bool) -> b
             and nvidia_gpu)
 
 
-def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
-    """What open(O_RDWR) would decide, from the node's owner, mode and POSIX ACL (root
-    always may): the kernel's ``posix_acl_permission`` where the node has an ACL, else
-    its mode bits."""
-    if uid == 0:
+def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int],
+                   dac_override: bool | None = None) -> bool:
+    """What open(O_RDWR) would decide, from the node's owner, mode and POSIX ACL: the
+    kernel's ``posix_acl_permission`` where the node has an ACL, else its mode bits.
+
+    A caller with CAP_DAC_OVERRIDE (``dac_override``) may open any node, whatever its uid;
+    one without it is judged by the bits, root too (a container that dropped it is refused
+    a node libvirt chowned to qemu, mode 0600). None: its capabilities are not known, and
+    root is taken to have it."""
+    if dac_override is None:
+        dac_override = uid == 0
+    if dac_override:
         return True
     if stat.uid == uid:
         return (stat.mode >> 6) & 0o6 == 0o6
@@ -228,12 +235,13 @@ def may_read_write(stat: NodeStat, uid: int, gids: frozenset[int]) -> bool:
     return not found and stat.mode & 0o6 == 0o6
 
 
-def group_access(nodes: Mapping[str, NodeStat], uid: int,
-                 gids: frozenset[int]) -> dict[int, bool]:
-    """vfio-group-accessible for every group with a ``/dev/vfio/N`` node at once."""
+def group_access(nodes: Mapping[str, NodeStat], uid: int, gids: frozenset[int],
+                 dac_override: bool | None = None) -> dict[int, bool]:
+    """vfio-group-accessible for every group with a ``/dev/vfio/N`` node at once
+    (``dac_override`` as `may_read_write` takes it)."""
     prefix = _VFIO_PREFIX
     return {
-        int(path[len(prefix) :]): may_read_write(stat, uid, gids)
+        int(path[len(prefix) :]): may_read_write(stat, uid, gids, dac_override)
         for path, stat in nodes.items()
         if path.startswith(prefix) and path[len(prefix) :].isdigit()
     }
@@ -344,9 +352,11 @@ class FreshHost:
 
     def __init__(self, snapshot: Snapshot, tables: TablesView, uid: int, gids: frozenset[int],
                  functions: Iterable[PciSeen | FunctionOutline] | None = None,
-                 read: FullRead | None = None) -> None:
+                 read: FullRead | None = None, *, dac_override: bool | None = None) -> None:
         self.snapshot = snapshot
         self.uid, self.gids = uid, gids
+        #: Whether the asking process holds CAP_DAC_OVERRIDE (None: not known).
+        self.dac_override = dac_override
         self.gpu_vendors: Collection[str] = tables.gpu_vendors
         self.labels = tables.pci_class_labels
         self.pattern_res = compiled_patterns(tuple(tables.device_patterns))
@@ -426,7 +436,7 @@ class FreshHost:
         if action == "detect-host-devices":
             return self.detect_host_devices()
         if action == "vfio-group-accessible":
-            access = group_access(self.nodes, self.uid, self.gids)
+            access = group_access(self.nodes, self.uid, self.gids, self.dac_override)
             return group is not None and access.get(group, False)
         fn = self.function(addr)
         if action == "display-driver":

@@ -1,7 +1,9 @@
-"""Live process facts: who holds GPU device nodes open, and this process's memlock limit.
+"""Live process facts: who holds GPU device nodes open, this process's memlock limit, and a
+process's effective capabilities.
 
 These are live by nature (a process opens /dev/nvidia0 without any uevent), so they are
-read on every call rather than cached.
+read on every call rather than cached; how long a capability set is kept is the caller's
+choice (the model reads its own once, the daemon a peer's once per connection).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import resource
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from gpuwatch.core.results import Holder, MemlockResult
-from gpuwatch.hostfs.files import list_dir, read_bytes, tree_dir
+from gpuwatch.hostfs.files import list_dir, open_regular, read_bytes, tree_dir
+
+if TYPE_CHECKING:  # the records load pydantic: imported where one is made, so the cold
+    # direct probe (`gpuwatch.cli.direct`) can read capabilities without it
+    from gpuwatch.core.results import Holder, MemlockResult
 
 T = TypeVar("T")
 
@@ -136,6 +141,8 @@ def read_each(pids: Sequence[int], read: Callable[[int], T], *,
 
 def memlock() -> MemlockResult:
     """RLIMIT_MEMLOCK now (prlimit can change it from outside); None means unlimited."""
+    from gpuwatch.core.results import MemlockResult
+
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
 
     def clean(value: int) -> int | None:
@@ -221,6 +228,8 @@ def holders(root: str, matches: Callable[[str], bool], *,
 def nvidia_holders(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[Holder, ...]:
     """Processes with an fd on ``/dev/nvidia*``, one entry per process, sorted by pid; a
     process whose fds could not be read in time is listed ``unreadable`` (it may hold one)."""
+    from gpuwatch.core.results import Holder
+
     seen: dict[int, Holder] = {}
     found, stuck = holders(root, lambda t: t.startswith("/dev/nvidia"), deadline=deadline)
     for pid, comm, _node in found:
@@ -228,3 +237,72 @@ def nvidia_holders(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> tup
     for pid, comm in stuck:
         seen[pid] = Holder(pid=pid, comm=comm, unreadable=True)
     return tuple(seen[pid] for pid in sorted(seen))
+
+
+#: CAP_DAC_OVERRIDE's bit in a capability set (linux/capability.h): it lets a process open
+#: a file whatever its owner, mode and ACL say.
+CAP_DAC_OVERRIDE = 1
+#: How much of ``/proc/<pid>/status`` is read to find ``CapEff:`` (its ``Groups:`` line,
+#: before it, lists every supplementary group: up to 65536 of them).
+_STATUS_CAP = 1 << 20
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def parse_cap_eff(raw: bytes) -> int | None:
+    """The effective capability set of a ``/proc/<pid>/status`` text (its ``CapEff:`` line,
+    hex digits); None where there is no such line or its value is not plain hex (``int``
+    alone would take a sign, ``0x`` or underscores the kernel never writes)."""
+    for line in raw.split(b"\n"):
+        if line.startswith(b"CapEff:"):
+            value = line[len(b"CapEff:"):].strip(b" \t")
+            if not value or not _HEX.issuperset(value):
+                return None
+            return int(value, 16)
+    return None
+
+
+def effective_capabilities(pid: int | str = "self", proc: str = "/proc") -> int | None:
+    """``CapEff`` of process ``pid`` (world-readable, no privilege needed); None when it
+    cannot be read (gone, another pid namespace) or is garbage. Read only up to that line."""
+    path = f"{proc}/{pid}/status"
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return None
+    raw = b""
+    try:
+        while len(raw) < _STATUS_CAP:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            raw += chunk
+            start = raw.find(b"CapEff:")
+            if start >= 0 and b"\n" in raw[start:]:
+                break
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse_cap_eff(raw)
+
+
+def dac_override(caps: int | None) -> bool | None:
+    """Whether a capability set holds CAP_DAC_OVERRIDE; None for a set not known."""
+    return None if caps is None else bool(caps >> CAP_DAC_OVERRIDE & 1)
+
+
+def own_dac_override() -> bool | None:
+    """Whether this process holds CAP_DAC_OVERRIDE now: root in a container that dropped it
+    is refused nodes of other users, an unprivileged process granted it is not (None: its
+    ``/proc/self/status`` could not be read)."""
+    return dac_override(effective_capabilities("self"))
+
+
+def in_our_user_namespace(pid: int, proc: str = "/proc") -> bool:
+    """Whether process ``pid`` is in this process's user namespace (its capabilities then
+    count over our files); False when either cannot be read (reading another user's takes
+    ptrace access)."""
+    try:
+        return os.readlink(f"{proc}/{pid}/ns/user") == os.readlink(f"{proc}/self/ns/user")
+    except OSError:
+        return False

@@ -20,6 +20,7 @@ import struct
 from dataclasses import dataclass
 
 from gpuwatch.core.results import MemlockResult
+from gpuwatch.hostfs import procfs
 from gpuwatch.hostfs.files import read_bytes
 from gpuwatch.service.protocol import SWITCH_METHODS
 
@@ -246,6 +247,20 @@ def peer_memlock(pid: int, proc: str = "/proc") -> MemlockResult | None:
     return None
 
 
+def peer_dac_override(peer: PeerCred, proc: str = "/proc") -> bool | None:
+    """Whether the peer holds CAP_DAC_OVERRIDE over our files, from its ``CapEff`` (root in
+    a container that dropped it is refused what its bits refuse; a user granted it may open
+    anything). A peer whose uid we see is not 0 counts only in our user namespace: one
+    that is root in a namespace of its own has no such power here (and one whose namespace
+    cannot be read has none). None, not known: the status could not be read, or ``pid``
+    no longer names the process that connected (checked after the reads)."""
+    caps = procfs.effective_capabilities(peer.pid, proc)
+    here = peer.uid == 0 or procfs.in_our_user_namespace(peer.pid, proc)
+    if caps is None or not peer.still_there(proc):
+        return None
+    return here and bool(procfs.dac_override(caps))
+
+
 __all__ = [
     "AccessPolicy",
     "PeerCred",
@@ -253,6 +268,7 @@ __all__ = [
     "group_label",
     "kernel_credentials",
     "peer_credentials",
+    "peer_dac_override",
     "peer_memlock",
     "process_start",
     "vouched",

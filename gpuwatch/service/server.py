@@ -55,6 +55,7 @@ from gpuwatch.service.peers import (
     database_groups,
     group_label,
     kernel_credentials,
+    peer_dac_override,
     peer_memlock,
     vouched,
     with_groups,
@@ -476,6 +477,10 @@ class Connection:
         self.held_bytes = 0
         self.held_seq = 0  # the newest seq seen while holding, wanted or not
         self.last_seq = 0  # the newest seq handled for this subscriber (sent or filtered out)
+        #: Whether the peer holds CAP_DAC_OVERRIDE (`peer_dac_override`), read at its first
+        #: vfio-group-accessible and kept for the connection (None: not known).
+        self.dac_override: bool | None = None
+        self.dac_override_read = False
 
     # -- moving bytes (per transport)
 
@@ -1857,8 +1862,12 @@ class SocketServer:
             if action == "vfio-group-accessible":
                 assert group is not None
                 node = self.watcher.model.state.nodes.get(f"/dev/vfio/{group}")
-                return group >= 0 and node is not None and may_read_write(
-                    node, conn.peer.uid, conn.peer.groups)
+                if group < 0 or node is None:
+                    return False
+                if not conn.dac_override_read:
+                    conn.dac_override = peer_dac_override(conn.peer)
+                    conn.dac_override_read = True
+                return may_read_write(node, conn.peer.uid, conn.peer.groups, conn.dac_override)
             if action == "memlock":
                 limit = peer_memlock(conn.peer.pid)
                 # Checked after the read: a pid the peer left behind, reused by another
