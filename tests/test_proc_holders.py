@@ -5,17 +5,20 @@ own /proc (read only) where the kernel's behaviour is the point."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpuwatch.core.plan import NodeScope
 from gpuwatch.errors import SwitchRefused
-from gpuwatch.hostfs.facts import map_paths, scan_holders
+from gpuwatch.hostfs.facts import mapped_files, scan_holders
 from gpuwatch.hostfs.procfs import nvidia_holders
 from gpuwatch.model import holders_report, scan
 from gpuwatch.testing import SysRoot
@@ -61,14 +64,14 @@ def test_a_mapping_past_the_first_64_kib_of_maps_is_a_holder(host: SysRoot) -> N
 
 
 @real_proc
-def test_map_paths_reads_this_processs_whole_maps() -> None:
+def test_mapped_files_reads_this_processs_whole_maps() -> None:
     # The kernel hands out /proc/<pid>/maps about a page per read: one read saw ~30 lines.
     with open(f"/proc/{os.getpid()}/maps", encoding="utf-8", errors="replace") as fh:
         lines = fh.read().splitlines()
     everything = {p[5].removesuffix(" (deleted)") for line in lines
                   if len(p := line.split(None, 5)) == 6 and p[5].startswith("/")}
     assert len("\n".join(lines)) > 8192  # more than a page or two: the point of the test
-    assert set(map_paths("/proc", os.getpid())) >= everything - {""}
+    assert {p for _, p in mapped_files("/proc", os.getpid())} >= everything - {""}
 
 
 def test_an_overlong_maps_line_is_skipped_not_fatal(host: SysRoot) -> None:
@@ -152,7 +155,146 @@ def test_this_kernel_shows_the_threads_of_an_exited_main_thread(tmp_path: Path) 
         assert os.listdir(f"/proc/{child.pid}/fd") == []  # the kernel's own behaviour
         found = scan_holders("/", NodeScope(exact=frozenset({target})), deadline=10)
         assert (child.pid, target) in [(h.pid, h.node) for h in found]
-        assert target in list(map_paths("/proc", child.pid))
+        assert target in [p for _, p in mapped_files("/proc", child.pid)]
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- renamed nodes
+
+# A container started with ``--device /dev/nvidia3:/dev/nvidia0`` (or one that names a node of
+# its own /dev anything it likes) shows its fd as ``/dev/nvidia0``: the same device, another
+# name. These tests stand a real node of the root's dev/ with /dev/zero's numbers (1:5) for
+# the card's node, and a real child process holding /dev/zero under its own name for the
+# container's client; the fixture's proc/<pid> leads to the child's real /proc/<pid>.
+
+as_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.isfile(f"/proc/{os.getpid()}/maps"),
+                             reason="needs root (mknod, map_files) and Linux /proc")
+
+ZERO, FULL = os.makedev(1, 5), os.makedev(1, 7)  # /dev/zero's numbers, /dev/full's
+
+_HOLD_ZERO = (
+    "import mmap, sys\n"
+    "f = open('/dev/zero', 'r+b')\n"
+    "if sys.argv[1] == 'map':\n"
+    "    m = mmap.mmap(f.fileno(), 4096, mmap.MAP_PRIVATE)\n"
+    "    f.close()\n"  # a CUDA context keeps its mappings after closing the fd
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n")
+
+
+def char_node(root: Path, node: str, dev: int) -> None:
+    """A real character device node at ``root/node`` (not the fixture's empty file)."""
+    path = root / node.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()
+    os.mknod(path, 0o600 | stat.S_IFCHR, dev)
+
+
+@contextlib.contextmanager
+def holding_zero(how: str) -> Iterator[int]:
+    """A live child holding /dev/zero open (``fd``) or only mapped (``map``)."""
+    with subprocess.Popen([sys.executable, "-c", _HOLD_ZERO, how], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            yield child.pid
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+
+
+@pytest.fixture(params=["fd", "map"])
+def zero_holder(request: pytest.FixtureRequest) -> Iterator[int]:
+    with holding_zero(request.param) as pid:
+        yield pid
+
+
+def link_process(root: Path, pid: int) -> None:
+    """The fixture's ``proc/<pid>`` is the live process's ``/proc/<pid>``."""
+    (root / "proc").mkdir(parents=True, exist_ok=True)
+    os.symlink(f"/proc/{pid}", root / "proc" / str(pid))
+
+
+@as_root
+@pytest.mark.timeout(60)
+def test_a_renamed_node_holds_the_card_by_its_numbers(tmp_path: Path, zero_holder: int) -> None:
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia3", ZERO)  # the child's /dev/zero, under the host's name
+    char_node(root, "/dev/nvidia2", FULL)  # held by no one
+    link_process(root, zero_holder)
+    scope = NodeScope(exact=frozenset({"/dev/nvidia2", "/dev/nvidia3"}))
+    found = scan_holders(str(root), scope, deadline=10)
+    assert [(h.pid, h.node) for h in found] == [(zero_holder, "/dev/nvidia3")]
+    # A prefix scope counts any minor of the majors the root's nodes have.
+    found = scan_holders(str(root), NodeScope(prefixes=("/dev/nvidia",)), deadline=10)
+    assert [(h.pid, h.node) for h in found] == [(zero_holder, "/dev/nvidia3")]
+
+
+@as_root
+@pytest.mark.timeout(60)
+def test_nvidia_holders_counts_a_renamed_node_of_nvidias_major(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia0", FULL)  # "nvidia's" major is 1 here; the minor differs
+    with holding_zero("fd") as pid:
+        link_process(root, pid)
+        assert [h.pid for h in nvidia_holders(str(root), deadline=10)] == [pid]
+
+
+@as_root
+@pytest.mark.timeout(60)
+def test_a_link_named_nvidia_lends_no_major(tmp_path: Path) -> None:
+    # dev/nvidia-odd is a link to a node of another driver: its major is not nvidia's.
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia0", os.makedev(10, 229))
+    char_node(root, "/dev/zero", ZERO)
+    os.symlink("zero", root / "dev/nvidia-odd")
+    with holding_zero("fd") as pid:
+        link_process(root, pid)
+        assert nvidia_holders(str(root), deadline=10) == ()
+
+
+@as_root
+@pytest.mark.timeout(60)
+async def test_multi_gpu_a_renamed_node_of_this_card_refuses_the_unbind(
+        host: SysRoot, zero_holder: int) -> None:
+    add_second_card(host)  # NV2 is /dev/nvidia1
+    char_node(host.root, "/dev/nvidia1", ZERO)
+    link_process(host.root, zero_holder)
+    report = holders_report(scan(host.root), addr=NV2, euid=0)
+    assert [(h["pid"], h.get("node")) for h in report["holders"]] == [(zero_holder,
+                                                                       "/dev/nvidia1")]
+    sim = SimKernel(host)
+    async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+        with pytest.raises(SwitchRefused, match="/dev/nvidia1"):
+            await w.switch(NV2, "vfio", timeout=5)
+    assert NVIDIA_UNBIND not in [p for p, _ in sim.writes]
+
+
+@as_root
+def test_the_dev_column_of_maps_is_not_the_nodes_number(tmp_path: Path) -> None:
+    # maps's 4th column is the device of the filesystem the node lies on (devtmpfs: 00:06),
+    # not the node's own numbers: a line saying 01:05 is no mapping of /dev/zero's 1:5.
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia3", ZERO)
+    host = SysRoot(root)
+    host.add_process(4300, "odd", maps=["7f0000000000-7f0000001000 rw-s 00000000 01:05 4 /dev/x"])
+    assert scan_holders(str(root), NodeScope(exact=frozenset({"/dev/nvidia3"}))) == []
+
+
+def test_node_scope_finds_a_device_by_its_numbers() -> None:
+    scope = NodeScope(exact=frozenset({"/dev/nvidia3"}),
+                      numbers=frozenset({(195, 3, "/dev/nvidia3")}))
+    assert scope.numbered
+    assert scope.device_node(195, 3, "/dev/nvidia0") == "/dev/nvidia3"  # the root's name
+    assert scope.device_node(195, 0, "/dev/nvidia0") is None  # another card of the driver
+    assert not NodeScope(exact=frozenset({"/dev/nvidia3"})).numbered  # a fixture's plain file
+    prefix = NodeScope(prefixes=("/dev/nvidia",), numbers=frozenset({(195, 255, "/dev/nvidiactl")}),
+                       majors=frozenset({195}))
+    assert prefix.device_node(195, 255, "/dev/ctl") == "/dev/nvidiactl"
+    assert prefix.device_node(195, 7, "/dev/mygpu") == "/dev/mygpu"  # any minor of the major
+    assert prefix.device_node(226, 0, "/dev/dri/card0") is None
+    both = scope | prefix
+    assert both.device_node(195, 3, "/dev/x") == "/dev/nvidia3" and both.majors == {195}

@@ -261,14 +261,14 @@ def stuck_maps(host: SysRoot, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
     host.add_process(5150, "stuck-job", fds={3: "/dev/null"}, maps=["/usr/lib/libc.so.6"])
     release = threading.Event()
-    real = facts.map_paths
+    real = facts.mapped_files
 
-    def map_paths(proc: str, pid: int) -> Iterator[str]:
+    def mapped_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
         if pid == 5150:
             release.wait(60)
         return real(proc, pid)
 
-    monkeypatch.setattr(facts, "map_paths", map_paths)
+    monkeypatch.setattr(facts, "mapped_files", mapped_files)
     yield 5150
     release.set()
 
@@ -325,14 +325,14 @@ def test_nvidia_holders_probe_reports_the_unreadable(host: SysRoot,
     host.add_process(5151, "cuda-app", fds={3: "/dev/nvidia0"})
     host.add_process(5152, "stuck-job", fds={3: "/dev/nvidia0"})
     release = threading.Event()
-    real = procfs.fd_targets
+    real = procfs.open_files
 
-    def fd_targets(proc: str, pid: int) -> Iterator[str]:
+    def open_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
         if pid == 5152:
             release.wait(60)  # listing its fds never returns
         return real(proc, pid)
 
-    monkeypatch.setattr(procfs, "fd_targets", fd_targets)
+    monkeypatch.setattr(procfs, "open_files", open_files)
     try:
         started = time.monotonic()
         found = nvidia_holders(str(host.root), deadline=0.4)

@@ -153,17 +153,42 @@ def module_of(driver: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class NodeScope:
-    """Device nodes whose holders matter: exact paths plus path prefixes (``/dev/nvidia``)."""
+    """Device nodes whose holders matter: exact paths plus path prefixes (``/dev/nvidia``),
+    and, where the root's ``/dev`` has them as character devices, their device numbers.
+
+    A path alone misses a process in a container whose node was renamed
+    (``--device /dev/nvidia3:/dev/nvidia0``: its fd reads ``/dev/nvidia0``): the numbers
+    find it, and name it by the root's own node."""
 
     exact: frozenset[str] = frozenset()
     prefixes: tuple[str, ...] = ()
+    #: ``(major, minor, node)`` of the scope's nodes as the root's ``/dev`` has them.
+    numbers: frozenset[tuple[int, int, str]] = frozenset()
+    #: Every minor of these majors is in scope (the char majors of a prefix's nodes: a
+    #: renamed ``/dev/nvidia*`` keeps nvidia's major).
+    majors: frozenset[int] = frozenset()
 
     def matches(self, path: str) -> bool:
         return path in self.exact or any(path.startswith(p) for p in self.prefixes)
 
+    @property
+    def numbered(self) -> bool:
+        """Are there numbers to look a device up by (else a stat would be wasted)?"""
+        return bool(self.numbers or self.majors)
+
+    def device_node(self, major: int, minor: int, seen: str) -> str | None:
+        """The node in scope that is the character device ``major:minor``, named as the
+        root's ``/dev`` names it (``seen``, the name the holder sees, when only its major is
+        known); None when it is not in scope."""
+        for n_major, n_minor, node in sorted(self.numbers):
+            if (n_major, n_minor) == (major, minor):
+                return node
+        return seen if major in self.majors else None
+
     def __or__(self, other: NodeScope) -> NodeScope:
         prefixes = self.prefixes + tuple(p for p in other.prefixes if p not in self.prefixes)
-        return NodeScope(self.exact | other.exact, prefixes)
+        return NodeScope(self.exact | other.exact, prefixes, self.numbers | other.numbers,
+                         self.majors | other.majors)
 
     def __bool__(self) -> bool:
         return bool(self.exact or self.prefixes)

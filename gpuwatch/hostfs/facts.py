@@ -58,7 +58,9 @@ from gpuwatch.hostfs.files import (
 from gpuwatch.hostfs.procfs import (
     DEFAULT_PROC_DEADLINE,
     DELETED,
-    fd_targets,
+    held_node,
+    numbered_scope,
+    open_files,
     pids,
     read_comm,
     read_each,
@@ -131,32 +133,43 @@ def _maps_lines(fd: int) -> Iterator[bytes]:
         os.close(fd)
 
 
-def map_paths(proc: str, pid: int) -> Iterator[str]:
-    """Files a process has mapped (``/proc/<pid>/maps``, read whole): a CUDA context maps
-    /dev/nvidia* and keeps the card busy even after closing the fd. A process whose own maps
-    reads empty (its main thread exited while the others run on: `task_dirs`) is read
-    through the first of its threads that shows any (threads share one memory)."""
+def mapped_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
+    """``(handle, path)`` of the files a process has mapped (``/proc/<pid>/maps``, read
+    whole), each file once: a CUDA context maps /dev/nvidia* and keeps the card busy even
+    after closing the fd. ``handle`` is the mapping's ``map_files`` link, whose stat reaches
+    the mapped file itself (its device numbers: maps's own ``dev`` column is the device of
+    the filesystem the node lies on, not the node's). A process whose own maps reads empty
+    (its main thread exited while the others run on: `task_dirs`) is read through the first
+    of its threads that shows any (threads share one memory), by that thread's
+    ``/proc/<tid>``."""
     fd = _open_maps(f"{proc}/{pid}/maps")
     if fd is None:
         return
-    seen = False
+    seen: set[tuple[str, str, str]] = set()
+    lines = False
     for raw in _maps_lines(fd):
-        seen = True
-        yield from _mapped_path(raw)
-    for task in () if seen else task_dirs(proc, pid):
+        lines = True
+        yield from _mapped_file(raw, f"{proc}/{pid}", seen)
+    for task in () if lines else task_dirs(proc, pid):
         fd = _open_maps(f"{task}/maps")
+        base = f"{proc}/{task.rpartition('/')[2]}"  # the thread's own /proc/<tid>: map_files
         for raw in () if fd is None else _maps_lines(fd):
-            seen = True
-            yield from _mapped_path(raw)
-        if seen:
+            lines = True
+            yield from _mapped_file(raw, base, seen)
+        if lines:
             return
 
 
-def _mapped_path(raw: bytes) -> Iterator[str]:
-    """The file of one maps line, if it names one (``[heap]``, anonymous memory: none)."""
+def _mapped_file(raw: bytes, base: str,
+                 seen: set[tuple[str, str, str]]) -> Iterator[tuple[str, str]]:
+    """The file of one maps line, if it names one (``[heap]``, anonymous memory: none) and
+    it is not one of ``seen`` (the same ``dev inode path`` is the same file, mapped again)."""
     parts = raw.decode("utf-8", "replace").split(None, 5)
     if len(parts) == 6 and parts[5].startswith("/"):
-        yield parts[5].removesuffix(DELETED)
+        key = (parts[3], parts[4], parts[5])
+        if key not in seen:
+            seen.add(key)
+            yield f"{base}/map_files/{parts[0]}", parts[5].removesuffix(DELETED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +185,22 @@ class ProcScan:
 
 def scan_procs(root: str, scope: NodeScope, *,
                deadline: float = DEFAULT_PROC_DEADLINE) -> ProcScan:
-    """Read every process's comm, fds and maps, all within ``deadline`` (`read_each`)."""
+    """Read every process's comm, fds and maps, all within ``deadline`` (`read_each`); an
+    fd or mapping holds a node of ``scope`` by its path or by its device numbers
+    (`held_node`: a container's renamed node)."""
     proc = tree_dir(root, "proc")
+
+    scope = numbered_scope(root, scope) if scope else scope
 
     def read(pid: int) -> tuple[str, set[str], int]:
         comm = read_comm(proc, pid)
-        targets = list(fd_targets(proc, pid))
-        nodes = {t for t in targets if scope.matches(t)} if scope else set()
+        files = list(open_files(proc, pid))
+        nodes: set[str] = set()
         if scope:
-            nodes.update(p for p in map_paths(proc, pid) if scope.matches(p))
-        nvidia_fds = sum(1 for t in targets if t.startswith("/dev/nvidia"))
+            for handle, path in (*files, *mapped_files(proc, pid)):
+                if (node := held_node(scope, handle, path)) is not None:
+                    nodes.add(node)
+        nvidia_fds = sum(1 for _, target in files if target.startswith("/dev/nvidia"))
         return comm, nodes, nvidia_fds
 
     seen, stuck = read_each(pids(proc), read, deadline=deadline, scope=proc)
@@ -588,7 +607,7 @@ __all__ = [
     "gather_facts",
     "health_facts",
     "is_persistenced",
-    "map_paths",
+    "mapped_files",
     "model_facts",
     "nvidia_minor",
     "persistenced_running",

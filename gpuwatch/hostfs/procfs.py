@@ -8,8 +8,10 @@ choice (the model reads its own once, the daemon a peer's once per connection).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,8 +19,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from gpuwatch.hostfs.files import list_dir, open_regular, read_bytes, tree_dir
 
-if TYPE_CHECKING:  # the records load pydantic: imported where one is made, so the cold
-    # direct probe (`gpuwatch.cli.direct`) can read capabilities without it
+if TYPE_CHECKING:  # the records (and the planner's scope) load pydantic: imported where
+    # one is made, so the cold direct probe (`gpuwatch.cli.direct`) can read capabilities
+    # without it
+    from gpuwatch.core.plan import NodeScope
     from gpuwatch.core.results import Holder, MemlockResult
 
 T = TypeVar("T")
@@ -181,16 +185,18 @@ def task_dirs(proc: str, pid: int) -> list[str]:
             if tid.isascii() and tid.isdigit() and int(tid) != pid]
 
 
-def _read_links(fd_dir: str, names: list[str]) -> Iterator[str]:
+def _read_links(fd_dir: str, names: list[str]) -> Iterator[tuple[str, str]]:
     for fd in names:
+        link = f"{fd_dir}/{fd}"
         try:
-            yield os.readlink(f"{fd_dir}/{fd}").removesuffix(DELETED)
+            yield link, os.readlink(link).removesuffix(DELETED)
         except OSError:
             continue
 
 
-def fd_targets(proc: str, pid: int) -> Iterator[str]:
-    """Targets of a process's open fds, each path as it was opened (a node deleted since
+def open_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
+    """``(link, target)`` of a process's open fds: the ``fd/N`` link (a stat of it reaches
+    the open file itself) and its target, the path as it was opened (a node deleted since
     still counts: ``/dev/nvidia0 (deleted)`` is ``/dev/nvidia0``); an unreadable or vanished
     process yields nothing. A process that lists no fd at all (its main thread exited, or a
     kernel thread) is read through its other threads (`task_dirs`)."""
@@ -206,15 +212,83 @@ def fd_targets(proc: str, pid: int) -> Iterator[str]:
         yield from _read_links(f"{task}/fd", list_dir(f"{task}/fd"))
 
 
-def holders(root: str, matches: Callable[[str], bool], *,
+# --------------------------------------------------------------------------- device numbers
+
+
+def char_device(path: str, *, follow: bool = True) -> tuple[int, int] | None:
+    """``(major, minor)`` of the character device at ``path`` (followed: a ``/proc/<pid>/fd/N``
+    link leads to the open file itself, in whatever mount namespace it was opened); None
+    for anything else, and for device number 0 (no device: a fixture's regular file)."""
+    try:
+        st = os.stat(path, follow_symlinks=follow)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev == 0:
+        return None
+    return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+
+def _nodes_with_prefix(root: str, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(node, place)`` of the root's nodes whose path starts with ``prefix``
+    (``/dev/nvidia``: ``nvidia0``, ``nvidiactl``, ``nvidia-uvm``, and those one folder down,
+    ``nvidia-caps/nvidia-cap1``), ``place`` where the node lies in the tree."""
+    folder, _, start = prefix.rpartition("/")
+    where = tree_dir(root, folder or "/")
+    for name in sorted(list_dir(where)):
+        if not name.startswith(start):
+            continue
+        node, place = f"{folder}/{name}", f"{where}/{name}"
+        yield node, place
+        if os.path.isdir(place) and not os.path.islink(place):
+            yield from ((f"{node}/{child}", f"{place}/{child}")
+                        for child in sorted(list_dir(place)))
+
+
+def numbered_scope(root: str, scope: NodeScope) -> NodeScope:
+    """``scope`` with the device numbers of its nodes as the root's ``/dev`` has them: each
+    exact node that is a character device, and every node under a prefix (their majors too:
+    any minor of nvidia's majors is nvidia's; a link there, which may lead anywhere, is
+    not followed). A container shows its nodes under its own names
+    (``--device /dev/nvidia3:/dev/nvidia0``); the numbers are the same device's."""
+    numbers: set[tuple[int, int, str]] = set()
+    majors: set[int] = set()
+    for node in scope.exact:
+        if node.startswith("/") and (dev := char_device(tree_dir(root, node))) is not None:
+            numbers.add((*dev, node))
+    for prefix in scope.prefixes:
+        for node, place in _nodes_with_prefix(root, prefix):
+            if (dev := char_device(place, follow=False)) is not None:
+                numbers.add((*dev, node))
+                majors.add(dev[0])
+    return dataclasses.replace(scope, numbers=scope.numbers | frozenset(numbers),
+                               majors=scope.majors | frozenset(majors))
+
+
+def held_node(scope: NodeScope, handle: str, path: str) -> str | None:
+    """The node in ``scope`` that an open file or mapping holds: ``path`` when it matches by
+    name, else, for a file under ``/dev/`` (a container's node, perhaps renamed), the node
+    with the numbers of the file ``handle`` (its ``fd/N`` or ``map_files`` link) leads to,
+    under the root's name for it. Only ``/dev/`` paths cost a stat."""
+    if scope.matches(path):
+        return path
+    if not scope.numbered or not path.startswith("/dev/"):
+        return None
+    dev = char_device(handle)
+    return None if dev is None else scope.device_node(*dev, path)
+
+
+def holders(root: str, scope: NodeScope, *,
             deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[list[tuple[int, str, str]],
                                                                list[tuple[int, str]]]:
-    """``(pid, comm, node)`` for every fd whose target ``matches``, sorted by pid then node,
-    and ``(pid, comm)`` of every process whose fds could not be read within ``deadline``."""
+    """``(pid, comm, node)`` for every fd on a node in ``scope`` (`held_node`), sorted by pid
+    then node, and ``(pid, comm)`` of every process whose fds could not be read within
+    ``deadline``."""
     proc = tree_dir(root, "proc")
+    scope = numbered_scope(root, scope)
 
     def read(pid: int) -> list[str]:
-        return sorted({t for t in fd_targets(proc, pid) if matches(t)})
+        return sorted({node for link, target in open_files(proc, pid)
+                       if (node := held_node(scope, link, target)) is not None})
 
     nodes_of, stuck = read_each(pids(proc), read, deadline=deadline, scope=proc)
     found: list[tuple[int, str, str]] = []
@@ -226,12 +300,15 @@ def holders(root: str, matches: Callable[[str], bool], *,
 
 
 def nvidia_holders(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[Holder, ...]:
-    """Processes with an fd on ``/dev/nvidia*``, one entry per process, sorted by pid; a
-    process whose fds could not be read in time is listed ``unreadable`` (it may hold one)."""
+    """Processes with an fd on ``/dev/nvidia*`` (or on any character device of the majors the
+    root's ``/dev/nvidia*`` have: a container's renamed node), one entry per process, sorted
+    by pid; a process whose fds could not be read in time is listed ``unreadable`` (it may
+    hold one)."""
+    from gpuwatch.core.plan import NodeScope
     from gpuwatch.core.results import Holder
 
     seen: dict[int, Holder] = {}
-    found, stuck = holders(root, lambda t: t.startswith("/dev/nvidia"), deadline=deadline)
+    found, stuck = holders(root, NodeScope(prefixes=("/dev/nvidia",)), deadline=deadline)
     for pid, comm, _node in found:
         seen.setdefault(pid, Holder(pid=pid, comm=comm))
     for pid, comm in stuck:
