@@ -223,6 +223,10 @@ def _typed(s: Setting, value: Any) -> Any:
         if s.optional:
             return None
         raise _Bad("must not be empty (null)")
+    if s.optional and isinstance(value, str) and not value.strip():
+        # Empty turns an optional setting off whatever its type, in the file (``""``) and
+        # on the command line (``--log-max-bytes ''``) as in the environment.
+        return None
     if s.kind == "str":
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise _Bad(f"must be a string, not {_describe(value)}")
