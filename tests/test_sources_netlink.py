@@ -30,7 +30,6 @@ from gpuwatch.sources import (
     open_source,
 )
 from gpuwatch.sources.kernel import KernelSource
-from gpuwatch.testing import example_gpu_host
 from gpuwatch.sources.netlink import (
     DEFAULT_RECEIVE_BUFFER,
     NetlinkSource,
@@ -38,6 +37,7 @@ from gpuwatch.sources.netlink import (
     set_receive_buffer,
     user_namespace_warning,
 )
+from gpuwatch.testing import example_gpu_host
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 SEQNUM = Path("/sys/kernel/uevent_seqnum")
