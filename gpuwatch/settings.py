@@ -133,6 +133,26 @@ def _check_nfd_expiry(value: Any) -> str | None:
             f"features.d about once a minute), not {value:g}")
 
 
+def _group_problem(text: str) -> str | None:
+    """Why ``text`` names no group on any host, or None. A number is compared as digits
+    first: one of thousands of digits is no gid, and ``int()`` refuses to convert it
+    (ValueError); a NUL byte is in no group's name, and ``getgrnam`` raises on one."""
+    if text.isascii() and text.isdigit():
+        digits = text.lstrip("0") or "0"
+        if len(digits) > len(str(_MAX_GID)) or int(digits) > _MAX_GID:
+            shown = digits if len(digits) <= 40 else digits[:37] + "..."
+            return f"group {shown} is no gid (0-{_MAX_GID})"
+    elif "\0" in text:
+        return f"group {_describe(text)} is no group name (a NUL byte)"
+    return None
+
+
+def _check_group(value: Any) -> str | None:
+    """A group setting's check, made by every command that reads the file (not only the
+    daemon, which also looks the name up): a value no host could resolve is refused alike."""
+    return _group_problem(str(value).strip())
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("root", "str", "/", check=_check_nonempty),
     Setting("source", "str", "auto", check=_check_source),
@@ -143,8 +163,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("receive_buffer", "int", None, optional=True, minimum=MIN_RECEIVE_BUFFER,
             maximum=MAX_RECEIVE_BUFFER),
     Setting("socket", "str", None, optional=True),
-    Setting("socket_group", "str", None, optional=True),
-    Setting("switch_group", "str", None, optional=True),
+    Setting("socket_group", "str", None, optional=True, check=_check_group),
+    Setting("switch_group", "str", None, optional=True, check=_check_group),
     Setting("socket_max_request_bytes", "int", 65536, minimum=1024),
     Setting("socket_max_clients", "int", 1024, minimum=1),
     Setting("socket_max_per_uid", "int", 16, minimum=1),
@@ -223,6 +243,10 @@ def _typed(s: Setting, value: Any) -> Any:
         if s.optional:
             return None
         raise _Bad("must not be empty (null)")
+    if s.optional and isinstance(value, str) and not value.strip():
+        # Empty turns an optional setting off whatever its type, in the file (``""``) and
+        # on the command line (``--log-max-bytes ''``) as in the environment.
+        return None
     if s.kind == "str":
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise _Bad(f"must be a string, not {_describe(value)}")
@@ -554,6 +578,9 @@ def resolve_group(name: str | int) -> int:
     if isinstance(name, int):
         return _gid(name)
     text = name.strip()
+    why = _group_problem(text)
+    if why is not None:
+        raise GroupNotFound(why)
     if text.isascii() and text.isdigit():
         return _gid(int(text))
     import grp  # here: only the daemon resolves groups

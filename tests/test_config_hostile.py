@@ -91,6 +91,9 @@ def test_the_cli_refuses_a_bomb_in_one_line(host: SysRoot, tmp_path: Path,
     ("receive_buffer: 3000000000\n",
      "receive_buffer: must be at most 2147483647, not 3000000000"),
     ("log_keep: 1000000000\n", "log_keep: must be at most 1000, not 1000000000"),
+    # A group no host has: (gid_t)-1 is chown's "no change"; getgrnam raises on a NUL.
+    ("socket_group: 4294967295\n", "socket_group: group 4294967295 is no gid (0-4294967294)"),
+    ('switch_group: "adm\\0in"\n', "switch_group: group 'adm\\x00in' is no group name"),
     # A key given twice (YAML keeps the last, silently); a table key that is no id.
     ("root: /a\nlog_keep: 2\nroot: /b\n", "key 'root' given twice"),
     ("gpu_vendors: {0x10de: A, 0x1002: B, 0x10de: C}\n", "key '0x10de' given twice"),
@@ -113,6 +116,29 @@ def test_a_command_refuses_a_file_the_daemon_would_refuse(
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.startswith(f"gpuwatch: {file}: {message}")
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(("variables", "text", "message"), [
+    ({"GPUWATCH_SOCKET_GROUP": "9" * 5000}, "",
+     "environment GPUWATCH_SOCKET_GROUP: group " + "9" * 37 + "... is no gid (0-4294967294)"),
+    ({}, 'switch_group: "' + "9" * 5000 + '"\n',
+     "{file}: switch_group: group " + "9" * 37 + "... is no gid (0-4294967294)"),
+    ({}, 'socket_group: "a\\0b"\n',
+     "{file}: socket_group: group 'a\\x00b' is no group name (a NUL byte)"),
+], ids=["environment-5000-digits", "file-5000-digits", "file-nul-byte"])
+def test_the_daemon_refuses_a_group_no_host_has_in_one_line(
+        host: SysRoot, tmp_path: Path, variables: dict[str, str], text: str,
+        message: str) -> None:
+    """A gid of thousands of digits (``int()`` refuses to convert it) or a group name with
+    a NUL byte (``getgrnam`` raises on it) was an internal error, exit 1."""
+    file = tmp_path / "config.yaml"
+    file.write_text(text)
+    done = subprocess.run(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--config", str(file),
+                     "--source", "file:/dev/null", "--log", str(tmp_path / "log.jsonl")),
+        capture_output=True, text=True, env={**env(), **variables}, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"gpuwatch: {message.format(file=file)}\n")
 
 
 def test_a_bad_value_is_described_in_bounded_time() -> None:

@@ -100,6 +100,32 @@ def test_empty_environment_value_turns_an_optional_setting_off(tmp_path: Path) -
     assert (s.socket, s.log_max_bytes) == (None, None)
 
 
+@pytest.mark.parametrize(("key", "given"), [("log_max_bytes", "1000"),
+                                             ("receive_buffer", "8192")])
+def test_an_empty_flag_or_file_value_turns_an_optional_number_off(
+        tmp_path: Path, key: str, given: str) -> None:
+    """service.md: an empty value turns an optional setting off in the environment, the
+    file and on the command line alike. For the optional numbers an empty flag was an
+    argparse error ("'' is not an integer", exit 2) and an empty file value a refused file,
+    so the rotation the shipped config sets (``log_max_bytes``) could not be undone by a
+    flag: only the environment could."""
+    from gpuwatch.cli.main import build_parser
+    from gpuwatch.cli.watch_cmd import settings_from_args
+
+    file = write(tmp_path, f"{key}: {given}\n")
+    flag = "--" + key.replace("_", "-")
+    args = build_parser().parse_args(["watch", "--config", file, flag, ""])
+    s = settings_from_args(args)
+    assert (getattr(s, key), s.origins[key]) == (None, "flag")
+    args = build_parser().parse_args(["watch", "--config", file, flag, given])
+    assert getattr(settings_from_args(args), key) == int(given)  # a number still counts
+    s = settings(file=write(tmp_path, f'{key}: ""\n', "empty.yaml"))
+    assert (getattr(s, key), s.origins[key]) == (None, "file")
+    assert getattr(settings(env={"GPUWATCH_" + key.upper(): ""}, file=file), key) is None
+    with pytest.raises(SystemExit):  # a word is still no number
+        build_parser().parse_args(["watch", flag, "x"])
+
+
 @pytest.mark.parametrize(("flags", "env", "text"), [
     ({}, {"GPUWATCH_SOCKET_GROUP": ""}, "socket_group: admins\n"),
     ({}, {}, "socket_group:\n"),

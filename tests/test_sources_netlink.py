@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from cli_helpers import run_main
 
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.sources import (
@@ -35,6 +37,7 @@ from gpuwatch.sources.netlink import (
     set_receive_buffer,
     user_namespace_warning,
 )
+from gpuwatch.testing import example_gpu_host
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 SEQNUM = Path("/sys/kernel/uevent_seqnum")
@@ -288,6 +291,52 @@ def test_auto_stays_kernel_and_udev_is_pyudev_when_udevd_runs(tmp_path: Path) ->
     src = open_source("udev", tmp_path)
     assert isinstance(src, NetlinkSource)
     assert src.name == "udev"
+
+
+def _udevd_runs_under(root: Path) -> Path:
+    control = root / "run" / "udev" / "control"
+    control.parent.mkdir(parents=True)
+    control.touch()
+    return root
+
+
+def test_udev_without_pyudev_is_one_line_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """pyudev is imported for ``--source udev`` only, so a host may lack it (or libudev's
+    binding): asking for that source was an internal error (exit 1, "ModuleNotFoundError")
+    instead of an unusable source (one line, exit 2), as a missing udevd is."""
+    host = example_gpu_host(tmp_path / "host")
+    _udevd_runs_under(host.root)
+    monkeypatch.setitem(sys.modules, "pyudev", None)  # `import pyudev` raises ImportError
+    monkeypatch.delitem(sys.modules, "gpuwatch.sources.netlink")
+    with pytest.raises(SourceUnavailable, match="needs pyudev"):
+        open_source("udev", host.root)
+    assert isinstance(open_source("kernel", host.root), KernelSource)  # never needs it
+    for command in (["watch", "--log", str(tmp_path / "log.jsonl")],
+                    ["record", "--out", str(tmp_path / "capture.jsonl")]):
+        code, out, err = run_main(capsys, *command, "--source", "udev",
+                                  "--root", str(host.root))
+        assert (code, out, err.count("\n")) == (2, "", 1), (command, err)
+        assert "needs pyudev" in err and "use --source kernel" in err
+        assert "internal error" not in err
+
+
+def test_udev_with_a_control_path_that_cannot_be_checked_is_one_line_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A root whose ``run/udev/control`` cannot even be looked up (here: longer than
+    PATH_MAX, though the root itself is a folder) was an internal error, exit 1."""
+    root = tmp_path
+    while len(str(root)) < 4000:
+        root /= "d" * 200
+    root /= "e" * (4090 - len(str(root)))
+    root.mkdir(parents=True)
+    with pytest.raises(SourceUnavailable, match="cannot be checked"):
+        open_source("udev", root)
+    code, out, err = run_main(capsys, "watch", "--source", "udev", "--root", str(root),
+                              "--log", str(tmp_path / "log.jsonl"))
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert "cannot be checked" in err and "internal error" not in err
 
 
 def test_kernel_spec_and_receive_buffer_are_passed_through(tmp_path: Path) -> None:

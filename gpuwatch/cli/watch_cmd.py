@@ -38,11 +38,21 @@ if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
 
 
-def _int_flag(name: str) -> Callable[[str], int]:
+def _int_flag(name: str) -> Callable[[str], int | str]:
     """A flag's argparse type with its setting's least value, so ``0`` and ``1`` get the same
-    message; the settings check everything else (the most, for one)."""
-    least = next(s.minimum for s in SETTINGS if s.key == name)
-    return int_at_least(int(least) if least is not None else 1)
+    message; the settings check everything else (the most, for one). An optional setting's
+    flag given empty (``--log-max-bytes ''``) is kept as ``''``: given, and off, as an empty
+    value is in the environment and the file (a file may set rotation, the flag undo it)."""
+    setting = next(s for s in SETTINGS if s.key == name)
+    least = setting.minimum
+    parse = int_at_least(int(least) if least is not None else 1)
+    if not setting.optional:
+        return parse
+
+    def parse_or_off(text: str) -> int | str:
+        return "" if not text.strip() else parse(text)
+
+    return parse_or_off
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="event log file, - for stdout (default)")
     p.add_argument("--log-max-bytes", type=_int_flag("log_max_bytes"),
                    default=None, metavar="N",
-                   help="rotate the log before it grows past N bytes")
+                   help="rotate the log before it grows past N bytes ('' = never, whatever "
+                        "the config file says)")
     p.add_argument("--log-keep", type=_int_flag("log_keep"),
                    default=None, metavar="K",
                    help="rotated files to keep, PATH.1 … PATH.K (default 5)")

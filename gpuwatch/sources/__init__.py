@@ -182,11 +182,25 @@ def open_source(
             f"unknown source {spec!r}: expected auto, udev, kernel or file:PATH"
         )
     control = Path(root) / UDEV_CONTROL
-    if not control.exists():
+    try:
+        os.stat(control)
+    except (FileNotFoundError, NotADirectoryError):
         raise SourceUnavailable(
             f"udev source needs a running udevd, but {control} does not exist "
             "(a udev monitor without udevd receives nothing); use --source kernel"
-        )
-    from gpuwatch.sources.netlink import NetlinkSource
+        ) from None
+    except (OSError, ValueError) as exc:  # EACCES, ENAMETOOLONG, …: unknowable, not absent
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SourceUnavailable(
+            f"udev source needs a running udevd, but {control} cannot be checked ({why}); "
+            "use --source kernel"
+        ) from None
+    try:
+        from gpuwatch.sources.netlink import NetlinkSource
+    except ImportError as exc:  # pyudev is imported for this source only
+        raise SourceUnavailable(
+            f"udev source needs pyudev, which cannot be imported here ({exc}); "
+            "use --source kernel"
+        ) from None
 
     return NetlinkSource("udev", receive_buffer=receive_buffer)
