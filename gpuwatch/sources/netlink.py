@@ -37,6 +37,7 @@ from gpuwatch.sources.kernel import (
     user_namespace_warning,
 )
 from gpuwatch.sources.kernel import set_receive_buffer as _set_receive_buffer
+from gpuwatch.sources.turns import end_turn
 
 __all__ = [
     "DEFAULT_RECEIVE_BUFFER",
@@ -159,6 +160,8 @@ class NetlinkSource:
                     await anyio.sleep(min(0.01 * 2**failures, 1.0))
                     break
                 failures = 0
+                if more:  # let requests and other tasks in between batches of a backlog
+                    await end_turn()
 
     def _drain(self) -> tuple[list[list[UEvent] | SourceOverflow], bool, bool]:
         """Receive until the queue is empty, a batch is full, or an error (then stop there).
