@@ -23,6 +23,7 @@ from gpuwatch.core.uevent import UEvent
 from gpuwatch.hostfs.scan import observe_batch
 from gpuwatch.service import protocol as P
 from gpuwatch.service.server import Connection
+from gpuwatch.service.sharedsend import SharedBytes
 from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, synthetic_host
@@ -171,9 +172,10 @@ async def test_each_socket_subscriber_gets_one_append_per_batch(
     appends: Counter[int] = Counter()
     real = Connection.deliver
 
-    def counting(self: Connection, data: bytes, first_seq: int, count: int) -> None:
+    def counting(self: Connection, data: bytes, first_seq: int, count: int,
+                 shared: SharedBytes | None = None) -> None:
         appends[id(self)] += 1
-        real(self, data, first_seq, count)
+        real(self, data, first_seq, count, shared)
 
     with short_socket_dir() as sockdir:
         path = f"{sockdir}/gw.sock"

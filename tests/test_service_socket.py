@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import resource
 import socket
 import stat
 import threading
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +23,7 @@ import anyio
 import anyio.abc
 import pytest
 from cli_helpers import run_cli
+from test_embedding import BACKENDS
 
 from gpuwatch.cli.daemon import DaemonLost, ask_daemon
 from gpuwatch.core.events import NodeAdded, ProbeChanged
@@ -1126,6 +1129,38 @@ async def test_sync_and_async_clients(host: SysRoot, sockdir: str, tmp_path: Pat
             async for event in c.events():
                 assert (event["type"], event["addr"]) == ("driver-changed", NIC)
                 break
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaving_async_events_early_leaves_nothing_to_finalise(
+    host: SysRoot, sockdir: str, tmp_path: Path, backend: str
+) -> None:
+    """``break`` out of ``async for event in c.events()`` (the documented loop, on either
+    backend) warns of nothing: trio warns (ResourceWarning) of an async generator collected
+    before it was exhausted, so as one the iterator failed a strict embedder's filter."""
+
+    async def main() -> list[str]:
+        async with daemon(host, sockdir, tmp_path) as served:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                async with await AsyncClient.connect(served.path) as c:
+                    await c.subscribe(addrs=[NIC])
+                    await toggle(served, host, NIC, "igb")
+                    async for event in c.events(timeout=5):
+                        assert event["addr"] == NIC
+                        break
+                    gc.collect()
+                    await anyio.sleep(0)
+                    # The loop left, the next event is still there for another.
+                    await toggle(served, host, NIC, "igb")
+                    async for event in c.events(timeout=5):
+                        assert (event["addr"], event["new"]) == (NIC, "igb")
+                        break
+                    gc.collect()
+                    await anyio.sleep(0)
+            return [str(w.message) for w in caught]
+
+    assert anyio.run(main, backend=backend) == []
 
 
 @contextlib.contextmanager

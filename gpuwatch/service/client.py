@@ -731,19 +731,11 @@ class AsyncClient:
         self._subscribed = True
         return result
 
-    async def events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+    def events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         """As `Client.events`: ``timeout`` bounds the wait for each event (`TimeoutError`),
-        however the bytes before it arrive."""
-        if self._broken is not None:
-            raise DaemonUnavailable(self._broken)
-        while True:
-            event: dict[str, Any] | None = None
-            with anyio.move_on_after(timeout):
-                while event is None:
-                    event = _event(_decode(await self._readline(), self.path))
-            if event is None:
-                raise TimeoutError(f"no event from {self.path} within {timeout} s")
-            yield event
+        however the bytes before it arrive. Leaving the loop early (``break``) leaves
+        nothing behind to clean up (`_AsyncEvents`)."""
+        return _AsyncEvents(self, timeout)
 
     async def switch(self, mode: str, *, addr: str | None = None, vendor: str | None = None,
                      timeout: float | None = None, tolerant: bool | None = None,
@@ -765,6 +757,38 @@ class AsyncClient:
 
     async def holders(self, *, addr: str | None = None, vendor: str | None = None) -> Any:
         return await self.call("holders", _params(addr=addr, vendor=vendor))
+
+
+class _AsyncEvents:
+    """`AsyncClient.events`: an iterator object, not an async generator. trio warns
+    (``ResourceWarning``, an error under a strict warnings filter) of every async generator
+    collected before it was exhausted, which a ``break`` out of ``async for event in
+    c.events()`` is; this holds no frame to finalise, so leaving it is silent on either
+    backend. The connection stays the client's, closed with it."""
+
+    __slots__ = ("_client", "_timeout")
+
+    def __init__(self, client: AsyncClient, timeout: float | None) -> None:
+        self._client = client
+        self._timeout = timeout
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        client = self._client
+        if client._broken is not None:
+            raise DaemonUnavailable(client._broken)
+        event: dict[str, Any] | None = None
+        with anyio.move_on_after(self._timeout):
+            while event is None:
+                event = _event(_decode(await client._readline(), client.path))
+        if event is None:
+            raise TimeoutError(f"no event from {client.path} within {self._timeout} s")
+        return event
+
+    async def aclose(self) -> None:
+        """Nothing to release: kept for code that closed the async generator this was."""
 
 
 # --------------------------------------------------------------------------- CLI helper
