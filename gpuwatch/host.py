@@ -239,7 +239,17 @@ async def open_host(
         # A stop while a switch is under way (SIGTERM to a daemon mid-switch) writes
         # ``stopped`` after the switch's end, so ``stopped`` stays the log's last record.
         watcher.stop_waits_for = lambda: engine.busy
-        yield Host(watcher, engine)
+        try:
+            yield Host(watcher, engine)
+        finally:
+            # A switch the caller runs in a task outside this context (a task group around
+            # it, cancelled or not) needs the watcher to its end: its re-reads, its events,
+            # its log. Shielded: a cancelled body still leaves the switch its roll-back.
+            if engine.busy:
+                import anyio  # loaded already, with the engine
+
+                with anyio.CancelScope(shield=True):
+                    await engine.idle()
 
 
 #: The first name of `open_host`, from when the watcher also switched: code written against

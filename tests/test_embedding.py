@@ -3,6 +3,7 @@ bad arguments and exceptions reaching the caller as themselves."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,7 @@ import anyio
 import pytest
 
 import gpuwatch
-from gpuwatch.core.events import DriverChanged
+from gpuwatch.core.events import DriverChanged, SwitchCompleted
 from gpuwatch.host import Host
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, example_gpu_host
@@ -106,6 +107,62 @@ def test_a_switch_runs_on_both_backends(tmp_path: Path, backend: str) -> None:
             return [h.probe("display-driver", addr=a) for a in (NV, "0000:01:00.1")]
 
     assert anyio.run(main, backend=backend) == ["vfio-pci", "vfio-pci"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("leave", ["done", "cancelled"])
+def test_a_switch_in_a_task_outside_the_context_ends_before_the_watcher_closes(
+        tmp_path: Path, backend: str, leave: str) -> None:
+    """A task group around `open_host` (a trio nursery's usual place) runs a switch, and the
+    body leaves while it runs: the context waits for the switch, so it ends with the watcher
+    still there to re-read the tree and log its end. Left as done, the switch completes;
+    cancelled with the group, it is rolled back. Was: the log closed under it, the caller
+    got an internal EventLogClosedError, and no switch-completed/-failed was ever logged."""
+    from gpuwatch.host import open_host
+    from gpuwatch.testing.simkernel import SimKernel
+
+    host = example_gpu_host(tmp_path / "host")
+    log = tmp_path / "events.jsonl"
+    sim = SimKernel(host)
+    sim.step_delay = 0.05  # a switch of about half a second
+
+    async def main() -> list[Any]:
+        got: list[Any] = []
+        sim.source = MemorySource()
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                async with open_host(host.root, source=sim.source, ops=sim,
+                                     geteuid=lambda: 0, log=log, reconcile_interval=0,
+                                     cdi_poll_interval=0) as h:
+
+                    async def switch() -> None:
+                        try:
+                            got.append(await h.switch(NV, "vfio"))
+                        except anyio.get_cancelled_exc_class():
+                            got.append("cancelled")
+                            raise
+                        except Exception as exc:
+                            got.append(exc)
+
+                    tg.start_soon(switch)
+                    await anyio.sleep(0.12)  # under way: its first steps are written
+                    assert h.engine.busy
+                    if leave == "cancelled":
+                        tg.cancel_scope.cancel()
+        return got
+
+    [outcome] = anyio.run(main, backend=backend)
+    types = [json.loads(line)["type"] for line in log.read_text().splitlines()]
+    drivers = {a: os.path.basename(os.readlink(host.device_dir(a) / "driver"))
+               for a in (NV, "0000:01:00.1") if (host.device_dir(a) / "driver").is_symlink()}
+    if leave == "done":
+        assert isinstance(outcome, SwitchCompleted)
+        assert types[-1] == "switch-completed"
+        assert drivers == {NV: "vfio-pci", "0000:01:00.1": "vfio-pci"}
+    else:
+        assert outcome == "cancelled"
+        assert "switch-failed" in types and "switch-completed" not in types
+        assert drivers.get(NV) == "nvidia"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -212,6 +212,7 @@ class SwitchEngine:
         self.tree_check_after = tree_check_after
         self.rollback_timeout = DEFAULT_ROLLBACK_TIMEOUT
         self._busy: set[int | str] = set()
+        self._idle: anyio.Event | None = None  # set by the `_release` that leaves none busy
         self._exclusive: int | str | None = None
         #: Per switch under way (by its poison key): the functions of its group that were
         #: already unusable until their recovery when it was decided (`_failures`), which
@@ -224,6 +225,14 @@ class SwitchEngine:
     def busy(self) -> bool:
         """A switch is under way (claimed and not yet ended, its roll-back included)."""
         return bool(self._busy)
+
+    async def idle(self) -> None:
+        """Return once no switch or recover is under way (each is bounded by its steps'
+        timeouts and the roll-back's)."""
+        while self._busy:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     @property
     def root(self) -> str:
@@ -1391,8 +1400,12 @@ class SwitchEngine:
         self._failed_at_start.pop(key, None)
         if self._exclusive == key:
             self._exclusive = None
-        if not self._busy and self.on_idle is not None:
-            self.on_idle()
+        if not self._busy:
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
+            if self.on_idle is not None:
+                self.on_idle()
 
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
