@@ -203,6 +203,9 @@ class HostState:
         #: Display functions bound to nvidia: detect-gpu needs one (a loaded module and a
         #: CDI spec with every card on vfio-pci is not a usable GPU).
         self._nvidia_gpus: set[str] = set()
+        #: SR-IOV physical functions (a record with ``sriov``): where a VF the model never
+        #: held is looked for when it goes (`_pci_gone`), without a pass over every function.
+        self._sriov_pfs: set[str] = set()
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
@@ -568,6 +571,10 @@ class HostState:
         addr = new.addr
         functions = self.functions
         functions[addr] = new
+        if new.sriov is not None:
+            self._sriov_pfs.add(addr)
+        else:
+            self._sriov_pfs.discard(addr)
         if addr in self.wedge_recovery and new.health != "wedged":
             del self.wedge_recovery[addr]
             self.wedge_marks.pop(addr, None)
@@ -595,6 +602,8 @@ class HostState:
     def _pci_gone(self, addr: str, events: list[BaseModel]) -> None:
         old = self.functions.get(addr)
         if old is None:
+            if self._sriov_pfs:
+                self._drop_vf(addr, "", events)
             return
         self._store_function(old, None)
         self._set_cdev(addr, "")
@@ -605,11 +614,25 @@ class HostState:
         events.append(DeviceRemoved(addr=addr, device=old))
         # The kernel drops the PF's virtfnN link before it removes the VF, and sends no event
         # for the PF: follow the VF's removal here.
-        pf = self.functions.get(old.physfn) if old.physfn else None
-        if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
-            vfs = tuple(a for a in pf.sriov.vfs if a != addr)
-            sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
-            self._replace(pf, {"sriov": sriov}, events)
+        self._drop_vf(addr, old.physfn, events)
+
+    def _drop_vf(self, addr: str, physfn: str, events: list[BaseModel]) -> None:
+        """Take ``addr`` out of the VF list of the PF that names it (``physfn``, else any PF
+        whose ``virtfnN`` links named it): a PF re-read while an earlier VF's ``add`` was
+        read names every VF the kernel had added by then, some of which the model may not
+        hold yet when they go again (``sriov_numvfs`` set back to 0 at once), their own
+        ``add`` read only after their removal. A fresh scan lists none of them."""
+        functions = self.functions
+        owners = [physfn] if physfn else [
+            a for a in sorted(self._sriov_pfs)
+            if (pf := functions.get(a)) is not None and pf.sriov is not None
+            and addr in pf.sriov.vfs]
+        for owner in owners:
+            pf = functions.get(owner)
+            if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
+                vfs = tuple(a for a in pf.sriov.vfs if a != addr)
+                sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
+                self._replace(pf, {"sriov": sriov}, events)
 
     def _replace(self, old: PciFunction, update: dict[str, Any], events: list[BaseModel],
                  *, announce: bool = True) -> PciFunction:
@@ -707,6 +730,10 @@ class HostState:
                         del groups[old_group]
             if new_group >= 0:
                 groups.setdefault(new_group, set()).add(addr)
+        if new is not None and new.sriov is not None:
+            self._sriov_pfs.add(addr)
+        else:
+            self._sriov_pfs.discard(addr)
         if new is None:
             del functions[addr]
             self._drop_recovery_mark(addr)

@@ -733,13 +733,18 @@ class Watcher:
 
     async def poll_vgpus(self) -> int:
         """Re-read the vGPU files of the functions that have them (no uevent announces a new
-        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
+        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs.
+
+        Read under the pump's lock, as a rescan reads: a batch applied between the read and
+        its apply (the VF unbound from nvidia, removed, or re-read with a newer type) would
+        otherwise be overwritten with what the files said before it, a vGPU on a function
+        that no longer has one, until the next poll."""
         self.check_open()
-        addrs = self.model.state.vgpu_addrs()
-        if not addrs:
-            return 0
-        seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
         async with self._lock:
+            addrs = self.model.state.vgpu_addrs()
+            if not addrs:
+                return 0
+            seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
             return len(self.apply([seen]))
 
     async def poll_vfio_nodes(self) -> int:
