@@ -5,6 +5,8 @@ against a fresh scan of the tree after each burst, and the events against what c
   then. When ``sriov_numvfs`` goes back to 0 before the others' ``add`` is read, those VFs
   are never in the model, and their removal must still take them out of the PF's list, or
   the PF keeps naming VFs the tree no longer has (a fresh scan lists none).
+- An mdev vGPU's emulated-IOMMU group comes and goes with no uevent of its own: on a host
+  without an IOMMU it is the only group, and detect-vfio's ``iommu_enabled`` follows it.
 - The vGPU poll re-reads ``nvidia/current_vgpu_type`` without a uevent. A batch applied
   between its read and its apply (the VF unbound from nvidia) must not be overwritten with
   what the files said before it: a vGPU on a function no driver holds.
@@ -12,6 +14,7 @@ against a fresh scan of the tree after each burst, and the events against what c
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,7 +26,7 @@ from test_event_exactness import assert_as_fresh, settled
 from watch_helpers import watching
 
 from gpuwatch.testing.modern import SRIOV_PF, VGPU_TYPES, add_vfs, sriov_gpu_host
-from gpuwatch.testing.sysroot import Layout
+from gpuwatch.testing.sysroot import Layout, SysRoot
 from gpuwatch.watch import watcher as watcher_mod
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,3 +123,57 @@ async def test_a_vgpu_poll_read_before_an_unbind_does_not_undo_it(
         # Whatever the poll said first, the last word on the VF's vGPU is that it has none.
         assert mine[-1] == ("vgpu-changed", None), mine
         assert ("driver-changed", None) in mine
+
+
+# --------------------------------------------------------------------------- mediated vGPUs
+
+MDEV = "a297db4a-f4c2-11e6-90f6-d3b88d6c9525"
+IGPU = "0000:00:02.0"
+
+
+def _create_mdev(host: SysRoot, group: int) -> str:
+    """What writing a UUID to ``mdev_supported_types/<type>/create`` leaves once its driver
+    bound: the mdev under its parent, the emulated-IOMMU group VFIO made for it (named
+    ``vfio-noiommu``, no uevent of its own) and its node ``/dev/vfio/N`` (whose uevent the
+    sources follow; the ``mdev`` subsystem's they do not). Returns the node's devpath."""
+    mdev = host.root / f"sys/devices/pci0000:00/{IGPU}/{MDEV}"
+    mdev.mkdir()
+    (mdev / "uevent").write_text("MDEV_TYPE=i915-GVTg_V5_4\n")
+    gdir = host.root / f"sys/kernel/iommu_groups/{group}"
+    (gdir / "devices").mkdir(parents=True)
+    (gdir / "name").write_text("vfio-noiommu\n")
+    (mdev / "iommu_group").symlink_to(f"../../../kernel/iommu_groups/{group}")
+    (gdir / "devices" / MDEV).symlink_to(f"../../../../devices/pci0000:00/{IGPU}/{MDEV}")
+    return host.add_vfio_group(group)
+
+
+def _remove_mdev(host: SysRoot, group: int) -> None:
+    """Writing 1 to the mdev's ``remove``: its node, group and folder go."""
+    host.remove_vfio_group(group)
+    shutil.rmtree(host.root / f"sys/kernel/iommu_groups/{group}")
+    shutil.rmtree(host.root / f"sys/devices/pci0000:00/{IGPU}/{MDEV}")
+
+
+async def test_an_mdev_vgpus_group_on_a_host_without_an_iommu_is_seen(tmp_path: Path) -> None:
+    """No IOMMU, an Intel GVT-g vGPU created and removed: its group is the host's only one,
+    so detect-vfio's ``iommu_enabled`` (a group exists) follows it, as a fresh scan says."""
+    host = SysRoot(tmp_path)
+    host.add_function(IGPU, vendor="0x8086", device="0x3e92", klass="0x030000", driver="i915",
+                      subsystem_vendor="0x8086")
+    async with watching(host) as (w, source, got):
+        assert w.probe("detect-vfio").iommu_enabled is False
+        devpath = _create_mdev(host, 0)
+        start = len(got)
+        source.push(host.uevent_props("add", devpath))
+        events = await settled(got, start, 2)
+        assert [e["type"] for e in events] == ["node-added", "probe-changed"]
+        assert events[1]["action"] == "detect-vfio"
+        assert events[1]["new"]["iommu_enabled"] is True
+        assert_as_fresh(host, w)
+        _remove_mdev(host, 0)
+        start = len(got)
+        source.push(host.uevent_props("remove", devpath))
+        events = await settled(got, start, 2)
+        assert [e["type"] for e in events] == ["node-removed", "probe-changed"]
+        assert events[1]["new"]["iommu_enabled"] is False
+        assert_as_fresh(host, w)

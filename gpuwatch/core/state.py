@@ -257,7 +257,11 @@ class HostState:
           function on it: the node came back last), or one bound to it coming or going;
         - ``iommu``: a function gaining or losing an IOMMU group, or one with a group coming
           or going: ``sys/kernel/iommu_groups`` (detect-vfio's ``iommu_enabled``) can change
-          then, as it does when vfio-pci binds a card on a host in no-IOMMU mode.
+          then, as it does when vfio-pci binds a card on a host in no-IOMMU mode; and a VFIO
+          group node (``/dev/vfio/N``) appearing while no group is known, or going while no
+          function has one: a mediated device's (an mdev vGPU's) emulated-IOMMU group, no
+          PCI function's, comes and goes with its node, and on a host without an IOMMU it
+          is the only one.
 
         A re-read of a function that changes neither asks for nothing."""
         functions = self.functions
@@ -290,6 +294,14 @@ class HostState:
                 if fn is not None:
                     kfd = kfd or fn.driver in KFD_DRIVERS
                     iommu = iommu or fn.iommu_group >= 0
+            elif kind is NodeSeen and not iommu:
+                node = cast(NodeSeen, obs)
+                if node.path in self.nodes:
+                    iommu = (node.stat is None and self.iommu.enabled and not self.groups
+                             and VFIO_NODE_RE.match(node.path) is not None)
+                else:
+                    iommu = (node.stat is not None and not self.iommu.enabled
+                             and VFIO_NODE_RE.match(node.path) is not None)
             elif kind is PciRebound and not kfd:
                 # A bind by amdgpu of a card it drove before: an unbind and a bind read in one
                 # batch leave the driver as it was, but amdkfd took the card's node out and

@@ -518,7 +518,8 @@ class Watcher:
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed, with what they change
         in the tree that sends no uevent (`HostState.rereads`): the KFD topology after a bind
-        or unbind by amdgpu, the IOMMU groups after a function gains or loses one."""
+        or unbind by amdgpu, the IOMMU groups after a function gains or loses one (or a
+        mediated device's group node comes or goes where it can change them)."""
         state = self.model.state
         rereads = state.rereads(observations)
         if rereads.kfd or rereads.iommu:
