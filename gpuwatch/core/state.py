@@ -203,6 +203,9 @@ class HostState:
         #: Display functions bound to nvidia: detect-gpu needs one (a loaded module and a
         #: CDI spec with every card on vfio-pci is not a usable GPU).
         self._nvidia_gpus: set[str] = set()
+        #: SR-IOV physical functions (a record with ``sriov``): where a VF the model never
+        #: held is looked for when it goes (`_pci_gone`), without a pass over every function.
+        self._sriov_pfs: set[str] = set()
         self.kfd = KfdSeen(nodes=())
         self.modules: set[str] = set()
         self.nodes: dict[str, NodeStat] = {}
@@ -254,7 +257,11 @@ class HostState:
           function on it: the node came back last), or one bound to it coming or going;
         - ``iommu``: a function gaining or losing an IOMMU group, or one with a group coming
           or going: ``sys/kernel/iommu_groups`` (detect-vfio's ``iommu_enabled``) can change
-          then, as it does when vfio-pci binds a card on a host in no-IOMMU mode.
+          then, as it does when vfio-pci binds a card on a host in no-IOMMU mode; and a VFIO
+          group node (``/dev/vfio/N``) appearing while no group is known, or going while no
+          function has one: a mediated device's (an mdev vGPU's) emulated-IOMMU group, no
+          PCI function's, comes and goes with its node, and on a host without an IOMMU it
+          is the only one.
 
         A re-read of a function that changes neither asks for nothing."""
         functions = self.functions
@@ -287,6 +294,14 @@ class HostState:
                 if fn is not None:
                     kfd = kfd or fn.driver in KFD_DRIVERS
                     iommu = iommu or fn.iommu_group >= 0
+            elif kind is NodeSeen and not iommu:
+                node = cast(NodeSeen, obs)
+                if node.path in self.nodes:
+                    iommu = (node.stat is None and self.iommu.enabled and not self.groups
+                             and VFIO_NODE_RE.match(node.path) is not None)
+                else:
+                    iommu = (node.stat is not None and not self.iommu.enabled
+                             and VFIO_NODE_RE.match(node.path) is not None)
             elif kind is PciRebound and not kfd:
                 # A bind by amdgpu of a card it drove before: an unbind and a bind read in one
                 # batch leave the driver as it was, but amdkfd took the card's node out and
@@ -568,6 +583,10 @@ class HostState:
         addr = new.addr
         functions = self.functions
         functions[addr] = new
+        if new.sriov is not None:
+            self._sriov_pfs.add(addr)
+        else:
+            self._sriov_pfs.discard(addr)
         if addr in self.wedge_recovery and new.health != "wedged":
             del self.wedge_recovery[addr]
             self.wedge_marks.pop(addr, None)
@@ -595,6 +614,8 @@ class HostState:
     def _pci_gone(self, addr: str, events: list[BaseModel]) -> None:
         old = self.functions.get(addr)
         if old is None:
+            if self._sriov_pfs:
+                self._drop_vf(addr, "", events)
             return
         self._store_function(old, None)
         self._set_cdev(addr, "")
@@ -605,11 +626,25 @@ class HostState:
         events.append(DeviceRemoved(addr=addr, device=old))
         # The kernel drops the PF's virtfnN link before it removes the VF, and sends no event
         # for the PF: follow the VF's removal here.
-        pf = self.functions.get(old.physfn) if old.physfn else None
-        if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
-            vfs = tuple(a for a in pf.sriov.vfs if a != addr)
-            sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
-            self._replace(pf, {"sriov": sriov}, events)
+        self._drop_vf(addr, old.physfn, events)
+
+    def _drop_vf(self, addr: str, physfn: str, events: list[BaseModel]) -> None:
+        """Take ``addr`` out of the VF list of the PF that names it (``physfn``, else any PF
+        whose ``virtfnN`` links named it): a PF re-read while an earlier VF's ``add`` was
+        read names every VF the kernel had added by then, some of which the model may not
+        hold yet when they go again (``sriov_numvfs`` set back to 0 at once), their own
+        ``add`` read only after their removal. A fresh scan lists none of them."""
+        functions = self.functions
+        owners = [physfn] if physfn else [
+            a for a in sorted(self._sriov_pfs)
+            if (pf := functions.get(a)) is not None and pf.sriov is not None
+            and addr in pf.sriov.vfs]
+        for owner in owners:
+            pf = functions.get(owner)
+            if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
+                vfs = tuple(a for a in pf.sriov.vfs if a != addr)
+                sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
+                self._replace(pf, {"sriov": sriov}, events)
 
     def _replace(self, old: PciFunction, update: dict[str, Any], events: list[BaseModel],
                  *, announce: bool = True) -> PciFunction:
@@ -707,6 +742,10 @@ class HostState:
                         del groups[old_group]
             if new_group >= 0:
                 groups.setdefault(new_group, set()).add(addr)
+        if new is not None and new.sriov is not None:
+            self._sriov_pfs.add(addr)
+        else:
+            self._sriov_pfs.discard(addr)
         if new is None:
             del functions[addr]
             self._drop_recovery_mark(addr)

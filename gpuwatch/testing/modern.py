@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from gpuwatch.testing.sysroot import SysRoot, example_gpu_host
+from gpuwatch.testing.sysroot import Layout, SysRoot, example_gpu_host
 
 __all__ = [
     "GH_ADDR",
@@ -96,11 +96,11 @@ def iommufd_only_host(root: str | os.PathLike[str]) -> SysRoot:
 
 
 def sriov_gpu_host(root: str | os.PathLike[str], *, vfs: int = 0, vgpu: bool = False,
-                   totalvfs: int = 16) -> SysRoot:
+                   totalvfs: int = 16, layout: Layout = "symlink") -> SysRoot:
     """An SR-IOV GPU (``0x10de:0x26b9`` PF on ``nvidia``, group 40) with ``vfs`` VFs enabled,
     each in its own IOMMU group from 41 on. With ``vgpu`` the VFs are bound to ``nvidia`` and
-    carry NVIDIA vGPU's ``nvidia/`` files (no type chosen yet)."""
-    s = SysRoot(root)
+    carry NVIDIA vGPU's ``nvidia/`` files (no type chosen yet). ``layout``: `SysRoot`'s."""
+    s = SysRoot(root, layout=layout)
     s.add_iommu_unit("dmar0")
     s.set_cmdline("intel_iommu=on iommu=pt")
     s.add_bridge("0000:40:01.0", domain_root="pci0000:40", iommu_group=39)

@@ -518,7 +518,8 @@ class Watcher:
     def apply(self, observations: Sequence[Observation]) -> list[BaseModel]:
         """Fold observations into the model and publish what changed, with what they change
         in the tree that sends no uevent (`HostState.rereads`): the KFD topology after a bind
-        or unbind by amdgpu, the IOMMU groups after a function gains or loses one."""
+        or unbind by amdgpu, the IOMMU groups after a function gains or loses one (or a
+        mediated device's group node comes or goes where it can change them)."""
         state = self.model.state
         rereads = state.rereads(observations)
         if rereads.kfd or rereads.iommu:
@@ -733,13 +734,18 @@ class Watcher:
 
     async def poll_vgpus(self) -> int:
         """Re-read the vGPU files of the functions that have them (no uevent announces a new
-        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs."""
+        ``current_vgpu_type``) and publish ``vgpu-changed`` for each that differs.
+
+        Read under the pump's lock, as a rescan reads: a batch applied between the read and
+        its apply (the VF unbound from nvidia, removed, or re-read with a newer type) would
+        otherwise be overwritten with what the files said before it, a vGPU on a function
+        that no longer has one, until the next poll."""
         self.check_open()
-        addrs = self.model.state.vgpu_addrs()
-        if not addrs:
-            return 0
-        seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
         async with self._lock:
+            addrs = self.model.state.vgpu_addrs()
+            if not addrs:
+                return 0
+            seen = await anyio.to_thread.run_sync(read_vgpus, self.paths, addrs)
             return len(self.apply([seen]))
 
     async def poll_vfio_nodes(self) -> int:
