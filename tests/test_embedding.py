@@ -130,25 +130,25 @@ def test_a_switch_in_a_task_outside_the_context_ends_before_the_watcher_closes(
         got: list[Any] = []
         sim.source = MemorySource()
         with anyio.fail_after(30):
-            async with anyio.create_task_group() as tg:
-                async with open_host(host.root, source=sim.source, ops=sim,
-                                     geteuid=lambda: 0, log=log, reconcile_interval=0,
-                                     cdi_poll_interval=0) as h:
+            # The task group outside the host's context, as a trio nursery usually sits.
+            async with anyio.create_task_group() as tg, open_host(
+                    host.root, source=sim.source, ops=sim, geteuid=lambda: 0, log=log,
+                    reconcile_interval=0, cdi_poll_interval=0) as h:
 
-                    async def switch() -> None:
-                        try:
-                            got.append(await h.switch(NV, "vfio"))
-                        except anyio.get_cancelled_exc_class():
-                            got.append("cancelled")
-                            raise
-                        except Exception as exc:
-                            got.append(exc)
+                async def switch() -> None:
+                    try:
+                        got.append(await h.switch(NV, "vfio"))
+                    except anyio.get_cancelled_exc_class():
+                        got.append("cancelled")
+                        raise
+                    except Exception as exc:
+                        got.append(exc)
 
-                    tg.start_soon(switch)
-                    await anyio.sleep(0.12)  # under way: its first steps are written
-                    assert h.engine.busy
-                    if leave == "cancelled":
-                        tg.cancel_scope.cancel()
+                tg.start_soon(switch)
+                await anyio.sleep(0.12)  # under way: its first steps are written
+                assert h.engine.busy
+                if leave == "cancelled":
+                    tg.cancel_scope.cancel()
         return got
 
     [outcome] = anyio.run(main, backend=backend)
