@@ -195,6 +195,22 @@ async def test_ensure_cdi_says_why_the_folder_cannot_be_made(host: SysRoot, how:
     assert sim.record == [("mkdir", "/etc/cdi")]
 
 
+async def test_a_dangling_spec_link_is_followed_in_the_tree(host: SysRoot) -> None:
+    """``etc/cdi/nvidia.yaml`` a link to ``/run/cdi/nvidia.yaml`` not made yet: no spec, so
+    one is generated, where the link leads in the tree. nvidia-ctk, outside the root, given
+    the link itself would follow it to the ``/run`` of the host running gpuwatch."""
+    host.remove_cdi_spec("etc")
+    (host.root / "run/cdi").mkdir(parents=True)
+    os.symlink("/run/cdi/nvidia.yaml", host.root / "etc/cdi/nvidia.yaml")
+    sim = SimKernel(host)
+    made = await ensure_cdi(str(host.root), sim, euid=0)
+    assert (made.ok, made.generated, made.spec) == (True, True, "/etc/cdi/nvidia.yaml"), made
+    spec = host.root / "run/cdi/nvidia.yaml"
+    assert sim.record[-1] == ("command", "nvidia-ctk", "cdi", "generate", f"--output={spec}")
+    assert spec.is_file()
+    assert os.readlink(host.root / "etc/cdi/nvidia.yaml") == "/run/cdi/nvidia.yaml"
+
+
 async def test_idempotent_switch_writes_nothing_and_needs_no_root(host: SysRoot) -> None:
     async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
         result = await w.switch(NV, "nvidia", timeout=5)
