@@ -302,6 +302,20 @@ def test_ensure_cdi(cli: Run, sim: SimKernel, host: SysRoot, euid: list[int]) ->
     assert code == 1 and "needs root" in one_line(err)
 
 
+def test_ensure_cdi_with_a_file_for_its_folder(cli: Run, sim: SimKernel, host: SysRoot) -> None:
+    """``etc/cdi`` a file (or ``/etc`` read-only): the reason in one line, exit 1, as the
+    docs say for no spec made (was: ``internal error: FileExistsError``)."""
+    host.remove_cdi_spec("etc")
+    os.rmdir(host.root / "etc/cdi")
+    (host.root / "etc/cdi").write_text("")
+    code, out, err = cli("ensure-cdi", "--json")
+    message = "mkdir -p /etc/cdi failed: File exists: no CDI spec generated"
+    assert code == 1 and json.loads(out) == {"ok": False, "generated": False, "spec": None,
+                                             "message": message}
+    assert one_line(err) == f"gpuwatch: {message}"
+    assert not any(r[:2] == ("command", "nvidia-ctk") for r in sim.record)
+
+
 def test_ensure_cdi_reads_var_run_in_the_tree(cli: Run, sim: SimKernel, host: SysRoot) -> None:
     """``var/run`` → ``/run`` (current distributions): the spec it finds is the tree's own."""
     host.remove_cdi_spec("etc")

@@ -154,6 +154,63 @@ async def test_ensure_cdi_writes_in_the_tree_through_its_links(host: SysRoot) ->
     assert spec.is_file()
 
 
+def _no_cdi_folder(host: SysRoot, how: str) -> None:
+    """``etc/cdi`` cannot be made: a file in its place, or a link to itself (a loop)."""
+    host.remove_cdi_spec("etc")
+    os.rmdir(host.root / "etc/cdi")
+    if how == "file":
+        (host.root / "etc/cdi").write_text("")
+    else:
+        os.symlink("cdi", host.root / "etc/cdi")
+
+
+@pytest.mark.parametrize("how", ["file", "loop"])
+async def test_a_cdi_folder_that_cannot_be_made_is_a_note_not_a_failed_switch(
+        host: SysRoot, how: str) -> None:
+    """The spec's folder is the CDI step's, and that step only warns: the switch to nvidia
+    completes with a note, and nvidia-ctk is not run (was: `SwitchFailed`, the group left
+    half way, on a read-only ``/etc`` where ``/etc/cdi`` was missing)."""
+    to_vfio(host)
+    _no_cdi_folder(host, how)
+    async with simulated_switch(host) as (w, sim, _e, _ev):
+        done = await w.switch(NV, "nvidia", timeout=5)
+        assert drivers(w, NV, AUDIO) == ["nvidia", "snd_hda_intel"]
+    assert done.changed and done.to_mode == "nvidia"
+    cdi_notes = [n for n in done.notes if "/etc/cdi" in n]
+    assert len(cdi_notes) == 1, done.notes
+    assert cdi_notes[0].startswith("mkdir -p /etc/cdi ")
+    assert cdi_notes[0].endswith(": no CDI spec generated")
+    assert sim.record[-1] == ("mkdir", "/etc/cdi")
+    assert not any(r[:2] == ("command", "nvidia-ctk") for r in sim.record)
+
+
+@pytest.mark.parametrize("how", ["file", "loop"])
+async def test_ensure_cdi_says_why_the_folder_cannot_be_made(host: SysRoot, how: str) -> None:
+    _no_cdi_folder(host, how)
+    sim = SimKernel(host)
+    outcome = await ensure_cdi(str(host.root), sim, euid=0)
+    assert (outcome.ok, outcome.generated, outcome.spec) == (False, False, None)
+    assert outcome.message.startswith("mkdir -p /etc/cdi ")
+    assert outcome.message.endswith(": no CDI spec generated") and "\n" not in outcome.message
+    assert sim.record == [("mkdir", "/etc/cdi")]
+
+
+async def test_a_dangling_spec_link_is_followed_in_the_tree(host: SysRoot) -> None:
+    """``etc/cdi/nvidia.yaml`` a link to ``/run/cdi/nvidia.yaml`` not made yet: no spec, so
+    one is generated, where the link leads in the tree. nvidia-ctk, outside the root, given
+    the link itself would follow it to the ``/run`` of the host running gpuwatch."""
+    host.remove_cdi_spec("etc")
+    (host.root / "run/cdi").mkdir(parents=True)
+    os.symlink("/run/cdi/nvidia.yaml", host.root / "etc/cdi/nvidia.yaml")
+    sim = SimKernel(host)
+    made = await ensure_cdi(str(host.root), sim, euid=0)
+    assert (made.ok, made.generated, made.spec) == (True, True, "/etc/cdi/nvidia.yaml"), made
+    spec = host.root / "run/cdi/nvidia.yaml"
+    assert sim.record[-1] == ("command", "nvidia-ctk", "cdi", "generate", f"--output={spec}")
+    assert spec.is_file()
+    assert os.readlink(host.root / "etc/cdi/nvidia.yaml") == "/run/cdi/nvidia.yaml"
+
+
 async def test_idempotent_switch_writes_nothing_and_needs_no_root(host: SysRoot) -> None:
     async with simulated_switch(host, euid=1000) as (w, sim, _e, events):
         result = await w.switch(NV, "nvidia", timeout=5)

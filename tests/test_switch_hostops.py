@@ -209,6 +209,31 @@ def test_a_command_that_hangs_is_killed_at_its_timeout() -> None:
     assert missing.returncode == 127 and "not found" in missing.message()
 
 
+def test_a_hung_command_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    """A wrapper (a shell script around nvidia-ctk) that hangs in a child of its own: the
+    child goes too at the timeout, not only the wrapper (it ran on, holding our pipes, and
+    the step waited out the grace for nothing)."""
+    pid_file = tmp_path / "grandchild.pid"
+    wrapper = ("import subprocess, sys, time; "
+               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with pytest.raises(StepTimedOut):
+        run_bounded([sys.executable, "-c", wrapper], 1.0)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:  # killed, and reaped by init once its parent is gone
+            state = Path(f"/proc/{grandchild}/stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, 9)
+        pytest.fail("the hung command's own child outlived its timeout")
+
+
 def test_is_real_sysfs_reads_mountinfo(tmp_path: Path) -> None:
     info = tmp_path / "mountinfo"
     (tmp_path / "host/sys").mkdir(parents=True)

@@ -556,8 +556,10 @@ def cdi_output(root: str) -> str:
     nvidia.yaml`` with the tree's links read as in a chroot (`place_in_root`). nvidia-ctk
     runs outside the root and follows links as the host does: a host root at ``/host`` whose
     ``etc/cdi`` is a link to ``/run/cdi`` would have it write the ``/run`` of the container
-    running gpuwatch, where no container runtime of the host looks."""
-    return place_in_root(root, CDI_OUTPUT)
+    running gpuwatch, where no container runtime of the host looks. So is the spec's own
+    name: one that is a link left dangling (``nvidia.yaml`` → ``/run/cdi/nvidia.yaml``, that
+    folder not there yet) names the tree's ``run/cdi/nvidia.yaml``, never the host's."""
+    return place_in_root(root, CDI_OUTPUT, follow_last=True)
 
 
 # --------------------------------------------------------------------------- bounded reads

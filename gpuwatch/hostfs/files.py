@@ -326,13 +326,15 @@ class TreePlaces:
         return tree_dir(self.root, node)
 
 
-def place_in_root(root: str, rel: str) -> str:
+def place_in_root(root: str, rel: str, *, follow_last: bool = False) -> str:
     """``root/rel`` for a write: every link on the way read as in a chroot at ``root``, the
-    last name left as it is (the write opens it without following, or renames over it).
+    last name left as it is (the write opens it without following, or renames over it),
+    or read so too with ``follow_last``, for a path handed to a program that runs outside
+    the root and follows whatever link it finds there.
     A path whose links loop leads nowhere (`NOWHERE`): the write fails there (ENOTDIR)."""
     top = os.path.abspath(root)
     try:
-        return resolve_in_root(top, os.path.join(top, rel.lstrip("/")))
+        return resolve_in_root(top, os.path.join(top, rel.lstrip("/")), follow_last=follow_last)
     except (OSError, ValueError):
         return os.path.join(NOWHERE, rel.lstrip("/"))
 

@@ -487,13 +487,18 @@ class SwitchEngine:
         try:
             try:
                 async with self._subscribe(_PROGRESS_EVENTS) as sub:
+                    no_folder = False  # the CDI folder could not be made: no nvidia-ctk
                     for step in plan.steps:
+                        if no_folder and isinstance(step, CommandStep) \
+                                and step.argv[0] == "nvidia-ctk":
+                            continue
                         # Before the step counts as begun: nothing of it was written.
                         await self._await_recovery(plan, step, deadline, notes)
                         self._stop_on_failure(plan, f"before {step.describe()}")
                         in_flight[:] = [step]
                         _track_pin(pinned, step, before=True)  # a write that fails may count
                         ok = await self._step(plan, facts, step, deadline, notes)
+                        no_folder = no_folder or (not ok and isinstance(step, MakeDirStep))
                         in_flight.clear()
                         _track_pin(pinned, step, before=False)
                         if ok and isinstance(step, CommandStep):
@@ -993,7 +998,8 @@ class SwitchEngine:
 
     async def _step(self, plan: SwitchPlan, facts: HostFacts, step: Step, deadline: float,
                     notes: list[str]) -> bool:
-        """Run one step; False when a command failed in a way that only warns."""
+        """Run one step; False when a command failed in a way that only warns, or the CDI
+        spec's folder could not be made (a note, as such a command's failure)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self._fail(plan, f"the switch ran out of time before: {step.describe()}")
@@ -1010,8 +1016,14 @@ class SwitchEngine:
                     if not result.ok:
                         await self._command_failed(plan, facts, step, result, deadline, notes)
                         return False
-                case MakeDirStep(path=path):
-                    await self.ops.makedirs(path)
+                case MakeDirStep():
+                    why = await _make_dir(self.ops, step)
+                    if why is not None:
+                        # Only the CDI spec's folder is made, and that spec only warns (as its
+                        # nvidia-ctk step does): the drivers have moved, the switch completes.
+                        _log.info("%s", why)
+                        notes.append(why)
+                        return False
                 case _:
                     assert_never(step)
         except StepTimedOut as exc:
@@ -1512,6 +1524,19 @@ def _track_pin(pinned: list[str], step: Step, *, before: bool) -> None:
         pinned.remove(addr)
 
 
+async def _make_dir(ops: HostOps, step: MakeDirStep) -> str | None:
+    """Make the CDI spec's folder; None when it is there, else why not, in one line: a
+    read-only ``/etc`` (the unit's ``ProtectSystem=strict`` where ``/etc/cdi`` was missing
+    when it started), a file in its place, links that loop or leave the tree. That is no
+    failure of a switch nor an internal error of ``ensure-cdi``: no spec is all it costs."""
+    try:
+        await ops.makedirs(step.path)
+    except (OSError, UnsafeStep) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return f"{step.describe()} failed: {reason}: no CDI spec generated"
+    return None
+
+
 async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
                      timeout: float = 60.0) -> CdiOutcome:
     """Make sure a CDI spec for the NVIDIA GPUs exists, generating it when nvidia-ctk can."""
@@ -1525,8 +1550,10 @@ async def ensure_cdi(root: str, ops: HostOps, *, euid: int,
         return CdiOutcome(False, False, None, why[0])
     for step in steps:
         match step:
-            case MakeDirStep(path=path):
-                await ops.makedirs(path)
+            case MakeDirStep():
+                failed = await _make_dir(ops, step)
+                if failed is not None:
+                    return CdiOutcome(False, False, None, failed)
             case CommandStep(argv=argv):
                 try:
                     result = await ops.run(argv, timeout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -183,11 +184,16 @@ def _python() -> str:
 
 
 def _finish(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes]:
-    """communicate() under ``timeout``; on expiry kill, give it a moment, then abandon it."""
+    """communicate() under ``timeout``; on expiry kill it and whatever it started (its own
+    session: a hung ``nvidia-ctk`` or a wrapper script's children would otherwise run on
+    after the step gave up, holding our pipes), give it a moment, then abandon it."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # started with start_new_session: pgid == pid
+        except OSError:  # gone already, or not a group of its own
+            proc.kill()
         try:
             proc.communicate(timeout=_REAP_GRACE)
         except subprocess.TimeoutExpired:

@@ -269,15 +269,18 @@ class SimKernel:
         if name == "nvidia-ctk":
             # nvidia-ctk runs outside the root: it follows the tree's links as this host
             # does. A write that would land outside the tree is refused here, never made.
+            # The spec's own name is followed too, when it is a link (dangling: a spec
+            # that is there was never regenerated).
             output = args[2].partition("=")[2]
-            real_dir = os.path.realpath(os.path.dirname(output))
+            real = os.path.realpath(output)
+            real_dir = os.path.dirname(real)
             inside = (real_dir + "/").startswith(os.path.realpath(self.root).rstrip("/") + "/")
             if os.path.basename(output) != "nvidia.yaml" or not inside:
                 return CommandResult(1, "", f"level=error msg=\"cannot write {output}\" "
                                             f"(it leads to {real_dir}, outside the tree)")
             if not os.path.isdir(real_dir):
                 return CommandResult(1, "", f"level=error msg=\"no such directory for {output}\"")
-            with open(os.path.join(real_dir, "nvidia.yaml"), "w", encoding="utf-8") as fh:
+            with open(real, "w", encoding="utf-8") as fh:
                 fh.write(CDI_SPEC)
             return CommandResult(0, "", f"level=info msg=\"Generated CDI spec with version 0.5.0\" "
                                         f"output={output}")
