@@ -74,6 +74,41 @@ def test_mapped_files_reads_this_processs_whole_maps() -> None:
     assert {p for _, p in mapped_files("/proc", os.getpid())} >= everything - {""}
 
 
+def test_mapped_files_picks_only_the_paths_wanted(host: SysRoot) -> None:
+    # The scan parses only lines under its scope's paths; a path that merely holds " /dev/"
+    # further on is no mapping of a node.
+    nv0 = "7f0000000000-7f0000001000 rw-s 00000000 00:06 4 /dev/nvidia0"
+    host.add_process(4242, "python3", maps=[
+        "/usr/lib/libc.so.6", "[heap]", "/tmp/a /dev/nvidia0", nv0, "/dev/dri/card1",
+        nv0.replace("7f00", "7f01"), "/dev/nvidiactl"])
+    proc = str(host.root / "proc")
+    assert [p for _, p in mapped_files(proc, 4242, ("/dev/nvidia0",))] == ["/dev/nvidia0"]
+    assert [p for _, p in mapped_files(proc, 4242, ("/dev/nvidia", "/dev/nvidia0"))] == [
+        "/dev/nvidia0", "/dev/nvidiactl"]  # each file once (dev inode path), a prefix's once
+    assert [p for _, p in mapped_files(proc, 4242, ("/dev/", "/tmp/a"))] == [
+        "/tmp/a /dev/nvidia0", "/dev/nvidia0", "/dev/dri/card1", "/dev/nvidiactl"]
+    assert [p for _, p in mapped_files(proc, 4242, ())] == []
+    assert len(list(mapped_files(proc, 4242))) == 5  # every file: [heap] is none
+
+
+@pytest.mark.parametrize("shift", [-40, -12, -5, -1, 0, 1, 5])
+def test_a_mapping_across_a_read_boundary_is_found(host: SysRoot, shift: int) -> None:
+    # maps is read 64 KiB at a time: the node's line, or its path, cut in two by a read.
+    line = "7f0000000000-7f0000001000 rw-s 00000000 00:05 99 /dev/nvidia0"
+    pad = "7f1000000000-7f1000001000 r--p 00000000 08:01 5 /usr/lib/libpad.so"
+    lines = [pad] * (65536 // (len(pad) + 1) - 3)
+    used = sum(len(x) + 1 for x in lines)
+    filler = "7f2000000000-7f2000001000 r--p 00000000 08:01 6 /usr/lib/"
+    start = 65536 - len(line) // 2 + shift  # where the node's line begins
+    lines.append(filler + "x" * (start - used - len(filler) - 1))
+    lines.append(line)
+    host.add_process(4242, "python3", maps=lines)
+    data = (host.root / "proc/4242/maps").read_bytes()
+    at = data.index(b"/dev/nvidia0")
+    assert at - 70 < 65536 < at + 70  # the line is near the boundary, on one side or across
+    assert report_of(host) == [(4242, "/dev/nvidia0")]
+
+
 def test_an_overlong_maps_line_is_skipped_not_fatal(host: SysRoot) -> None:
     host.add_process(4242, "odd", maps=["x" * 200_000, "/dev/nvidia0"])
     assert report_of(host) == [(4242, "/dev/nvidia0")]
@@ -298,3 +333,58 @@ def test_node_scope_finds_a_device_by_its_numbers() -> None:
     assert prefix.device_node(226, 0, "/dev/dri/card0") is None
     both = scope | prefix
     assert both.device_node(195, 3, "/dev/x") == "/dev/nvidia3" and both.majors == {195}
+
+
+
+_HOLD_NODE = (
+    "import sys\n"
+    "f = open(sys.argv[1], 'rb')\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n")
+
+can_unshare = pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["unshare", "--mount", "true"],
+                                        capture_output=True).returncode != 0,
+    reason="needs root and mount namespaces")
+
+
+@contextlib.contextmanager
+def holding_in_own_dev(node: str, dev: int) -> Iterator[int]:
+    """A live child in a mount namespace of its own whose ``/dev`` (a fresh tmpfs no one else
+    sees) has ``node`` with the numbers ``dev``, holding it open: a container's ``/dev``, as
+    ``--device`` makes it. ``unshare`` and ``sh`` exec: the child's pid is the holder's."""
+    script = (f"mount -t tmpfs none /dev && mkdir -p {os.path.dirname(node)}"
+              f" && mknod {node} c {os.major(dev)} {os.minor(dev)}"
+              f' && exec {sys.executable} -c "$0" {node}')
+    with subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           script, _HOLD_NODE], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            yield child.pid
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+
+
+@as_root
+@can_unshare
+@pytest.mark.timeout(60)
+def test_a_container_node_is_found_by_its_numbers_in_its_own_namespace(
+        tmp_path: Path) -> None:
+    # docker run --device /dev/dri/renderD129:/dev/dri/renderD128: the container's client
+    # reads /dev/dri/renderD128 (in a /dev no one else sees) but holds the host's renderD129.
+    root = tmp_path / "root"
+    char_node(root, "/dev/dri/renderD128", FULL)
+    char_node(root, "/dev/dri/renderD129", ZERO)
+    with holding_in_own_dev("/dev/dri/renderD128", ZERO) as pid:
+        assert "/dev/dri/renderD128" in [os.readlink(f"/proc/{pid}/fd/{fd}")
+                                         for fd in os.listdir(f"/proc/{pid}/fd")]
+        link_process(root, pid)
+        other_card = NodeScope(exact=frozenset({"/dev/dri/renderD129"}))
+        assert [(h.pid, h.node) for h in scan_holders(str(root), other_card, deadline=10)] == [
+            (pid, "/dev/dri/renderD129")]
+        # Its name still counts too (docs/switch.md: a needless refusal, never a missed holder).
+        this_card = NodeScope(exact=frozenset({"/dev/dri/renderD128"}))
+        assert [(h.pid, h.node) for h in scan_holders(str(root), this_card, deadline=10)] == [
+            (pid, "/dev/dri/renderD128")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -263,10 +263,11 @@ def stuck_maps(host: SysRoot, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     release = threading.Event()
     real = facts.mapped_files
 
-    def mapped_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
+    def mapped_files(proc: str, pid: int,
+                     within: Iterable[str] = ("/",)) -> Iterator[tuple[str, str]]:
         if pid == 5150:
             release.wait(60)
-        return real(proc, pid)
+        return real(proc, pid, within)
 
     monkeypatch.setattr(facts, "mapped_files", mapped_files)
     yield 5150

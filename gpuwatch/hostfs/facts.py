@@ -103,12 +103,13 @@ def _open_maps(path: str) -> int | None:
         return None
 
 
-def _maps_lines(fd: int) -> Iterator[bytes]:
-    """Every line of the ``maps`` file open at ``fd`` (closed at the end), read to its end.
-    The kernel hands ``/proc/<pid>/maps`` out a page or so per read (one read saw its first
-    30-odd lines: a CUDA process's ``/dev/nvidia*`` mappings come hundreds of lines later),
-    and a CUDA process maps far more than one attribute's worth. Lines are streamed, so
-    memory stays one chunk whatever its size; the time is bounded by the scan's deadline
+def _maps_blocks(fd: int) -> Iterator[bytes]:
+    """The ``maps`` file open at ``fd`` (closed at the end), read to its end, in blocks of
+    whole lines. The kernel hands ``/proc/<pid>/maps`` out a page or so per read (one read
+    saw its first 30-odd lines: a CUDA process's ``/dev/nvidia*`` mappings come hundreds of
+    lines later), and a CUDA process maps far more than one attribute's worth. Blocks, not
+    lines, so that the lines that matter are picked out at C speed (`_picked_lines`); memory
+    stays one chunk whatever the file's size, the time is bounded by the scan's deadline
     (`read_each`)."""
     try:
         tail, skipping = b"", False
@@ -119,12 +120,16 @@ def _maps_lines(fd: int) -> Iterator[bytes]:
                 return
             if not data:
                 break
-            lines = (tail + data).split(b"\n")
-            tail = lines.pop()
-            if skipping and lines:  # the rest of an overlong line
-                lines.pop(0)
-                skipping = False
-            yield from lines
+            if skipping:  # the rest of an overlong line
+                cut = data.find(b"\n")
+                if cut < 0:
+                    continue
+                data, skipping = data[cut + 1:], False
+            block = tail + data
+            cut = block.rfind(b"\n") + 1
+            if cut:
+                yield block[:cut]
+            tail = block[cut:]
             if len(tail) > _MAPS_LINE_CAP:
                 tail, skipping = b"", True
         if tail and not skipping:
@@ -133,43 +138,81 @@ def _maps_lines(fd: int) -> Iterator[bytes]:
         os.close(fd)
 
 
-def mapped_files(proc: str, pid: int) -> Iterator[tuple[str, str]]:
+def mapped_files(proc: str, pid: int, within: Iterable[str] = ("/",)
+                 ) -> Iterator[tuple[str, str]]:
     """``(handle, path)`` of the files a process has mapped (``/proc/<pid>/maps``, read
-    whole), each file once: a CUDA context maps /dev/nvidia* and keeps the card busy even
-    after closing the fd. ``handle`` is the mapping's ``map_files`` link, whose stat reaches
-    the mapped file itself (its device numbers: maps's own ``dev`` column is the device of
-    the filesystem the node lies on, not the node's). A process whose own maps reads empty
-    (its main thread exited while the others run on: `task_dirs`) is read through the first
-    of its threads that shows any (threads share one memory), by that thread's
-    ``/proc/<tid>``."""
+    whole) whose path starts with one of ``within`` (every file by default), each file once:
+    a CUDA context maps /dev/nvidia* and keeps the card busy even after closing the fd.
+    ``handle`` is the mapping's ``map_files`` link, whose stat reaches the mapped file itself
+    (its device numbers: maps's own ``dev`` column is the device of the filesystem the node
+    lies on, not the node's). A process whose own maps reads empty (its main thread exited
+    while the others run on: `task_dirs`) is read through the first of its threads that
+    shows any (threads share one memory), by that thread's ``/proc/<tid>``."""
     fd = _open_maps(f"{proc}/{pid}/maps")
     if fd is None:
         return
-    seen: set[tuple[str, str, str]] = set()
+    paths = {os.fsencode(w) for w in within if w.startswith("/")}
+    # a path under another one wanted is found with it (``/dev/nvidia0`` under ``/dev/``)
+    wanted = tuple(sorted(p for p in paths if not any(p != q and p.startswith(q) for q in paths)))
+    if not wanted:
+        os.close(fd)
+        return
+    seen: set[tuple[bytes, bytes, bytes]] = set()
     lines = False
-    for raw in _maps_lines(fd):
+    for block in _maps_blocks(fd):
         lines = True
-        yield from _mapped_file(raw, f"{proc}/{pid}", seen)
+        yield from _mapped_files(block, wanted, f"{proc}/{pid}", seen)
     for task in () if lines else task_dirs(proc, pid):
         fd = _open_maps(f"{task}/maps")
         base = f"{proc}/{task.rpartition('/')[2]}"  # the thread's own /proc/<tid>: map_files
-        for raw in () if fd is None else _maps_lines(fd):
+        for block in () if fd is None else _maps_blocks(fd):
             lines = True
-            yield from _mapped_file(raw, base, seen)
+            yield from _mapped_files(block, wanted, base, seen)
         if lines:
             return
 
 
-def _mapped_file(raw: bytes, base: str,
-                 seen: set[tuple[str, str, str]]) -> Iterator[tuple[str, str]]:
-    """The file of one maps line, if it names one (``[heap]``, anonymous memory: none) and
-    it is not one of ``seen`` (the same ``dev inode path`` is the same file, mapped again)."""
-    parts = raw.decode("utf-8", "replace").split(None, 5)
-    if len(parts) == 6 and parts[5].startswith("/"):
-        key = (parts[3], parts[4], parts[5])
-        if key not in seen:
-            seen.add(key)
-            yield f"{base}/map_files/{parts[0]}", parts[5].removesuffix(DELETED)
+def _picked_lines(block: bytes, wanted: tuple[bytes, ...]) -> Iterator[bytes]:
+    """The lines of ``block`` that hold `` <one of wanted>`` (a path is preceded by the
+    spaces that pad the columns before it), each once, in order: found by ``bytes.find``,
+    not by a loop over every line (a process maps hundreds of libraries, none of them a
+    device node)."""
+    starts: set[int] = set()
+    for path in wanted:
+        needle = b" " + path
+        at = block.find(needle)
+        while at >= 0:
+            starts.add(block.rfind(b"\n", 0, at) + 1)
+            end = block.find(b"\n", at)
+            if end < 0:
+                break
+            at = block.find(needle, end)
+    for start in sorted(starts):
+        end = block.find(b"\n", start)
+        yield block[start:] if end < 0 else block[start:end]
+
+
+def _mapped_files(block: bytes, wanted: tuple[bytes, ...], base: str,
+                  seen: set[tuple[bytes, bytes, bytes]]) -> Iterator[tuple[str, str]]:
+    """The files of a block of maps lines whose path starts with one of ``wanted``
+    (``[heap]``, anonymous memory: none), each not yet ``seen`` (the same ``dev inode
+    path`` is the same file, mapped again)."""
+    for raw in _picked_lines(block, wanted):
+        parts = raw.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith(wanted):
+            key = (parts[3], parts[4], parts[5])
+            if key not in seen:
+                seen.add(key)
+                yield (f"{base}/map_files/{parts[0].decode('ascii', 'replace')}",
+                       parts[5].decode("utf-8", "replace").removesuffix(DELETED))
+
+
+def mapped_within(scope: NodeScope) -> tuple[str, ...]:
+    """The path prefixes of every mapping `held_node` can count for ``scope``: its exact
+    nodes, its prefixes, and, where it has device numbers, all of ``/dev/`` (a renamed node).
+    The rest of a process's maps (its libraries: hundreds of lines) is skipped unparsed."""
+    numbered = ("/dev/",) if scope.numbered else ()
+    return (*scope.exact, *scope.prefixes, *numbered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +234,14 @@ def scan_procs(root: str, scope: NodeScope, *,
     proc = tree_dir(root, "proc")
 
     scope = numbered_scope(root, scope) if scope else scope
+    within = mapped_within(scope)
 
     def read(pid: int) -> tuple[str, set[str], int]:
         comm = read_comm(proc, pid)
         files = list(open_files(proc, pid))
         nodes: set[str] = set()
         if scope:
-            for handle, path in (*files, *mapped_files(proc, pid)):
+            for handle, path in (*files, *mapped_files(proc, pid, within)):
                 if (node := held_node(scope, handle, path)) is not None:
                     nodes.add(node)
         nvidia_fds = sum(1 for _, target in files if target.startswith("/dev/nvidia"))
