@@ -167,6 +167,16 @@ class NodeScope:
     #: Every minor of these majors is in scope (the char majors of a prefix's nodes: a
     #: renamed ``/dev/nvidia*`` keeps nvidia's major).
     majors: frozenset[int] = frozenset()
+    #: ``numbers`` by device, the first node by name where two share one: `device_node`
+    #: asks for every ``/dev`` fd a scan finds, so the lookup is made once, here.
+    _by_number: dict[tuple[int, int], str] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        by_number: dict[tuple[int, int], str] = {}
+        for major, minor, node in sorted(self.numbers):
+            by_number.setdefault((major, minor), node)
+        object.__setattr__(self, "_by_number", by_number)
 
     def matches(self, path: str) -> bool:
         return path in self.exact or any(path.startswith(p) for p in self.prefixes)
@@ -180,9 +190,9 @@ class NodeScope:
         """The node in scope that is the character device ``major:minor``, named as the
         root's ``/dev`` names it (``seen``, the name the holder sees, when only its major is
         known); None when it is not in scope."""
-        for n_major, n_minor, node in sorted(self.numbers):
-            if (n_major, n_minor) == (major, minor):
-                return node
+        node = self._by_number.get((major, minor))
+        if node is not None:
+            return node
         return seen if major in self.majors else None
 
     def __or__(self, other: NodeScope) -> NodeScope:
