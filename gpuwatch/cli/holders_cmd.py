@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "holders",
         description="Every process with an open file on, or a mapping of, a node of the card: "
                     "/dev/nvidia*, its /dev/dri card and render nodes, its audio function's "
-                    "/dev/snd nodes and /dev/vfio/N.")
+                    "/dev/snd nodes and /dev/vfio/N (under another name too, such as a "
+                    "container's renamed node: matched by its device number).")
     add_target_args(p)
     add_root_args(p)
     add_daemon_args(p)
