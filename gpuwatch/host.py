@@ -218,11 +218,14 @@ async def open_host(
 
     ``root``, ``source``, ``config``, ``log`` and every other keyword of
     `gpuwatch.watch.watcher.open_watcher` (``log_max_bytes``, ``reconcile_interval``,
-    ``announce``, …) configure the watcher. ``ops``/``geteuid`` default to the real host's
-    seam (or a refusing one off the real ``/sys``); tests pass
-    `gpuwatch.testing.simkernel.SimKernel`. ``announce=False``: the body runs before
-    ``ready``, and calls ``host.watcher.announce_ready()`` (a daemon, once its listeners are
-    bound).
+    ``announce``, …: `WatcherOptions`, so a type checker catches a misspelt one) configure
+    the watcher. ``ops``/``geteuid`` default to the real host's seam (or a refusing one off
+    the real ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`.
+    ``announce=False``: the body runs before ``ready``, and calls
+    ``host.watcher.announce_ready()`` (a daemon, once its listeners are bound).
+
+    Leaving the context waits (shielded) for a switch or recover still under way in a task
+    outside it, so that its end is read, published and logged with the watcher open.
     """
     async with _watch.open_watcher(root, source, config=config, log=log,
                                    **watcher_options) as watcher:

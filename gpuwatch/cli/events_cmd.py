@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("path", metavar="PATH", help="the event log (PATH.1, PATH.2, ... are read too)")
     p.add_argument("--follow", "-f", action="store_true",
-                   help="keep printing new events until SIGINT/SIGTERM; waits for PATH to appear")
+                   help="keep printing new events until SIGINT/SIGTERM or until stdout's reader "
+                        "leaves; waits for PATH to appear")
     p.add_argument("--since-seq", type=int, metavar="N", default=None,
                    help="only events with seq > N")
     p.add_argument("--type", action="append", metavar="T", dest="types", default=None,

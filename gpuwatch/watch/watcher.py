@@ -940,6 +940,7 @@ __all__ = [
     "HostSnapshot",
     "Watcher",
     "WatcherClosed",
+    "WatcherOptions",
     "entered_once",
     "event_filters",
     "open_watcher",
