@@ -121,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="serve Prometheus metrics at http://ADDR/metrics (HOST:PORT, :PORT)")
     p.add_argument("--nfd-features", default=None, metavar="PATH",
                    help="keep a node-feature-discovery features file current (a features.d/ "
-                        "directory gets the file 'gpuwatch')")
+                        "directory, or a features.d not made yet, gets the file 'gpuwatch')")
     p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
                         "(default 3600, 0 = never, else at least 120)")
