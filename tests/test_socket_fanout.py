@@ -6,6 +6,7 @@ pipelined requests answered in order; each in-process test for both connection k
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -522,7 +523,6 @@ async def test_without_memfd_or_sendfile_the_same_bytes_go_the_plain_way(
 ) -> None:
     """A seccomp profile that refuses ``memfd_create`` (ENOSYS): the fan-out copies per
     socket as before, byte for byte, and stops asking for the file after the refusal."""
-    import errno
 
     calls = []
 
@@ -544,24 +544,117 @@ async def test_without_memfd_or_sendfile_the_same_bytes_go_the_plain_way(
     assert len(calls) == 1 and SharedBytes.supported is False
 
 
-async def test_a_subscriber_gone_before_its_shared_send_leaves_the_others_whole(
-    host: SysRoot, sockdir: str, conns: str
+def _spy_sendfile_errors(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The errno of each ``os.sendfile`` call that failed."""
+    errs: list[int] = []
+    inner = os.sendfile
+
+    def spied(*args: Any) -> int:
+        try:
+            return inner(*args)
+        except OSError as exc:
+            errs.append(exc.errno or 0)
+            raise
+
+    monkeypatch.setattr(os, "sendfile", spied)
+    return errs
+
+
+async def _held_burst(served: Any, tag: str) -> int:
+    """Eight slices held for one flush (above `MIN_BYTES`): how many events."""
+    pad = "g" * 900
+    for k in range(8):
+        served.watcher.publish([ProbeChanged(action="detect-gpu", old=f"{pad}{tag}.{k}.{i}",
+                                             new=i) for i in range(16)])
+    return 8 * 16
+
+
+def _recv_now(sock: socket.socket) -> bytes:
+    out = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := sock.recv(1 << 22):
+            out += chunk
+    return out
+
+
+async def test_subscribers_that_hang_up_mid_burst_leave_the_others_whole(
+    host: SysRoot, sockdir: str, conns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One of those sharing a flush has hung up (EPIPE on its ``sendfile``): it is let go
-    as a plain send would, and the others get every byte."""
+    """Two of those sharing a flush hang up while the burst is held, before the daemon's
+    loop sees it (one closes with events unread: ECONNRESET; one shuts its read side:
+    EPIPE), so their ``sendfile`` meets the error: they are let go as a plain send would,
+    the others get every byte in order, the path stays on, and no shared file is left open."""
+    errs = _spy_sendfile_errors(monkeypatch)
+    monkeypatch.setattr(SharedBytes, "supported", True)
+    fds = _open_fds()
     async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
-        socks = [(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS + 1)]
+        socks = [(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS + 2)]
+        reset, shut, live = socks[0], socks[1], socks[2:]
         base = served.watcher.seq
-        socks[1].close()
-        live = [s for i, s in enumerate(socks) if i != 1]
-        total, got = await _burst_to_many(served, live, [], rounds=3)
-        assert [P.loads(x)["seq"] for x in got[0].splitlines()] == list(
+        got = {s: b"" for s in live}
+        total = 0
+        for r in range(3):
+            total += await _held_burst(served, str(r))  # the first slice went out at once
+            if r == 1:  # no await since: the loop has not seen either hang-up
+                reset.close()
+                shut.shutdown(socket.SHUT_RD)
+            served.server._flush()
+            for s in live:
+                got[s] += _recv_now(s)
+        assert errs and set(errs) <= {errno.EPIPE, errno.ECONNRESET}, errs
+        assert SharedBytes.supported is True
+        for s in live:
+            got[s] += await _read_bytes(s, total - got[s].count(b"\n"))
+        first = got[live[0]]
+        assert [P.loads(x)["seq"] for x in first.splitlines()] == list(
             range(base + 1, base + 1 + total))
-        assert all(data == got[0] for data in got)
+        assert all(got[s] == first for s in live)
         with anyio.fail_after(5):
             while len(served.server.connections) > len(live):
                 await anyio.sleep(0.01)
-        for s in live:
+        for s in socks[1:]:
+            s.close()
+    assert _open_fds() <= fds
+
+
+async def test_out_of_descriptors_a_flush_goes_the_plain_way_and_the_next_shares(
+    host: SysRoot, sockdir: str, conns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``memfd_create`` refused with EMFILE (the daemon at its RLIMIT_NOFILE for a moment)
+    is a passing shortage: that flush is copied per socket, byte for byte, and the next
+    one shares again (the path is not given up for good)."""
+    calls: list[int] = []
+    inner = os.memfd_create
+
+    def short_once(*args: Any) -> int:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return inner(*args)
+
+    monkeypatch.setattr(os, "memfd_create", short_once)
+    monkeypatch.setattr(SharedBytes, "supported", True)
+    taken = _spy_shared(monkeypatch)
+    async with served_watcher(host.root, f"{sockdir}/gw.sock", flush_window=30.0) as served:
+        socks = [(await _subscriber(served.path))[0] for _ in range(MIN_SHARERS)]
+        base = served.watcher.seq
+        got = {s: b"" for s in socks}
+        total = 0
+        for r in range(2):
+            total += await _held_burst(served, str(r))
+            served.server._flush()
+            for s in socks:
+                got[s] += _recv_now(s)
+            if r == 0:
+                assert SharedBytes.supported is True and not any(taken)
+        assert len(calls) == 2 and any(taken)
+        for s in socks:
+            got[s] += await _read_bytes(s, total - got[s].count(b"\n"))
+        first = got[socks[0]]
+        assert [P.loads(x)["seq"] for x in first.splitlines()] == list(
+            range(base + 1, base + 1 + total))
+        assert all(got[s] == first for s in socks)
+        for s in socks:
             s.close()
 
 
