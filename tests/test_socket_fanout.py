@@ -681,3 +681,88 @@ def test_shared_bytes_are_taken_in_part_by_a_full_socket_and_survive_the_close()
             got += b.recv(1 << 20)
         assert got == data[:took]
         assert SharedBytes(b"").send_to(a.fileno()) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_memfd_is_made_sealed_against_exec_and_asked_again_on_an_old_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vm.memfd_noexec=2`` (Linux 6.3+) refuses a memfd made without
+    ``MFD_NOEXEC_SEAL`` (EACCES): the file is asked for with it, so sharing stays on there;
+    a kernel before 6.3 does not know the flag (EINVAL) and is asked again without it."""
+    import errno
+
+    seal = 0x0008
+    real = os.memfd_create
+    asked: list[int] = []
+
+    def noexec_2(name: str, flags: int = 0) -> int:  # a 6.3+ kernel with memfd_noexec=2
+        asked.append(flags)
+        if not flags & seal:
+            raise OSError(errno.EACCES, "Permission denied")
+        return real(name, flags & ~seal)  # (this machine's kernel may not know it either)
+
+    monkeypatch.setattr(SharedBytes, "supported", True)
+    monkeypatch.setattr(SharedBytes, "flags", SharedBytes.flags)
+    monkeypatch.setattr(os, "memfd_create", noexec_2)
+    shared = SharedBytes(b"x" * 100)
+    assert shared.fd >= 0 and SharedBytes.supported
+    shared.close()
+    assert asked == [asked[0]] and asked[0] & seal
+
+    def before_6_3(name: str, flags: int = 0) -> int:
+        asked.append(flags)
+        if flags & seal:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(name, flags)
+
+    asked.clear()
+    monkeypatch.setattr(os, "memfd_create", before_6_3)
+    for _ in range(2):
+        shared = SharedBytes(b"y" * 100)
+        assert shared.fd >= 0
+        shared.close()
+    assert [bool(f & seal) for f in asked] == [True, False, False]  # asked with it once
+    assert SharedBytes.supported
+
+
+@pytest.mark.timeout(30)
+def test_one_socket_refusing_sendfile_does_not_end_sharing_for_everyone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A security module that refuses ``sendfile`` to one client's socket (EACCES): that
+    socket gets nothing by reference (its caller sends plainly), the others still do, and
+    sharing stays on. Every socket refused, time after time, turns it off."""
+    import errno
+
+    real = os.sendfile
+    refused: set[int] = set()
+
+    def some_refused(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        if out_fd in refused:
+            raise OSError(errno.EACCES, "Permission denied")
+        return real(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(SharedBytes, "supported", True)
+    monkeypatch.setattr(SharedBytes, "refusals", 0)
+    monkeypatch.setattr(os, "sendfile", some_refused)
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        refused.add(pairs[0][0].fileno())
+        data = b"z" * 4096
+        for _ in range(20):  # more rounds than refusals in a row would stop it
+            shared = SharedBytes(data)
+            took = [shared.send_to(a.fileno()) for a, _ in pairs]
+            shared.close()
+            assert took == [0, len(data), len(data), len(data)]
+            for _, b in pairs[1:]:
+                assert b.recv(1 << 16) == data
+        assert SharedBytes.supported
+        refused.update(a.fileno() for a, _ in pairs)
+        for _ in range(3):
+            shared = SharedBytes(data)
+            assert [shared.send_to(a.fileno()) for a, _ in pairs] == [0, 0, 0, 0]
+            shared.close()
+        assert not SharedBytes.supported
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

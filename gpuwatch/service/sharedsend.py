@@ -31,6 +31,13 @@ MIN_SHARERS = 8
 # Errors that say the call will never work here, as opposed to a passing shortage (EMFILE).
 _UNSUPPORTED = frozenset({errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL,
                           errno.EOPNOTSUPP})
+#: ``MFD_NOEXEC_SEAL`` (Linux 6.3+): a file no one may make executable. Where
+#: ``vm.memfd_noexec`` is 2 a memfd without it is refused (EACCES); kernels before 6.3 do not
+#: know the flag (EINVAL) and are asked again without it.
+_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)
+#: `send_to` refusals in a row (no socket took a page in between) that turn sharing off: one
+#: socket a security module refuses is no reason to, every socket refused is.
+_REFUSALS_TO_STOP = 8
 
 
 class SharedBytes:
@@ -43,6 +50,10 @@ class SharedBytes:
 
     #: Cleared for the process once the kernel refuses the file or the call for good.
     supported = True
+    #: The flags the kernel takes (``MFD_NOEXEC_SEAL`` dropped after an EINVAL).
+    flags: int = getattr(os, "MFD_CLOEXEC", 1) | _NOEXEC_SEAL
+    #: `send_to` refusals since a socket last took a page.
+    refusals = 0
 
     def __init__(self, data: bytes | memoryview) -> None:
         self.size = len(data)
@@ -50,7 +61,7 @@ class SharedBytes:
         if not SharedBytes.supported:
             return
         try:
-            fd = os.memfd_create("gpuwatch-fanout", os.MFD_CLOEXEC)
+            fd = self._create()
         except (AttributeError, OSError) as exc:
             self._refused(exc)
             return
@@ -63,6 +74,16 @@ class SharedBytes:
             self._refused(exc)
             return
         self.fd = fd
+
+    @staticmethod
+    def _create() -> int:
+        try:
+            return os.memfd_create("gpuwatch-fanout", SharedBytes.flags)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not SharedBytes.flags & _NOEXEC_SEAL:
+                raise
+        SharedBytes.flags &= ~_NOEXEC_SEAL  # a kernel before 6.3: the flag is unknown
+        return os.memfd_create("gpuwatch-fanout", SharedBytes.flags)
 
     @staticmethod
     def _refused(exc: BaseException) -> None:
@@ -90,9 +111,13 @@ class SharedBytes:
                 continue
             except OSError as exc:
                 if exc.errno in _UNSUPPORTED and sent == 0:
-                    SharedBytes.supported = False
+                    SharedBytes.refusals += 1
+                    if SharedBytes.refusals >= _REFUSALS_TO_STOP:
+                        SharedBytes.supported = False
                 break
             if n <= 0:
                 break
             sent += n
+        if sent:
+            SharedBytes.refusals = 0
         return sent
