@@ -295,7 +295,8 @@ def test_the_read_only_pod_sees_the_holders_of_a_node(tmp_path: Path) -> None:
                 others.append(subprocess.Popen(["setpriv", *who, "--", "sleep", "60"],
                                                stdin=f))
         script = ("import json, sys; from gpuwatch.hostfs.procfs import holders; "
-                  "found, stuck = holders('/', lambda t: t == sys.argv[1]); "
+                  "from gpuwatch.core.plan import NodeScope; "
+                  "found, stuck = holders('/', NodeScope(exact=frozenset(sys.argv[1:]))); "
                   "print(json.dumps(sorted({pid for pid, _, _ in found})))")
         pod = ["setpriv", "--reuid", str(security["runAsUser"]),
                "--regid", str(security["runAsGroup"]), "--clear-groups",
