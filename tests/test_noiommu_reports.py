@@ -234,3 +234,45 @@ async def test_a_noiommu_device_cdev_follows_its_uevents(tmp_path: Path) -> None
         assert got[2]["type"] == "probe-changed" and got[2]["action"] == "detect-vfio"
         assert h.watcher.probe("vfio-backend", addr=T4).cdev_node == \
             "/dev/vfio/devices/noiommu-vfio0"
+
+
+_OPENS_AS_OPEN_DECIDES = """
+import json, os, sys
+from gpuwatch.hostfs.noiommu import vfio_open
+root, cdev = sys.argv[1], sys.argv[2]
+os.setresuid(12345, 0, 0)  # real uid another user's, effective uid root: as open() goes by
+nodes, ok = vfio_open(root, "/dev/vfio/7", True, [cdev], False)  # no group node: iommufd
+opened = []
+for node in nodes:
+    try:
+        os.close(os.open(root + node, os.O_RDWR))
+        opened.append(True)
+    except OSError:
+        opened.append(False)
+print(json.dumps([nodes, ok, all(opened)]))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to set a real uid apart")
+def test_the_iommufd_nodes_are_judged_as_open_judges_them(tmp_path: Path) -> None:
+    """``vfio_open_accessible`` of an iommufd-only card says what ``open(O_RDWR)`` of
+    ``/dev/iommu`` and the cdev decides: by the effective uid (and capabilities), as the
+    group node's answer is, not by the real uid ``access()`` takes by default (was: a
+    process whose real uid is another user's was told it may not open what it may)."""
+    import subprocess
+    import sys
+
+    cdev = "/dev/vfio/devices/vfio0"
+    for node in ("/dev/iommu", cdev):
+        path = tmp_path / node.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        path.chmod(0o600)  # root's alone
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _OPENS_AS_OPEN_DECIDES, str(tmp_path), cdev],
+                         capture_output=True, text=True, timeout=50, check=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo)
+    nodes, accessible, opened = json.loads(out.stdout)
+    assert nodes == ["/dev/iommu", cdev]
+    assert opened is True and accessible is opened

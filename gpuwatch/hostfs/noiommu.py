@@ -132,7 +132,11 @@ def vfio_open(root: str, vfio_node: str, iommufd: bool, cdevs: Iterable[str],
     nodes = vfio_open_nodes(vfio_node, present, iommufd, cdevs)
     if nodes == [vfio_node]:
         return nodes, group_accessible
-    return nodes, bool(nodes) and all(os.access(under(n), os.R_OK | os.W_OK) for n in nodes)
+    # By the effective uid, groups and capabilities, as open() decides (and as the group
+    # node's answer is), not by the real ones access() takes by default.
+    return nodes, bool(nodes) and all(
+        os.access(under(n), os.R_OK | os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+        for n in nodes)
 
 
 __all__ = ["NOIOMMU_GROUP_NAME", "IommuGroups", "read_iommu_groups", "read_iommu_off",
