@@ -229,16 +229,22 @@ def char_node(root: Path, node: str, dev: int) -> None:
 
 
 @contextlib.contextmanager
-def holding_zero(how: str) -> Iterator[int]:
-    """A live child holding /dev/zero open (``fd``) or only mapped (``map``)."""
-    with subprocess.Popen([sys.executable, "-c", _HOLD_ZERO, how], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE) as child:
+def ready_child(argv: list[str]) -> Iterator[int]:
+    """A live child that says ``ready`` once it holds what it holds: its pid, killed after."""
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as child:
         try:
             assert child.stdout is not None and child.stdout.readline() == b"ready\n"
             yield child.pid
         finally:
             child.kill()
             child.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def holding_zero(how: str) -> Iterator[int]:
+    """A live child holding /dev/zero open (``fd``) or only mapped (``map``)."""
+    with ready_child([sys.executable, "-c", _HOLD_ZERO, how]) as pid:
+        yield pid
 
 
 @pytest.fixture(params=["fd", "map"])
@@ -356,15 +362,9 @@ def holding_in_own_dev(node: str, dev: int) -> Iterator[int]:
     script = (f"mount -t tmpfs none /dev && mkdir -p {os.path.dirname(node)}"
               f" && mknod {node} c {os.major(dev)} {os.minor(dev)}"
               f' && exec {sys.executable} -c "$0" {node}')
-    with subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                           script, _HOLD_NODE], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE) as child:
-        try:
-            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
-            yield child.pid
-        finally:
-            child.kill()
-            child.wait(timeout=10)
+    with ready_child(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
+                      _HOLD_NODE]) as pid:
+        yield pid
 
 
 @as_root

@@ -163,19 +163,24 @@ def node_root() -> Iterator[Path]:
         subprocess.run(["rm", "-rf", base], check=False)
 
 
-#: Run in the caller's credentials: its CapEff, what the kernel decides for an O_RDWR open
-#: of the node, and the probe's answer three ways (the cold direct CLI path, the full CLI
-#: path, the library), as JSON.
-_CALLER = """
-import json, os, subprocess, sys
-root, node = sys.argv[1], sys.argv[2]
-status = open("/proc/self/status").read()
+#: The start of each child's script: its CapEff, and what the kernel decides for an O_RDWR
+#: open of ``node`` in its credentials.
+_WHO_AND_KERNEL = """status = open("/proc/self/status").read()
 cap_eff = int(next(l for l in status.splitlines() if l.startswith("CapEff:")).split()[1], 16)
 try:
     os.close(os.open(node, os.O_RDWR))
     kernel = True
 except PermissionError:
     kernel = False
+"""
+
+#: Run in the caller's credentials: its CapEff, what the kernel decides for an O_RDWR open
+#: of the node, and the probe's answer three ways (the cold direct CLI path, the full CLI
+#: path, the library), as JSON.
+_CALLER = """
+import json, os, subprocess, sys
+root, node = sys.argv[1], sys.argv[2]
+""" + _WHO_AND_KERNEL + """
 cli = [sys.executable, "-m", "gpuwatch", "probe", "vfio-group-accessible", "--group", "7",
        "--root", root, "--no-daemon"]
 direct = subprocess.run(cli, capture_output=True, text=True, check=True, cwd="/")
@@ -233,13 +238,7 @@ def test_the_probe_says_what_the_kernel_decides_for_the_callers_capabilities(
 _CLIENT = """
 import json, os, socket, sys
 path, node = sys.argv[1], sys.argv[2]
-status = open("/proc/self/status").read()
-cap_eff = int(next(l for l in status.splitlines() if l.startswith("CapEff:")).split()[1], 16)
-try:
-    os.close(os.open(node, os.O_RDWR))
-    kernel = True
-except PermissionError:
-    kernel = False
+""" + _WHO_AND_KERNEL + """
 sock = socket.socket(socket.AF_UNIX)
 sock.settimeout(20)
 sock.connect(path)
