@@ -70,41 +70,50 @@ class WedgeScan:
         return "no task is stuck in the nvidia driver"
 
 
-def _state(proc: str, pid: int) -> str:
-    """The one-letter state from ``/proc/<pid>/stat`` (after the comm's last ``)``)."""
+def _state(stat: str) -> str:
+    """The one-letter state from a ``stat`` file (after the comm's last ``)``); ``""`` when
+    it cannot be read (the task is gone)."""
     try:
-        raw = read_bytes(f"{proc}/{pid}/stat", 4096)
+        raw = read_bytes(stat, 4096)
     except OSError:
         return ""
     tail = raw.rpartition(b")")[2].split()
     return tail[0].decode("ascii", "replace") if tail else ""
 
 
-def _tasks(proc: str, pid: int) -> list[str]:
-    """The stack files of a process and of each of its threads."""
+def _tasks(proc: str, pid: int) -> list[tuple[str, str]]:
+    """``(stat, stack)`` of a process's main thread and of each of its other threads. Each
+    thread has its own state: a multithreaded process (libvirtd detaching a device from a
+    worker thread, a threaded tool) sleeps in its main thread while another one is stuck in
+    an unbind, and ``/proc/<pid>/stat`` shows the main thread's state alone."""
     task_dir = f"{proc}/{pid}/task"
     try:
         tids = [t for t in os.listdir(task_dir) if t.isascii() and t.isdigit()]
     except OSError:
         tids = []
-    others = [f"{task_dir}/{t}/stack" for t in sorted(tids) if t != str(pid)]
-    return [f"{proc}/{pid}/stack", *others]
+    others = [(f"{task_dir}/{t}/stat", f"{task_dir}/{t}/stack")
+              for t in sorted(tids, key=int) if t != str(pid)]
+    return [(f"{proc}/{pid}/stat", f"{proc}/{pid}/stack"), *others]
 
 
 def _stack_hit(proc: str, pid: int) -> tuple[bool, str, str]:
-    """``(readable, wedge symbol, remove symbol)`` for a D-state task: whether any of its
-    stacks could be read, the nvidia wedge symbol found in one, else another driver's remove
-    symbol; ``(True, "", "")`` for a task not in D state."""
-    if _state(proc, pid) != "D":
-        return True, "", ""
-    readable = False
+    """``(readable, wedge symbol, remove symbol)`` for a process: whether the stack of each
+    of its threads in D state could be read, the nvidia wedge symbol found in one, else
+    another driver's remove symbol; ``(True, "", "")`` when no thread is in D state. Each
+    thread is judged by its own state, not by the main thread's."""
+    readable = True
     removing = ""
-    for stack in _tasks(proc, pid):
+    for stat, stack in _tasks(proc, pid):
+        if _state(stat) != "D":
+            continue
         try:
             text = read_bytes(stack).decode("utf-8", "replace")
-        except OSError:  # gone, EACCES for non-root, or not a /proc file at all
+        except OSError:
+            # EACCES for non-root; no such file on a kernel without CONFIG_STACKTRACE, or
+            # not a /proc file at all. A thread that ended meanwhile (its stat gone too) is
+            # stuck nowhere.
+            readable = readable and not os.path.lexists(stat)
             continue
-        readable = True
         hit = next((s for s in WEDGE_SYMBOLS if s in text), "")
         if hit:
             return True, hit, ""

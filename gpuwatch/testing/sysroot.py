@@ -1229,6 +1229,29 @@ class SysRoot:
         _write(base + "/status", b"Name:\t" + name + status.encode())
         _write(base + "/stack", stack.encode(), 0o400)
 
+    def add_thread(self, pid: int, tid: int, comm: str | bytes, *, state: str = "S",
+                   stack: str = "") -> None:
+        """``/proc/<pid>/task/<tid>`` of a process `add_process` made: a thread with its own
+        comm, state (``stat``) and kernel stack, as the kernel shows each thread apart (a
+        worker thread stuck in an unbind while the main thread sleeps)."""
+        pid, tid = int(pid), int(tid)
+        if tid <= 0 or tid == pid:
+            raise ValueError(f"invalid thread id: {tid}")
+        if state not in _PROC_STATES:
+            raise ValueError(f"unknown process state: {state!r}")
+        base = self._abs(f"proc/{pid}")
+        if not os.path.isdir(base):
+            raise ValueError(f"no process {pid}: add_process it first")
+        raw = _as_bytes(comm)
+        task = f"{base}/task/{tid}"
+        if os.path.lexists(task):
+            shutil.rmtree(task)
+        os.makedirs(task)
+        _write(task + "/comm", raw + b"\n")
+        _write(task + "/stat", f"{tid} (".encode() + raw + f") {state} 1 {pid} {pid} 0 -1 "
+               "4194624 120 0 0 0 3 1 0 0 20 0 4 0 4242\n".encode())
+        _write(task + "/stack", stack.encode(), 0o400)
+
     def remove_process(self, pid: int) -> None:
         shutil.rmtree(self._abs(f"proc/{int(pid)}"), ignore_errors=True)
 
