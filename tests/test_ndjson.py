@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -120,6 +121,26 @@ def test_many_small_chunks_of_one_long_line() -> None:
     assert framer.pending == 512 << 16
     (whole,) = framer.feed(b"\n")
     assert len(whole) == 512 << 16
+
+
+def test_a_line_dripped_a_byte_at_a_time_costs_its_bytes_not_an_object_each() -> None:
+    """A peer that sends its partial line a byte or two per read (each read one ``feed``)
+    holds the daemon to about the bytes it sent: kept as a list of the pieces, a 60 KB line
+    was megabytes of objects, up to ~80 times the request limit the daemon promises to hold
+    per connection. (Each piece its own object, as each read is; made before tracing.)"""
+    framer = LineFramer(64 << 10)
+    drip = [bytes(bytearray(b"zz")) for _ in range(30_000)]
+    tracemalloc.start()
+    try:
+        for byte in drip:
+            framer.feed(byte)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert framer.pending == 60_000
+    assert held < 2 * 60_000, held
+    assert framer.feed(b"z\n") == [b"z" * 60_001]
+    assert framer.pending == 0
 
 
 def test_importing_it_loads_nothing_heavy() -> None:
