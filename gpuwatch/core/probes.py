@@ -135,11 +135,58 @@ def no_such_function(addr: str | None) -> DeviceNotFound:
 # --------------------------------------------------------------------------- rules
 
 
+#: What makes a pattern component a wildcard to `glob` (`glob.has_magic`).
+_GLOB_MAGIC = re.compile(r"[*?[]")
+
+
 @functools.lru_cache(maxsize=16)
 def compiled_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
-    """fnmatch.fnmatchcase, translated once per table: matching was a tenth of building a
-    small host's model, and translating again per model would cost as much."""
-    return tuple(re.compile(fnmatch.translate(p)) for p in patterns)
+    """The patterns as the scan's `glob.glob` matches them, translated once per table:
+    matching was a tenth of building a small host's model, and translating again per model
+    would cost as much. (fnmatch's ``*`` crosses ``/``: a uevent's node in a folder below
+    the pattern's, ``/dev/bus/usb/001/005`` for ``/dev/bus/usb/*``, matched, though no scan
+    lists it, and the watcher's answer differed from a fresh scan's.)"""
+    return tuple(re.compile(glob_regex(p)) for p in patterns)
+
+
+def glob_regex(pattern: str) -> str:
+    """A regular expression matching what `glob.glob` finds for ``pattern``: each wildcard
+    (``*``, ``?``, ``[…]``) within one path component, never across a ``/``, and a
+    component with one matching no name that starts with a dot unless it starts with one
+    too (glob's hidden files)."""
+    parts = []
+    for part in pattern.split("/"):
+        if not _GLOB_MAGIC.search(part):
+            parts.append(re.escape(part))
+            continue
+        out = [] if part.startswith(".") else [r"(?!\.)"]
+        i, n = 0, len(part)
+        while i < n:
+            c = part[i]
+            i += 1
+            if c == "*":
+                out.append("[^/]*")
+            elif c == "?":
+                out.append("[^/]")
+            elif c == "[":
+                # The class's extent as fnmatch finds it; the class as fnmatch spells it.
+                j = i
+                if j < n and part[j] == "!":
+                    j += 1
+                if j < n and part[j] == "]":
+                    j += 1
+                while j < n and part[j] != "]":
+                    j += 1
+                if j >= n:
+                    out.append(r"\[")
+                else:
+                    body = fnmatch.translate(part[i - 1 : j + 1])
+                    out.append("(?!/)" + body.removeprefix("(?s:").removesuffix(r")\Z"))
+                    i = j + 1
+            else:
+                out.append(re.escape(c))
+        parts.append("".join(out))
+    return "(?s:" + "/".join(parts) + r")\Z"
 
 
 def is_watched_node(path: str, pattern_res: Iterable[re.Pattern[str]]) -> bool:
@@ -505,6 +552,7 @@ __all__ = [
     "compiled_patterns",
     "drm_driver",
     "drm_vendor",
+    "glob_regex",
     "group_access",
     "is_amd_card",
     "is_watched_node",
