@@ -242,6 +242,12 @@ async def open_host(
         # A stop while a switch is under way (SIGTERM to a daemon mid-switch) writes
         # ``stopped`` after the switch's end, so ``stopped`` stays the log's last record.
         watcher.stop_waits_for = lambda: engine.busy
+        # A switch whose process was killed half-way (SIGKILL) left its record: its end goes
+        # in this run's log, after ``ready``.
+        if watcher.announced:
+            engine.report_abandoned()
+        else:
+            watcher.after_ready = engine.report_abandoned
         try:
             yield Host(watcher, engine)
         finally:

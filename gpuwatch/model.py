@@ -342,6 +342,11 @@ def plan_for_host(model: HostModel, mode: Mode, *, addr: str | None = None,
                          euid=os.geteuid() if euid is None else euid,
                          which=which or shutil.which, vfio_driver=vfio_driver,
                          deadline=model.proc_deadline)
+    from gpuwatch.hostfs.journal import find_abandoned
+
+    left = find_abandoned(paths.root, poison_key(members[0])) if members else None
+    if left is not None:  # a switch killed half-way: what `mode` would clear too
+        facts = dataclasses.replace(facts, unpin=left.members)
     return plan_switch(members, mode, facts, force=force)
 
 

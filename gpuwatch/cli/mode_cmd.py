@@ -49,6 +49,7 @@ from gpuwatch.core.text import terminal_safe
 from gpuwatch.errors import GroupPoisoned, NotPrivileged, SwitchFailed, SwitchRefused
 from gpuwatch.host import open_host
 from gpuwatch.hostfs.facts import health_facts
+from gpuwatch.hostfs.journal import find_abandoned
 from gpuwatch.jsonout import dumps
 from gpuwatch.model import HostModel, scan
 from gpuwatch.sources import SourceUnavailable
@@ -339,14 +340,25 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
     unhealthy = unhealthy_reason(members, health_facts(model.state, members))
     if unhealthy is not None:
         raise SwitchRefused(unhealthy)
+    backend = None
     if already_in_mode(members, mode, variants, vfio_driver):
-        # No write, so no privilege needed: a claim can run this on every start.
-        print_result(SwitchResult(
-            addr=card.addr, group=card.iommu_group, from_mode=mode, to_mode=mode,
-            members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
-            duration_ms=0.0, changed=False, notes=[]), args.json)
-        return EXIT_OK
-    backend = make_backend(args.root)
+        # No write, so no privilege needed: a claim can run this on every start. Unless a
+        # switch of the group was killed half-way and may have left a driver_override that
+        # vfio mode never leaves: root clears it (the switch below), anyone else is told.
+        left = find_abandoned(args.root, poison_key(card)) if mode == "vfio" else None
+        backend = make_backend(args.root) if left is not None else None
+        if backend is None or backend.geteuid() != 0:
+            notes = [] if left is None else [
+                f"an earlier switch of group {card.iommu_group} to {left.to_mode} (pid "
+                f"{left.pid}) was killed half-way and may have left a driver_override on "
+                f"{', '.join(left.members)}: `gpuwatch recover` or this switch as root "
+                "clears it"]
+            print_result(SwitchResult(
+                addr=card.addr, group=card.iommu_group, from_mode=mode, to_mode=mode,
+                members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
+                duration_ms=0.0, changed=False, notes=notes), args.json)
+            return EXIT_OK
+    backend = backend or make_backend(args.root)
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "
                             "modules)")

@@ -291,6 +291,10 @@ class HostFacts:
     #: A switch of this boot stopped nvidia-persistenced (to unload nvidia) and none has
     #: started it since: the switch back to nvidia starts it again, if it is not running.
     persistenced_stopped: bool = False
+    #: The functions an earlier switch of the group may have left a ``driver_override`` on:
+    #: its process ended half-way (SIGKILL, a crash), so nothing cleared them. A switch to
+    #: vfio clears each one it does not rebind anyway (vfio mode leaves no override).
+    unpin: tuple[str, ...] = ()
 
 
 #: What a wedge poisons: an IOMMU group by its number, a card without one by its address.
@@ -759,7 +763,13 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
     rebinds = tuple(fn.addr for fn in fns
                     if recovering and rebind and not host_bridge(fn) and needs_recovery(fn, facts))
     base["rebinds"] = rebinds
-    if not rebinds and all(satisfied(fn.driver, fn, chosen[fn.addr], facts) for fn in fns):
+    # Overrides an abandoned switch may have left: the writes below clear them (vfio mode
+    # leaves none); the functions a switch rebinds clear their own anyway. A bridge never
+    # had one (the switch writes nothing to it).
+    unpin = [fn for fn in fns if mode == "vfio" and fn.addr in facts.unpin
+             and not host_bridge(fn) and fn.class_ not in BRIDGE_CLASSES]
+    if not rebinds and not unpin and all(satisfied(fn.driver, fn, chosen[fn.addr], facts)
+                                         for fn in fns):
         return SwitchPlan(**{**base, "notes": (*base.get("notes", ()),
                                                f"already in mode {mode}: nothing to write")})
 
@@ -849,6 +859,14 @@ def plan_switch(members: Sequence[PciFunction], mode: Mode, facts: HostFacts, *,
         steps.append(WriteStep(DRIVERS_PROBE, fn.addr))
         if mode == "vfio":
             steps.append(WriteStep(override_path(fn.addr), CLEAR_OVERRIDE))
+    rebound = {fn.addr for fn in changing}
+    left_pinned = [fn.addr for fn in unpin if fn.addr not in rebound]
+    for addr in left_pinned:
+        steps.append(WriteStep(override_path(addr), CLEAR_OVERRIDE))
+    if left_pinned:
+        notes.append(f"an earlier switch of group {group} ended half-way (its process was "
+                     f"killed): clearing the driver_override it may have left on "
+                     f"{', '.join(left_pinned)}")
     if mode == "nvidia":
         steps.append(CommandStep(("nvidia-modprobe", "-c", "0", "-u"), "warn"))
         if facts.persistenced_stopped and not facts.persistenced:

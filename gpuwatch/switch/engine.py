@@ -99,6 +99,7 @@ from gpuwatch.errors import (
     UsageError,
 )
 from gpuwatch.hostfs.bootstate import DEFAULT_STOPPED_FILE, set_service_stopped
+from gpuwatch.hostfs.bootstate import boot_id as read_boot_id
 from gpuwatch.hostfs.facts import (
     ModelFacts,
     call_bounded,
@@ -109,7 +110,18 @@ from gpuwatch.hostfs.facts import (
     model_facts,
     scan_holders,
 )
-from gpuwatch.hostfs.files import flock_holders, place_in_root
+from gpuwatch.hostfs.files import place_in_root
+from gpuwatch.hostfs.journal import (
+    LOCK_DIR,
+    Journal,
+    find_abandoned,
+    journal_keys,
+    lock_held,
+    mark_reported,
+    read_journal,
+    remove_journal,
+    write_journal,
+)
 from gpuwatch.hostfs.scan import (
     CDI_SPECS,
     cdi_spec_exists,
@@ -136,7 +148,6 @@ DEFAULT_SCAN_TIMEOUT = 10.0
 DEFAULT_TREE_CHECK_AFTER = 5.0
 #: How long an interrupted switch may take to put its group back before it gives up.
 DEFAULT_ROLLBACK_TIMEOUT = 30.0
-_LOCK_DIR = "run/gpuwatch"
 #: Held shared by every switch, alone by one that unloads the nvidia module.
 _HOST_LOCK = "switch.lock"
 #: How often a switch held by a PCI error recovery under way looks at the model again.
@@ -218,6 +229,8 @@ class SwitchEngine:
         #: already unusable until their recovery when it was decided (`_failures`), which
         #: only `recover` plans for; any other failure seen meanwhile is new, and stops it.
         self._failed_at_start: dict[PoisonKey, dict[str, tuple[str, ...]]] = {}
+        #: The groups whose switch record (`gpuwatch.switch.journal`) this engine wrote.
+        self._journaled: set[PoisonKey] = set()
         for group, entry in self.poison.load().items():
             self.model.poisoned[group] = entry.error
 
@@ -359,6 +372,9 @@ class SwitchEngine:
                                  which=self.ops.which, vfio_driver=vfio_driver,
                                  deadline=deadline),
             min(self.scan_timeout, deadline + 1), "the holder scan")
+        left = self._abandoned(poison_key(card))
+        if left is not None:  # what `mode` would clear too
+            facts = dataclasses.replace(facts, unpin=left.members)
         return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
@@ -429,8 +445,16 @@ class SwitchEngine:
                 # The same reason as `_busy` above, for a switch another process runs (a
                 # `gpuwatch mode` beside the daemon, a second orchestrator).
                 raise GroupBusy(f"{poison_subject(key)} is being switched by another process")
-            return self._result(card.addr, group, to_mode, to_mode, started, changed=False,
-                                notes=[f"already in mode {to_mode}: nothing written"])
+            # In mode, but an earlier switch's process died half-way (SIGKILL): a function
+            # may still be pinned by its driver_override, which vfio mode never leaves. Root
+            # clears it (below); anyone else is told.
+            left = self._abandoned(key) if to_mode == "vfio" else None
+            if left is None or self.euid() != 0:
+                notes = [f"already in mode {to_mode}: nothing written"]
+                if left is not None:
+                    notes.append(self._abandoned_note(left))
+                return self._result(card.addr, group, to_mode, to_mode, started,
+                                    changed=False, notes=notes)
         self._require_root("switching drivers")
         if not claimed:
             self._claim(key)
@@ -443,6 +467,12 @@ class SwitchEngine:
                                               host_fd, force=force or recovering,
                                               recovering=recovering, vfio_driver=vfio_driver)
                 finally:
+                    # Its end is published (or it never began): the record goes. Not on a
+                    # SIGKILL, which runs nothing: then the record tells the next one.
+                    if key in self._journaled:
+                        self._journaled.discard(key)
+                        with suppress(OSError):
+                            remove_journal(self._lock_dir(), key)
                     os.close(host_fd)
             finally:
                 os.close(fd)
@@ -454,8 +484,13 @@ class SwitchEngine:
                       deadline: float, host_fd: int, *, force: bool = False,
                       recovering: bool = False,
                       vfio_driver: str | None = None) -> SwitchResult:
+        # Holding the group's lock: a record of a switch found now is one whose process
+        # ended without ending it (SIGKILL). Say so, once, and clear what it may have pinned.
+        abandoned = self._leftover(key)
+        unpin = abandoned.members if abandoned is not None else ()
         facts, plan = await self._decide(addr, to_mode, deadline, force=force,
-                                         recovering=recovering, vfio_driver=vfio_driver)
+                                         recovering=recovering, vfio_driver=vfio_driver,
+                                         unpin=unpin)
         if plan.unloads_nvidia:
             others = sorted(str(k) for k in self._busy if k != key)
             if others:
@@ -467,12 +502,17 @@ class SwitchEngine:
             # have put a card on nvidia since. Decide again with the host to ourselves, or the
             # unload would take that card off its driver.
             facts, plan = await self._decide(addr, to_mode, deadline, force=force,
-                                             recovering=recovering, vfio_driver=vfio_driver)
+                                             recovering=recovering, vfio_driver=vfio_driver,
+                                             unpin=unpin)
         group = plan.group
         if not plan.steps:
+            if abandoned is not None:  # in mode, nothing of it left to clear: it is over
+                with suppress(OSError):
+                    remove_journal(self._lock_dir(), key)
             return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
                                 notes=list(plan.notes))
         await self._refuse_a_copy(plan)
+        self._journal(key, plan, unpin)
         self._failed_at_start[plan.poison_key] = self._failures(plan)
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
@@ -596,7 +636,8 @@ class SwitchEngine:
         return result
 
     async def _decide(self, addr: str, to_mode: Mode, deadline: float, *, force: bool,
-                      recovering: bool, vfio_driver: str | None) -> tuple[HostFacts, SwitchPlan]:
+                      recovering: bool, vfio_driver: str | None,
+                      unpin: tuple[str, ...] = ()) -> tuple[HostFacts, SwitchPlan]:
         """Read the host facts off the event loop and plan from them; a refusal is published
         and raised here."""
         state = self.model.state
@@ -618,6 +659,8 @@ class SwitchEngine:
             reason = f"{exc}: a process may be stuck (gpuwatch probe wedge-detected)"
             self._refused(addr, group, to_mode, reason, ())
             raise SwitchRefused(reason) from None
+        if unpin:
+            facts = dataclasses.replace(facts, unpin=unpin)
         try:
             plan = plan_switch(members, to_mode, facts, force=force, recovering=recovering)
         except UnsafeName as exc:
@@ -1392,6 +1435,78 @@ class SwitchEngine:
                          "will not start it)", argv[2], "stopped" if argv[1] == "stop"
                          else "started", DEFAULT_STOPPED_FILE, exc.strerror or exc)
 
+    # ------------------------------------------------------------------ abandoned switches
+
+    def _boot(self) -> str:
+        return read_boot_id(self.root)
+
+    def _journal(self, key: PoisonKey, plan: SwitchPlan, unpin: Sequence[str]) -> None:
+        """Record the switch about to begin (`gpuwatch.switch.journal`): a SIGKILL leaves it
+        behind. Its members are what it may pin, with what an abandoned one may have."""
+        members = tuple(dict.fromkeys([*(a for a, _ in plan.targets), *unpin]))
+        record = Journal(addr=plan.addr, group=plan.group, from_mode=plan.from_mode,
+                         to_mode=plan.to_mode, members=members, pid=os.getpid(),
+                         started=format_event_time())
+        try:
+            write_journal(self._lock_dir(), key, self._boot(), record)
+        except OSError as exc:
+            _log.warning("cannot record the switch of %s in %s: %s (were its process killed, "
+                         "nothing would tell)", poison_subject(key), self._lock_dir(),
+                         exc.strerror or exc)
+            return
+        self._journaled.add(key)
+
+    def _abandoned(self, key: PoisonKey) -> Journal | None:
+        """The record of a switch of ``key`` whose process is gone without ending it, seen
+        without the lock (None: none, or its switch may still be running)."""
+        return find_abandoned(self.root, key)
+
+    def _leftover(self, key: PoisonKey) -> Journal | None:
+        """Holding the group's lock: the record found is an abandoned switch's. Published
+        once (``switch-failed``, ``abandoned``), then kept until a switch clears it."""
+        folder, boot = self._lock_dir(), self._boot()
+        left = read_journal(folder, key, boot)
+        if left is None:
+            with suppress(OSError):
+                remove_journal(folder, key)  # another boot's, or garbage
+            return None
+        if not left.reported:
+            self._publish([self._abandoned_event(left)])
+            mark_reported(folder, key, boot, left)
+        return left
+
+    def report_abandoned(self) -> None:
+        """At start-up (a daemon restarted after a SIGKILL mid-switch): publish the end of
+        every switch whose process died without ending it, so that a log tailer waiting on
+        its ``switch-started`` learns it is over. Writes nothing to the host: the next
+        switch or `recover` of the group clears what it left."""
+        folder = self._lock_dir()
+        for key in journal_keys(folder):
+            left = None if key in self._busy else self._abandoned(key)
+            if left is None or left.reported:
+                continue
+            self._publish([self._abandoned_event(left)])
+            mark_reported(folder, key, self._boot(), left)
+
+    def _abandoned_event(self, left: Journal) -> ev.SwitchFailed:
+        _log.warning("switch of group %s to %s (pid %s, started %s) was abandoned half-way",
+                     left.group, left.to_mode, left.pid, left.started)
+        return ev.SwitchFailed(
+            addr=left.addr, group=left.group, to_mode=left.to_mode,
+            error=(f"abandoned: the process running it (pid {left.pid}, switch started "
+                   f"{left.started}) ended before the switch did (killed, or it crashed); "
+                   "nothing was put back"),
+            wedged=False, restored=[self._abandoned_note(left)])
+
+    def _abandoned_note(self, left: Journal) -> str:
+        functions = self.model.state.functions
+        where = ", ".join(
+            f"{a} on {functions[a].driver or 'no driver'}" if a in functions else f"{a} gone"
+            for a in left.members)
+        return (f"nothing: group {left.group} is left as that switch left it ({where}), "
+                "maybe with a driver_override of its; the next switch or `gpuwatch recover` "
+                "of the group brings it to one mode and clears them")
+
     # ------------------------------------------------------------------ locks and privilege
 
     def _require_root(self, what: str) -> None:
@@ -1437,20 +1552,13 @@ class SwitchEngine:
 
     def _switched_elsewhere(self, key: int | str | None) -> bool:
         """Whether another process holds the group's switch lock (``key`` None: the host
-        lock, alone, as a switch that unloads nvidia does), seen without taking it:
-        taking it, even for a moment, would make a switch starting then fail as busy. Where
-        the lock file or ``/proc/locks`` cannot be read (no privilege), no one is seen."""
-        path = os.path.join(self._lock_dir(),
-                            _HOST_LOCK if key is None else f"switch-{key}.lock")
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            return next(flock_holders(st, exclusive=True), None) is not None
-        except (OSError, ValueError):
-            return False
+        lock, alone, as a switch that unloads nvidia does), seen without taking it
+        (`gpuwatch.hostfs.journal.lock_held`)."""
+        return lock_held(self._lock_dir(), key)
 
     def _lock_dir(self) -> str:
         """``run/gpuwatch`` in the tree, its links read as in a chroot (`place_in_root`)."""
-        return place_in_root(self.root, _LOCK_DIR)
+        return place_in_root(self.root, LOCK_DIR)
 
     def _open_lock(self, path: str) -> int:
         try:

@@ -128,6 +128,20 @@ class SimKernel:
         #: signal a switch before it begins), and a file touched when that read starts.
         self.facts_delay = 0.0
         self.facts_marker = ""
+        #: A write or command (its record, ``("write", path, value)`` or ``("command",
+        #: *argv)``) after whose effect the kernel stops: the file `pause_marker` is touched
+        #: and the caller sleeps for ever, so that a test can kill the process at exactly
+        #: that step (SIGKILL). Once only.
+        self.pause_on: tuple[str, ...] | None = None
+        self.pause_marker = ""
+        #: Where a test subprocess's kernel is saved after every write and command (set by
+        #: `load_backend`): a process killed with SIGKILL runs no exit handler, and the next
+        #: command must find the kernel as the killed one left it.
+        self.save_path = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A live queue is no state: the next run makes its own."""
+        return {**self.__dict__, "_source": None}
 
     @property
     def source(self) -> MemorySource:
@@ -216,6 +230,27 @@ class SimKernel:
         check_write(path, value)
         self.record.append(("write", path, value))
         await anyio.sleep(self.step_delay)
+        try:
+            await self._write(path, value, timeout)
+        finally:
+            await self._stepped(("write", path, value))
+
+    async def _stepped(self, entry: tuple[str, ...]) -> None:
+        """After a write or command: save the kernel (`save_path`), then stop for ever when
+        this was the step to stop at (`pause_on`)."""
+        pause = self.pause_on is not None and entry == self.pause_on
+        if pause:
+            self.pause_on = None
+        if self.save_path:
+            with contextlib.suppress(OSError):
+                _save(self, self.save_path)
+        if pause:
+            if self.pause_marker:
+                with open(self.pause_marker, "a", encoding="utf-8"):
+                    pass
+            await anyio.sleep_forever()
+
+    async def _write(self, path: str, value: str, timeout: float) -> None:
         if m := _OVERRIDE_RE.fullmatch(path):
             addr = m.group(1)
             self._require(addr, path)
@@ -253,6 +288,12 @@ class SimKernel:
         check_command(argv)
         self.record.append(("command", *argv))
         await anyio.sleep(self.step_delay)
+        try:
+            return self._run(list(argv))
+        finally:
+            await self._stepped(("command", *argv))
+
+    def _run(self, argv: list[str]) -> CommandResult:
         name, args = argv[0], list(argv[1:])
         if name not in self.tools:
             return CommandResult(127, "", f"{name}: command not found")
@@ -515,6 +556,18 @@ def save_for_subprocess(sim: SimKernel, path: str | os.PathLike[str], *, euid: i
         pickle.dump({"sim": sim, "euid": euid, "root": os.path.realpath(sim.root)}, fh)
 
 
+def _save(sim: SimKernel, path: str) -> None:
+    """Save a test subprocess's kernel back, in place of the file it was loaded from
+    (atomically: a process killed half-way through leaves the last whole save)."""
+    with open(path, "rb") as fh:
+        saved: dict[str, Any] = pickle.load(fh)
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        pickle.dump({**saved, "sim": sim}, fh)
+    os.replace(tmp, path)
+
+
 def install_saved_backend(path: str) -> None:
     """Make every switch command of this process use the kernel saved at ``path`` (what
     ``python -m gpuwatch`` does when `SIMKERNEL_ENV` is set)."""
@@ -549,11 +602,11 @@ def load_backend(path: str, root: str) -> Backend:
     if saved["root"] != os.path.realpath(root):
         raise ConfigError(f"{SIMKERNEL_ENV}: {path} simulates {saved['root']}, not {root}")
     euid: int = saved["euid"]
+    sim.save_path = path
 
     def save_back() -> None:
-        sim._source = None  # a live queue is no state: the next run makes its own
-        with contextlib.suppress(OSError), open(path, "wb") as fh:
-            pickle.dump({**saved, "sim": sim}, fh)
+        with contextlib.suppress(OSError):
+            _save(sim, path)
 
     atexit.register(save_back)
     return Backend(sim, sim.new_source(), lambda: euid)

@@ -221,6 +221,9 @@ class Watcher:
         #: Set by the composition (`gpuwatch.host`): "is work under way that `stopped` must
         #: follow?" (an interrupted switch putting its group back).
         self.stop_waits_for: Callable[[], bool] | None = None
+        #: Called once ``ready`` is published (the switch engine's report of switches whose
+        #: process died half-way: their ends follow ``ready`` in the log).
+        self.after_ready: Callable[[], None] | None = None
         self.source_ended = anyio.Event()
         self.resyncs = 0
         #: Times the source lost uevents (each one a rescan, or a share of one: see
@@ -583,6 +586,8 @@ class Watcher:
             return  # a stop that came first (a signal during start-up) ends the run unannounced
         self.publish([Ready(devices=len(self.model.state.functions), source=self.source.name)])
         self._announced.set()
+        if self.after_ready is not None:
+            self.after_ready()
 
     def stop(self, reason: str) -> None:
         """Publish the ``stopped`` record (once): the last line of this run's log.
