@@ -217,11 +217,12 @@ class Remote:
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         if self._console is None:  # once per report, not once per GPU
             gpus = [(g["addr"], g["physfn"]) for g in self.gpus]
-            console = console_unread(gpus) or listed_console(self.root, gpus)
+            groups = {g["addr"]: g["iommu_group"] for g in self.gpus}
+            console = console_unread(gpus, groups) or listed_console(self.root, gpus, groups)
             if console is None:  # a tree without the bus listing: the scan's walk finds them
                 from gpuwatch.hostfs.scan import read_console
 
-                console = read_console(self.root, gpus)
+                console = read_console(self.root, gpus, groups)
             self._console = console
         return kept_for_host_reason(self.members(gpu),  # type: ignore[arg-type]
                                     console_drivers=self.tables.host_console_drivers,

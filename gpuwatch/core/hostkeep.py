@@ -37,14 +37,15 @@ def kept_for_host_reason(
     domain it opens and shares its group), when a member is bound to a BMC/console driver
     (``host_console_drivers``), or is a BMC/console device by its ids (``host_console_devices``,
     ``0x1a03:0x2000``: the BMC's VGA with its driver blacklisted or not loaded yet is still the
-    BMC's), or when its display function has ``boot_vga`` 1 and is the only display function on
-    the host (``host_displays``: every display-class address that is no SR-IOV virtual function,
-    see `own_displays`), or when it is the only display function and a framebuffer device hangs
-    beneath it (``framebuffers``, see `gpuwatch.hostfs.bootvga.framebuffer_names`): the host's
-    console on a display with no ``boot_vga`` file (only VGA-class functions have one: QEMU's
-    bochs-display and virtio-gpu at class 0x0380, a 3D controller that took the console over
-    from the firmware's framebuffer).
-    """
+    BMC's), or when a display function of it has ``boot_vga`` 1 and the group holds every
+    display function of the host (``host_displays``: every display-class address that is no
+    SR-IOV virtual function, see `own_displays`): that one alone, or all of two cards behind a
+    port without ACS, which go to a guest together; or when it holds every display function
+    and a framebuffer device hangs beneath one of them (``framebuffers``, see
+    `gpuwatch.hostfs.bootvga.framebuffer_names`): the host's console on a display with no
+    ``boot_vga`` file (only VGA-class functions have one: QEMU's bochs-display and virtio-gpu
+    at class 0x0380, a 3D controller that took the console over from the firmware's
+    framebuffer)."""
     ordered = sorted(members, key=lambda m: m.addr)
     controllers = [fn.addr for fn in ordered if fn.driver == VMD_DRIVER]
     if controllers:
@@ -70,15 +71,23 @@ def kept_for_host_reason(
     if not (boot_vga or framebuffers):
         return ""  # (the rest names a function in one or the other)
     displays = set(host_displays)
-    for fn in ordered:
-        if is_gpu_class(fn.class_) and fn.addr in boot_vga and displays <= {fn.addr}:
-            return (f"{fn.addr} is the host's boot display (boot_vga 1) and its only display "
-                    "function: passing it through leaves the host without a console")
-    for fn in ordered:
-        if is_gpu_class(fn.class_) and fn.addr in framebuffers and displays <= {fn.addr}:
-            return (f"{fn.addr} carries the host's framebuffer console (a graphics fbN device) "
-                    "and is its only display function: passing it through leaves the host "
-                    "without a console")
+    # Every display the host has is in this group (one, or cards behind a port without ACS):
+    # passing the group through takes them all, whichever of them holds the console.
+    group_displays = [fn.addr for fn in ordered if is_gpu_class(fn.class_)]
+    if not displays <= set(group_displays):
+        return ""
+    own = [a for a in group_displays if a in displays]
+    alone = ("its only display function" if len(own) <= 1 else
+             f"this group holds every display function of the host ({', '.join(own)})")
+    for addr in group_displays:
+        if addr in boot_vga:
+            return (f"{addr} is the host's boot display (boot_vga 1) and {alone}: passing it "
+                    "through leaves the host without a console")
+    for addr in group_displays:
+        if addr in framebuffers:
+            return (f"{addr} carries the host's framebuffer console (a graphics fbN device) "
+                    f"and {'is ' if len(own) <= 1 else ''}{alone}: passing it through leaves "
+                    "the host without a console")
     return ""
 
 

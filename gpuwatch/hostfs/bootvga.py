@@ -11,7 +11,7 @@ listing needs the scan's walk.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from gpuwatch.core.hostkeep import own_displays
@@ -30,33 +30,50 @@ class HostConsole(NamedTuple):
     framebuffers: frozenset[str]
 
 
-def console_of(gpus: Iterable[tuple[str, str]], folder: Callable[[str], str]) -> HostConsole:
+def one_group(displays: Iterable[str], groups: Mapping[str, int]) -> bool:
+    """Whether the host's own ``displays`` are all in one IOMMU group (``groups``: each
+    address's), so that passing it through takes every one: one display or none always; two
+    or more when they share a group (cards behind a port without ACS)."""
+    own = set(displays)
+    if len(own) < 2:
+        return True
+    found = {groups.get(a, -1) for a in own}
+    return len(found) == 1 and -1 not in found
+
+
+def console_of(gpus: Iterable[tuple[str, str]], folder: Callable[[str], str],
+               groups: Mapping[str, int] | None = None) -> HostConsole:
     """The `HostConsole` of ``gpus`` (``(addr, physfn)`` of every display-class function),
     each read in ``folder(addr)``: ``boot_vga`` of every one, and the framebuffers of the
-    host's own display when it has only one (the rule counts them for no other, so no other
-    folder is listed)."""
+    host's own displays when they are all in one group (`one_group`; ``groups``: each
+    address's IOMMU group, none known: each its own): the rule counts them for no other
+    host, so no other folder is listed."""
     gpus = list(gpus)
     displays = tuple(own_displays(gpus))
+    together = one_group(displays, groups or {})
     return HostConsole(
         displays,
         frozenset(a for a, _ in gpus if read_attr(folder(a) + "/boot_vga") == "1"),
-        frozenset(a for a in displays if len(displays) == 1 and framebuffer_names(folder(a))))
+        frozenset(a for a in displays if together and framebuffer_names(folder(a))))
 
 
-def console_unread(gpus: Iterable[tuple[str, str]]) -> HostConsole | None:
+def console_unread(gpus: Iterable[tuple[str, str]],
+                   groups: Mapping[str, int] | None = None) -> HostConsole | None:
     """The `HostConsole` of ``gpus`` with nothing read, where nothing read could change a
-    report: a host with two or more displays of its own. The rule names a function by its
-    ``boot_vga`` or its framebuffer only when it is the host's only display
+    report: a host with two or more displays of its own in more than one IOMMU group
+    (``groups``: each address's). The rule names a function by its ``boot_vga`` or its
+    framebuffer only when its group holds every display of the host
     (`gpuwatch.core.hostkeep.kept_for_host_reason`), so neither set is consulted there, and
     a big host is spared a ``boot_vga`` read per GPU. None: the host has one display or none,
-    so they must be read (`listed_console`)."""
+    or all in one group, so they must be read (`listed_console`)."""
     displays = tuple(own_displays(gpus))
-    if len(set(displays)) < 2:
+    if one_group(displays, groups or {}):
         return None
     return HostConsole(displays, frozenset(), frozenset())
 
 
-def listed_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole | None:
+def listed_console(root: str, gpus: Iterable[tuple[str, str]],
+                   groups: Mapping[str, int] | None = None) -> HostConsole | None:
     """`console_of` ``gpus``, each read through its bus entry; None when one has no entry (a
     capture without the listing: `gpuwatch.hostfs.scan.read_console` walks ``sys/devices``)."""
     gpus = list(gpus)
@@ -64,7 +81,7 @@ def listed_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole | 
     entries = {a: in_root(root, f"{bus}/{a}") for a, _ in gpus}
     if not all(os.path.lexists(entry) for entry in entries.values()):
         return None
-    return console_of(gpus, entries.__getitem__)
+    return console_of(gpus, entries.__getitem__, groups)
 
 
 def is_framebuffer(name: str) -> bool:

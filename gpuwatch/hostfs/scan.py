@@ -866,18 +866,20 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
                            read_vfio_dev(directory)[1])
 
 
-def read_console(root: str, gpus: Iterable[tuple[str, str]]) -> HostConsole:
+def read_console(root: str, gpus: Iterable[tuple[str, str]],
+                 groups: Mapping[str, int] | None = None) -> HostConsole:
     """`gpuwatch.hostfs.bootvga.listed_console`, for a report that holds no scan (a daemon's
     answers carry neither ``boot_vga`` nor framebuffers): each function read in its folder
-    (`function_dir`), a tree without the bus listing walked once for all."""
+    (`function_dir`), a tree without the bus listing walked once for all. ``groups``: each
+    GPU's IOMMU group (`gpuwatch.hostfs.bootvga.console_of`)."""
     gpus = list(gpus)
-    listed = listed_console(root, gpus)
+    listed = listed_console(root, gpus, groups)
     if listed is not None:
         return listed
     paths = HostPaths(root)
     if gpus and not any(is_pci_addr(n) for n in list_dir(paths.bus_pci)):
         paths.walked = dict(walk_functions(paths.sys))
-    return console_of(gpus, lambda addr: function_dir(paths, addr))
+    return console_of(gpus, lambda addr: function_dir(paths, addr), groups)
 
 
 def scan_framebuffers(paths: HostPaths, functions: Sequence[PciSeen]

@@ -55,15 +55,17 @@ class RemoteModel:
     def kept_for_host(self, addr: str) -> str:
         """The same rule as the model's; ``boot_vga`` and the framebuffer devices are in no
         probe answer, so they are read from sysfs here (once per report, not once per GPU,
-        and not at all on a host of two displays or more: `console_unread`), as
-        `module_loaded` reads modules."""
+        and not at all on a host of two displays or more in different groups:
+        `console_unread`), as `module_loaded` reads modules."""
         from gpuwatch.core.hostkeep import kept_for_host_reason
         from gpuwatch.hostfs.bootvga import console_unread
         from gpuwatch.hostfs.scan import read_console
 
         if self._console is None:
             gpus = [(g.addr, g.physfn) for g in self._vfio.gpus]
-            self._console = console_unread(gpus) or read_console(self.root, gpus)
+            groups = {g.addr: g.iommu_group for g in self._vfio.gpus}
+            self._console = (console_unread(gpus, groups)
+                             or read_console(self.root, gpus, groups))
         console = self._console
         return kept_for_host_reason(self.state.group_members(addr),
                                     console_drivers=self.tables.host_console_drivers,
