@@ -25,9 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatch.core.limits import (
+    MAX_FILE_BYTES,
     MAX_LOG_KEEP,
+    MAX_OUTPUT_BYTES,
     MAX_RECEIVE_BUFFER,
+    MAX_REQUEST_BYTES,
     MAX_SECONDS,
+    MAX_SOCKET_CLIENTS,
     MIN_RECEIVE_BUFFER,
 )
 from gpuwatch.core.tabledata import TABLE_KEYS
@@ -58,9 +62,12 @@ class Setting:
     kind: Kind
     default: Any
     optional: bool = False  # None ("off") allowed: null in the file, "" in the environment
-    minimum: float | None = None
+    minimum: float | None = None  # every "int" and "float" setting has both bounds
     maximum: float | None = None
-    check: Callable[[Any], str | None] | None = None  # returns why a value is bad
+    #: Returns why a value is bad (a number failing it is refused with `range_words`).
+    check: Callable[[Any], str | None] | None = None
+    #: A number's range in words, where its bounds alone would say it wrong.
+    range_words: str | None = None
 
     @property
     def env(self) -> str:
@@ -127,10 +134,13 @@ def _check_nfd_expiry(value: Any) -> str | None:
     """0 (no expiry) or long enough for NFD, which re-reads ``features.d`` about once a
     minute: a shorter expiry could lapse between two of its reads of a file kept current,
     and would have the writer rewrite (and fsync) the file over and over."""
-    if value == 0 or value >= MIN_NFD_EXPIRY:
+    if value == 0 or MIN_NFD_EXPIRY <= value <= MAX_SECONDS:
         return None
-    return (f"must be 0 (labels never expire) or at least {MIN_NFD_EXPIRY:g} (NFD reads "
-            f"features.d about once a minute), not {value:g}")
+    return f"must be {_NFD_RANGE}, not {value:g}"
+
+
+_NFD_RANGE = (f"0 (labels never expire) or from {MIN_NFD_EXPIRY:g} to {MAX_SECONDS:g} (NFD "
+              "reads features.d about once a minute)")
 
 
 def _group_problem(text: str) -> str | None:
@@ -157,7 +167,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("root", "str", "/", check=_check_nonempty),
     Setting("source", "str", "auto", check=_check_source),
     Setting("log", "str", "-", check=_check_nonempty),
-    Setting("log_max_bytes", "int", None, optional=True, minimum=1),
+    Setting("log_max_bytes", "int", None, optional=True, minimum=1, maximum=MAX_FILE_BYTES),
     Setting("log_keep", "int", 5, minimum=1, maximum=MAX_LOG_KEEP),
     Setting("reconcile_interval", "float", 300.0, minimum=0, maximum=MAX_SECONDS),
     Setting("receive_buffer", "int", None, optional=True, minimum=MIN_RECEIVE_BUFFER,
@@ -165,16 +175,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("socket", "str", None, optional=True),
     Setting("socket_group", "str", None, optional=True, check=_check_group),
     Setting("switch_group", "str", None, optional=True, check=_check_group),
-    Setting("socket_max_request_bytes", "int", 65536, minimum=1024),
-    Setting("socket_max_clients", "int", 1024, minimum=1),
-    Setting("socket_max_per_uid", "int", 16, minimum=1),
-    Setting("socket_root_reserve", "int", 64, minimum=0),
+    Setting("socket_max_request_bytes", "int", 65536, minimum=1024, maximum=MAX_REQUEST_BYTES),
+    Setting("socket_max_clients", "int", 1024, minimum=1, maximum=MAX_SOCKET_CLIENTS),
+    Setting("socket_max_per_uid", "int", 16, minimum=1, maximum=MAX_SOCKET_CLIENTS),
+    Setting("socket_root_reserve", "int", 64, minimum=0, maximum=MAX_SOCKET_CLIENTS),
     Setting("socket_stall_timeout", "float", 30.0, minimum=0.001, maximum=MAX_SECONDS),
-    Setting("socket_max_output_bytes", "int", 4 << 20, minimum=4096),
+    Setting("socket_max_output_bytes", "int", 4 << 20, minimum=4096, maximum=MAX_OUTPUT_BYTES),
     Setting("metrics", "str", None, optional=True, check=_check_metrics),
     Setting("nfd_features", "str", None, optional=True),
     Setting("nfd_expiry", "float", 3600.0, minimum=0, maximum=MAX_SECONDS,
-            check=_check_nfd_expiry),
+            check=_check_nfd_expiry, range_words=_NFD_RANGE),
     Setting("verbose", "bool", False),
     # The whole budget of one /proc scan (holders, plan, switch, wedge-detected): a process
     # stuck in the kernel can block a read of its fd, maps or stack for ever.
@@ -211,7 +221,9 @@ def _describe(value: Any) -> str:
 
 
 def _from_text(s: Setting, text: str) -> Any:
-    """An environment string as the setting's type."""
+    """A string (the environment's, or a flag's: both are read here, alike) as the
+    setting's type. Numbers are ASCII decimal, as ``int`` reads them (``1_000`` too), not
+    any digits Unicode has (``int`` takes ``'١٢'``)."""
     raw = text.strip()
     if s.optional and raw == "":
         return None
@@ -223,18 +235,13 @@ def _from_text(s: Setting, text: str) -> Any:
         if raw.lower() in _FALSE:
             return False
         raise _Bad(f"must be true or false (1/0, yes/no, on/off), not {_describe(text)}")
-    if s.kind == "int":
-        try:
-            return int(raw, 10)
-        except ValueError:
-            raise _Bad(f"must be an integer, not {_describe(text)}") from None
     try:
-        number = float(raw)
-    except ValueError:
-        raise _Bad(f"must be a number, not {_describe(text)}") from None
-    if not math.isfinite(number):
-        raise _Bad(f"must be a finite number, not {_describe(text)}")
-    return number
+        if not raw.isascii():
+            raise ValueError(raw)
+        number: float = int(raw, 10) if s.kind == "int" else float(raw)
+    except ValueError:  # also an integer of more digits than Python converts
+        raise _Bad(_range(s, _describe(text))) from None
+    return _in_range(s, number, raw if len(raw) <= 40 else raw[:37] + "...")
 
 
 def _typed(s: Setting, value: Any) -> Any:
@@ -257,17 +264,37 @@ def _typed(s: Setting, value: Any) -> Any:
             raise _Bad(f"must be true or false, not {_describe(value)}")
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _Bad(f"must be {'an integer' if s.kind == 'int' else 'a number'}, "
-                   f"not {_describe(value)}")
-    if s.kind == "int":
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise _Bad(f"must be an integer, not {_describe(value)}")
-            value = int(value)
-        return value
-    if not math.isfinite(value):
-        raise _Bad(f"must be a finite number, not {_describe(value)}")
-    return float(value)
+        raise _Bad(_range(s, _describe(value)))
+    if s.kind == "int" and isinstance(value, float) and not value.is_integer():
+        raise _Bad(_range(s, _describe(value)))  # 2.5, nan and inf alike
+    number = int(value) if s.kind == "int" else float(value)
+    return _in_range(s, number, _describe(value))
+
+
+def _range(s: Setting, shown: str) -> str:
+    """Why a number is refused, the same words for every bad value and from every place:
+    what it must be, its whole range (and that empty turns it off), and what was given."""
+    off = ", or empty for its default" if s.optional else ""
+    if s.range_words is not None:
+        return f"must be {s.range_words}{off}, not {shown}"
+    what = "an integer" if s.kind == "int" else "a number"
+    bounds = ""
+    if s.minimum is not None and s.maximum is not None:
+        bounds = f" from {_bound(s, s.minimum)} to {_bound(s, s.maximum)}"
+    return f"must be {what}{bounds}{off}, not {shown}"
+
+
+def _in_range(s: Setting, number: float, shown: str) -> float:
+    """``number`` within the setting's own check and bounds (a value given in seconds as
+    ``-0`` is 0), else `_Bad` showing it as it was given (``0``, not ``0.0``)."""
+    if isinstance(number, float) and not math.isfinite(number):  # an int of 400 digits
+        raise _Bad(_range(s, shown))  # is finite, and too large to be made a float
+    if s.check is not None and s.check(number) is not None:
+        raise _Bad(_range(s, shown))
+    if ((s.minimum is not None and number < s.minimum)
+            or (s.maximum is not None and number > s.maximum)):
+        raise _Bad(_range(s, shown))
+    return number + 0 if s.kind == "float" else number  # -0.0 + 0 is 0.0
 
 
 def _bound(s: Setting, bound: float) -> str:
@@ -276,12 +303,9 @@ def _bound(s: Setting, bound: float) -> str:
 
 
 def _validate(s: Setting, value: Any) -> Any:
-    if value is None:
-        return None
-    if s.minimum is not None and value < s.minimum:
-        raise _Bad(f"must be at least {_bound(s, s.minimum)}, not {_describe(value)}")
-    if s.maximum is not None and value > s.maximum:
-        raise _Bad(f"must be at most {_bound(s, s.maximum)}, not {_describe(value)}")
+    """A typed value's own check (a number's was made with its bounds, in `_in_range`)."""
+    if value is None or s.kind in ("int", "float"):
+        return value
     if s.check is not None:
         why = s.check(value)
         if why is not None:
@@ -520,7 +544,12 @@ def load_settings(
         try:
             if flags.get(s.key) is not None:
                 where = s.flag
-                value, origin = _validate(s, _typed(s, flags[s.key])), "flag"
+                given = flags[s.key]
+                # A flag's words are read as the environment's (one parser, one message),
+                # not by argparse types of their own.
+                typed = (_from_text(s, given) if isinstance(given, str) and s.kind != "str"
+                         else _typed(s, given))
+                value, origin = _validate(s, typed), "flag"
             elif s.env in env:
                 where = f"environment {s.env}"
                 value, origin = _validate(s, _from_text(s, env[s.env])), "env"

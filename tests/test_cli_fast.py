@@ -254,7 +254,7 @@ def test_an_edited_config_the_daemon_read_is_answered_the_fast_way(
             code, out, err = run_spied([*argv, *where], {"GPUWATCH_CONFIG": str(config)})
             assert (code, out) == (2, b""), argv
             assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
-                [f"gpuwatch: {config}: log_keep: must be at least 1, not 0"], argv
+                [f"gpuwatch: {config}: log_keep: must be an integer from 1 to 1000, not 0"], argv
 
 
 def test_a_config_file_the_daemon_did_not_read_is_the_full_commands(
@@ -355,7 +355,8 @@ async def test_a_config_file_the_daemon_would_refuse_is_refused_when_the_daemon_
                 run_spied, argv, {"GPUWATCH_CONFIG": str(config)})
             assert (code, out) == (2, b""), argv
             said = [line for line in err.splitlines() if not line.startswith("HEAVY=")]
-            assert said == [f"gpuwatch: {config}: log_keep: must be at least 1, not 0"], argv
+            assert said == [
+                f"gpuwatch: {config}: log_keep: must be an integer from 1 to 1000, not 0"], argv
 
 
 def test_only_plain_probe_command_lines_are_taken() -> None:

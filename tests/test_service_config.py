@@ -122,8 +122,9 @@ def test_an_empty_flag_or_file_value_turns_an_optional_number_off(
     s = settings(file=write(tmp_path, f'{key}: ""\n', "empty.yaml"))
     assert (getattr(s, key), s.origins[key]) == (None, "file")
     assert getattr(settings(env={"GPUWATCH_" + key.upper(): ""}, file=file), key) is None
-    with pytest.raises(SystemExit):  # a word is still no number
-        build_parser().parse_args(["watch", flag, "x"])
+    args = build_parser().parse_args(["watch", flag, "x"])
+    with pytest.raises(ConfigError, match=f"{flag}: must be an integer"):  # a word is no number
+        settings_from_args(args)
 
 
 @pytest.mark.parametrize(("flags", "env", "text"), [
@@ -198,16 +199,16 @@ def test_tables_and_settings_share_one_file(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("log_keep: x\n", "log_keep: must be an integer"),
-        ("log_keep: 0\n", "log_keep: must be at least 1"),
+        ("log_keep: 0\n", "log_keep: must be an integer from 1 to 1000, not 0"),
         ("log_keep: 2.5\n", "log_keep: must be an integer"),
         ("log_keep: true\n", "log_keep: must be an integer"),
-        ("log_max_bytes: -5\n", "log_max_bytes: must be at least 1"),
+        ("log_max_bytes: -5\n", "log_max_bytes: must be an integer from 1 to"),
         ("reconcile_interval: fast\n", "reconcile_interval: must be a number"),
-        ("reconcile_interval: -1\n", "reconcile_interval: must be at least 0"),
+        ("reconcile_interval: -1\n", "reconcile_interval: must be a number from 0 to 604800"),
         # NFD re-reads features.d about once a minute; a shorter expiry wrote files already
         # expired, rewritten without pause.
-        ("nfd_expiry: 0.001\n", "nfd_expiry: must be 0 (labels never expire) or at least 120"),
-        ("nfd_expiry: 119.5\n", "nfd_expiry: must be 0 (labels never expire) or at least 120"),
+        ("nfd_expiry: 0.001\n", "nfd_expiry: must be 0 (labels never expire) or from 120"),
+        ("nfd_expiry: 119.5\n", "nfd_expiry: must be 0 (labels never expire) or from 120"),
         ("verbose: maybe\n", "verbose: must be true or false"),
         ("source: netlink\n", "source: must be auto, udev, kernel or file:PATH"),
         ("metrics: 'localhost:http'\n", "metrics: 'localhost:http' is not HOST:PORT"),
@@ -235,15 +236,17 @@ def test_bad_file_values_name_the_key(tmp_path: Path, text: str, message: str) -
     ("env", "message"),
     [
         ({"GPUWATCH_LOG_KEEP": "many"}, "environment GPUWATCH_LOG_KEEP: must be an integer"),
-        ({"GPUWATCH_RECONCILE_INTERVAL": "nan"}, "GPUWATCH_RECONCILE_INTERVAL: must be a finite"),
+        ({"GPUWATCH_RECONCILE_INTERVAL": "nan"},
+         "GPUWATCH_RECONCILE_INTERVAL: must be a number from 0 to 604800, not nan"),
         ({"GPUWATCH_VERBOSE": "2"}, "GPUWATCH_VERBOSE: must be true or false"),
         ({"GPUWATCH_SWITCH_GROUP": "no-such-group-gw"}, "GPUWATCH_SWITCH_GROUP: group"),
         ({"GPUWATCH_SOURCE": ""}, "GPUWATCH_SOURCE: must be auto"),
         # A wait past what a thread's timer or a date holds; a gid past what chown takes.
-        ({"GPUWATCH_PROC_READ_TIMEOUT": "1e300"}, "must be at most 604800, not 1e+300"),
-        ({"GPUWATCH_SOCKET_STALL_TIMEOUT": "1e10"}, "must be at most 604800"),
+        ({"GPUWATCH_PROC_READ_TIMEOUT": "1e300"}, "from 0.01 to 604800, not 1e300"),
+        ({"GPUWATCH_SOCKET_STALL_TIMEOUT": "1e10"}, "from 0.001 to 604800, not 1e10"),
         ({"GPUWATCH_RECEIVE_BUFFER": "4294967296"},
-         "GPUWATCH_RECEIVE_BUFFER: must be at most 2147483647, not 4294967296"),
+         "GPUWATCH_RECEIVE_BUFFER: must be an integer from 4096 to 2147483647, or empty for its "
+         "default, not 4294967296"),
         ({"GPUWATCH_SOCKET_GROUP": "99999999999999999999"},
          "GPUWATCH_SOCKET_GROUP: group 99999999999999999999 is no gid (0-4294967294)"),
     ],
@@ -311,12 +314,12 @@ def test_watch_takes_its_options_from_env_and_file(host: SysRoot, tmp_path: Path
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--receive-buffer", "2147483648", "--receive-buffer: must be at most 2147483647"),
-    ("--receive-buffer", "0", "'0' must be at least 4096"),
-    ("--receive-buffer", "1", "'1' must be at least 4096"),
-    ("--log-keep", "100000", "--log-keep: must be at most 1000"),
-    ("--socket-max-output-bytes", "1", "'1' must be at least 4096"),
-    ("--nfd-expiry", "0.001", "--nfd-expiry: must be 0 (labels never expire) or at least 120"),
+    ("--receive-buffer", "2147483648", "--receive-buffer: must be an integer from 4096 to "
+     "2147483647"),
+    ("--receive-buffer", "0", "--receive-buffer: must be an integer from 4096 to"),
+    ("--log-keep", "100000", "--log-keep: must be an integer from 1 to 1000, not 100000"),
+    ("--socket-max-output-bytes", "1", "from 4096 to 67108864, not 1"),
+    ("--nfd-expiry", "0.001", "--nfd-expiry: must be 0 (labels never expire) or from 120"),
 ])
 def test_watch_flags_past_their_bounds_exit_2_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
@@ -336,7 +339,7 @@ def test_nfd_expiry_is_0_or_at_least_120() -> None:
     """0 keeps its meaning (no expiry directive); 120 s is the least NFD can honour."""
     assert settings({"nfd_expiry": 0}).nfd_expiry == 0
     assert settings(env={"GPUWATCH_NFD_EXPIRY": "120"}).nfd_expiry == 120
-    with pytest.raises(ConfigError, match=r"GPUWATCH_NFD_EXPIRY: must be 0 .* at least 120"):
+    with pytest.raises(ConfigError, match=r"GPUWATCH_NFD_EXPIRY: must be 0 .* from 120"):
         settings(env={"GPUWATCH_NFD_EXPIRY": "60"})
 
 

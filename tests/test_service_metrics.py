@@ -874,3 +874,69 @@ async def test_the_documented_table_is_what_is_exposed(host: SysRoot, sockdir: s
     for name, (kind, labels) in rows.items():
         assert exposed.get(name) == (kind, labels), name
     assert {n for n in exposed if n.startswith("gpuwatch_")} == set(rows)
+
+
+def _documented_families() -> dict[str, str]:
+    """The metrics table of docs/service.md: family name (as the text format names it) and
+    type."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "service.md").read_text()
+    table = doc.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(gpuwatch_\w+)` \| (\w+) \|", table, re.M))
+
+
+async def test_the_text_format_a_scraper_gets_by_default_has_only_documented_families(
+        host: SysRoot, sockdir: str) -> None:
+    """Scraped as curl or a scraper asking for no format gets it (text 0.0.4), while
+    binds, socket clients and a switch come and go: each family is a documented one of its
+    documented type with its HELP, or ``process_*``, and no counter goes down. The text
+    format held a ``gpuwatch_events_created`` gauge family (and one for every other counter
+    and the histogram): undocumented metrics, one series per counter series."""
+    documented = _documented_families()
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        w, source = served.watcher, served.source
+        assert isinstance(source, MemorySource)
+        metrics.attach(w)
+        served.server.metrics = metrics
+        bound = metrics.serve("127.0.0.1:0")
+
+        def get(accept: str | None) -> tuple[str, str]:
+            headers = {"Accept": accept} if accept else {}
+            request = urllib.request.Request(f"http://{bound[0]}:{bound[1]}/metrics",
+                                             headers=headers)
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return str(r.headers["Content-Type"]), r.read().decode()
+
+        counters: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+        try:
+            for turn in range(3):
+                await rebind(source, host, NV_AUDIO, "vfio-pci" if turn % 2 == 0 else
+                             "snd_hda_intel", w)
+                async with await anyio.connect_unix(served.path) as c:
+                    await c.send(P.encode_request(1, "probe", {"action": "detect-vfio"}))
+                    await c.receive()
+                w.publish([SwitchRefused(addr=NV, group=13, to_mode="vfio",  # type: ignore[call-arg]
+                                         reason="held", holders=[])])
+                content_type, text = await anyio.to_thread.run_sync(get, None)
+                assert content_type.startswith("text/plain; version=0.0.4")
+                for family in text_string_to_metric_families(text):
+                    if family.name.startswith("process_"):
+                        continue
+                    name = family.name + ("_total" if family.type == "counter" else "")
+                    assert documented.get(name) == family.type, family.name
+                    assert family.documentation, family.name
+                    if family.type in ("counter", "histogram"):
+                        for sample in family.samples:
+                            key = (sample.name, frozenset(sample.labels.items()))
+                            assert sample.value >= counters.get(key, 0.0), key
+                            counters[key] = sample.value
+                content_type, text = await anyio.to_thread.run_sync(
+                    get, "application/openmetrics-text; version=1.0.0")
+                assert content_type.startswith("application/openmetrics-text")
+                assert "_created" not in text
+        finally:
+            metrics.close()
+    assert counters[("gpuwatch_switches_total", frozenset({("outcome", "refused")}))] == 3

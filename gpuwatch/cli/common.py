@@ -6,7 +6,6 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
@@ -64,25 +63,8 @@ def check_root(root: str, where: str | None = None) -> None:
                            else f"{where}: {root!r} is not a directory")
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type: an integer ≥ ``minimum`` (sizes, counts); the settings check the rest."""
-
-    def parse(text: str) -> int:
-        import argparse
-
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
-        return value
-
-    return parse
-
-
-
-def seconds(text: str, *, allow_zero: bool) -> float:
+def positive_seconds(text: str) -> float:
+    """argparse type: a timeout (> 0) of the other commands (``--timeout``)."""
     import argparse
 
     try:
@@ -91,22 +73,11 @@ def seconds(text: str, *, allow_zero: bool) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds")
-    if not (value >= 0 if allow_zero else value > 0):
-        bound = "non-negative" if allow_zero else "positive"
-        raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     if value > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{text!r} must be at most {MAX_SECONDS:g} (a week)")
     return value
-
-
-def positive_seconds(text: str) -> float:
-    """argparse type: a timeout (> 0)."""
-    return seconds(text, allow_zero=False)
-
-
-def non_negative_seconds(text: str) -> float:
-    """argparse type: an interval where 0 means off."""
-    return seconds(text, allow_zero=True)
 
 
 class UsageProblem(UsageError):

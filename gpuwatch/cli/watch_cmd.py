@@ -12,7 +12,6 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -22,10 +21,7 @@ from gpuwatch.cli.common import (
     EXIT_USAGE,
     check_root,
     fail,
-    int_at_least,
-    non_negative_seconds,
     one_line,
-    positive_seconds,
 )
 from gpuwatch.errors import EXIT_RETRY
 from gpuwatch.host import open_host
@@ -38,23 +34,6 @@ if TYPE_CHECKING:
     from gpuwatch.watch.watcher import Watcher
 
 
-def _int_flag(name: str) -> Callable[[str], int | str]:
-    """A flag's argparse type with its setting's least value, so ``0`` and ``1`` get the same
-    message; the settings check everything else (the most, for one). An optional setting's
-    flag given empty (``--log-max-bytes ''``) is kept as ``''``: given, and off, as an empty
-    value is in the environment and the file (a file may set rotation, the flag undo it)."""
-    setting = next(s for s in SETTINGS if s.key == name)
-    least = setting.minimum
-    parse = int_at_least(int(least) if least is not None else 1)
-    if not setting.optional:
-        return parse
-
-    def parse_or_off(text: str) -> int | str:
-        return "" if not text.strip() else parse(text)
-
-    return parse_or_off
-
-
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "watch",
@@ -64,7 +43,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "GPUWATCH_<OPTION> environment variables and the config file "
                     "(/etc/gpuwatch/config.yaml); a flag wins over both.")
     # Defaults are None so that "not given" can be told apart: the settings loader fills in
-    # environment, file and default values below a flag.
+    # environment, file and default values below a flag. The numbers are read there too, as
+    # the environment's are (no argparse type): one reading, one message, for a flag, a
+    # variable and a key alike.
     p.add_argument("--root", default=None, metavar="DIR",
                    help="host root holding sys/, proc/, dev/ (default /; a fixture for tests)")
     p.add_argument("--config", default=None, metavar="FILE",
@@ -74,17 +55,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="where uevents come from (default auto = kernel; udev needs udevd)")
     p.add_argument("--log", default=None, metavar="PATH|-",
                    help="event log file, - for stdout (default)")
-    p.add_argument("--log-max-bytes", type=_int_flag("log_max_bytes"),
-                   default=None, metavar="N",
+    p.add_argument("--log-max-bytes", default=None, metavar="N",
                    help="rotate the log before it grows past N bytes ('' = never, whatever "
                         "the config file says)")
-    p.add_argument("--log-keep", type=_int_flag("log_keep"),
-                   default=None, metavar="K",
+    p.add_argument("--log-keep", default=None, metavar="K",
                    help="rotated files to keep, PATH.1 … PATH.K (default 5)")
-    p.add_argument("--reconcile-interval", type=non_negative_seconds, default=None, metavar="S",
+    p.add_argument("--reconcile-interval", default=None, metavar="S",
                    help="full rescan every S seconds to catch drift (default 300, 0 = off)")
-    p.add_argument("--receive-buffer", type=_int_flag("receive_buffer"),
-                   default=None, metavar="BYTES",
+    p.add_argument("--receive-buffer", default=None, metavar="BYTES",
                    help="uevent netlink receive buffer (default 128 MiB; the kernel caps it at "
                         "net.core.rmem_max without CAP_NET_ADMIN)")
     p.add_argument("--socket", nargs="?", const=DEFAULT_SOCKET_PATH, default=None, metavar="PATH",
@@ -96,24 +74,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--switch-group", default=None, metavar="GROUP",
                    help="group that may also switch and recover through the socket "
                         "(default: root only)")
-    p.add_argument("--socket-max-request-bytes", type=_int_flag("socket_max_request_bytes"),
-                   default=None, metavar="N",
+    p.add_argument("--socket-max-request-bytes", default=None, metavar="N",
                    help="longest request line; a longer one is refused and its connection "
                         "closed (default 65536)")
-    p.add_argument("--socket-max-clients", type=_int_flag("socket_max_clients"),
-                   default=None, metavar="N",
+    p.add_argument("--socket-max-clients", default=None, metavar="N",
                    help="connections served at once (default 1024)")
-    p.add_argument("--socket-max-per-uid", type=_int_flag("socket_max_per_uid"),
-                   default=None, metavar="N",
+    p.add_argument("--socket-max-per-uid", default=None, metavar="N",
                    help="connections one non-root user may hold (default 16)")
-    p.add_argument("--socket-root-reserve", type=int, default=None, metavar="N",
+    p.add_argument("--socket-root-reserve", default=None, metavar="N",
                    help="of --socket-max-clients, slots only root may take (default 64)")
-    p.add_argument("--socket-stall-timeout", type=non_negative_seconds, default=None,
+    p.add_argument("--socket-stall-timeout", default=None,
                    metavar="S", help="close a connection whose partial request line waits S "
                                      "seconds for its newline, or that leaves half its output "
                                      "unread that long (default 30)")
-    p.add_argument("--socket-max-output-bytes", type=_int_flag("socket_max_output_bytes"),
-                   default=None, metavar="N",
+    p.add_argument("--socket-max-output-bytes", default=None, metavar="N",
                    help="output a client may leave unread; past it a subscriber gets a "
                         "'lagged' line and is disconnected, and past half of it a client's "
                         "next requests wait (default 4194304)")
@@ -122,10 +96,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--nfd-features", default=None, metavar="PATH",
                    help="keep a node-feature-discovery features file current (a features.d/ "
                         "directory, or a features.d not made yet, gets the file 'gpuwatch')")
-    p.add_argument("--nfd-expiry", type=non_negative_seconds, default=None, metavar="S",
+    p.add_argument("--nfd-expiry", default=None, metavar="S",
                    help="NFD labels expire S seconds after the last write "
                         "(default 3600, 0 = never, else at least 120)")
-    p.add_argument("--proc-read-timeout", type=positive_seconds, default=None, metavar="S",
+    p.add_argument("--proc-read-timeout", default=None, metavar="S",
                    help="budget of one /proc scan for holders and stuck tasks, in seconds "
                         "(default 2); a process not read in time counts as a holder")
     p.add_argument("-v", "--verbose", action="store_true", default=None,

@@ -30,7 +30,7 @@ from prometheus_client import (
     ProcessCollector,
     make_wsgi_app,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from pydantic import BaseModel
 
 from gpuwatch.core.events import EVENT_TYPES, Resync
@@ -408,6 +408,29 @@ def _bind(host: str, port: int) -> _Server:
     return _Server((str(sockaddr[0]), port), family)
 
 
+class _Exposed:
+    """A registry as scrapes see it: without the ``_created`` samples prometheus_client adds
+    to each counter and histogram. In the text format (0.0.4, what curl and many scrapers
+    get) each became a gauge family of its own (``gpuwatch_events_created``, one series per
+    label set, holding a start-up timestamp): metrics the docs do not name, doubling every
+    counter's series. Dropped alike in OpenMetrics, where ``_created`` is optional, so both
+    formats expose the same families."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            copy = Metric(family.name, family.documentation, family.type, family.unit)
+            copy.samples = [s for s in family.samples if s.name != created]
+            yield copy  # a collector's own family is never changed
+
+    def restricted_registry(self, names: Any) -> _Exposed:
+        """``?name[]=…`` (prometheus_client's filter), still without ``_created``."""
+        return _Exposed(self._registry.restricted_registry(names))
+
+
 class _ReadCounter:
     """A counter kept by its owner (an int attribute), read at scrape time: the owner
     needs no import of prometheus_client and no lock."""
@@ -631,7 +654,7 @@ class Metrics:
         if address.strip().rpartition(":")[0] == "":  # ":PORT" or "PORT": every address
             host = ""
         server = _bind(host, port)
-        server.set_app(_SharedRenders(make_wsgi_app(self.registry)))
+        server.set_app(_SharedRenders(make_wsgi_app(_Exposed(self.registry))))
         threading.Thread(target=server.serve_forever, name="gpuwatch-metrics",
                          daemon=True).start()
         self._server = server

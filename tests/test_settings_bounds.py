@@ -1,0 +1,187 @@
+"""Every number ``gpuwatch watch`` takes, given as a flag, an environment variable and a
+config file key: the same values taken, the same values refused with the same one line
+(naming the option as the user spelled it and its whole range), exit 2; and the settings
+table of docs/service.md says the real defaults and ranges."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatch.cli.main import build_parser, main
+from gpuwatch.settings import SETTINGS, ConfigError, Setting, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+NUMBERS = [s for s in SETTINGS if s.kind in ("int", "float")]
+NOWHERE = "/nonexistent/gpuwatch/config.yaml"
+
+
+def _text(s: Setting, bound: float) -> str:
+    return str(int(bound)) if s.kind == "int" else f"{bound:g}"
+
+
+def _spellings(s: Setting) -> list[str]:
+    """Values at, inside and past the bounds, and every odd spelling a hand might type."""
+    assert s.minimum is not None and s.maximum is not None, s.key  # every number has both
+    lo, hi = s.minimum, s.maximum
+    step = 1 if s.kind == "int" else 0.5
+    inside = _text(s, hi if s.key == "nfd_expiry" else lo)
+    return [
+        _text(s, lo - step), _text(s, lo), _text(s, hi), _text(s, hi + step),
+        "nan", "inf", "-inf", "", "  ", "x", "9" * 30, "9" * 5000, "-0", "+0",
+        f"  {inside}  ", "0x10", "1_000", "1e3", "1.5", "١٢", "1 000",
+    ]
+
+
+def _flag(s: Setting, text: str) -> Any:
+    """What the parsed command line makes of ``--FLAG text``: the value, or the message."""
+    # FLAG=VALUE: argparse takes "-inf" after a space for an option of its own.
+    args = build_parser().parse_args(["watch", f"{s.flag}={text}"])
+    flags = {k.key: getattr(args, k.key, None) for k in SETTINGS}  # as settings_from_args
+    try:
+        return getattr(load_settings(flags, env={}, default_config=NOWHERE,
+                                     resolve_groups=False), s.key)
+    except ConfigError as exc:
+        return str(exc)
+
+
+def _env(s: Setting, text: str) -> Any:
+    try:
+        return getattr(load_settings(env={s.env: text}, default_config=NOWHERE,
+                                     resolve_groups=False), s.key)
+    except ConfigError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("s", NUMBERS, ids=lambda s: s.key)
+def test_a_flag_and_its_variable_take_and_refuse_the_same_values(s: Setting) -> None:
+    """``--socket-stall-timeout -1`` said "must be non-negative" (argparse's type), and 0
+    then "must be at least 0.001" (the settings'); ``--socket-root-reserve nan`` got
+    argparse's "invalid int value" while -1 got the settings' line. A flag now reads its
+    words as the variable does: one reader, one message, whatever the value."""
+    for text in _spellings(s):
+        by_flag, by_env = _flag(s, text), _env(s, text)
+        if isinstance(by_flag, str):
+            assert by_flag.startswith(f"{s.flag}: "), (text, by_flag)
+            assert isinstance(by_env, str), (text, by_env)
+            assert by_env.startswith(f"environment {s.env}: "), (text, by_env)
+            assert by_flag.split(": ", 1)[1] == by_env.split(": ", 1)[1], text
+            _assert_says_the_range(s, by_flag)
+        elif by_flag is None:  # empty: an optional setting's default
+            assert by_env is None and s.optional and not text.strip(), text
+        else:
+            assert by_flag == by_env, text
+            assert s.minimum is not None and s.maximum is not None
+            assert s.minimum <= by_flag <= s.maximum
+            assert type(by_flag) is (int if s.kind == "int" else float)
+            assert str(by_flag) != "-0.0"
+
+
+def _assert_says_the_range(s: Setting, message: str) -> None:
+    assert "\n" not in message and len(message) < 240, message
+    assert s.minimum is not None and s.maximum is not None
+    assert f"from {_text(s, s.minimum if s.key != 'nfd_expiry' else 120)} to " \
+           f"{_text(s, s.maximum)}" in message, message
+
+
+@pytest.mark.parametrize("s", NUMBERS, ids=lambda s: s.key)
+def test_the_file_takes_and_refuses_the_numbers_a_variable_does(
+        s: Setting, tmp_path: Path) -> None:
+    """The same numbers written in YAML (``.nan`` is YAML's nan) get the same answer, and
+    the refusals the same words after ``FILE: key:``."""
+    assert s.minimum is not None and s.maximum is not None
+    step = 1 if s.kind == "int" else 0.5
+    cases = {_text(s, s.minimum - step): _text(s, s.minimum - step),
+             _text(s, s.minimum): _text(s, s.minimum),
+             _text(s, s.maximum): _text(s, s.maximum),
+             _text(s, s.maximum + step): _text(s, s.maximum + step),
+             ".nan": "nan", ".inf": "inf", "-.inf": "-inf", "-0": "-0", "1_000": "1_000"}
+    file = tmp_path / "config.yaml"
+    for yaml_text, env_text in cases.items():
+        file.write_text(f"{s.key}: {yaml_text}\n")
+        try:
+            by_file: Any = getattr(load_settings(config=str(file), env={},
+                                                 resolve_groups=False), s.key)
+        except ConfigError as exc:
+            by_file = str(exc)
+        by_env = _env(s, env_text)
+        if isinstance(by_file, str):
+            assert by_file.startswith(f"{file}: {s.key}: "), by_file
+            assert isinstance(by_env, str), (yaml_text, by_env)
+            # The same words up to the value, shown as each place spelled it (YAML's .nan
+            # is the float nan, the variable's nan a word).
+            said_file, said_env = by_file.split(": ", 2)[2], by_env.split(": ", 1)[1]
+            assert said_file.rsplit(", not ", 1)[0] == said_env.rsplit(", not ", 1)[0]
+        else:
+            assert by_file == by_env, yaml_text
+
+
+@pytest.mark.parametrize("s", NUMBERS, ids=lambda s: s.key)
+def test_the_command_refuses_a_bad_number_in_one_line_and_exit_2(
+        s: Setting, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("GPUWATCH_")]:
+        monkeypatch.delenv(k)
+    config = tmp_path / "config.yaml"
+    config.write_text("")
+    for argv, env in (([f"{s.flag}=nan"], {}), ([], {s.env: "-1e400"})):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        try:
+            code = main(["watch", "--root", str(tmp_path), "--config", str(config), *argv])
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        err = capsys.readouterr().err
+        for k in env:
+            monkeypatch.delenv(k)
+        assert code == 2, err
+        assert err.count("\n") == 1 and "Traceback" not in err and "usage" not in err, err
+        where = s.flag if argv else f"environment {s.env}"
+        assert err.startswith(f"gpuwatch: {where}: must be "), err
+        _assert_says_the_range(s, err.strip())
+
+
+def _doc_rows() -> dict[str, list[str]]:
+    doc = (REPO / "docs" / "service.md").read_text()
+    table = doc.split("\n## Settings", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, list[str]] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"`(\w+)`", cells[0]) if line.startswith("|") else None
+        if match:
+            rows[match.group(1)] = cells
+    return rows
+
+
+def test_the_settings_table_says_the_real_defaults_names_and_ranges() -> None:
+    """Each row's flag, variable and default are the code's, and each number's row says
+    its range: a bound changed in the code and not in the docs fails here."""
+    from gpuwatch.settings import DEFAULT_SOCKET_GROUP
+    from gpuwatch.sources.kernel import DEFAULT_RECEIVE_BUFFER
+
+    rows = _doc_rows()
+    assert set(rows) == {s.key for s in SETTINGS}
+    for s in SETTINGS:
+        _, flag, env, default, what = rows[s.key]
+        assert s.flag in re.findall(r"--[\w-]+", flag), (s.key, flag)
+        assert env == f"`{s.env}`", s.key
+        if s.key == "receive_buffer":
+            assert default == f"{DEFAULT_RECEIVE_BUFFER >> 20} MiB"
+        elif s.key == "socket_group":
+            assert default.startswith(f"`{DEFAULT_SOCKET_GROUP}` if it exists")
+        elif s.default is None:
+            assert default.startswith("none"), (s.key, default)
+        elif isinstance(s.default, bool):
+            assert default == f"`{str(s.default).lower()}`", s.key
+        elif isinstance(s.default, float):
+            assert default == f"`{s.default:g}`", (s.key, default)
+        else:
+            assert default == f"`{s.default}`", (s.key, default)
+        if s.kind in ("int", "float"):
+            assert s.minimum is not None and s.maximum is not None
+            lo = 120 if s.key == "nfd_expiry" else s.minimum
+            assert f"{_text(s, lo)} to {_text(s, s.maximum)}" in what, (s.key, what)
