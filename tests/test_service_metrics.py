@@ -940,3 +940,23 @@ async def test_the_text_format_a_scraper_gets_by_default_has_only_documented_fam
         finally:
             metrics.close()
     assert counters[("gpuwatch_switches_total", frozenset({("outcome", "refused")}))] == 3
+
+
+async def test_read_through_counters_keep_their_counts_once_detached(
+        host: SysRoot, sockdir: str) -> None:
+    """The daemon stops: `Metrics.close` detaches the watcher. A scrape then (or an
+    embedder collecting the registry afterwards) must see the counts reached, not 0: a
+    counter that goes down reads to Prometheus as a reset, and rate() over it as new
+    forgeries and losses."""
+    metrics = Metrics()
+    async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
+        w, source = served.watcher, served.source
+        metrics.attach(w)
+        source.rejected = 3  # type: ignore[attr-defined]  # as the kernel source counts
+        w.uevent_losses = 2
+        metrics.detach()
+        s = {(sample.name, frozenset(sample.labels.items())): sample.value
+             for family in metrics.registry.collect() for sample in family.samples}
+        metrics.close()
+    assert value(s, "gpuwatch_uevents_forged_total") == 3
+    assert value(s, "gpuwatch_uevent_losses_total") == 2

@@ -502,18 +502,22 @@ class Metrics:
                                   registry=r)
         self.log_degraded.set_function(
             lambda: 1.0 if self._watcher is not None and self._watcher.log_degraded else 0.0)
+        #: The watcher the read-through counters read: kept after `detach`, so that a scrape
+        #: as the daemon stops (or an embedder's collection after it) sees the counts they
+        #: reached, never a counter gone back to 0.
+        self._counted: Watcher | None = None
         r.register(_ReadCounter(
             "gpuwatch_log_write_failures", "Event log writes that failed (each retry counts)",
-            lambda: self._watcher.log_write_failures if self._watcher is not None else 0))
+            lambda: self._counted.log_write_failures if self._counted is not None else 0))
         r.register(_ReadCounter(
             "gpuwatch_uevent_losses", "Times the uevent source lost events (receive buffer "
             "overflow); losses close together share one rescan",
-            lambda: self._watcher.uevent_losses if self._watcher is not None else 0))
+            lambda: self._counted.uevent_losses if self._counted is not None else 0))
         r.register(_ReadCounter(
             "gpuwatch_uevents_forged", "Messages on the kernel uevent socket that did not come "
             "from the kernel (another process's forgery), dropped unread",
-            lambda: int(getattr(self._watcher.source, "rejected", 0))
-            if self._watcher is not None else 0))
+            lambda: int(getattr(self._counted.source, "rejected", 0))
+            if self._counted is not None else 0))
         ProcessCollector(registry=r)
         self._server: _Server | None = None
 
@@ -521,7 +525,7 @@ class Metrics:
 
     def attach(self, watcher: Watcher) -> None:
         """Start from the watcher's current state and follow its events from now on."""
-        self._watcher = watcher
+        self._watcher = self._counted = watcher
         self._vendor_name = lambda vid: watcher.tables.gpu_vendors.get(vid, vid or "unknown")
         # open_watcher publishes one `ready` before it hands the watcher out, unless the
         # daemon holds it back until its listeners are bound (then it is counted as it comes).
@@ -663,11 +667,11 @@ class Metrics:
         return str(bound[0]), int(bound[1])
 
     def close(self) -> None:
-        self.detach()
-        if self._server is not None:
+        if self._server is not None:  # no scrape is served from here on
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        self.detach()
 
 
 __all__ = ["InvalidListenAddress", "Metrics", "parse_listen_address"]
