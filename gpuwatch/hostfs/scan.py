@@ -792,6 +792,24 @@ def function_dir(paths: HostPaths, addr: str) -> str:
     return paths.sys + devpath
 
 
+def iommu_groups_now(paths: HostPaths, addrs: Iterable[str]) -> dict[str, int]:
+    """The IOMMU group number of each function of ``addrs`` that is there (absent: gone),
+    read from its ``iommu_group`` link alone; -1 for none, and for no-IOMMU VFIO's own groups
+    (named ``vfio-noiommu``, made and dropped with the bind): a switch checks that the
+    functions it planned are still there, in the group whose lock it holds."""
+    out: dict[str, int] = {}
+    for addr in addrs:
+        directory = function_dir(paths, addr)
+        if not os.path.isdir(directory):
+            continue
+        group = parse_group(link_name(directory + "/iommu_group"))
+        if group >= 0 and read_attr(os.path.join(paths.iommu_groups, str(group),
+                                                 "name")) == "vfio-noiommu":
+            group = -1
+        out[addr] = group
+    return out
+
+
 def copied_entries(paths: HostPaths, addrs: Iterable[str]) -> list[str]:
     """The functions among ``addrs`` whose bus entry (``sys/bus/pci/devices/<addr>``) is a
     folder, not the kernel's link to the device: a tree a capture tool copied with its links

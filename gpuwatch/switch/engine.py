@@ -126,6 +126,7 @@ from gpuwatch.hostfs.scan import (
     CDI_SPECS,
     cdi_spec_exists,
     copied_entries,
+    iommu_groups_now,
     read_function,
     read_modules,
 )
@@ -342,6 +343,16 @@ class SwitchEngine:
         key = poison_key(card)
         try:
             cleared = self.poison.clear(key)
+            # A wedge recorded under the number the group had before the card was removed
+            # and added again (the kernel may renumber it): keyed by a number no longer the
+            # card's, nothing else would ever lift it, and it would refuse whatever group
+            # gets that number next. Its entry names the card: the card is recovered.
+            ours = {m.addr for m in self.model.state.group_members(card.addr)}
+            renumbered = [k for k, entry in self.poison.load().items()
+                          if k != key and entry.addr in ours]
+            for old in renumbered:
+                self.poison.clear(old)
+                self.model.poisoned.pop(old, None)
         except OSError as exc:
             # The group is on vfio-pci, but the record still says poisoned: a restarted
             # watcher (and every `gpuwatch mode`) would refuse it. Keep refusing it here too,
@@ -354,6 +365,8 @@ class SwitchEngine:
         notes = [*result.notes]
         if cleared or was:
             notes.append(f"poison of group {group} cleared")
+        notes += [f"poison of {poison_subject(old)} cleared (recorded for {card.addr} before "
+                  f"it was removed and added again, in {_group_text(group)})" for old in renumbered]
         return result.model_copy(update={"notes": notes})
 
     async def plan(self, target: str, mode: str, *, force: bool = False,
@@ -535,6 +548,8 @@ class SwitchEngine:
                         # Before the step counts as begun: nothing of it was written.
                         await self._await_recovery(plan, step, deadline, notes)
                         self._stop_on_failure(plan, f"before {step.describe()}")
+                        if isinstance(step, WriteStep):
+                            await self._stop_if_renumbered(plan, f"before {step.describe()}")
                         in_flight[:] = [step]
                         _track_pin(pinned, step, before=True)  # a write that fails may count
                         ok = await self._step(plan, facts, step, deadline, notes)
@@ -729,6 +744,18 @@ class SwitchEngine:
         restored.extend(cleared)
         if stuck:
             return True  # a wedge: nothing more is touched
+        functions = self.model.state.functions
+        moved = [f"{a} is in {_group_text(fn.iommu_group)} now" for a in
+                 (m.addr for m in plan.members) if (fn := functions.get(a)) is not None
+                 and _renumbered(plan.group, fn.iommu_group)]
+        if moved:
+            # Removed and added again under the switch: its new group is not the one this
+            # switch holds, and a switch back planned from it would write there unlocked.
+            restored.append(f"group {plan.group} not put back: {', '.join(moved)} (removed "
+                            "and added again during the switch)")
+            commands, stuck = await self._restore(plan, facts, done)
+            restored.extend(commands)
+            return stuck
         failure = self._new_failure(plan)
         if failure is not None:
             # Putting the drivers back is an unbind and a bind of a device the kernel gave up
@@ -925,8 +952,15 @@ class SwitchEngine:
                 await self._read_now(addrs)
         failures = self._new_failures(plan)
         for addr in pinned:
-            if addr not in self.model.state.functions:
+            fn = self.model.state.functions.get(addr)
+            if fn is None:
                 done.append(f"{addr} gone: no override left to clear")
+                continue
+            if _renumbered(plan.group, fn.iommu_group):
+                # Removed and added again (`_stop_on_a_renumbered_function`): the override
+                # went with the device that left, and the new group is not ours to write to.
+                done.append(f"{addr} is in {_group_text(fn.iommu_group)} now (removed and "
+                            "added again): no override of this switch's left to clear")
                 continue
             if addr in failures:
                 done.append(f"{failures[addr]}: its driver_override is left for its "
@@ -975,6 +1009,10 @@ class SwitchEngine:
             fn = functions.get(before.addr)
             if fn is None:
                 parts.append(f"{before.addr} gone (was {was})")
+            elif _renumbered(before.iommu_group, fn.iommu_group):
+                parts.append(f"{before.addr} on {fn.driver or 'no driver'} in "
+                             f"{_group_text(fn.iommu_group)} (was {was} in "
+                             f"{_group_text(before.iommu_group)})")
             elif fn.driver != before.driver:
                 parts.append(f"{before.addr} on {fn.driver or 'no driver'} (was {was})")
             else:
@@ -1072,6 +1110,12 @@ class SwitchEngine:
         except StepTimedOut as exc:
             self._wedge(plan, step, exc)
         except (HostStepError, UnsafeStep, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENODEV:
+                # No such device: maybe removed and added again under the switch (its uevents
+                # not read yet). Say that rather than the bare errno, from the tree.
+                with suppress(StepTimedOut):
+                    await self._read_now([a for a, _ in plan.targets])
+                self._stop_on_a_renumbered_function(plan, f"at {step.describe()}")
             self._fail(plan, f"{step.describe()}: {exc}")
         return True
 
@@ -1220,8 +1264,14 @@ class SwitchEngine:
         targets = dict(plan.targets)
         check_at = min(deadline, time.monotonic() + self.tree_check_after)
         events_open = True
-        while not self._reached(plan, facts):
-            self._stop_on_failure(plan, "while it waited for the binds")
+        waiting = "while it waited for the binds"
+        #: Planned functions whose removal was seen: one present again is a new device,
+        #: which never got this switch's writes (`_stop_on_a_returned_function`).
+        removed: set[str] = set()
+        settled_at = time.monotonic() + self.tree_check_after
+        while not (self._reached(plan, facts) and await self._still_there(plan, deadline)):
+            self._stop_on_failure(plan, waiting)
+            self._stop_on_a_renumbered_function(plan, waiting)
             self._stop_on_a_moved_bridge(plan)
             now = time.monotonic()
             if now >= check_at:
@@ -1231,6 +1281,7 @@ class SwitchEngine:
                     # the rebind happened, though its bind event was lost.
                     await self._refresh([PciRebound(a) for a in self._unrecovered(plan)])
                 self._stop_on_failure(plan, "while it waited for the binds")
+                self._stop_on_a_renumbered_function(plan, waiting)
                 if self._reached(plan, facts):
                     notes.append("bind events were lost: completion read from the tree")
                     _log.info("switch of group %s: bind events lost, read the tree", plan.group)
@@ -1246,6 +1297,10 @@ class SwitchEngine:
                     # tree confirms: it will not bind, so waiting out --timeout helps nobody.
                     self._fail(plan, f"{', '.join(gone)} left the bus during the switch: "
                                      + self._drivers_text(targets))
+                if removed and now < settled_at:
+                    check_at = settled_at  # a device that came back: give its probe time
+                    continue
+                self._stop_on_a_returned_function(plan, facts, removed)
                 check_at = deadline if events_open else now + 0.2
                 continue
             if not events_open:
@@ -1253,13 +1308,85 @@ class SwitchEngine:
                 continue
             with anyio.move_on_after(max(0.0, check_at - now)):
                 try:
-                    await sub.receive()
+                    event = await sub.receive()
                 except (SubscriberLagged, StopAsyncIteration):
                     events_open = False
                     check_at = now
+                else:
+                    if getattr(event, "type", "") == "device-removed" \
+                            and getattr(event, "addr", "") in targets:
+                        removed.add(event.addr)
+                        check_at = min(check_at, settled_at)
             if any(a not in self.model.state.functions for a in targets):
                 check_at = time.monotonic()  # a function was removed: confirm from the tree
+        self._stop_on_a_renumbered_function(plan, waiting)
         self._check_gained(plan, facts)
+
+    async def _still_there(self, plan: SwitchPlan, deadline: float) -> bool:
+        """Before a completion read from the model: every planned function is still in the
+        tree, in the group planned. The model may not have seen a removal yet (its uevent
+        behind the bind's), and a function gone, or back in another group, completes
+        nothing: then the tree is read into the model (False), and the wait judges it."""
+        paths, addrs = self.model.paths, [a for a, _ in plan.targets]
+        try:
+            seen = await call_bounded(lambda: iommu_groups_now(paths, addrs), self.scan_timeout,
+                                      "reading the IOMMU groups")
+        except StepTimedOut:
+            return True  # the model's word, as before any tree read
+        if all(a in seen and not _renumbered(plan.group, seen[a]) for a in addrs):
+            return True
+        await self._reread(plan, deadline)
+        return False
+
+    async def _stop_if_renumbered(self, plan: SwitchPlan, where: str) -> None:
+        """Before a write: the planned functions' IOMMU group links, read from the tree (the
+        uevents of a removal and add may not have reached the model yet), and the model
+        folded in for any that moved; then `_stop_on_a_renumbered_function`."""
+        paths = self.model.paths
+        addrs = [a for a, _ in plan.targets]
+        try:
+            seen = await call_bounded(lambda: iommu_groups_now(paths, addrs), self.scan_timeout,
+                                      "reading the IOMMU groups")
+        except StepTimedOut:
+            seen = {}
+        moved = [a for a, g in seen.items() if _renumbered(plan.group, g)]
+        if moved:
+            with suppress(StepTimedOut):
+                await self._read_now(moved)
+        self._stop_on_a_renumbered_function(plan, where)
+
+    def _stop_on_a_renumbered_function(self, plan: SwitchPlan, where: str) -> None:
+        """A planned function now in another IOMMU group was removed and added again (a
+        surprise removal and rescan, a hotplug: the kernel may give it another group number).
+        The switch holds the lock of the group it planned, not of the new one, which another
+        switch may take meanwhile; and its writes went to the device that left. Not one more
+        write: fail at once, naming where the function is now, so that the next switch (by
+        address) takes the new group with its own lock and checks."""
+        functions = self.model.state.functions
+        moved = [fn for a, _ in plan.targets if (fn := functions.get(a)) is not None
+                 and _renumbered(plan.group, fn.iommu_group)]
+        if moved:
+            names = ", ".join(f"{fn.addr} is in {_group_text(fn.iommu_group)} now"
+                              for fn in moved)
+            self._fail(plan, f"{names}, not {_group_text(plan.group)}: it was removed and "
+                             f"added again during the switch (which stopped {where}: nothing "
+                             "more is written to it); switch again by its address")
+
+    def _stop_on_a_returned_function(self, plan: SwitchPlan, facts: HostFacts,
+                                     removed: set[str]) -> None:
+        """A planned function whose removal was seen during the switch is there again, but
+        not on its target: the device that came back is a new one, which never got the
+        switch's writes (its ``driver_override`` went with the one that left), and nothing
+        will bind it to its target now. Fail rather than wait out ``--timeout``."""
+        functions = self.model.state.functions
+        back = [a for a, _ in plan.targets if a in removed and (fn := functions.get(a))
+                is not None and not satisfied(fn.driver, fn, target_of(fn, plan.to_mode, facts),
+                                              facts)]
+        if back:
+            self._fail(plan, f"{', '.join(back)} left the bus and came back during the switch "
+                             "(a surprise removal and rescan, a hotplug): the device that came "
+                             "back never got the switch's writes; switch again: "
+                             + self._drivers_text(dict(plan.targets)))
 
     def _stop_on_a_moved_bridge(self, plan: SwitchPlan) -> None:
         """A bridge the plan leaves on pcieport (or on none) that another driver took
@@ -1614,6 +1741,18 @@ class SwitchEngine:
         except BlockingIOError:
             raise GroupBusy("unloading the nvidia module needs the host to itself, and "
                             "another process is switching a group: retry after it") from None
+
+
+def _renumbered(before: int, now: int) -> bool:
+    """Whether a function's IOMMU group number changed: only a removal and a new add does
+    that. A group appearing or going is no renumbering (no-IOMMU VFIO makes a group of its
+    own on bind and drops it on unbind)."""
+    return before >= 0 and now >= 0 and before != now
+
+
+def _group_text(group: int) -> str:
+    """``IOMMU group 16``, or ``no IOMMU group``."""
+    return f"IOMMU group {group}" if group >= 0 else "no IOMMU group"
 
 
 def _track_pin(pinned: list[str], step: Step, *, before: bool) -> None:
