@@ -302,6 +302,15 @@ def _bound(s: Setting, bound: float) -> str:
     return str(int(bound)) if s.kind == "int" else f"{bound:g}"
 
 
+def _from_file(s: Setting, value: Any) -> Any:
+    """A config file's value as the setting's type: a number given as text (every number
+    setting's scalar is, `_settings_as_text`) is read by the flag's and the environment's
+    rule, so the three places take and refuse the same words."""
+    if isinstance(value, str) and s.kind in ("int", "float"):
+        return _from_text(s, value)
+    return _typed(s, value)
+
+
 def _validate(s: Setting, value: Any) -> Any:
     """A typed value's own check (a number's was made with its bounds, in `_in_range`)."""
     if value is None or s.kind in ("int", "float"):
@@ -480,7 +489,7 @@ def root_and_where(root: str | os.PathLike[str] | None = None,
         raw = read_config_file(path) if path is not None else {}
     if path is not None and "root" in raw:
         try:
-            return str(_validate(s, _typed(s, raw["root"]))), f"{path}: root"
+            return str(_validate(s, _from_file(s, raw["root"]))), f"{path}: root"
         except _Bad as exc:
             raise ConfigError(f"{path}: root: {exc}") from None
     return "/", None
@@ -506,7 +515,7 @@ def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | ConfigI
             path, raw = None, {}  # tables given as such name no file
         if path is not None and s.key in raw:
             where = f"{path}: {s.key}"
-            return float(_validate(s, _typed(s, raw[s.key])))
+            return float(_validate(s, _from_file(s, raw[s.key])))
     except _Bad as exc:
         raise ConfigError(f"{where}: {exc}") from None
     return float(s.default)
@@ -555,7 +564,7 @@ def load_settings(
                 value, origin = _validate(s, _from_text(s, env[s.env])), "env"
             elif s.key in raw:
                 where = f"{path}: {s.key}"
-                value, origin = _validate(s, _typed(s, raw[s.key])), "file"
+                value, origin = _validate(s, _from_file(s, raw[s.key])), "file"
             else:
                 value, origin = s.default, "default"
         except _Bad as exc:
@@ -658,10 +667,17 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
     recursive constructor could overflow the stack."""
     import yaml  # first use only: a lean `import gpuwatch`
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        _check_events(yaml, yaml.parse(text, Loader=loader), where)
-        data = yaml.load(text, Loader=loader)
+        _check_events(yaml, yaml.parse(text, Loader=loader_class), where)
+        loader = loader_class(text)
+        try:  # yaml.load, with the settings' scalars made text between compose and construct
+            node = loader.get_single_node()
+            if isinstance(node, yaml.MappingNode):
+                _settings_as_text(yaml, loader, node)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
     except (ValueError, OverflowError, TypeError) as exc:
@@ -685,6 +701,41 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: more than {CONFIG_MAX_VALUES} values once its aliases "
                           "are expanded")
     return data
+
+
+_YAML_STR = "tag:yaml.org,2002:str"
+_YAML_NULL = "tag:yaml.org,2002:null"
+_YAML_NUMBERS = frozenset({"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"})
+
+
+def _settings_as_text(yaml: Any, loader: Any, root: Any) -> None:
+    """Make the top-level settings' scalars text, as a flag and the environment give them,
+    before YAML 1.1 types them: ``log_keep: 0x10`` would be 16, ``010`` octal 8, ``1:30``
+    sexagesimal 90, ``5.0`` a float an integer setting took, and ``"5"`` a string it
+    refused, where ``--log-keep`` refuses ``0x10`` and ``5.0``, reads ``010`` as 10 and
+    takes ``5``. A number setting's scalar becomes its text whatever its tag (a null stays
+    null: off), read later by the flag's rule (`_from_text`); a string setting's scalar
+    YAML took for a number (``socket_group: 0100``, gid 100, not 64) keeps its digits.
+    Only the top-level mapping (its ``<<`` merges applied first) is touched: the tables
+    keep their own rules."""
+    loader.flatten_mapping(root)
+    for index, (key, value) in enumerate(root.value):
+        setting = (BY_KEY.get(key.value) if isinstance(key, yaml.ScalarNode)
+                   and key.tag == _YAML_STR else None)
+        if setting is None or not isinstance(value, yaml.ScalarNode):
+            continue
+        if setting.kind in ("int", "float"):
+            retype = value.tag != _YAML_NULL
+        elif setting.kind == "str" and value.tag in _YAML_NUMBERS:
+            # Only as YAML inferred it: an explicit tag (``root: !!float abc``) stays the
+            # writer's mistake, refused as YAML refuses it.
+            plain = value.style in (None, "")  # "" from the C parser, None from Python's
+            retype = value.tag == loader.resolve(yaml.ScalarNode, value.value, (plain, False))
+        else:
+            retype = False
+        if retype:
+            root.value[index] = (key, yaml.ScalarNode(_YAML_STR, value.value, value.start_mark,
+                                                      value.end_mark, value.style))
 
 
 def _check_events(yaml: Any, events: Iterable[Any], where: str) -> None:
@@ -845,7 +896,7 @@ def _only_table_keys(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     for s in SETTINGS:
         if s.key in raw:
             try:
-                _validate(s, _typed(s, raw[s.key]))
+                _validate(s, _from_file(s, raw[s.key]))
             except _Bad as exc:
                 raise ConfigError(f"{where}: {s.key}: {exc}") from None
     return {k: v for k, v in raw.items() if k in TABLE_KEYS}

@@ -185,3 +185,77 @@ def test_the_settings_table_says_the_real_defaults_names_and_ranges() -> None:
             assert s.minimum is not None and s.maximum is not None
             lo = 120 if s.key == "nfd_expiry" else s.minimum
             assert f"{_text(s, lo)} to {_text(s, s.maximum)}" in what, (s.key, what)
+
+
+#: What a hand writes in the file (YAML) and the same words given as the flag: YAML 1.1
+#: reads ``0x10`` as 16, ``010`` as octal 8, ``1:30`` as sexagesimal 90, ``0b101`` as 5,
+#: ``5.0`` as a float an integer setting then took, and refuses the quoted ``"5"``.
+YAML_SPELLINGS = {
+    "0x10": "0x10", "010": "010", "0o10": "0o10", "1:30": "1:30", "0b101": "0b101",
+    "5.0": "5.0", "5.": "5.", ".5": ".5", "1e3": "1e3", "1_000": "1_000", "+5": "+5",
+    "'5'": "5", '"5"': "5", '" 7 "': " 7 ", "5": "5", "0": "0", "-0": "-0",
+    "yes": "yes", "2001-02-03": "2001-02-03", ".inf": ".inf", "9" * 5000: "9" * 5000,
+}
+
+
+@pytest.mark.parametrize("s", NUMBERS, ids=lambda s: s.key)
+def test_the_file_reads_a_number_as_the_flag_reads_its_words(s: Setting,
+                                                              tmp_path: Path) -> None:
+    """``log_keep: 0x10`` kept 16 rotated files where ``--log-keep 0x10`` is refused, ``010``
+    kept 8 where the flag keeps 10, ``1:30`` 90, and ``"5"`` was refused where the flag takes
+    it: the file's number is now its text, read by the flag's rule, with the flag's words
+    for a refusal."""
+    file = tmp_path / "config.yaml"
+    for yaml_text, words in YAML_SPELLINGS.items():
+        file.write_text(f"{s.key}: {yaml_text}\n")
+        try:
+            by_file: Any = getattr(load_settings(config=str(file), env={},
+                                                 resolve_groups=False), s.key)
+        except ConfigError as exc:
+            by_file = str(exc)
+        by_flag = _flag(s, words)
+        if isinstance(by_flag, str):
+            assert isinstance(by_file, str), (yaml_text, by_file, by_flag)
+            assert by_file.startswith(f"{file}: {s.key}: "), by_file
+            assert by_file.split(": ", 2)[2] == by_flag.split(": ", 1)[1], yaml_text
+        else:
+            assert by_file == by_flag and type(by_file) is type(by_flag), (yaml_text, by_file)
+
+
+def _from_file(tmp_path: Path, text: str) -> Any:
+    file = tmp_path / "config.yaml"
+    file.write_text(text)
+    try:
+        return load_settings(config=str(file), env={}, resolve_groups=False)
+    except ConfigError as exc:
+        return str(exc).split(": ", 1)[1]
+
+
+def test_the_text_rule_holds_through_merges_aliases_and_tags(tmp_path: Path) -> None:
+    """A number reached through a ``<<`` merge or an alias, or given an explicit tag, is read
+    from its text too: YAML 1.1 typed it before the settings saw it."""
+    refused = "log_keep: must be an integer from 1 to 1000, not '0x10'"
+    assert _from_file(tmp_path, "<<: {log_keep: 0x10}\n") == refused
+    assert _from_file(tmp_path, "gpu_vendors: {'0x10de': &n 0x10}\nlog_keep: *n\n") == refused
+    assert _from_file(tmp_path, "log_keep: !!int 0x10\n") == refused
+    both = _from_file(tmp_path, "log_keep: &k 010\nlog_max_bytes: *k\n")
+    assert (both.log_keep, both.log_max_bytes) == (10, 10)
+    assert _from_file(tmp_path, "log_keep: !!float 5\n").log_keep == 5
+    # A null is still "off" for an optional number, and a missing value for the others.
+    assert _from_file(tmp_path, "log_max_bytes: ~\n").log_max_bytes is None
+    assert _from_file(tmp_path, "log_keep:\n") == "log_keep: must not be empty (null)"
+
+
+def test_a_string_setting_keeps_the_digits_written(tmp_path: Path) -> None:
+    """``socket_group: 0100`` named gid 64 (YAML 1.1 octal) and ``root: 0x10`` the folder
+    ``16``: the same words as a flag or variable now name gid 100 and the folder ``0x10``."""
+    got = _from_file(tmp_path, "socket_group: 0100\nswitch_group: 1_000\nroot: 0x10\n")
+    assert (got.socket_group, got.switch_group, got.root) == ("0100", "1_000", "0x10")
+    assert _from_file(tmp_path, "root: 5\n").root == "5"
+
+
+def test_the_tables_keep_their_own_reading(tmp_path: Path) -> None:
+    """Only the settings are read as text: a table's unquoted hex key is still YAML's int
+    (the tables' documented rule), here 0x10de."""
+    got = _from_file(tmp_path, "gpu_vendors: {0x10de: Team Green}\nlog_keep: 3\n")
+    assert got.log_keep == 3 and got.tables().gpu_vendors["0x10de"] == "Team Green"

@@ -1,4 +1,5 @@
-"""``gpuwatch udev-rules [--group G]``: print udev rules granting a group access to /dev/vfio/*."""
+"""``gpuwatch udev-rules [--group G]``: print udev rules granting a group access to /dev/vfio/*
+and /dev/iommu (what a VM manager opens, through a group node or through iommufd)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from gpuwatch.service.udev_rules import DEFAULT_GROUP, RULES_FILE, InvalidGroupN
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "udev-rules",
-        description=f"Print udev rules that give GROUP read/write on VFIO device nodes, for "
-                    f"rootless GPU passthrough. Install with: gpuwatch udev-rules --group G > "
-                    f"{RULES_FILE} (contrib/udev/README.md).")
+        description=f"Print udev rules that give GROUP read/write on VFIO device nodes and "
+                    f"/dev/iommu, for rootless GPU passthrough. Install with: gpuwatch "
+                    f"udev-rules --group G > {RULES_FILE} (contrib/udev/README.md).")
     p.add_argument("--group", default=DEFAULT_GROUP, metavar="G",
                    help=f"the group granted access (default {DEFAULT_GROUP})")
     p.set_defaults(func=run)

@@ -26,7 +26,7 @@ from importlib import resources
 from gpuwatch.errors import SERVICE, HostError
 from gpuwatch.hostfs.files import NotARegularFile, read_bytes, write_atomic
 from gpuwatch.service.udev_rules import DEFAULT_GROUP as VFIO_GROUP
-from gpuwatch.service.udev_rules import RULES_FILE, render_rules
+from gpuwatch.service.udev_rules import RULES_FILE, TRIGGERS, render_rules
 
 UNIT_NAME = "gpuwatch.service"
 UNIT_FILE = "/etc/systemd/system/gpuwatch.service"
@@ -355,9 +355,9 @@ def plan_install(facts: Facts, *, now: bool) -> list[Step]:
     steps.append(Run(("systemctl", "enable", "--now", "gpuwatch")))
     if facts.have_udevadm:
         steps.append(Run(("udevadm", "control", "--reload")))
-        steps.append(Run(("udevadm", "trigger", "--subsystem-match=vfio",
-                          "--subsystem-match=vfio-dev", "--action=add"),
-                         why="existing /dev/vfio nodes get the rules' group"))
+        vfio_nodes, iommu_node = TRIGGERS
+        steps.append(Run(vfio_nodes, why="existing /dev/vfio nodes get the rules' group"))
+        steps.append(Run(iommu_node, why="an existing /dev/iommu gets the rules' group"))
     else:
         steps.append(Skip("udevadm control --reload", "udevadm is not installed"))
     return steps

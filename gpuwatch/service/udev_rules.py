@@ -3,7 +3,10 @@
 A VM manager running as an unprivileged user (rootless libvirt, a Kubernetes VM agent)
 opens ``/dev/vfio/N``; the kernel creates it root:root 0600. These rules make udev set the
 group and mode on every ``add``, which is exactly what the ``vfio-group-accessible`` probe
-then checks (owner, group, mode and POSIX ACL against the caller's uid and groups).
+then checks (owner, group, mode and POSIX ACL against the caller's uid and groups). Through
+iommufd it opens its function's cdev ``/dev/vfio/devices/vfioN`` (root:root 0600) and
+``/dev/iommu`` (root:root 0660): the rules give the group both, or the cdev alone would be
+of no use (`status`'s ``vfio_open_accessible``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ RULES_FILE = "/etc/udev/rules.d/70-gpuwatch-vfio.rules"
 _GROUP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 #: groupadd's limit, a trailing ``$`` included.
 _GROUP_MAX = 32
+
+
+#: What applies the rules to the nodes that exist already. Two runs: udevadm ANDs a
+#: ``--sysname-match`` with the ``--subsystem-match`` list, so one run with all of them
+#: would trigger only a device named ``iommu``.
+TRIGGERS: tuple[tuple[str, ...], ...] = (
+    ("udevadm", "trigger", "--subsystem-match=vfio", "--subsystem-match=vfio-dev",
+     "--action=add"),
+    ("udevadm", "trigger", "--subsystem-match=misc", "--sysname-match=iommu", "--action=add"),
+)
 
 
 class InvalidGroupName(CallerError, ValueError):
@@ -49,13 +62,17 @@ def render_rules(group: str = DEFAULT_GROUP, mode: str = "0660") -> str:
 # Install:  gpuwatch udev-rules --group {group} > {RULES_FILE}
 #           udevadm control --reload
 #           udevadm trigger --subsystem-match=vfio --subsystem-match=vfio-dev --action=add
+#           udevadm trigger --subsystem-match=misc --sysname-match=iommu --action=add
 # Also raise the VM user's memlock limit: vfio pins all guest memory.
 
 # IOMMU group nodes /dev/vfio/<N> (the legacy group/container interface).
 SUBSYSTEM=="vfio", KERNEL=="[0-9]*", GROUP="{value}", MODE="{mode}"
 # Per-device cdev nodes /dev/vfio/devices/vfio<N> (iommufd, kernel 6.2+).
 SUBSYSTEM=="vfio-dev", KERNEL=="vfio[0-9]*", GROUP="{value}", MODE="{mode}"
+# /dev/iommu, the iommufd a VM manager opens with those cdevs (the kernel makes it 0660 root).
+SUBSYSTEM=="misc", KERNEL=="iommu", GROUP="{value}", MODE="{mode}"
 """
 
 
-__all__ = ["DEFAULT_GROUP", "RULES_FILE", "InvalidGroupName", "check_group", "render_rules"]
+__all__ = ["DEFAULT_GROUP", "RULES_FILE", "TRIGGERS", "InvalidGroupName", "check_group",
+           "render_rules"]
