@@ -60,14 +60,21 @@ async def rebind(source: MemorySource, host: SysRoot, addr: str, driver: str, w:
             await anyio.sleep(0.005)
 
 
-async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
+def serve_metrics(served: Any) -> tuple[Metrics, MemorySource, tuple[str, int]]:
+    """Metrics of a served watcher, on the daemon's socket server and on a loopback port
+    of their own; its memory source to push uevents through; the address bound."""
+    source = served.source
+    assert isinstance(source, MemorySource)
     metrics = Metrics()
+    metrics.attach(served.watcher)
+    served.server.metrics = metrics
+    return metrics, source, metrics.serve("127.0.0.1:0")
+
+
+async def test_metrics_follow_the_watcher(host: SysRoot, sockdir: str) -> None:
     async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
-        w, source = served.watcher, served.source
-        assert isinstance(source, MemorySource)
-        metrics.attach(w)
-        served.server.metrics = metrics
-        bound = metrics.serve("127.0.0.1:0")
+        w = served.watcher
+        metrics, source, bound = serve_metrics(served)
         try:
             assert bound[0] == "127.0.0.1"  # loopback only, as asked
             s = await scrape(*bound)
@@ -895,13 +902,9 @@ async def test_the_text_format_a_scraper_gets_by_default_has_only_documented_fam
     format held a ``gpuwatch_events_created`` gauge family (and one for every other counter
     and the histogram): undocumented metrics, one series per counter series."""
     documented = _documented_families()
-    metrics = Metrics()
     async with served_watcher(host.root, f"{sockdir}/gw.sock") as served:
-        w, source = served.watcher, served.source
-        assert isinstance(source, MemorySource)
-        metrics.attach(w)
-        served.server.metrics = metrics
-        bound = metrics.serve("127.0.0.1:0")
+        w = served.watcher
+        metrics, source, bound = serve_metrics(served)
 
         def get(accept: str | None) -> tuple[str, str]:
             headers = {"Accept": accept} if accept else {}

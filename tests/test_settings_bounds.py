@@ -49,6 +49,16 @@ def _flag(s: Setting, text: str) -> Any:
         return str(exc)
 
 
+def _file(s: Setting, file: Path, yaml_text: str) -> Any:
+    """What the config file ``file`` holding ``KEY: yaml_text`` makes of it: the value, or
+    the message."""
+    file.write_text(f"{s.key}: {yaml_text}\n")
+    try:
+        return getattr(load_settings(config=str(file), env={}, resolve_groups=False), s.key)
+    except ConfigError as exc:
+        return str(exc)
+
+
 def _env(s: Setting, text: str) -> Any:
     try:
         return getattr(load_settings(env={s.env: text}, default_config=NOWHERE,
@@ -102,12 +112,7 @@ def test_the_file_takes_and_refuses_the_numbers_a_variable_does(
              ".nan": "nan", ".inf": "inf", "-.inf": "-inf", "-0": "-0", "1_000": "1_000"}
     file = tmp_path / "config.yaml"
     for yaml_text, env_text in cases.items():
-        file.write_text(f"{s.key}: {yaml_text}\n")
-        try:
-            by_file: Any = getattr(load_settings(config=str(file), env={},
-                                                 resolve_groups=False), s.key)
-        except ConfigError as exc:
-            by_file = str(exc)
+        by_file = _file(s, file, yaml_text)
         by_env = _env(s, env_text)
         if isinstance(by_file, str):
             assert by_file.startswith(f"{file}: {s.key}: "), by_file
@@ -207,12 +212,7 @@ def test_the_file_reads_a_number_as_the_flag_reads_its_words(s: Setting,
     for a refusal."""
     file = tmp_path / "config.yaml"
     for yaml_text, words in YAML_SPELLINGS.items():
-        file.write_text(f"{s.key}: {yaml_text}\n")
-        try:
-            by_file: Any = getattr(load_settings(config=str(file), env={},
-                                                 resolve_groups=False), s.key)
-        except ConfigError as exc:
-            by_file = str(exc)
+        by_file = _file(s, file, yaml_text)
         by_flag = _flag(s, words)
         if isinstance(by_flag, str):
             assert isinstance(by_file, str), (yaml_text, by_file, by_flag)

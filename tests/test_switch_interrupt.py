@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from daemon_helpers import P, connect, env, gpuwatch_cmd
@@ -220,6 +220,20 @@ def test_the_simulated_kernel_is_never_saved_for_the_real_root() -> None:
         save_for_subprocess(sim, "/nonexistent/never-written")
 
 
+def sim_daemon(host: SysRoot, saved: Path, log: Path, sock: str,
+               fifo: Path) -> tuple[subprocess.Popen[str], IO[str]]:
+    """``watch --socket`` of the tree under the simulated kernel saved at ``saved``, its
+    uevents from the FIFO ``fifo`` (made here), and that FIFO's writer end, which the caller
+    keeps open until the end (the daemon's source ends when it closes)."""
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}",
+                     "--log", str(log), "--reconcile-interval", "0", "--socket", sock),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**env(), SIMKERNEL_ENV: str(saved)})
+    return proc, open(fifo, "w")
+
+
 @pytest.mark.timeout(180)
 def test_a_daemon_stopped_mid_switch_logs_the_switch_end_before_stopped(
         host: SysRoot, tmp_path: Path) -> None:
@@ -230,14 +244,8 @@ def test_a_daemon_stopped_mid_switch_logs_the_switch_end_before_stopped(
     sim.step_delay = 0.25
     saved = tmp_path / "simkernel.pickle"
     save_for_subprocess(sim, saved)
-    log, sock, fifo = tmp_path / "events.jsonl", str(tmp_path / "gw.sock"), tmp_path / "ue"
-    os.mkfifo(fifo)
-    proc = subprocess.Popen(
-        gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}",
-                     "--log", str(log), "--reconcile-interval", "0", "--socket", sock),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**env(), SIMKERNEL_ENV: str(saved)})
-    writer = open(fifo, "w")  # noqa: SIM115 - the daemon's source stays open until the end
+    log, sock = tmp_path / "events.jsonl", str(tmp_path / "gw.sock")
+    proc, writer = sim_daemon(host, saved, log, sock, tmp_path / "ue")
     try:
         deadline = time.monotonic() + 60
         while not any(e["type"] == "ready" for e in read_events(log)):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from daemon_helpers import P, connect, env, gpuwatch_cmd
-from test_switch_interrupt import AFTER, AUDIO, BEFORE, NV, drivers
+from test_switch_interrupt import AFTER, AUDIO, BEFORE, NV, drivers, sim_daemon
 
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SIMKERNEL_ENV, SimKernel, save_for_subprocess
@@ -202,14 +202,8 @@ def test_a_daemon_killed_mid_switch_is_reported_by_the_next_daemon(
     log, sock = tmp_path / "events.jsonl", str(tmp_path / "gw.sock")
 
     def daemon() -> subprocess.Popen[str]:
-        fifo = tmp_path / f"ue{time.monotonic_ns()}"
-        os.mkfifo(fifo)
-        proc = subprocess.Popen(
-            gpuwatch_cmd("watch", "--root", str(host.root), "--source", f"file:{fifo}",
-                         "--log", str(log), "--reconcile-interval", "0", "--socket", sock),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**env(), SIMKERNEL_ENV: str(saved)})
-        proc.fifo = open(fifo, "w")  # type: ignore[attr-defined]  # noqa: SIM115
+        proc, writer = sim_daemon(host, saved, log, sock, tmp_path / f"ue{time.monotonic_ns()}")
+        proc.fifo = writer  # type: ignore[attr-defined]
         return proc
 
     def readies() -> int:
