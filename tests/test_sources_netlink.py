@@ -83,12 +83,12 @@ def reader(request: pytest.FixtureRequest) -> str:
 
 
 def started_kernel_source(
-    reader: str, receive_buffer: int | None = None
+    reader: str, receive_buffer: int | None = None, *, keep_queued: bool = False
 ) -> KernelSource | NetlinkSource:
     src: KernelSource | NetlinkSource = (
-        KernelSource(receive_buffer=receive_buffer)
+        KernelSource(receive_buffer=receive_buffer, keep_queued=keep_queued)
         if reader == "raw"
-        else NetlinkSource("kernel", receive_buffer=receive_buffer)
+        else NetlinkSource("kernel", receive_buffer=receive_buffer, keep_queued=keep_queued)
     )
     try:
         src.start()
@@ -185,6 +185,56 @@ async def test_overflow_is_reported_and_the_source_keeps_delivering(reader: str)
     assert overflow is not None
     assert overflow.error == "ENOBUFS: No buffer space available"
     assert fresh.action == "change" and fresh.subsystem == "pci"
+
+
+async def _after_a_loss(src: KernelSource | NetlinkSource, uevent: Path,
+                        devpath: str) -> tuple[list[SourceOverflow], list[int]]:
+    """Overflow ``src`` (nobody reads it while 300 synthetic uevents come), then read until
+    it has been quiet a while: the losses, and the SEQNUMs of the burst's uevents read."""
+    before = current_seqnum()
+    trigger_change(uevent, times=300)
+    send, recv = anyio.create_memory_object_stream[_Item](10_000)
+    losses: list[SourceOverflow] = []
+    seqnums: list[int] = []
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg, recv:
+                tg.start_soon(pump, src, send)
+                quiet = False
+                while not quiet:
+                    quiet = True
+                    with anyio.move_on_after(0.5):
+                        item = await recv.receive()
+                        quiet = False
+                        if isinstance(item, SourceOverflow):
+                            losses.append(item)
+                        else:
+                            seqnums += [int(e.get("SEQNUM", "0")) for e in item
+                                        if e.devpath == devpath]
+                tg.cancel_scope.cancel()
+    finally:
+        src.close()
+    return losses, [n for n in seqnums if n > before]
+
+
+async def test_a_recording_source_keeps_what_the_kernel_queued_before_a_loss(
+    reader: str
+) -> None:
+    """The kernel reports ENOBUFS before the uevents it did queue. A watcher's source discards
+    those (its rescan covers them); with ``keep_queued`` (what ``gpuwatch record`` opens, as no
+    rescan covers a recording) they are delivered, in order, so the recording's gap is only
+    what the kernel dropped."""
+    devpath, uevent = real_pci_device()
+    src = started_kernel_source(reader, receive_buffer=4096, keep_queued=True)
+    losses, kept = await _after_a_loss(src, uevent, devpath)
+    assert losses and losses[0].error == "ENOBUFS: No buffer space available"
+    assert all(loss.dropped == 0 for loss in losses)
+    assert kept, "the uevents queued before the loss were discarded"
+    assert kept == sorted(kept)
+    # The watcher's source (the default) discards them: that is what a rescan is for.
+    src = started_kernel_source(reader, receive_buffer=4096)
+    losses, kept = await _after_a_loss(src, uevent, devpath)
+    assert losses and losses[0].dropped > 0 and kept == []
 
 
 async def test_close_ends_a_waiting_batches(reader: str) -> None:
@@ -344,6 +394,28 @@ def test_kernel_spec_and_receive_buffer_are_passed_through(tmp_path: Path) -> No
     assert isinstance(src, KernelSource)
     assert (src.name, src.receive_buffer) == ("kernel", 4096)
     assert isinstance(src, EventSource)
+
+
+def test_record_opens_its_source_keeping_what_is_queued_after_a_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gpuwatch record`` has no rescan: a loss must not cost it the queued uevents too."""
+    from gpuwatch.cli import record_cmd
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    asked: list[dict[str, object]] = []
+
+    def spy(spec: str, root: str | os.PathLike[str], **kw: object) -> EventSource:
+        asked.append({"spec": spec, **kw})
+        return open_source(f"file:{empty}", root)
+
+    monkeypatch.setattr(record_cmd, "open_source", spy)
+    code, out, err = run_main(capsys, "record", "--root", str(tmp_path), "--source", "kernel")
+    assert (code, out) == (0, ""), err
+    assert asked == [{"spec": "kernel", "keep_queued": True}]
+    assert open_source("kernel", tmp_path, keep_queued=True).keep_queued  # type: ignore[attr-defined]
+    assert not open_source("kernel", tmp_path).keep_queued  # type: ignore[attr-defined]
 
 
 def test_unknown_spec_is_rejected(tmp_path: Path) -> None:

@@ -153,6 +153,39 @@ async def test_real_overflow_is_survived_and_resynced(tmp_path: Path) -> None:
         assert event.new == ""
 
 
+async def test_synthetic_uevents_that_contradict_the_real_tree_change_nothing() -> None:
+    """On the real /sys: a synthetic ``remove``, ``add``, ``unbind`` or ``bind`` (with the
+    kernel's SYNTH_UUID and SYNTH_ARG_* keys, or without) claims what did not happen; the
+    watcher reads the tree, which still holds every device on its driver, so nothing is
+    published and the model stays a fresh scan's. A synthetic uevent of a subsystem not
+    followed (``mem``) is dropped unread."""
+    import gpuwatch
+
+    real_device()  # the same preconditions
+    addrs = sorted(os.listdir(REAL_BUS))
+    words = ["remove 11111111-2222-3333-4444-555555555555 GONE=1", "add", "unbind",
+             "bind 11111111-2222-3333-4444-555555555555 A=1 B=2", "change"]
+    async with open_watcher("/", "kernel", reconcile_interval=0, cdi_poll_interval=0) as w:
+        before = w.model.functions()
+        async with w.subscribe() as sub:
+            for addr in addrs:
+                for word in words:
+                    with open(f"{REAL_BUS}/{addr}/uevent", "w") as fh:
+                        fh.write(word)
+            if os.access("/sys/class/mem/null/uevent", os.W_OK):
+                with open("/sys/class/mem/null/uevent", "w") as fh:
+                    fh.write("remove")
+            # A marker: the pump has applied everything sent before it once a resync it
+            # queues behind the same lock has been published.
+            await anyio.sleep(0.5)
+            await w.resync("reconcile")
+            with anyio.fail_after(10):
+                event = await sub.receive()
+        assert (event.type, event.reason, event.changes) == ("resync", "reconcile", 0)
+        assert w.model.functions() == before == gpuwatch.scan("/").functions()
+        assert {f.addr for f in before} == set(addrs)
+
+
 def test_watch_command_exits_0_on_sigterm(tmp_path: Path) -> None:
     addr, devpath = real_device()
     mirror(tmp_path, addr, devpath, "virtio-pci")

@@ -266,7 +266,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.root is not None:  # as every command: a root that is no folder is a usage error
         check_root(args.root)
     try:
-        source = open_source(args.source, args.root)
+        # No rescan covers a loss here: what the kernel queued before it is still recorded.
+        source = open_source(args.source, args.root, keep_queued=True)
         source.start()
     except SourceUnavailable as exc:
         return fail(f"record: {exc}", EXIT_USAGE)

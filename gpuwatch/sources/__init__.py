@@ -150,12 +150,15 @@ def open_source(
     root: str | os.PathLike[str],
     *,
     receive_buffer: int | None = None,
+    keep_queued: bool = False,
 ) -> EventSource:
     """Build (but do not start) the source named by ``spec``.
 
     ``auto`` is ``kernel``: the raw kernel socket needs neither udevd nor libudev and is the
     fastest. ``udev`` is refused unless udevd's control socket exists under ``root``:
     a udev monitor without udevd is silently deaf, which is worse than an error.
+    ``keep_queued``: a netlink source delivers what the kernel still queued after a loss
+    instead of discarding it (`drain_lost`), for a consumer with no rescan (a recording).
     """
     spec = spec.strip()
     if spec.startswith("file:"):
@@ -176,7 +179,7 @@ def open_source(
     if spec in ("auto", "kernel"):
         from gpuwatch.sources.kernel import KernelSource
 
-        return KernelSource(receive_buffer=receive_buffer)
+        return KernelSource(receive_buffer=receive_buffer, keep_queued=keep_queued)
     if spec != "udev":
         raise InvalidSourceSpec(
             f"unknown source {spec!r}: expected auto, udev, kernel or file:PATH"
@@ -203,4 +206,4 @@ def open_source(
             "use --source kernel"
         ) from None
 
-    return NetlinkSource("udev", receive_buffer=receive_buffer)
+    return NetlinkSource("udev", receive_buffer=receive_buffer, keep_queued=keep_queued)

@@ -185,9 +185,13 @@ class KernelSource:
         receive_buffer: int | None = None,
         subsystems: Iterable[str] = SUBSYSTEMS,
         uid_map_path: str = UID_MAP_PATH,
+        keep_queued: bool = False,
     ) -> None:
         self.receive_buffer = receive_buffer_size(receive_buffer)
         self.subsystems = frozenset(subsystems)
+        #: After a loss, deliver what the kernel still queued instead of discarding it (see
+        #: `gpuwatch.sources.drain_lost`): for a recording, which has no rescan to cover it.
+        self.keep_queued = keep_queued
         self._wanted = frozenset(s.encode() for s in self.subsystems)
         #: Receive buffer size the kernel granted (0 until started).
         self.obtained_buffer = 0
@@ -236,7 +240,7 @@ class KernelSource:
                 if batch:
                     yield batch
                 if overflow is not None:
-                    if overflow.error.startswith("ENOBUFS"):
+                    if overflow.error.startswith("ENOBUFS") and not self.keep_queued:
                         # Discard what is queued (the rescan covers it), a slice a turn.
                         dropped = await drain_lost(lambda: self._sock, _MAX_MESSAGE)
                         overflow = SourceOverflow(overflow.error, dropped)

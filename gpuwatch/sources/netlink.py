@@ -87,12 +87,15 @@ class NetlinkSource:
         receive_buffer: int | None = None,
         subsystems: Iterable[str] = SUBSYSTEMS,
         uid_map_path: str = UID_MAP_PATH,
+        keep_queued: bool = False,
     ) -> None:
         if kind not in ("udev", "kernel"):
             raise ValueError(f"netlink source kind must be 'udev' or 'kernel', not {kind!r}")
         self.name: str = kind
         self.receive_buffer = receive_buffer_size(receive_buffer)
         self.subsystems = frozenset(subsystems)
+        #: As `KernelSource.keep_queued`: after a loss, deliver what is still queued.
+        self.keep_queued = keep_queued
         #: Receive buffer size the kernel granted (0 until started).
         self.obtained_buffer = 0
         self.warnings: list[str] = namespace_warnings(uid_map_path)
@@ -147,7 +150,8 @@ class NetlinkSource:
             while more and self._monitor is not None:
                 items, more, unexplained = self._drain()
                 for item in items:
-                    if isinstance(item, SourceOverflow) and item.error.startswith("ENOBUFS"):
+                    if (isinstance(item, SourceOverflow) and item.error.startswith("ENOBUFS")
+                            and not self.keep_queued):
                         # Discard what is queued (the rescan covers it), a slice a turn.
                         dropped = await drain_lost(lambda: self._sock)
                         log.debug("%s uevent source lost events (%s; %d queued dropped)",
