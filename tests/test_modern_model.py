@@ -317,6 +317,25 @@ async def test_drm_wedge(tmp_path: Path) -> None:
         assert got[0]["type"] == "device-changed" and got[0]["device"]["health"] == "ok"
 
 
+async def test_a_wedge_the_driver_recovered_leaves_health_alone(tmp_path: Path) -> None:
+    """``WEDGED=none`` is what amdgpu sends after a ring or GPU reset that worked: the
+    device was wedged and its driver recovered it (telemetry only). It is published, but
+    the card stays ``ok``, with no recovery methods kept; on a card already wedged it
+    neither clears that wedge nor replaces its methods."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        got = strip(await h.send("change", CARD1, expect=1, WEDGED="none", PID="77",
+                                 TASK="gnome-shell"))
+        assert got == [{"type": "gpu-wedged", "addr": NV, "card": "card1",
+                        "recovery": ["none"], "pid": 77, "task": "gnome-shell"}]
+        assert h.watcher.model.function(NV).health == "ok"
+        assert NV not in h.watcher.model.state.wedge_recovery
+        await h.send("change", CARD1, expect=2, WEDGED="rebind")
+        await h.send("change", CARD1, expect=1, WEDGED="none")
+        assert h.watcher.model.function(NV).health == "wedged"
+        assert h.watcher.model.state.wedge_recovery[NV] == ("rebind",)
+
+
 async def test_hostile_wedge_uevent_is_bounded(tmp_path: Path) -> None:
     host = example_gpu_host(tmp_path)
     async with harness_for(host) as h:

@@ -33,6 +33,7 @@ from gpuwatch.core.events import (
     VgpuChanged,
     driver_changed,
 )
+from gpuwatch.core.health import wedge_needs_recovery
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
@@ -695,6 +696,8 @@ class HostState:
                 seen = DrmWedgeSeen(node.device_addr, seen.card, seen.recovery, seen.pid,
                                     seen.task)
         fn = self.functions.get(seen.addr) if seen.addr else None
+        if fn is not None and not wedge_needs_recovery(seen.recovery):
+            fn = None  # ``WEDGED=none``: recovered by its driver; published, health kept
         if fn is not None and fn.health != "wedged":
             self._replace(fn, {"health": "wedged"}, events, announce=False)
         if fn is not None:
