@@ -15,6 +15,8 @@ import anyio
 import pytest
 
 import gpuwatch
+from gpuwatch.core.plan import unhealthy_reason
+from gpuwatch.hostfs.facts import health_facts
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.modern import (
     GH_ADDR,
@@ -277,6 +279,30 @@ async def test_failed_clears_on_rebind_in_one_batch(tmp_path: Path) -> None:
         assert got[0] == {"type": "device-changed", "addr": NV, "changed": ["health"],
                           "device": got[0]["device"]}
         assert got[0]["device"]["health"] == "ok"
+
+
+async def test_a_bind_during_a_recovery_does_not_end_it(tmp_path: Path) -> None:
+    """The kernel holds the device lock only through each error-recovery callback: a bind
+    can come between its ``BEGIN_RECOVERY`` and its end, and the recovery goes on (the link
+    may still be reset). The function stays ``recovering``, still refused, until its own
+    ``SUCCESSFUL_RECOVERY`` ends it."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", NV, expect=2, ERROR_EVENT="BEGIN_RECOVERY", DEVICE_ONLINE="0")
+        host.unbind(NV)
+        await h.send("unbind", NV, expect=4)  # driver-changed, three probe-changed
+        host.bind(NV, "nvidia")
+        got = await h.send("bind", NV, expect=4)
+        assert got[0]["type"] == "driver-changed" and got[0]["new"] == "nvidia"
+        assert "device-changed" not in [e["type"] for e in got]
+        assert h.watcher.model.function(NV).health == "recovering"
+        state = h.watcher.model.state
+        members = state.group_members(NV)
+        reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+        assert reason is not None and reason.startswith(f"{NV} is recovering")
+        got = await h.send("change", NV, expect=2, ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                           DEVICE_ONLINE="1")
+        assert got[0]["health"] == "ok" and h.watcher.model.function(NV).health == "ok"
 
 
 @pytest.mark.parametrize("action", ["bind", "add"])
