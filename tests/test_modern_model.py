@@ -6,8 +6,10 @@ into a MemorySource as the kernel would send them, after the tree changed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +305,24 @@ async def test_a_bind_during_a_recovery_does_not_end_it(tmp_path: Path) -> None:
         got = await h.send("change", NV, expect=2, ERROR_EVENT="SUCCESSFUL_RECOVERY",
                            DEVICE_ONLINE="1")
         assert got[0]["health"] == "ok" and h.watcher.model.function(NV).health == "ok"
+
+
+async def test_a_bind_ends_a_recovery_whose_end_was_lost(tmp_path: Path) -> None:
+    """A recovery begun more than 300 s ago with no end seen is taken as over (the switch
+    no longer waits for it): a bind then is a fresh start, as for a failed function."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", NV, expect=2, ERROR_EVENT="BEGIN_RECOVERY", DEVICE_ONLINE="0")
+        state = h.watcher.model.state
+        mark = state.recovery_marks[NV]
+        assert mark.at is not None
+        state.recovery_marks[NV] = dataclasses.replace(mark, at=time.monotonic() - 400)
+        host.unbind(NV)
+        await h.send("unbind", NV, expect=4)
+        host.bind(NV, "nvidia")
+        got = await h.send("bind", NV, expect=5)
+        assert [e["type"] for e in got[:2]] == ["driver-changed", "device-changed"]
+        assert got[1]["changed"] == ["health"] and got[1]["device"]["health"] == "ok"
 
 
 @pytest.mark.parametrize("action", ["bind", "add"])

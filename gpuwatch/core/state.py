@@ -33,7 +33,7 @@ from gpuwatch.core.events import (
     VgpuChanged,
     driver_changed,
 )
-from gpuwatch.core.health import wedge_needs_recovery
+from gpuwatch.core.health import RECOVERY_STALE_AFTER, wedge_needs_recovery
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
@@ -684,10 +684,15 @@ class HostState:
         between them, and the recovery still ends later with its own uevent; until then the
         link may be reset under the new driver. Unless that recovery already ended at a
         bridge above it that reported ``FAILED_RECOVERY`` since it began (older kernels
-        report a failure on the bridge alone): then the bind is the recovery (`recover`)."""
+        report a failure on the bridge alone): then the bind is the recovery (`recover`);
+        or one begun `RECOVERY_STALE_AFTER` seconds ago, taken as over (its end was lost)."""
         if fn.health != "recovering":
             return True
         began = self.recovery_marks.get(fn.addr)
+        clock = self.clock
+        if (began is not None and began.at is not None and clock is not None
+                and clock() - began.at >= RECOVERY_STALE_AFTER):
+            return True
         functions, marks = self.functions, self.recovery_marks
         for part in self.devpaths.get(fn.addr, "").split("/")[:-1]:
             bridge = functions.get(part)
