@@ -213,7 +213,10 @@ def reference(state: HostState, old: PciFunction, seen: PciSeen) -> tuple[PciFun
         physfn=seen.physfn,
         vgpu=None if seen.vgpu is None else Vgpu(type=seen.vgpu.type,
                                                  creatable=seen.vgpu.creatable),
-        health=old.health if old.driver == seen.driver or not seen.driver else "ok",
+        # A bind to another driver clears a bad health, but not a recovery under way (no
+        # bridge above failed here): only the kernel's end of it does.
+        health=(old.health if old.driver == seen.driver or not seen.driver
+                or old.health == "recovering" else "ok"),
     )
     events: list[Any] = []
     if old.driver != new.driver:

@@ -6,8 +6,10 @@ into a MemorySource as the kernel would send them, after the tree changed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ import anyio
 import pytest
 
 import gpuwatch
+from gpuwatch.core.plan import unhealthy_reason
+from gpuwatch.hostfs.facts import health_facts
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.modern import (
     GH_ADDR,
@@ -279,6 +283,48 @@ async def test_failed_clears_on_rebind_in_one_batch(tmp_path: Path) -> None:
         assert got[0]["device"]["health"] == "ok"
 
 
+async def test_a_bind_during_a_recovery_does_not_end_it(tmp_path: Path) -> None:
+    """The kernel holds the device lock only through each error-recovery callback: a bind
+    can come between its ``BEGIN_RECOVERY`` and its end, and the recovery goes on (the link
+    may still be reset). The function stays ``recovering``, still refused, until its own
+    ``SUCCESSFUL_RECOVERY`` ends it."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", NV, expect=2, ERROR_EVENT="BEGIN_RECOVERY", DEVICE_ONLINE="0")
+        host.unbind(NV)
+        await h.send("unbind", NV, expect=4)  # driver-changed, three probe-changed
+        host.bind(NV, "nvidia")
+        got = await h.send("bind", NV, expect=4)
+        assert got[0]["type"] == "driver-changed" and got[0]["new"] == "nvidia"
+        assert "device-changed" not in [e["type"] for e in got]
+        assert h.watcher.model.function(NV).health == "recovering"
+        state = h.watcher.model.state
+        members = state.group_members(NV)
+        reason = unhealthy_reason(members, health_facts(state, members), recover=True)
+        assert reason is not None and reason.startswith(f"{NV} is recovering")
+        got = await h.send("change", NV, expect=2, ERROR_EVENT="SUCCESSFUL_RECOVERY",
+                           DEVICE_ONLINE="1")
+        assert got[0]["health"] == "ok" and h.watcher.model.function(NV).health == "ok"
+
+
+async def test_a_bind_ends_a_recovery_whose_end_was_lost(tmp_path: Path) -> None:
+    """A recovery begun more than 300 s ago with no end seen is taken as over (the switch
+    no longer waits for it): a bind then is a fresh start, as for a failed function."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        await h.send("change", NV, expect=2, ERROR_EVENT="BEGIN_RECOVERY", DEVICE_ONLINE="0")
+        state = h.watcher.model.state
+        mark = state.recovery_marks[NV]
+        assert mark.at is not None
+        state.recovery_marks[NV] = dataclasses.replace(mark, at=time.monotonic() - 400)
+        host.unbind(NV)
+        await h.send("unbind", NV, expect=4)
+        host.bind(NV, "nvidia")
+        got = await h.send("bind", NV, expect=5)
+        assert [e["type"] for e in got[:2]] == ["driver-changed", "device-changed"]
+        assert got[1]["changed"] == ["health"] and got[1]["device"]["health"] == "ok"
+
+
 @pytest.mark.parametrize("action", ["bind", "add"])
 async def test_a_synthetic_bind_or_add_clears_no_health(tmp_path: Path, action: str) -> None:
     """What `udevadm trigger --action=add` (or `echo bind > …/uevent`) sends: the kernel
@@ -315,6 +361,25 @@ async def test_drm_wedge(tmp_path: Path) -> None:
         h.source.push(host.uevent_props("bind", NV))
         got = strip(await h.collect(start, 2))
         assert got[0]["type"] == "device-changed" and got[0]["device"]["health"] == "ok"
+
+
+async def test_a_wedge_the_driver_recovered_leaves_health_alone(tmp_path: Path) -> None:
+    """``WEDGED=none`` is what amdgpu sends after a ring or GPU reset that worked: the
+    device was wedged and its driver recovered it (telemetry only). It is published, but
+    the card stays ``ok``, with no recovery methods kept; on a card already wedged it
+    neither clears that wedge nor replaces its methods."""
+    host = example_gpu_host(tmp_path)
+    async with harness_for(host) as h:
+        got = strip(await h.send("change", CARD1, expect=1, WEDGED="none", PID="77",
+                                 TASK="gnome-shell"))
+        assert got == [{"type": "gpu-wedged", "addr": NV, "card": "card1",
+                        "recovery": ["none"], "pid": 77, "task": "gnome-shell"}]
+        assert h.watcher.model.function(NV).health == "ok"
+        assert NV not in h.watcher.model.state.wedge_recovery
+        await h.send("change", CARD1, expect=2, WEDGED="rebind")
+        await h.send("change", CARD1, expect=1, WEDGED="none")
+        assert h.watcher.model.function(NV).health == "wedged"
+        assert h.watcher.model.state.wedge_recovery[NV] == ("rebind",)
 
 
 async def test_hostile_wedge_uevent_is_bounded(tmp_path: Path) -> None:

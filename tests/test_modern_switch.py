@@ -227,6 +227,20 @@ async def test_wedged_or_failed_group_is_refused(host: SysRoot) -> None:
         assert len(refused) == 2
 
 
+async def test_a_wedge_its_driver_recovered_refuses_nothing(host: SysRoot) -> None:
+    """``WEDGED=none`` (the driver reset the GPU and it works again) asks for no recovery:
+    the switch goes ahead, as it would without the uevent."""
+    async with simulated_switch(host) as (w, _sim, _engine, events):
+        w.source.push(host.uevent_props("change", CARD1, WEDGED="none"))
+        with anyio.fail_after(5):
+            while not any(e.type == "gpu-wedged" for e in events):  # type: ignore[attr-defined]
+                await anyio.sleep(0.01)
+        plan = await w.plan(NV, "vfio")
+        assert plan["refused"] is None
+        await w.switch(NV, "vfio", timeout=10)
+        assert w.model.function(NV).driver == "vfio-pci"
+
+
 async def test_failed_recovery_refuses_until_successful(host: SysRoot) -> None:
     async with simulated_switch(host) as (w, _sim, _engine, _events):
         w.source.push(host.uevent_props("change", NV, ERROR_EVENT="FAILED_RECOVERY"))

@@ -16,6 +16,17 @@ UNSWITCHABLE = frozenset({"wedged", "failed"})
 #: a failed recovery is reported on the bridge alone), and refusing the group until a reboot
 #: would help nobody.
 RECOVERY_STALE_AFTER = 300.0
+#: The DRM wedge recovery method that asks nothing of anyone: the driver already recovered
+#: the device itself (an amdgpu ring or GPU reset that succeeded sends ``WEDGED=none``), and
+#: the uevent is for telemetry. Taken as a wedge, it refused every switch of a working card
+#: until a rebind nobody was told to do.
+RECOVERED_METHOD = "none"
+
+
+def wedge_needs_recovery(methods: Sequence[str]) -> bool:
+    """Whether a DRM wedge uevent's methods leave the device wedged: any method but
+    `RECOVERED_METHOD`, or none named at all (a malformed ``WEDGED=``: taken as a wedge)."""
+    return not methods or any(m != RECOVERED_METHOD for m in methods)
 
 
 def method_advice(method: str, addr: str, driver: str) -> str:
@@ -49,4 +60,5 @@ def health_advice(health: str, addr: str, driver: str, recovery: Sequence[str] =
     return ""
 
 
-__all__ = ["RECOVERY_STALE_AFTER", "UNSWITCHABLE", "health_advice", "method_advice"]
+__all__ = ["RECOVERED_METHOD", "RECOVERY_STALE_AFTER", "UNSWITCHABLE", "health_advice",
+           "method_advice", "wedge_needs_recovery"]

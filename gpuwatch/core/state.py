@@ -33,6 +33,7 @@ from gpuwatch.core.events import (
     VgpuChanged,
     driver_changed,
 )
+from gpuwatch.core.health import RECOVERY_STALE_AFTER, wedge_needs_recovery
 from gpuwatch.core.hostkeep import kept_for_host_reason, own_displays
 from gpuwatch.core.kfd import first_gfx_target, first_gfx_version
 from gpuwatch.core.modes import variant_keys
@@ -368,9 +369,11 @@ class HostState:
             self._pci_seen(cast(PciSeen, obs), events)
         elif kind is PciRebound:
             addr = cast(PciRebound, obs).addr
-            if addr in self.functions:
+            fn = self.functions.get(addr)
+            if fn is not None:
                 self._alive(addr)
-            self._set_health(addr, "ok", events, announce=True)
+                if self._bind_clears(fn):
+                    self._set_health(addr, "ok", events, announce=True)
         elif isinstance(obs, PciGone):
             self._pci_gone(obs.addr, events)
         elif isinstance(obs, PciErrorSeen):
@@ -538,7 +541,7 @@ class HostState:
         update: dict[str, Any] = {}
         if old.driver != seen.driver:
             update["driver"] = seen.driver
-            if seen.driver and old.health != "ok":
+            if seen.driver and old.health != "ok" and self._bind_clears(old):
                 # A bind to another driver is a fresh start: it clears a failed or wedged state.
                 update["health"] = "ok"
                 self._alive(old.addr)
@@ -674,6 +677,31 @@ class HostState:
                 self._recovery_order, clock() if clock is not None else None)
         events.append(event)
 
+    def _bind_clears(self, fn: PciFunction) -> bool:
+        """Whether a bind of ``fn`` ends its bad health: a fresh start for a failed or
+        wedged function, but not for one whose PCI error recovery is under way. The kernel
+        holds the device lock only through each recovery callback, so a bind can come
+        between them, and the recovery still ends later with its own uevent; until then the
+        link may be reset under the new driver. Unless that recovery already ended at a
+        bridge above it that reported ``FAILED_RECOVERY`` since it began (older kernels
+        report a failure on the bridge alone): then the bind is the recovery (`recover`);
+        or one begun `RECOVERY_STALE_AFTER` seconds ago, taken as over (its end was lost)."""
+        if fn.health != "recovering":
+            return True
+        began = self.recovery_marks.get(fn.addr)
+        clock = self.clock
+        if (began is not None and began.at is not None and clock is not None
+                and clock() - began.at >= RECOVERY_STALE_AFTER):
+            return True
+        functions, marks = self.functions, self.recovery_marks
+        for part in self.devpaths.get(fn.addr, "").split("/")[:-1]:
+            bridge = functions.get(part)
+            if bridge is not None and bridge.health == "failed":
+                failed = marks.get(part)
+                if began is None or (failed is not None and failed.order > began.order):
+                    return True
+        return False
+
     def _drop_recovery_mark(self, addr: str) -> None:
         """Forget ``addr``'s recovery mark; with the last one gone, every sign of life too:
         a failure to come is ranked after all of them, so none can outlive it."""
@@ -695,6 +723,8 @@ class HostState:
                 seen = DrmWedgeSeen(node.device_addr, seen.card, seen.recovery, seen.pid,
                                     seen.task)
         fn = self.functions.get(seen.addr) if seen.addr else None
+        if fn is not None and not wedge_needs_recovery(seen.recovery):
+            fn = None  # ``WEDGED=none``: recovered by its driver; published, health kept
         if fn is not None and fn.health != "wedged":
             self._replace(fn, {"health": "wedged"}, events, announce=False)
         if fn is not None:
