@@ -40,7 +40,7 @@ def test_losses_during_and_just_after_a_rescan_wait_for_one_more() -> None:
     assert gate.due == pytest.approx(11.1)  # a second after it ended
     assert not gate.admit(10.5, "ENOBUFS", dropped=5)  # in the gap
     assert not gate.admit(12.0, "EIO")  # past the gap, but one is already held
-    assert gate.take_held() == (3, 7, "EIO")
+    assert gate.take_held() == (3, 7, "EIO", 0)
     assert (gate.held, gate.dropped, gate.error) == (0, 0, "")
 
 

@@ -256,9 +256,10 @@ async def test_an_overflows_drain_lets_other_tasks_run_between_slices(
     seen_at_slice: list[int] = []
     real_drain = sources.drain_to_eagain
 
-    def counted(sock: socket.socket, max_message: int = 65536, limit: int = 1) -> int:
+    def counted(sock: socket.socket, max_message: int = 65536, limit: int = 1,
+                keep: sources.Keep | None = None) -> int:
         seen_at_slice.append(ticks)
-        return real_drain(sock, max_message, limit)
+        return real_drain(sock, max_message, limit, keep)
 
     monkeypatch.setattr(sources, "drain_to_eagain", counted)
 

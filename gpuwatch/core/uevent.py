@@ -6,12 +6,17 @@ and the watcher never know where an event came from.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
 #: udevd's messages start with this magic; the kernel's with ``ACTION@DEVPATH``.
 UDEV_MAGIC = b"libudev\0"
+#: The rest of udevd's header (systemd's ``monitor_netlink_header``): the version magic,
+#: big-endian, then the header's size and the properties' offset and length, host order.
+_UDEV_HEADER = struct.Struct("=4sIII")
+_UDEV_VERSION = (0xFEEDCAFE).to_bytes(4, "big")
 _SUBSYSTEM_KEY = b"\0SUBSYSTEM="
 
 
@@ -97,3 +102,27 @@ def parse_kernel_uevent(data: bytes) -> UEvent | None:
     # UEvent(...) without the NamedTuple's Python-level __new__: one per kernel message.
     return _tuple_new(UEvent, (action, devpath, props.get("SUBSYSTEM", ""),
                                MappingProxyType(props)))
+
+
+def parse_udev_message(data: bytes) -> UEvent | None:
+    """One message as udevd multicasts it (the ``libudev`` header, then ``KEY=VALUE\\0``
+    properties at the offset it gives) as a `UEvent`, read as libudev reads it.
+
+    ``None`` for anything else (a kernel message, another version, a header pointing
+    outside the message). For the udev source's drain after a loss, which reads the raw
+    socket: pyudev parses what is read through it.
+    """
+    if not data.startswith(UDEV_MAGIC) or len(data) < len(UDEV_MAGIC) + _UDEV_HEADER.size:
+        return None
+    version, _size, offset, _length = _UDEV_HEADER.unpack_from(data, len(UDEV_MAGIC))
+    if version != _UDEV_VERSION or offset + 32 > len(data):  # libudev's own bound
+        return None
+    props: dict[str, str] = {}
+    for part in data[offset:].decode("utf-8", "surrogateescape").split("\0"):
+        key, eq, value = part.partition("=")
+        if eq and key and key not in props:
+            props[key] = value
+    if "ACTION" not in props or "DEVPATH" not in props:
+        return None
+    return UEvent(props["ACTION"], props["DEVPATH"], props.get("SUBSYSTEM", ""),
+                  MappingProxyType(props))

@@ -8,6 +8,7 @@ several times still reports every recovery step and wedge.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable
 
 from gpuwatch.core.observations import DrmWedgeSeen, Observation, PciErrorSeen, PciRebound
@@ -23,6 +24,9 @@ SYNTHETIC = "SYNTH_UUID"
 #: Bounds on what one uevent may make us keep: WEDGED methods and their length, TASK.
 MAX_METHODS = 8
 MAX_WORD = 64
+#: What a drain after a loss keeps at most: uevents carrying facts, and their raw bytes.
+MAX_KEPT = 1024
+MAX_KEPT_BYTES = 1 << 20
 
 
 def uevent_facts(event: UEvent) -> list[Observation]:
@@ -99,3 +103,59 @@ def wedge(card: str, addr: str, event: UEvent) -> DrmWedgeSeen:
         else None,
         task=task[:MAX_WORD] if task is not None else None,
     )
+
+
+def may_carry_facts(data: bytes) -> bool:
+    """Whether a raw message (a kernel or a udevd one) may carry a fact: bytes found in
+    every uevent `uevent_facts` takes anything from, and in few others. The test a drain
+    after a loss makes of each message it reads (a million in a full queue): a few
+    substring tests, written out (``any`` over a tuple cost twice as much)."""
+    return (b"ERROR_EVENT=" in data or b"WEDGED=" in data or b"ACTION=bind\0" in data
+            or b"ACTION=add\0" in data)
+
+
+class LostFacts:
+    """The uevents a drain after a loss keeps from what it discards: those carrying facts a
+    rescan cannot see (`uevent_facts`: an error recovery's step, a wedge, a real bind or add
+    that clears a bad health), in the kernel's order, for the watcher to apply after its
+    rescan. Bounded (``max_count`` uevents, ``max_bytes`` of their messages): past that the
+    oldest go (the newest decide the health the model ends with), counted in `unkept`. A
+    bind or add of a function already kept since the last other fact is not kept again: it
+    would change nothing, and a flapping link would otherwise fill the bound with them."""
+
+    def __init__(self, max_count: int = MAX_KEPT, max_bytes: int = MAX_KEPT_BYTES) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        #: Fact-carrying uevents the bound made it discard.
+        self.unkept = 0
+        self._kept: deque[tuple[UEvent, int]] = deque()
+        self._bytes = 0
+        self._rebound: set[str] = set()
+
+    def offer(self, event: UEvent, size: int) -> bool:
+        """Keep ``event`` (its message ``size`` bytes) if it carries a fact; True if kept."""
+        facts = uevent_facts(event)
+        if not facts:
+            return False
+        rebound = {f.addr for f in facts if isinstance(f, PciRebound)}
+        if len(rebound) == len(facts):
+            if rebound <= self._rebound:
+                return False
+            self._rebound |= rebound
+        else:  # an error or a wedge (after any bind of the same uevent): binds count again
+            self._rebound = set()
+        self._kept.append((event, size))
+        self._bytes += size
+        while len(self._kept) > self.max_count or self._bytes > self.max_bytes:
+            _old, old_size = self._kept.popleft()
+            self._bytes -= old_size
+            self.unkept += 1
+            self._rebound.clear()  # it may have held one: a bind kept twice changes nothing
+        return True
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def events(self) -> list[UEvent]:
+        """What is kept, oldest first."""
+        return [event for event, _size in self._kept]

@@ -10,12 +10,14 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gpuwatch.core.uevent import UEvent
+from gpuwatch.core.uevent_facts import LostFacts, may_carry_facts
 from gpuwatch.errors import INVALID_PARAMS, SOURCE_UNAVAILABLE, CallerError, HostError
 
 __all__ = [
@@ -23,9 +25,12 @@ __all__ = [
     "UDEV_CONTROL",
     "EventSource",
     "InvalidSourceSpec",
+    "Keep",
     "SourceOverflow",
     "SourceReadError",
     "SourceUnavailable",
+    "Trusted",
+    "drain_after_loss",
     "drain_lost",
     "drain_to_eagain",
     "open_source",
@@ -65,11 +70,15 @@ class SourceOverflow:
     """Events were lost (the socket buffer overflowed): the model is stale, rescan.
 
     ``dropped``: the queued messages the source discarded after the loss (the rescan covers
-    them). The watcher says it in the journal, at most so often (`OverflowGate`), so a
-    source does not: in a storm each loss would be a line."""
+    them). Those carrying facts a rescan cannot see (`LostFacts`) it keeps instead, and
+    yields as a batch right after this marker; ``unkept``: how many of ``dropped`` carried
+    such facts, discarded all the same for its bound. The watcher says both in the journal,
+    at most so often (`OverflowGate`), so a source does not: in a storm each loss would be a
+    line."""
 
     error: str
     dropped: int = 0
+    unkept: int = 0
 
 
 #: After an overflow, at most this many queued messages are dropped before giving up (a
@@ -77,27 +86,45 @@ class SourceOverflow:
 MAX_DRAIN = 1 << 20
 
 
+#: ``keep(data, address, ancdata)``: handed each message a drain reads (`drain_to_eagain`).
+Keep = Callable[[bytes, Any, list[tuple[int, int, bytes]]], None]
+#: ``trusted(data, address, ancdata)``: the message as a uevent when its sender is believed
+#: and it is one the source follows, else None (`drain_after_loss`).
+Trusted = Callable[[bytes, Any, list[tuple[int, int, bytes]]], UEvent | None]
+#: Room for the sender's credentials (``SCM_CREDENTIALS``, a ``struct ucred``).
+_CRED_SPACE = socket.CMSG_SPACE(struct.calcsize("=iII"))
+
+
 def drain_to_eagain(sock: socket.socket, max_message: int = 65536,
-                    limit: int = MAX_DRAIN) -> int:
+                    limit: int = MAX_DRAIN, keep: Keep | None = None) -> int:
     """The overflow contract every netlink source keeps: after ENOBUFS, discard what is
     queued until EAGAIN, because the rescan that follows covers it, and the next uevent
     read is then one sent *after* the rescan began: nothing stale is applied over it and
-    the source is never left deaf behind a full queue. Returns how many were dropped.
+    the source is never left deaf behind a full queue. Returns how many were read.
+
+    ``keep`` sees each message first (with its sender and credentials), for the few that
+    carry what no rescan can see (`drain_after_loss`).
     """
-    dropped = 0
+    read = 0
     for _ in range(2 * limit):  # an ENOBUFS between messages costs a try, not a message
-        if dropped >= limit:
+        if read >= limit:
             break
         try:
-            sock.recv(max_message, socket.MSG_DONTWAIT)
+            if keep is None:
+                sock.recv(max_message, socket.MSG_DONTWAIT)
+            else:
+                data, ancdata, _flags, address = sock.recvmsg(max_message, _CRED_SPACE,
+                                                              socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             break
         except OSError as exc:
             if exc.errno == errno.ENOBUFS:
                 continue  # overflowed again while draining: one rescan covers both
             break
-        dropped += 1
-    return dropped
+        read += 1
+        if keep is not None:
+            keep(data, address, ancdata)
+    return read
 
 
 #: Messages one turn of an overflow's drain discards before other tasks run.
@@ -105,10 +132,11 @@ DRAIN_SLICE = 4096
 
 
 async def drain_lost(sock_of: Callable[[], socket.socket | None],
-                     max_message: int = 65536) -> int:
+                     max_message: int = 65536, keep: Keep | None = None) -> int:
     """`drain_to_eagain` a slice at a time, ending the turn between slices: a full 128 MiB
     queue holds a million messages, and discarding them in one go kept every request
-    waiting ~0.1 s. ``sock_of`` is asked again after each turn (a close ends the drain)."""
+    waiting ~0.1 s. ``sock_of`` is asked again after each turn (a close ends the drain).
+    Returns how many were read."""
     from gpuwatch.sources.turns import end_turn  # here: anyio only where a source runs
 
     dropped = 0
@@ -117,12 +145,32 @@ async def drain_lost(sock_of: Callable[[], socket.socket | None],
         if sock is None:
             break
         slice_ = min(DRAIN_SLICE, MAX_DRAIN - dropped)
-        taken = drain_to_eagain(sock, max_message, slice_)
+        taken = drain_to_eagain(sock, max_message, slice_, keep)
         dropped += taken
         if taken < slice_:
             break
         await end_turn()
     return dropped
+
+
+async def drain_after_loss(sock_of: Callable[[], socket.socket | None], max_message: int,
+                           trusted: Trusted) -> tuple[int, LostFacts]:
+    """`drain_lost`, keeping the messages that carry facts a rescan cannot see (a PCI error
+    recovery's step, a DRM wedge, a real bind or add: `LostFacts`, bounded): the kernel
+    queued them before the loss, and discarding them left a failed recovery or a wedge it
+    did report unseen (health ``ok``, no event). A message is tested for their bytes first
+    (`may_carry_facts`), then ``trusted`` vouches for its sender and parses it. Returns how
+    many were discarded, and what was kept, for the source to yield after its overflow."""
+    facts = LostFacts()
+
+    def keep(data: bytes, address: Any, ancdata: list[tuple[int, int, bytes]]) -> None:
+        if may_carry_facts(data):
+            event = trusted(data, address, ancdata)
+            if event is not None:
+                facts.offer(event, len(data))
+
+    read = await drain_lost(sock_of, max_message, keep)
+    return read - len(facts), facts
 
 
 @runtime_checkable

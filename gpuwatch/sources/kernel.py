@@ -4,7 +4,8 @@ The default source. It needs no udevd (containers and minimal hosts have none) a
 libudev: a message is parsed straight from its bytes into a `UEvent`, about a tenth of what
 the pyudev receive path costs per event. Read on the event loop like every source: wait
 until readable, then drain up to `MAX_BATCH` messages as one batch. Lost events (ENOBUFS)
-are drained to EAGAIN and reported as one `SourceOverflow`, so the watcher rescans once.
+are drained to EAGAIN and reported as one `SourceOverflow`, so the watcher rescans once;
+the few drained uevents that carry facts a rescan cannot see follow it as a batch.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import anyio
 
 from gpuwatch.core.limits import MAX_RECEIVE_BUFFER, MIN_RECEIVE_BUFFER
 from gpuwatch.core.uevent import UEvent, parse_kernel_uevent, subsystem_of
 from gpuwatch.errors import UsageError
-from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_lost
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_after_loss
 from gpuwatch.sources.turns import end_turn
 
 __all__ = [
@@ -240,13 +242,19 @@ class KernelSource:
                 if batch:
                     yield batch
                 if overflow is not None:
+                    kept: list[UEvent] = []
                     if overflow.error.startswith("ENOBUFS") and not self.keep_queued:
-                        # Discard what is queued (the rescan covers it), a slice a turn.
-                        dropped = await drain_lost(lambda: self._sock, _MAX_MESSAGE)
-                        overflow = SourceOverflow(overflow.error, dropped)
-                        log.debug("kernel uevent source lost events (%s; %d queued dropped)",
-                                  overflow.error, dropped)
+                        # Discard what is queued (the rescan covers it), a slice a turn, but
+                        # for what only a uevent says: it follows the marker, in order.
+                        dropped, facts = await drain_after_loss(
+                            lambda: self._sock, _MAX_MESSAGE, self._trusted)
+                        kept = facts.events()
+                        overflow = SourceOverflow(overflow.error, dropped, facts.unkept)
+                        log.debug("kernel uevent source lost events (%s; %d queued dropped, "
+                                  "%d kept)", overflow.error, dropped, len(kept))
                     yield overflow
+                    if kept:
+                        yield kept
                     if overflow.error.startswith("ENOBUFS"):
                         failures = 0
                     else:  # an error we did not expect: back off instead of spinning on it
@@ -289,6 +297,14 @@ class KernelSource:
             if event is not None:
                 batch.append(event)
         return batch, None, True
+
+    def _trusted(self, data: bytes, address: Any,
+                 _ancdata: list[tuple[int, int, bytes]]) -> UEvent | None:
+        """A message drained after a loss as `_drain` would take it: from the kernel, of a
+        subsystem followed."""
+        if address[0] != 0 or subsystem_of(data) not in self._wanted:
+            return None
+        return parse_kernel_uevent(data)
 
     @staticmethod
     def _lost(exc: OSError) -> SourceOverflow:

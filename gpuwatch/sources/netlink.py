@@ -17,14 +17,20 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Literal
 
 import anyio
 import pyudev
 
-from gpuwatch.core.uevent import UEvent
-from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_lost
+from gpuwatch.core.uevent import (
+    UEvent,
+    parse_kernel_uevent,
+    parse_udev_message,
+    subsystem_of,
+)
+from gpuwatch.sources import SourceOverflow, SourceUnavailable, drain_after_loss
 from gpuwatch.sources.kernel import (
     DEFAULT_RECEIVE_BUFFER,
     MAX_BATCH,
@@ -55,6 +61,22 @@ log = logging.getLogger("gpuwatch.sources")
 def set_receive_buffer(monitor: Any, sock: socket.socket, size: int) -> int:
     """`gpuwatch.sources.kernel.set_receive_buffer` through libudev's SO_RCVBUFFORCE."""
     return _set_receive_buffer(sock, size, monitor.set_receive_buffer_size)
+
+
+_UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+
+
+def udevd_sent(address: Any, ancdata: list[tuple[int, int, bytes]]) -> bool:
+    """Whether a raw message on a udev monitor's socket is one libudev would believe: sent
+    to a multicast group (a unicast's sender is trusted by no pyudev monitor) by root (the
+    credentials the kernel attaches, as libudev turns ``SO_PASSCRED`` on)."""
+    if not address[1]:
+        return False
+    for level, kind, data in ancdata:
+        if (level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+                and len(data) >= _UCRED.size):
+            return bool(_UCRED.unpack_from(data)[1] == 0)
+    return False
 
 
 def _raw_properties(device: Any) -> dict[str, str]:
@@ -150,14 +172,20 @@ class NetlinkSource:
             while more and self._monitor is not None:
                 items, more, unexplained = self._drain()
                 for item in items:
+                    kept: list[UEvent] = []
                     if (isinstance(item, SourceOverflow) and item.error.startswith("ENOBUFS")
                             and not self.keep_queued):
-                        # Discard what is queued (the rescan covers it), a slice a turn.
-                        dropped = await drain_lost(lambda: self._sock)
-                        log.debug("%s uevent source lost events (%s; %d queued dropped)",
-                                  self.name, item.error, dropped)
-                        item = SourceOverflow(item.error, dropped)
+                        # Discard what is queued (the rescan covers it), a slice a turn, but
+                        # for what only a uevent says: it follows the marker, in order.
+                        dropped, facts = await drain_after_loss(
+                            lambda: self._sock, 65536, self._trusted)
+                        kept = facts.events()
+                        log.debug("%s uevent source lost events (%s; %d queued dropped, "
+                                  "%d kept)", self.name, item.error, dropped, len(kept))
+                        item = SourceOverflow(item.error, dropped, facts.unkept)
                     yield item
+                    if kept:
+                        yield kept
                 if unexplained:
                     # An error we could not clear: back off instead of spinning on it.
                     failures += 1
@@ -225,6 +253,18 @@ class NetlinkSource:
         if props.get("SUBSYSTEM") not in self.subsystems:
             return None
         return UEvent.from_properties(props)
+
+    def _trusted(self, data: bytes, address: Any,
+                 ancdata: list[tuple[int, int, bytes]]) -> UEvent | None:
+        """A raw message drained after a loss, as pyudev would deliver it: udevd's (or for
+        the ``kernel`` kind, the kernel's), of a subsystem followed."""
+        if self.name == "udev":
+            event = parse_udev_message(data) if udevd_sent(address, ancdata) else None
+        elif address[0] == 0 and subsystem_of(data) is not None:
+            event = parse_kernel_uevent(data)
+        else:
+            event = None
+        return event if event is not None and event.subsystem in self.subsystems else None
 
     def _take_error(self, exc: BaseException) -> tuple[SourceOverflow, bool]:
         """Read (and thereby clear) the socket's pending error; describe what was lost."""

@@ -29,13 +29,15 @@ class OverflowGate:
     max_share: float = MAX_SHARE
     #: When the next rescan may start (the loop clock): the held losses' rescan is due then.
     due: float = 0.0
-    #: Losses waiting for a rescan, the queued uevents their sources dropped, the last error.
+    #: Losses waiting for a rescan, the queued uevents their sources dropped, the last error,
+    #: and how many of the dropped carried facts a rescan cannot see (`SourceOverflow`).
     held: int = 0
     dropped: int = 0
     error: str = ""
+    unkept: int = 0
     running: bool = False
 
-    def admit(self, now: float, error: str, dropped: int = 0) -> bool:
+    def admit(self, now: float, error: str, dropped: int = 0, unkept: int = 0) -> bool:
         """True: rescan for this loss now (`started`, then `finished`). False: it is held
         for the rescan due at `due` (one already held, one running, or one just ended)."""
         if not self.running and not self.held and now >= self.due:
@@ -43,12 +45,14 @@ class OverflowGate:
         self.held += 1
         self.dropped += dropped
         self.error = error
+        self.unkept += unkept
         return False
 
-    def take_held(self) -> tuple[int, int, str]:
-        """``(losses, dropped, last error)`` of the held losses, now covered by a rescan."""
-        held = (self.held, self.dropped, self.error)
-        self.held, self.dropped, self.error = 0, 0, ""
+    def take_held(self) -> tuple[int, int, str, int]:
+        """``(losses, dropped, last error, unkept)`` of the held losses, now covered by a
+        rescan."""
+        held = (self.held, self.dropped, self.error, self.unkept)
+        self.held, self.dropped, self.error, self.unkept = 0, 0, "", 0
         return held
 
     def started(self) -> None:

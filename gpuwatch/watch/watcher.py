@@ -636,10 +636,15 @@ class Watcher:
                     if self._closed:  # as in _poll_vgpu: not a WatcherClosed out of the context
                         return
                     self.uevent_losses += 1
-                    if self._overflows.admit(anyio.current_time(), batch.error, batch.dropped):
+                    # The source's next batch, if any, holds the drained uevents whose facts
+                    # no rescan sees: applied as usual (read, then their facts) after this
+                    # rescan, or now if the rescan waits, in order either way.
+                    if self._overflows.admit(anyio.current_time(), batch.error, batch.dropped,
+                                             batch.unkept):
                         changes = await self._resync_overflow()
-                        _log.warning("events lost (%s; %d queued dropped): rescanned, %d "
-                                     "change(s) found", batch.error, batch.dropped, changes)
+                        _log.warning("events lost (%s; %s): rescanned, %d change(s) found",
+                                     batch.error, _dropped_text(batch.dropped, batch.unkept),
+                                     changes)
                     else:  # one rescan covers every loss until it starts
                         self._overflow_held.set()
                     continue
@@ -692,11 +697,11 @@ class Watcher:
                 await anyio.sleep_until(gate.due)
                 if self._closed:
                     return
-                losses, dropped, error = gate.take_held()
+                losses, dropped, error, unkept = gate.take_held()
                 changes = await self._resync_overflow()
-                _log.warning("events lost %d more time(s) since the last rescan (last: %s; %d "
-                             "queued dropped): rescanned, %d change(s) found", losses, error,
-                             dropped, changes)
+                _log.warning("events lost %d more time(s) since the last rescan (last: %s; "
+                             "%s): rescanned, %d change(s) found", losses, error,
+                             _dropped_text(dropped, unkept), changes)
 
     @staticmethod
     def _collapse(batch: Sequence[UEvent]) -> list[UEvent]:
@@ -910,6 +915,16 @@ async def open_watcher(
             src.close()
         if event_log is not None and not isinstance(log, EventLog):
             event_log.close()
+
+
+def _dropped_text(dropped: int, unkept: int) -> str:
+    """What a loss's drain discarded, for the journal: with the uevents carrying facts no
+    rescan sees that its bound made it discard too (a health or a wedge that is lost)."""
+    text = f"{dropped} queued dropped"
+    if unkept:
+        text += (f", {unkept} of them with error-recovery, wedge or bind facts past the "
+                 "bound on what a drain keeps, which no rescan recovers")
+    return text
 
 
 async def _scan_in_thread(paths: HostPaths, tables: Tables, *,
