@@ -848,3 +848,49 @@ def test_hyperv_vpci_guest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     shutil.rmtree(s.root / "sys/bus/pci/devices")
     assert [a for a, _ in scan_mod.walk_functions(str(s.root / "sys"))] == [
         "0001:00:00.0", "c3bc:00:02.0"]
+
+
+
+#: What ``rsync -a`` drops that nothing else in the tree says: KFD topology's ``properties``
+#: (the gfx target), ``sriov_totalvfs``, a VFIO device's ``dev`` (its cdev), ``boot_vga``,
+#: DMI's ``sys_vendor`` (which hypervisor), no-IOMMU VFIO's group ``name``.
+RSYNC_LOSES = frozenset(("apu", "instinct", "mi300x", "flex", "igpu-sriov", "sriov", "mxgpu",
+                         "grace-hopper", "bochs-guest", "hyperv", "noiommu", "virtio-guest"))
+
+
+def _rsync_pair(tmp_path: Path, kind: str) -> tuple[SysRoot, SysRoot]:
+    """The host of ``kind`` with its ``config`` files, and its ``rsync -a`` capture: links
+    and ``config`` kept, every text attribute dropped (each reads shorter than the 4096
+    bytes ``stat`` reports)."""
+    live = MACHINES[kind](tmp_path / "live")
+    live.add_config()
+    captured = MACHINES[kind](tmp_path / "captured")
+    captured.add_config()
+    captured.drop_like_rsync()
+    folder = captured.root / "sys/bus/pci/devices" / live.functions[-1]
+    assert not (folder / "vendor").exists() and (folder / "config").is_file()
+    return live, captured
+
+
+@pytest.mark.parametrize("kind", sorted(set(MACHINES) - RSYNC_LOSES))
+def test_rsync_capture_answers_like_the_host(tmp_path: Path, kind: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Each function's ids, class and modalias come from its ``config``: every answer is
+    the host's."""
+    live, captured = _rsync_pair(tmp_path, kind)
+    assert answers(captured.root, capsys) == answers(live.root, capsys)
+
+
+@pytest.mark.parametrize("kind", sorted(RSYNC_LOSES))
+def test_rsync_capture_finds_the_hosts_functions(tmp_path: Path, kind: str) -> None:
+    """Where the capture lost files no other says, every function is still there with the
+    host's ids, class, driver and group, and the same GPUs."""
+    live, captured = _rsync_pair(tmp_path, kind)
+
+    def seen(root: Path) -> tuple[object, ...]:
+        model = gpuwatch.scan(root)
+        return (tuple((f.addr, f.vendor_id, f.device_id, f.class_, f.driver, f.iommu_group,
+                       f.physfn) for f in model.functions()),
+                tuple(g.addr for g in model.probe("detect-vfio").gpus))
+
+    assert seen(captured.root) == seen(live.root)

@@ -103,3 +103,86 @@ def parse_group(name: str) -> int:
     if name.isascii() and name.isdigit():
         return int(name)
     return -1
+
+
+#: The attributes sysfs makes of what the kernel read from a function's config space when it
+#: added the function (`config_attr`): a capture that dropped them may still hold ``config``.
+CONFIG_ATTRS = frozenset(("vendor", "device", "class", "revision", "subsystem_vendor",
+                          "subsystem_device", "modalias"))
+#: Config space: vendor and device ids, class and revision, header type, type 0's subsystem
+#: ids, the capability list (its bit in the status register, its first pointer), CardBus's
+#: subsystem ids, and the Subsystem ID capability a bridge may carry.
+_STATUS, _STATUS_CAP_LIST, _HEADER_TYPE, _SUBSYS_0, _CAP_PTR, _SUBSYS_2 = (
+    0x06, 0x10, 0x0E, 0x2C, 0x34, 0x40)
+_CAP_ID_SSVID = 0x0D
+_MODALIAS = "pci:v{:08X}d{:08X}sv{:08X}sd{:08X}bc{:02X}sc{:02X}i{:02X}"
+
+
+def _u16(config: bytes, at: int) -> int | None:
+    return int.from_bytes(config[at:at + 2], "little") if len(config) >= at + 2 else None
+
+
+def _subsystem(config: bytes) -> tuple[int, int] | None:
+    """The subsystem (vendor, device) the kernel takes from config space for its header type
+    (`pci_setup_device`): type 0's at 0x2c, CardBus's at 0x40, a bridge's from its Subsystem
+    ID capability (0, 0 without one); None when ``config`` is too short to tell (a read as
+    non-root gets 64 bytes)."""
+    kind = config[_HEADER_TYPE] & 0x7F
+    at: int | None = None
+    if kind == 0:
+        at = _SUBSYS_0
+    elif kind == 2:
+        at = _SUBSYS_2
+    elif kind == 1:
+        status = _u16(config, _STATUS) or 0
+        at = -1  # no capability: the kernel's 0, 0
+        pos = config[_CAP_PTR] & 0xFC if status & _STATUS_CAP_LIST else 0
+        for _ in range(48):  # the kernel's bound on a capability chain
+            if pos < 0x40:
+                break
+            if pos + 2 > len(config):
+                return None  # the chain leads past what was read
+            if config[pos] == 0xFF:
+                break
+            if config[pos] == _CAP_ID_SSVID:
+                at = pos + 4
+                break
+            pos = config[pos + 1] & 0xFC
+    else:
+        return None
+    if at < 0:
+        return 0, 0
+    vendor, device = _u16(config, at), _u16(config, at + 2)
+    return None if vendor is None or device is None else (vendor, device)
+
+
+def config_attr(config: bytes, name: str) -> str:
+    """Attribute ``name`` (one of `CONFIG_ATTRS`) as sysfs shows it, made from the bytes of
+    the function's ``config`` file the way the kernel makes it when it adds the function
+    (``0x10de``, class ``0x030000``, revision ``0xa1``, ``modalias``); ``""`` when those bytes
+    do not hold it: too short, or no device answered (vendor 0xffff or 0)."""
+    if len(config) < 0x10:
+        return ""
+    vendor, device = _u16(config, 0) or 0, _u16(config, 2) or 0
+    if vendor in (0, 0xFFFF):
+        return ""
+    klass = int.from_bytes(config[9:12], "little")
+    if name == "vendor":
+        return f"0x{vendor:04x}"
+    if name == "device":
+        return f"0x{device:04x}"
+    if name == "class":
+        return f"0x{klass:06x}"
+    if name == "revision":
+        return f"0x{config[8]:02x}"
+    subsystem = _subsystem(config)
+    if subsystem is None:
+        return ""
+    if name == "subsystem_vendor":
+        return f"0x{subsystem[0]:04x}"
+    if name == "subsystem_device":
+        return f"0x{subsystem[1]:04x}"
+    if name == "modalias":
+        return _MODALIAS.format(vendor, device, *subsystem, klass >> 16, klass >> 8 & 0xFF,
+                                klass & 0xFF)
+    return ""

@@ -48,6 +48,7 @@ from gpuwatch.hostfs.files import (
     in_tree,
     list_dir,
     open_regular,
+    pci_attr,
     place_in_root,
     read_attr,
     read_bytes,
@@ -520,7 +521,7 @@ def vfio_targets(paths: HostPaths, members: Iterable[PciFunction], mode: Mode, *
             module = driver_key(vfio_driver)
             out[fn.addr] = VfioTarget(driver_name(paths, vfio_driver), module, "", exact=True)
             continue
-        modalias = read_attr(os.path.join(function_dir(paths, fn.addr), "modalias"))
+        modalias = pci_attr(function_dir(paths, fn.addr), "modalias")
         best = best_vfio_alias(aliases, modalias)
         if best is not None and driver_key(best.module) != VFIO_PCI_MODULE:
             out[fn.addr] = VfioTarget(driver_name(paths, best.module), driver_key(best.module),

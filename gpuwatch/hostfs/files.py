@@ -9,7 +9,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 
-from gpuwatch.core.pci import is_pci_addr
+from gpuwatch.core.pci import CONFIG_ATTRS, config_attr, is_pci_addr
 from gpuwatch.errors import UNREADABLE, HostError
 
 # O_NONBLOCK: a FIFO planted where an attribute should be opens at once instead of waiting
@@ -117,6 +117,34 @@ def read_attr(path: str) -> str:
     """Like `read_text`, with ``""`` for unreadable."""
     text = read_text(path)
     return "" if text is None else text
+
+
+#: Config space a `pci_attr` fallback reads: the header and the capabilities that follow it
+#: (all a non-root read of sysfs's ``config`` gets is 64 bytes; root's, 256 or 4096).
+CONFIG_HEAD = 256
+
+
+def pci_attr(directory: str, name: str, read: Callable[[str], str] = read_attr) -> str:
+    """A PCI function's attribute ``name`` read with ``read``; where that gives no text (the
+    file missing, unreadable, empty or all NUL padding) and ``name`` is one the kernel makes
+    of config space (`CONFIG_ATTRS`), what the function's ``config`` file says instead
+    (`config_attr`): ``rsync -a`` of ``/sys`` keeps ``config`` (its read fills the size
+    ``stat`` reports) and drops every text attribute (each reads shorter than its 4096).
+    A present attribute is never overridden, garbage included; a normal tree pays nothing."""
+    text = read(directory + "/" + name)
+    if text or name not in CONFIG_ATTRS:
+        return text
+    try:
+        fd = open_regular(directory + "/config")
+    except (OSError, ValueError):
+        return ""
+    try:
+        config = os.read(fd, CONFIG_HEAD)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    return config_attr(config, name)
 
 
 def link_name(path: str, missing: Callable[[], str] | None = None) -> str:
@@ -403,9 +431,11 @@ def group_name(device_dir: str) -> str:
 
 def _told_driver(device_dir: str) -> str:
     """The driver the kernel's files name for a function whose ``driver`` link is not one:
-    its ``uevent``'s ``DRIVER`` (none there: unbound), else the driver folder listing it."""
+    its ``uevent``'s ``DRIVER`` (none there: unbound), else the driver folder listing it.
+    An empty ``uevent`` (a copy that kept the file and not its text: the kernel's always
+    names the function) says nothing, unbound included."""
     text = read_text(device_dir + "/uevent")
-    if text is not None:
+    if text:
         return _uevent_key(text, "DRIVER")
     sysdir = _sys_of(device_dir)
     addr = device_dir.rpartition("/")[2]

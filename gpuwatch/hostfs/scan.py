@@ -61,6 +61,7 @@ from gpuwatch.hostfs.files import (
     link_in_root,
     link_name,
     list_dir,
+    pci_attr,
     present,
     read_attr,
     read_bytes,
@@ -462,14 +463,14 @@ def _read_function_dir(directory: str, addr: str, devpath: str, *, told: bool = 
     a live kernel's links are the truth the moment they change, while a fixture's other
     files may lag behind them. ``live``: the kernel's own sysfs (`read_kernel_attr`)."""
     read = read_kernel_attr if live else read_attr
-    klass = _intern(class_prefix(read(directory + "/class")))
+    klass = _intern(class_prefix(pci_attr(directory, "class", read)))
     driver = _intern(driver_name(directory) if told else link_name(directory + "/driver"))
     vfio_dev, vfio_cdev = read_vfio_dev(directory)
     return PciSeen(
         addr=addr,
         devpath=devpath,
-        vendor_id=_intern(pci_id(read(directory + "/vendor"))),
-        device_id=_intern(pci_id(read(directory + "/device"))),
+        vendor_id=_intern(pci_id(pci_attr(directory, "vendor", read))),
+        device_id=_intern(pci_id(pci_attr(directory, "device", read))),
         klass=klass,
         driver=driver,
         iommu_group=parse_group(group_name(directory) if told
@@ -553,7 +554,7 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
     if first > 0xFFFF or not os.path.isdir(f"{parent}/{_rid_addr(domain, first)}"):
         return ()  # no VF 0: a PF with no VFs (the common case) pays this one look
     stride = small_count(read_attr(directory + "/sriov_stride"))
-    vendor = pci_id(read_attr(directory + "/vendor"))
+    vendor = pci_id(pci_attr(directory, "vendor"))
     vf_device = pci_id(read_attr(directory + "/sriov_vf_device"))
     found: list[str] = []
     for i in range(totalvfs if stride else 1):
@@ -561,8 +562,8 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
         vf = _rid_addr(domain, rid)
         folder = f"{parent}/{vf}"
         if (rid > 0xFFFF or not os.path.isdir(folder) or os.path.lexists(folder + "/physfn")
-                or pci_id(read_attr(folder + "/vendor")) != vendor
-                or (vf_device and pci_id(read_attr(folder + "/device")) != vf_device)):
+                or pci_id(pci_attr(folder, "vendor")) != vendor
+                or (vf_device and pci_id(pci_attr(folder, "device")) != vf_device)):
             break
         found.append(vf)
     return tuple(found)
@@ -744,8 +745,8 @@ _WALK_SKIP_PREFIXES = ("physical_node", "supplier:", "consumer:")
 
 def walk_functions(sysdir: str) -> list[tuple[str, str]]:
     """``(address, devpath)`` of the PCI function folders under ``sysdir/devices``, for a tree
-    without the bus listing. A function is a folder named as an address, holding ``class``
-    or ``vendor``, that sits in a root bus (``pciDDDD:BB``) or in another function (a
+    without the bus listing. A function is a folder named as an address, holding ``class``,
+    ``vendor`` or ``config``, that sits in a root bus (``pciDDDD:BB``) or in another function (a
     bridge's children; VMD's root bus in its function): a folder of that name anywhere else
     is a copy a capture made of a link. Breadth first, so that the first folder of an
     address is the one nearest ``devices/``; links are never followed (``is_dir`` of the
@@ -772,7 +773,8 @@ def walk_functions(sysdir: str) -> list[tuple[str, str]]:
             if is_pci_addr(name):
                 if (in_pci and name not in found and len(found) < WALK_MAX_FUNCTIONS
                         and (os.path.lexists(path + "/class")
-                             or os.path.lexists(path + "/vendor"))):
+                             or os.path.lexists(path + "/vendor")
+                             or os.path.lexists(path + "/config"))):
                     found[name] = path[cut:]
                     queue.append((path, depth + 1, True))
             elif _ROOT_BUS_RE.fullmatch(name):
@@ -876,7 +878,7 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
     record it does not report. Without a class, the full read (which decides whether the
     function is there at all)."""
     directory = paths.sys + devpath
-    klass = class_prefix(read_attr(directory + "/class"))
+    klass = class_prefix(pci_attr(directory, "class"))
     if not klass:
         return read_listed(paths, name, devpath)
     return FunctionOutline(name, devpath, klass,
@@ -965,7 +967,7 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None,
     if function is not None:
         vendor, driver = function.vendor_id, function.driver
     elif device_name or copied:
-        vendor, driver = pci_id(read_attr(device + "/vendor")), driver_name(device)
+        vendor, driver = pci_id(pci_attr(device, "vendor")), driver_name(device)
     else:
         vendor = driver = ""
     addr = device_name if is_pci_addr(device_name) else ""
@@ -973,7 +975,7 @@ def read_drm(paths: HostPaths, name: str, devpath: str | None = None,
         # A captured tree can keep the kernel's relative spelling where it no longer resolves
         # (the link was copied into a flattened folder): the bus entry still names the device.
         entry = function_dir(paths, addr)
-        vendor, driver = pci_id(read_attr(entry + "/vendor")), driver or driver_name(entry)
+        vendor, driver = pci_id(pci_attr(entry, "vendor")), driver or driver_name(entry)
     return DrmSeen(
         name=name,
         devpath=devpath or "",

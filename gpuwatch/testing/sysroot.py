@@ -22,6 +22,7 @@ import random
 import re
 import shutil
 import stat
+import struct
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1321,6 +1322,37 @@ class SysRoot:
                     f.seek(0, os.SEEK_END)
                     f.write(b"\0" * (size - st.st_size))
                 os.chmod(path, stat.S_IMODE(st.st_mode))
+
+    def add_config(self, *, size: int = 256) -> None:
+        """A ``config`` file for every present function, as sysfs hands config space out:
+        its first ``size`` bytes (64 to a non-root reader, 256 or 4096 to root), made of the
+        function's ids. Header type 1 for a bridge (class 0x0604), with a Subsystem ID
+        capability at 0x40 naming its subsystem ids; 0 otherwise."""
+        for fn in self._fns.values():
+            config = bytearray(max(size, 0x48))
+            klass = _hex(fn.klass)
+            struct.pack_into("<HHIB", config, 0, _hex(fn.vendor), _hex(fn.device), 0, 0)
+            config[9:12] = klass.to_bytes(3, "little")
+            sven, sdev = _hex(fn.subsystem_vendor), _hex(fn.subsystem_device)
+            if klass >> 8 == 0x0604:
+                config[0x0E] = 1
+                config[0x06] = 0x10  # a capability list, at 0x40: Subsystem ID
+                config[0x34] = 0x40
+                struct.pack_into("<BBHHH", config, 0x40, 0x0D, 0, 0, sven, sdev)
+            else:
+                struct.pack_into("<HH", config, 0x2C, sven, sdev)
+            path = self._abs(fn.rel + "/config")
+            _write(path, bytes(config[:size]))
+
+    def drop_like_rsync(self) -> None:
+        """What ``rsync -a`` leaves of sysfs: every link, and of the regular files only those
+        whose read fills the size ``stat`` reports (``config``, see `add_config`): each text
+        attribute reports 4096 bytes, reads fewer, and is dropped. Call it last."""
+        for dirpath, _dirs, files in os.walk(self._abs("sys")):
+            for name in files:
+                path = f"{dirpath}/{name}"
+                if name != "config" and stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
 
     # ----------------------------------------------------------------- uevents
 
