@@ -77,3 +77,34 @@ def test_mode_on_a_captured_tree_is_one_line_and_exit_1(host: SysRoot, tmp_path:
     assert "Traceback" not in proc.stderr
     with open(saved, "rb") as fh:
         assert pickle.load(fh)["sim"].record == []  # saved back at exit: nothing asked of it
+
+
+def every_file(host: SysRoot) -> dict[str, bytes]:
+    """Each regular file under ``sys`` with its bytes: an rsync-like copy holds no
+    ``driver_override`` or ``bind`` to snapshot, and a write would make one."""
+    return {str(p): p.read_bytes() for p in sorted((host.root / "sys").rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.timeout(60)
+async def test_a_switch_of_an_rsync_copy_is_refused_before_any_write(host: SysRoot) -> None:
+    """``rsync -a`` keeps the links (no bus entry is a folder) and drops the text attributes:
+    the scan reads the GPU from ``config``, but a function with no ``vendor`` is no live
+    device. Refused, nothing written (before: the switch ran its writes into the copy)."""
+    add_second_card(host)
+    host.add_config()
+    host.drop_like_rsync()
+    before = every_file(host)
+    async with open_host(host.root, source=MemorySource(), ops=RealHostOps(host.root),
+                         geteuid=lambda: 0, reconcile_interval=0, cdi_poll_interval=0,
+                         tree_check_after=0.2) as w:
+        assert w.model.function(NV).vendor_id == "0x10de"
+        events: list[object] = []
+        w.listeners.append(events.append)
+        with pytest.raises(SwitchRefused, match=rf"devices/{NV} has no vendor attribute.*"
+                                                "copy of a host's sysfs"):
+            await w.switch(NV, "vfio", timeout=5)
+        assert of_type(events, "switch-started") == []
+        with pytest.raises(SwitchRefused, match="copy of a host's sysfs"):
+            await w.recover(NV, timeout=5)
+    assert every_file(host) == before

@@ -812,17 +812,25 @@ def iommu_groups_now(paths: HostPaths, addrs: Iterable[str]) -> dict[str, int]:
     return out
 
 
-def copied_entries(paths: HostPaths, addrs: Iterable[str]) -> list[str]:
-    """The functions among ``addrs`` whose bus entry (``sys/bus/pci/devices/<addr>``) is a
-    folder, not the kernel's link to the device: a tree a capture tool copied with its links
-    flattened, or one built flat. Reading such a tree is fine; a write to it (a
+def copied_entries(paths: HostPaths, addrs: Iterable[str]) -> list[tuple[str, bool]]:
+    """``(address, whether its bus entry is a folder)`` of the functions among ``addrs`` that
+    show the tree is a copy: a bus entry (``sys/bus/pci/devices/<addr>``) that is a folder,
+    not the kernel's link to the device (a tree a capture tool copied with its links
+    flattened, or one built flat), or a function folder with no ``vendor`` attribute (one
+    copied with ``rsync -a``, which keeps the links and drops every text attribute; its ids
+    came from ``config``). Reading such a tree is fine; a write to it (a
     ``driver_override``, an ``unbind``) lands in the copy, never in a device, so the switch
-    refuses it. In a live sysfs every bus entry is a link."""
-    found: list[str] = []
+    refuses it. In a live sysfs every bus entry is a link and every function has a
+    ``vendor``."""
+    found: list[tuple[str, bool]] = []
     for addr in addrs:
         entry = os.path.join(paths.bus_pci, addr)
         if not os.path.islink(entry) and os.path.isdir(entry):
-            found.append(addr)
+            found.append((addr, True))
+            continue
+        folder = function_dir(paths, addr)
+        if os.path.isdir(folder) and not os.path.lexists(folder + "/vendor"):
+            found.append((addr, False))
     return found
 
 

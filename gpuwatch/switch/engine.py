@@ -687,7 +687,8 @@ class SwitchEngine:
         return facts, plan
 
     async def _refuse_a_copy(self, plan: SwitchPlan) -> None:
-        """A tree whose bus entries are folders (a capture with its links flattened) is no
+        """A tree whose bus entries are folders (a capture with its links flattened), or whose
+        functions have no ``vendor`` (an ``rsync -a`` copy, `copied_entries`), is no
         host: every write of the switch would land in a copy, and the switch would then wait
         for binds that cannot come and blame another driver. Refused before anything is
         written, naming the entry."""
@@ -700,11 +701,18 @@ class SwitchEngine:
         else:
             why = ""
         if copied:
-            entry = os.path.join(paths.bus_pci, copied[0])
-            why = (f"{entry} is a folder, not the kernel's link to the device: this tree is a "
-                   "copy of a host's sysfs (links flattened into folders, as capture tools "
-                   "leave them), and a write to it would land in the copy, not in a device; "
-                   "switch on the live host (nothing was written)")
+            addr, folder = copied[0]
+            entry = os.path.join(paths.bus_pci, addr)
+            if folder:
+                why = (f"{entry} is a folder, not the kernel's link to the device: this tree is "
+                       "a copy of a host's sysfs (links flattened into folders, as capture "
+                       "tools leave them), and a write to it would land in the copy, not in a "
+                       "device; switch on the live host (nothing was written)")
+            else:
+                why = (f"{entry} has no vendor attribute: this tree is a copy of a host's "
+                       "sysfs (text attributes dropped, as rsync leaves them), and a write to "
+                       "it would land in the copy, not in a device; switch on the live host "
+                       "(nothing was written)")
         if why:
             self._refused(plan.addr, plan.group, plan.to_mode, why, ())
             raise SwitchRefused(why)
