@@ -343,13 +343,13 @@ def test_switching_overlay_can_write_everywhere_a_switch_writes() -> None:
     GPUWATCH_ROOT needs a writable mount of that same host directory. The lock directory
     is the one `gpuwatch mode` on the host locks in too, so the two never race."""
     from gpuwatch.core.plan import CDI_OUTPUT
-    from gpuwatch.switch.engine import _LOCK_DIR
+    from gpuwatch.hostfs.journal import LOCK_DIR
 
     ds = daemonset(SWITCHING)
     assert container(ds)["securityContext"]["readOnlyRootFilesystem"] is True
     root = pod_env(ds)["GPUWATCH_ROOT"]
     by_path = mounts(ds)
-    for sub in (_LOCK_DIR, os.path.dirname(DEFAULT_POISON_FILE), os.path.dirname(CDI_OUTPUT),
+    for sub in (LOCK_DIR, os.path.dirname(DEFAULT_POISON_FILE), os.path.dirname(CDI_OUTPUT),
                 "sys/bus/pci/drivers_probe"):
         path = f"{root}/{sub}"
         covering = [m for m in by_path if path == m or path.startswith(m.rstrip("/") + "/")]
