@@ -209,7 +209,7 @@ def reference(state: HostState, old: PciFunction, seen: PciSeen) -> tuple[PciFun
         driver=seen.driver, iommu_group=seen.iommu_group, vfio_dev=seen.vfio_dev,
         vfio_cdev=cdev,
         sriov=None if seen.sriov is None else Sriov(
-            totalvfs=seen.sriov.totalvfs, numvfs=len(seen.sriov.vfs), vfs=seen.sriov.vfs),
+            totalvfs=seen.sriov.totalvfs, numvfs=seen.sriov.numvfs, vfs=seen.sriov.vfs),
         physfn=seen.physfn,
         vgpu=None if seen.vgpu is None else Vgpu(type=seen.vgpu.type,
                                                  creatable=seen.vgpu.creatable),
@@ -244,7 +244,7 @@ def seen_st(klass: str) -> st.SearchStrategy[PciSeen]:
         iommu_group=st.integers(-1, 3),
         vfio_dev=st.sampled_from(["", "vfio3"]),
         vfio_cdev=st.sampled_from(["", CDEV]),
-        sriov=st.sampled_from([None, SriovSeen(8, ()), SriovSeen(8, ("0000:01:00.4",))]),
+        sriov=st.sampled_from([None, SriovSeen(8, (), 0), SriovSeen(8, ("0000:01:00.4",), 1)]),
         physfn=st.sampled_from(["", "0000:01:00.1"]),
         vgpu=st.sampled_from([None, VgpuSeen(0, (1, 2)), VgpuSeen(1, (1,))]),
     )

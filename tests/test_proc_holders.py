@@ -19,7 +19,7 @@ import pytest
 from gpuwatch.core.plan import NodeScope
 from gpuwatch.errors import SwitchRefused
 from gpuwatch.hostfs.facts import mapped_files, scan_holders
-from gpuwatch.hostfs.procfs import nvidia_holders
+from gpuwatch.hostfs.procfs import held_node, nvidia_holders
 from gpuwatch.model import holders_report, scan
 from gpuwatch.testing import SysRoot
 from gpuwatch.testing.simkernel import SimKernel, simulated_switch
@@ -343,8 +343,11 @@ def test_node_scope_finds_a_device_by_its_numbers() -> None:
 
 
 _HOLD_NODE = (
-    "import sys\n"
-    "f = open(sys.argv[1], 'rb')\n"
+    "import mmap, sys\n"
+    "f = open(sys.argv[1], 'r+b')\n"
+    "if sys.argv[2] == 'map':\n"
+    "    m = mmap.mmap(f.fileno(), 4096, mmap.MAP_PRIVATE)\n"
+    "    f.close()\n"  # held through its mapping alone
     "print('ready', flush=True)\n"
     "sys.stdin.read()\n")
 
@@ -355,16 +358,22 @@ can_unshare = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def holding_in_own_dev(node: str, dev: int) -> Iterator[int]:
+def holding_in_own_dev(node: str, dev: int, how: str = "fd") -> Iterator[int]:
     """A live child in a mount namespace of its own whose ``/dev`` (a fresh tmpfs no one else
-    sees) has ``node`` with the numbers ``dev``, holding it open: a container's ``/dev``, as
-    ``--device`` makes it. ``unshare`` and ``sh`` exec: the child's pid is the holder's."""
+    sees) has ``node`` with the numbers ``dev``, holding it open (``fd``) or only mapped
+    (``map``): a container's ``/dev``, as ``--device`` makes it. ``unshare`` and ``sh`` exec:
+    the child's pid is the holder's."""
     script = (f"mount -t tmpfs none /dev && mkdir -p {os.path.dirname(node)}"
               f" && mknod {node} c {os.major(dev)} {os.minor(dev)}"
-              f' && exec {sys.executable} -c "$0" {node}')
+              f' && exec {sys.executable} -c "$0" {node} {how}')
     with ready_child(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
                       _HOLD_NODE]) as pid:
         yield pid
+
+
+def holders_in(root: Path, *nodes: str) -> list[tuple[int, str]]:
+    scope = NodeScope(exact=frozenset(nodes))
+    return [(h.pid, h.node) for h in scan_holders(str(root), scope, deadline=10)]
 
 
 @as_root
@@ -381,10 +390,120 @@ def test_a_container_node_is_found_by_its_numbers_in_its_own_namespace(
         assert "/dev/dri/renderD128" in [os.readlink(f"/proc/{pid}/fd/{fd}")
                                          for fd in os.listdir(f"/proc/{pid}/fd")]
         link_process(root, pid)
-        other_card = NodeScope(exact=frozenset({"/dev/dri/renderD129"}))
-        assert [(h.pid, h.node) for h in scan_holders(str(root), other_card, deadline=10)] == [
-            (pid, "/dev/dri/renderD129")]
-        # Its name still counts too (docs/switch.md: a needless refusal, never a missed holder).
-        this_card = NodeScope(exact=frozenset({"/dev/dri/renderD128"}))
-        assert [(h.pid, h.node) for h in scan_holders(str(root), this_card, deadline=10)] == [
-            (pid, "/dev/dri/renderD128")]
+        assert holders_in(root, "/dev/dri/renderD129") == [(pid, "/dev/dri/renderD129")]
+        # Its name is another card's: the numbers say it is not that card's holder.
+        assert holders_in(root, "/dev/dri/renderD128") == []
+
+
+@as_root
+@can_unshare
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["fd", "map"])
+def test_a_renamed_gpu_is_held_only_by_its_numbers_not_by_the_name_of_another(
+        tmp_path: Path, how: str) -> None:
+    # --device /dev/nvidia3:/dev/nvidia0 on a multi-GPU host: the client holds GPU 3 under
+    # GPU 0's name. GPU 0's switch (its scope: /dev/nvidia0) has no holder; GPU 3's has it.
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia0", FULL)
+    char_node(root, "/dev/nvidia3", ZERO)
+    with holding_in_own_dev("/dev/nvidia0", ZERO, how) as pid:
+        link_process(root, pid)
+        assert holders_in(root, "/dev/nvidia0") == []
+        assert holders_in(root, "/dev/nvidia3") == [(pid, "/dev/nvidia3")]
+        assert holders_in(root, "/dev/nvidia0", "/dev/nvidia3") == [(pid, "/dev/nvidia3")]
+
+
+@as_root
+@can_unshare
+@pytest.mark.timeout(60)
+async def test_multi_gpu_a_container_holding_another_gpu_under_this_ones_name_refuses_nothing(
+        host: SysRoot) -> None:
+    # The whole path of a switch: GPU 0 (NV, /dev/nvidia0) is free, though a container holds
+    # GPU 1 (NV2) under the name /dev/nvidia0; GPU 1's switch is refused.
+    add_second_card(host)
+    char_node(host.root, "/dev/nvidia0", FULL)
+    char_node(host.root, "/dev/nvidia1", ZERO)
+    with holding_in_own_dev("/dev/nvidia0", ZERO) as pid:
+        link_process(host.root, pid)
+        assert holders_report(scan(host.root), addr=NV, euid=0)["holders"] == []
+        report = holders_report(scan(host.root), addr=NV2, euid=0)
+        assert [(h["pid"], h.get("node")) for h in report["holders"]] == [(pid, "/dev/nvidia1")]
+        sim = SimKernel(host)
+        sim.unbind_waits_for_holders = False  # the simulation knows holders by name alone
+        async with simulated_switch(host, sim=sim) as (w, _sim, _e, _ev):
+            await w.switch(NV, "vfio", timeout=5)
+        assert NVIDIA_UNBIND in [p for p, _ in sim.writes]
+
+
+@as_root
+@can_unshare
+@pytest.mark.timeout(60)
+def test_a_name_whose_numbers_the_root_lacks_still_counts(tmp_path: Path) -> None:
+    # The root has /dev/nvidia3 as a device but /dev/nvidia0 only as a captured plain file:
+    # nothing says which device /dev/nvidia0 is, so a file of that name counts by its name.
+    root = tmp_path / "root"
+    char_node(root, "/dev/nvidia3", FULL)
+    (root / "dev/nvidia0").write_bytes(b"")
+    with holding_in_own_dev("/dev/nvidia0", ZERO) as pid:
+        link_process(root, pid)
+        assert holders_in(root, "/dev/nvidia0", "/dev/nvidia3") == [(pid, "/dev/nvidia0")]
+
+
+def test_a_captured_tree_without_numbers_counts_by_name(host: SysRoot) -> None:
+    # Plain files in dev/: no numbers, the names decide (no stat is made at all).
+    host.add_dev_node("/dev/nvidia0")
+    host.add_process(4100, "client", fds={3: "/dev/nvidia0"})
+    host.add_process(4101, "mapper", maps=["/dev/nvidia0"])
+    assert holders_in(host.root, "/dev/nvidia0") == [(4100, "/dev/nvidia0"),
+                                                     (4101, "/dev/nvidia0")]
+
+
+# A path no machine has: the stat through a fixture's fd link (which leads to the host path
+# itself) fails, as a stat of a process that is gone, or of map_files without CAP_SYS_ADMIN.
+ABSENT = "/dev/gpuwatch-test-absent/nvidia0"
+
+
+def test_a_failed_stat_leaves_the_name_to_decide(tmp_path: Path) -> None:
+    host = SysRoot(tmp_path / "root")
+    host.add_process(4200, "client", fds={3: ABSENT})
+    host.add_process(4201, "mapper", maps=[ABSENT])
+    known = NodeScope(exact=frozenset({ABSENT}), numbers=frozenset({(1, 7, ABSENT)}))
+    proc = str(host.root / "proc")
+    assert held_node(known, f"{proc}/4200/fd/3", ABSENT) == ABSENT
+    assert held_node(known, f"{proc}/4201/map_files/7f0000000000-7f0000001000", ABSENT) == ABSENT
+
+
+def test_a_file_replaced_under_its_fd_is_looked_at_again(tmp_path: Path) -> None:
+    # fd 3 read /dev/nvidia0 (a node whose numbers are known, 1:7) and was closed; its
+    # number now holds /dev/zero (1:5), in scope by its name only (its numbers unknown).
+    # The stat is /dev/zero's: it must not be taken for what /dev/nvidia0 holds, and
+    # /dev/zero, read again from the link, counts by its name.
+    handle = tmp_path / "3"
+    os.symlink("/dev/zero", handle)
+    scope = NodeScope(exact=frozenset({"/dev/nvidia0", "/dev/zero"}),
+                      numbers=frozenset({(1, 7, "/dev/nvidia0")}))
+    assert held_node(scope, str(handle), "/dev/nvidia0") == "/dev/zero"
+    # Now another file out of scope: no holder.
+    os.unlink(handle)
+    os.symlink("/dev/null", handle)
+    assert held_node(scope, str(handle), "/dev/nvidia0") is None
+    # Closed since, and nothing there: the name decides (nothing says otherwise).
+    os.unlink(handle)
+    assert held_node(scope, str(handle), "/dev/nvidia0") == "/dev/nvidia0"
+
+
+def test_node_scope_held_lets_known_numbers_decide() -> None:
+    scope = NodeScope(exact=frozenset({"/dev/nvidia0", "/dev/nvidia1"}),
+                      numbers=frozenset({(195, 0, "/dev/nvidia0")}))
+    assert scope.held("/dev/nvidia0", (195, 0)) == "/dev/nvidia0"
+    assert scope.held("/dev/nvidia0", (195, 3)) is None  # GPU 3 under GPU 0's name
+    assert scope.held("/dev/nvidia0", None) is None  # not a device at all
+    assert scope.held("/dev/mygpu", (195, 0)) == "/dev/nvidia0"  # renamed: the root's name
+    assert scope.held("/dev/nvidia1", (195, 3)) == "/dev/nvidia1"  # its numbers unknown
+    assert scope.held("/dev/nvidia1", None) == "/dev/nvidia1"
+    assert scope.held("/dev/null", (1, 3)) is None
+    prefix = NodeScope(prefixes=("/dev/nvidia",), numbers=frozenset({(195, 0, "/dev/nvidia0")}),
+                       majors=frozenset({195}))
+    assert prefix.held("/dev/nvidia0", (195, 7)) == "/dev/nvidia0"  # any minor of the major
+    assert prefix.held("/dev/nvidia0", (1, 5)) is None
+    assert prefix.held("/dev/nvidia-uvm", (510, 0)) == "/dev/nvidia-uvm"  # numbers unknown

@@ -17,6 +17,7 @@ from cli_helpers import run_main as cli
 from cli_helpers import simulated_cli
 
 import gpuwatch
+from gpuwatch.core.observations import PciGone
 from gpuwatch.hostfs import scan as scan_mod
 from gpuwatch.hostfs.bootvga import listed_console
 from gpuwatch.hostfs.noiommu import read_iommu_groups
@@ -750,6 +751,51 @@ def test_vfs_with_their_physfn_link_are_the_links_word(tmp_path: Path) -> None:
     model = gpuwatch.scan(s.root)
     assert model.function("0000:41:00.0").sriov.vfs == ()  # type: ignore[union-attr]
     assert model.function("0000:41:00.4").physfn == "0000:41:00.0"
+
+
+@pytest.mark.parametrize("copy", ["links", "captured", "absolute"])
+def test_a_virtfn_link_to_a_vf_the_copy_left_out_names_no_vf(
+        tmp_path: Path, copy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A copy of an SR-IOV host that took the PF but not two of its VFs' folders: their
+    ``virtfnN`` links lead nowhere. They are no VFs of the model (no such function is in
+    it), but the kernel had them enabled: ``numvfs`` counts them, and the switch of the PF
+    is still refused for its VFs."""
+    s = sriov_gpu_host(tmp_path / "h", vfs=3)
+    pf, vfs = "0000:41:00.0", ("0000:41:00.4", "0000:41:00.5", "0000:41:00.6")
+    if copy == "captured":
+        s.capture()
+    elif copy == "absolute":
+        _absolute_links(s.root)
+    for vf in vfs[1:]:
+        shutil.rmtree(s.root / "sys/devices/pci0000:40/0000:40:01.0" / vf)
+        entry = s.root / "sys/bus/pci/devices" / vf
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    pf_dir = s.root / "sys/bus/pci/devices" / pf
+    if copy != "absolute":  # (an absolute link is read as in a chroot at the root)
+        assert [os.path.exists(pf_dir / f"virtfn{i}") for i in range(3)] == [True, False, False]
+    model = gpuwatch.scan(s.root)
+    sriov = model.function(pf).sriov
+    assert sriov is not None and (sriov.vfs, sriov.numvfs) == (vfs[:1], 3)
+    assert [a for a in vfs if a in {f.addr for f in model.state.functions.values()}] == [vfs[0]]
+    gpus = probe_gpus(s)
+    assert gpus[pf]["sriov"] == {"totalvfs": 16, "numvfs": 3, "vfs": [vfs[0]]}
+    # The VF that is there goes: its link with it, the two others' stay counted.
+    model.state.apply(PciGone(vfs[0]))
+    sriov = model.function(pf).sriov
+    assert sriov is not None and (sriov.vfs, sriov.numvfs) == ((), 2)
+    # The one-scan paths of the command line (no daemon) answer the same.
+    code, out, _ = cli(capsys, "probe", "detect-vfio", "--root", str(s.root))
+    assert code == 0
+    assert [g["sriov"] for g in json.loads(out)["result"]["gpus"] if g["addr"] == pf] == [
+        {"totalvfs": 16, "numvfs": 3, "vfs": [vfs[0]]}]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert [g["addr"] for g in json.loads(out)] == [pf, vfs[0]]
+    code, _, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", pf,
+                       "--root", str(s.root))
+    assert code == 1 and f"{pf} has 3 SR-IOV virtual function(s) enabled ({vfs[0]})" in err
 
 
 @pytest.mark.parametrize(("offset", "stride", "want"), [

@@ -6,15 +6,28 @@ observations of what is there *now*, and `HostState.apply` turns observations in
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import NamedTuple
 
 
 class SriovSeen(NamedTuple):
-    """A physical function's ``sriov_totalvfs`` and the VFs its ``virtfnN`` links name."""
+    """A physical function's ``sriov_totalvfs``, the VFs its ``virtfnN`` links name that are in
+    the tree, and ``numvfs``: how many VFs the kernel has added (its links, each VF counted
+    whether or not a copy of the tree kept the VF's folder)."""
 
     totalvfs: int
     vfs: tuple[str, ...]
+    numvfs: int
+
+
+def vfs_in_tree(sriov: SriovSeen, addrs: Container[str]) -> SriovSeen:
+    """``sriov`` with only the VFs that are functions of the tree (``addrs``): a copy that took
+    a PF but not its VFs' folders keeps their ``virtfnN`` links, which lead nowhere (or,
+    spelled absolute, anywhere). Such a VF is no function to list; ``numvfs`` still counts
+    it (the kernel had it enabled: a switch of the PF is refused for it)."""
+    kept = tuple(vf for vf in sriov.vfs if vf in addrs)
+    return sriov if len(kept) == len(sriov.vfs) else sriov._replace(vfs=kept)
 
 
 class VgpuSeen(NamedTuple):

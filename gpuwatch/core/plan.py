@@ -171,12 +171,17 @@ class NodeScope:
     #: asks for every ``/dev`` fd a scan finds, so the lookup is made once, here.
     _by_number: dict[tuple[int, int], str] = field(
         init=False, repr=False, compare=False, default_factory=dict)
+    #: The nodes whose numbers ``numbers`` holds: for these a stat, not the name, decides.
+    _numbered_nodes: frozenset[str] = field(
+        init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
         by_number: dict[tuple[int, int], str] = {}
         for major, minor, node in sorted(self.numbers):
             by_number.setdefault((major, minor), node)
         object.__setattr__(self, "_by_number", by_number)
+        object.__setattr__(self, "_numbered_nodes",
+                           frozenset(node for _, _, node in self.numbers))
 
     def matches(self, path: str) -> bool:
         return path in self.exact or any(path.startswith(p) for p in self.prefixes)
@@ -194,6 +199,21 @@ class NodeScope:
         if node is not None:
             return node
         return seen if major in self.majors else None
+
+    def held(self, path: str, dev: tuple[int, int] | None) -> str | None:
+        """The node in scope that an open file or mapping named ``path`` holds, ``dev``
+        being what a stat of it said (``(major, minor)``; None: no character device).
+
+        The numbers win where they are known: a container's ``/dev/nvidia0`` that is the
+        host's GPU 3 (``--device /dev/nvidia3:/dev/nvidia0``) holds ``/dev/nvidia3`` and
+        not ``/dev/nvidia0``. A name in scope whose node's numbers the root does not have
+        (a captured tree's plain file) still counts by the name alone: a needless refusal
+        rather than a missed holder. A stat that failed is the caller's: the name decides."""
+        if dev is not None and (node := self.device_node(*dev, path)) is not None:
+            return node
+        if self.matches(path) and path not in self._numbered_nodes:
+            return path
+        return None
 
     def __or__(self, other: NodeScope) -> NodeScope:
         prefixes = self.prefixes + tuple(p for p in other.prefixes if p not in self.prefixes)

@@ -36,6 +36,7 @@ from gpuwatch.core.observations import (
     NodeStat,
     PciSeen,
     Snapshot,
+    vfs_in_tree,
 )
 from gpuwatch.core.pci import is_gpu_class, parse_addr, parse_vendor
 from gpuwatch.core.tabledata import TablesView, class_label
@@ -438,6 +439,8 @@ class FreshHost:
             if full is None:
                 raise FunctionGone(addr)
             seen = full
+        # a VF the copy of a tree left out is no VF to list (`vfs_in_tree`)
+        sriov = None if seen.sriov is None else vfs_in_tree(seen.sriov, self.outlines)
         cdev = seen.vfio_cdev
         if not (cdev and cdev in self.nodes and VFIO_CDEV_RE.match(cdev)
                 and self._cdev_owner.get(cdev) == addr):
@@ -446,9 +449,8 @@ class FreshHost:
             seen.addr, seen.vendor_id, seen.device_id, seen.klass,
             class_label(self.labels, seen.klass) if seen.klass else "", seen.driver,
             seen.iommu_group, seen.vfio_dev, cdev,
-            None if seen.sriov is None else {"totalvfs": seen.sriov.totalvfs,
-                                             "numvfs": len(seen.sriov.vfs),
-                                             "vfs": seen.sriov.vfs},
+            None if sriov is None else {"totalvfs": sriov.totalvfs, "numvfs": sriov.numvfs,
+                                        "vfs": sriov.vfs},
             seen.physfn,
             None if seen.vgpu is None else {"type": seen.vgpu.type,
                                             "creatable": seen.vgpu.creatable},

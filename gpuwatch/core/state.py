@@ -526,7 +526,7 @@ class HostState:
     def _seen_with_driver(self, old: PciFunction, driver: str) -> PciSeen:
         """What a full read of ``old``'s directory would give with ``driver`` bound and no
         VFIO device or vGPU found (see `DriversSeen`)."""
-        sriov = (SriovSeen(old.sriov.totalvfs, tuple(old.sriov.vfs))
+        sriov = (SriovSeen(old.sriov.totalvfs, tuple(old.sriov.vfs), old.sriov.numvfs)
                  if old.sriov is not None else None)
         return PciSeen(old.addr, self.devpaths.get(old.addr, ""), old.vendor_id, old.device_id,
                        old.class_, driver, old.iommu_group, "", "", sriov, old.physfn, None,
@@ -646,7 +646,9 @@ class HostState:
             pf = functions.get(owner)
             if pf is not None and pf.sriov is not None and addr in pf.sriov.vfs:
                 vfs = tuple(a for a in pf.sriov.vfs if a != addr)
-                sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=len(vfs), vfs=vfs)
+                # its virtfnN link went with it; one of a VF not in the tree stays counted
+                numvfs = max(len(vfs), pf.sriov.numvfs - 1)
+                sriov = Sriov(totalvfs=pf.sriov.totalvfs, numvfs=numvfs, vfs=vfs)
                 self._replace(pf, {"sriov": sriov}, events)
 
     def _replace(self, old: PciFunction, update: dict[str, Any], events: list[BaseModel],
@@ -1095,7 +1097,7 @@ class HostState:
 def _sriov(seen: SriovSeen | None) -> Sriov | None:
     if seen is None:
         return None
-    return Sriov(totalvfs=seen.totalvfs, numvfs=len(seen.vfs), vfs=seen.vfs)
+    return Sriov(totalvfs=seen.totalvfs, numvfs=seen.numvfs, vfs=seen.vfs)
 
 
 def _vgpu(seen: VgpuSeen | None) -> Vgpu | None:
@@ -1105,7 +1107,8 @@ def _vgpu(seen: VgpuSeen | None) -> Vgpu | None:
 def _same_sriov(model: Sriov | None, seen: SriovSeen | None) -> bool:
     if model is None or seen is None:
         return model is None and seen is None
-    return model.totalvfs == seen.totalvfs and model.vfs == seen.vfs
+    return (model.totalvfs == seen.totalvfs and model.vfs == seen.vfs
+            and model.numvfs == seen.numvfs)
 
 
 def _same_vgpu(model: Vgpu | None, seen: VgpuSeen | None) -> bool:

@@ -230,8 +230,8 @@ class ProcScan:
 def scan_procs(root: str, scope: NodeScope, *,
                deadline: float = DEFAULT_PROC_DEADLINE) -> ProcScan:
     """Read every process's comm, fds and maps, all within ``deadline`` (`read_each`); an
-    fd or mapping holds a node of ``scope`` by its path or by its device numbers
-    (`held_node`: a container's renamed node)."""
+    fd or mapping holds a node of ``scope`` by its device numbers where the root's ``/dev``
+    gives them, else by its path (`held_node`: a container's renamed node)."""
     proc = tree_dir(root, "proc")
 
     scope = numbered_scope(root, scope) if scope else scope

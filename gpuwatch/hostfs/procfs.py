@@ -223,6 +223,10 @@ def char_device(path: str, *, follow: bool = True) -> tuple[int, int] | None:
         st = os.stat(path, follow_symlinks=follow)
     except (OSError, ValueError):
         return None
+    return _char_numbers(st)
+
+
+def _char_numbers(st: os.stat_result) -> tuple[int, int] | None:
     if not stat.S_ISCHR(st.st_mode) or st.st_rdev == 0:
         return None
     return os.major(st.st_rdev), os.minor(st.st_rdev)
@@ -264,17 +268,51 @@ def numbered_scope(root: str, scope: NodeScope) -> NodeScope:
                                majors=scope.majors | frozenset(majors))
 
 
-def held_node(scope: NodeScope, handle: str, path: str) -> str | None:
-    """The node in ``scope`` that an open file or mapping holds: ``path`` when it matches by
-    name, else, for a file under ``/dev/`` (a container's node, perhaps renamed), the node
-    with the numbers of the file ``handle`` (its ``fd/N`` or ``map_files`` link) leads to,
-    under the root's name for it. Only ``/dev/`` paths cost a stat."""
-    if scope.matches(path):
-        return path
-    if not scope.numbered or not path.startswith("/dev/"):
+#: How often `held_node` reads a handle again when its file changed under it (an fd closed
+#: and its number reused) before it lets the name decide.
+_RECHECKS = 3
+
+
+def _link_target(handle: str) -> str | None:
+    try:
+        return os.readlink(handle).removesuffix(DELETED)
+    except (OSError, ValueError):
         return None
-    dev = char_device(handle)
-    return None if dev is None else scope.device_node(*dev, path)
+
+
+def held_node(scope: NodeScope, handle: str, path: str) -> str | None:
+    """The node in ``scope`` that an open file or mapping holds, ``path`` its name as read
+    (the target of ``handle``, its ``fd/N`` or ``map_files`` link, or its ``maps`` line).
+
+    Where the scope has device numbers (the root's ``/dev`` has character devices), a file
+    under ``/dev/`` is stat-ed through ``handle`` (the kernel resolves it to the open file
+    itself, in whatever mount namespace it was opened) and its numbers decide
+    (`NodeScope.held`): a container's ``/dev/nvidia0`` that is the host's GPU 3 holds
+    ``/dev/nvidia3``, not ``/dev/nvidia0``. The name decides where no numbers are known, and
+    where the stat fails (no ``CAP_SYS_ADMIN`` for ``map_files``, a process gone while read):
+    a needless refusal rather than a missed holder. The stat says what ``handle`` holds when
+    it is made; where that drops a name in scope, the link is read again: if it names
+    another file now (the fd was closed and its number reused), that file is looked at."""
+    by_name = scope.matches(path)
+    if not scope.numbered or not path.startswith("/dev/"):
+        return path if by_name else None
+    for _ in range(_RECHECKS):
+        try:
+            st = os.stat(handle)
+        except (OSError, ValueError):
+            return path if by_name else None
+        node = scope.held(path, _char_numbers(st))
+        if node is not None or not by_name:
+            return node
+        again = _link_target(handle)
+        if again == path:
+            return None  # the file named path when stat-ed: its numbers are another node's
+        if again is None:
+            return path  # gone since: the stat cannot be told apart from the name's file
+        path, by_name = again, scope.matches(again)
+        if not path.startswith("/dev/"):
+            return path if by_name else None
+    return path if by_name else None
 
 
 def holders(root: str, scope: NodeScope, *,
@@ -300,10 +338,10 @@ def holders(root: str, scope: NodeScope, *,
 
 
 def nvidia_holders(root: str, *, deadline: float = DEFAULT_PROC_DEADLINE) -> tuple[Holder, ...]:
-    """Processes with an fd on ``/dev/nvidia*`` (or on any character device of the majors the
-    root's ``/dev/nvidia*`` have: a container's renamed node), one entry per process, sorted
-    by pid; a process whose fds could not be read in time is listed ``unreadable`` (it may
-    hold one)."""
+    """Processes with an fd on any character device of the majors the root's ``/dev/nvidia*``
+    have (a container's renamed node too), or on a ``/dev/nvidia*`` whose numbers the root
+    does not give (`held_node`), one entry per process, sorted by pid; a process whose fds
+    could not be read in time is listed ``unreadable`` (it may hold one)."""
     from gpuwatch.core.plan import NodeScope
     from gpuwatch.core.results import Holder
 

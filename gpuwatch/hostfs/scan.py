@@ -40,6 +40,7 @@ from gpuwatch.core.observations import (
     SriovSeen,
     VgpuSeen,
     VgpusSeen,
+    vfs_in_tree,
 )
 from gpuwatch.core.pci import class_prefix, is_gpu_class, is_pci_addr, parse_group, pci_id
 from gpuwatch.core.probes import FunctionOutline
@@ -512,9 +513,10 @@ def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
     """A physical function's ``sriov_totalvfs`` and its ``virtfnN`` links in N order.
 
     ``sriov_numvfs`` is not read: its read takes the device lock, held for the whole of a
-    VF enable. The VFs the links name are what the kernel has added so far. ``recover``
-    (a scan of any tree): with no ``virtfnN`` link, the VFs a capture kept without their
-    links are found beside the PF (`vfs_beside`).
+    VF enable. The VFs the links name are what the kernel has added so far: their number is
+    ``numvfs``, kept where a scan drops a VF that is not in the tree from ``vfs``
+    (`vfs_in_tree`). ``recover`` (a scan of any tree): with no ``virtfnN`` link, the VFs a
+    capture kept without their links are found beside the PF (`vfs_beside`).
     """
     path = directory + "/sriov_totalvfs"
     total = read_text(path) if present(path) else None
@@ -529,10 +531,12 @@ def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
                 vfs.append((int(m.group(1)), vf))
     totalvfs = small_count(total)
     if recover and not vfs:
-        return SriovSeen(totalvfs=totalvfs, vfs=vfs_beside(directory, totalvfs))
+        beside = vfs_beside(directory, totalvfs)
+        return SriovSeen(totalvfs=totalvfs, vfs=beside, numvfs=len(beside))
     return SriovSeen(
         totalvfs=totalvfs,
         vfs=tuple(vf for _, vf in sorted(vfs)),
+        numvfs=len(vfs),
     )
 
 
@@ -685,7 +689,16 @@ def scan_functions(paths: HostPaths) -> list[PciSeen]:
         listed = read_bus_entry(paths, name, devpath)
         if listed is not None:
             found.append(listed)
-    return _pfs_of_unlinked_vfs(paths, found)
+    return _pfs_of_unlinked_vfs(paths, _vfs_in_tree(found))
+
+
+def _vfs_in_tree(found: list[PciSeen]) -> list[PciSeen]:
+    """``found`` with each PF's VFs only those ``found`` holds (`vfs_in_tree`). On the
+    kernel's own sysfs a VF named but not found was added while the scan read: its ``add``
+    re-reads the PF."""
+    addrs = {seen.addr for seen in found}
+    return [seen if seen.sriov is None else seen._replace(sriov=vfs_in_tree(seen.sriov, addrs))
+            for seen in found]
 
 
 def _pfs_of_unlinked_vfs(paths: HostPaths, found: list[PciSeen]) -> list[PciSeen]:
