@@ -91,6 +91,23 @@ def test_config_of_no_device_says_nothing() -> None:
         assert {config_attr(config, name) for name in IDS} == {""}
 
 
+@pytest.mark.parametrize("size", [16, 0x30, 0x34, 0x35])
+def test_a_bridge_config_cut_short(size: int) -> None:
+    """A bridge's config cut short before its capability pointer (a truncated capture): its
+    ids still, and its subsystem ids unknown, not an IndexError."""
+    config = bytearray(0x100)
+    config[0:4] = b"\x86\x80\x10\x34"  # an Intel root port
+    config[6] = 0x10  # a capability list
+    config[9:12] = b"\x00\x04\x06"
+    config[0x0E] = 1
+    config[0x34] = 0x40
+    config[0x40:0x48] = bytes([0x0D, 0, 0, 0, 0xDE, 0x10, 0x34, 0x12])
+    cut = bytes(config[:size])
+    assert (config_attr(cut, "vendor"), config_attr(cut, "class")) == ("0x8086", "0x060400")
+    assert config_attr(cut, "subsystem_vendor") == config_attr(cut, "modalias") == ""
+    assert config_attr(bytes(config), "subsystem_vendor") == "0x10de"
+
+
 def test_present_attributes_win_over_config(tmp_path: Path) -> None:
     """``config`` stands in only for what has no text: an attribute present, garbage
     included, is read as written; an empty or all-NUL one is not there."""

@@ -5,15 +5,17 @@ glob never lists it, and a wildcard does not match a name that starts with a dot
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
+import re
 from pathlib import Path
 
 import anyio
 import pytest
 
 import gpuwatch
-from gpuwatch.core.probes import compiled_patterns, is_watched_node
+from gpuwatch.core.probes import compiled_patterns, glob_regex, is_watched_node
 from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot
 from gpuwatch.watch.watcher import open_watcher
@@ -81,3 +83,19 @@ async def test_the_watcher_lists_what_a_scan_lists(tmp_path: Path) -> None:
         assert fresh.devices == ("/dev/dri/renderD128", "/dev/dri/renderD129",
                                  "/dev/bus/usb/001", "/dev/nvidia-caps", "/dev/nvidia0",
                                  "/dev/nvidiactl")
+
+
+@pytest.mark.parametrize(("path", "watched"), [
+    ("/dev/ax", True), ("/dev/bx", True), ("/dev/a", False), ("/dev/cx", False),
+    ("/dev/a/x", False),
+])
+def test_classes_of_python_3_14s_fnmatch(monkeypatch: pytest.MonkeyPatch, path: str,
+                                         watched: bool) -> None:
+    """From Python 3.14 ``fnmatch.translate`` ends its expression with ``\\z``, not
+    ``\\Z``: a class must still match within the path, not only at its end (nor make a
+    pattern ``re`` refuses, as ``\\z`` is before 3.14)."""
+    translate = fnmatch.translate
+    monkeypatch.setattr(fnmatch, "translate",
+                        lambda pat: translate(pat).removesuffix(r"\Z") + r"\z")
+    regex = re.compile(glob_regex("/dev/[ab]x"))
+    assert bool(regex.match(path)) is watched

@@ -135,6 +135,8 @@ def _subsystem(config: bytes) -> tuple[int, int] | None:
         at = _SUBSYS_2
     elif kind == 1:
         status = _u16(config, _STATUS) or 0
+        if status & _STATUS_CAP_LIST and len(config) <= _CAP_PTR:
+            return None  # a capture cut short before the capability pointer
         at = -1  # no capability: the kernel's 0, 0
         pos = config[_CAP_PTR] & 0xFC if status & _STATUS_CAP_LIST else 0
         for _ in range(48):  # the kernel's bound on a capability chain

@@ -150,6 +150,22 @@ def compiled_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
     return tuple(re.compile(glob_regex(p)) for p in patterns)
 
 
+#: ``fnmatch.translate``'s wrapper: ``(?s:…)\Z`` up to Python 3.13, ``(?s:…)\z`` from 3.14.
+_TRANSLATED = re.compile(r"\(\?s:(.*)\)\\[Zz]", re.DOTALL)
+
+
+def _class_regex(bracket: str) -> str:
+    """A ``[…]`` class as fnmatch spells it in a regular expression, unwrapped: the end
+    anchor ``fnmatch.translate`` appends is ``\\z`` from Python 3.14 on, and one left inside
+    the pattern anchored the class to the end of the path (and ``re`` before 3.14 refuses
+    ``\\z``)."""
+    translated = fnmatch.translate(bracket)
+    match = _TRANSLATED.fullmatch(translated)
+    if match is None:  # a spelling no Python has used: take the class as its text
+        return re.escape(bracket)
+    return match.group(1)
+
+
 def glob_regex(pattern: str) -> str:
     """A regular expression matching what `glob.glob` finds for ``pattern``: each wildcard
     (``*``, ``?``, ``[…]``) within one path component, never across a ``/``, and a
@@ -181,8 +197,7 @@ def glob_regex(pattern: str) -> str:
                 if j >= n:
                     out.append(r"\[")
                 else:
-                    body = fnmatch.translate(part[i - 1 : j + 1])
-                    out.append("(?!/)" + body.removeprefix("(?s:").removesuffix(r")\Z"))
+                    out.append("(?!/)" + _class_regex(part[i - 1 : j + 1]))
                     i = j + 1
             else:
                 out.append(re.escape(c))

@@ -116,12 +116,18 @@ def lock_held(folder: str, key: PoisonKey | None) -> bool:
 def find_abandoned(root: str, key: PoisonKey) -> Journal | None:
     """The record of a switch of ``key`` whose process is gone without ending it (this
     boot's, its lock held by nobody), seen without the lock; None when there is none, or its
-    switch may still be running."""
-    folder = place_in_root(root, LOCK_DIR)
-    if lock_held(folder, key):
+    switch may still be running.
+
+    The record is read before the lock is looked at, and again after: a switch removes its
+    record before it lets go of the lock, so a record there while nobody holds the lock is
+    one its process left. Looked at the other way round, a switch starting between the two
+    looks was taken for abandoned whenever its pid named no process here (another PID
+    namespace)."""
+    folder, boot = place_in_root(root, LOCK_DIR), boot_id(root)
+    left = read_journal(folder, key, boot)
+    if left is None or lock_held(folder, key) or read_journal(folder, key, boot) != left:
         return None
-    left = read_journal(folder, key, boot_id(root))
-    if left is None or left.pid == os.getpid() or not process_gone(left.pid):
+    if left.pid == os.getpid() or not process_gone(left.pid):
         return None
     return left
 
