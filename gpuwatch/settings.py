@@ -267,7 +267,10 @@ def _typed(s: Setting, value: Any) -> Any:
         raise _Bad(_range(s, _describe(value)))
     if s.kind == "int" and isinstance(value, float) and not value.is_integer():
         raise _Bad(_range(s, _describe(value)))  # 2.5, nan and inf alike
-    number = int(value) if s.kind == "int" else float(value)
+    try:
+        number = int(value) if s.kind == "int" else float(value)
+    except OverflowError:  # an int past a double's range, for a float setting (the API)
+        raise _Bad(_range(s, _describe(value))) from None
     return _in_range(s, number, _describe(value))
 
 

@@ -259,3 +259,11 @@ def test_the_tables_keep_their_own_reading(tmp_path: Path) -> None:
     (the tables' documented rule), here 0x10de."""
     got = _from_file(tmp_path, "gpu_vendors: {0x10de: Team Green}\nlog_keep: 3\n")
     assert got.log_keep == 3 and got.tables().gpu_vendors["0x10de"] == "Team Green"
+
+
+@pytest.mark.parametrize("s", [s for s in NUMBERS if s.kind == "float"], ids=lambda s: s.key)
+def test_an_int_past_a_double_s_range_is_a_range_refusal_from_the_api(s: Setting) -> None:
+    """A library caller's ``flags={KEY: 10**400}`` ended in Python's OverflowError ("int too
+    large to convert to float"), not in the setting's one line."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(s.flag)}: must be .*, not 1000"):
+        load_settings({s.key: 10**400}, env={}, default_config=NOWHERE, resolve_groups=False)

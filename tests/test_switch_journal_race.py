@@ -70,3 +70,23 @@ def test_a_switch_starting_while_looked_at_is_not_abandoned(
             os.close(fd)
     # Its process gone (the lock released by the kill, the record left): abandoned.
     assert find_abandoned(root, GROUP) == _record(ELSEWHERE)
+
+
+def test_marking_a_record_reported_leaves_a_newer_switch_s_record_alone(tmp_path: Path) -> None:
+    """A watcher found an abandoned record and published its end; before it marked that
+    record reported, a new switch of the group wrote its own. Marking must not put the old
+    record back over the new one (were the new switch killed too, nothing would tell)."""
+    s = SysRoot(tmp_path / "h")
+    s.add_function("0000:01:00.0", driver="nvidia", iommu_group=GROUP)
+    root = str(s.root)
+    folder = os.path.join(root, LOCK_DIR)
+    os.makedirs(folder, exist_ok=True)
+    boot = boot_id(root)
+    old, new = _record(ELSEWHERE), _record(os.getpid())
+    write_journal(folder, GROUP, boot, new)
+    journal.mark_reported(folder, GROUP, boot, old)
+    assert journal.read_journal(folder, GROUP, boot) == new
+    write_journal(folder, GROUP, boot, old)
+    journal.mark_reported(folder, GROUP, boot, old)
+    marked = journal.read_journal(folder, GROUP, boot)
+    assert marked is not None and marked.reported and marked.pid == ELSEWHERE

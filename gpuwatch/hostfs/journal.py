@@ -67,9 +67,13 @@ def read_journal(folder: str, key: PoisonKey, boot: str) -> Journal | None:
 
 
 def mark_reported(folder: str, key: PoisonKey, boot: str, journal: Journal) -> None:
-    """Remember that its abandonment was published (best effort: a failure repeats it)."""
+    """Remember that its abandonment was published (best effort: a failure repeats it).
+    Only while the file still holds that record: a watcher reports without the group's
+    lock, and a switch begun since has written its own, which marking would overwrite with
+    the old one (were that switch killed too, its end would never be told)."""
     with contextlib.suppress(OSError):
-        write_journal(folder, key, boot, replace(journal, reported=True))
+        if read_journal(folder, key, boot) == journal:
+            write_journal(folder, key, boot, replace(journal, reported=True))
 
 
 def remove_journal(folder: str, key: PoisonKey) -> None:
