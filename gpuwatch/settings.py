@@ -195,8 +195,11 @@ BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
 #: The non-table keys a config file may hold.
 SETTING_KEYS: tuple[str, ...] = tuple(s.key for s in SETTINGS)
 
+#: A boolean's spellings, any case, from a flag, the environment and the file alike (the
+#: file's YAML 1.1 ``yes``/``On``/``TRUE`` are among them; ``y``/``n`` are nowhere).
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+_BOOL_WORDS = "must be true or false (1/0, true/false, yes/no, on/off)"
 
 
 class _Bad(Exception):
@@ -234,7 +237,7 @@ def _from_text(s: Setting, text: str) -> Any:
             return True
         if raw.lower() in _FALSE:
             return False
-        raise _Bad(f"must be true or false (1/0, yes/no, on/off), not {_describe(text)}")
+        raise _Bad(f"{_BOOL_WORDS}, not {_describe(text)}")
     try:
         if not raw.isascii():
             raise ValueError(raw)
@@ -249,7 +252,7 @@ def _typed(s: Setting, value: Any) -> Any:
     if value is None:
         if s.optional:
             return None
-        raise _Bad("must not be empty (null)")
+        raise _Bad(f"{_BOOL_WORDS}, not null" if s.kind == "bool" else "must not be empty (null)")
     if s.optional and isinstance(value, str) and not value.strip():
         # Empty turns an optional setting off whatever its type, in the file (``""``) and
         # on the command line (``--log-max-bytes ''``) as in the environment.
@@ -260,9 +263,11 @@ def _typed(s: Setting, value: Any) -> Any:
         text = str(value)
         return None if s.optional and not text.strip() else text
     if s.kind == "bool":
-        if not isinstance(value, bool):
-            raise _Bad(f"must be true or false, not {_describe(value)}")
-        return value
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):  # the library's flags: 1 and 0, as their text reads
+            return _from_text(s, str(value))
+        raise _Bad(f"{_BOOL_WORDS}, not {_describe(value)}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(_range(s, _describe(value)))
     if s.kind == "int" and isinstance(value, float) and not value.is_integer():
@@ -306,10 +311,10 @@ def _bound(s: Setting, bound: float) -> str:
 
 
 def _from_file(s: Setting, value: Any) -> Any:
-    """A config file's value as the setting's type: a number given as text (every number
-    setting's scalar is, `_settings_as_text`) is read by the flag's and the environment's
-    rule, so the three places take and refuse the same words."""
-    if isinstance(value, str) and s.kind in ("int", "float"):
+    """A config file's value as the setting's type: a number or a boolean given as text
+    (every number and boolean setting's scalar is, `_settings_as_text`) is read by the
+    flag's and the environment's rule, so the three places take and refuse the same words."""
+    if isinstance(value, str) and s.kind in ("int", "float", "bool"):
         return _from_text(s, value)
     return _typed(s, value)
 
@@ -683,9 +688,10 @@ def _load_yaml_mapping(text: str, where: str) -> dict[str, Any]:
             loader.dispose()
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
-    except (ValueError, OverflowError, TypeError) as exc:
+    except (ValueError, OverflowError, TypeError, KeyError) as exc:
         # A scalar the parser took but no Python value holds (``2001-02-30``, ``!!int 0x``,
-        # an integer of 5,000 digits): the file is wrong, so it is the file's error.
+        # an integer of 5,000 digits, ``!!bool maybe``: a KeyError in PyYAML's bool table):
+        # the file is wrong, so it is the file's error.
         reason = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
         raise ConfigError(f"{where}: a value YAML cannot read ({reason})") from None
     except yaml.YAMLError as exc:
@@ -716,8 +722,10 @@ def _settings_as_text(yaml: Any, loader: Any, root: Any) -> None:
     before YAML 1.1 types them: ``log_keep: 0x10`` would be 16, ``010`` octal 8, ``1:30``
     sexagesimal 90, ``5.0`` a float an integer setting took, and ``"5"`` a string it
     refused, where ``--log-keep`` refuses ``0x10`` and ``5.0``, reads ``010`` as 10 and
-    takes ``5``. A number setting's scalar becomes its text whatever its tag (a null stays
-    null: off), read later by the flag's rule (`_from_text`); a string setting's scalar
+    takes ``5``. A number or boolean setting's scalar becomes its text whatever its tag (a
+    null stays null: off), read later by the flag's rule (`_from_text`: ``verbose: 1`` and
+    ``"yes"`` are true as ``GPUWATCH_VERBOSE=1`` is, where YAML gave an int and a string
+    a boolean setting refused, and ``!!bool 1`` no KeyError); a string setting's scalar
     YAML took for a number (``socket_group: 0100``, gid 100, not 64) keeps its digits.
     Only the top-level mapping (its ``<<`` merges applied first) is touched: the tables
     keep their own rules."""
@@ -727,7 +735,7 @@ def _settings_as_text(yaml: Any, loader: Any, root: Any) -> None:
                    and key.tag == _YAML_STR else None)
         if setting is None or not isinstance(value, yaml.ScalarNode):
             continue
-        if setting.kind in ("int", "float"):
+        if setting.kind in ("int", "float", "bool"):
             retype = value.tag != _YAML_NULL
         elif setting.kind == "str" and value.tag in _YAML_NUMBERS:
             # Only as YAML inferred it: an explicit tag (``root: !!float abc``) stays the

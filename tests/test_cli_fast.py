@@ -273,7 +273,8 @@ def test_a_config_file_the_daemon_did_not_read_is_the_full_commands(
             code, out, err = run_spied([*argv, *where], {"GPUWATCH_CONFIG": str(bad)})
             assert (code, out) == (2, b""), argv
             assert [ln for ln in err.splitlines() if not ln.startswith("HEAVY=")] == \
-                [f"gpuwatch: {bad}: verbose: must be true or false, not 'maybe'"], argv
+                [f"gpuwatch: {bad}: verbose: must be true or false (1/0, true/false, yes/no, "
+                 "on/off), not 'maybe'"], argv
 
 
 def test_the_root_a_config_file_names_is_the_one_the_daemon_took_from_it(

@@ -79,7 +79,8 @@ def test_the_cli_refuses_a_bomb_in_one_line(host: SysRoot, tmp_path: Path,
     ("reconcile_interval: .nan\n",
      "reconcile_interval: must be a number from 0 to 604800, not '.nan'"),
     ("metrics: 'x:99999'\n", "metrics: 'x:99999' is not HOST:PORT"),
-    ("verbose: maybe\n", "verbose: must be true or false, not 'maybe'"),
+    ("verbose: maybe\n", "verbose: must be true or false (1/0, true/false, yes/no, on/off), "
+     "not 'maybe'"),
     # Scalars the parser takes but no Python value holds: the file's error, not ours.
     ("log: 2001-02-30\n", "a value YAML cannot read (day is out of range for month)"),
     # A number setting's scalar is its text, read as the flag reads it (digits too many
