@@ -743,14 +743,64 @@ def test_vfs_without_their_links_are_found_beside_the_pf(tmp_path: Path) -> None
 
 
 def test_vfs_with_their_physfn_link_are_the_links_word(tmp_path: Path) -> None:
-    """Only the PF's ``virtfnN`` links gone, each VF's ``physfn`` kept: the kernel's links
-    say which VFs the PF has (the kernel makes a VF's links after its folder), so none are
-    made up from the folders beside it."""
+    """A PF with ``virtfnN`` links: they alone say which VFs it has. A folder beside it at
+    the next VF's routing id, with a ``physfn`` link naming it but no ``virtfnN`` for it
+    yet, is not added (only a PF with no ``virtfnN`` link at all is read from its VFs')."""
     s = sriov_gpu_host(tmp_path / "h", vfs=2)
-    _drop_links(s.root, {"virtfn0", "virtfn1"})
+    _drop_links(s.root, {"virtfn1"})
     model = gpuwatch.scan(s.root)
-    assert model.function("0000:41:00.0").sriov.vfs == ()  # type: ignore[union-attr]
-    assert model.function("0000:41:00.4").physfn == "0000:41:00.0"
+    assert model.function("0000:41:00.0").sriov.vfs == ("0000:41:00.4",)  # type: ignore[union-attr]
+    assert model.function("0000:41:00.0").sriov.numvfs == 1  # type: ignore[union-attr]
+    assert model.function("0000:41:00.5").physfn == "0000:41:00.0"
+
+
+@pytest.mark.parametrize("copy", ["links", "captured", "physfn-folders"])
+def test_vfs_whose_physfn_names_a_pf_without_virtfn_links_are_its_vfs(
+        tmp_path: Path, copy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A copy that dropped every ``virtfnN`` link of a PF but kept its VFs' folders with
+    their ``physfn`` links: the PF showed ``numvfs`` 0 and ``vfs`` [], so ``plan`` and the
+    switch rebound it (its driver's unbind takes the VFs with it) instead of refusing. The
+    VFs whose ``physfn`` names it are its VFs, on the kernel's layout and on a capture's
+    flattened one alike, in every answer."""
+    s = sriov_gpu_host(tmp_path / "h", vfs=2)
+    pf, vfs = "0000:41:00.0", ("0000:41:00.4", "0000:41:00.5")
+    if copy == "captured":
+        s.capture()
+    elif copy == "physfn-folders":
+        for vf in vfs:
+            s.flatten_link(f"sys/devices/pci0000:40/0000:40:01.0/{vf}/physfn")
+    assert _drop_links(s.root, {"virtfn0", "virtfn1"}) >= 2
+    assert not list((s.root / "sys").rglob("virtfn*"))
+    model = gpuwatch.scan(s.root)
+    sriov = model.function(pf).sriov
+    assert sriov is not None and (sriov.vfs, sriov.numvfs) == (vfs, 2)
+    assert [model.function(vf).physfn for vf in vfs] == [pf, pf]
+    assert probe_gpus(s)[pf]["sriov"] == {"totalvfs": 16, "numvfs": 2, "vfs": list(vfs)}
+    # The one-scan paths of the command line (no daemon) answer the same.
+    code, out, _ = cli(capsys, "probe", "detect-vfio", "--root", str(s.root))
+    assert code == 0
+    assert [g["sriov"] for g in json.loads(out)["result"]["gpus"] if g["addr"] == pf] == [
+        {"totalvfs": 16, "numvfs": 2, "vfs": list(vfs)}]
+    code, out, _ = cli(capsys, "list", "--json", "--no-daemon", "--root", str(s.root))
+    assert code == 0 and [g["addr"] for g in json.loads(out)] == [pf, *vfs]
+    code, _, err = cli(capsys, "probe", "plan", "--mode", "vfio", "--addr", pf,
+                       "--root", str(s.root))
+    assert code == 1 and f"{pf} has 2 SR-IOV virtual function(s) enabled ({vfs[0]}, {vfs[1]})" \
+        in err, err
+
+
+def test_a_vf_whose_physfn_names_another_pf_is_not_counted(tmp_path: Path) -> None:
+    """The ``physfn`` link is the word: a folder beside the PF whose link names another
+    function is no VF of this PF (nor, with a ``physfn`` link, found by routing id)."""
+    s = sriov_gpu_host(tmp_path / "h", vfs=2)
+    pf = "0000:41:00.0"
+    _drop_links(s.root, {"virtfn0", "virtfn1"})
+    for vf in ("0000:41:00.4", "0000:41:00.5"):
+        link = s.device_dir(vf) / "physfn"
+        link.unlink()
+        link.symlink_to("../0000:40:01.0")
+    sriov = gpuwatch.scan(s.root).function(pf).sriov
+    assert sriov is not None and (sriov.vfs, sriov.numvfs) == ((), 0)
 
 
 @pytest.mark.parametrize("copy", ["links", "captured", "absolute"])

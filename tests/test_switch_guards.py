@@ -204,6 +204,23 @@ async def test_a_card_with_virtual_functions_enabled_is_refused_until_they_are_o
     assert result.changed
 
 
+async def test_vfs_a_copy_kept_without_the_pf_s_virtfn_links_still_refuse_the_switch(
+        tmp_path: Path) -> None:
+    """A copy that dropped the PF's ``virtfnN`` links but kept the VFs with their ``physfn``
+    read ``numvfs`` 0: the switch went ahead and would have unbound the PF under its VFs."""
+    s = single_gpu_desktop(tmp_path / "h", boot_vga=False)
+    s.enable_sriov(NV, 16, offset=4)
+    vfs = s.add_vfs(NV, 2, driver="nvidia", first_group=40)
+    for i in range(2):
+        (s.device_dir(NV) / f"virtfn{i}").unlink()
+    sim = SimKernel(s)
+    async with simulated_switch(s, sim=sim) as (_w, _sim, engine, _ev):
+        with pytest.raises(SwitchRefused,
+                           match=f"{NV} has 2 SR-IOV virtual function.*{vfs[0]}, {vfs[1]}"):
+            await engine.switch(NV, "vfio", timeout=20)
+    assert sim.record == []
+
+
 # --------------------------------------------------------------------------- host left as found
 
 

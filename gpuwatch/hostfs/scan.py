@@ -516,7 +516,8 @@ def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
     VF enable. The VFs the links name are what the kernel has added so far: their number is
     ``numvfs``, kept where a scan drops a VF that is not in the tree from ``vfs``
     (`vfs_in_tree`). ``recover`` (a scan of any tree): with no ``virtfnN`` link, the VFs a
-    capture kept without their links are found beside the PF (`vfs_beside`).
+    capture kept beside the PF are its VFs: those whose ``physfn`` link still names it
+    (`vfs_naming`) and those that lost both links (`vfs_beside`).
     """
     path = directory + "/sriov_totalvfs"
     total = read_text(path) if present(path) else None
@@ -531,7 +532,10 @@ def read_sriov(directory: str, *, recover: bool = False) -> SriovSeen | None:
                 vfs.append((int(m.group(1)), vf))
     totalvfs = small_count(total)
     if recover and not vfs:
+        linked = vfs_naming(directory)
         beside = vfs_beside(directory, totalvfs)
+        if linked:
+            beside = tuple(sorted({*linked, *beside}, key=_rid))
         return SriovSeen(totalvfs=totalvfs, vfs=beside, numvfs=len(beside))
     return SriovSeen(
         totalvfs=totalvfs,
@@ -553,8 +557,8 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
     offset = small_count(read_attr(directory + "/sriov_offset")) if is_pci_addr(addr) else 0
     if not offset or totalvfs <= 0:
         return ()
-    domain, bus, rest = addr.split(":")
-    first = (int(bus, 16) << 8 | int(rest[:2], 16) << 3 | int(rest[3])) + offset
+    domain = addr.split(":", 1)[0]
+    first = _rid(addr) + offset
     if first > 0xFFFF or not os.path.isdir(f"{parent}/{_rid_addr(domain, first)}"):
         return ()  # no VF 0: a PF with no VFs (the common case) pays this one look
     stride = small_count(read_attr(directory + "/sriov_stride"))
@@ -571,6 +575,31 @@ def vfs_beside(directory: str, totalvfs: int) -> tuple[str, ...]:
             break
         found.append(vf)
     return tuple(found)
+
+
+def vfs_naming(directory: str) -> tuple[str, ...]:
+    """The functions beside the PF at ``directory`` whose ``physfn`` link (or the folder a
+    capture copied in its place) names it, in routing-id order (a VF's index order): a
+    copy that dropped the PF's ``virtfnN`` links but kept its VFs' folders with theirs. The
+    kernel makes a VF's ``virtfnN`` before its ``physfn`` and removes it first, and its own
+    sysfs is never read so (``recover``): only a copy shows this. Only folders past the
+    PF's routing id in its domain are looked into (a VF's is PF + ``sriov_offset`` + …,
+    ``sriov_offset`` at least 1)."""
+    parent, _, addr = directory.rpartition("/")
+    if not is_pci_addr(addr):
+        return ()
+    domain, rid = addr.split(":", 1)[0], _rid(addr)
+    found = [name for name in list_dir(parent)
+             if is_pci_addr(name) and name.startswith(domain + ":") and _rid(name) > rid
+             and os.path.lexists(f"{parent}/{name}/physfn")
+             and link_addr(f"{parent}/{name}/physfn") == addr]
+    return tuple(sorted(found, key=_rid))
+
+
+def _rid(addr: str) -> int:
+    """The routing id (bus · 256 + device · 8 + function) of a canonical PCI address."""
+    _, bus, rest = addr.rsplit(":", 2)
+    return int(bus, 16) << 8 | int(rest[:2], 16) << 3 | int(rest[3])
 
 
 def _rid_addr(domain: str, rid: int) -> str:
