@@ -10,6 +10,11 @@ lock is a switch that never ended. The next watcher to start and the next switch
 group say so (a ``switch-failed``, ``"error": "abandoned: …"``); the next switch to vfio
 (``recover`` too) clears the overrides it may have left. Keyed by the boot id, as the poison
 file: a reboot drops every override, and a record of another boot counts as absent.
+
+The key is the group's number when the switch began; a card removed and added again may
+come back under another (and a no-IOMMU group comes and goes with vfio-pci). So a record is
+the group's whose recorded members are among its functions now, whatever its key, and one
+under the group's number naming none of them is another card's (`gpuwatch.switch.engine`).
 """
 
 from __future__ import annotations
@@ -81,6 +86,27 @@ def remove_journal(folder: str, key: PoisonKey) -> None:
         os.unlink(journal_path(folder, key))
 
 
+def discard_journal(folder: str, key: PoisonKey, boot: str, journal: Journal) -> None:
+    """Remove the record of ``key`` while the file still holds ``journal`` (marked reported
+    since or not), without that key's lock: a switch of that key begun since has written its
+    own, which stays (best effort)."""
+    with contextlib.suppress(OSError):
+        now = read_journal(folder, key, boot)
+        if now is not None and replace(now, reported=False) == replace(journal, reported=False):
+            remove_journal(folder, key)
+
+
+def move_journal(folder: str, key: PoisonKey, new_key: PoisonKey) -> bool:
+    """Give the record of ``key`` the name of ``new_key``, unless a record has that name;
+    whether it moved (a hard link, then the old name goes: never a copy over another)."""
+    try:
+        os.link(journal_path(folder, key), journal_path(folder, new_key), follow_symlinks=False)
+    except OSError:
+        return False
+    remove_journal(folder, key)
+    return True
+
+
 def journal_keys(folder: str) -> list[PoisonKey]:
     """The keys of every record in ``folder`` (group numbers, or addresses)."""
     keys: list[PoisonKey] = []
@@ -139,11 +165,13 @@ def find_abandoned(root: str, key: PoisonKey) -> Journal | None:
 __all__ = [
     "LOCK_DIR",
     "Journal",
+    "discard_journal",
     "find_abandoned",
     "journal_keys",
     "journal_path",
     "lock_held",
     "mark_reported",
+    "move_journal",
     "process_gone",
     "read_journal",
     "remove_journal",

@@ -114,10 +114,12 @@ from gpuwatch.hostfs.files import place_in_root
 from gpuwatch.hostfs.journal import (
     LOCK_DIR,
     Journal,
+    discard_journal,
     find_abandoned,
     journal_keys,
     lock_held,
     mark_reported,
+    move_journal,
     read_journal,
     remove_journal,
     write_journal,
@@ -385,9 +387,10 @@ class SwitchEngine:
                                  which=self.ops.which, vfio_driver=vfio_driver,
                                  deadline=deadline),
             min(self.scan_timeout, deadline + 1), "the holder scan")
-        left = self._abandoned(poison_key(card))
-        if left is not None:  # what `mode` would clear too
-            facts = dataclasses.replace(facts, unpin=left.members)
+        ours = [m.addr for m in members]
+        unpin = _pinned_by(self._abandoned(poison_key(card), ours), ours)
+        if unpin:  # what `mode` would clear too
+            facts = dataclasses.replace(facts, unpin=unpin)
         return plan_switch(members, to_mode, facts, force=force).to_json()
 
     async def holders(self, target: str) -> dict[str, Any]:
@@ -461,11 +464,11 @@ class SwitchEngine:
             # In mode, but an earlier switch's process died half-way (SIGKILL): a function
             # may still be pinned by its driver_override, which vfio mode never leaves. Root
             # clears it (below); anyone else is told.
-            left = self._abandoned(key) if to_mode == "vfio" else None
-            if left is None or self.euid() != 0:
+            left = self._abandoned(key, [m.addr for m in members]) if to_mode == "vfio" \
+                else []
+            if not left or self.euid() != 0:
                 notes = [f"already in mode {to_mode}: nothing written"]
-                if left is not None:
-                    notes.append(self._abandoned_note(left))
+                notes += [self._abandoned_note(j) for _, j in left]
                 return self._result(card.addr, group, to_mode, to_mode, started,
                                     changed=False, notes=notes)
         self._require_root("switching drivers")
@@ -499,8 +502,10 @@ class SwitchEngine:
                       vfio_driver: str | None = None) -> SwitchResult:
         # Holding the group's lock: a record of a switch found now is one whose process
         # ended without ending it (SIGKILL). Say so, once, and clear what it may have pinned.
-        abandoned = self._leftover(key)
-        unpin = abandoned.members if abandoned is not None else ()
+        state = self.model.state
+        ours = [m.addr for m in state.group_members(addr)] if addr in state.functions else []
+        abandoned = self._leftover(key, ours)
+        unpin = _pinned_by(abandoned, ours)
         facts, plan = await self._decide(addr, to_mode, deadline, force=force,
                                          recovering=recovering, vfio_driver=vfio_driver,
                                          unpin=unpin)
@@ -519,13 +524,14 @@ class SwitchEngine:
                                              unpin=unpin)
         group = plan.group
         if not plan.steps:
-            if abandoned is not None:  # in mode, nothing of it left to clear: it is over
-                with suppress(OSError):
-                    remove_journal(self._lock_dir(), key)
+            # In mode, nothing of them left to clear: they are over.
+            self._drop_adopted(key, abandoned, own=True)
             return self._result(plan.addr, group, plan.from_mode, to_mode, started, changed=False,
                                 notes=list(plan.notes))
         await self._refuse_a_copy(plan)
         self._journal(key, plan, unpin)
+        if key in self._journaled:  # its own record says what they may have left now
+            self._drop_adopted(key, abandoned, own=False)
         self._failed_at_start[plan.poison_key] = self._failures(plan)
         self._publish([ev.SwitchStarted(
             addr=plan.addr, group=group, from_mode=plan.from_mode, to_mode=to_mode,
@@ -1591,24 +1597,79 @@ class SwitchEngine:
             return
         self._journaled.add(key)
 
-    def _abandoned(self, key: PoisonKey) -> Journal | None:
-        """The record of a switch of ``key`` whose process is gone without ending it, seen
-        without the lock (None: none, or its switch may still be running)."""
-        return find_abandoned(self.root, key)
+    def _abandoned(self, key: PoisonKey, ours: Sequence[str]) -> list[tuple[PoisonKey, Journal]]:
+        """The records of switches of the group's functions (``ours``, its members now) whose
+        processes are gone without ending them, seen without the lock: its own, and any
+        under another key that names one of them (`_adopted`). None while its switch may
+        still be running."""
+        left = find_abandoned(self.root, key)
+        own = [(key, left)] if left is not None and _names_any(left, ours) else []
+        return own + self._adopted(key, ours)
 
-    def _leftover(self, key: PoisonKey) -> Journal | None:
-        """Holding the group's lock: the record found is an abandoned switch's. Published
-        once (``switch-failed``, ``abandoned``), then kept until a switch clears it."""
+    def _adopted(self, key: PoisonKey, ours: Sequence[str]) -> list[tuple[PoisonKey, Journal]]:
+        """The abandoned records under keys other than the group's that name one of its
+        functions now: the card was removed and added again under another group number
+        (or a no-IOMMU group came or went) since its switch was killed. Keyed by a number
+        no longer the card's, nothing else would ever end them."""
+        found = []
+        for other in journal_keys(self._lock_dir()):
+            if other == key or other in self._busy:
+                continue
+            left = find_abandoned(self.root, other)
+            if left is not None and _names_any(left, ours):
+                found.append((other, left))
+        return found
+
+    def _leftover(self, key: PoisonKey,
+                  ours: Sequence[str]) -> list[tuple[PoisonKey, Journal]]:
+        """Holding the group's lock: the group's record found is an abandoned switch's, and
+        so are the others naming its functions (`_adopted`). Each published once
+        (``switch-failed``, ``abandoned``), then kept until a switch clears it. A record
+        under the group's number naming none of its functions is another card's, from
+        when that card had the number: moved out of this group's way (`_set_aside`)."""
         folder, boot = self._lock_dir(), self._boot()
         left = read_journal(folder, key, boot)
+        found: list[tuple[PoisonKey, Journal]] = []
         if left is None:
             with suppress(OSError):
                 remove_journal(folder, key)  # another boot's, or garbage
-            return None
-        if not left.reported:
-            self._publish([self._abandoned_event(left)])
-            mark_reported(folder, key, boot, left)
-        return left
+        elif _names_any(left, ours):
+            found.append((key, left))
+        else:
+            self._set_aside(key, left)
+        found += self._adopted(key, ours)
+        for at, record in found:
+            if not record.reported:
+                self._publish([self._abandoned_event(record)])
+                mark_reported(folder, at, boot, record)
+        return found
+
+    def _set_aside(self, key: PoisonKey, left: Journal) -> None:
+        """Holding the lock of ``key``: another card's record is under it (`_leftover`).
+        Not this group's to report, clear or drop, and this group's own record would take
+        its place: it moves to its card's address, where that card's next switch or
+        `recover` finds it by its members, whatever group the card is in now. Where that
+        name is taken, it stays, and this group's next record replaces it."""
+        folder = self._lock_dir()
+        if move_journal(folder, key, left.addr):
+            _log.info("switch record of %s (%s, killed) moved from %s: the number is "
+                      "another group's now", left.addr, _group_text(left.group),
+                      poison_subject(key))
+
+    def _drop_adopted(self, key: PoisonKey, found: Sequence[tuple[PoisonKey, Journal]], *,
+                      own: bool) -> None:
+        """The records ``found`` are ended: in mode with nothing left to clear, or this
+        switch's own record now lists what they may have pinned (``own`` False: the
+        group's own is that record already). Another key's goes only while it is still the
+        one adopted: a switch of that key begun since wrote its own."""
+        folder, boot = self._lock_dir(), self._boot()
+        for at, record in found:
+            if at == key:
+                if own:
+                    with suppress(OSError):
+                        remove_journal(folder, key)
+            else:
+                discard_journal(folder, at, boot, record)
 
     def report_abandoned(self) -> None:
         """At start-up (a daemon restarted after a SIGKILL mid-switch): publish the end of
@@ -1617,7 +1678,7 @@ class SwitchEngine:
         switch or `recover` of the group clears what it left."""
         folder = self._lock_dir()
         for key in journal_keys(folder):
-            left = None if key in self._busy else self._abandoned(key)
+            left = None if key in self._busy else find_abandoned(self.root, key)
             if left is None or left.reported:
                 continue
             self._publish([self._abandoned_event(left)])
@@ -1749,6 +1810,18 @@ class SwitchEngine:
         except BlockingIOError:
             raise GroupBusy("unloading the nvidia module needs the host to itself, and "
                             "another process is switching a group: retry after it") from None
+
+
+def _names_any(left: Journal, ours: Sequence[str]) -> bool:
+    """Whether a switch record names one of the group's functions now (by address)."""
+    return not {left.addr, *left.members}.isdisjoint(ours)
+
+
+def _pinned_by(found: Sequence[tuple[PoisonKey, Journal]], ours: Sequence[str]) -> tuple[str, ...]:
+    """The group's functions (only those: the others are another group's, or gone) that the
+    abandoned switches ``found`` may have left pinned by a driver_override."""
+    named = {a for _, left in found for a in left.members}
+    return tuple(a for a in ours if a in named)
 
 
 def _renumbered(before: int, now: int) -> bool:
