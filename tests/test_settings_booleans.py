@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_settings_bounds import NOWHERE, read_by_env, read_by_file
 
 from gpuwatch.cli.main import main
 from gpuwatch.settings import SETTINGS, ConfigError, Setting, load_settings
 
 BOOLEANS = [s for s in SETTINGS if s.kind == "bool"]
-NOWHERE = "/nonexistent/gpuwatch/config.yaml"
 WORDS = "must be true or false (1/0, true/false, yes/no, on/off)"
 
 #: (text, the value every place must make of it: True, False, or None for a refusal).
@@ -30,22 +30,6 @@ SPELLINGS: list[tuple[str, bool | None]] = [
 ]
 
 
-def _file(s: Setting, file: Path, yaml_text: str) -> Any:
-    file.write_text(f"{s.key}: {yaml_text}\n")
-    try:
-        return getattr(load_settings(config=str(file), env={}, resolve_groups=False), s.key)
-    except ConfigError as exc:
-        return str(exc)
-
-
-def _env(s: Setting, text: str) -> Any:
-    try:
-        return getattr(load_settings(env={s.env: text}, default_config=NOWHERE,
-                                     resolve_groups=False), s.key)
-    except ConfigError as exc:
-        return str(exc)
-
-
 def _quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -55,12 +39,12 @@ def _quoted(text: str) -> str:
 def test_the_file_and_the_variable_read_a_boolean_alike(
         s: Setting, text: str, want: bool | None, tmp_path: Path) -> None:
     file = tmp_path / "config.yaml"
-    by_env = _env(s, text)
+    by_env = read_by_env(s, text)
     # Plain (as YAML 1.1 would type it) and quoted (a string to YAML); an empty plain
     # scalar is a null, the file's own case (below).
     writes = [_quoted(text)] + ([text] if text.strip() else [])
     for yaml_text in writes:
-        by_file = _file(s, file, yaml_text)
+        by_file = read_by_file(s, file, yaml_text)
         if want is None:
             assert by_env == f"environment {s.env}: {WORDS}, not {text!r}", by_env
             assert by_file == f"{file}: {s.key}: {WORDS}, not {text!r}", (yaml_text, by_file)
@@ -75,12 +59,12 @@ def test_the_file_s_own_shapes_are_refused_with_the_spellings(
     """A null, a list, and a tag: one line naming the key and what it takes; ``!!bool 1``
     is the text ``1`` (PyYAML's own bool table raised KeyError for it)."""
     file = tmp_path / "config.yaml"
-    assert _file(s, file, "") == f"{file}: {s.key}: {WORDS}, not null"
-    assert _file(s, file, "[1]") == f"{file}: {s.key}: {WORDS}, not [1]"
-    assert _file(s, file, "{a: 1}") == f"{file}: {s.key}: {WORDS}, not {{'a': 1}}"
-    assert _file(s, file, "!!bool 1") is True
-    assert _file(s, file, "!!str off") is False
-    assert _file(s, file, "&v on\nroot: /\n") is True
+    assert read_by_file(s, file, "") == f"{file}: {s.key}: {WORDS}, not null"
+    assert read_by_file(s, file, "[1]") == f"{file}: {s.key}: {WORDS}, not [1]"
+    assert read_by_file(s, file, "{a: 1}") == f"{file}: {s.key}: {WORDS}, not {{'a': 1}}"
+    assert read_by_file(s, file, "!!bool 1") is True
+    assert read_by_file(s, file, "!!str off") is False
+    assert read_by_file(s, file, "&v on\nroot: /\n") is True
 
 
 @pytest.mark.parametrize("s", BOOLEANS, ids=lambda s: s.key)

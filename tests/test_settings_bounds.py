@@ -37,7 +37,7 @@ def _spellings(s: Setting) -> list[str]:
     ]
 
 
-def _flag(s: Setting, text: str) -> Any:
+def read_by_flag(s: Setting, text: str) -> Any:
     """What the parsed command line makes of ``--FLAG text``: the value, or the message."""
     # FLAG=VALUE: argparse takes "-inf" after a space for an option of its own.
     args = build_parser().parse_args(["watch", f"{s.flag}={text}"])
@@ -49,7 +49,7 @@ def _flag(s: Setting, text: str) -> Any:
         return str(exc)
 
 
-def _file(s: Setting, file: Path, yaml_text: str) -> Any:
+def read_by_file(s: Setting, file: Path, yaml_text: str) -> Any:
     """What the config file ``file`` holding ``KEY: yaml_text`` makes of it: the value, or
     the message."""
     file.write_text(f"{s.key}: {yaml_text}\n")
@@ -59,7 +59,7 @@ def _file(s: Setting, file: Path, yaml_text: str) -> Any:
         return str(exc)
 
 
-def _env(s: Setting, text: str) -> Any:
+def read_by_env(s: Setting, text: str) -> Any:
     try:
         return getattr(load_settings(env={s.env: text}, default_config=NOWHERE,
                                      resolve_groups=False), s.key)
@@ -74,7 +74,7 @@ def test_a_flag_and_its_variable_take_and_refuse_the_same_values(s: Setting) -> 
     argparse's "invalid int value" while -1 got the settings' line. A flag now reads its
     words as the variable does: one reader, one message, whatever the value."""
     for text in _spellings(s):
-        by_flag, by_env = _flag(s, text), _env(s, text)
+        by_flag, by_env = read_by_flag(s, text), read_by_env(s, text)
         if isinstance(by_flag, str):
             assert by_flag.startswith(f"{s.flag}: "), (text, by_flag)
             assert isinstance(by_env, str), (text, by_env)
@@ -112,8 +112,8 @@ def test_the_file_takes_and_refuses_the_numbers_a_variable_does(
              ".nan": "nan", ".inf": "inf", "-.inf": "-inf", "-0": "-0", "1_000": "1_000"}
     file = tmp_path / "config.yaml"
     for yaml_text, env_text in cases.items():
-        by_file = _file(s, file, yaml_text)
-        by_env = _env(s, env_text)
+        by_file = read_by_file(s, file, yaml_text)
+        by_env = read_by_env(s, env_text)
         if isinstance(by_file, str):
             assert by_file.startswith(f"{file}: {s.key}: "), by_file
             assert isinstance(by_env, str), (yaml_text, by_env)
@@ -212,8 +212,8 @@ def test_the_file_reads_a_number_as_the_flag_reads_its_words(s: Setting,
     for a refusal."""
     file = tmp_path / "config.yaml"
     for yaml_text, words in YAML_SPELLINGS.items():
-        by_file = _file(s, file, yaml_text)
-        by_flag = _flag(s, words)
+        by_file = read_by_file(s, file, yaml_text)
+        by_flag = read_by_flag(s, words)
         if isinstance(by_flag, str):
             assert isinstance(by_file, str), (yaml_text, by_file, by_flag)
             assert by_file.startswith(f"{file}: {s.key}: "), by_file
