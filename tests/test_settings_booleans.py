@@ -6,12 +6,11 @@ typed the file's scalar first, so ``verbose: 1`` and ``verbose: "yes"`` were ref
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_settings_bounds import NOWHERE, read_by_env, read_by_file
+from test_settings_bounds import NOWHERE, clear_gpuwatch_env, read_by_env, read_by_file
 
 from gpuwatch.cli.main import main
 from gpuwatch.settings import SETTINGS, ConfigError, Setting, load_settings
@@ -98,8 +97,7 @@ def test_a_tag_yaml_cannot_construct_anywhere_is_the_file_s_error(
 def test_the_daemon_refuses_a_bad_boolean_in_one_line_and_exit_2(
         s: Setting, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("GPUWATCH_")]:
-        monkeypatch.delenv(k)
+    clear_gpuwatch_env(monkeypatch)
     config = tmp_path / "config.yaml"
     for yaml_text, env, where in ((f"{s.key}: 2\n", {}, f"{config}: {s.key}"),
                                   ("", {s.env: "2"}, f"environment {s.env}")):

@@ -59,6 +59,13 @@ def read_by_file(s: Setting, file: Path, yaml_text: str) -> Any:
         return str(exc)
 
 
+def clear_gpuwatch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``GPUWATCH_*`` variable of the test's own environment: a command's settings come
+    from what the test gives it alone."""
+    for k in [k for k in os.environ if k.startswith("GPUWATCH_")]:
+        monkeypatch.delenv(k)
+
+
 def read_by_env(s: Setting, text: str) -> Any:
     try:
         return getattr(load_settings(env={s.env: text}, default_config=NOWHERE,
@@ -129,8 +136,7 @@ def test_the_file_takes_and_refuses_the_numbers_a_variable_does(
 def test_the_command_refuses_a_bad_number_in_one_line_and_exit_2(
         s: Setting, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("GPUWATCH_")]:
-        monkeypatch.delenv(k)
+    clear_gpuwatch_env(monkeypatch)
     config = tmp_path / "config.yaml"
     config.write_text("")
     for argv, env in (([f"{s.flag}=nan"], {}), ([], {s.env: "-1e400"})):

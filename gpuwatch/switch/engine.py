@@ -1336,16 +1336,24 @@ class SwitchEngine:
         self._stop_on_a_renumbered_function(plan, waiting)
         self._check_gained(plan, facts)
 
+    async def _groups_now(self, addrs: list[str]) -> dict[str, int] | None:
+        """`iommu_groups_now` of ``addrs``, read off the loop within the scan bound; None
+        when the read did not return in time."""
+        paths = self.model.paths
+        try:
+            return await call_bounded(lambda: iommu_groups_now(paths, addrs),
+                                      self.scan_timeout, "reading the IOMMU groups")
+        except StepTimedOut:
+            return None
+
     async def _still_there(self, plan: SwitchPlan, deadline: float) -> bool:
         """Before a completion read from the model: every planned function is still in the
         tree, in the group planned. The model may not have seen a removal yet (its uevent
         behind the bind's), and a function gone, or back in another group, completes
         nothing: then the tree is read into the model (False), and the wait judges it."""
-        paths, addrs = self.model.paths, [a for a, _ in plan.targets]
-        try:
-            seen = await call_bounded(lambda: iommu_groups_now(paths, addrs), self.scan_timeout,
-                                      "reading the IOMMU groups")
-        except StepTimedOut:
+        addrs = [a for a, _ in plan.targets]
+        seen = await self._groups_now(addrs)
+        if seen is None:
             return True  # the model's word, as before any tree read
         if all(a in seen and not _renumbered(plan.group, seen[a]) for a in addrs):
             return True
@@ -1356,13 +1364,7 @@ class SwitchEngine:
         """Before a write: the planned functions' IOMMU group links, read from the tree (the
         uevents of a removal and add may not have reached the model yet), and the model
         folded in for any that moved; then `_stop_on_a_renumbered_function`."""
-        paths = self.model.paths
-        addrs = [a for a, _ in plan.targets]
-        try:
-            seen = await call_bounded(lambda: iommu_groups_now(paths, addrs), self.scan_timeout,
-                                      "reading the IOMMU groups")
-        except StepTimedOut:
-            seen = {}
+        seen = await self._groups_now([a for a, _ in plan.targets]) or {}
         moved = [a for a, g in seen.items() if _renumbered(plan.group, g)]
         if moved:
             with suppress(StepTimedOut):
