@@ -440,3 +440,40 @@ def test_the_pods_configuration_runs(host: SysRoot, tmp_path: Path) -> None:
                 proc.kill()
             shutil.rmtree(sockdir, ignore_errors=True)
     assert code == 0
+
+
+def configmap_volume(where: Path, text: str) -> Path:
+    """A ConfigMap volume as kubelet lays it out: a directory every user may write (an
+    emptyDir, 0777), the keys in a timestamped directory, ``..data`` a link to it and each
+    key a link through ``..data``."""
+    where.mkdir()
+    where.chmod(0o777)
+    stamped = where / "..2024_01_01_00_00_00.000000001"
+    stamped.mkdir(mode=0o755)
+    (stamped / "config.yaml").write_text(text)
+    (stamped / "config.yaml").chmod(0o644)
+    (where / "..data").symlink_to(stamped.name)
+    (where / "config.yaml").symlink_to("..data/config.yaml")
+    return where / "config.yaml"
+
+
+def test_the_documented_config_file_mount_is_read_and_the_directory_one_refused(
+        tmp_path: Path) -> None:
+    """docs/kubernetes.md gives the pod its data tables from a ConfigMap: mounted as one file
+    (``subPath``: the key's file itself, root's, in a directory of root's) it loads; the whole
+    ConfigMap as a directory, whose volume directory others may write, is refused in one
+    line, as the docs say."""
+    from gpuwatch.settings import ConfigError
+
+    text = "host_console_drivers: [ast, mgag200]\n"
+    docs = (REPO / "docs/kubernetes.md").read_text()
+    assert "subPath: config.yaml" in docs and "GPUWATCH_CONFIG" in docs
+    volume = configmap_volume(tmp_path / "volume", text)
+    with pytest.raises(ConfigError, match="writable by other users"):
+        load_settings({}, env={"GPUWATCH_CONFIG": str(volume)})
+    # subPath: the runtime bind-mounts the resolved file at the path the container names.
+    etc = tmp_path / "etc/gpuwatch"
+    etc.mkdir(parents=True)
+    shutil.copy(os.path.realpath(volume), etc / "config.yaml")
+    settings = load_settings({}, env={"GPUWATCH_CONFIG": str(etc / "config.yaml")})
+    assert settings.tables().host_console_drivers == ("ast", "mgag200")

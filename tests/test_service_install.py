@@ -51,7 +51,8 @@ def gpuwatch_cmd() -> list[str]:
 def expected_exec() -> tuple[list[str], list[str]]:
     cmd = gpuwatch_cmd()
     argv = [str(Path(cmd[0]).absolute())] + ([] if len(cmd) == 1 else ["-m", "gpuwatch"])
-    seen = [os.path.realpath(cmd[0]), os.path.realpath(sys.executable)]
+    seen = [os.path.realpath(cmd[0]), os.path.realpath(sys.executable),
+            str(REPO / "gpuwatch")]  # run(): PYTHONPATH=REPO
     return argv, seen
 
 
@@ -270,6 +271,40 @@ def test_exec_start_quoting_and_where_the_program_lives() -> None:
     with pytest.raises(InstallError, match="PrivateTmp"):
         check_program(["/tmp/venv/bin/gpuwatch"])
     check_program(["/opt/venv/bin/gpuwatch"])
+
+
+def test_an_editable_install_in_a_home_directory_stays_visible_to_the_service(
+        fixture_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pip install -e ~/src/gpuwatch``: the script and the interpreter are outside any home
+    directory, the package is in one. With ``ProtectHome=yes`` the service found no gpuwatch
+    to import and failed at every start; the package's own place counts as the program's."""
+    import gpuwatch
+    from gpuwatch.cli.service_cmd import running_gpuwatch
+
+    checkout = "/home/ann/src/gpuwatch/gpuwatch"
+    monkeypatch.setattr(gpuwatch, "__file__", f"{checkout}/__init__.py")
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")  # outside any home here
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/python3"])
+    assert checkout in running_gpuwatch()[1]
+    assert main(["service", "install", "--root", str(fixture_root)]) == 0
+    unit = (fixture_root / UNIT_FILE.lstrip("/")).read_text()
+    assert "ProtectHome=read-only" in unit and "ProtectHome=yes" not in unit
+
+
+def test_an_editable_install_under_tmp_is_refused(tmp_path: Path) -> None:
+    """A checkout under /tmp (``pip install -e /tmp/gpuwatch``) is not there for a service
+    with ``PrivateTmp=yes``: refused like a program there (a warning under --dry-run)."""
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "gpuwatch", copy / "gpuwatch", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    proc = subprocess.run([sys.executable, "-m", "gpuwatch", "service", "install", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{os.path.realpath(copy / 'gpuwatch')} is under a temporary directory" in \
+        proc.stderr
+    assert "PrivateTmp" in proc.stderr
 
 
 def test_contrib_files_are_the_shipped_ones() -> None:

@@ -55,8 +55,14 @@ def running_gpuwatch() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(argv that starts this gpuwatch, paths the service must be able to see)``.
 
     The console script when that is what runs (pip, pipx, a venv: its path as invoked, so a
-    pipx link in /usr/local/bin survives upgrades), else this interpreter with ``-m``.
+    pipx link in /usr/local/bin survives upgrades), else this interpreter with ``-m``. The
+    paths are the program's, the interpreter's and the package's: an editable install
+    (``pip install -e``) imports gpuwatch from its checkout, in a home directory or /tmp
+    while the script and the interpreter are elsewhere, and a unit that hides it
+    (``ProtectHome=yes``, ``PrivateTmp=yes``) fails at every start with no module to import.
     """
+    import gpuwatch
+
     argv0 = sys.argv[0] if sys.argv else ""
     if (os.path.basename(argv0) == "gpuwatch" and os.path.isfile(argv0)
             and os.access(argv0, os.X_OK)):
@@ -65,7 +71,8 @@ def running_gpuwatch() -> tuple[tuple[str, ...], tuple[str, ...]]:
     else:
         program = os.path.abspath(sys.executable)
         argv = (program, "-m", "gpuwatch")
-    seen = (os.path.realpath(program), os.path.realpath(sys.executable))
+    seen = (os.path.realpath(program), os.path.realpath(sys.executable),
+            os.path.realpath(os.path.dirname(gpuwatch.__file__)))
     return argv, tuple(dict.fromkeys(seen))
 
 
