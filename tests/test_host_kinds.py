@@ -22,6 +22,7 @@ from gpuwatch.core.hostkind import (
     cpuinfo_facts,
     host_kind,
     hypervisor_from_dmi,
+    hypervisor_from_pci_root,
     modalias_facts,
 )
 from gpuwatch.core.pci import is_pci_addr
@@ -130,6 +131,46 @@ def test_a_device_tree_virt_machine_is_a_kvm_guest_without_dmi() -> None:
     # A name from DMI wins over the tree's.
     assert host_kind(ARM64_CPUINFO, "", "Microsoft Corporation", "Virtual Machine", "",
                      virt) == HostKind("arm64", "hyperv")
+
+
+def test_a_rust_vmm_guest_is_named_by_its_pci_root() -> None:
+    """Cloud Hypervisor's and Firecracker's guests have no DMI strings; their PCI host
+    bridge at 0000:00:00.0 (8086:0d57, no real part) names them. DMI wins where it names
+    one, and a bare-metal host (no hypervisor flag) stays one whatever its ids."""
+    guest = x86_cpuinfo(hypervisor=True)
+    assert hypervisor_from_pci_root("0x8086", "0x0d57\n") == "rust-vmm"
+    assert hypervisor_from_pci_root("0x8086", "0x29c0") == ""  # QEMU q35's MCH
+    assert host_kind(guest, "", "", "", pci_root=("0x8086", "0x0D57")) == \
+        HostKind("x86", "rust-vmm")
+    assert host_kind(guest, "", "QEMU", "Standard PC", pci_root=("0x8086", "0x0d57")) == \
+        HostKind("x86", "kvm")
+    assert host_kind(x86_cpuinfo(), "", "", "", pci_root=("0x8086", "0x0d57")) == \
+        HostKind("x86", "")
+
+
+def _rust_vmm_guest(at: Path) -> SysRoot:
+    """A Firecracker guest as one was captured: the 8086:0d57 root, virtio functions, an
+    H100 on nvidia, no IOMMU group, no DMI."""
+    s = SysRoot(at)
+    s.set_cpuinfo(x86_cpuinfo(hypervisor=True))
+    s.add_function("0000:00:00.0", vendor="0x8086", device="0x0d57", klass="0x060000")
+    s.add_function("0000:00:01.0", vendor="0x1af4", device="0x1042", klass="0x018000",
+                   driver="virtio-pci")
+    s.add_function("0000:00:06.0", vendor="0x10de", device="0x2330", klass="0x030200",
+                   driver="nvidia")
+    s.add_module("nvidia")
+    return s
+
+
+def test_a_rust_vmm_guest_is_told_what_its_hypervisor_can_give(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    live = _rust_vmm_guest(tmp_path / "live")
+    copy = _rust_vmm_guest(tmp_path / "copy")
+    copy.capture()
+    hint = hint_of(live.root, capsys)
+    assert hint.startswith("this is a virtual machine (Cloud Hypervisor or Firecracker)"), hint
+    assert "iommu=on" in hint and "Firecracker none" in hint and "QEMU" not in hint
+    assert hint_of(copy.root, capsys) == hint
 
 
 # ------------------------------------------------------------ the advice, pure

@@ -26,6 +26,7 @@ HYPERVISOR_NAMES = {
     "amazon": "Amazon EC2",
     "google": "Google Compute Engine",
     "parallels": "Parallels",
+    "rust-vmm": "Cloud Hypervisor or Firecracker",
     "other": "an unnamed hypervisor",
 }
 #: Hypervisors that give a guest no virtual IOMMU at all.
@@ -107,25 +108,43 @@ def hypervisor_from_dmi(sys_vendor: str, product_name: str, xen_type: str = "") 
     return ""
 
 
+#: The PCI host bridge the rust-vmm hypervisors (Cloud Hypervisor, Firecracker, Dragonball)
+#: put at ``0000:00:00.0``: "Intel" ``0x0d57``, their own virtual PCIe host, no real part.
+#: Their guests have no DMI strings (no SMBIOS table) to name them.
+RUST_VMM_PCI_ROOT = ("0x8086", "0x0d57")
+
+
+def hypervisor_from_pci_root(vendor: str, device: str) -> str:
+    """The hypervisor the bus's first function (``0000:00:00.0``) names by its ids, ``""``
+    for none."""
+    if (vendor.strip().lower(), device.strip().lower()) == RUST_VMM_PCI_ROOT:
+        return "rust-vmm"
+    return ""
+
+
 #: The device tree's root ``compatible`` of QEMU's ``virt`` machine booted without firmware
 #: (``-kernel``, no UEFI): it has no DMI strings to name it.
 DUMMY_VIRT = "linux,dummy-virt"
 
 
 def host_kind(cpuinfo: str, cpu_modalias: str, sys_vendor: str, product_name: str,
-              xen_type: str = "", dt_compatible: str = "") -> HostKind:
+              xen_type: str = "", dt_compatible: str = "",
+              pci_root: tuple[str, str] = ("", "")) -> HostKind:
     """The host's `HostKind` from the texts the scan read (each ``""`` when absent): the
     CPU's ``modalias`` first, ``proc/cpuinfo`` where it names no architecture. On x86
     the CPU's ``hypervisor`` flag decides whether it is a guest (the DMI strings only name
     the hypervisor: a bare-metal host may carry any); elsewhere, with no such flag, the DMI
     strings, ``sys/hypervisor`` and the device tree's root ``compatible`` (its strings
-    NUL-separated) decide."""
+    NUL-separated) decide. ``pci_root``: ``0000:00:00.0``'s ``(vendor, device)``, which
+    names a guest without DMI strings (`hypervisor_from_pci_root`)."""
     arch, flag = modalias_facts(cpu_modalias)
     if not arch:
         arch, flag = cpuinfo_facts(cpuinfo)
     named = hypervisor_from_dmi(sys_vendor, product_name, xen_type)
     if not named and DUMMY_VIRT in dt_compatible.split("\0"):
         named = "kvm"
+    if not named:
+        named = hypervisor_from_pci_root(*pci_root)
     if flag is False:
         return HostKind(arch, "")
     if flag:
@@ -134,4 +153,4 @@ def host_kind(cpuinfo: str, cpu_modalias: str, sys_vendor: str, product_name: st
 
 
 __all__ = ["HYPERVISOR_NAMES", "NO_VIOMMU", "UNKNOWN_HOST", "HostKind", "cpuinfo_facts",
-           "host_kind", "hypervisor_from_dmi", "modalias_facts"]
+           "host_kind", "hypervisor_from_dmi", "hypervisor_from_pci_root", "modalias_facts"]

@@ -79,7 +79,10 @@ def no_iommu_advice(kind: str, host: HostKind) -> str:
                     "IOMMU: no device can be passed through from inside it; use the GPU in "
                     "this VM directly, or pass it through on a host with an IOMMU")
         viommu = _viommu_devices(host.arch if kind != "arm" else "arm64")
-        if host.hypervisor == "kvm":
+        if host.hypervisor == "rust-vmm":
+            give = ("Cloud Hypervisor gives one to each device it is started with iommu=on "
+                    "(--device path=<the sysfs path>,iommu=on: a virtio-iommu), Firecracker none")
+        elif host.hypervisor == "kvm":
             give = f"give it one on the host ({viommu}) and restart it"
         else:
             give = (f"give it one if its hypervisor can ({viommu}) and restart it; Hyper-V "
