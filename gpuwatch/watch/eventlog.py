@@ -1433,6 +1433,13 @@ class EventLog:
         else:
             now = (st.st_dev, st.st_ino)
         if now == self._ident:
+            if st.st_size != self._size:
+                # Another process wrote to the file or emptied it in place (an ``echo >>``,
+                # copytruncate). Its size is the file's, for the rotation; bytes it appended
+                # may end mid-line, and the next event would fuse with them and be lost to
+                # every reader: end that line first, as a writer's own torn line is.
+                self._check_tail = True
+                self._size = st.st_size
             return
         assert self._fd is not None
         what = "replaced"
