@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -86,3 +87,33 @@ def test_a_log_emptied_in_place_under_the_writer_rotates_at_its_own_size(
     assert eventlog.rotated_path(path, 1) not in map(str, tmp_path.iterdir())
     assert [e["seq"] for e in eventlog.read_events(path)] == [9, 10, 11]
 
+
+def test_a_follower_resuming_before_the_log_exists_prints_all_the_new_log_holds(
+        host: SysRoot, tmp_path: Path) -> None:
+    """``--follow --since-seq N`` started before any log (the consumer comes up before the
+    daemon, its log on a tmpfs begun anew): it says the log was begun anew and is to print
+    what is added. A log that then held more than a bisection window when it first looked
+    (it was slow, or the log arrived whole) was still entered by bisection towards N, and
+    every event before where it landed was passed over in silence."""
+    log = tmp_path / "events.jsonl"
+    follower = Follower(log, "--since-seq", "100000")
+    try:
+        assert "below 100000" in follower.note()  # no log yet: taken for a new one
+        follower.proc.send_signal(signal.SIGSTOP)
+        try:
+            with short_socket_dir() as sockdir, Daemon(
+                    host.root, tmp_path, f"{sockdir}/gw.sock", log=log) as d:
+                for n in range(100):  # one at a time: two rebinds in one batch are none
+                    last = eventlog.last_seq_in(log) or 0
+                    toggle(d, host, n)
+                    wait_seq(log, last + 1)
+                assert d.stop() == 0, d.stderr
+            assert log.stat().st_size > 4 * eventlog._PROBE_WINDOW  # many windows
+        finally:
+            follower.proc.send_signal(signal.SIGCONT)
+        printed = follower.until("stopped")
+    finally:
+        err = follower.stop()
+    seqs = [e["seq"] for e in printed]
+    assert seqs == list(range(1, seqs[-1] + 1)), seqs[:5]
+    assert printed[0]["type"] == "ready" and "Traceback" not in err

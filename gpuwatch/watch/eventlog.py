@@ -1926,7 +1926,11 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
-        if old_anchor is None and self._since_seq is not None:
+        if (old_anchor is None and self._since_seq is not None
+                and self._handover.last_seq == self._since_seq):
+            # Not once `caught_up` took ``since_seq`` for an earlier run's (no log yet when
+            # the follower started): all the log holds was added since, and is printed
+            # (was: a bisection to ``since_seq`` passed over what the new log held by then).
             self._skip_to(self._since_seq)
         return True
 
