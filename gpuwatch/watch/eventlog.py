@@ -1433,6 +1433,13 @@ class EventLog:
         else:
             now = (st.st_dev, st.st_ino)
         if now == self._ident:
+            if st.st_size != self._size:
+                # Another process wrote to the file or emptied it in place (an ``echo >>``,
+                # copytruncate). Its size is the file's, for the rotation; bytes it appended
+                # may end mid-line, and the next event would fuse with them and be lost to
+                # every reader: end that line first, as a writer's own torn line is.
+                self._check_tail = True
+                self._size = st.st_size
             return
         assert self._fd is not None
         what = "replaced"
@@ -1919,7 +1926,11 @@ class _Follower:
         self._anchor = new_live if new_live is not None else rotated[0]
         if old_anchor is not None and old_anchor.consumed:
             old_anchor.file.close()
-        if old_anchor is None and self._since_seq is not None:
+        if (old_anchor is None and self._since_seq is not None
+                and self._handover.last_seq == self._since_seq):
+            # Not once `caught_up` took ``since_seq`` for an earlier run's (no log yet when
+            # the follower started): all the log holds was added since, and is printed
+            # (was: a bisection to ``since_seq`` passed over what the new log held by then).
             self._skip_to(self._since_seq)
         return True
 
