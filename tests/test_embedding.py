@@ -3,8 +3,10 @@ bad arguments and exceptions reaching the caller as themselves."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
@@ -430,3 +432,41 @@ async def test_a_replay_left_before_its_end_lets_go_of_the_log_files_at_once(
         assert len(readers) == 1
         assert readers[0].gi_frame is None, "the log reader was left suspended"
         assert open_fds() <= before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_log_follower_closed_early_lets_go_of_its_files_at_once(host: SysRoot,
+                                                                  backend: str) -> None:
+    """``afollow_events`` closed after a ``break`` (``contextlib.aclosing``, as trio asks
+    of every async generator) closes the follower inside it too: its log files are shut
+    when the block ends, and trio finds no generator left unfinished to warn about. Was:
+    the inner ``afollow_records`` stayed suspended with the log open until the collector
+    came, and trio reported it (a ResourceWarning, an error under a strict filter)."""
+    from contextlib import aclosing
+
+    from gpuwatch.watch.eventlog import afollow_events
+
+    log = host.root / "events.jsonl"
+    unraisable: list[Any] = []
+
+    async def main() -> None:
+        async with open_quiet(host.root, log=log) as w:
+            for n in range(5):
+                w.publish([DriverChanged(addr=NIC, old="igb" if n % 2 else "", new="")])
+            before = open_fds()
+            with anyio.fail_after(10):
+                async with aclosing(afollow_events(log, poll_interval=0.01)) as events:
+                    async for event in events:
+                        assert event["seq"] == 1
+                        break
+            assert open_fds() == before, "the follower kept the log open"
+            gc.collect()
+            await anyio.sleep(0.05)  # a finaliser the loop runs would run now
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        anyio.run(main, backend=backend)
+    finally:
+        sys.unraisablehook = hook
+    assert [str(u.exc_value) for u in unraisable] == []
