@@ -312,6 +312,25 @@ async def test_a_bad_log_size_is_a_usage_error(host: SysRoot) -> None:
             pass
 
 
+@pytest.mark.parametrize(("keyword", "value"), [
+    ("log_keep", -1), ("log_keep", 1001), ("log_max_bytes", 0),
+    ("reconcile_interval", -1), ("cdi_poll_interval", float("nan")),
+    ("vgpu_poll_interval", -5.0), ("vfio_node_poll_interval", float("nan")),
+])
+async def test_a_bad_setting_is_refused_with_or_without_a_log(host: SysRoot, keyword: str,
+                                                              value: float) -> None:
+    """What the watcher's keywords refuse, it refuses whether or not a log is given (an
+    orchestrator that logs only in production met the error only there), and an interval
+    that is negative or NaN is refused as the CLI's settings refuse it, not taken for
+    "off" without a word. Was: accepted, and the poll or reconcile silently never ran."""
+    source = MemorySource()
+    with pytest.raises(gpuwatch.UsageError, match=keyword):
+        async with gpuwatch.open_watcher(host.root, source, **{keyword: value}):
+            pytest.fail("a refused setting opened the watcher")
+    with pytest.raises(anyio.ClosedResourceError):
+        source.push(host.uevent_props("change", NIC))  # the source handed in was closed
+
+
 async def test_the_watcher_probe_takes_a_vendor_like_the_host(host: SysRoot) -> None:
     async with open_quiet(host.root) as w:
         assert isinstance(w, Host)
