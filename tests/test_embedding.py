@@ -3,8 +3,10 @@ bad arguments and exceptions reaching the caller as themselves."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
@@ -310,6 +312,25 @@ async def test_a_bad_log_size_is_a_usage_error(host: SysRoot) -> None:
             pass
 
 
+@pytest.mark.parametrize(("keyword", "value"), [
+    ("log_keep", -1), ("log_keep", 1001), ("log_max_bytes", 0),
+    ("reconcile_interval", -1), ("cdi_poll_interval", float("nan")),
+    ("vgpu_poll_interval", -5.0), ("vfio_node_poll_interval", float("nan")),
+])
+async def test_a_bad_setting_is_refused_with_or_without_a_log(host: SysRoot, keyword: str,
+                                                              value: float) -> None:
+    """What the watcher's keywords refuse, it refuses whether or not a log is given (an
+    orchestrator that logs only in production met the error only there), and an interval
+    that is negative or NaN is refused as the CLI's settings refuse it, not taken for
+    "off" without a word. Was: accepted, and the poll or reconcile silently never ran."""
+    source = MemorySource()
+    with pytest.raises(gpuwatch.UsageError, match=keyword):
+        async with gpuwatch.open_watcher(host.root, source, **{keyword: value}):
+            pytest.fail("a refused setting opened the watcher")
+    with pytest.raises(anyio.ClosedResourceError):
+        source.push(host.uevent_props("change", NIC))  # the source handed in was closed
+
+
 async def test_the_watcher_probe_takes_a_vendor_like_the_host(host: SysRoot) -> None:
     async with open_quiet(host.root) as w:
         assert isinstance(w, Host)
@@ -430,3 +451,41 @@ async def test_a_replay_left_before_its_end_lets_go_of_the_log_files_at_once(
         assert len(readers) == 1
         assert readers[0].gi_frame is None, "the log reader was left suspended"
         assert open_fds() <= before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_log_follower_closed_early_lets_go_of_its_files_at_once(host: SysRoot,
+                                                                  backend: str) -> None:
+    """``afollow_events`` closed after a ``break`` (``contextlib.aclosing``, as trio asks
+    of every async generator) closes the follower inside it too: its log files are shut
+    when the block ends, and trio finds no generator left unfinished to warn about. Was:
+    the inner ``afollow_records`` stayed suspended with the log open until the collector
+    came, and trio reported it (a ResourceWarning, an error under a strict filter)."""
+    from contextlib import aclosing
+
+    from gpuwatch.watch.eventlog import afollow_events
+
+    log = host.root / "events.jsonl"
+    unraisable: list[Any] = []
+
+    async def main() -> None:
+        async with open_quiet(host.root, log=log) as w:
+            for n in range(5):
+                w.publish([DriverChanged(addr=NIC, old="igb" if n % 2 else "", new="")])
+            before = open_fds()
+            with anyio.fail_after(10):
+                async with aclosing(afollow_events(log, poll_interval=0.01)) as events:
+                    async for event in events:
+                        assert event["seq"] == 1
+                        break
+            assert open_fds() == before, "the follower kept the log open"
+            gc.collect()
+            await anyio.sleep(0.05)  # a finaliser the loop runs would run now
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        anyio.run(main, backend=backend)
+    finally:
+        sys.unraisablehook = hook
+    assert [str(u.exc_value) for u in unraisable] == []

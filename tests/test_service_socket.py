@@ -1163,6 +1163,65 @@ def test_leaving_async_events_early_leaves_nothing_to_finalise(
     assert anyio.run(main, backend=backend) == []
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_client_used_after_close_says_it_is_closed(
+    host: SysRoot, sockdir: str, tmp_path: Path, backend: str
+) -> None:
+    """Both clients closed (twice: no error) and used again say in words that the client is
+    closed, a `UsageError` (the caller's doing), also for an `events()` loop and for an
+    `AsyncClient` closed by another task while this one waits for an event. Was: EBADF as
+    a `DaemonUnavailable` ("connection ... broke: Bad file descriptor"), a bare `OSError`
+    from `Client.events`, a bare `anyio.ClosedResourceError` from `AsyncClient.events`,
+    and "the daemon closed the connection" for a close of the caller's own."""
+
+    def blocking(path: str) -> list[str]:
+        said: list[str] = []
+        subscribed = Client(path)
+        subscribed.subscribe(types=["driver-changed"])
+        for c in (Client(path), subscribed):
+            c.close()
+            c.close()
+            with pytest.raises(UsageError, match="client is closed") as info:
+                c.probe("detect-gpu")
+            said.append(str(info.value))
+            with pytest.raises(UsageError, match="client is closed") as info:
+                next(iter(c.events(timeout=1)))
+            said.append(str(info.value))
+        return said
+
+    async def main() -> list[str]:
+        said: list[str] = []
+        async with daemon(host, sockdir, tmp_path) as served:
+            c = await AsyncClient.connect(served.path)
+            assert await c.probe("detect-gpu") is True
+            await c.aclose()
+            await c.aclose()
+            with pytest.raises(UsageError, match="client is closed") as info:
+                await c.probe("detect-gpu")
+            said.append(str(info.value))
+            with pytest.raises(UsageError, match="client is closed"):
+                async for _event in c.events(timeout=1):
+                    pass
+            waiting = await AsyncClient.connect(served.path)
+            await waiting.subscribe(types=["driver-changed"])
+
+            async def close_soon() -> None:
+                await anyio.sleep(0.05)
+                await waiting.aclose()
+
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(close_soon)
+                    with pytest.raises(UsageError, match="client is closed"):
+                        async for _event in waiting.events():
+                            pass
+            said += await anyio.to_thread.run_sync(blocking, served.path)
+        return said
+
+    said = anyio.run(main, backend=backend)
+    assert len(said) == 5 and all(s == said[0] for s in said)
+
+
 @contextlib.contextmanager
 def listener_that_never_answers(sockdir: str) -> Iterator[tuple[str, Callable[[], bytes]]]:
     """A unix socket nobody answers: the callable returns what its one client has sent

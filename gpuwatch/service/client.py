@@ -256,6 +256,12 @@ class DaemonUnavailable(HostError, ConnectionError):
     code = SERVICE
 
 
+def _closed_error() -> UsageError:
+    """A client used after its own ``close``: the caller's doing, said in words (the socket
+    underneath would say EBADF, or blame the daemon for a close that was ours)."""
+    return UsageError("this client is closed: connect another to go on")
+
+
 def _take(lines: deque[bytes]) -> bytes:
     """The next reply line; one over `_MAX_REPLY` ends the connection's usefulness."""
     line = lines.popleft()
@@ -388,6 +394,7 @@ class Client:
         self._subscribed = False
         #: Why this connection can carry no more requests (a request cut off part-way).
         self._broken: str | None = None
+        self._closed = False
 
     # -- plumbing
 
@@ -432,6 +439,8 @@ class Client:
             except TimeoutError:
                 raise
             except OSError as exc:
+                if self._closed:  # closed by another thread while this one waited
+                    raise _closed_error() from None
                 raise DaemonUnavailable(f"connection to {self.path} broke: {exc}") from None
             if not chunk:
                 raise DaemonUnavailable(f"the daemon at {self.path} closed the connection")
@@ -447,6 +456,8 @@ class Client:
         ``timeout`` overrides the client's for this call (a switch may take its own
         90 seconds; ``timeout=None`` waits as long as it takes).
         """
+        if self._closed:
+            raise _closed_error()
         if self._subscribed:
             raise UsageError("this connection streams events; open another Client to call")
         if self._broken is not None:
@@ -461,6 +472,8 @@ class Client:
         except TimeoutError:
             raise
         except OSError as exc:
+            if self._closed:
+                raise _closed_error() from None
             # Refused at accept and closed before our request went out: the reason waits.
             raise self._refused() or DaemonUnavailable(
                 f"connection to {self.path} broke: {exc}") from None
@@ -488,6 +501,8 @@ class Client:
         return _first_refusal(self._lines)
 
     def close(self) -> None:
+        """Close the connection (again: nothing); a later call is a `UsageError`."""
+        self._closed = True
         self._sock.close()
 
     def __enter__(self) -> Self:
@@ -538,6 +553,8 @@ class Client:
         before it arrive: dripped, or as lines that are no events."""
         timeout = _bounded(timeout)
         while True:
+            if self._closed:
+                raise _closed_error()
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 event = _event(_decode(self._readline(timeout, deadline), self.path))
@@ -583,6 +600,7 @@ class AsyncClient:
         self._lock = anyio.Lock()
         #: Why this connection can carry no more requests (a request cut off part-way).
         self._broken: str | None = None
+        self._closed = False
 
     @classmethod
     async def connect(cls, path: str | os.PathLike[str] | None = None, *,
@@ -622,7 +640,10 @@ class AsyncClient:
                 return _take(self._lines)
             try:
                 chunk = await self._stream.receive(1 << 16)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                    OSError):
+                if self._closed:  # closed by another task while this one waited
+                    raise _closed_error() from None
                 raise DaemonUnavailable(
                     f"the daemon at {self.path} closed the connection") from None
             self._lines.extend(self._framer.feed(chunk))
@@ -654,6 +675,8 @@ class AsyncClient:
                    timeout: float | EllipsisType | None = ...) -> Any:
         """As `Client.call`: ``timeout`` bounds sending the request and waiting for its
         reply together (`TimeoutError`)."""
+        if self._closed:
+            raise _closed_error()
         if self._subscribed:
             raise UsageError("this connection streams events; open another client to call")
         async with self._lock:
@@ -667,6 +690,8 @@ class AsyncClient:
                 try:
                     await self._send(request)
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                    if self._closed:
+                        raise _closed_error() from None
                     # Refused at accept and closed before our request went out: the reason
                     # waits.
                     raise await self._refused() or DaemonUnavailable(
@@ -698,6 +723,8 @@ class AsyncClient:
         return _first_refusal(self._lines)
 
     async def aclose(self) -> None:
+        """Close the connection (again: nothing); a later call is a `UsageError`."""
+        self._closed = True
         await self._stream.aclose()
 
     async def __aenter__(self) -> Self:
@@ -777,6 +804,8 @@ class _AsyncEvents:
 
     async def __anext__(self) -> dict[str, Any]:
         client = self._client
+        if client._closed:
+            raise _closed_error()
         if client._broken is not None:
             raise DaemonUnavailable(client._broken)
         event: dict[str, Any] | None = None

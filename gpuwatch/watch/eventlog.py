@@ -26,7 +26,15 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Generator, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Collection,
+    Generator,
+    Iterator,
+    Sequence,
+)
 from types import TracebackType
 from typing import IO, Any, NamedTuple
 
@@ -2151,7 +2159,7 @@ async def afollow_records(
     types: Collection[str] | None = None,
     poll_interval: float = 0.1,
     stop: Callable[[], bool] | None = None,
-) -> AsyncIterator[EventRecord]:
+) -> AsyncGenerator[EventRecord, None]:
     """Async :func:`follow_records`. Reads run inline: local-file reads are short and
     bounded per poll, cheaper than a thread hop per batch."""
     follower = _Follower(path, since_seq, types, runs=True)
@@ -2177,8 +2185,13 @@ async def afollow_events(
     poll_interval: float = 0.1,
     stop: Callable[[], bool] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Async :func:`follow_events` (for the socket service); cancel it or use ``stop``."""
-    async for record in afollow_records(
+    """Async :func:`follow_events` (for the socket service); cancel it or use ``stop``.
+
+    Closed early (``contextlib.aclosing`` after a ``break``), it closes the follower it
+    wraps then, with its files: left to the collector, that one would keep the log open
+    meanwhile, and trio warns of every async generator it finalises."""
+    async with contextlib.aclosing(afollow_records(
         path, since_seq=since_seq, types=types, poll_interval=poll_interval, stop=stop
-    ):
-        yield record.event
+    )) as records:
+        async for record in records:
+            yield record.event

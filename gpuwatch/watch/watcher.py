@@ -34,6 +34,7 @@ from gpuwatch.core.events import (
     format_event_time,
     stamp,
 )
+from gpuwatch.core.limits import MAX_LOG_KEEP
 from gpuwatch.core.observations import NodeSeen, Observation, Snapshot
 from gpuwatch.core.pci import parse_addr
 from gpuwatch.core.state import HostState
@@ -859,8 +860,11 @@ async def open_watcher(
     src: EventSource | None = None if isinstance(source, str) else source
     event_log: EventLog | None = None
     try:
-        if subscriber_buffer < 1:
-            raise UsageError(f"subscriber_buffer must be >= 1, not {subscriber_buffer}")
+        _check_options(subscriber_buffer=subscriber_buffer, log_max_bytes=log_max_bytes,
+                       log_keep=log_keep, reconcile_interval=reconcile_interval,
+                       cdi_poll_interval=cdi_poll_interval,
+                       vgpu_poll_interval=vgpu_poll_interval,
+                       vfio_node_poll_interval=vfio_node_poll_interval)
         config = read_once(config)  # the file read once: its tables, root and timeout
         tables = tables_in_force(config)
         root = root_in_force(root, config)
@@ -915,6 +919,24 @@ async def open_watcher(
             src.close()
         if event_log is not None and not isinstance(log, EventLog):
             event_log.close()
+
+
+def _check_options(*, subscriber_buffer: int, log_max_bytes: int | None, log_keep: int,
+                   **intervals: float) -> None:
+    """Refuse what `open_watcher` cannot honour, whether or not a log is given (a caller that
+    logs only in production would meet the error only there). An interval below 0 or NaN
+    would be taken for "off" without a word (``0`` is the documented off), as the CLI's
+    settings refuse it."""
+    if subscriber_buffer < 1:
+        raise UsageError(f"subscriber_buffer must be >= 1, not {subscriber_buffer}")
+    if log_max_bytes is not None and log_max_bytes < 1:
+        raise UsageError(f"log_max_bytes must be >= 1, not {log_max_bytes}")
+    if not 0 <= log_keep <= MAX_LOG_KEEP:
+        raise UsageError(f"log_keep must be from 0 to {MAX_LOG_KEEP}, not {log_keep}")
+    for name, seconds in intervals.items():
+        if not seconds >= 0:  # NaN too
+            raise UsageError(f"{name} must be a number of seconds >= 0 (0: off), "
+                             f"not {seconds}")
 
 
 def _dropped_text(dropped: int, unkept: int) -> str:
