@@ -157,3 +157,17 @@ def test_the_capture_command_writes_an_archive(tmp_path: Path,
     assert "entries" in capsys.readouterr().err
     with tarfile.open(tmp_path / "out.tar.gz") as tar:
         assert "sys/bus/pci/devices/0000:00:02.0" in tar.getnames()
+
+
+def test_odd_bytes_in_names_and_link_targets_survive_the_capture(tmp_path: Path) -> None:
+    """Names are bytes on Linux: a DRM connector or a link target that is no UTF-8 is kept as
+    it was, not a crash of the capture."""
+    host = example_gpu_host(tmp_path / "host")
+    drm = host.root / "sys/class/drm"
+    odd = os.fsdecode(b"card9-\xff\xfe")
+    os.symlink(os.fsdecode(b"../../devices/\xffodd"), drm / odd)
+    data, _ = capture(str(host.root))
+    (tmp_path / "host.tar.gz").write_bytes(data)
+    extract(str(tmp_path / "host.tar.gz"), str(tmp_path / "copy"))
+    assert os.readlink(tmp_path / "copy/sys/class/drm" / odd) == os.fsdecode(
+        b"../../devices/\xffodd")

@@ -103,7 +103,8 @@ class _Capture:
     def add_link(self, rel: str, target: str) -> None:
         self._dirs_to(rel)
         info = tarfile.TarInfo(rel)
-        info.type, info.linkname = tarfile.SYMTYPE, self.sanitize(target.encode()).decode()
+        info.type = tarfile.SYMTYPE
+        info.linkname = os.fsdecode(self.sanitize(os.fsencode(target)))
         self.members[rel] = info
 
     def add_file(self, rel: str, data: bytes, mode: int = 0o444) -> None:
