@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_main
 
 import gpuwatch
 from gpuwatch.core.observations import NodeStat
@@ -641,3 +642,25 @@ def test_a_hand_written_devname_is_no_node_out_of_the_tree(host: SysRoot) -> Non
                                            "SUBSYSTEM": "drm", "DEVNAME": climb})
     seen = observe(HostPaths(host.root), default_tables(), event)
     assert seen[-1] == NodeSeen("/dev/" + climb, None)
+
+
+@pytest.mark.parametrize(("driver", "spec", "says"), [
+    ("nvidia", False, "not usable: a GPU is on nvidia, but there is no CDI spec "
+     "(/etc/cdi/nvidia.yaml, /var/run/cdi/nvidia.yaml) and no nvidia-ctk on PATH"),
+    ("nvidia", True, "usable (nvidia loaded, CDI reachable, a GPU on nvidia)"),
+    ("vfio-pci", True, "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, and a GPU "
+     "on nvidia)"),
+])
+def test_status_says_what_keeps_nvidia_from_being_usable(
+        empty_host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], driver: str, spec: bool, says: str) -> None:
+    """A host with the driver up and no container toolkit (a real H100 guest was one) is
+    told that CDI is what it lacks, not handed the whole list of needs."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-ctk
+    empty_host.add_function("0000:01:00.0", driver=driver, iommu_group=1)
+    empty_host.add_module("nvidia")
+    if spec:
+        empty_host.add_cdi_spec("etc")
+    code, out, _ = run_main(capsys, "status", "--no-daemon", "--root", str(empty_host.root))
+    assert code == 0
+    assert f"NVIDIA:   {says}" in out

@@ -194,6 +194,19 @@ def _fmt_bytes(value: int | None) -> str:
     return f"{value} B"
 
 
+def _nvidia_line(report: dict[str, Any]) -> str:
+    """Why NVIDIA is (not) usable, naming what is missing where the report tells: a GPU on
+    nvidia proves the module loaded, so only CDI can be lacking (a real host with the
+    driver up and no container toolkit installed)."""
+    if report["nvidia_usable"]:
+        return "usable (nvidia loaded, CDI reachable, a GPU on nvidia)"
+    if any(gpu["driver"] == "nvidia" for gpu in report["gpus"]):
+        return ("not usable: a GPU is on nvidia, but there is no CDI spec "
+                "(/etc/cdi/nvidia.yaml, /var/run/cdi/nvidia.yaml) and no nvidia-ctk on PATH "
+                "to make one (install the NVIDIA Container Toolkit, then gpuwatch ensure-cdi)")
+    return "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, and a GPU on nvidia)"
+
+
 def render_status(report: dict[str, Any]) -> str:
     """``gpuwatch status``'s text of a status report in its JSON form."""
     io = report["iommu"]
@@ -206,10 +219,7 @@ def render_status(report: dict[str, Any]) -> str:
     lines.append(
         f"vfio-pci: {'loaded' if report['vfio_pci_loaded'] else 'not loaded (modprobe vfio-pci)'}"
     )
-    lines.append("NVIDIA:   " + ("usable (nvidia loaded, CDI reachable, a GPU on nvidia)"
-                                 if report["nvidia_usable"] else
-                                 "not usable (needs nvidia loaded, a CDI spec or nvidia-ctk, "
-                                 "and a GPU on nvidia)"))
+    lines.append("NVIDIA:   " + _nvidia_line(report))
     ml = report["memlock"]
     lines.append(f"memlock:  {_fmt_bytes(ml['soft'])} (hard {_fmt_bytes(ml['hard'])}): "
                  f"{ml['verdict']}")
