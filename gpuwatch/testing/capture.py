@@ -297,6 +297,9 @@ def capture(root: str = "/") -> tuple[bytes, dict[str, object]]:
 
 def extract(archive: str, dest: str) -> dict[str, object]:
     """Lay a capture out under ``dest`` (links stay links); returns its manifest."""
+    if not hasattr(tarfile, "data_filter"):  # Python 3.11.0-3.11.3: no safe extraction
+        raise RuntimeError("extracting a capture needs Python 3.11.4 or newer (tarfile's "
+                           "data filter)")
     with tarfile.open(archive, "r:gz") as tar:
         tar.extractall(dest, filter="data")
     with open(os.path.join(dest, "capture.json"), encoding="utf-8") as f:
