@@ -4,16 +4,33 @@ Both must outlive the process (a restarted watcher, the next ``gpuwatch mode``) 
 boot (a reboot frees a wedged device, and starts nvidia-persistenced by its own unit). So each
 is a JSON object holding the kernel's ``boot_id``; a record of another boot reads as empty.
 Writes are atomic (a new file renamed over the old), reads refuse anything but a small
-regular file (a FIFO planted there is never waited on).
+regular file (a FIFO planted there is never waited on) that only root (or the user we run
+as) could have written: no link (the record is never one: a link to ``/etc/shadow`` is not
+read), no file of another user's or that others may write, none in a directory another user
+controls. Root acts on these records (a switch clears the ``driver_override`` of the
+functions an abandoned switch's record names), so one another user could forge is absent.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import stat
 from typing import Any
 
-from gpuwatch.hostfs.files import in_tree, place_in_root, read_attr, read_bytes, write_atomic
+from gpuwatch.hostfs.files import (
+    NotARegularFile,
+    in_tree,
+    make_dirs,
+    place_in_root,
+    read_attr,
+    write_atomic,
+)
+from gpuwatch.ownership import not_ours, others_control, others_may_write
+
+_log = logging.getLogger(__name__)
 
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
 #: Such a file holds a few entries; one longer than this is not ours.
@@ -28,9 +45,9 @@ def boot_id(root: str) -> str:
 
 def read_record(path: str, boot: str) -> dict[str, Any]:
     """The record at ``path`` when it was written in boot ``boot``; else (another boot, no
-    file, garbage, a special file) ``{}``."""
+    file, garbage, a special file, a link, a file another user could have written) ``{}``."""
     try:
-        data = json.loads(read_bytes(path, RECORD_MAX_BYTES))
+        data = json.loads(_read_ours(path))
     except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict) or data.get("boot_id") != boot:
@@ -38,9 +55,42 @@ def read_record(path: str, boot: str) -> dict[str, Any]:
     return data
 
 
+def _read_ours(path: str) -> bytes:
+    """The bytes of the record at ``path``, if it is a small regular file no one but root
+    (or us) could have written; `OSError` otherwise. Looked at before it is opened (a device
+    node is never opened: its driver's open would run), opened without following a link,
+    and looked at again on the descriptor (a swap in between is caught)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARegularFile(errno.EINVAL, "not a regular file", path)
+        why = not_ours(st) or others_may_write(st)
+        where = None if why else others_control(path)
+        if why or where:
+            _log.warning("ignoring %s: %s, so another user could have written it",
+                         path, f"it {why}" if why else where)
+            raise OSError(errno.EPERM, "not a record of ours", path)
+        data = os.read(fd, RECORD_MAX_BYTES + 1)
+        while data and len(data) <= RECORD_MAX_BYTES:
+            more = os.read(fd, RECORD_MAX_BYTES + 1 - len(data))
+            if not more:
+                break
+            data += more
+        if len(data) > RECORD_MAX_BYTES:
+            raise OSError(errno.EFBIG, f"longer than {RECORD_MAX_BYTES} bytes", path)
+        return data
+    finally:
+        os.close(fd)
+
+
 def write_record(path: str, data: dict[str, Any]) -> None:
     """Replace the record at ``path`` atomically; `OSError` (read-only, full) to the caller."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    # 0755 whatever the umask: a folder others may write (a umask of 0) would make every
+    # record in it one another user could have written (`read_record`).
+    make_dirs(os.path.dirname(path) or ".")
     write_atomic(path, json.dumps(data, indent=1) + "\n", 0o600)
 
 

@@ -208,6 +208,25 @@ def write_atomic(path: str, content: str | bytes, mode: int = 0o644, *,
             os.close(dfd)
 
 
+def make_dirs(folder: str) -> None:
+    """``os.makedirs`` of a folder gpuwatch keeps records or locks in, each folder it makes
+    0755 at most whatever the umask (``os.makedirs`` gives the ones above 0777 less the
+    umask: all of them world-writable under a umask of 0). `OSError` to the caller."""
+    missing: list[str] = []
+    here = os.path.abspath(folder)
+    while not os.path.isdir(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+            os.mkdir(path, 0o755)
+    if not os.path.isdir(folder):
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), folder)
+
+
 #: Where a path whose links loop leads: under a file that is no folder (``/dev/null``), so
 #: every read there fails (ENOTDIR) and so does every write, a ``makedirs`` included: no
 #: tree can hold it, nor be made to by a write that lands there.

@@ -22,12 +22,17 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict, dataclass, replace
+from typing import TypeGuard
 
+from gpuwatch.core.modes import MODES
+from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.core.plan import PoisonKey
 from gpuwatch.hostfs.bootstate import boot_id, read_record, write_record
 from gpuwatch.hostfs.files import flock_holders, list_dir, place_in_root
 
 _PREFIX, _SUFFIX = "switch-", ".json"
+#: The range of a pid (``pid_t``) and of an IOMMU group number (-1: none) in a record.
+_INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
 #: Where the switch locks and these records are, under the host root.
 LOCK_DIR = "run/gpuwatch"
 
@@ -57,18 +62,30 @@ def write_journal(folder: str, key: PoisonKey, boot: str, journal: Journal) -> N
 
 
 def read_journal(folder: str, key: PoisonKey, boot: str) -> Journal | None:
-    """The record of this boot for ``key``, or None (none, another boot's, garbage)."""
+    """The record of this boot for ``key``, or None (none, another boot's, garbage).
+
+    Garbage is anything `write_journal` never writes: a field missing or of another type
+    (``"pid": Infinity``, a number past a ``pid_t``, a member that is no PCI address, a
+    mode that is none), which would otherwise stop every switch of the host, and the
+    daemon's start, with an internal error."""
     data = read_record(journal_path(folder, key), boot)
+    addr, group, pid = data.get("addr"), data.get("group"), data.get("pid")
+    from_mode, to_mode, started = data.get("from_mode"), data.get("to_mode"), data.get("started")
     members = data.get("members")
-    try:
-        return Journal(
-            addr=str(data["addr"]), group=int(data["group"]), from_mode=str(data["from_mode"]),
-            to_mode=str(data["to_mode"]),
-            members=tuple(str(m) for m in members) if isinstance(members, list) else (),
-            pid=int(data["pid"]), started=str(data["started"]),
-            reported=data.get("reported") is True)
-    except (KeyError, TypeError, ValueError):
+    if not (isinstance(addr, str) and is_pci_addr(addr) and _small_int(group)
+            and _small_int(pid) and isinstance(from_mode, str)
+            and isinstance(to_mode, str) and to_mode in MODES
+            and isinstance(started, str) and isinstance(members, list)
+            and all(isinstance(m, str) and is_pci_addr(m) for m in members)):
         return None
+    return Journal(addr=addr, group=group, from_mode=from_mode, to_mode=to_mode,
+                   members=tuple(members), pid=pid, started=started,
+                   reported=data.get("reported") is True)
+
+
+def _small_int(value: object) -> TypeGuard[int]:
+    """An integer as a record holds a pid or a group number (no bool, float or bignum)."""
+    return type(value) is int and _INT_MIN <= value <= _INT_MAX
 
 
 def mark_reported(folder: str, key: PoisonKey, boot: str, journal: Journal) -> None:
@@ -108,12 +125,17 @@ def move_journal(folder: str, key: PoisonKey, new_key: PoisonKey) -> bool:
 
 
 def journal_keys(folder: str) -> list[PoisonKey]:
-    """The keys of every record in ``folder`` (group numbers, or addresses)."""
+    """The keys of every record in ``folder``: group numbers as `journal_path` writes them
+    (ASCII decimal), or card addresses. Any other name (``switch-².json``, whose "digit"
+    ``int`` refuses, ``switch-013.json``) is not a record of ours, and is left alone."""
     keys: list[PoisonKey] = []
     for name in sorted(list_dir(folder)):
         if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
             key = name[len(_PREFIX):-len(_SUFFIX)]
-            keys.append(int(key) if key.isdigit() else key)
+            if key.isascii() and key.isdigit() and len(key) <= 10 and str(int(key)) == key:
+                keys.append(int(key))
+            elif is_pci_addr(key):
+                keys.append(key)
     return keys
 
 

@@ -110,7 +110,7 @@ from gpuwatch.hostfs.facts import (
     model_facts,
     scan_holders,
 )
-from gpuwatch.hostfs.files import place_in_root
+from gpuwatch.hostfs.files import make_dirs, place_in_root
 from gpuwatch.hostfs.journal import (
     LOCK_DIR,
     Journal,
@@ -134,6 +134,7 @@ from gpuwatch.hostfs.scan import (
 )
 from gpuwatch.hostfs.wedge import scan_wedge
 from gpuwatch.model import HostModel, holders_report
+from gpuwatch.ownership import others_control
 from gpuwatch.switch.hostops import CommandResult, HostOps, make_backend
 from gpuwatch.switch.poison import PoisonEntry, PoisonStore
 
@@ -1735,11 +1736,19 @@ class SwitchEngine:
     def _flock(self, key: int | str) -> int:
         """Across processes too: a CLI ``gpuwatch mode`` and a daemon must not race."""
         folder = self._lock_dir()
+        path = os.path.join(folder, f"switch-{key}.lock")
         try:
-            os.makedirs(folder, exist_ok=True)
+            make_dirs(folder)  # 0755 whatever the umask
+            why = others_control(path)
         except OSError as exc:
             raise self._no_lock(folder, exc) from None
-        fd = self._open_lock(os.path.join(folder, f"switch-{key}.lock"))
+        if why is not None:
+            # Whoever may add names there may hold the lock, remove a running switch's
+            # record, or plant one that names this group (whose overrides root would clear).
+            raise SwitchFailed(f"cannot take the switch lock {path}: {why}, so another user "
+                               "could take it or forge the switch records beside it; nothing "
+                               "was written")
+        fd = self._open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
