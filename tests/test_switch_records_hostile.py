@@ -176,6 +176,9 @@ def test_a_record_another_user_could_write_makes_no_host_write(
     assert kernel.writes[before:] == []
     assert kernel.overrides == {AUDIO: "vfio-pci"}
     assert "nothing to do" in out and "killed" not in out
+    # Said as the command's other lines are: one line, prefixed, naming the file.
+    warning = [line for line in err.splitlines() if f"switch-{GROUP}.json" in line]
+    assert warning and warning[0].startswith("gpuwatch: warning: ignoring "), err
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 # Documented exit codes, one table with the error codes (gpuwatch.errors): 0 done, 1 the
@@ -103,6 +105,28 @@ def to_stderr(line: str) -> None:
     except OSError:
         with contextlib.suppress(OSError):
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the process's life
+
+
+class _WarningLines(logging.Handler):
+    """gpuwatch's own warnings during a command, each one line on stderr as the command's
+    errors are (``gpuwatch: warning: …``): without it Python's last-resort handler writes the
+    bare message, a control character in a host's file name included."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        to_stderr(f"gpuwatch: warning: {one_line(record.getMessage())}")
+
+
+@contextlib.contextmanager
+def warnings_to_stderr() -> Iterator[None]:
+    """Say gpuwatch's warnings (a switch record ignored, a service that would not stop) for
+    the command's life (`mode`, `recover`: the daemon, `watch`, sets up its own logging)."""
+    logger = logging.getLogger("gpuwatch")
+    handler = _WarningLines(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def one_line(text: str) -> str:

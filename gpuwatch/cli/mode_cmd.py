@@ -27,6 +27,7 @@ from gpuwatch.cli.common import (
     fail,
     positive_seconds,
     to_stderr,
+    warnings_to_stderr,
 )
 from gpuwatch.cli.daemon import add_daemon_args, ask_daemon
 from gpuwatch.core.events import SwitchMember
@@ -301,7 +302,8 @@ def stopped_before_switch(body: Callable[[Callable[[], None]], int]) -> int:
             signal.signal(signum, handler)
 
     try:
-        return body(switch_over)
+        with warnings_to_stderr():
+            return body(switch_over)
     except _Signalled as stop:
         return stopped(stop.signum)
     finally:

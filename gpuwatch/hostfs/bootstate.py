@@ -60,7 +60,9 @@ def _read_ours(path: str) -> bytes:
     (or us) could have written; `OSError` otherwise. Looked at before it is opened (a device
     node is never opened: its driver's open would run), opened without following a link,
     and looked at again on the descriptor (a swap in between is caught)."""
-    if not stat.S_ISREG(os.lstat(path).st_mode):
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # no file at all: FileNotFoundError
+        _log.warning("ignoring %s: it is no regular file (a link, a FIFO, a device), which "
+                     "gpuwatch never writes there", path)
         raise NotARegularFile(errno.EINVAL, "not a regular file", path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY | os.O_NOFOLLOW)
     try:
