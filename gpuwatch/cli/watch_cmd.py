@@ -28,7 +28,7 @@ from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings, where_set
 from gpuwatch.sources import SourceUnavailable
-from gpuwatch.switch.hostops import Backend, make_backend
+from gpuwatch.switch.hostops import find_nsenter, make_backend
 from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
 
 if TYPE_CHECKING:
@@ -168,10 +168,11 @@ def _hangup() -> None:
 
 
 async def watch(settings: WatchSettings, log: EventLog | None = None,
-                progress: dict[str, bool] | None = None, backend: Backend | None = None) -> None:
+                progress: dict[str, bool] | None = None) -> None:
     """Run until SIGINT/SIGTERM or the end of a file source; the event in hand is finished first
-    (publishing never awaits, so cancellation can only land between events). ``backend``:
-    what a switch changes the host through (default: ``settings``' own, `make_backend`).
+    (publishing never awaits, so cancellation can only land between events). A switch changes
+    the host through `make_backend` of ``settings`` (its commands in the host's namespaces
+    with ``host_namespaces``).
 
     A signal at any moment, even during the first scan, ends the run cleanly with a
     ``stopped`` record. ``ready`` comes only once every listener is bound (run_services).
@@ -180,8 +181,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
 
     current: list[Watcher] = []
     reason = "source ended"
-    if backend is None:
-        backend = make_backend(settings.root, host_namespaces=settings.host_namespaces)
+    backend = make_backend(settings.root, host_namespaces=settings.host_namespaces)
     progress = {} if progress is None else progress
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with anyio.create_task_group() as tg:
@@ -300,10 +300,9 @@ def run(args: argparse.Namespace) -> int:
         setup_logging(settings.verbose)
         # A switch's commands in the host's namespaces need nsenter: missing, the daemon
         # stops here (exit 2), before its log, socket or a switch writes anything.
-        backend = make_backend(settings.root, host_namespaces=settings.host_namespaces,
-                               where=where_set("host_namespaces",
-                                               settings.origins.get("host_namespaces"),
-                                               settings.config_path))
+        if settings.host_namespaces:
+            find_nsenter(where_set("host_namespaces", settings.origins.get("host_namespaces"),
+                                   settings.config_path))
         # Signals wait while the log is opened: one arriving then is handled (below) with
         # the log in hand, so even it leaves a `stopped` record.
         stopping = {signal.SIGINT, signal.SIGTERM}
@@ -312,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
             log = open_log(settings)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
-        anyio.run(watch, settings, log, progress, backend)
+        anyio.run(watch, settings, log, progress)
     except (KeyboardInterrupt, _Terminated) as exc:
         _stopped_early(log, progress, exc)
         return EXIT_OK

@@ -458,12 +458,13 @@ backend_factory: Callable[[str], Backend] = default_backend
 
 
 def make_backend(root: str, *, host_namespaces: bool | None = None,
-                 config: str | os.PathLike[str] | Tables | ConfigInForce | None = None,
-                 where: str = "host_namespaces") -> Backend:
+                 config: str | os.PathLike[str] | Tables | ConfigInForce | None = None
+                 ) -> Backend:
     """The backend of ``root``; with ``host_namespaces`` (None: the setting in force, read
     from the environment and ``config`` as the daemon reads it) its commands run in the
     host's namespaces (`InHostNamespaces`), and a missing nsenter is `NsenterMissing` now,
-    naming ``where`` the setting was set."""
+    naming where the setting was set."""
+    where = "host_namespaces"
     if host_namespaces is None:
         host_namespaces, where = host_namespaces_in_force(config)
     nsenter = find_nsenter(where) if host_namespaces else None
