@@ -189,6 +189,10 @@ SETTINGS: tuple[Setting, ...] = (
     # The whole budget of one /proc scan (holders, plan, switch, wedge-detected): a process
     # stuck in the kernel can block a read of its fd, maps or stack for ever.
     Setting("proc_read_timeout", "float", 2.0, minimum=0.01, maximum=MAX_SECONDS),
+    # A switch run from a container (the Kubernetes switching overlay): every host command
+    # (systemctl, modprobe, nvidia-modprobe, nvidia-ctk) runs in the host's namespaces
+    # through nsenter, so it is the host's own tool reading the host's own configuration.
+    Setting("host_namespaces", "bool", False),
 )
 BY_KEY: Mapping[str, Setting] = {s.key: s for s in SETTINGS}
 
@@ -355,6 +359,7 @@ class WatchSettings:
     nfd_expiry: float = 3600.0
     verbose: bool = False
     proc_read_timeout: float = 2.0
+    host_namespaces: bool = False
     #: The config file in force (tables and options), or None.
     config_path: str | None = None
     #: `file_identity` of that file as it was read (from the descriptor read), or None.
@@ -503,17 +508,19 @@ def root_and_where(root: str | os.PathLike[str] | None = None,
     return "/", None
 
 
-def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | ConfigInForce
-                               | None = None,
-                               env: Mapping[str, str] | None = None) -> float:
-    """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
-    the config file's, else 2 s. A bad value is a `ConfigError` naming where it came from."""
+def _in_force(key: str, config: str | os.PathLike[str] | Tables | ConfigInForce | None,
+              env: Mapping[str, str] | None) -> tuple[Any, str | None]:
+    """A setting as the daemon resolves it, without flags (``$GPUWATCH_<KEY>``, else the
+    config file's key, else the default), and where it was set (None: the default). A bad
+    value is a `ConfigError` naming where it came from. For what direct commands and the
+    library share with the daemon."""
     env = os.environ if env is None else env
-    s = BY_KEY["proc_read_timeout"]
+    s = BY_KEY[key]
+    where: str | None = None
     try:
         if s.env in env:
             where = f"environment {s.env}"
-            return float(_validate(s, _from_text(s, env[s.env])))
+            return _validate(s, _from_text(s, env[s.env])), where
         if isinstance(config, ConfigInForce):
             path, raw = config.path, config.raw  # the one read of the file
         elif config is None or isinstance(config, str | os.PathLike):
@@ -523,10 +530,28 @@ def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | ConfigI
             path, raw = None, {}  # tables given as such name no file
         if path is not None and s.key in raw:
             where = f"{path}: {s.key}"
-            return float(_validate(s, _from_file(s, raw[s.key])))
+            return _validate(s, _from_file(s, raw[s.key])), where
     except _Bad as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return float(s.default)
+    return s.default, None
+
+
+def proc_read_timeout_in_force(config: str | os.PathLike[str] | Tables | ConfigInForce
+                               | None = None,
+                               env: Mapping[str, str] | None = None) -> float:
+    """``proc_read_timeout`` as the daemon resolves it: ``$GPUWATCH_PROC_READ_TIMEOUT``, else
+    the config file's, else 2 s. A bad value is a `ConfigError` naming where it came from."""
+    return float(_in_force("proc_read_timeout", config, env)[0])
+
+
+def host_namespaces_in_force(config: str | os.PathLike[str] | Tables | ConfigInForce
+                             | None = None,
+                             env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """``host_namespaces`` as the daemon resolves it (``$GPUWATCH_HOST_NAMESPACES``, else the
+    config file's, else off) and where it was set, for an error to name: a direct ``gpuwatch
+    mode`` in the daemon's container runs its commands where the daemon would."""
+    on, where = _in_force("host_namespaces", config, env)
+    return bool(on), where or "host_namespaces"
 
 
 def load_settings(
@@ -947,6 +972,7 @@ __all__ = [
     "default_socket_gid",
     "default_tables",
     "file_identity",
+    "host_namespaces_in_force",
     "load_settings",
     "load_tables",
     "parse_listen_address",

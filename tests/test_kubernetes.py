@@ -328,14 +328,44 @@ def test_switching_overlay_adds_exactly_what_a_switch_needs() -> None:
     for writable in ("sys", "dev", "etc/cdi", "var/run/cdi"):
         assert by_path[f"{root}/{writable}"][0].get("readOnly") is False
     assert by_path[f"{root}/proc"][0]["readOnly"] is True
-    assert by_path["/lib/modules"][1]["hostPath"]["path"] == "/lib/modules"
+    # modprobe is the host's (in its namespaces), reading the host's /lib/modules: the
+    # container's own /lib/modules, and its modprobe, are never used.
+    assert "/lib/modules" not in by_path
     poison_dir = f"{root}/{os.path.dirname(DEFAULT_POISON_FILE)}"
     assert by_path[poison_dir][1]["hostPath"]["path"] == "/var/lib/gpuwatch"
     assert pod["terminationGracePeriodSeconds"] >= 120  # a switch's own bound is 90 s
     # Everything else is the base's.
     for key in ("affinity", "tolerations", "serviceAccountName"):
         assert pod[key] == base["spec"]["template"]["spec"][key]
-    assert c["env"] == container(base)["env"] and c["image"] == container(base)["image"]
+    assert c["env"] == [*container(base)["env"],
+                        {"name": "GPUWATCH_HOST_NAMESPACES", "value": "true"}]
+    assert c["image"] == container(base)["image"]
+
+
+def test_switching_overlay_runs_host_commands_in_the_hosts_namespaces() -> None:
+    """The image has no systemctl, nvidia-modprobe or nvidia-ctk, its modprobe would read the
+    image's modprobe.d, and the host's /run/systemd is not mounted: the overlay's switch runs
+    each host command through nsenter into PID 1's namespaces. That needs the setting on (as
+    the daemon reads the pod's environment), PID 1 to be the host's init (hostPID), the
+    capabilities of setns (a privileged container has every one, and no seccomp filter), and
+    nsenter in the image. The read-only base runs no command and sets none of it."""
+    from gpuwatch.switch.hostops import NSENTER_ARGS
+
+    ds, base = daemonset(SWITCHING), daemonset(DEFAULT)
+    pod, c = ds["spec"]["template"]["spec"], container(ds)
+    env = {k: v for k, v in pod_env(ds).items() if k.startswith("GPUWATCH_")}
+    assert load_settings({}, env=env, default_config="/nonexistent").host_namespaces is True
+    base_env = {k: v for k, v in pod_env(base).items() if k.startswith("GPUWATCH_")}
+    assert load_settings({}, env=base_env, default_config="/nonexistent").host_namespaces is False
+    assert NSENTER_ARGS[:2] == ("--target", "1") and pod["hostPID"] is True
+    assert "hostPID" not in base["spec"]["template"]["spec"]
+    security = c["securityContext"]
+    assert security["privileged"] is True and security["allowPrivilegeEscalation"] is True
+    assert not security["capabilities"].get("drop")  # the base's drop ALL is undone
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["container.apparmor.security.beta.kubernetes.io/gpuwatch"] == "unconfined"
+    packages = " ".join(rest for word, rest in containerfile() if word == "RUN")
+    assert re.search(r"apt-get install [^&]*\butil-linux\b", packages)  # nsenter
 
 
 def test_switching_overlay_can_write_everywhere_a_switch_writes() -> None:

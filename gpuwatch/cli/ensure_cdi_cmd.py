@@ -11,7 +11,7 @@ import sys
 
 import anyio
 
-from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, fail
+from gpuwatch.cli.common import EXIT_FAILURE, EXIT_OK, add_root_args, check_root, config_of, fail
 from gpuwatch.cli.fast import reader_may_leave
 from gpuwatch.jsonout import dumps
 from gpuwatch.switch.engine import CdiOutcome, ensure_cdi
@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     check_root(args.root)
-    backend = make_backend(args.root)
+    backend = make_backend(args.root, config=config_of(args))
 
     async def go() -> CdiOutcome:
         return await ensure_cdi(args.root, backend.ops, euid=backend.geteuid())

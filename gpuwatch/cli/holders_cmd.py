@@ -38,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
         report = answer.value
     else:
         report = holders_report(scan(args.root, config_of(args)), addr=addr, vendor=vendor,
-                                euid=make_backend(args.root).geteuid())
+                                euid=make_backend(args.root, host_namespaces=False).geteuid())
     print_holders(report, args.json, dumps)
     return EXIT_OK

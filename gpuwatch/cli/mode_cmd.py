@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
         # switch of the group was killed half-way and may have left a driver_override that
         # vfio mode never leaves: root clears it (the switch below), anyone else is told.
         left = find_abandoned(args.root, poison_key(card)) if mode == "vfio" else None
-        backend = make_backend(args.root) if left is not None else None
+        backend = make_backend(args.root, config=config_of(args)) if left is not None else None
         if backend is None or backend.geteuid() != 0:
             notes = [] if left is None else [
                 f"an earlier switch of group {card.iommu_group} to {left.to_mode} (pid "
@@ -360,7 +360,7 @@ def _run(args: argparse.Namespace, switch_over: Callable[[], None]) -> int:
                 members=[SwitchMember(addr=m.addr, driver=m.driver) for m in members],
                 duration_ms=0.0, changed=False, notes=notes), args.json)
             return EXIT_OK
-    backend = backend or make_backend(args.root)
+    backend = backend or make_backend(args.root, config=config_of(args))
     if backend.geteuid() != 0:
         raise NotPrivileged("switching drivers needs root (it writes to sysfs and loads "
                             "modules)")

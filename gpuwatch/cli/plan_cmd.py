@@ -56,7 +56,7 @@ def _local_plan(args: argparse.Namespace, mode: Mode | None, addr: str | None,
     elif mode is None:
         mode = default_mode(find_card(model.state, addr=addr, vendor=vendor)[1])
     load_poison(model)
-    backend = make_backend(args.root)
+    backend = make_backend(args.root, config=config_of(args))
     plan = plan_for_host(model, mode, addr=addr, vendor=vendor, euid=backend.geteuid(),
                          which=backend.ops.which, force=args.force, vfio_driver=vfio_driver,
                          example=args.example)

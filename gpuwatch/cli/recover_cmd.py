@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     guard = switch_guard(card, "vfio", action="recover")
     if guard is not None:  # not an NVIDIA card: refused before anything, root or not
         raise SwitchRefused(guard.reason)
-    backend = make_backend(args.root)
+    backend = make_backend(args.root, config=config_of(args))
     if backend.geteuid() != 0:
         raise NotPrivileged("recover needs root (it writes to sysfs and loads modules)")
     wedge = scan_wedge(model.root, deadline=model.proc_deadline)

@@ -28,6 +28,7 @@ from gpuwatch.host import open_host
 from gpuwatch.service.protocol import DEFAULT_SOCKET_PATH
 from gpuwatch.settings import SETTINGS, WatchSettings, load_settings, where_set
 from gpuwatch.sources import SourceUnavailable
+from gpuwatch.switch.hostops import find_nsenter, make_backend
 from gpuwatch.watch.eventlog import EventLog, EventLogUnavailable
 
 if TYPE_CHECKING:
@@ -102,6 +103,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--proc-read-timeout", default=None, metavar="S",
                    help="budget of one /proc scan for holders and stuck tasks, in seconds "
                         "(default 2); a process not read in time counts as a holder")
+    p.add_argument("--host-namespaces", action="store_true", default=None,
+                   help="run a switch's host commands (systemctl, modprobe, nvidia-modprobe, "
+                        "nvidia-ctk) in the host's namespaces through nsenter: for a daemon "
+                        "in a container with the host's PID namespace (docs/kubernetes.md)")
     p.add_argument("-v", "--verbose", action="store_true", default=None,
                    help="log source details to stderr")
     p.set_defaults(func=run)
@@ -165,7 +170,9 @@ def _hangup() -> None:
 async def watch(settings: WatchSettings, log: EventLog | None = None,
                 progress: dict[str, bool] | None = None) -> None:
     """Run until SIGINT/SIGTERM or the end of a file source; the event in hand is finished first
-    (publishing never awaits, so cancellation can only land between events).
+    (publishing never awaits, so cancellation can only land between events). A switch changes
+    the host through `make_backend` of ``settings`` (its commands in the host's namespaces
+    with ``host_namespaces``).
 
     A signal at any moment, even during the first scan, ends the run cleanly with a
     ``stopped`` record. ``ready`` comes only once every listener is bound (run_services).
@@ -174,6 +181,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
 
     current: list[Watcher] = []
     reason = "source ended"
+    backend = make_backend(settings.root, host_namespaces=settings.host_namespaces)
     progress = {} if progress is None else progress
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with anyio.create_task_group() as tg:
@@ -199,6 +207,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
                 log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
                 reconcile_interval=settings.reconcile_interval,
                 receive_buffer=settings.receive_buffer, announce=False,
+                ops=backend.ops, geteuid=backend.geteuid,
             ) as host:
                 host.watcher.model.proc_deadline = settings.proc_read_timeout
                 current.append(host.watcher)
@@ -289,6 +298,11 @@ def run(args: argparse.Namespace) -> int:
         check_root(settings.root, None if origin in (None, "flag") else
                    where_set("root", origin, settings.config_path))
         setup_logging(settings.verbose)
+        # A switch's commands in the host's namespaces need nsenter: missing, the daemon
+        # stops here (exit 2), before its log, socket or a switch writes anything.
+        if settings.host_namespaces:
+            find_nsenter(where_set("host_namespaces", settings.origins.get("host_namespaces"),
+                                   settings.config_path))
         # Signals wait while the log is opened: one arriving then is handled (below) with
         # the log in hand, so even it leaves a `stopped` record.
         stopping = {signal.SIGINT, signal.SIGTERM}

@@ -9,6 +9,14 @@ Why a child process per write: a sysfs write can block forever in the kernel (nv
 waiting on a client, holding the device lock). A thread stuck there can never be joined and
 keeps the interpreter from exiting; a child process can be abandoned after a timeout while
 the caller goes on. Commands are argument lists run without a shell, each under a timeout.
+
+In a container (the Kubernetes switching overlay) the commands are the host's, not the
+image's: with the ``host_namespaces`` setting `make_backend` wraps the ops in
+`InHostNamespaces`, which runs each one as ``nsenter --target 1 --mount --uts --ipc --pid --
+COMMAND…``. systemctl then reaches the host's systemd, modprobe reads the host's
+``/lib/modules`` and ``/etc/modprobe.d`` (its options and softdeps), nvidia-modprobe makes the
+host's ``/dev/nvidia*`` and nvidia-ctk writes the host's CDI spec. sysfs writes stay as they
+are, under the root.
 """
 
 from __future__ import annotations
@@ -20,16 +28,20 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import anyio
 import anyio.to_thread
 
 from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
-from gpuwatch.errors import HostStepError, StepTimedOut, UnsafeStep
+from gpuwatch.errors import ConfigError, HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.hostfs.files import resolve_in_root, tree_dir
+from gpuwatch.settings import ConfigInForce, host_namespaces_in_force
 from gpuwatch.sources import EventSource
+
+if TYPE_CHECKING:
+    from gpuwatch.core.tables import Tables
 
 _ADDR = PCI_ADDR_PATTERN
 _DRV = r"[A-Za-z0-9_.-]+"
@@ -40,6 +52,14 @@ _MODULE_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 _ALLOWED_DIRS = frozenset({"/etc/cdi"})
 #: The host commands the switch may run, and nothing else.
 ALLOWED_COMMANDS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "systemctl"})
+#: nsenter's arguments before every host command with ``host_namespaces`` on: the mount, UTS,
+#: IPC and PID namespaces of PID 1 (the host's init, with the pod's ``hostPID: true``).
+NSENTER_ARGS = ("--target", "1", "--mount", "--uts", "--ipc", "--pid", "--")
+#: Where a command in the host's namespaces is looked for (its PATH there, and where
+#: `InHostNamespaces.which` looks): the image's own PATH says nothing of the host's.
+HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The host's root as PID 1 sees it, under the root (its ``proc`` is the host's).
+HOST_ROOT_VIEW = "proc/1/root"
 #: How long a killed child gets to go away before it is abandoned (a D-state task never does).
 _REAP_GRACE = 0.5
 
@@ -105,8 +125,23 @@ def check_write(path: str, value: str) -> None:
     raise UnsafeStep(f"refusing to write to {path!r}: not a file the switch writes")
 
 
+def split_namespaced(argv: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(prefix, command)`` of an argument list: the prefix is ``nsenter`` (an absolute path)
+    with exactly `NSENTER_ARGS`, or empty. Any other use of nsenter is refused (`UnsafeStep`)."""
+    argv = tuple(argv)
+    if argv and os.path.basename(argv[0]) == "nsenter":
+        end = 1 + len(NSENTER_ARGS)
+        if not os.path.isabs(argv[0]) or argv[1:end] != NSENTER_ARGS:
+            raise UnsafeStep(f"refusing to run {list(argv)!r}: nsenter only as "
+                             f"PATH {' '.join(NSENTER_ARGS)} COMMAND")
+        return argv[:end], argv[end:]
+    return (), argv
+
+
 def check_command(argv: Sequence[str]) -> None:
-    """Refuse (`UnsafeStep`) any command outside the switch's few, with odd arguments."""
+    """Refuse (`UnsafeStep`) any command outside the switch's few, with odd arguments; one
+    run in the host's namespaces (`split_namespaced`) is checked without its prefix."""
+    argv = split_namespaced(argv)[1]
     if not argv or argv[0] not in ALLOWED_COMMANDS:
         raise UnsafeStep(f"refusing to run {list(argv)!r}: not one of {sorted(ALLOWED_COMMANDS)}")
     args = list(argv[1:])
@@ -227,9 +262,11 @@ def write_in_child(target: str, value: str, timeout: float) -> None:
     raise HostStepError(errno, f"write {value!r} to {target}: {message or text or 'failed'}")
 
 
-def run_bounded(argv: Sequence[str], timeout: float) -> CommandResult:
-    """Run an argument list (no shell) under ``timeout``; kill and abandon it on expiry."""
-    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LC_ALL": "C"}
+def run_bounded(argv: Sequence[str], timeout: float, *, path: str | None = None) -> CommandResult:
+    """Run an argument list (no shell) under ``timeout``; kill and abandon it on expiry.
+    ``path``: its PATH (default ours)."""
+    env = {"PATH": path or os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+           "LC_ALL": "C"}
     try:
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -304,7 +341,11 @@ class RealHostOps:
         if not self.allow_commands:
             raise UnsafeStep(f"refusing to run {argv[0]}: {self.root}/sys is not a mounted "
                              "sysfs, and host commands act on the running kernel")
-        return await anyio.to_thread.run_sync(run_bounded, list(argv), timeout)
+        # One in the host's namespaces looks its command up on the host's PATH (nsenter
+        # itself is an absolute path): where `InHostNamespaces.which` found it.
+        path = HOST_PATH if split_namespaced(argv)[0] else None
+        return await anyio.to_thread.run_sync(
+            lambda: run_bounded(list(argv), timeout, path=path))
 
     async def makedirs(self, path: str) -> None:
         check_dir(path)
@@ -312,6 +353,88 @@ class RealHostOps:
 
     def which(self, name: str) -> str | None:
         return shutil.which(name)
+
+
+# --------------------------------------------------------------------------- host namespaces
+
+
+class NsenterMissing(ConfigError):
+    """``host_namespaces`` is on, and this machine (the image) has no nsenter."""
+
+
+def find_nsenter(where: str = "host_namespaces") -> str:
+    """nsenter's absolute path on our PATH, else `NsenterMissing` (exit 2) naming the setting
+    that asked for it: found before anything is written, never a command that fails half way."""
+    found = shutil.which("nsenter")
+    if found is None:
+        raise NsenterMissing(f"{where} is on, but nsenter is not on PATH (util-linux): host "
+                             "commands cannot run in the host's namespaces")
+    return os.path.abspath(found)
+
+
+def host_which(root: str, name: str) -> str | None:
+    """Where ``name`` is on the host's PATH (`HOST_PATH`), read under ``<root>/proc/1/root``
+    (the host's root as its init sees it) with every link read as in a chroot there: the
+    tool nsenter will run, not one of the image's."""
+    if "/" in name or name in ("", ".", ".."):
+        return None
+    view = os.path.join(os.path.abspath(root), HOST_ROOT_VIEW)
+    for folder in HOST_PATH.split(":"):
+        host_path = f"{folder}/{name}"
+        try:
+            found = resolve_in_root(view, view + host_path, follow_last=True)
+        except (OSError, ValueError):
+            continue
+        if os.path.isfile(found) and os.access(found, os.X_OK):
+            return host_path
+    return None
+
+
+class InHostNamespaces:
+    """`HostOps` whose commands run in the host's namespaces: each as ``NSENTER
+    NSENTER_ARGS… COMMAND…`` through the ops it wraps, checked by the same allow-list first.
+    Writes and folders are the wrapped ops' own (under the root); tools are looked for on
+    the host (`host_which`); a path argument under the root (``--output=ROOT/etc/cdi/…``)
+    is given as the host's own path, which is what it names in the host's mount namespace."""
+
+    def __init__(self, inner: HostOps, nsenter: str, root: str) -> None:
+        self.inner = inner
+        self.nsenter = nsenter
+        self.root = os.path.abspath(root)
+
+    async def write(self, path: str, value: str, timeout: float) -> None:
+        await self.inner.write(path, value, timeout)
+
+    async def makedirs(self, path: str) -> None:
+        await self.inner.makedirs(path)
+
+    def which(self, name: str) -> str | None:
+        return host_which(self.root, name)
+
+    def host_argv(self, argv: Sequence[str]) -> tuple[str, ...]:
+        """``argv`` prefixed with nsenter, its ``--output=`` path made the host's."""
+        check_command(argv)
+        if split_namespaced(argv)[0]:
+            raise UnsafeStep(f"refusing to run {list(argv)!r}: already in the host's namespaces")
+        args = []
+        for arg in argv:
+            flag, sep, value = arg.partition("=")
+            if sep and flag == "--output":
+                arg = f"{flag}={self._host_path(value)}"
+            args.append(arg)
+        return (self.nsenter, *NSENTER_ARGS, *args)
+
+    def _host_path(self, path: str) -> str:
+        if self.root == "/":
+            return path
+        rel = os.path.relpath(os.path.normpath(path), self.root)
+        if rel == ".." or rel.startswith("../") or not os.path.isabs(path):
+            raise UnsafeStep(f"refusing to name {path!r} in the host's namespaces: not under "
+                             f"{self.root}")
+        return "/" if rel == "." else "/" + rel
+
+    async def run(self, argv: Sequence[str], timeout: float) -> CommandResult:
+        return await self.inner.run(self.host_argv(argv), timeout)
 
 
 # --------------------------------------------------------------------------- backend hook
@@ -334,24 +457,44 @@ def default_backend(root: str) -> Backend:
 backend_factory: Callable[[str], Backend] = default_backend
 
 
-def make_backend(root: str) -> Backend:
-    return backend_factory(root)
+def make_backend(root: str, *, host_namespaces: bool | None = None,
+                 config: str | os.PathLike[str] | Tables | ConfigInForce | None = None
+                 ) -> Backend:
+    """The backend of ``root``; with ``host_namespaces`` (None: the setting in force, read
+    from the environment and ``config`` as the daemon reads it) its commands run in the
+    host's namespaces (`InHostNamespaces`), and a missing nsenter is `NsenterMissing` now,
+    naming where the setting was set."""
+    where = "host_namespaces"
+    if host_namespaces is None:
+        host_namespaces, where = host_namespaces_in_force(config)
+    nsenter = find_nsenter(where) if host_namespaces else None
+    backend = backend_factory(root)
+    if nsenter is None:
+        return backend
+    return replace(backend, ops=InHostNamespaces(backend.ops, nsenter, root))
 
 
 __all__ = [
     "ALLOWED_COMMANDS",
+    "HOST_PATH",
+    "NSENTER_ARGS",
     "Backend",
     "CommandResult",
     "HostOps",
+    "InHostNamespaces",
+    "NsenterMissing",
     "RealHostOps",
     "backend_factory",
     "check_command",
     "check_dir",
     "check_write",
     "default_backend",
+    "find_nsenter",
+    "host_which",
     "is_real_sysfs",
     "make_backend",
     "run_bounded",
+    "split_namespaced",
     "under_root",
     "write_in_child",
     "write_target",

@@ -39,7 +39,7 @@ from gpuwatch.core.modes import is_vfio_driver
 from gpuwatch.core.plan import module_of
 from gpuwatch.core.uevent import UEvent
 from gpuwatch.errors import ConfigError, HostStepError, StepTimedOut
-from gpuwatch.hostfs.files import link_name, list_dir, read_attr
+from gpuwatch.hostfs.files import link_name, list_dir, read_attr, resolve_in_root
 from gpuwatch.hostfs.scan import HostPaths, read_function
 from gpuwatch.sources import EventSource, SourceOverflow
 from gpuwatch.sources.memory import MemorySource
@@ -49,6 +49,7 @@ from gpuwatch.switch.hostops import (
     check_command,
     check_dir,
     check_write,
+    split_namespaced,
     write_target,
 )
 from gpuwatch.testing.sysroot import CDI_SPEC, SysRoot
@@ -294,7 +295,10 @@ class SimKernel:
             await self._stepped(("command", *argv))
 
     def _run(self, argv: list[str]) -> CommandResult:
-        name, args = argv[0], list(argv[1:])
+        # A command through nsenter (`InHostNamespaces`) runs in the host's namespaces: the
+        # same tools, and paths that are the host's own (the tree's, read from its root).
+        prefix, command = split_namespaced(argv)
+        name, args = command[0], list(command[1:])
         if name not in self.tools:
             return CommandResult(127, "", f"{name}: command not found")
         if name == "modprobe":
@@ -313,6 +317,9 @@ class SimKernel:
             # The spec's own name is followed too, when it is a link (dangling: a spec
             # that is there was never regenerated).
             output = args[2].partition("=")[2]
+            if prefix:  # the host's path, every link on the way read as the host reads it
+                output = resolve_in_root(self.root, os.path.join(self.root, output.lstrip("/")),
+                                         follow_last=True)
             real = os.path.realpath(output)
             real_dir = os.path.dirname(real)
             inside = (real_dir + "/").startswith(os.path.realpath(self.root).rstrip("/") + "/")
