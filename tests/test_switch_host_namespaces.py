@@ -252,3 +252,27 @@ def test_the_setting_is_read_as_every_boolean() -> None:
     assert load_settings({}, env={ENV: "1"}, default_config="/nonexistent").host_namespaces
     assert not load_settings({}, env={}, default_config="/nonexistent").host_namespaces
     assert hostops.NSENTER_ARGS == ("--target", "1", "--mount", "--uts", "--ipc", "--pid", "--")
+
+
+@pytest.mark.parametrize("pid1", ["the host's init", "the pod's own"])
+def test_a_pod_whose_pid_1_is_not_the_hosts_init_is_warned_of(
+        host: SysRoot, nsenter: str, caplog: pytest.LogCaptureFixture, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, pid1: str) -> None:
+    """Without ``hostPID: true`` nsenter's PID 1 is the pod's own first process: the commands
+    would run in the container, with the image's tools, which is what the setting exists to
+    avoid. The host's ``/proc`` under the root names the host's init; where PID 1 here is
+    not it, the backend says so."""
+    own_proc = tmp_path / "own-proc"  # this process's /proc, as the pod sees it
+    (own_proc / "1/ns").mkdir(parents=True)
+    (own_proc / "1/ns/mnt").symlink_to("mnt:[4026531841]")
+    monkeypatch.setattr(hostops, "OWN_PROC", str(own_proc))
+    ns = host.root / "proc/1/ns"
+    ns.mkdir(parents=True)
+    (ns / "mnt").symlink_to("mnt:[4026531841]" if pid1 == "the host's init"
+                            else "mnt:[4026531840]")
+    assert hostops.nsenter_target_is_hosts(str(host.root)) is (pid1 == "the host's init")
+    with caplog.at_level("WARNING", logger="gpuwatch.switch.hostops"):
+        hostops.make_backend(str(host.root), host_namespaces=True)
+    warned = [r.getMessage() for r in caplog.records if "hostPID: true" in r.getMessage()]
+    assert bool(warned) is (pid1 == "the pod's own")
+    assert hostops.nsenter_target_is_hosts("/") is None  # a bare host: nothing to tell

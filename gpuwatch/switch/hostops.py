@@ -21,6 +21,7 @@ are, under the root.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -390,6 +391,30 @@ def host_which(root: str, name: str) -> str | None:
     return None
 
 
+_log = logging.getLogger(__name__)
+
+
+#: This process's own ``/proc``, whose PID 1 is the one nsenter enters.
+OWN_PROC = "/proc"
+
+
+def nsenter_target_is_hosts(root: str, proc: str | None = None) -> bool | None:
+    """Whether the PID 1 nsenter enters (``proc``'s, this process's PID namespace) is the
+    host's init: its mount namespace is that of ``<root>/proc/1`` (the host's ``/proc``,
+    mounted under the root, shows the host's PIDs whatever ours are). False in a pod without
+    ``hostPID: true``, whose PID 1 is its own first process (or its pause container's): the
+    commands would run there, with the image's tools. None where nothing tells (the root is
+    ``/``, a fixture without ``proc/1``, a read refused)."""
+    if os.path.abspath(root) == "/":
+        return None
+    try:
+        host = os.readlink(os.path.join(root, "proc/1/ns/mnt"))
+        target = os.readlink(os.path.join(proc or OWN_PROC, "1/ns/mnt"))
+    except OSError:
+        return None
+    return host == target
+
+
 class InHostNamespaces:
     """`HostOps` whose commands run in the host's namespaces: each as ``NSENTER
     NSENTER_ARGS… COMMAND…`` through the ops it wraps, checked by the same allow-list first.
@@ -471,6 +496,10 @@ def make_backend(root: str, *, host_namespaces: bool | None = None,
     backend = backend_factory(root)
     if nsenter is None:
         return backend
+    if nsenter_target_is_hosts(root) is False:
+        _log.warning("%s is on, but PID 1 here is not the host's init (its mount namespace is "
+                     "not that of %s/proc/1): host commands would run in this container's "
+                     "namespaces; run the pod with hostPID: true", where, root)
     return replace(backend, ops=InHostNamespaces(backend.ops, nsenter, root))
 
 
@@ -493,6 +522,7 @@ __all__ = [
     "host_which",
     "is_real_sysfs",
     "make_backend",
+    "nsenter_target_is_hosts",
     "run_bounded",
     "split_namespaced",
     "under_root",
