@@ -29,6 +29,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from gpuwatch.errors import UsageError
 from gpuwatch.testing.sysroot import SysRoot, _kernel_rel, _write
 
 #: Properties the kernel itself puts in a device's ``uevent`` file; the rest are udev's.
@@ -44,7 +45,7 @@ _SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "a": "\a", "b": "\b", "f
            "v": "\v", '"': '"', "'": "'"}
 
 
-class RecordingError(ValueError):
+class RecordingError(UsageError):
     """The recording is not of the form above (a record without ``P:``, a path that leaves
     ``/devices``, a malformed line)."""
 
