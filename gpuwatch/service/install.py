@@ -119,11 +119,12 @@ def render_unit(exec_argv: Sequence[str], program_paths: Sequence[str] = (),
 
 def check_program(paths: Sequence[str]) -> None:
     """The unit has PrivateTmp=yes: a gpuwatch under /tmp would not exist for the service."""
-    for path in paths:
-        if path.startswith(_TMP_PREFIXES):
-            raise InstallError(
-                f"{path} is under a temporary directory, which the service does not see "
-                f"(PrivateTmp=yes): install gpuwatch elsewhere (a venv in /opt, or pipx)")
+    hidden = [path for path in paths if path.startswith(_TMP_PREFIXES)]
+    if hidden:  # each named: moving the first alone would only meet the next
+        raise InstallError(
+            f"{', '.join(hidden)} {'is' if len(hidden) == 1 else 'are'} under a temporary "
+            "directory, which the service does not see (PrivateTmp=yes): install gpuwatch "
+            "elsewhere (a venv in /opt, or pipx)")
 
 
 # --------------------------------------------------------------------------- plans
