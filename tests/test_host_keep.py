@@ -36,6 +36,8 @@ from gpuwatch.testing.simkernel import simulated_switch
 
 Run = Callable[..., tuple[int, str, str]]
 ASPEED_VGA = "0000:03:00.0"
+ASPEED_BOOT = (f"{ASPEED_VGA} is the host's boot display (boot_vga 1) and its only display "
+               "function: passing it through leaves the host without a console")
 
 
 runner = simulated_cli
@@ -148,10 +150,11 @@ IGPU, IGPU_VFS = "0000:00:02.0", ("0000:00:02.1", "0000:00:02.2")
 
 def test_rule_counts_no_virtual_function_as_a_display_of_the_host() -> None:
     igpu = fn(IGPU, "i915", group=0)
-    assert list(own_displays([(IGPU, ""), (IGPU_VFS[0], IGPU), (IGPU_VFS[1], IGPU)])) == [IGPU]
+    assert list(own_displays([(IGPU, "", "0x0300"), (IGPU_VFS[0], IGPU, "0x0300"),
+                              (IGPU_VFS[1], IGPU, "0x0300")])) == [IGPU]
     assert "only display" in kept_for_host_reason(
         [igpu], console_drivers=(), boot_vga={IGPU},
-        host_displays=own_displays([(IGPU, ""), (IGPU_VFS[0], IGPU)]))
+        host_displays=own_displays([(IGPU, "", "0x0300"), (IGPU_VFS[0], IGPU, "0x0300")]))
 
 
 @pytest.mark.parametrize("captured", [False, True])
@@ -218,7 +221,9 @@ def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:
     # Still kept: the ASPEED's ids are in host_console_devices.
     assert "host_console_devices" in gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA)
     config.write_text(yaml.safe_dump({"host_console_drivers": [], "host_console_devices": []}))
-    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ""
+    # Both tables empty: the A100s are 3D controllers with no framebuffer, no screen, so the
+    # ASPEED (boot_vga 1) is the host's only one and kept for that alone.
+    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ASPEED_BOOT
     config.write_text(yaml.safe_dump({"host_console_drivers": "ast"}))
     code = main(["probe", "detect-gpu", "--root", str(s.root), "--config", str(config)])
     assert code == 2  # a list is wanted: one line, exit 2
@@ -226,8 +231,9 @@ def test_console_drivers_are_read_from_the_config(tmp_path: Path) -> None:
 
 def test_an_unbound_bmc_vga_is_kept_by_its_ids(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """`ast` blacklisted (or not loaded yet) on a GPU server: the BMC's VGA is on no driver,
-    and with the GPUs beside it it is not the only display either. Its ids keep it."""
+    """`ast` blacklisted (or not loaded yet) on a GPU server: the BMC's VGA is on no driver.
+    Its ids keep it (named before its boot_vga: it is the host's only screen too, the A100s
+    beside it are 3D controllers with no framebuffer)."""
     s = bmc_server_host(tmp_path / "h")
     s.unbind(ASPEED_VGA)
     model = gpuwatch.scan(s.root)
@@ -248,7 +254,7 @@ def test_an_unbound_bmc_vga_is_kept_by_its_ids(tmp_path: Path,
     config.write_text(yaml.safe_dump({"host_console_devices": ["1A03:2000"]}))
     assert "(1a03:2000)" in gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA)
     config.write_text(yaml.safe_dump({"host_console_devices": []}))
-    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ""
+    assert gpuwatch.scan(s.root, config).kept_for_host(ASPEED_VGA) == ASPEED_BOOT
 
 
 @pytest.mark.parametrize("bad", ["1a03", "1a03:20000", "zz03:2000", "1a03-2000", 6659])

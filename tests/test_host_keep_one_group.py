@@ -33,7 +33,7 @@ def two_cards(root: Path, *, shared: bool, boot_vga: bool = True,
     s.add_function(GPU, parent=PORT, klass="0x030000", driver="nvidia", iommu_group=1)
     s.add_function(AUDIO, parent=PORT, device="0x22ba", klass="0x040300",
                    driver="snd_hda_intel", iommu_group=1)
-    s.add_function(GPU2, parent=PORT2, device="0x2331", klass="0x030200", driver="nvidia",
+    s.add_function(GPU2, parent=PORT2, device="0x2204", klass="0x030000", driver="nvidia",
                    iommu_group=1 if shared else 2)
     if boot_vga:
         s.set_attr(GPU, "boot_vga", "1\n")

@@ -155,7 +155,8 @@ def probe_gpus(s: SysRoot) -> dict[str, dict[str, object]]:
 
 def test_optimus_laptop(tmp_path: Path) -> None:
     """iGPU on the panel, dGPU a 3D controller with no boot_vga and no audio: two render
-    nodes, the first GPU vendor's wins; neither group is the host's (two display functions)."""
+    nodes, the first GPU vendor's wins. The iGPU's group is the host's: the 3D controller
+    drives no screen (no outputs, no framebuffer), so the iGPU is the host's only one."""
     s = hybrid_laptop_host(tmp_path / "h")
     gpus = probe_gpus(s)
     assert [(a, g["class"], g["driver"]) for a, g in gpus.items()] == [
@@ -168,7 +169,10 @@ def test_optimus_laptop(tmp_path: Path) -> None:
     s.add_cdi_spec("etc")
     assert probe_value(s, "detect-gpu") is True
     model = gpuwatch.scan(s.root)
-    assert model.kept_for_host("0000:00:02.0") == "" and model.kept_for_host("0000:01:00.0") == ""
+    assert model.kept_for_host("0000:00:02.0") == (
+        "0000:00:02.0 is the host's boot display (boot_vga 1) and its only display function: "
+        "passing it through leaves the host without a console")
+    assert model.kept_for_host("0000:01:00.0") == ""
     vfio = model.probe("detect-vfio")
     assert (vfio.iommu_enabled, vfio.iommu_kind) == (True, "intel")  # on by default, no cmdline
 
@@ -330,7 +334,7 @@ def test_a_root_given_relative_reads_as_given_absolute(
     once made `in_root` take every link for one that leads out of the tree."""
     MACHINES[kind](tmp_path / "host")
     whole = str(tmp_path / "host")
-    gpus = [(g.addr, g.physfn) for g in gpuwatch.scan(whole).probe("detect-vfio").gpus]
+    gpus = [(g.addr, g.physfn, g.class_) for g in gpuwatch.scan(whole).probe("detect-vfio").gpus]
     absolute = (answers(Path(whole), capsys), listed_console(whole, gpus),
                 read_iommu_groups(whole))
     # The boot GPU's boot_vga, read through its bus entry.
@@ -543,8 +547,9 @@ def test_bochs_guest_with_a_passed_through_l4(tmp_path: Path,
     code, out, _ = cli(capsys, "status", "--json", "--no-daemon", "--root", str(s.root))
     status = json.loads(out)
     assert status["iommu"]["enabled"] is False and status["nvidia_usable"] is True
-    # Two display functions: the boot VGA is not the only one, so not kept for the host.
-    assert [g["kept_for_host"] for g in status["gpus"]] == [False, False]
+    # The L4 is a 3D controller with no framebuffer: no screen, so the boot VGA is the
+    # guest's only one, kept (no group: the rule is the same with the IOMMU off).
+    assert [g["kept_for_host"] for g in status["gpus"]] == [True, False]
 
 
 def test_mxgpu_host(tmp_path: Path) -> None:
@@ -951,7 +956,8 @@ def test_hyperv_vpci_guest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 #: (the gfx target), ``sriov_totalvfs``, a VFIO device's ``dev`` (its cdev), ``boot_vga``,
 #: DMI's ``sys_vendor`` (which hypervisor), no-IOMMU VFIO's group ``name``.
 RSYNC_LOSES = frozenset(("apu", "instinct", "mi300x", "flex", "igpu-sriov", "sriov", "mxgpu",
-                         "grace-hopper", "bochs-guest", "hyperv", "noiommu", "virtio-guest"))
+                         "grace-hopper", "bochs-guest", "hyperv", "noiommu", "virtio-guest",
+                         "laptop"))
 
 
 def _rsync_pair(tmp_path: Path, kind: str) -> tuple[SysRoot, SysRoot]:

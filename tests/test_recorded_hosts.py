@@ -15,21 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import run_main
+from cli_helpers import reports_every_way, run_main
 
+import gpuwatch
 from gpuwatch.testing.udevdb import Record, RecordingError, lay_out, parse, read_recording
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 
 #: Per recording: each display function → (vendor name, class, driver); the render node
 #: ``detect-host-devices`` must name; the groups kept for the host. The two Optimus laptops
-#: (an iGPU with the console beside an NVIDIA 3D controller) keep nothing: today's rule counts
-#: the 3D controller as a display left to the host, though it drives no screen.
+#: (an iGPU with the console, ``fb0``, beside an NVIDIA 3D controller) keep the iGPU: the 3D
+#: controller has no outputs and no framebuffer, so it is no screen the host could fall back
+#: on. An export-db records no ``boot_vga``: the iGPU's framebuffer is what tells.
 MACHINES: dict[str, dict[str, Any]] = {
     "dell-inspiron-7737.udevdb": {
         "gpus": {"0000:00:02.0": ("Intel", "0x0300", "i915"),
                  "0000:04:00.0": ("NVIDIA", "0x0302", "")},
-        "render_node": "", "kept": set(), "nvidia": "0000:04:00.0"},
+        "render_node": "", "kept": {"0000:00:02.0"}, "nvidia": "0000:04:00.0"},
     "dell-vostro-270.udevdb": {
         "gpus": {"0000:00:02.0": ("Intel", "0x0380", "i915"),
                  "0000:01:00.0": ("NVIDIA", "0x0300", "nouveau")},
@@ -37,7 +39,8 @@ MACHINES: dict[str, dict[str, Any]] = {
     "toshiba-nvme.udevdb": {
         "gpus": {"0000:00:02.0": ("Intel", "0x0300", "i915_bpo"),
                  "0000:01:00.0": ("NVIDIA", "0x0302", "")},
-        "render_node": "/dev/dri/renderD129", "kept": set(), "nvidia": "0000:01:00.0"},
+        "render_node": "/dev/dri/renderD129", "kept": {"0000:00:02.0"},
+        "nvidia": "0000:01:00.0"},
     "hp-elitebook-835-g10.udevdb": {
         "gpus": {"0000:c4:00.0": ("AMD", "0x0300", "amdgpu")},
         # the APU carries the console (fb0) and is the only display: the host keeps it
@@ -105,6 +108,31 @@ def test_status_names_each_card_its_vendor_class_and_driver(
     assert got == want
     assert {g["addr"] for g in status["gpus"] if g["kept_for_host"]} == MACHINES[name]["kept"]
     assert status["unhealthy"] == []
+
+
+@pytest.mark.parametrize("name", ["dell-inspiron-7737.udevdb", "toshiba-nvme.udevdb"])
+async def test_an_optimus_laptop_keeps_its_igpu_every_way(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording puts ``fb0`` beneath the iGPU and nothing beneath the NVIDIA 3D
+    controller: the model, the stdlib reports and the full ones, with and without a daemon,
+    all keep the iGPU for its framebuffer console, and not the NVIDIA card."""
+    records = read_recording(HOSTS / name)
+    fbs = [r.devpath for r in records if r.devpath.split("/")[-2:-1] == ["graphics"]
+           and r.devpath.rsplit("/", 1)[1].startswith("fb") and "fbcon" not in r.devpath]
+    assert fbs == ["/devices/pci0000:00/0000:00:02.0/graphics/fb0"]
+    lay_out(records, tmp_path)
+    igpu, nvidia = sorted(MACHINES[name]["gpus"])
+    model = gpuwatch.scan(tmp_path)
+    reason = model.kept_for_host(igpu)
+    assert reason == (f"{igpu} carries the host's framebuffer console (a graphics fbN device) "
+                      "and is its only display function: passing it through leaves the host "
+                      "without a console")
+    assert model.kept_for_host(nvidia) == ""
+    for said in await reports_every_way(capsys, monkeypatch, str(tmp_path)):
+        assert said.listed == []  # no IOMMU groups recorded: nothing to pass through
+        got = {g["addr"]: (g["kept_for_host"], g["reason"]) for g in said.status["gpus"]}
+        assert got == {igpu: (True, reason), nvidia: (False, "")}, (said.where, said.full)
 
 
 def test_display_driver_answers_the_recorded_driver(

@@ -19,6 +19,10 @@ from gpuwatch.settings import config_file_path, load_settings, root_in_force, ta
 from gpuwatch.testing.machines import bmc_server_host
 
 ASPEED_VGA = "0000:03:00.0"
+#: The file empties the ASPEED out of the console tables: it is kept for its boot_vga alone
+#: (the A100s beside it are 3D controllers with no framebuffer, no screens), not as the BMC's.
+ASPEED_BOOT = (f"{ASPEED_VGA} is the host's boot display (boot_vga 1) and its only display "
+               "function: passing it through leaves the host without a console")
 
 
 
@@ -50,7 +54,7 @@ def test_library_reads_the_daemons_file(config: Path, server: Path,
     model = gpuwatch.scan()  # no root, no config: the daemon's
     assert model.root == str(server)
     assert model.tables == daemon.tables() == tables_in_force()
-    assert model.kept_for_host(ASPEED_VGA) == ""
+    assert model.kept_for_host(ASPEED_VGA) == ASPEED_BOOT  # the file's tables, no "ast"
     assert gpuwatch.probe("detect-gpu") is True  # the fixture's answer, not this machine's
 
 
@@ -72,7 +76,7 @@ def test_cli_without_flags_answers_like_the_daemon(config: Path, server: Path,
     code, out, err = cli(capsys, "list", "--json", "--no-daemon")
     assert (code, err) == (0, "")
     gpus = {g["addr"]: g for g in json.loads(out)}
-    assert gpus[ASPEED_VGA]["kept_for_host"] is False  # the file's table, not the embedded
+    assert gpus[ASPEED_VGA]["reason"] == ASPEED_BOOT  # the file's table, not the embedded
     assert gpus["0000:41:00.0"]["vendor"] == "Team Green"
     code, out, _ = cli(capsys, "status", "--json", "--no-daemon")
     assert code == 0 and {g["vendor"] for g in json.loads(out)["gpus"]} == {"ASPEED",

@@ -89,18 +89,36 @@ async def test_status_asks_the_daemon_on_two_connections(
 def test_a_host_of_two_displays_reads_no_console_for_a_report(
         tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """An Optimus laptop: the iGPU has ``boot_vga`` 1, but with the dGPU beside it it is not
-    the host's only display, so the rule keeps neither for it by ``boot_vga`` or a
-    framebuffer. The report reads neither (a big host read one ``boot_vga`` per GPU), and
-    says what the full command says."""
+    """A laptop whose dGPU is a VGA GeForce: the iGPU has ``boot_vga`` 1, but with a second
+    screen beside it it is not the host's only display, so the rule keeps neither for it by
+    ``boot_vga`` or a framebuffer. The report reads neither (a big host read one
+    ``boot_vga`` per GPU), and says what the full command says."""
     monkeypatch.delenv("GPUWATCH_CONFIG", raising=False)
-    root = str(hybrid_laptop_host(tmp_path / "h").root)
+    root = str(hybrid_laptop_host(tmp_path / "h", dgpu_class="0x030000").root)
     argv = [command, "--json", "--root", root]
     full, _ = run_full_both([*argv, "--no-daemon"])
     reads = count_calls(monkeypatch, fast_report, "listed_console")
     assert fast_report.run_report(argv) == 0  # no daemon for a fixture root: one stdlib scan
     assert capsys.readouterr().out.encode() == full
     assert reads == []
+
+
+@pytest.mark.parametrize("command", ["status", "list"])
+def test_an_optimus_laptop_reads_its_console(
+        tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An Optimus laptop: the dGPU is a 3D controller, a screen only with a framebuffer
+    beneath it. The report reads the console once (the 3D controller's framebuffer, the
+    iGPU's ``boot_vga``), keeps the iGPU, and says what the full command says."""
+    monkeypatch.delenv("GPUWATCH_CONFIG", raising=False)
+    root = str(hybrid_laptop_host(tmp_path / "h").root)
+    argv = [command, "--json", "--root", root]
+    full, _ = run_full_both([*argv, "--no-daemon"])
+    reads = count_calls(monkeypatch, fast_report, "listed_console")
+    assert fast_report.run_report(argv) == 0
+    out = capsys.readouterr().out
+    assert out.encode() == full and '"kept_for_host":true' in out
+    assert len(reads) == 1
 
 
 def test_a_host_of_one_display_still_reads_its_console(

@@ -196,5 +196,6 @@ def test_the_boot_display_is_read_where_the_walk_found_it(
     got = json.loads(fast[1])
     gpus = got["gpus"] if command == "status" else got
     assert [g["kept_for_host"] for g in gpus] == [True]
-    assert read_console(str(s.root), [("0000:01:00.0", ""), ("0000:01:00.1", "")]).boot_vga == {
+    assert read_console(str(s.root), [("0000:01:00.0", "", "0x0300"),
+                                    ("0000:01:00.1", "", "0x0403")]).boot_vga == {
         "0000:01:00.0"}

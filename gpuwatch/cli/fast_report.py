@@ -216,7 +216,7 @@ class Remote:
 
     def kept_for_host(self, gpu: dict[str, Any]) -> str:
         if self._console is None:  # once per report, not once per GPU
-            gpus = [(g["addr"], g["physfn"]) for g in self.gpus]
+            gpus = [(g["addr"], g["physfn"], g["class"]) for g in self.gpus]
             groups = {g["addr"]: g["iommu_group"] for g in self.gpus}
             console = console_unread(gpus, groups) or listed_console(self.root, gpus, groups)
             if console is None:  # a tree without the bus listing: the scan's walk finds them

@@ -38,8 +38,10 @@ def kept_for_host_reason(
     (``host_console_drivers``), or is a BMC/console device by its ids (``host_console_devices``,
     ``0x1a03:0x2000``: the BMC's VGA with its driver blacklisted or not loaded yet is still the
     BMC's), or when a display function of it has ``boot_vga`` 1 and the group holds every
-    display function of the host (``host_displays``: every display-class address that is no
-    SR-IOV virtual function, see `own_displays`): that one alone, or all of two cards behind a
+    display function of the host (``host_displays``: every display-class address that can be
+    a screen of the host's, see `own_displays`: no SR-IOV virtual function, and no 3D
+    controller without a framebuffer, such as an Optimus laptop's dGPU or a compute card
+    beside an iGPU console): that one alone, or all of two cards behind a
     port without ACS, which go to a guest together; or when it holds every display function
     and a framebuffer device hangs beneath one of them (``framebuffers``, see
     `gpuwatch.hostfs.bootvga.framebuffer_names`): the host's console on a display with no
@@ -91,12 +93,32 @@ def kept_for_host_reason(
     return ""
 
 
-def own_displays(gpus: Iterable[tuple[str, str]]) -> Iterator[str]:
-    """The addresses of ``gpus`` (``(addr, physfn)`` of every display-class function) that
-    can be a display of the host's own: not an SR-IOV virtual function. A VF (an iGPU split
-    with SR-IOV for VMs, ``0000:00:02.1``…) has no output of its own: the host whose only
-    display is that iGPU still boots on it and keeps it, however many VFs it made."""
-    return (addr for addr, physfn in gpus if not physfn)
+#: The PCI class of a 3D controller: a display controller with no VGA compatibility, which
+#: drives no screen unless a framebuffer hangs beneath it.
+THREE_D_CONTROLLER_CLASS = "0x0302"
 
 
-__all__ = ["kept_for_host_reason", "own_displays"]
+def is_3d_controller(klass: str) -> bool:
+    """Whether ``klass`` (``0x0302``, ``0x030200``) is a 3D controller's: an Optimus laptop's
+    NVIDIA dGPU, an A100/H100/L4. It has no outputs, so it is a screen of the host only
+    when a framebuffer (the console) hangs beneath it."""
+    return klass.startswith(THREE_D_CONTROLLER_CLASS)
+
+
+def own_displays(gpus: Iterable[tuple[str, str, str]],
+                 framebuffers: Collection[str] = ()) -> Iterator[str]:
+    """The addresses of ``gpus`` (``(addr, physfn, class)`` of every display-class function)
+    that can be a screen of the host's own, one it could fall back on: not an SR-IOV virtual
+    function, and not a 3D controller unless it carries a framebuffer (``framebuffers``:
+    the addresses of the display functions with one beneath them). A VF (an iGPU split with
+    SR-IOV for VMs, ``0000:00:02.1``…) has no output of its own: the host whose only
+    display is that iGPU still boots on it and keeps it, however many VFs it made. A 3D
+    controller without a framebuffer (an Optimus laptop's NVIDIA dGPU beside the iGPU that
+    drives the panel; an H100 beside a desktop's iGPU console) drives no screen either.
+    VGA (0x0300), XGA (0x0301) and other display controllers (0x0380) always count: they
+    may drive a screen with no framebuffer on it yet."""
+    return (addr for addr, physfn, klass in gpus
+            if not physfn and (not is_3d_controller(klass) or addr in framebuffers))
+
+
+__all__ = ["is_3d_controller", "kept_for_host_reason", "own_displays"]

@@ -1081,13 +1081,16 @@ class HostState:
     def kept_for_host(self, addr: str) -> str:
         """Why the IOMMU group of ``addr`` stays with the host (`kept_for_host_reason`), or
         ``""`` when it may be passed through."""
+        framebuffers = set(self.framebuffers.values())
+        functions = self.functions
+        gpus = ((a, functions[a].physfn, functions[a].class_) for a in self._gpu_addrs)
         return kept_for_host_reason(
             self.group_members(addr),
             console_drivers=self.tables.host_console_drivers,
             console_devices=self.tables.host_console_devices,
             boot_vga=self.boot_vga,
-            host_displays=own_displays((a, self.functions[a].physfn) for a in self._gpu_addrs),
-            framebuffers=set(self.framebuffers.values()),
+            host_displays=own_displays(gpus, framebuffers),
+            framebuffers=framebuffers,
         )
 
     def gpu_addrs(self) -> Sequence[str]:

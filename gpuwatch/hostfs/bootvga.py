@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from gpuwatch.core.hostkeep import own_displays
+from gpuwatch.core.hostkeep import is_3d_controller, own_displays
 from gpuwatch.core.pci import is_pci_addr
 from gpuwatch.hostfs.files import in_root, list_dir, present, read_attr, tree_dir
 
@@ -41,44 +41,64 @@ def one_group(displays: Iterable[str], groups: Mapping[str, int]) -> bool:
     return len(found) == 1 and -1 not in found
 
 
-def console_of(gpus: Iterable[tuple[str, str]], folder: Callable[[str], str],
+#: What the reports know of every display-class function before reading anything:
+#: ``(addr, physfn, class)``, as `gpuwatch.core.hostkeep.own_displays` takes them.
+Gpu = tuple[str, str, str]
+
+
+def console_of(gpus: Iterable[Gpu], folder: Callable[[str], str],
                groups: Mapping[str, int] | None = None) -> HostConsole:
-    """The `HostConsole` of ``gpus`` (``(addr, physfn)`` of every display-class function),
-    each read in ``folder(addr)``: ``boot_vga`` of every one, and the framebuffers of the
-    host's own displays when they are all in one group (`one_group`; ``groups``: each
-    address's IOMMU group, none known: each its own): the rule counts them for no other
-    host, so no other folder is listed."""
+    """The `HostConsole` of ``gpus`` (``(addr, physfn, class)`` of every display-class
+    function), each read in ``folder(addr)``: ``boot_vga`` of every one; the framebuffers of
+    the 3D controllers, which make them screens of the host's (`own_displays`), while the
+    screens found so far are in one group; and those of the other displays when every
+    screen is in one group (`one_group`; ``groups``: each address's IOMMU group, none known:
+    each its own): the rule counts them for no other host, so no other folder is listed.
+    Once the screens span two groups no group holds them all, and the rule answers alike
+    whatever more is found."""
     gpus = list(gpus)
-    displays = tuple(own_displays(gpus))
-    together = one_group(displays, groups or {})
+    groups = groups or {}
+    sure = tuple(own_displays(gpus))  # the screens with no framebuffer read
+    found: set[str] = set()
+    if one_group(sure, groups):
+        for addr in (a for a, physfn, klass in gpus if not physfn and is_3d_controller(klass)):
+            if framebuffer_names(folder(addr)):
+                found.add(addr)  # a 3D controller with the console: a screen too
+                if not one_group((*sure, *found), groups):
+                    break
+    displays = tuple(own_displays(gpus, found))
+    if one_group(displays, groups):
+        found.update(a for a in sure if framebuffer_names(folder(a)))
     return HostConsole(
         displays,
-        frozenset(a for a, _ in gpus if read_attr(folder(a) + "/boot_vga") == "1"),
-        frozenset(a for a in displays if together and framebuffer_names(folder(a))))
+        frozenset(a for a, _, _ in gpus if read_attr(folder(a) + "/boot_vga") == "1"),
+        frozenset(found))
 
 
-def console_unread(gpus: Iterable[tuple[str, str]],
+def console_unread(gpus: Iterable[Gpu],
                    groups: Mapping[str, int] | None = None) -> HostConsole | None:
-    """The `HostConsole` of ``gpus`` with nothing read, where nothing read could change a
-    report: a host with two or more displays of its own in more than one IOMMU group
-    (``groups``: each address's). The rule names a function by its ``boot_vga`` or its
-    framebuffer only when its group holds every display of the host
+    """The `HostConsole` of ``gpus`` (``(addr, physfn, class)``) with nothing read, where
+    nothing read could change a report: a host with two or more screens of its own in more
+    than one IOMMU group (``groups``: each address's) before a framebuffer is read (the VGA,
+    XGA and other display controllers; a 3D controller is one only with a framebuffer, and
+    more screens keep no more). The rule names a function by its ``boot_vga`` or its
+    framebuffer only when its group holds every screen of the host
     (`gpuwatch.core.hostkeep.kept_for_host_reason`), so neither set is consulted there, and
-    a big host is spared a ``boot_vga`` read per GPU. None: the host has one display or none,
-    or all in one group, so they must be read (`listed_console`)."""
+    a big host is spared a ``boot_vga`` read per GPU. None: the host has one such screen or
+    none, or all in one group, so they must be read (`listed_console`)."""
     displays = tuple(own_displays(gpus))
     if one_group(displays, groups or {}):
         return None
     return HostConsole(displays, frozenset(), frozenset())
 
 
-def listed_console(root: str, gpus: Iterable[tuple[str, str]],
+def listed_console(root: str, gpus: Iterable[Gpu],
                    groups: Mapping[str, int] | None = None) -> HostConsole | None:
     """`console_of` ``gpus``, each read through its bus entry; None when one has no entry (a
     capture without the listing: `gpuwatch.hostfs.scan.read_console` walks ``sys/devices``)."""
     gpus = list(gpus)
     bus = os.path.join(tree_dir(root, "sys"), "bus/pci/devices")
-    entries = {a: in_root(root, f"{bus}/{a}") for a, _ in gpus}
+    entries = {a: in_root(root, f"{bus}/{a}") for a, _, _ in gpus}
     if not all(os.path.lexists(entry) for entry in entries.values()):
         return None
     return console_of(gpus, entries.__getitem__, groups)

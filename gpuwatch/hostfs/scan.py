@@ -936,7 +936,7 @@ def outline_function(paths: HostPaths, name: str, devpath: str) -> FunctionOutli
                            read_vfio_dev(directory)[1])
 
 
-def read_console(root: str, gpus: Iterable[tuple[str, str]],
+def read_console(root: str, gpus: Iterable[tuple[str, str, str]],
                  groups: Mapping[str, int] | None = None) -> HostConsole:
     """`gpuwatch.hostfs.bootvga.listed_console`, for a report that holds no scan (a daemon's
     answers carry neither ``boot_vga`` nor framebuffers): each function read in its folder

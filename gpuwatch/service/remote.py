@@ -62,7 +62,7 @@ class RemoteModel:
         from gpuwatch.hostfs.scan import read_console
 
         if self._console is None:
-            gpus = [(g.addr, g.physfn) for g in self._vfio.gpus]
+            gpus = [(g.addr, g.physfn, g.class_) for g in self._vfio.gpus]
             groups = {g.addr: g.iommu_group for g in self._vfio.gpus}
             self._console = (console_unread(gpus, groups)
                              or read_console(self.root, gpus, groups))
