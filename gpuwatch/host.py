@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
+from gpuwatch.settings import read_once, root_in_force
 from gpuwatch.switch.engine import (
     DEFAULT_SCAN_TIMEOUT,
     DEFAULT_STEP_TIMEOUT,
@@ -22,6 +23,7 @@ from gpuwatch.switch.engine import (
     SwitchEngine,
     SwitchResult,
 )
+from gpuwatch.switch.hostops import make_backend
 from gpuwatch.watch import watcher as _watch
 from gpuwatch.watch.watcher import (
     HostSnapshot,
@@ -220,13 +222,27 @@ async def open_host(
     `gpuwatch.watch.watcher.open_watcher` (``log_max_bytes``, ``reconcile_interval``,
     ``announce``, …: `WatcherOptions`, so a type checker catches a misspelt one) configure
     the watcher. ``ops``/``geteuid`` default to the real host's seam (or a refusing one off
-    the real ``/sys``); tests pass `gpuwatch.testing.simkernel.SimKernel`.
+    the real ``/sys``), its commands in the host's namespaces where ``host_namespaces`` is on
+    as the daemon reads it (``$GPUWATCH_HOST_NAMESPACES``, else ``config``'s); tests pass
+    `gpuwatch.testing.simkernel.SimKernel`.
     ``announce=False``: the body runs before ``ready``, and calls
     ``host.watcher.announce_ready()`` (a daemon, once its listeners are bound).
 
     Leaving the context waits (shielded) for a switch or recover still under way in a task
     outside it, so that its end is read, published and logged with the watcher open.
     """
+    try:
+        # The file read once, for the watcher and the switch alike: ``host_namespaces`` is
+        # the config's given here (as the daemon's is its own), not the default file's.
+        config = read_once(config)
+        if ops is None or geteuid is None:
+            backend = make_backend(root_in_force(root, config), config=config)
+            ops = ops if ops is not None else backend.ops
+            geteuid = geteuid if geteuid is not None else backend.geteuid
+    except BaseException:
+        if not isinstance(source, str):
+            source.close()  # handed in, it is ours on every way out (`open_watcher`)
+        raise
     async with _watch.open_watcher(root, source, config=config, log=log,
                                    **watcher_options) as watcher:
 

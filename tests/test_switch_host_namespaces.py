@@ -24,16 +24,19 @@ from cli_helpers import run_cli, simulated_cli
 from gpuwatch.cli.main import main
 from gpuwatch.errors import UnsafeStep
 from gpuwatch.service.testing import served_watcher, short_socket_dir
-from gpuwatch.settings import load_settings
+from gpuwatch.host import open_host
+from gpuwatch.settings import config_in_force, load_settings
 from gpuwatch.switch import hostops
 from gpuwatch.switch.hostops import (
     HOST_PATH,
     NSENTER_ARGS,
     InHostNamespaces,
+    NsenterMissing,
     RealHostOps,
     check_command,
     host_which,
 )
+from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.simkernel import DEFAULT_TOOLS, SimKernel
 
@@ -276,3 +279,60 @@ def test_a_pod_whose_pid_1_is_not_the_hosts_init_is_warned_of(
     warned = [r.getMessage() for r in caplog.records if "hostPID: true" in r.getMessage()]
     assert bool(warned) is (pid1 == "the pod's own")
     assert hostops.nsenter_target_is_hosts("/") is None  # a bare host: nothing to tell
+
+
+# --------------------------------------------------------------------------- the library
+
+
+@pytest.mark.parametrize("given", ["the file's path", "the file read (config_in_force)"])
+def test_open_host_takes_the_setting_from_the_config_it_is_given(
+        host: SysRoot, nsenter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        given: str) -> None:
+    """``open_host(config=FILE)`` is the embedder's daemon: its switch runs its commands where
+    FILE says, not where the default file or ``$GPUWATCH_CONFIG`` (another file) would."""
+    monkeypatch.delenv(ENV, raising=False)
+    kernel = persistenced_host(host)
+    monkeypatch.setattr(hostops, "backend_factory",
+                        lambda root: hostops.Backend(kernel, kernel.new_source(), lambda: 0))
+    on, off = tmp_path / "on.yaml", tmp_path / "off.yaml"
+    on.write_text("host_namespaces: true\n")
+    off.write_text("host_namespaces: false\n")
+
+    async def switches_with(config: Path, elsewhere: Path) -> list[tuple[str, ...]]:
+        monkeypatch.setenv("GPUWATCH_CONFIG", str(elsewhere))  # the file in force otherwise
+        kernel.record.clear()
+        arg = config if given == "the file's path" else config_in_force(config)
+        async with open_host(host.root, kernel.new_source(), config=arg) as h:
+            with anyio.fail_after(30):
+                await h.switch("0000:01:00.0", "vfio")
+                await h.switch("0000:01:00.0", "nvidia")
+        return list(kernel.commands)
+
+    async def go() -> None:
+        commands = await switches_with(on, off)
+        assert commands and all(argv[0] == nsenter for argv in commands), commands
+        commands = await switches_with(off, on)
+        assert commands and not any(nsenter in argv for argv in commands), commands
+
+    anyio.run(go)
+
+
+def test_open_host_with_the_setting_and_no_nsenter_is_refused_before_its_scan(
+        host: SysRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library refuses as the daemon does (`NsenterMissing`, naming the file), and the
+    source it was handed is closed: nothing is left open."""
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(ENV, raising=False)
+    config = tmp_path / "config.yaml"
+    config.write_text("host_namespaces: true\n")
+    source = MemorySource()
+
+    async def go() -> None:
+        with pytest.raises(NsenterMissing, match=f"^{config}: host_namespaces is on"):
+            async with open_host(host.root, source, config=config):
+                pytest.fail("the body ran")
+
+    anyio.run(go)
+    with pytest.raises(anyio.ClosedResourceError):
+        source.push({"ACTION": "add", "DEVPATH": "/devices/x", "SUBSYSTEM": "pci"})
