@@ -171,3 +171,27 @@ def test_odd_bytes_in_names_and_link_targets_survive_the_capture(tmp_path: Path)
     extract(str(tmp_path / "host.tar.gz"), str(tmp_path / "copy"))
     assert os.readlink(tmp_path / "copy/sys/class/drm" / odd) == os.fsdecode(
         b"../../devices/\xffodd")
+
+
+def test_a_mediated_devices_uuid_is_replaced_in_its_names_too(tmp_path: Path) -> None:
+    """An mdev (a vGPU, a GVT-g instance) is named by its UUID: the folder under its parent
+    function and the links to it (its IOMMU group's member) are named alike in the capture,
+    by the stand-in, so the links still lead to it and the UUID is nowhere."""
+    host = example_gpu_host(tmp_path / "host")
+    real = "83b8f4f2-509f-382f-3c1e-e6bfe0fa1001"
+    mdev = host.device_dir("0000:01:00.0") / real
+    mdev.mkdir()
+    (mdev / "uevent").write_text(f"MDEV_TYPE=nvidia-63\nDEVNAME={real}\n")
+    group = host.root / "sys/kernel/iommu_groups/42/devices"
+    group.mkdir(parents=True)
+    (group.parent / "name").write_text("vfio-noiommu\n")
+    os.symlink(os.path.relpath(mdev, group), group / real)
+    os.symlink("../../../../kernel/iommu_groups/42", mdev / "iommu_group")
+    data, _ = capture(str(host.root))
+    assert real.encode() not in gzip.decompress(data)
+    (tmp_path / "host.tar.gz").write_bytes(data)
+    copy = tmp_path / "copy"
+    extract(str(tmp_path / "host.tar.gz"), str(copy))
+    (member,) = (copy / "sys/kernel/iommu_groups/42/devices").iterdir()
+    assert member.name != real
+    assert (member / "uevent").read_text() == f"MDEV_TYPE=nvidia-63\nDEVNAME={member.name}\n"

@@ -86,6 +86,11 @@ class _Capture:
     def sanitize(self, data: bytes) -> bytes:
         return _UUID.sub(self._stand_in, data)
 
+    def name(self, rel: str) -> str:
+        """``rel`` as the archive names it: a UUID in a name (a mediated device's folder, a
+        link to it) replaced as in the links' targets, so those still lead to it."""
+        return os.fsdecode(self.sanitize(os.fsencode(rel)))
+
     def _dirs_to(self, rel: str) -> None:
         parent = os.path.dirname(rel)
         while parent and parent not in self.members:
@@ -95,12 +100,14 @@ class _Capture:
             parent = os.path.dirname(parent)
 
     def add_dir(self, rel: str) -> None:
+        rel = self.name(rel)
         self._dirs_to(rel)
         info = tarfile.TarInfo(rel)
         info.type, info.mode = tarfile.DIRTYPE, 0o755
         self.members.setdefault(rel, info)
 
     def add_link(self, rel: str, target: str) -> None:
+        rel = self.name(rel)
         self._dirs_to(rel)
         info = tarfile.TarInfo(rel)
         info.type = tarfile.SYMTYPE
@@ -108,6 +115,7 @@ class _Capture:
         self.members[rel] = info
 
     def add_file(self, rel: str, data: bytes, mode: int = 0o444) -> None:
+        rel = self.name(rel)
         self._dirs_to(rel)
         info = tarfile.TarInfo(rel)
         info.size, info.mode = len(data), mode
@@ -142,7 +150,7 @@ def _walk(cap: _Capture, root: str, rel: str, depth: int,
     """Record ``rel`` (a link as a link, a file read once); folders below it where ``descend``
     admits their name (or every folder where it is None)."""
     if len(cap.members) >= MAX_ENTRIES or depth > MAX_DEPTH:
-        cap.skipped.append(rel)
+        cap.skipped.append(cap.name(rel))
         return
     path = os.path.join(root, rel)
     try:
