@@ -253,6 +253,11 @@ def test_a_umockdev_recording_keeps_its_attributes_and_links(
     "P: /devices/pci0000:00/0000:00:02.0\nL: driver=../../../../../../etc\n",
     "P: /devices/pci0000:00/0000:00:02.0\nA: ../x=1\n",
     "P: /devices/pci0000:00/0000:00:02.0\nH: config=zz\n",
+    # A subsystem or driver names one folder of sys/bus or sys/class, never a path.
+    "P: /devices/pci0000:00/0000:00:02.0\nE: SUBSYSTEM=../../../x\n",
+    "P: /devices/pci0000:00/0000:00:02.0\nE: SUBSYSTEM=..\n",
+    "P: /devices/pci0000:00/0000:00:02.0\nL: subsystem=../../../bus/..\n",
+    "P: /devices/pci0000:00/0000:00:02.0\nE: SUBSYSTEM=pci\nE: DRIVER=..\n",
 ])
 def test_a_recording_that_reaches_outside_is_refused(text: str, tmp_path: Path) -> None:
     with pytest.raises(RecordingError):

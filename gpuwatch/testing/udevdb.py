@@ -47,7 +47,7 @@ _SIMPLE = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "a": "\a", "b": "\b", "f
 
 class RecordingError(UsageError):
     """The recording is not of the form above (a record without ``P:``, a path that leaves
-    ``/devices``, a malformed line)."""
+    ``/devices``, a subsystem or driver that is no plain name, a malformed line)."""
 
 
 @dataclass
@@ -89,6 +89,14 @@ def _safe_rel(path: str, what: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise RecordingError(f"{what} is not a plain relative path: {path!r}")
     return path
+
+
+def _one_name(name: str, what: str) -> str:
+    """A subsystem's or driver's name: one folder of ``sys/bus`` or ``sys/class``, which it
+    is written as (``sys/class/<name>/<device>``), never a path that leads elsewhere."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise RecordingError(f"{what} is not a plain name: {name!r}")
+    return name
 
 
 def parse(text: str) -> list[Record]:
@@ -221,6 +229,8 @@ def lay_out(records: list[Record], root: str | os.PathLike[str]) -> SysRoot:
         rel = "sys" + record.devpath
         tree.glue(record.devpath)
         subsystem = record.subsystem
+        if subsystem is not None:
+            _one_name(subsystem, f"{record.devpath}: subsystem")
         attrs = dict(record.attrs)
         if subsystem == "pci":
             attrs = {**_pci_attrs(record.props), **attrs}
@@ -240,7 +250,8 @@ def lay_out(records: list[Record], root: str | os.PathLike[str]) -> SysRoot:
                       else f"sys/class/{subsystem}/{record.name}")
             tree.link(rel, listed)
         driver = record.props.get("DRIVER")
-        if driver and "driver" not in links and kind == "bus" and "/" not in driver:
+        if driver and "driver" not in links and kind == "bus":
+            _one_name(driver, f"{record.devpath}: driver")
             tree.link(f"sys/bus/{subsystem}/drivers/{driver}", f"{rel}/driver")
         if os.path.islink(tree.abs(f"{rel}/driver")):
             drv = os.path.realpath(tree.abs(f"{rel}/driver"))
