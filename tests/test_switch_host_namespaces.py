@@ -23,9 +23,10 @@ from cli_helpers import run_cli, simulated_cli
 
 from gpuwatch.cli.main import main
 from gpuwatch.errors import UnsafeStep
-from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.host import open_host
+from gpuwatch.service.testing import served_watcher, short_socket_dir
 from gpuwatch.settings import config_in_force, load_settings
+from gpuwatch.sources.memory import MemorySource
 from gpuwatch.switch import hostops
 from gpuwatch.switch.hostops import (
     HOST_PATH,
@@ -36,7 +37,6 @@ from gpuwatch.switch.hostops import (
     check_command,
     host_which,
 )
-from gpuwatch.sources.memory import MemorySource
 from gpuwatch.testing import SysRoot, example_gpu_host
 from gpuwatch.testing.simkernel import DEFAULT_TOOLS, SimKernel
 
