@@ -236,7 +236,8 @@ async def open_host(
         # the config's given here (as the daemon's is its own), not the default file's.
         config = read_once(config)
         if ops is None or geteuid is None:
-            backend = make_backend(root_in_force(root, config), config=config)
+            backend = make_backend(root_in_force(root, config), config=config,
+                                   host_namespaces=watcher_options.get("host_namespaces"))
             ops = ops if ops is not None else backend.ops
             geteuid = geteuid if geteuid is not None else backend.geteuid
     except BaseException:

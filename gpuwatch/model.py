@@ -42,6 +42,7 @@ from gpuwatch.hostfs.scan import HostPaths
 from gpuwatch.hostfs.scan import scan as scan_tree
 from gpuwatch.settings import (
     ConfigInForce,
+    host_namespaces_in_force,
     proc_read_timeout_in_force,
     read_once,
     root_in_force,
@@ -385,14 +386,14 @@ def scan(
     Unnamed, the root and the config file are the daemon's: ``$GPUWATCH_ROOT``,
     ``$GPUWATCH_CONFIG``, ``/etc/gpuwatch/config.yaml`` (`gpuwatch.settings.tables_in_force`),
     so a direct probe answers with the tables the daemon uses. The file is read once, for
-    the tables, the root and ``proc_read_timeout`` alike (a `ConfigInForce` given: not
-    again)."""
+    the tables, the root, ``proc_read_timeout`` and ``host_namespaces`` (which PATH
+    ``nvidia-ctk`` is looked for on) alike (a `ConfigInForce` given: not again)."""
     config = read_once(config)
     tables = tables_in_force(config)
     where = root_in_force(root, config)
     if not os.path.isdir(where):  # a typo would otherwise read as an empty host, silently
         raise UsageError(f"root {where!r} is not a directory")
-    paths = HostPaths(where)
+    paths = HostPaths(where, host_namespaces=host_namespaces_in_force(config)[0])
     model = HostModel(paths, HostState(tables, scan_tree(paths, tables)))
     model.proc_deadline = proc_read_timeout_in_force(config)
     return model

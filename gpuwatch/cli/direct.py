@@ -36,6 +36,7 @@ from gpuwatch.settings import (
     BY_KEY,
     config_file_path,
     embedded_tables_raw,
+    host_namespaces_in_force,
     root_in_force,
 )
 
@@ -77,9 +78,11 @@ def direct_settings_plain() -> bool:
 
 def fresh_host(root: str) -> FreshHost:
     """`FreshHost` on ``root`` read now with the embedded tables: every function outlined
-    (class, group, cdev), in full only those the answers show."""
+    (class, group, cdev), in full only those the answers show. ``nvidia-ctk`` is looked for
+    where ``$GPUWATCH_HOST_NAMESPACES`` says the switch runs it (no config file is in force
+    here: `direct_settings_plain`); a bad value is the full command's error."""
     tables = table_data(embedded_tables_raw())
-    paths = HostPaths(root)
+    paths = HostPaths(root, host_namespaces=host_namespaces_in_force(None)[0])
     outlines = [o for name, devpath in function_entries(paths)
                 if (o := outline_function(paths, name, devpath)) is not None]
     return FreshHost(scan_host(paths, tables, ()), tables, os.geteuid(),

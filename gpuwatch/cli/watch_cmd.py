@@ -207,6 +207,7 @@ async def watch(settings: WatchSettings, log: EventLog | None = None,
                 log_max_bytes=settings.log_max_bytes, log_keep=settings.log_keep,
                 reconcile_interval=settings.reconcile_interval,
                 receive_buffer=settings.receive_buffer, announce=False,
+                host_namespaces=settings.host_namespaces,
                 ops=backend.ops, geteuid=backend.geteuid,
             ) as host:
                 host.watcher.model.proc_deadline = settings.proc_read_timeout

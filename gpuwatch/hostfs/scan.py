@@ -74,6 +74,7 @@ from gpuwatch.hostfs.files import (
     tree_dir,
 )
 from gpuwatch.hostfs.hostkind import read_host_kind
+from gpuwatch.hostfs.hostview import host_which
 
 _DRM_NODE_RE = re.compile(r"^(card|renderD)[0-9]+$")
 #: A function's VFIO device: ``vfioN``, or ``noiommu-vfioN`` in a no-IOMMU group.
@@ -140,8 +141,11 @@ def _mountinfo_type(target: str) -> str:
 class HostPaths:
     """Absolute paths under one root, computed once (string ops are the hot path here)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, host_namespaces: bool = False) -> None:
         self.root = os.path.abspath(os.fspath(root))
+        #: The ``host_namespaces`` setting: the host's commands run in its namespaces, so a
+        #: tool is looked for on the host's PATH (`host_which`), not ours (`read_cdi`).
+        self.host_namespaces = host_namespaces
         # The root's own links read as in a chroot (`tree_dir`): never the host's sysfs.
         self.sys = tree_dir(self.root, "sys")
         self.bus_pci = os.path.join(self.sys, "bus/pci/devices")
@@ -1323,11 +1327,14 @@ def cdi_spec_exists(root: str, rel: str) -> bool:
 
 
 def read_cdi(paths: HostPaths) -> CdiSeen:
-    """CDI is reachable when a spec exists or ``nvidia-ctk`` (which can make one) is on PATH."""
+    """CDI is reachable when a spec exists or ``nvidia-ctk`` (which can make one) is on PATH:
+    the host's PATH with ``host_namespaces`` (`host_which`: the one ``ensure-cdi`` and the
+    switch run there, the image has none), else ours."""
     return CdiSeen(
         etc_spec=cdi_spec_exists(paths.root, CDI_SPECS[0]),
         var_spec=cdi_spec_exists(paths.root, CDI_SPECS[1]),
-        ctk_on_path=on_path("nvidia-ctk"),
+        ctk_on_path=(host_which(paths.root, "nvidia-ctk") is not None
+                     if paths.host_namespaces else on_path("nvidia-ctk")),
     )
 
 

@@ -38,6 +38,7 @@ import anyio.to_thread
 from gpuwatch.core.pci import DRIVER_NAME_RE, PCI_ADDR_PATTERN, PCI_ADDR_RE
 from gpuwatch.errors import ConfigError, HostStepError, StepTimedOut, UnsafeStep
 from gpuwatch.hostfs.files import resolve_in_root, tree_dir
+from gpuwatch.hostfs.hostview import HOST_PATH, host_which
 from gpuwatch.settings import ConfigInForce, host_namespaces_in_force
 from gpuwatch.sources import EventSource
 
@@ -56,11 +57,6 @@ ALLOWED_COMMANDS = frozenset({"modprobe", "nvidia-modprobe", "nvidia-ctk", "syst
 #: nsenter's arguments before every host command with ``host_namespaces`` on: the mount, UTS,
 #: IPC and PID namespaces of PID 1 (the host's init, with the pod's ``hostPID: true``).
 NSENTER_ARGS = ("--target", "1", "--mount", "--uts", "--ipc", "--pid", "--")
-#: Where a command in the host's namespaces is looked for (its PATH there, and where
-#: `InHostNamespaces.which` looks): the image's own PATH says nothing of the host's.
-HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-#: The host's root as PID 1 sees it, under the root (its ``proc`` is the host's).
-HOST_ROOT_VIEW = "proc/1/root"
 #: How long a killed child gets to go away before it is abandoned (a D-state task never does).
 _REAP_GRACE = 0.5
 
@@ -371,24 +367,6 @@ def find_nsenter(where: str = "host_namespaces") -> str:
         raise NsenterMissing(f"{where} is on, but nsenter is not on PATH (util-linux): host "
                              "commands cannot run in the host's namespaces")
     return os.path.abspath(found)
-
-
-def host_which(root: str, name: str) -> str | None:
-    """Where ``name`` is on the host's PATH (`HOST_PATH`), read under ``<root>/proc/1/root``
-    (the host's root as its init sees it) with every link read as in a chroot there: the
-    tool nsenter will run, not one of the image's."""
-    if "/" in name or name in ("", ".", ".."):
-        return None
-    view = os.path.join(os.path.abspath(root), HOST_ROOT_VIEW)
-    for folder in HOST_PATH.split(":"):
-        host_path = f"{folder}/{name}"
-        try:
-            found = resolve_in_root(view, view + host_path, follow_last=True)
-        except (OSError, ValueError):
-            continue
-        if os.path.isfile(found) and os.access(found, os.X_OK):
-            return host_path
-    return None
 
 
 _log = logging.getLogger(__name__)

@@ -55,6 +55,7 @@ from gpuwatch.hostfs.scan import (
 from gpuwatch.model import HostModel
 from gpuwatch.settings import (
     ConfigInForce,
+    host_namespaces_in_force,
     proc_read_timeout_in_force,
     read_once,
     root_in_force,
@@ -829,6 +830,7 @@ class WatcherOptions(TypedDict, total=False):
     vgpu_poll_interval: float
     vfio_node_poll_interval: float
     announce: bool
+    host_namespaces: bool | None
 
 
 @entered_once
@@ -848,12 +850,16 @@ async def open_watcher(
     vgpu_poll_interval: float = DEFAULT_VGPU_POLL_INTERVAL,
     vfio_node_poll_interval: float = DEFAULT_VFIO_NODE_POLL_INTERVAL,
     announce: bool = True,
+    host_namespaces: bool | None = None,
 ) -> AsyncIterator[Watcher]:
     """Start watching ``root``; the body runs once the initial scan is done (``ready`` sent).
 
     The source is bound *before* the scan, so a change made while the scan runs arrives as
     an event afterwards rather than being lost between the two. With ``announce=False`` the
     body runs before ``ready``: it calls `Watcher.announce_ready` when it is ready to serve.
+    ``host_namespaces`` (None: the setting in force, read from the environment and
+    ``config``): ``nvidia-ctk`` for the CDI fact is looked for on the host's PATH, where the
+    switch runs it.
     """
     # A source object handed in is the watcher's from here: closed on every way out, a
     # refused setting included, as it is when the body ends.
@@ -868,6 +874,8 @@ async def open_watcher(
         config = read_once(config)  # the file read once: its tables, root and timeout
         tables = tables_in_force(config)
         root = root_in_force(root, config)
+        if host_namespaces is None:
+            host_namespaces = host_namespaces_in_force(config)[0]
         if not os.path.isdir(root):  # a typo would otherwise watch an empty host, silently
             raise UsageError(f"root {root!r} is not a directory")
         if src is None:
@@ -881,7 +889,7 @@ async def open_watcher(
         src.start()
         for warning in src.warnings:
             _log.warning("%s", warning)
-        paths = HostPaths(root)
+        paths = HostPaths(root, host_namespaces=host_namespaces)
         # Abandoned on cancel: SIGTERM during a long first scan stops now, not after it.
         # Not bound to a name: this frame lives as long as the watcher (it is suspended at
         # the `yield` below), and a name would hold the whole first scan for that long.
