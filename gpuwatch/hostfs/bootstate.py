@@ -26,6 +26,7 @@ from gpuwatch.hostfs.files import (
     make_dirs,
     place_in_root,
     read_attr,
+    read_capped,
     write_atomic,
 )
 from gpuwatch.ownership import not_ours, others_control, others_may_write
@@ -75,15 +76,7 @@ def _read_ours(path: str) -> bytes:
             _log.warning("ignoring %s: %s, so another user could have written it",
                          path, f"it {why}" if why else where)
             raise OSError(errno.EPERM, "not a record of ours", path)
-        data = os.read(fd, RECORD_MAX_BYTES + 1)
-        while data and len(data) <= RECORD_MAX_BYTES:
-            more = os.read(fd, RECORD_MAX_BYTES + 1 - len(data))
-            if not more:
-                break
-            data += more
-        if len(data) > RECORD_MAX_BYTES:
-            raise OSError(errno.EFBIG, f"longer than {RECORD_MAX_BYTES} bytes", path)
-        return data
+        return read_capped(fd, RECORD_MAX_BYTES, path)
     finally:
         os.close(fd)
 

@@ -49,19 +49,25 @@ def read_bytes(path: str, cap: int = ATTR_CAP) -> bytes:
     (`NotARegularFile` for a special file, ``EFBIG`` when the file is longer than ``cap``)."""
     fd = open_regular(path)
     try:
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            data = os.read(fd, cap + 1 - total)
-            if not data:
-                break
-            chunks.append(data)
-            total += len(data)
-            if total > cap:
-                raise OSError(errno.EFBIG, f"longer than {cap} bytes", path)
-        return b"".join(chunks)
+        return read_capped(fd, cap, path)
     finally:
         os.close(fd)
+
+
+def read_capped(fd: int, cap: int, path: str) -> bytes:
+    """All of the open file ``fd`` (``path``, for the error), at most ``cap`` bytes;
+    ``EFBIG`` when it is longer: for the callers that check the descriptor before reading."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        data = os.read(fd, cap + 1 - total)
+        if not data:
+            break
+        chunks.append(data)
+        total += len(data)
+        if total > cap:
+            raise OSError(errno.EFBIG, f"longer than {cap} bytes", path)
+    return b"".join(chunks)
 
 
 def read_text(path: str) -> str | None:
